@@ -1,0 +1,159 @@
+"""Layouts: which boxes of which parameters every rank holds, and where they sit in its buffers.
+
+A box is a hyper-rectangle of a parameter's global tensor: ``offsets`` and ``sizes`` per dim
+(as torch.distributed.checkpoint's chunks). Every rank keeps one flat buffer per dtype; each
+shard is a contiguous ``local_shape`` tensor at ``buffer_offset`` in the buffer of its dtype.
+The box sits at the origin of the local tensor; the local tensor can be larger than the box
+(vocabulary padding), the rest being zeros that are never part of the global tensor.
+
+Ranks of different dp replicas hold identical shards, so shards are computed once per
+``(tp_rank, pp_rank)`` coordinate: a 16,384-rank layout costs what a 64-coordinate one does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from realloc.spec import DTYPE_BYTES, ModelSpec
+from realloc.topology import Topology
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One parameter's piece on one rank.
+
+    ``param`` names the storage tensor (a tied head on its own stage holds a shard of the
+    embedding); ``slot`` is the name the rank's model uses for it (``lm_head.weight`` there).
+    """
+
+    param: str
+    slot: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    buffer_offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    @property
+    def box(self) -> Box:
+        return self.offsets, self.sizes
+
+
+@dataclass(frozen=True)
+class Group:
+    """Workers that hold (or need) exactly the same boxes: one shard coordinate over dp replicas."""
+
+    workers: tuple[int, ...]
+    pieces: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (param, offsets, sizes)
+
+
+class Layout:
+    """The shards of every rank of ``spec`` laid out in ``topology``.
+
+    Example:
+        >>> from realloc import ModelSpec, Topology
+        >>> lay = Layout(ModelSpec.preset("tiny"), Topology(dp=1, tp=2, pp=2))
+        >>> [s.slot for s in lay.shards(0)][:2]
+        ['model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight']
+    """
+
+    def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1):
+        if not isinstance(vocab_pad_multiple, int) or vocab_pad_multiple < 1:
+            raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
+        topology.check(spec)
+        self.spec = spec
+        self.topology = topology
+        self.vocab_pad_multiple = vocab_pad_multiple
+        self.stages = topology.stage_layers(spec)
+
+    def __repr__(self) -> str:
+        return f"Layout({self.spec.name}, {self.topology})"
+
+    def stage_slots(self, pp_rank: int) -> list[tuple[str, str]]:
+        """``(storage param, slot name)`` held by pipeline stage ``pp_rank``, in forward order."""
+        layers = self.stages[pp_rank]
+        last = len(self.stages) - 1
+        slots = []
+        for p in self.spec.params:
+            if p.role == "embed":
+                if pp_rank == 0:
+                    slots.append((p.name, p.name))
+                elif pp_rank == last and (alias := self.spec.tied_head_of(p.name)):
+                    slots.append((p.name, alias))
+            elif p.role == "layer":
+                if p.layer in layers:
+                    slots.append((p.name, p.name))
+            elif pp_rank == last:
+                slots.append((p.name, p.name))
+        return slots
+
+    @cached_property
+    def _coordinate_shards(self) -> dict[tuple[int, int], tuple[tuple[Shard, ...], dict[str, int]]]:
+        by_name = self.spec.by_name
+        result = {}
+        for pp_rank in range(self.topology.pp):
+            slots = self.stage_slots(pp_rank)
+            for tp_rank in range(self.topology.tp):
+                fill: dict[str, int] = {}
+                shards = []
+                for name, slot in slots:
+                    p = by_name[name]
+                    offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
+                    if p.tp_dim is not None:
+                        start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple)
+                        offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
+                    at = fill.get(p.dtype, 0)
+                    shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
+                    fill[p.dtype] = at + shard.local_numel
+                    shards.append(shard)
+                result[tp_rank, pp_rank] = tuple(shards), fill
+        return result
+
+    def shards_at(self, tp_rank: int, pp_rank: int) -> tuple[Shard, ...]:
+        return self._coordinate_shards[tp_rank, pp_rank][0]
+
+    def shards(self, rank: int) -> tuple[Shard, ...]:
+        _, tp_rank, pp_rank = self.topology.coords(rank)
+        return self.shards_at(tp_rank, pp_rank)
+
+    def buffer_numels(self, rank: int) -> dict[str, int]:
+        """Elements of each dtype buffer of ``rank``."""
+        _, tp_rank, pp_rank = self.topology.coords(rank)
+        return dict(self._coordinate_shards[tp_rank, pp_rank][1])
+
+    def rank_bytes(self, rank: int) -> int:
+        return sum(n * DTYPE_BYTES[d] for d, n in self.buffer_numels(rank).items())
+
+    def groups(self, workers: list[int] | None = None) -> list[Group]:
+        """The layout as planner input: one group per ``(tp, pp)`` coordinate.
+
+        ``workers[rank]`` is the worker id of each rank (default: the rank itself), so two
+        layouts over different workers (policy and reference model) share one id space.
+        """
+        world = self.topology.world_size
+        if workers is None:
+            workers = list(range(world))
+        if len(workers) != world:
+            raise ValueError(f"{len(workers)} worker ids for {world} ranks of {self.topology}")
+        groups = []
+        for (tp_rank, pp_rank), (shards, _) in self._coordinate_shards.items():
+            pieces = tuple((s.param, s.offsets, s.sizes) for s in shards if s.numel)
+            members = tuple(workers[r] for r in self.topology.replica_ranks(tp_rank, pp_rank))
+            groups.append(Group(members, pieces))
+        return groups

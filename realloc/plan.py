@@ -1,0 +1,183 @@
+"""The plan: plain data that every executor (in-process, Ray actors) runs the same way.
+
+A plan is a table of *segments* (one box of one parameter), *segment lists* (interned, since
+the dp replicas of a layout send identical lists), *local copies* (a worker copying bytes it
+already holds into its destination buffers) and *steps*. Each step is a set of routes
+``(src, dst, segment_list)`` in which every worker sends at most one route and receives at most
+one, so executors that post a step's send and receive together and finish it before the next
+step cannot deadlock: both ends of every route are in the same step.
+
+Buckets are a pure function of a segment list and ``bucket_bytes`` (:func:`buckets`), so both
+ends of a route cut it identically without shipping millions of bucket records.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from realloc.boxes import Box, take_prefix
+from realloc.spec import DTYPE_BYTES
+
+#: Bytes each packed piece is aligned to inside a bucket, so typed views are always legal.
+BUCKET_ALIGN = 16
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Segment:
+    param: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+
+    @property
+    def box(self) -> Box:
+        return self.offsets, self.sizes
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a segment inside one bucket: ``box`` of ``param`` at byte ``offset`` of the bucket."""
+
+    param: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+    offset: int
+
+    @property
+    def box(self) -> Box:
+        return self.offsets, self.sizes
+
+
+@dataclass
+class Plan:
+    """A reallocation/exchange plan. See the module docstring for the model.
+
+    Example:
+        >>> from realloc import ModelSpec, Topology, Placement, plan_reallocation
+        >>> spec = ModelSpec.preset("tiny")
+        >>> plan = plan_reallocation(spec, Topology(tp=2), Topology(dp=2), Placement.blocks(2, 1))
+        >>> plan.stats["bytes_inter_node"] == plan.stats["lower_bound_inter_node_bytes"]
+        True
+    """
+
+    segments: list[Segment]
+    segment_lists: list[tuple[int, ...]]
+    local_copies: list[tuple[int, int]]
+    steps: list[list[tuple[int, int, int]]]
+    bucket_bytes: int
+    nodes: tuple[str, ...]
+    stats: dict = field(default_factory=dict)
+
+    # -- derived views ------------------------------------------------------------------
+    def segment_list(self, index: int) -> list[Segment]:
+        return [self.segments[i] for i in self.segment_lists[index]]
+
+    def list_bytes(self, index: int) -> int:
+        return sum(self.segments[i].nbytes for i in self.segment_lists[index])
+
+    def routes(self) -> Iterator[tuple[int, int, int, int]]:
+        """``(step, src, dst, segment_list)`` of every route, in order."""
+        for s, step in enumerate(self.steps):
+            for src, dst, seg in step:
+                yield s, src, dst, seg
+
+    def worker_schedule(self, worker: int) -> list[tuple[str, int, int]]:
+        """What ``worker`` does, in order: ``("send"|"recv", peer, segment_list)`` per route."""
+        ops = []
+        for step in self.steps:
+            for src, dst, seg in step:
+                if src == worker:
+                    ops.append(("send", dst, seg))
+                if dst == worker:
+                    ops.append(("recv", src, seg))
+        return ops
+
+    def buckets(self, index: int) -> list[list[Piece]]:
+        return buckets(self.segment_list(index), self.bucket_bytes)
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "bucket_bytes": self.bucket_bytes,
+            "nodes": list(self.nodes),
+            "segments": [[s.param, list(s.offsets), list(s.sizes), s.dtype] for s in self.segments],
+            "segment_lists": [list(x) for x in self.segment_lists],
+            "local_copies": [list(x) for x in self.local_copies],
+            "steps": [[list(r) for r in step] for step in self.steps],
+            "stats": self.stats,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(data: dict) -> "Plan":
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"plan format {data.get('format')!r} is not supported (expected {PLAN_FORMAT})")
+        return Plan(
+            segments=[Segment(p, tuple(o), tuple(s), d) for p, o, s, d in data["segments"]],
+            segment_lists=[tuple(x) for x in data["segment_lists"]],
+            local_copies=[(w, s) for w, s in data["local_copies"]],
+            steps=[[(a, b, c) for a, b, c in step] for step in data["steps"]],
+            bucket_bytes=data["bucket_bytes"],
+            nodes=tuple(data["nodes"]),
+            stats=data.get("stats", {}),
+        )
+
+
+def buckets(segments: list[Segment], bucket_bytes: int) -> list[list[Piece]]:
+    """Cut ``segments`` (in order) into buckets of at most ``bucket_bytes`` bytes.
+
+    A segment larger than the space left is cut into leading boxes (whole rows when a row fits),
+    so every bucket respects the cap except when a single element is larger than the cap.
+    """
+    if bucket_bytes < BUCKET_ALIGN:
+        raise ValueError(f"bucket_bytes must be at least {BUCKET_ALIGN}, got {bucket_bytes}")
+    out: list[list[Piece]] = []
+    current: list[Piece] = []
+    used = 0
+    for seg in segments:
+        item = DTYPE_BYTES[seg.dtype]
+        pending = [seg.box]
+        while pending:
+            box = pending.pop(0)
+            start = -(-used // BUCKET_ALIGN) * BUCKET_ALIGN
+            head, rest = take_prefix(box, (bucket_bytes - start) // item)
+            if head is None:
+                if current:
+                    out.append(current)
+                    current, used = [], 0
+                    pending.insert(0, box)
+                    continue
+                head, rest = take_prefix(box, 1)  # one element larger than the cap
+            current.append(Piece(seg.param, head[0], head[1], seg.dtype, start))
+            n = item
+            for s in head[1]:
+                n *= s
+            used = start + n
+            pending[:0] = rest
+    if current:
+        out.append(current)
+    return out
+
+
+def bucket_nbytes(bucket: list[Piece]) -> int:
+    """Bytes a bucket buffer needs (end of its last piece)."""
+    last = bucket[-1]
+    n = DTYPE_BYTES[last.dtype]
+    for s in last.sizes:
+        n *= s
+    return last.offset + n

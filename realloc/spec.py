@@ -1,0 +1,272 @@
+"""Model specs: the parameters of a model and how each one splits under tensor parallelism.
+
+A spec knows nothing about ranks. It says, per parameter, its global shape and dtype, the
+dimension tensor parallelism cuts (or none: replicated), the granularity of that cut (a head for
+attention projections, one row otherwise) and which pipeline "slot" the parameter lives in
+(embedding, a transformer layer, or the head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1, "uint8": 1}
+
+#: Where a parameter lives in the pipeline.
+ROLES = ("embed", "layer", "final", "head")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter (one storage tensor) of a model.
+
+    ``tp_dim`` is the dimension tensor parallelism splits (``None``: every tp rank holds it whole).
+    The split dimension is made of ``shape[tp_dim] // tp_unit`` units (attention heads, rows); tp
+    ranks get whole units. ``replicate_units`` allows tp larger than the unit count when tp is a
+    multiple of it (GQA k/v heads: each head is then held by ``tp // units`` ranks).
+    ``pad_to_tp`` lets the unit count be padded up to a multiple of tp (vocabulary padding): the
+    padding is local zeros, never part of the global tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+    layer: int | None = None
+    tp_dim: int | None = None
+    tp_unit: int = 1
+    replicate_units: bool = False
+    pad_to_tp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"parameter {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.role not in ROLES:
+            raise ValueError(f"parameter {self.name!r}: role {self.role!r} is not one of {ROLES}")
+        if (self.role == "layer") != (self.layer is not None):
+            raise ValueError(f"parameter {self.name!r}: a layer index goes with role 'layer' and only with it")
+        if not self.shape or any(int(s) <= 0 for s in self.shape):
+            raise ValueError(f"parameter {self.name!r}: shape {self.shape} must be non-empty with positive sizes")
+        if self.tp_dim is not None:
+            if not 0 <= self.tp_dim < len(self.shape):
+                raise ValueError(f"parameter {self.name!r}: tp_dim {self.tp_dim} outside shape {self.shape}")
+            if self.tp_unit <= 0 or self.shape[self.tp_dim] % self.tp_unit:
+                raise ValueError(
+                    f"parameter {self.name!r}: dim {self.tp_dim} of size {self.shape[self.tp_dim]} "
+                    f"is not a whole number of units of {self.tp_unit}"
+                )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def units(self) -> int:
+        return self.shape[self.tp_dim] // self.tp_unit if self.tp_dim is not None else 1
+
+    def tp_problem(self, tp: int) -> str | None:
+        """Why this parameter cannot be split ``tp`` ways, or ``None`` when it can."""
+        if self.tp_dim is None or tp == 1 or self.pad_to_tp:
+            return None
+        units = self.units
+        if units % tp == 0:
+            return None
+        if self.replicate_units and tp % units == 0:
+            return None
+        allowed = "a divisor" + (" or a multiple" if self.replicate_units else "")
+        return f"{self.name}: {units} units along dim {self.tp_dim} cannot be split {tp} ways (tp must be {allowed} of {units})"
+
+    def tp_range(self, tp: int, tp_rank: int, pad_multiple: int = 1) -> tuple[int, int, int]:
+        """``(start, stop, local_size)`` along ``tp_dim`` of tp rank ``tp_rank``.
+
+        ``stop - start`` is the global extent held; ``local_size`` can be larger (vocab padding to
+        a multiple of ``pad_multiple * tp`` units, as Megatron's ``make_vocab_size_divisible_by``).
+        """
+        if self.tp_dim is None:
+            raise ValueError(f"parameter {self.name!r} is replicated; it has no tp range")
+        unit, units = self.tp_unit, self.units
+        if self.pad_to_tp:
+            step = pad_multiple * tp
+            per = -(-units // step) * step // tp
+            start = min(tp_rank * per, units)
+            stop = min((tp_rank + 1) * per, units)
+            return start * unit, stop * unit, per * unit
+        if units % tp == 0:
+            per = units // tp
+            return tp_rank * per * unit, (tp_rank + 1) * per * unit, per * unit
+        if self.replicate_units and tp % units == 0:
+            u = tp_rank // (tp // units)
+            return u * unit, (u + 1) * unit, unit
+        raise ValueError(self.tp_problem(tp))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """All parameters of a model, in forward order, plus tied aliases.
+
+    ``aliases`` maps an alias name (``lm_head.weight``) to the storage parameter it shares
+    (``model.embed_tokens.weight``). The alias is not a parameter of its own; a pipeline stage that
+    holds the head but not the embedding keeps its own copy of the storage parameter.
+
+    Example:
+        >>> spec = ModelSpec.preset("tiny")
+        >>> spec.num_layers, spec.total_bytes() > 0
+        (4, True)
+    """
+
+    name: str
+    params: tuple[ParamSpec, ...]
+    num_layers: int
+    aliases: dict[str, str] = field(default_factory=dict)
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"model {self.name!r}: duplicate parameter names {dup}")
+        if self.num_layers <= 0:
+            raise ValueError(f"model {self.name!r}: num_layers must be positive, got {self.num_layers}")
+        for p in self.params:
+            if p.layer is not None and not 0 <= p.layer < self.num_layers:
+                raise ValueError(f"parameter {p.name!r}: layer {p.layer} outside 0..{self.num_layers - 1}")
+        by_name = set(names)
+        for alias, target in self.aliases.items():
+            if target not in by_name:
+                raise ValueError(f"model {self.name!r}: alias {alias!r} points at unknown parameter {target!r}")
+            if alias in by_name:
+                raise ValueError(f"model {self.name!r}: alias {alias!r} is also a parameter")
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.params, self.num_layers, tuple(sorted(self.aliases.items()))))
+
+    @property
+    def by_name(self) -> dict[str, ParamSpec]:
+        return {p.name: p for p in self.params}
+
+    def param(self, name: str) -> ParamSpec:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def total_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    def dtypes(self) -> list[str]:
+        return sorted({p.dtype for p in self.params})
+
+    def tied_head_of(self, storage: str) -> str | None:
+        """The alias (head) that shares ``storage``, if any."""
+        for alias, target in self.aliases.items():
+            if target == storage:
+                return alias
+        return None
+
+    def tp_problems(self, tp: int) -> list[str]:
+        return [msg for p in self.params if (msg := p.tp_problem(tp))]
+
+    def check_same_as(self, other: "ModelSpec") -> None:
+        """Raise ``ValueError`` unless ``other`` has the same parameters (names, shapes, dtypes)."""
+        mine = {p.name: (p.shape, p.dtype) for p in self.params}
+        theirs = {p.name: (p.shape, p.dtype) for p in other.params}
+        if mine == theirs:
+            return
+        only_a = sorted(set(mine) - set(theirs))[:3]
+        only_b = sorted(set(theirs) - set(mine))[:3]
+        differ = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])[:3]
+        raise ValueError(
+            f"model specs {self.name!r} and {other.name!r} differ: only in first {only_a}, "
+            f"only in second {only_b}, different shape/dtype {[(n, mine[n], theirs[n]) for n in differ]}"
+        )
+
+    @staticmethod
+    def preset(name: str) -> "ModelSpec":
+        from realloc.presets import preset
+
+        return preset(name)
+
+    @staticmethod
+    def from_hf_config(path_or_dict: "str | dict", **kwargs) -> "ModelSpec":
+        """Spec of a decoder LLM from a HF ``config.json`` (path, directory or dict).
+
+        Example:
+            >>> spec = ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64,
+            ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            ...     "vocab_size": 100})
+            >>> spec.param("model.layers.0.self_attn.q_proj.weight").shape
+            (64, 64)
+        """
+        from realloc.hf_config import spec_from_hf_config
+
+        return spec_from_hf_config(path_or_dict, **kwargs)
+
+
+def decoder_spec(
+    name: str,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int | None = None,
+    vocab: int,
+    head_dim: int | None = None,
+    qkv_bias: bool = False,
+    tied: bool = False,
+    dtype: str = "bfloat16",
+    norm_dtype: str | None = None,
+) -> ModelSpec:
+    """A Llama-style decoder with Megatron tensor-parallel rules.
+
+    Embedding and head split on vocab (dim 0, padded to tp); q/k/v/gate/up column-parallel (dim 0);
+    o/down row-parallel (dim 1); norms replicated; k/v heads replicated when tp > kv heads.
+    """
+    kv_heads = kv_heads or heads
+    head_dim = head_dim or hidden // heads
+    if heads % kv_heads:
+        raise ValueError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    norm_dtype = norm_dtype or dtype
+    embed = "model.embed_tokens.weight"
+    params: list[ParamSpec] = [
+        ParamSpec(embed, (vocab, hidden), dtype, "embed", tp_dim=0, pad_to_tp=True)
+    ]
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+
+        def add(suffix: str, shape: Iterable[int], tp_dim: int | None, unit: int = 1, replicate: bool = False,
+                dt: str = dtype) -> None:
+            params.append(ParamSpec(pre + suffix, tuple(shape), dt, "layer", layer=i, tp_dim=tp_dim,
+                                    tp_unit=unit, replicate_units=replicate))
+
+        add("input_layernorm.weight", (hidden,), None, dt=norm_dtype)
+        add("self_attn.q_proj.weight", (heads * head_dim, hidden), 0, head_dim)
+        add("self_attn.k_proj.weight", (kv_heads * head_dim, hidden), 0, head_dim, True)
+        add("self_attn.v_proj.weight", (kv_heads * head_dim, hidden), 0, head_dim, True)
+        if qkv_bias:
+            add("self_attn.q_proj.bias", (heads * head_dim,), 0, head_dim)
+            add("self_attn.k_proj.bias", (kv_heads * head_dim,), 0, head_dim, True)
+            add("self_attn.v_proj.bias", (kv_heads * head_dim,), 0, head_dim, True)
+        add("self_attn.o_proj.weight", (hidden, heads * head_dim), 1, head_dim)
+        add("post_attention_layernorm.weight", (hidden,), None, dt=norm_dtype)
+        add("mlp.gate_proj.weight", (intermediate, hidden), 0)
+        add("mlp.up_proj.weight", (intermediate, hidden), 0)
+        add("mlp.down_proj.weight", (hidden, intermediate), 1)
+    params.append(ParamSpec("model.norm.weight", (hidden,), norm_dtype, "final"))
+    aliases: dict[str, str] = {}
+    if tied:
+        aliases["lm_head.weight"] = embed
+    else:
+        params.append(ParamSpec("lm_head.weight", (vocab, hidden), dtype, "head", tp_dim=0, pad_to_tp=True))
+    return ModelSpec(name, tuple(params), layers, aliases, num_heads=heads, num_kv_heads=kv_heads)
