@@ -78,6 +78,9 @@ class Plan:
     steps: list[list[tuple[int, int, int]]]
     bucket_bytes: int
     nodes: tuple[str, ...]
+    #: Steps from this index on forward bytes the sender received earlier in this plan (intra-node
+    #: fan-out): the sender reads them from its destination buffers, not its source buffers.
+    forward_from: int = 0
     stats: dict = field(default_factory=dict)
 
     # -- derived views ------------------------------------------------------------------
@@ -93,16 +96,23 @@ class Plan:
             for src, dst, seg in step:
                 yield s, src, dst, seg
 
-    def worker_schedule(self, worker: int) -> list[tuple[str, int, int]]:
-        """What ``worker`` does, in order: ``("send"|"recv", peer, segment_list)`` per route."""
-        ops = []
-        for step in self.steps:
-            for src, dst, seg in step:
-                if src == worker:
-                    ops.append(("send", dst, seg))
-                if dst == worker:
-                    ops.append(("recv", src, seg))
-        return ops
+    def worker_schedule(self, worker: int) -> list[tuple[int, list[tuple[str, int, int]]]]:
+        """What ``worker`` does per step: ``(step, [("send"|"recv", peer, segment_list), ...])``.
+
+        Steps where it has nothing to do are left out; each listed step has at most one send and
+        one receive, to be posted together.
+        """
+        out = []
+        for s, step in enumerate(self.steps):
+            ops = [("send", dst, seg) for src, dst, seg in step if src == worker]
+            ops += [("recv", src, seg) for src, dst, seg in step if dst == worker]
+            if ops:
+                out.append((s, ops))
+        return out
+
+    def reads_destination(self, step: int) -> bool:
+        """Whether senders of ``step`` forward from their destination buffers."""
+        return step >= self.forward_from
 
     def buckets(self, index: int) -> list[list[Piece]]:
         return buckets(self.segment_list(index), self.bucket_bytes)
@@ -113,6 +123,7 @@ class Plan:
             "format": PLAN_FORMAT,
             "bucket_bytes": self.bucket_bytes,
             "nodes": list(self.nodes),
+            "forward_from": self.forward_from,
             "segments": [[s.param, list(s.offsets), list(s.sizes), s.dtype] for s in self.segments],
             "segment_lists": [list(x) for x in self.segment_lists],
             "local_copies": [list(x) for x in self.local_copies],
@@ -134,6 +145,7 @@ class Plan:
             steps=[[(a, b, c) for a, b, c in step] for step in data["steps"]],
             bucket_bytes=data["bucket_bytes"],
             nodes=tuple(data["nodes"]),
+            forward_from=data["forward_from"],
             stats=data.get("stats", {}),
         )
 

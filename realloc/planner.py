@@ -279,6 +279,8 @@ class _Router:
         self.pairs: set[tuple[str, str]] = set()
 
     def _least(self, workers: list[int], load: dict[int, int]) -> int:
+        if len(workers) == 1:
+            return workers[0]
         return min(workers, key=lambda w: (load[w], w))
 
     def _send(self, phase: int, src: int, dst: int, key: tuple[int, int, int], nbytes: int) -> None:
@@ -290,10 +292,11 @@ class _Router:
         bid = len(self.bundles)
         self.bundles.append(b)
         whole = (bid, 0, 1)
+        remote = self.remote[tuple(sorted(b.holders))]
         for node, needers in b.needers.items():
             local_holders = b.holders.get(node)
             if local_holders is None:
-                self.remote[tuple(sorted(b.holders))].append((node, bid))
+                remote.append((node, bid))
                 continue
             holding = set(local_holders)
             for w in needers:
@@ -306,6 +309,8 @@ class _Router:
     def assign_remote(self) -> None:
         for holder_nodes in sorted(self.remote):
             demands = self.remote[holder_nodes]
+            if not demands:
+                continue
             by_dst: dict[str, list[int]] = defaultdict(list)
             for node, bid in demands:
                 by_dst[node].append(bid)
@@ -424,7 +429,9 @@ class _Router:
             j = intern(items)
             phases[phase].append((list_bytes[j], src, dst, j))
         steps: list[list[tuple[int, int, int]]] = []
+        forward_from = 0
         for routes in phases:
+            forward_from = len(steps)
             routes.sort(key=lambda r: (-r[0], r[1], r[2]))
             steps.extend(_colour(routes))
 
@@ -435,7 +442,7 @@ class _Router:
                 if j not in bucket_counts:
                     bucket_counts[j] = len(buckets([segments[i] for i in lists[j]], bucket_bytes))
         stats["num_buckets"] = sum(bucket_counts[j] for step in steps for _, _, j in step)
-        return Plan(segments, lists, local_copies, steps, bucket_bytes, nodes, stats)
+        return Plan(segments, lists, local_copies, steps, bucket_bytes, nodes, forward_from, stats)
 
     def _stats(self, steps, local_copies, list_bytes, nodes) -> dict:
         intra = inter = 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 from realloc.spec import ModelSpec, decoder_spec
 
 _PRESETS = {
-    # tiny: GQA (4 heads, 2 kv heads), tied embeddings, odd vocab, fp32 norms; for tests and demos.
-    "tiny": dict(hidden=64, intermediate=176, layers=4, heads=4, kv_heads=2, vocab=1001, tied=True,
+    # tiny: GQA (12 heads, 2 kv heads: tp 4 -> 6 works, tp 4+ replicates kv), tied embeddings, odd vocab, fp32 norms; for tests and demos.
+    "tiny": dict(hidden=96, intermediate=192, layers=4, heads=12, kv_heads=2, vocab=1001, tied=True,
                  norm_dtype="float32"),
     "llama-7b": dict(hidden=4096, intermediate=11008, layers=32, heads=32, vocab=32000),
     "llama-13b": dict(hidden=5120, intermediate=13824, layers=40, heads=40, vocab=32000),

@@ -1,0 +1,109 @@
+"""Shard stores: a rank's flat per-dtype buffers, addressed by global boxes.
+
+Executors never see ranks or layouts, only stores: ``store.view(param, offsets, sizes)`` is the
+tensor view of that box inside whichever local shard contains it. Packing a bucket copies such
+views into a byte buffer; unpacking copies (or blends) them back. The in-process executor and
+the Ray actors use exactly these functions, on CPU tensors or CUDA tensors alike.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from realloc.boxes import Box, contains
+from realloc.layout import Layout, Shard
+from realloc.plan import Piece, Segment
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
+}
+
+
+def allocate_buffers(layout: Layout, rank: int, device: "str | torch.device" = "cpu") -> dict[str, torch.Tensor]:
+    """Zeroed flat buffers (one per dtype) for ``rank`` of ``layout``."""
+    return {d: torch.zeros(n, dtype=TORCH_DTYPES[d], device=device) for d, n in layout.buffer_numels(rank).items()}
+
+
+class ShardStore:
+    """Boxes of global tensors backed by one rank's flat buffers.
+
+    Example:
+        >>> from realloc import ModelSpec, Topology
+        >>> lay = Layout(ModelSpec.preset("tiny"), Topology(tp=2))
+        >>> store = ShardStore(lay.shards(0), allocate_buffers(lay, 0))
+        >>> store.view("model.norm.weight", (0,), (64,)).shape
+        torch.Size([64])
+    """
+
+    def __init__(self, shards: Iterable[Shard], buffers: Mapping[str, torch.Tensor]):
+        self.buffers = dict(buffers)
+        self.by_param: dict[str, list[tuple[Shard, torch.Tensor]]] = {}
+        for s in shards:
+            flat = self.buffers[s.dtype]
+            local = flat[s.buffer_offset:s.buffer_offset + s.local_numel].view(s.local_shape)
+            self.by_param.setdefault(s.param, []).append((s, local))
+
+    def shard_tensors(self) -> dict[str, torch.Tensor]:
+        """Slot name -> local tensor (the rank's model as its code sees it, padding included)."""
+        return {s.slot: t for entries in self.by_param.values() for s, t in entries}
+
+    def views(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[torch.Tensor]:
+        """Every local view of the box (several when the rank holds the param twice)."""
+        box: Box = (tuple(offsets), tuple(sizes))
+        out = []
+        for shard, local in self.by_param.get(param, ()):
+            if contains(shard.box, box):
+                index = tuple(slice(o - so, o - so + n) for o, so, n in zip(offsets, shard.offsets, sizes))
+                out.append(local[index])
+        if not out:
+            raise KeyError(f"this rank holds no shard of {param!r} containing offsets={box[0]} sizes={box[1]}")
+        return out
+
+    def view(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        return self.views(param, offsets, sizes)[0]
+
+    def write(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...], value: torch.Tensor) -> None:
+        """Write a box into every local copy of it."""
+        for view in self.views(param, offsets, sizes):
+            view.copy_(value)
+
+
+def pack(store: ShardStore, bucket: list[Piece], out: torch.Tensor) -> torch.Tensor:
+    """Copy a bucket's boxes from ``store`` into the byte tensor ``out``."""
+    for p in bucket:
+        _piece_view(out, p).copy_(store.view(p.param, p.offsets, p.sizes))
+    return out
+
+
+def unpack(store: ShardStore, bucket: list[Piece], data: torch.Tensor) -> None:
+    """Copy a received byte tensor's boxes into ``store``."""
+    for p in bucket:
+        store.write(p.param, p.offsets, p.sizes, _piece_view(data, p))
+
+
+def copy_local(src: ShardStore, dst: ShardStore, segments: Iterable[Segment]) -> int:
+    """Copy boxes a worker already holds from its source store into its destination store."""
+    total = 0
+    for s in segments:
+        dst.write(s.param, s.offsets, s.sizes, src.view(s.param, s.offsets, s.sizes))
+        total += s.nbytes
+    return total
+
+
+def blend_into(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], eta: float) -> None:
+    """``old = eta * new + (1 - eta) * old`` over whole flat buffers (padding stays zero)."""
+    if not 0.0 <= eta <= 1.0:
+        raise ValueError(f"blend eta must be within [0, 1], got {eta!r}")
+    for dtype, buf in old.items():
+        buf.mul_(1.0 - eta).add_(new[dtype], alpha=eta)
+
+
+def _piece_view(data: torch.Tensor, p: Piece) -> torch.Tensor:
+    dtype = TORCH_DTYPES[p.dtype]
+    n = dtype.itemsize
+    for s in p.sizes:
+        n *= s
+    return data[p.offset:p.offset + n].view(dtype).view(p.sizes)
