@@ -1,0 +1,309 @@
+"""The Ray actor that owns one worker's shards and runs its part of every plan."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+import torch
+
+from actors import metrics
+from actors.transport import Transport, host_store
+from actors.zero_copy import BufferAllocator, open_handles
+from realloc.layout import Layout
+from realloc.plan import Plan, bucket_nbytes
+from realloc.shards import ShardStore, copy_local, pack, unpack
+from realloc.spec import ModelSpec
+from realloc.synthetic import synthetic_box
+from realloc.topology import Topology
+
+
+@dataclass
+class ShardContext:
+    """What a user function sees on a worker (``group.run(fn)`` calls ``fn(ctx, ...)``).
+
+    ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
+    worker's local shards, padding included; writing into them updates the worker's weights.
+    """
+
+    rank: int
+    topology: Topology
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+    shards: tuple  # realloc.layout.Shard per slot, for global offsets
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What a worker needs to know of another worker for one plan (sent by the driver)."""
+
+    world_rank: int
+    node: str
+    src: tuple[Topology, int] | None  # (topology, rank) of its source layout in this plan
+    dst: tuple[Topology, int] | None
+    src_handles: Any = None  # zero-copy handles of its buffers, when on my node
+    dst_handles: Any = None
+
+
+class ShardWorker:
+    """One worker of a model group: its flat buffers, its process-group membership, its plans."""
+
+    def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None):
+        torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
+        self.group, self.spec = group, spec
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+        self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.allocator = BufferAllocator(self.device, zero_copy, f"{group}-{os.getpid()}")
+        self.layout: Layout | None = None
+        self.rank: int | None = None
+        self.buffers: dict[str, torch.Tensor] | None = None
+        self.pending: tuple[Layout, int, dict[str, torch.Tensor]] | None = None
+        self.transport: Transport | None = None
+        self._store = None
+
+    # -- identity and collective set-up ----------------------------------------------------
+    def info(self) -> dict:
+        return {
+            "node_id": self.node_id, "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "device": str(self.device), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "zero_copy": self.allocator.shared,
+        }
+
+    def open_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+        addr = ray.util.get_node_ip_address()
+        self._store = host_store(addr, world_size, timeout_s)
+        return addr, self._store.port
+
+    def join(self, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float) -> str:
+        store, self._store = self._store, None
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = Transport(addr, port, world_rank, world_size, self.device, timeout_s, store=store)
+        return self.transport.backend
+
+    # -- weights -------------------------------------------------------------------------
+    def set_layout(self, topology: Topology, rank: int, vocab_pad_multiple: int = 1) -> int:
+        """Adopt an (empty, zeroed) layout; returns the bytes of this worker's buffers."""
+        old = self.buffers
+        self.layout = Layout(self.spec, topology, vocab_pad_multiple)
+        self.rank = rank
+        self.buffers = self.allocator.allocate(self.layout.buffer_numels(rank))
+        self.allocator.release(old)
+        return self.layout.rank_bytes(rank)
+
+    def _store_now(self) -> ShardStore:
+        if self.layout is None or self.buffers is None:
+            raise RuntimeError(f"worker of {self.group} has no layout yet")
+        return ShardStore(self.layout.shards(self.rank), self.buffers)
+
+    def init_synthetic(self, seed: int) -> None:
+        store = self._store_now()
+        for s in self.layout.shards(self.rank):
+            if s.numel:
+                p = self.spec.param(s.param)
+                store.write(s.param, s.offsets, s.sizes,
+                            synthetic_box(s.param, p.shape, s.offsets, s.sizes, s.dtype, seed).to(self.device))
+
+    def load_full(self, state: dict[str, torch.Tensor]) -> None:
+        """Slice this worker's boxes out of full tensors (aliases like ``lm_head.weight`` accepted)."""
+        store = self._store_now()
+        for s in self.layout.shards(self.rank):
+            if not s.numel:
+                continue
+            full = state.get(s.param)
+            if full is None:
+                full = state[s.slot]
+            index = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))
+            store.write(s.param, s.offsets, s.sizes, full[index].to(self.device))
+
+    def get_boxes(self) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
+        """``(param, offsets, sizes, tensor)`` of every held box, on CPU (padding excluded)."""
+        store = self._store_now()
+        return [(s.param, s.offsets, s.sizes, store.view(s.param, s.offsets, s.sizes).cpu().clone())
+                for s in self.layout.shards(self.rank) if s.numel]
+
+    def verify_synthetic(self, seed: int) -> list[str]:
+        """Names of slots whose values differ from the synthetic weights (padding must be zero)."""
+        bad = []
+        store = self._store_now()
+        for s, local in ((s, t) for entries in store.by_param.values() for s, t in entries):
+            expected = torch.zeros(s.local_shape, dtype=local.dtype)
+            if s.numel:
+                index = tuple(slice(0, n) for n in s.sizes)
+                expected[index] = synthetic_box(s.param, self.spec.param(s.param).shape, s.offsets, s.sizes,
+                                                s.dtype, seed)
+            if not torch.equal(local.cpu(), expected):
+                bad.append(s.slot)
+        return bad
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        dp_rank, tp_rank, pp_rank = self.layout.topology.coords(self.rank)
+        store = self._store_now()
+        ctx = ShardContext(self.rank, self.layout.topology, dp_rank, tp_rank, pp_rank, self.device,
+                           store.shard_tensors(), self.layout.shards(self.rank))
+        return fn(ctx, *args, **kwargs)
+
+    def source_digest(self) -> dict[str, float]:
+        """A cheap fingerprint of the current buffers (tests: sources untouched after a failure)."""
+        return {d: float(t.double().sum()) + float((t.double() ** 2).sum()) for d, t in (self.buffers or {}).items()}
+
+    # -- plans ---------------------------------------------------------------------------
+    def prepare(self, dst: tuple[Topology, int] | None, vocab_pad_multiple: int = 1):
+        """Allocate destination buffers for the coming plan; returns their zero-copy handles."""
+        self.abort()
+        if dst is None:
+            return None
+        layout = Layout(self.spec, dst[0], vocab_pad_multiple)
+        buffers = self.allocator.allocate(layout.buffer_numels(dst[1]))
+        self.pending = (layout, dst[1], buffers)
+        return self.allocator.export(buffers)
+
+    def export_source(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # peers read these bytes from other processes
+        return self.allocator.export(self.buffers) if self.buffers is not None else None
+
+    def execute(self, plan: Plan, me: int, peers: list[PeerView], phase: int, tags: dict) -> dict:
+        """Run phase ``phase`` (0: local copies and routes from holders, 1: intra-node fan-out)."""
+        started = time.perf_counter()
+        metrics.in_flight(tags, +1)
+        try:
+            return self._execute(plan, me, peers, phase, tags, started)
+        finally:
+            metrics.in_flight(tags, -1)
+
+    def _execute(self, plan: Plan, me: int, peers: list[PeerView], phase: int, tags: dict, started: float) -> dict:
+        src = self._store_now() if peers[me].src is not None else None
+        dst = ShardStore(self.pending[0].shards(self.pending[1]), self.pending[2]) if self.pending else None
+        moved = {"local": 0, "intra": 0, "inter": 0}
+        staging = 0
+        if phase == 0:
+            for worker, j in plan.local_copies:
+                if worker == me:
+                    moved["local"] += copy_local(src, dst, plan.segment_list(j))
+        executor = _StepRunner(self, plan, me, peers, src, dst)
+        steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
+        for s in steps:
+            for kind, nbytes in executor.run_step(s):
+                moved[kind] += nbytes
+        staging = executor.peak_staging
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        metrics.record(tags, moved, seconds)
+        return {"bytes": moved, "seconds": seconds, "staging_bytes": staging,
+                "dst_bytes": sum(t.numel() * t.element_size() for t in self.pending[2].values()) if self.pending else 0}
+
+    def commit(self, blend: float | None = None) -> None:
+        """Adopt the destination buffers (or blend them into the current ones) and free the old."""
+        if self.pending is None:
+            return
+        layout, rank, buffers = self.pending
+        self.pending = None
+        if blend is not None:
+            from realloc.shards import blend_into
+
+            blend_into(self.buffers, buffers, blend)
+            self.allocator.release(buffers)
+            return
+        old = self.buffers
+        self.layout, self.rank, self.buffers = layout, rank, buffers
+        self.allocator.release(old)
+
+    def abort(self) -> None:
+        if self.pending is not None:
+            self.allocator.release(self.pending[2])
+            self.pending = None
+
+    def shutdown(self) -> None:
+        self.abort()
+        self.allocator.release_all()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+class _StepRunner:
+    """Runs one worker's routes of a plan, step by step, bucket by bucket."""
+
+    def __init__(self, worker: ShardWorker, plan: Plan, me: int, peers: list[PeerView],
+                 src: ShardStore | None, dst: ShardStore | None):
+        self.w, self.plan, self.me, self.peers, self.src, self.dst = worker, plan, me, peers, src, dst
+        self.device = worker.device
+        self.my_node = peers[me].node
+        self.peak_staging = 0
+        self._buckets: dict[int, list] = {}
+        self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
+
+    def buckets(self, j: int) -> list:
+        if j not in self._buckets:
+            self._buckets[j] = self.plan.buckets(j)
+        return self._buckets[j]
+
+    def zero_copy(self, peer: int) -> bool:
+        p = self.peers[peer]
+        return p.node == self.my_node and (p.src_handles is not None or p.dst_handles is not None)
+
+    def peer_store(self, peer: int, forward: bool) -> ShardStore:
+        key = (peer, forward)
+        if key not in self._peer_stores:
+            p = self.peers[peer]
+            topo, rank = p.dst if forward else p.src
+            layout = Layout(self.w.spec, topo)
+            handles = p.dst_handles if forward else p.src_handles
+            self._peer_stores[key] = ShardStore(layout.shards(rank), open_handles(handles))
+        return self._peer_stores[key]
+
+    def run_step(self, s: int) -> list[tuple[str, int]]:
+        forward = self.plan.reads_destination(s)
+        send = recv = None
+        done = []
+        for src, dst, j in self.plan.steps[s]:
+            if src == self.me and not self.zero_copy(dst):
+                send = (dst, j)
+            if dst == self.me:
+                if self.zero_copy(src):
+                    peer = self.peer_store(src, forward)
+                    done.append(("intra", copy_local(peer, self.dst, self.plan.segment_list(j))))
+                else:
+                    recv = (src, j)
+        if send or recv:
+            done += self._transfer(send, recv, forward)
+        return done
+
+    def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
+        transport = self.w.transport
+        source = self.dst if forward else self.src
+        send_b = self.buckets(send[1]) if send else []
+        recv_b = self.buckets(recv[1]) if recv else []
+        cap = max([bucket_nbytes(b) for b in send_b + recv_b] or [0])
+        send_bufs = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(2 if len(send_b) > 1 else len(send_b))]
+        recv_buf = torch.empty(cap, dtype=torch.uint8, device=self.device) if recv_b else None
+        self.peak_staging = max(self.peak_staging, cap * (len(send_bufs) + (recv_buf is not None)))
+        world = lambda peer: self.peers[peer].world_rank  # noqa: E731
+        if send_b:
+            pack(source, send_b[0], send_bufs[0][:bucket_nbytes(send_b[0])])
+        for i in range(max(len(send_b), len(recv_b))):
+            out = (world(send[0]), send_bufs[i % 2][:bucket_nbytes(send_b[i])]) if i < len(send_b) else None
+            into = (world(recv[0]), recv_buf[:bucket_nbytes(recv_b[i])]) if i < len(recv_b) else None
+            requests = transport.exchange(out, into)
+            if i + 1 < len(send_b):  # pack the next bucket while this one is on the wire
+                nxt = send_b[i + 1]
+                pack(source, nxt, send_bufs[(i + 1) % 2][:bucket_nbytes(nxt)])
+            for r in requests:
+                r.wait()
+            if into is not None:
+                unpack(self.dst, recv_b[i], into[1])
+        kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
+        result = []
+        if recv:
+            result.append((kind(recv[0]), self.plan.list_bytes(recv[1])))
+        return result
