@@ -14,8 +14,9 @@ from actors import metrics
 from actors.transport import Transport, host_store
 from actors.zero_copy import BufferAllocator, open_handles
 from realloc.layout import Layout
-from realloc.plan import Plan, bucket_nbytes
-from realloc.shards import ShardStore, copy_local, pack, unpack
+from actors.executor import PeerView, StepRunner
+from realloc.plan import Plan
+from realloc.shards import ShardStore, copy_local
 from realloc.spec import ModelSpec
 from realloc.synthetic import synthetic_box
 from realloc.topology import Topology
@@ -37,18 +38,6 @@ class ShardContext:
     device: torch.device
     tensors: dict[str, torch.Tensor]
     shards: tuple  # realloc.layout.Shard per slot, for global offsets
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """What a worker needs to know of another worker for one plan (sent by the driver)."""
-
-    world_rank: int
-    node: str
-    src: tuple[Topology, int] | None  # (topology, rank) of its source layout in this plan
-    dst: tuple[Topology, int] | None
-    src_handles: Any = None  # zero-copy handles of its buffers, when on my node
-    dst_handles: Any = None
 
 
 class ShardWorker:
@@ -189,7 +178,7 @@ class ShardWorker:
             for worker, j in plan.local_copies:
                 if worker == me:
                     moved["local"] += copy_local(src, dst, plan.segment_list(j))
-        executor = _StepRunner(self, plan, me, peers, src, dst)
+        executor = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store)
         steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
         for s in steps:
             for kind, nbytes in executor.run_step(s):
@@ -201,6 +190,11 @@ class ShardWorker:
         metrics.record(tags, moved, seconds)
         return {"bytes": moved, "seconds": seconds, "staging_bytes": staging,
                 "dst_bytes": sum(t.numel() * t.element_size() for t in self.pending[2].values()) if self.pending else 0}
+
+    def _peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
+        topology, rank = peer.dst if forward else peer.src
+        handles = peer.dst_handles if forward else peer.src_handles
+        return ShardStore(Layout(self.spec, topology).shards(rank), open_handles(handles))
 
     def commit(self, blend: float | None = None) -> None:
         """Adopt the destination buffers (or blend them into the current ones) and free the old."""
@@ -229,81 +223,3 @@ class ShardWorker:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
-
-
-class _StepRunner:
-    """Runs one worker's routes of a plan, step by step, bucket by bucket."""
-
-    def __init__(self, worker: ShardWorker, plan: Plan, me: int, peers: list[PeerView],
-                 src: ShardStore | None, dst: ShardStore | None):
-        self.w, self.plan, self.me, self.peers, self.src, self.dst = worker, plan, me, peers, src, dst
-        self.device = worker.device
-        self.my_node = peers[me].node
-        self.peak_staging = 0
-        self._buckets: dict[int, list] = {}
-        self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
-
-    def buckets(self, j: int) -> list:
-        if j not in self._buckets:
-            self._buckets[j] = self.plan.buckets(j)
-        return self._buckets[j]
-
-    def zero_copy(self, peer: int) -> bool:
-        p = self.peers[peer]
-        return p.node == self.my_node and (p.src_handles is not None or p.dst_handles is not None)
-
-    def peer_store(self, peer: int, forward: bool) -> ShardStore:
-        key = (peer, forward)
-        if key not in self._peer_stores:
-            p = self.peers[peer]
-            topo, rank = p.dst if forward else p.src
-            layout = Layout(self.w.spec, topo)
-            handles = p.dst_handles if forward else p.src_handles
-            self._peer_stores[key] = ShardStore(layout.shards(rank), open_handles(handles))
-        return self._peer_stores[key]
-
-    def run_step(self, s: int) -> list[tuple[str, int]]:
-        forward = self.plan.reads_destination(s)
-        send = recv = None
-        done = []
-        for src, dst, j in self.plan.steps[s]:
-            if src == self.me and not self.zero_copy(dst):
-                send = (dst, j)
-            if dst == self.me:
-                if self.zero_copy(src):
-                    peer = self.peer_store(src, forward)
-                    done.append(("intra", copy_local(peer, self.dst, self.plan.segment_list(j))))
-                else:
-                    recv = (src, j)
-        if send or recv:
-            done += self._transfer(send, recv, forward)
-        return done
-
-    def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
-        transport = self.w.transport
-        source = self.dst if forward else self.src
-        send_b = self.buckets(send[1]) if send else []
-        recv_b = self.buckets(recv[1]) if recv else []
-        cap = max([bucket_nbytes(b) for b in send_b + recv_b] or [0])
-        send_bufs = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(2 if len(send_b) > 1 else len(send_b))]
-        recv_buf = torch.empty(cap, dtype=torch.uint8, device=self.device) if recv_b else None
-        self.peak_staging = max(self.peak_staging, cap * (len(send_bufs) + (recv_buf is not None)))
-        world = lambda peer: self.peers[peer].world_rank  # noqa: E731
-        if send_b:
-            pack(source, send_b[0], send_bufs[0][:bucket_nbytes(send_b[0])])
-        for i in range(max(len(send_b), len(recv_b))):
-            out = (world(send[0]), send_bufs[i % 2][:bucket_nbytes(send_b[i])]) if i < len(send_b) else None
-            into = (world(recv[0]), recv_buf[:bucket_nbytes(recv_b[i])]) if i < len(recv_b) else None
-            requests = transport.exchange(out, into)
-            if i + 1 < len(send_b):  # pack the next bucket while this one is on the wire
-                nxt = send_b[i + 1]
-                pack(source, nxt, send_bufs[(i + 1) % 2][:bucket_nbytes(nxt)])
-            for r in requests:
-                r.wait()
-            if into is not None:
-                unpack(self.dst, recv_b[i], into[1])
-        kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
-        result = []
-        if recv:
-            result.append((kind(recv[0]), self.plan.list_bytes(recv[1])))
-        return result

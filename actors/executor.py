@@ -1,0 +1,110 @@
+"""Executing one worker's share of a plan over the transport (and zero-copy reads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from realloc.plan import Plan, bucket_nbytes
+from realloc.shards import ShardStore, copy_local, pack, unpack
+from realloc.topology import Topology
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What a worker needs to know of another worker for one plan (sent by the driver)."""
+
+    world_rank: int
+    node: str
+    src: tuple[Topology, int] | None  # (topology, rank) of its source layout in this plan
+    dst: tuple[Topology, int] | None
+    src_handles: Any = None  # zero-copy handles of its buffers, when on my node
+    dst_handles: Any = None
+
+
+
+class StepRunner:
+    """Runs one worker's routes of a plan, step by step, bucket by bucket.
+
+    ``src``/``dst`` are this worker's stores (model buffers, checkpoint files read into memory,
+    ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
+    """
+
+    def __init__(self, transport, device: torch.device, plan: Plan, me: int, peers: list[PeerView],
+                 src: ShardStore | None, dst: ShardStore | None,
+                 open_peer: Callable[[PeerView, bool], ShardStore] | None = None):
+        self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
+        self.open_peer = open_peer
+        self.device = device
+        self.my_node = peers[me].node
+        self.peak_staging = 0
+        self._buckets: dict[int, list] = {}
+        self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
+
+    def buckets(self, j: int) -> list:
+        if j not in self._buckets:
+            self._buckets[j] = self.plan.buckets(j)
+        return self._buckets[j]
+
+    def zero_copy(self, sender: int, receiver: int, forward: bool) -> bool:
+        """Whether a route is a direct read of the sender's buffers by the receiver.
+
+        Both ends evaluate this on the same shared data, so they agree without talking.
+        """
+        a, b = self.peers[sender], self.peers[receiver]
+        handles = a.dst_handles if forward else a.src_handles
+        return self.open_peer is not None and a.node == b.node and handles is not None
+
+    def peer_store(self, peer: int, forward: bool) -> ShardStore:
+        key = (peer, forward)
+        if key not in self._peer_stores:
+            self._peer_stores[key] = self.open_peer(self.peers[peer], forward)
+        return self._peer_stores[key]
+
+    def run_step(self, s: int) -> list[tuple[str, int]]:
+        forward = self.plan.reads_destination(s)
+        send = recv = None
+        done = []
+        for src, dst, j in self.plan.steps[s]:
+            if src == self.me and not self.zero_copy(src, dst, forward):
+                send = (dst, j)
+            if dst == self.me:
+                if self.zero_copy(src, dst, forward):
+                    peer = self.peer_store(src, forward)
+                    done.append(("intra", copy_local(peer, self.dst, self.plan.segment_list(j))))
+                else:
+                    recv = (src, j)
+        if send or recv:
+            done += self._transfer(send, recv, forward)
+        return done
+
+    def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
+        transport = self.transport
+        source = self.dst if forward else self.src
+        send_b = self.buckets(send[1]) if send else []
+        recv_b = self.buckets(recv[1]) if recv else []
+        cap = max([bucket_nbytes(b) for b in send_b + recv_b] or [0])
+        send_bufs = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(2 if len(send_b) > 1 else len(send_b))]
+        recv_buf = torch.empty(cap, dtype=torch.uint8, device=self.device) if recv_b else None
+        self.peak_staging = max(self.peak_staging, cap * (len(send_bufs) + (recv_buf is not None)))
+        world = lambda peer: self.peers[peer].world_rank  # noqa: E731
+        if send_b:
+            pack(source, send_b[0], send_bufs[0][:bucket_nbytes(send_b[0])])
+        for i in range(max(len(send_b), len(recv_b))):
+            out = (world(send[0]), send_bufs[i % 2][:bucket_nbytes(send_b[i])]) if i < len(send_b) else None
+            into = (world(recv[0]), recv_buf[:bucket_nbytes(recv_b[i])]) if i < len(recv_b) else None
+            requests = transport.exchange(out, into)
+            if i + 1 < len(send_b):  # pack the next bucket while this one is on the wire
+                nxt = send_b[i + 1]
+                pack(source, nxt, send_bufs[(i + 1) % 2][:bucket_nbytes(nxt)])
+            for r in requests:
+                r.wait()
+            if into is not None:
+                unpack(self.dst, recv_b[i], into[1])
+        kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
+        result = []
+        if recv:
+            result.append((kind(recv[0]), self.plan.list_bytes(recv[1])))
+        return result
