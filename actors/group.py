@@ -144,7 +144,8 @@ class ModelGroup:
         infos = _get(actors, [a.info.remote() for a in actors], names, timeout_s + 60, "start workers")
         placement = Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
         options = {"bucket_bytes": bucket_bytes, "timeout_s": timeout_s, "vocab_pad_multiple": vocab_pad_multiple,
-                   "bandwidths": bandwidths, "infos": infos}
+                   "bandwidths": bandwidths, "infos": infos, "cpus_per_worker": cpus_per_worker,
+                   "runtime_env": runtime_env, "zero_copy": zero_copy}
         group = cls(name, spec, topology, actors, names, placement, pg, options)
         _get(actors, [a.set_layout.remote(topology, r, vocab_pad_multiple) for r, a in enumerate(actors)],
              names, timeout_s, "allocate shards")
@@ -259,6 +260,44 @@ class ModelGroup:
                          max(self.timeout_s, other.timeout_s), {"model": f"{self.name}->{other.name}"}, blend=eta)
         label = f"{self.name}[{self.topology}] -> {other.name}[{other.topology}]"
         return ReallocStats(label, plan_seconds=plan_seconds, planned=plan.stats, **stats)
+
+    def dead_workers(self) -> list[int]:
+        """Ranks whose actors no longer answer."""
+        names = set(_dead_actors(self.actors, self.actor_names))
+        return [r for r, n in enumerate(self.actor_names) if n in names]
+
+    def replace_dead_workers(self) -> list[int]:
+        """Start fresh actors (empty, zeroed shards) for the dead ones; returns their ranks.
+
+        Ray reschedules the placement-group bundles of a lost node onto nodes that have room,
+        so replacements land wherever the cluster has capacity (a fresh node, typically). The
+        placement is re-read from the new actors; restore the weights with a checkpoint load.
+        """
+        dead = self.dead_workers()
+        if not dead:
+            return []
+        remote_cls = ray.remote(ShardWorker)
+        infos = self.options["infos"]
+        use_gpu = any(i["gpu_ids"] for i in infos)
+        for r in dead:
+            ray.kill(self.actors[r])
+            self.actors[r] = remote_cls.options(
+                name=f"{self.actor_names[r]}:gen{int(time.time() * 1000)}", num_cpus=self.options["cpus_per_worker"],
+                num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+                runtime_env=self.options["runtime_env"], max_restarts=0,
+            ).remote(self.name, self.spec, self.options["zero_copy"])
+        fresh = _get([self.actors[r] for r in dead], [self.actors[r].info.remote() for r in dead],
+                     [self.actor_names[r] for r in dead], self.timeout_s + 60, "start replacement workers")
+        for r, info in zip(dead, fresh):
+            infos[r] = info
+        self.placement = Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
+        _get([self.actors[r] for r in dead],
+             [self.actors[r].set_layout.remote(self.topology, r, self.vocab_pad_multiple) for r in dead],
+             [self.actor_names[r] for r in dead], self.timeout_s, "allocate shards")
+        if self.world is not None:
+            self.world.mark_broken()
+        return dead
 
     def _ensure_world(self, groups: list["ModelGroup"]) -> World:
         actors = [a for g in groups for a in g.actors]
