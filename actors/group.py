@@ -181,13 +181,18 @@ class ModelGroup:
         ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
         self._call_all("load_full", "load weights", ref)
 
+    def shard_boxes(self, ranks: Sequence[int] | None = None) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
+        """Per rank, ``(param, offsets, sizes, tensor)`` of every box it holds, fetched to the driver."""
+        ranks = list(range(self.num_workers)) if ranks is None else list(ranks)
+        boxes = _get([self.actors[r] for r in ranks], [self.actors[r].get_boxes.remote() for r in ranks],
+                     [self.actor_names[r] for r in ranks], self.timeout_s, "read shards")
+        return dict(zip(ranks, boxes))
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors assembled on the driver from the shards of dp replica 0."""
         full = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in self.spec.params}
         replica0 = [r for r in range(self.num_workers) if self.topology.coords(r)[0] == 0]
-        boxes = _get([self.actors[r] for r in replica0], [self.actors[r].get_boxes.remote() for r in replica0],
-                     [self.actor_names[r] for r in replica0], self.timeout_s, "read shards")
-        for rank_boxes in boxes:
+        for rank_boxes in self.shard_boxes(replica0).values():
             for param, offsets, sizes, tensor in rank_boxes:
                 full[param][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = tensor
         for alias, target in self.spec.aliases.items():

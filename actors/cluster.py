@@ -1,0 +1,38 @@
+"""Starting Ray for the commands: attach to a cluster, or simulate nodes on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import ray
+
+
+@contextlib.contextmanager
+def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int) -> Iterator[str]:
+    """Attach to ``address``, or start ``num_nodes`` simulated nodes (distinct Ray node ids).
+
+    Yields a description of what it started. Simulated nodes share this machine but are real
+    raylets, so placement, node ids and node loss behave as on a cluster.
+    """
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        try:
+            yield f"attached to {address} ({len(ray.nodes())} nodes)"
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(num_nodes):
+            cluster.add_node(num_cpus=cpus_per_node)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield f"local Ray, {num_nodes} simulated nodes x {cpus_per_node} CPU slots"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
