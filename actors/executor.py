@@ -34,9 +34,11 @@ class StepRunner:
 
     def __init__(self, transport, device: torch.device, plan: Plan, me: int, peers: list[PeerView],
                  src: ShardStore | None, dst: ShardStore | None,
-                 open_peer: Callable[[PeerView, bool], ShardStore] | None = None):
+                 open_peer: Callable[[PeerView, bool], ShardStore] | None = None,
+                 on_bucket: Callable[[], None] | None = None):
         self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
         self.open_peer = open_peer
+        self.on_bucket = on_bucket
         self.device = device
         self.my_node = peers[me].node
         self.peak_staging = 0
@@ -103,6 +105,8 @@ class StepRunner:
                 r.wait()
             if into is not None:
                 unpack(self.dst, recv_b[i], into[1])
+            if self.on_bucket is not None:
+                self.on_bucket()
         kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
         result = []
         if recv:

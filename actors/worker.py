@@ -57,6 +57,7 @@ class ShardWorker:
         self.pending: tuple[Layout, int, dict[str, torch.Tensor]] | None = None
         self.transport: Transport | None = None
         self._store = None
+        self._fault: tuple[str, float] | None = None
 
     # -- identity and collective set-up ----------------------------------------------------
     def info(self) -> dict:
@@ -144,6 +145,20 @@ class ShardWorker:
         """A cheap fingerprint of the current buffers (tests: sources untouched after a failure)."""
         return {d: float(t.double().sum()) + float((t.double() ** 2).sum()) for d, t in (self.buffers or {}).items()}
 
+    def inject_fault(self, kind: str, value: float) -> None:
+        """Fault injection for tests of the failure path: ``("stall", seconds)`` sleeps at the start
+        of the next plan phase; ``("exit_after_buckets", n)`` kills this process after ``n`` buckets."""
+        if kind not in ("stall", "exit_after_buckets"):
+            raise ValueError(f"unknown fault {kind!r}; allowed: 'stall', 'exit_after_buckets'")
+        self._fault = (kind, value)
+
+    def _after_bucket(self) -> None:
+        if self._fault and self._fault[0] == "exit_after_buckets":
+            remaining = self._fault[1] - 1
+            self._fault = ("exit_after_buckets", remaining)
+            if remaining <= 0:
+                os._exit(1)
+
     # -- plans ---------------------------------------------------------------------------
     def prepare(self, dst: tuple[Topology, int] | None, vocab_pad_multiple: int = 1):
         """Allocate destination buffers for the coming plan; returns their zero-copy handles."""
@@ -178,7 +193,11 @@ class ShardWorker:
             for worker, j in plan.local_copies:
                 if worker == me:
                     moved["local"] += copy_local(src, dst, plan.segment_list(j))
-        executor = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store)
+        if self._fault and self._fault[0] == "stall":
+            seconds, self._fault = self._fault[1], None
+            time.sleep(seconds)
+        executor = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store,
+                              on_bucket=self._after_bucket)
         steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
         for s in steps:
             for kind, nbytes in executor.run_step(s):

@@ -1,0 +1,729 @@
+"""``realloc bench``: our ``reallocate`` against the transfers a user would otherwise write.
+
+One run, one set of actors (8 by default, on 2 simulated nodes), one model (``bench-1gb``,
+1.02 GB bf16), one transition (train ``dp=2,tp=2,pp=2`` -> generation ``dp=4,tp=2,pp=1``):
+
+* ``ours``: ``ModelGroup.reallocate`` there and back ``--repeats`` times (driver wall time of
+  each direction; the first round trip, which also forms the process group, is a warm-up).
+* ``driver``: every source shard of dp replica 0 is fetched to the driver (``ray.get``), full
+  tensors are assembled there, re-sliced per destination shard coordinate and pushed back
+  (``ray.put``; each actor ``ray.get``s its coordinate's object and writes it into fresh
+  destination buffers).
+* ``broadcast`` (OpenRLHF style): per parameter, the owners of its tp shards send them to one
+  owner, which assembles the full tensor and ``dist.broadcast``s it to every rank; every rank
+  slices its destination boxes out of it.
+* ``dcp``: ``torch.distributed.checkpoint.save`` of ShardedTensors in the source layout (one
+  replica writes each box) to ``/dev/shm``, ``dcp.load`` into ShardedTensors of the destination
+  layout (DCP's planner reshards), then the directory is removed.
+
+Every method must leave exact destination shards: ours is checked with
+``ModelGroup.verify_synthetic``; baselines against ``synthetic_box`` (``--verify exact``) or,
+by default, against CRC32s of ours' verified destination shards (``--verify digest``: the same
+bytes, 25x cheaper on a 2-core machine). The same run measures gloo bandwidth between the two
+nodes and memcpy, from which it derives a lower bound (formula in ``docs/benchmarks.md`` and in
+the JSON's ``lower_bound_formula``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+import uuid
+import zlib
+from typing import Any, Iterator
+
+import torch
+
+from realloc.layout import Layout
+from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers
+from realloc.topology import Topology
+
+BASELINES = ("driver", "broadcast", "dcp")
+DEFAULT_SRC = "dp=2,tp=2,pp=2"
+DEFAULT_DST = "dp=4,tp=2,pp=1"
+MB = 1 << 20
+
+LOWER_BOUND_FORMULA = (
+    "max(aggregate, critical_rank) with "
+    "aggregate = bytes_inter_node / gloo_gbps + (bytes_intra_node + bytes_local_copy) / memcpy_gbps, "
+    "critical_rank = max over ranks r of inter_recv[r] / gloo_p2p_gbps + (intra_recv[r] + local[r]) / memcpy_1core_gbps; "
+    "gloo_gbps = max(gloo_p2p_gbps, gloo_aggregate_gbps), "
+    "memcpy_gbps = max(min(cores, workers) * memcpy_1core_gbps, memcpy_aggregate_gbps); "
+    "warm buffers (no first-touch page faults), no pack/unpack, bytes from the plan"
+)
+
+#: Actor-side state of the baselines between ``group.run`` calls (destination buffers to verify).
+_STATE: dict[str, Any] = {}
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="time reallocate against driver / broadcast / DCP baselines on Ray actors",
+        description="Time ModelGroup.reallocate against what a user would otherwise write (gather "
+        "through the driver; OpenRLHF-style per-parameter broadcast; torch.distributed.checkpoint "
+        "save + resharding load through /dev/shm) on the same actors, verify every result, and "
+        "measure gloo bandwidth and memcpy for a lower bound.")
+    p.add_argument("--address", help="Ray cluster address (default: start a local Ray with simulated nodes)")
+    p.add_argument("--model", default="bench-1gb", help="preset or HF config.json (default: bench-1gb, 1.02 GB bf16)")
+    p.add_argument("--src", default=DEFAULT_SRC, help="source (training) layout (default: %(default)s)")
+    p.add_argument("--dst", default=DEFAULT_DST, help="destination (generation) layout (default: %(default)s)")
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes when starting Ray locally (default 2)")
+    p.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MiB (default 64)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed round trips src->dst->src of ours after one warm-up (default 3)")
+    p.add_argument("--skip", default="", help=f"comma-separated baselines to skip ({', '.join(BASELINES)})")
+    p.add_argument("--verify", choices=("digest", "exact"), default="digest",
+                   help="how baselines are checked: CRC32 of every destination shard against ours' verified "
+                   "shards (default), or element-wise against synthetic_box (slow on big models)")
+    p.add_argument("--probe-mb", type=float, default=256, help="bytes of the gloo/memcpy probes in MiB (default 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from realloc.cli import load_model
+
+    spec = load_model(args.model)
+    src, dst = Topology.parse(args.src), Topology.parse(args.dst)
+    if src.world_size != dst.world_size:
+        raise ValueError(f"--src {src} has {src.world_size} ranks but --dst {dst} has {dst.world_size}")
+    if src == dst:
+        raise ValueError("--src and --dst are the same layout")
+    src.check(spec)
+    dst.check(spec)
+    if args.nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb * MB >= 1024):
+        raise ValueError(f"--bucket-mb must be at least 1/1024, got {args.bucket_mb}")
+    if not (math.isfinite(args.probe_mb) and args.probe_mb > 0):
+        raise ValueError(f"--probe-mb must be positive, got {args.probe_mb}")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - set(BASELINES)
+    if unknown:
+        raise ValueError(f"--skip: unknown baselines {sorted(unknown)}; known: {', '.join(BASELINES)}")
+    report = bench(spec, src, dst, address=args.address, nodes=args.nodes, bucket_bytes=int(args.bucket_mb * MB),
+                   repeats=args.repeats, baselines=[b for b in BASELINES if b not in skip], verify=args.verify,
+                   probe_bytes=int(args.probe_mb * MB), seed=args.seed)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_report(report))
+    return 0 if all(report["verified"].values()) else 1
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _ray(address: str | None, nodes: int, cpus_per_node: int, object_store_bytes: int) -> Iterator[str]:
+    """Like ``actors.cluster.ray_for_command``, with object stores big enough for the driver baseline.
+
+    ``ray.cluster_utils.Cluster`` gives simulated nodes 150 MiB object stores, which would make
+    the driver baseline spill to disk: that would measure the store size, not the method.
+    """
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        try:
+            yield f"attached to {address}"
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "object_store_memory": object_store_bytes})
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_bytes)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield (f"local Ray, {nodes} simulated nodes x {cpus_per_node} CPU slots, "
+               f"object stores {object_store_bytes / 2**30:.1f} GiB")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def bench(spec, src: Topology, dst: Topology, *, address: str | None = None, nodes: int = 2,
+          bucket_bytes: int = 64 * MB, repeats: int = 3, baselines: list[str] = list(BASELINES),
+          verify: str = "digest", probe_bytes: int = 256 * MB, seed: int = 0) -> dict:
+    """Run the whole benchmark; returns the report (see ``docs/benchmarks.md``)."""
+    from actors.group import ModelGroup
+
+    started = time.perf_counter()
+    workers = src.world_size
+    per_node = -(-workers // nodes)
+    store_bytes = max(512 * MB, 3 * spec.total_bytes() + 256 * MB)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    report: dict[str, Any] = {
+        "model": spec.name, "model_bytes": spec.total_bytes(), "src": str(src), "dst": str(dst),
+        "workers": workers, "bucket_bytes": bucket_bytes, "repeats": repeats, "verify_mode": verify,
+    }
+    with _ray(address, nodes, per_node, store_bytes) as where:
+        _log(f"{spec.name} ({spec.total_bytes() / 1e9:.2f} GB) {src} -> {dst} on {workers} actors; {where}")
+        group = ModelGroup.create(spec, src, name="bench", bucket_bytes=bucket_bytes, timeout_s=900)
+        try:
+            report["nodes"] = group.placement.num_nodes
+            report["machine"] = {"cores": cores, "cpu": _cpu_model(), "ram_bytes": _ram_bytes(),
+                                 "torch": torch.__version__, "ray": __import__("ray").__version__, "where": where}
+            t = time.perf_counter()
+            group.init_synthetic(seed)
+            _log(f"synthetic weights written in {time.perf_counter() - t:.1f}s")
+            src_digests = _digests_of_group(group)
+
+            # Warm-up round trip: forms the process group; its destination is verified exactly.
+            t = time.perf_counter()
+            group.reallocate(dst)
+            first = time.perf_counter() - t
+            t = time.perf_counter()
+            bad = group.verify_synthetic(seed)
+            _log(f"warm-up {src} -> {dst} {first:.2f}s; verify_synthetic {time.perf_counter() - t:.1f}s: "
+                 f"{'ok' if not bad else bad}")
+            dst_digests = _digests_of_group(group)
+            group.reallocate(src)
+            ours_ok = not bad and _digests_of_group(group) == src_digests
+
+            report["transport"] = measure_transport(group, probe_bytes)
+            _log("transport: " + ", ".join(f"{k} {v:.3f}" for k, v in report["transport"].items()
+                                           if k.endswith("gbps")) + " GB/s")
+
+            fwd, back, execute, last = [], [], [], None
+            for i in range(repeats):
+                t = time.perf_counter()
+                last = group.reallocate(dst)
+                fwd.append(time.perf_counter() - t)
+                execute.append(last.seconds)
+                ours_ok &= _digests_of_group(group) == dst_digests
+                t = time.perf_counter()
+                group.reallocate(src)
+                back.append(time.perf_counter() - t)
+                ours_ok &= _digests_of_group(group) == src_digests
+                _log(f"ours round trip {i + 1}/{repeats}: {src} -> {dst} {fwd[-1]:.3f}s "
+                     f"(execute {last.seconds:.3f}s), back {back[-1]:.3f}s")
+            plan = group.plan_to(dst)
+            ours = {
+                "forward_seconds": fwd, "back_seconds": back,
+                "best_seconds": min(fwd), "median_seconds": statistics.median(fwd),
+                "back_best_seconds": min(back), "back_median_seconds": statistics.median(back),
+                "execute_median_seconds": statistics.median(execute),
+                "first_seconds_with_world_setup": first,
+                "stats": last.as_dict(),
+                "verified": ours_ok, "verified_how": "verify_synthetic after the warm-up transfer; CRC32 of every "
+                "shard after every timed transfer in both directions",
+            }
+            report["ours"] = ours
+            report["ours_seconds"] = ours["median_seconds"]
+            report["peak_extra_bytes_per_actor"] = last.peak_extra_bytes_per_actor
+            report["plan"] = {k: plan.stats[k] for k in (
+                "bytes_total", "bytes_intra_node", "bytes_inter_node", "bytes_local_copy", "num_steps",
+                "num_routes", "num_buckets", "max_node_egress_bytes", "max_node_ingress_bytes")}
+            report.update(lower_bound(plan, report["transport"], cores, workers))
+            report["ratio_to_lower_bound"] = report["ours_seconds"] / report["lower_bound_seconds"]
+
+            report["baselines"], details = {}, {}
+            for name in baselines:
+                seconds, info = BASELINE_FNS[name](group, dst)
+                t = time.perf_counter()
+                bad = _verify_baseline(group, verify, seed, dst_digests)
+                info.update(seconds=seconds, verified=not bad, mismatches=bad[:5],
+                            verify_seconds=time.perf_counter() - t)
+                group.run(_drop_state)
+                details[name] = info
+                report["baselines"][name] = seconds
+                _log(f"baseline {name}: {seconds:.2f}s, verified {'ok' if not bad else bad[:3]}")
+            report["baseline_details"] = details
+            report["speedup_vs"] = {k: v / report["ours_seconds"] for k, v in report["baselines"].items()}
+            report["verified"] = {"ours": ours_ok, **{k: v["verified"] for k, v in details.items()}}
+            report["goals"] = {
+                "speedup_5x_vs_every_baseline": all(s >= 5 for s in report["speedup_vs"].values()),
+                "within_1_5x_of_lower_bound": report["ratio_to_lower_bound"] <= 1.5,
+            }
+        finally:
+            group.shutdown()
+    report["total_seconds"] = time.perf_counter() - started
+    return report
+
+
+def lower_bound(plan, transport: dict, cores: int, workers: int) -> dict:
+    """The lower bound of a transition on this machine from the plan's bytes and measured rates."""
+    gloo = max(transport["gloo_p2p_gbps"], transport["gloo_aggregate_gbps"]) * 1e9
+    memcpy = max(min(cores, workers) * transport["memcpy_1core_gbps"], transport["memcpy_aggregate_gbps"]) * 1e9
+    one_core = transport["memcpy_1core_gbps"] * 1e9
+    pair = transport["gloo_p2p_gbps"] * 1e9
+    s = plan.stats
+    aggregate = s["bytes_inter_node"] / gloo + (s["bytes_intra_node"] + s["bytes_local_copy"]) / memcpy
+    inter: dict[int, int] = {}
+    copies: dict[int, int] = {}
+    for _, a, b, j in plan.routes():
+        n = plan.list_bytes(j)
+        if plan.nodes[a] != plan.nodes[b]:
+            inter[b] = inter.get(b, 0) + n
+        else:
+            copies[b] = copies.get(b, 0) + n
+    for w, j in plan.local_copies:
+        copies[w] = copies.get(w, 0) + plan.list_bytes(j)
+    critical = max((inter.get(r, 0) / pair + copies.get(r, 0) / one_core for r in set(inter) | set(copies)),
+                   default=0.0)
+    return {
+        "lower_bound_seconds": max(aggregate, critical),
+        "lower_bound_formula": LOWER_BOUND_FORMULA,
+        "lower_bound_terms": {
+            "aggregate_seconds": aggregate, "critical_rank_seconds": critical,
+            "inter_node_seconds": s["bytes_inter_node"] / gloo,
+            "copy_seconds": (s["bytes_intra_node"] + s["bytes_local_copy"]) / memcpy,
+            "gloo_gbps": gloo / 1e9, "memcpy_gbps": memcpy / 1e9, "cores": cores,
+            # What fresh destination buffers cost on top: every destination byte first-touched once.
+            "first_touch_seconds": plan_dst_bytes(plan) / (min(cores, workers) * transport["memcpy_shm_cold_gbps"] * 1e9),
+        },
+    }
+
+
+def plan_dst_bytes(plan) -> int:
+    return plan.stats["bytes_total"] + plan.stats["bytes_local_copy"]
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['model']} ({r['model_bytes'] / 1e9:.2f} GB) {r['src']} -> {r['dst']} on {r['workers']} actors, "
+             f"{r['nodes']} nodes, {r['machine']['cores']} cores",
+             f"{'method':<12}{'seconds':>10}{'ours is':>10}  verified"]
+    o = r["ours"]
+    lines.append(f"{'ours':<12}{r['ours_seconds']:>10.3f}{'':>10}  {'yes' if r['verified']['ours'] else 'NO'}"
+                 f"   (best {o['best_seconds']:.3f}, back {o['back_median_seconds']:.3f}, execute "
+                 f"{o['execute_median_seconds']:.3f})")
+    for name, seconds in r["baselines"].items():
+        lines.append(f"{name:<12}{seconds:>10.3f}{r['speedup_vs'][name]:>9.1f}x  "
+                     f"{'yes' if r['verified'][name] else 'NO'}")
+    t = r["transport"]
+    lines.append(f"lower bound {r['lower_bound_seconds']:.3f}s (ours {r['ratio_to_lower_bound']:.2f}x); gloo p2p "
+                 f"{t['gloo_p2p_gbps']:.2f} GB/s, aggregate {t['gloo_aggregate_gbps']:.2f} GB/s; memcpy 1 core "
+                 f"{t['memcpy_1core_gbps']:.2f} GB/s, all actors {t['memcpy_aggregate_gbps']:.2f} GB/s, "
+                 f"first touch {t['memcpy_shm_cold_gbps']:.2f} GB/s")
+    lines.append(f"peak extra bytes per actor {r['peak_extra_bytes_per_actor'] / 1e6:.1f} MB; "
+                 f"bucket {r['bucket_bytes'] / MB:g} MiB; total {r['total_seconds']:.1f}s")
+    return "\n".join(lines)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+# -- verification -------------------------------------------------------------------------------
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(t.contiguous().view(torch.uint8).numpy()))
+
+
+def _ctx_digests(ctx) -> dict[str, int]:
+    return {slot: _crc(t) for slot, t in ctx.tensors.items()}
+
+
+def _digests_of_group(group) -> list[dict[str, int]]:
+    return group.run(_ctx_digests)
+
+
+def _verify_baseline(group, how: str, seed: int, reference: list[dict[str, int]]) -> list[str]:
+    return [f"rank {r} {slot}" for r, bad in enumerate(group.run(_verify_state, how, seed, reference)) for slot in bad]
+
+
+def _verify_state(ctx, how: str, seed: int, reference: list[dict[str, int]]) -> list[str]:
+    state = _STATE.get("dst")
+    if state is None:
+        return ["<no destination buffers>"]
+    store: ShardStore = state
+    tensors = store.shard_tensors()
+    if how == "digest":
+        mine = {slot: _crc(t) for slot, t in tensors.items()}
+        want = reference[ctx.rank]
+        return sorted(s for s in set(mine) | set(want) if mine.get(s) != want.get(s))
+    from realloc.synthetic import synthetic_box
+
+    spec = _STATE["spec"]
+    bad = []
+    for shard, local in (x for entries in store.by_param.values() for x in entries):
+        ok = True
+        for d, (n, m) in enumerate(zip(shard.sizes, shard.local_shape)):  # padding must be zero
+            if m > n and local.narrow(d, n, m - n).count_nonzero().item():
+                ok = False
+        rows = shard.sizes[0]
+        row = math.prod(shard.sizes[1:])
+        step = max(1, (4 << 20) // max(1, row))
+        for r0 in range(0, rows if shard.numel else 0, step):
+            n = min(step, rows - r0)
+            off = (shard.offsets[0] + r0,) + tuple(shard.offsets[1:])
+            sizes = (n,) + tuple(shard.sizes[1:])
+            want = synthetic_box(shard.param, spec.param(shard.param).shape, off, sizes, shard.dtype, seed)
+            got = local[(slice(r0, r0 + n),) + tuple(slice(0, k) for k in shard.sizes[1:])]
+            if not torch.equal(got, want):
+                ok = False
+                break
+        if not ok:
+            bad.append(shard.slot)
+    return bad
+
+
+def _drop_state(ctx) -> None:
+    _STATE.clear()
+    gc.collect()
+
+
+def _new_dst_store(spec, dst: Topology, rank: int, vocab_pad_multiple: int) -> ShardStore:
+    layout = Layout(spec, dst, vocab_pad_multiple)
+    store = ShardStore(layout.shards(rank), allocate_buffers(layout, rank))
+    _STATE.update(dst=store, spec=spec)
+    return store
+
+
+def _local_view(ctx, param: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+    for s in ctx.shards:
+        if s.param == param and all(so <= o and o + n <= so + sn
+                                    for o, n, so, sn in zip(offsets, sizes, s.offsets, s.sizes)):
+            local = ctx.tensors[s.slot]
+            return local[tuple(slice(o - so, o - so + n) for o, so, n in zip(offsets, s.offsets, sizes))]
+    raise KeyError(f"rank {ctx.rank} holds no box {offsets}+{sizes} of {param}")
+
+
+def _box(offsets, sizes) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
+def source_owners(layout: Layout) -> dict[str, list[tuple[int, tuple, tuple]]]:
+    """Per parameter, its distinct source boxes and the lowest rank holding each (dp replica 0).
+
+    Replicas (dp, replicated kv heads, a tied head's copy) are left out: each box is read once.
+    """
+    owners: dict[str, list[tuple[int, tuple, tuple]]] = {}
+    seen = set()
+    for rank in range(layout.topology.world_size):
+        for s in layout.shards(rank):
+            if s.numel and (s.param, s.offsets, s.sizes) not in seen:
+                seen.add((s.param, s.offsets, s.sizes))
+                owners.setdefault(s.param, []).append((rank, s.offsets, s.sizes))
+    return owners
+
+
+# -- transport and memcpy probes ----------------------------------------------------------------
+
+
+def measure_transport(group, nbytes: int, reps: int = 3) -> dict:
+    """gloo p2p between ranks on different nodes, gloo all pairs across nodes, memcpy (one and all actors)."""
+    nodes = group.placement.nodes
+    first = [r for r in range(len(nodes)) if nodes[r] == nodes[0]]
+    other = [r for r in range(len(nodes)) if nodes[r] != nodes[0]]
+    peer = other[0] if other else (first[1] if len(first) > 1 else None)
+    pairs = list(zip(first, other)) if other else list(zip(first[::2], first[1::2]))
+    results = group.run(_probe, peer, pairs, nbytes, reps)
+    r0 = results[0]
+    agg = max(r["gloo_aggregate_seconds"] for r in results if r["gloo_aggregate_seconds"] is not None)
+    agg_bytes = sum(r["gloo_aggregate_bytes"] for r in results)
+    mem = max(r["memcpy_aggregate_seconds"] for r in results)
+    mem_bytes = sum(r["memcpy_aggregate_bytes"] for r in results)
+    p2p = results[peer]["gloo_p2p_seconds"] if peer is not None else None
+    return {
+        "gloo_p2p_pair": [0, peer], "gloo_p2p_cross_node": bool(other), "probe_bytes": nbytes,
+        "gloo_p2p_gbps": nbytes / p2p / 1e9 if p2p else 0.0,
+        "gloo_aggregate_pairs": len(pairs), "gloo_aggregate_gbps": agg_bytes / agg / 1e9,
+        "memcpy_1core_gbps": nbytes / r0["memcpy_warm_seconds"] / 1e9,
+        "memcpy_cold_gbps": nbytes / r0["memcpy_cold_seconds"] / 1e9,
+        "memcpy_shm_cold_gbps": nbytes / r0["memcpy_shm_cold_seconds"] / 1e9,
+        "memcpy_aggregate_gbps": mem_bytes / mem / 1e9,
+    }
+
+
+def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], nbytes: int, reps: int) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    assert rank == ctx.rank, f"world rank {rank} != group rank {ctx.rank}"
+    out: dict[str, Any] = {"gloo_p2p_seconds": None, "gloo_aggregate_seconds": None, "gloo_aggregate_bytes": 0}
+    # gloo p2p, rank 0 -> peer (receiver's clock), best of reps after a warm-up
+    if rank in (0, peer):
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+    best = math.inf
+    for i in range(reps + 1):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(buf[: (nbytes if i else MB)], peer)
+        elif rank == peer:
+            dist.recv(buf[: (nbytes if i else MB)], 0)
+        if i and rank == peer:
+            best = min(best, time.perf_counter() - t)
+    if rank == peer:
+        out["gloo_p2p_seconds"] = best
+    buf = None
+    # gloo, every cross-node pair exchanging at once (both directions), as a reallocation does
+    partner = {a: b for a, b in pairs} | {b: a for a, b in pairs}
+    chunk = max(MB, nbytes // 4)
+    if rank in partner:
+        send, recv = torch.ones(chunk, dtype=torch.uint8), torch.empty(chunk, dtype=torch.uint8)
+        recv.fill_(0)
+    best = math.inf
+    for i in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank in partner:
+            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner[rank]),
+                                               dist.P2POp(dist.irecv, recv, partner[rank])]):
+                req.wait()
+        best = min(best, time.perf_counter() - t)
+    if rank in partner:
+        out["gloo_aggregate_seconds"], out["gloo_aggregate_bytes"] = best, chunk
+        send = recv = None
+    # memcpy on one core (rank 0 alone): warm, into fresh anonymous memory, into a fresh /dev/shm file
+    dist.barrier()
+    if rank == 0:
+        a = torch.ones(nbytes, dtype=torch.uint8)
+        b = torch.zeros(nbytes, dtype=torch.uint8)
+        out["memcpy_warm_seconds"] = min(_timed(lambda: b.copy_(a)) for _ in range(reps))
+        b = None
+        cold = []
+        for _ in range(reps):
+            c = torch.empty(nbytes, dtype=torch.uint8)
+            cold.append(_timed(lambda: c.copy_(a)))
+            c = None
+        out["memcpy_cold_seconds"] = min(cold)
+        cold = []
+        for _ in range(reps):
+            path = f"/dev/shm/realloc-bench-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                c = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+                cold.append(_timed(lambda: c.copy_(a)))
+                c = None
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        out["memcpy_shm_cold_seconds"] = min(cold)
+        a = None
+    # memcpy on every actor at once (the machine's aggregate copy rate)
+    chunk = max(MB, nbytes // 4)
+    a = torch.ones(chunk, dtype=torch.uint8)
+    b = torch.zeros(chunk, dtype=torch.uint8)
+    best = math.inf
+    for _ in range(reps):
+        dist.barrier()
+        best = min(best, _timed(lambda: b.copy_(a)))
+    out["memcpy_aggregate_seconds"], out["memcpy_aggregate_bytes"] = best, chunk
+    dist.barrier()
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# -- baseline (a): through the driver -----------------------------------------------------------
+
+
+def baseline_driver(group, dst: Topology) -> tuple[float, dict]:
+    """Fetch dp replica 0's shards to the driver, assemble, re-slice, push per destination coordinate."""
+    import ray
+
+    spec, src = group.spec, group.topology
+    vpm = group.vocab_pad_multiple
+    dst_layout = Layout(spec, dst, vpm)
+    replica0 = [r for r in range(group.num_workers) if src.coords(r)[0] == 0]
+    started = time.perf_counter()
+    fetched = ray.get([group.actors[r].run.remote(_export_boxes, (), {}) for r in replica0])
+    t_fetch = time.perf_counter()
+    full = {p.name: torch.empty(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in spec.params}
+    for boxes in fetched:
+        for param, offsets, sizes, array in boxes:
+            full[param][_box(offsets, sizes)] = _from_numpy(array, spec.param(param).dtype, sizes)
+    fetched = None
+    t_assemble = time.perf_counter()
+    refs = {}
+    for tp_rank in range(dst.tp):
+        for pp_rank in range(dst.pp):
+            shards = dst_layout.shards_at(tp_rank, pp_rank)
+            refs[tp_rank, pp_rank] = ray.put([
+                (s.param, s.offsets, s.sizes, _to_numpy(full[s.param][_box(s.offsets, s.sizes)]))
+                for s in shards if s.numel])
+    full = None
+    t_put = time.perf_counter()
+    group.run(_receive_boxes, [refs], spec, dst, vpm)
+    done = time.perf_counter()
+    refs = None
+    return done - started, {"phases": {"fetch": t_fetch - started, "assemble": t_assemble - t_fetch,
+                                       "slice_and_put": t_put - t_assemble, "actors_get_and_write": done - t_put},
+                            "objects_put": dst.tp * dst.pp}
+
+
+def _to_numpy(t: torch.Tensor):
+    """Contiguous bytes as a numpy array (Ray ships numpy out of band, zero-copy on read)."""
+    return t.contiguous().view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.contiguous().numpy()
+
+
+def _from_numpy(array, dtype: str, sizes) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # arrays from the object store are read-only; we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array).view(TORCH_DTYPES[dtype]).view(sizes)
+
+
+def _export_boxes(ctx) -> list:
+    return [(s.param, s.offsets, s.sizes, _to_numpy(_local_view(ctx, s.param, s.offsets, s.sizes)))
+            for s in ctx.shards if s.numel]
+
+
+def _receive_boxes(ctx, refs: list[dict], spec, dst: Topology, vpm: int) -> None:
+    import ray
+
+    store = _new_dst_store(spec, dst, ctx.rank, vpm)
+    _, tp_rank, pp_rank = dst.coords(ctx.rank)
+    for param, offsets, sizes, array in ray.get(refs[0][tp_rank, pp_rank]):
+        store.write(param, offsets, sizes, _from_numpy(array, store_dtype(store, param), sizes))
+
+
+def store_dtype(store: ShardStore, param: str) -> str:
+    return store.by_param[param][0][0].dtype
+
+
+# -- baseline (b): per-parameter gather + broadcast (OpenRLHF style) ----------------------------
+
+
+def baseline_broadcast(group, dst: Topology) -> tuple[float, dict]:
+    owners = source_owners(group.layout())
+    started = time.perf_counter()
+    group.run(_broadcast_fn, group.spec, owners, dst, group.vocab_pad_multiple)
+    return time.perf_counter() - started, {"broadcast_bytes_per_rank": group.spec.total_bytes()}
+
+
+def _broadcast_fn(ctx, spec, owners: dict, dst: Topology, vpm: int) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    assert rank == ctx.rank, f"world rank {rank} != group rank {ctx.rank}"
+    store = _new_dst_store(spec, dst, rank, vpm)
+    for p in spec.params:
+        boxes = owners[p.name]
+        root = boxes[0][0]
+        full = torch.empty(p.shape, dtype=TORCH_DTYPES[p.dtype])
+        if rank == root:
+            requests, pending = [], []
+            for r, offsets, sizes in boxes:
+                if r == root:
+                    full[_box(offsets, sizes)].copy_(_local_view(ctx, p.name, offsets, sizes))
+                    continue
+                target = full[_box(offsets, sizes)]
+                into = target if target.is_contiguous() else torch.empty(sizes, dtype=full.dtype)
+                requests.append(dist.irecv(into, r))
+                if into is not target:
+                    pending.append((target, into))
+            for req in requests:
+                req.wait()
+            for target, into in pending:
+                target.copy_(into)
+        else:
+            sends = [dist.isend(_local_view(ctx, p.name, offsets, sizes).contiguous(), root)
+                     for r, offsets, sizes in boxes if r == rank]
+            for req in sends:
+                req.wait()
+        dist.broadcast(full, root)
+        for shard, _ in store.by_param.get(p.name, ()):
+            if shard.numel:
+                store.write(p.name, shard.offsets, shard.sizes, full[_box(shard.offsets, shard.sizes)])
+
+
+# -- baseline (c): torch.distributed.checkpoint through /dev/shm --------------------------------
+
+
+def baseline_dcp(group, dst: Topology) -> tuple[float, dict]:
+    owners = source_owners(group.layout())
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    path = os.path.join(base, f"realloc-bench-dcp-{uuid.uuid4().hex[:12]}")
+    started = time.perf_counter()
+    try:
+        phases = group.run(_dcp_fn, group.spec, owners, dst, group.vocab_pad_multiple, path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # the timed run removes it; this is for failures
+    return time.perf_counter() - started, {"checkpoint_dir": base, "phases": phases[0]}
+
+
+def _sharded(local_shards: list[tuple[torch.Tensor, tuple, tuple]], shape, dtype, rank: int):
+    """A ShardedTensor holding only this rank's shards (DCP plans from local shards alone)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    metas = [ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/cpu") for _, offsets, sizes in local_shards]
+    shards = [Shard(t, m) for (t, _, _), m in zip(local_shards, metas)]
+    meta = ShardedTensorMetadata(metas, torch.Size(shape), TensorProperties(dtype=dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, meta, sharding_spec=EnumerableShardingSpec(metas))
+
+
+def _dcp_fn(ctx, spec, owners: dict, dst: Topology, vpm: int, path: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    assert rank == ctx.rank, f"world rank {rank} != group rank {ctx.rank}"
+    t0 = time.perf_counter()
+    state = {}
+    for p in spec.params:
+        mine = [(_local_view(ctx, p.name, o, s), o, s) for r, o, s in owners[p.name] if r == rank]
+        if mine:
+            state[p.name] = _sharded(mine, p.shape, TORCH_DTYPES[p.dtype], rank)
+    dcp.save(state, checkpoint_id=path)
+    state = None
+    t1 = time.perf_counter()
+    store = _new_dst_store(spec, dst, rank, vpm)
+    target = {}
+    for name, entries in store.by_param.items():
+        p = spec.param(name)
+        mine = [(local[tuple(slice(0, n) for n in s.sizes)], s.offsets, s.sizes) for s, local in entries if s.numel]
+        if mine:
+            target[name] = _sharded(mine[:1], p.shape, TORCH_DTYPES[p.dtype], rank)
+    dcp.load(target, checkpoint_id=path)
+    for entries in store.by_param.values():  # a param held twice (tied head) gets the second copy too
+        for s, local in entries[1:]:
+            if s.numel:
+                store.write(s.param, s.offsets, s.sizes, entries[0][1][tuple(slice(0, n) for n in s.sizes)])
+    t2 = time.perf_counter()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return {"save": t1 - t0, "load": t2 - t1, "rm": time.perf_counter() - t2}
+
+
+BASELINE_FNS = {"driver": baseline_driver, "broadcast": baseline_broadcast, "dcp": baseline_dcp}

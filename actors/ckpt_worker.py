@@ -1,0 +1,275 @@
+"""Checkpoint methods of a :class:`~actors.worker.ShardWorker` (mixed into the actor class).
+
+Every method takes the checkpoint root and run id from the driver, so a replacement worker on
+a fresh node needs no set-up. A worker only ever touches its own node's directory; bytes for
+other nodes go over the group's process group, as plans from the one planner.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.executor import PeerView, StepRunner
+from realloc.ckpt.errors import CorruptFileError
+from realloc.ckpt.files import (build_rank_file, buffers_from_bytes, check_bytes, read_shard, read_verified,
+                                write_rank_file)
+from realloc.ckpt.local_store import Listing, NodeStore
+from realloc.ckpt.manifest import CheckpointId, Manifest
+from realloc.ckpt.replication import file_param
+from realloc.ckpt.reshard import Key, ReadTask, box_of_local, boxes_store
+from realloc.plan import Plan
+from realloc.shards import ShardStore, copy_local
+
+FAULT_MODES = ("raise", "exit")
+
+
+@dataclass(frozen=True)
+class CheckpointFault:
+    """Test hook: rank ``rank`` fails after writing its tensors file, before its manifest.
+
+    ``mode="raise"`` raises inside the write; ``mode="exit"`` kills the worker process there
+    (a crash in the middle of a save).
+    """
+
+    rank: int
+    mode: str = "raise"
+
+    def __post_init__(self) -> None:
+        if self.mode not in FAULT_MODES:
+            raise ValueError(f"fault mode {self.mode!r} is not one of {FAULT_MODES}")
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"fault rank must be a non-negative integer, got {self.rank!r}")
+
+    def trigger(self) -> None:
+        if self.mode == "exit":
+            os._exit(17)
+        raise RuntimeError(f"injected checkpoint fault on rank {self.rank}")
+
+
+@dataclass
+class _SaveJob:
+    thread: threading.Thread | None = None
+    manifest: Manifest | None = None
+    data: torch.Tensor | None = None  # the file's bytes, kept for replication
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class _CheckpointState:
+    saves: dict[int, _SaveJob] = field(default_factory=dict)
+    sources: dict[Key, torch.Tensor] = field(default_factory=dict)  # read for the coming exchange
+
+
+class CheckpointMixin:
+    """Runs inside a ShardWorker: uses ``spec, layout, rank, buffers, device, transport, allocator, node_id``."""
+
+    def _ckpt(self) -> _CheckpointState:
+        state = getattr(self, "_ckpt_state", None)
+        if state is None:
+            state = self._ckpt_state = _CheckpointState()
+        return state
+
+    def _node_store(self, root: str, run_id: str) -> NodeStore:
+        return NodeStore(root, run_id, self.node_id)
+
+    # -- save --------------------------------------------------------------------------------
+    def ckpt_save(self, root: str, run_id: str, iteration: int, is_async: bool,
+                  fault: CheckpointFault | None = None) -> dict:
+        """Write this rank's file; with ``is_async`` snapshot the buffers and write in a thread."""
+        if self.layout is None or self.buffers is None:
+            raise RuntimeError("worker has no layout yet")
+        layout, rank, node = self.layout, self.rank, self.node_id
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # A synchronous save serialises straight from the buffers (that is the copy); an async one
+        # must copy first, because training writes into the buffers while the thread serialises.
+        snapshot = {d: t.detach().to("cpu", copy=True) for d, t in self.buffers.items()} if is_async else self.buffers
+        job = _SaveJob()
+        self._ckpt().saves[iteration] = job
+        directory = self._node_store(root, run_id).iteration_dir(iteration)
+
+        def write() -> None:
+            started = time.perf_counter()
+            try:
+                data, manifest = build_rank_file(CheckpointId(run_id, iteration, rank), layout, snapshot, node)
+                view = np.frombuffer(data, dtype=np.uint8)
+                write_rank_file(directory, view, manifest, fault.trigger if fault is not None else None)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # read-only bytes; the exchange only reads them
+                    job.data = torch.from_numpy(view)
+                job.manifest = manifest
+            except BaseException as exc:  # noqa: BLE001 - reported to the driver by ckpt_save_result
+                job.error = exc
+            job.seconds = time.perf_counter() - started
+
+        if is_async:
+            job.thread = threading.Thread(target=write, name=f"ckpt-save-{iteration}", daemon=True)
+            job.thread.start()
+            return {"rank": rank, "async": True}
+        write()
+        return self.ckpt_save_result(iteration)
+
+    def ckpt_save_result(self, iteration: int) -> dict:
+        """Wait for this rank's write of ``iteration``; its manifest, or the write's exception."""
+        job = self._ckpt().saves.get(iteration)
+        if job is None:
+            raise RuntimeError(f"no save of iteration {iteration} was started on this worker")
+        if job.thread is not None:
+            job.thread.join()
+        if job.error is not None:
+            self._ckpt().saves.pop(iteration, None)
+            raise job.error
+        return {"rank": self.rank, "manifest": job.manifest, "seconds": job.seconds, "node": self.node_id}
+
+    # -- listing and clean-up ----------------------------------------------------------------
+    def ckpt_list(self, root: str, run_id: str, iterations: list[int] | None = None) -> Listing:
+        return self._node_store(root, run_id).list(set(iterations) if iterations is not None else None)
+
+    def ckpt_cleanup(self, root: str, run_id: str, below: int | None = None, only: int | None = None) -> list[int]:
+        return self._node_store(root, run_id).remove_iterations(below=below, only=only)
+
+    def ckpt_forget(self) -> None:
+        """Drop every cached checkpoint byte (after a failure, or when a save is final)."""
+        state = self._ckpt()
+        state.sources.clear()
+        state.saves = {i: j for i, j in state.saves.items() if j.thread is not None and j.thread.is_alive()}
+
+    # -- reading for an exchange -------------------------------------------------------------
+    def ckpt_read_files(self, root: str, run_id: str, manifests: dict[int, Manifest]) -> dict:
+        """Read and sha256-check whole rank files of this node for the coming exchange.
+
+        Returns ``{"bad": {rank: reason}, "bytes": read, "seconds": ...}``; good files stay cached.
+        """
+        started, read, bad = time.perf_counter(), 0, {}
+        store, sources = self._node_store(root, run_id), self._ckpt().sources
+        for rank, manifest in sorted(manifests.items()):
+            key = (file_param(rank), (0,), (manifest.file_bytes,))
+            if key in sources:
+                continue
+            try:
+                sources[key] = read_verified(store.paths(manifest.id)[0], manifest)
+                read += manifest.file_bytes
+            except CorruptFileError as exc:
+                bad[rank] = exc.reason
+        return {"bad": bad, "bytes": read, "seconds": time.perf_counter() - started}
+
+    def ckpt_read_boxes(self, root: str, run_id: str, tasks: list[ReadTask], manifests: dict[int, Manifest]) -> dict:
+        """Read (and crc-check) single stored shards of this node's files; returns the failed tasks."""
+        started, read, bad = time.perf_counter(), 0, []
+        store, sources = self._node_store(root, run_id), self._ckpt().sources
+        for task in tasks:
+            if task.key in sources:
+                continue
+            manifest = manifests[task.rank]
+            try:
+                local = read_shard(store.paths(manifest.id)[0], manifest, task.record)
+            except CorruptFileError as exc:
+                bad.append((task, exc.reason))
+                continue
+            box = box_of_local(local, task.record)
+            sources[task.key] = box.clone() if box.numel() != local.numel() else box
+            read += task.nbytes
+        return {"bad": bad, "bytes": read, "seconds": time.perf_counter() - started}
+
+    # -- exchange ----------------------------------------------------------------------------
+    def ckpt_exchange(self, plan: Plan, me: int, peers: list[PeerView], mode: str, payload: dict[str, Any]) -> dict:
+        """Run my part of a checkpoint plan, then finish it.
+
+        ``mode``: ``"replicate"`` (send my new file, write the files I receive to my node),
+        ``"restore"`` (receive my own rank file, install its buffers) or ``"reshard"`` (receive my
+        shards of the current layout from the readers' boxes).
+        """
+        started = time.perf_counter()
+        state = self._ckpt()
+        new_buffers = None
+        try:
+            if mode == "replicate":
+                job = state.saves[payload["iteration"]]
+                src = boxes_store({(file_param(self.rank), (0,), (job.data.numel(),)): job.data})
+            else:
+                src = boxes_store(state.sources) if state.sources else None
+            incoming: dict[int, Manifest] = payload.get("incoming", {})
+            if mode == "reshard":
+                new_buffers = self.allocator.allocate(self.layout.buffer_numels(self.rank))
+                dst = ShardStore(self.layout.shards(self.rank), new_buffers)
+            else:
+                dst = boxes_store({(file_param(r), (0,), (m.file_bytes,)): torch.zeros(m.file_bytes, dtype=torch.uint8)
+                                   for r, m in incoming.items()}) if incoming else None
+            moved = {"local": 0, "intra": 0, "inter": 0}
+            for worker, j in plan.local_copies:
+                if worker == me:
+                    moved["local"] += copy_local(src, dst, plan.segment_list(j))
+            runner = StepRunner(self.transport, self.device, plan, me, peers, src, dst, None)
+            for s in range(len(plan.steps)):
+                for kind, nbytes in runner.run_step(s):
+                    moved[kind] += nbytes
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            exchanged = time.perf_counter()
+            written = self._finish_exchange(mode, payload, incoming, dst, new_buffers)
+        except BaseException:
+            if mode == "reshard" and new_buffers is not None:
+                self.allocator.release(new_buffers)
+            raise
+        finally:
+            state.sources.clear()
+            if mode == "replicate":
+                state.saves.pop(payload["iteration"], None)
+        return {"bytes": moved, "seconds": exchanged - started, "finish_seconds": time.perf_counter() - exchanged,
+                "written": written}
+
+    def _finish_exchange(self, mode: str, payload: dict, incoming: dict[int, Manifest], dst: ShardStore | None,
+                         new_buffers: dict | None) -> int:
+        if mode == "reshard":
+            self._install(new_buffers)
+            return 0
+        files = {r: dst.view(file_param(r), (0,), (m.file_bytes,)) for r, m in incoming.items()}
+        if mode == "replicate":
+            store = self._node_store(payload["root"], payload["run_id"])
+            for r, m in files.items():
+                check_bytes(m, incoming[r], f"replica of rank {r} on {self.node_id}")
+                write_rank_file(store.iteration_dir(payload["iteration"]), m.numpy(), incoming[r])
+            return len(files)
+        if mode == "restore":
+            manifest = incoming[self.rank]
+            data = files[self.rank]
+            check_bytes(data, manifest, f"rank {self.rank} file received on {self.node_id}")
+            loaded = buffers_from_bytes(data, manifest)
+            expected = self.layout.buffer_numels(self.rank)
+            if {d: t.numel() for d, t in loaded.items()} != expected:
+                raise CorruptFileError(str(manifest.id), f"buffers do not fit rank {self.rank} of {self.layout.topology}")
+            fresh = self.allocator.allocate(expected)
+            for d, t in loaded.items():
+                fresh[d].copy_(t)
+            self._install(fresh)
+            return 0
+        raise ValueError(f"unknown checkpoint exchange mode {mode!r}")
+
+    def _install(self, fresh: dict[str, torch.Tensor]) -> None:
+        old, self.buffers = self.buffers, fresh
+        self.allocator.release(old)
+
+    # -- Hugging Face import -----------------------------------------------------------------
+    def ckpt_import_hf(self, path: str, tensors: dict, mapping: dict[str, str]) -> dict:
+        """Read this rank's boxes from a HF safetensors directory (visible on this node)."""
+        from realloc.ckpt.hf import load_shards
+
+        started = time.perf_counter()
+        fresh = self.allocator.allocate(self.layout.buffer_numels(self.rank))
+        try:
+            shards = self.layout.shards(self.rank)
+            read = load_shards(path, tensors, mapping, shards, ShardStore(shards, fresh))
+        except BaseException:
+            self.allocator.release(fresh)
+            raise
+        self._install(fresh)
+        return {"bytes": read, "seconds": time.perf_counter() - started}
