@@ -35,7 +35,8 @@ class Placement:
     @staticmethod
     def blocks(num_workers: int, per_node: int) -> "Placement":
         """Workers filled into nodes in order, ``per_node`` each (the usual GPU-cluster packing)."""
-        if num_workers < 1 or per_node < 1:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (num_workers, per_node)) \
+                or num_workers < 1 or per_node < 1:
             raise ValueError(f"need positive num_workers and per_node, got {num_workers} and {per_node}")
         return Placement(tuple(f"node-{w // per_node}" for w in range(num_workers)))
 

@@ -136,18 +136,35 @@ class Plan:
 
     @staticmethod
     def from_json(data: dict) -> "Plan":
+        """Rebuild a plan from :meth:`to_json` output; malformed input raises ``ValueError``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
         if data.get("format") != PLAN_FORMAT:
             raise ValueError(f"plan format {data.get('format')!r} is not supported (expected {PLAN_FORMAT})")
-        return Plan(
-            segments=[Segment(p, tuple(o), tuple(s), d) for p, o, s, d in data["segments"]],
-            segment_lists=[tuple(x) for x in data["segment_lists"]],
-            local_copies=[(w, s) for w, s in data["local_copies"]],
-            steps=[[(a, b, c) for a, b, c in step] for step in data["steps"]],
-            bucket_bytes=data["bucket_bytes"],
-            nodes=tuple(data["nodes"]),
-            forward_from=data["forward_from"],
-            stats=data.get("stats", {}),
-        )
+        missing = [k for k in ("bucket_bytes", "nodes", "forward_from", "segments", "segment_lists",
+                               "local_copies", "steps") if k not in data]
+        if missing:
+            raise ValueError(f"plan JSON lacks {missing}")
+        try:
+            plan = Plan(
+                segments=[Segment(p, tuple(o), tuple(s), d) for p, o, s, d in data["segments"]],
+                segment_lists=[tuple(x) for x in data["segment_lists"]],
+                local_copies=[(w, s) for w, s in data["local_copies"]],
+                steps=[[(a, b, c) for a, b, c in step] for step in data["steps"]],
+                bucket_bytes=data["bucket_bytes"],
+                nodes=tuple(data["nodes"]),
+                forward_from=data["forward_from"],
+                stats=data.get("stats", {}),
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"malformed plan JSON: {err}") from None
+        n_seg, n_lists = len(plan.segments), len(plan.segment_lists)
+        if any(not 0 <= i < n_seg for lst in plan.segment_lists for i in lst):
+            raise ValueError("malformed plan JSON: a segment list names a segment that does not exist")
+        if any(not 0 <= j < n_lists for _, j in plan.local_copies) or any(
+                not 0 <= j < n_lists for step in plan.steps for _, _, j in step):
+            raise ValueError("malformed plan JSON: a route names a segment list that does not exist")
+        return plan
 
 
 def buckets(segments: list[Segment], bucket_bytes: int) -> list[list[Piece]]:

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from realloc.boxes import Box, contains, inside_shape, split_rows
 from realloc.layout import Group, Layout
@@ -63,7 +62,8 @@ class Bandwidths:
 
     def __post_init__(self) -> None:
         for name in ("intra_node", "inter_node", "local_copy"):
-            if not getattr(self, name) > 0:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"bandwidth {name} must be positive, got {getattr(self, name)!r}")
 
 
@@ -346,6 +346,8 @@ class _Router:
                 for c, h in enumerate(holders):
                     if (h, node) in self.pairs:
                         cost[r, c * slots_per:(c + 1) * slots_per] -= bonus * nbytes
+            from scipy.optimize import linear_sum_assignment  # 0.4 s to import; most plans never need it
+
             row_ind, col_ind = linear_sum_assignment(cost)
             out = [""] * len(rows)
             for r, c in zip(row_ind, col_ind):

@@ -28,6 +28,6 @@ def preset_names() -> list[str]:
 
 def preset(name: str) -> ModelSpec:
     """The spec of a named model (``realloc.presets.preset_names()`` lists them)."""
-    if name not in _PRESETS:
+    if not isinstance(name, str) or name not in _PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
     return decoder_spec(name, **_PRESETS[name])

@@ -224,6 +224,7 @@ def decoder_spec(
     vocab: int,
     head_dim: int | None = None,
     qkv_bias: bool = False,
+    qk_norm: bool = False,
     tied: bool = False,
     dtype: str = "bfloat16",
     norm_dtype: str | None = None,
@@ -232,6 +233,7 @@ def decoder_spec(
 
     Embedding and head split on vocab (dim 0, padded to tp); q/k/v/gate/up column-parallel (dim 0);
     o/down row-parallel (dim 1); norms replicated; k/v heads replicated when tp > kv heads.
+    ``qk_norm`` adds Qwen3's per-head RMSNorm weights (``self_attn.q_norm``/``k_norm``, replicated).
     """
     kv_heads = kv_heads or heads
     head_dim = head_dim or hidden // heads
@@ -259,6 +261,9 @@ def decoder_spec(
             add("self_attn.k_proj.bias", (kv_heads * head_dim,), 0, head_dim, True)
             add("self_attn.v_proj.bias", (kv_heads * head_dim,), 0, head_dim, True)
         add("self_attn.o_proj.weight", (hidden, heads * head_dim), 1, head_dim)
+        if qk_norm:
+            add("self_attn.q_norm.weight", (head_dim,), None, dt=norm_dtype)
+            add("self_attn.k_norm.weight", (head_dim,), None, dt=norm_dtype)
         add("post_attention_layernorm.weight", (hidden,), None, dt=norm_dtype)
         add("mlp.gate_proj.weight", (intermediate, hidden), 0)
         add("mlp.up_proj.weight", (intermediate, hidden), 0)

@@ -1,0 +1,383 @@
+"""The ``realloc`` command line.
+
+Each subcommand is registered by an ``add_<name>_parser(subparsers)`` function that sets
+``func`` (called with the parsed arguments, returns the exit status). Commands that need Ray
+(``demo``, ``bench``, ``ckpt-demo``) live in ``actors.cli_commands``, whose ``register(subparsers)``
+is called when that module imports. Importing ``actors`` pulls in ray and torch, so it happens
+only for commands other than the built-in ``plan`` and ``presets``: ``realloc plan`` has to start
+fast (it imports torch only for ``--verify``).
+
+Exit status: 0 success, 1 ``--verify`` found a mismatch, 2 invalid input (one line
+``realloc: error: <message>`` on stderr) or a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+from realloc.layout import Layout
+from realloc.placement import Placement
+from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths, plan_reallocation
+from realloc.presets import preset, preset_names
+from realloc.spec import ModelSpec
+from realloc.topology import Topology
+
+if TYPE_CHECKING:
+    from realloc.plan import Plan
+
+PROG = "realloc"
+#: Subcommands defined in this module; any other command word loads ``actors.cli_commands``.
+BUILTIN_COMMANDS = ("plan", "presets")
+#: ``--verify`` materialises the model about once per rank (full tensors, source and destination
+#: shards); beyond this it would swap rather than check anything.
+VERIFY_LIMIT_BYTES = 2 << 30
+#: Per-rank and per-node tables, left out of ``--json`` unless ``--full-stats`` (huge at 16k ranks).
+_TABLE_STATS = ("node_egress_bytes", "node_ingress_bytes", "rank_send_bytes", "rank_recv_bytes")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``realloc`` command line and return its exit status.
+
+    Example:
+        >>> main(["plan", "--model", "tiny", "--src", "tp=2", "--dst", "dp=2", "--json"])  # doctest: +ELLIPSIS
+        {"model": "tiny", ...}
+        0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(extensions=_command_of(argv) not in BUILTIN_COMMANDS)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed help (status 0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+def build_parser(*, extensions: bool = True) -> argparse.ArgumentParser:
+    """The argument parser with the built-in subcommands and, if ``extensions``, the Ray-side ones."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Plan and run parameter reallocation between 3D-parallel layouts."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_plan_parser(subparsers)
+    add_presets_parser(subparsers)
+    if extensions:
+        _register_extensions(subparsers)
+    return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _register_extensions(subparsers: Any) -> None:
+    # Importing the actors package brings in ray and torch (seconds), so main() only calls this
+    # when the command is not a built-in one (or for the top-level help, which lists them all).
+    try:
+        from actors import cli_commands  # type: ignore[attr-defined]
+    except ImportError:
+        return  # the Ray-side commands are optional; planning works without them
+    register = getattr(cli_commands, "register", None)
+    if callable(register):
+        register(subparsers)
+
+
+# -- realloc plan ---------------------------------------------------------------------------
+
+
+def add_plan_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan a reallocation between two layouts and print its statistics",
+        description="Plan moving a model from one dp/tp/pp layout to another on the same workers "
+        "(filled into nodes in rank order) and print the plan's statistics.",
+    )
+    p.add_argument("--model", required=True, help="preset name (see 'realloc presets'), config.json or its directory")
+    p.add_argument("--src", required=True, help="source layout, e.g. dp=2,tp=4,pp=2")
+    p.add_argument("--dst", required=True, help="destination layout, e.g. dp=8,tp=2,pp=1")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="workers per node (default 8)")
+    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
+                   help=f"bucket size in MiB (default {DEFAULT_BUCKET_BYTES >> 20})")
+    p.add_argument("--intra-gbps", type=float, default=Bandwidths().intra_node / 1e9,
+                   help="intra-node bandwidth in GB/s for the time estimate (default %(default)g)")
+    p.add_argument("--inter-gbps", type=float, default=Bandwidths().inter_node / 1e9,
+                   help="inter-node bandwidth in GB/s per worker for the time estimate (default %(default)g)")
+    p.add_argument("--vocab-pad-multiple", type=int, default=1,
+                   help="pad vocabulary shards to a multiple of this times tp (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
+    p.add_argument("--verify", action="store_true",
+                   help="execute the plan in-process on random weights and check every destination shard "
+                   "(small models only)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of --verify's weights (default 0)")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``realloc plan``: returns 0, or 1 when ``--verify`` finds a wrong shard."""
+    spec = load_model(args.model)
+    src = _topology(args.src, "--src")
+    dst = _topology(args.dst, "--dst")
+    if src.world_size != dst.world_size:
+        raise ValueError(
+            f"--src {src} has {src.world_size} ranks but --dst {dst} has {dst.world_size}; "
+            "a reallocation keeps the same workers, so both must have the same dp*tp*pp"
+        )
+    bucket_bytes = _bucket_bytes(args.bucket_mb)
+    bandwidths = Bandwidths(intra_node=_gbps(args.intra_gbps, "--intra-gbps"),
+                            inter_node=_gbps(args.inter_gbps, "--inter-gbps"))
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
+    if args.vocab_pad_multiple < 1:
+        raise ValueError(f"--vocab-pad-multiple must be a positive integer, got {args.vocab_pad_multiple}")
+    placement = Placement.blocks(src.world_size, args.gpus_per_node)
+    if args.verify:
+        _check_verify_size(spec, src.world_size)
+
+    # Planning 16k ranks allocates millions of small acyclic objects; the cyclic collector
+    # rescanning them would add about a third to the planning time.
+    gc.disable()
+    try:
+        started = time.perf_counter()
+        src_layout = _layout(spec, src, args.vocab_pad_multiple, "--src")
+        dst_layout = _layout(spec, dst, args.vocab_pad_multiple, "--dst")
+        plan = plan_reallocation(spec, src_layout, dst_layout, placement,
+                                 bucket_bytes=bucket_bytes, bandwidths=bandwidths)
+        plan_seconds = time.perf_counter() - started
+    finally:
+        gc.enable()
+
+    report = plan_report(spec, src, dst, placement, plan, plan_seconds, full=args.full_stats)
+    if args.verify:
+        report.update(verify_plan(src_layout, dst_layout, plan, seed=args.seed))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_summary(report))
+    return 0 if report.get("verified", True) else 1
+
+
+def load_model(text: str) -> ModelSpec:
+    """A preset by name, or the spec of a HF ``config.json`` (file or directory).
+
+    Example:
+        >>> load_model("tiny").num_layers
+        4
+    """
+    if text in preset_names():
+        return preset(text)
+    if os.path.exists(text) or os.sep in text or text.endswith(".json"):
+        from realloc.hf_config import spec_from_hf_config
+
+        return spec_from_hf_config(text)
+    raise ValueError(
+        f"unknown model {text!r}: not a preset (known: {', '.join(preset_names())}) "
+        "and not an existing config.json or directory"
+    )
+
+
+def _topology(text: str, option: str) -> Topology:
+    try:
+        return Topology.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+
+
+def _layout(spec: ModelSpec, topology: Topology, vocab_pad_multiple: int, option: str) -> Layout:
+    try:
+        return Layout(spec, topology, vocab_pad_multiple)
+    except ValueError as exc:
+        raise ValueError(f"{option} {topology}: {exc}") from None
+
+
+def _bucket_bytes(mib: float) -> int:
+    if not math.isfinite(mib) or mib * 2**20 < 1024:
+        raise ValueError(f"--bucket-mb must be a number of MiB of at least 1/1024 (1 KiB), got {mib}")
+    return int(mib * 2**20)
+
+
+def _gbps(value: float, option: str) -> float:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{option} must be a positive number of GB/s, got {value}")
+    return value * 1e9
+
+
+def plan_report(spec: ModelSpec, src: Topology, dst: Topology, placement: Placement, plan: "Plan",
+                plan_seconds: float, *, full: bool = False) -> dict[str, Any]:
+    """The JSON-ready statistics of a plan (per-node/per-rank tables only when ``full``)."""
+    stats = {k: v for k, v in plan.stats.items() if full or k not in _TABLE_STATS}
+    stats.pop("plan_seconds", None)  # the planner's own timer leaves out the layouts
+    return {
+        "model": spec.name,
+        "model_parameters": sum(p.numel for p in spec.params),
+        "model_bytes": spec.total_bytes(),
+        "src": str(src),
+        "dst": str(dst),
+        "world_size": src.world_size,
+        "num_nodes": placement.num_nodes,
+        "gpus_per_node": placement.per_node(),
+        "bucket_bytes": plan.bucket_bytes,
+        "plan_seconds": plan_seconds,
+        **stats,
+    }
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """Human-readable lines of a :func:`plan_report` (plus ``verified`` when present)."""
+    bw = report["bandwidths"]
+    lines = [
+        ("model", f"{report['model']} ({report['model_parameters']:,} parameters, {_size(report['model_bytes'])})"),
+        ("source", report["src"]),
+        ("destination", report["dst"]),
+        ("ranks", f"{report['world_size']} on {report['num_nodes']} nodes ({report['gpus_per_node']} per node)"),
+        ("bytes moved", f"{_size(report['bytes_total'])} (intra-node {_size(report['bytes_intra_node'])}, "
+                        f"inter-node {_size(report['bytes_inter_node'])})"),
+        ("inter-node lower bound", _size(report["lower_bound_inter_node_bytes"])),
+        ("local copies", _size(report["bytes_local_copy"])),
+        ("max node egress", _size(report["max_node_egress_bytes"])),
+        ("max node ingress", _size(report["max_node_ingress_bytes"])),
+        ("steps", f"{report['num_steps']} ({report['num_routes']} routes, {report['num_buckets']} buckets "
+                  f"of at most {report['bucket_bytes'] / 2**20:g} MiB)"),
+        ("estimated time", f"{report['estimated_seconds']:.3g} s at {bw['intra_node'] / 1e9:g} GB/s intra-node, "
+                           f"{bw['inter_node'] / 1e9:g} GB/s inter-node"),
+        ("plan time", f"{report['plan_seconds']:.3f} s"),
+    ]
+    if "verified" in report:
+        lines.append(("verified", "yes" if report["verified"] else
+                      f"NO: {report['mismatched_shards']} shards differ, e.g. {report['mismatches']}"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+
+
+def _size(nbytes: int) -> str:
+    """Decimal units, matching the GB/s of the bandwidth options; exact counts are in --json."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3f} {unit}"
+    return f"{nbytes} B"
+
+
+# -- --verify -------------------------------------------------------------------------------
+
+
+def _check_verify_size(spec: ModelSpec, world_size: int) -> None:
+    need = spec.total_bytes() * world_size
+    if need > VERIFY_LIMIT_BYTES:
+        raise ValueError(
+            f"--verify would hold about {need / 2**30:.1f} GiB ({spec.name} is {spec.total_bytes():,} bytes "
+            f"x {world_size} ranks); the limit is {VERIFY_LIMIT_BYTES / 2**30:g} GiB: use a smaller model "
+            "(e.g. --model tiny) or fewer ranks"
+        )
+
+
+def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: int = 0) -> dict[str, Any]:
+    """Execute ``plan`` in-process on seeded random weights and compare every destination shard
+    (and its padding, which must stay zero) with the slice of the full tensors it should hold.
+
+    Example:
+        >>> from realloc import ModelSpec, Topology, plan_reallocation
+        >>> spec = ModelSpec.preset("tiny")
+        >>> a, b = Layout(spec, Topology(tp=2)), Layout(spec, Topology(dp=2))
+        >>> verify_plan(a, b, plan_reallocation(spec, a, b, Placement.blocks(2, 1)))["verified"]
+        True
+    """
+    import torch
+
+    from realloc.local_executor import execute_in_process
+    from realloc.shards import ShardStore, allocate_buffers
+
+    full = _random_weights(src_layout.spec, seed)
+    world = src_layout.topology.world_size
+    src = {r: ShardStore(src_layout.shards(r), allocate_buffers(src_layout, r)) for r in range(world)}
+    for store in src.values():
+        for entries in store.by_param.values():
+            for shard, local in entries:
+                local[_slices(shard.sizes)].copy_(full[shard.param][_box_slices(shard.offsets, shard.sizes)])
+    dst = {r: ShardStore(dst_layout.shards(r), allocate_buffers(dst_layout, r)) for r in range(world)}
+    moved = execute_in_process(plan, src, dst)
+
+    mismatches: list[str] = []
+    for rank, store in dst.items():
+        for entries in store.by_param.values():
+            for shard, local in entries:
+                expected = torch.zeros_like(local)
+                expected[_slices(shard.sizes)] = full[shard.param][_box_slices(shard.offsets, shard.sizes)]
+                if not torch.equal(local, expected):
+                    mismatches.append(f"rank {rank} {shard.slot}")
+    return {
+        "verified": not mismatches,
+        "verified_shards": sum(len(e) for s in dst.values() for e in s.by_param.values()),
+        "mismatched_shards": len(mismatches),
+        "mismatches": mismatches[:5],
+        "executed_bytes_moved": moved["bytes_moved"],
+    }
+
+
+def _random_weights(spec: ModelSpec, seed: int) -> dict[str, "Any"]:
+    import torch
+
+    from realloc.shards import TORCH_DTYPES
+
+    generator = torch.Generator().manual_seed(seed)
+    full = {}
+    for p in spec.params:
+        dtype = TORCH_DTYPES[p.dtype]
+        if dtype.is_floating_point:
+            full[p.name] = torch.randn(p.shape, generator=generator).to(dtype)
+        else:
+            info = torch.iinfo(dtype)
+            full[p.name] = torch.randint(info.min, info.max + 1, p.shape, generator=generator, dtype=dtype)
+    return full
+
+
+def _slices(sizes: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in sizes)
+
+
+def _box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
+# -- realloc presets ------------------------------------------------------------------------
+
+
+def add_presets_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("presets", help="list the named model presets",
+                              description="List the named model presets with their sizes.")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_presets)
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    """``realloc presets``: one row (or JSON entry) per preset."""
+    rows = []
+    for name in preset_names():
+        spec = preset(name)
+        rows.append({
+            "name": name, "parameters": sum(p.numel for p in spec.params), "bytes": spec.total_bytes(),
+            "layers": spec.num_layers, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
+            "dtypes": spec.dtypes(),
+        })
+    if args.json:
+        print(json.dumps({"presets": rows}))
+        return 0
+    print(f"{'preset':<14}{'parameters':>16}{'bytes':>18}{'layers':>8}{'heads':>7}{'kv':>5}  dtypes")
+    for r in rows:
+        print(f"{r['name']:<14}{r['parameters']:>16,}{r['bytes']:>18,}{r['layers']:>8}{r['heads']:>7}"
+              f"{r['kv_heads']:>5}  {','.join(r['dtypes'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Model specs from Hugging Face ``config.json`` files, without depending on ``transformers``.
+
+Only dense decoder LLMs whose weights follow the Llama naming are supported: ``llama``,
+``mistral``, ``qwen2`` and ``qwen3``. Defaults for fields a config leaves out are the ones the
+matching ``transformers`` config class uses, so the spec matches the checkpoint's tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from realloc.spec import ModelSpec, ParamSpec, decoder_spec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: Weight dtypes a config may ask for (``torch_dtype``, or ``dtype`` in newer configs).
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
+_MOE_MODEL_TYPES = {
+    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba",
+    "granitemoe", "phimoe", "jetmoe", "llama4", "minimax",
+}
+#: Keys whose positive value marks a mixture-of-experts model even under a dense model_type.
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def spec_from_hf_config(
+    path_or_dict: "str | os.PathLike | Mapping[str, Any]",
+    *,
+    dtype: str | None = None,
+    name: str | None = None,
+    norm_dtype: str | None = None,
+) -> ModelSpec:
+    """The :class:`ModelSpec` of a dense decoder LLM described by a HF config.
+
+    ``path_or_dict`` is the parsed config, a ``config.json`` path or a directory holding one.
+    ``dtype`` overrides the config's ``torch_dtype`` (default ``bfloat16``); ``norm_dtype`` gives
+    the norm weights their own dtype (default: the weights' dtype); ``name`` overrides the name
+    (default: the config's ``_name_or_path``, the directory name, or the model type).
+
+    Example:
+        >>> spec = spec_from_hf_config({"model_type": "qwen2", "hidden_size": 64,
+        ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        ...     "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": True})
+        >>> spec.param("model.layers.0.self_attn.k_proj.bias").shape, spec.aliases
+        ((32,), {'lm_head.weight': 'model.embed_tokens.weight'})
+    """
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
+    config, path = _load(path_or_dict)
+    source = "HF config" if path is None else f"HF config {str(path)!r}"
+    model_type = _model_type(config, source)
+    sizes = {key: _positive_int(config, key, source) for key in _REQUIRED}
+    heads = sizes["num_attention_heads"]
+    kv_heads = _optional_positive_int(config, "num_key_value_heads", source) or heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    head_dim = _optional_positive_int(config, "head_dim", source)
+    if head_dim is None:
+        # transformers' Qwen3Config defaults head_dim to 128; the others derive it from hidden size.
+        if model_type == "qwen3":
+            head_dim = 128
+        elif sizes["hidden_size"] % heads:
+            raise ValueError(
+                f"{source}: hidden_size={sizes['hidden_size']} is not a multiple of num_attention_heads={heads} "
+                "and no head_dim is given"
+            )
+        else:
+            head_dim = sizes["hidden_size"] // heads
+
+    # Qwen2 always has q/k/v biases; llama and qwen3 put a bias on q/k/v *and* o when asked.
+    attention_bias = _flag(config, "attention_bias", source) and model_type in ("llama", "qwen3")
+    mlp_bias = _flag(config, "mlp_bias", source) and model_type == "llama"
+    weights_dtype = _dtype(dtype, "dtype argument") if dtype is not None else _config_dtype(config, source)
+    spec = decoder_spec(
+        name or _default_name(config, path, model_type),
+        hidden=sizes["hidden_size"],
+        intermediate=sizes["intermediate_size"],
+        layers=sizes["num_hidden_layers"],
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=sizes["vocab_size"],
+        head_dim=head_dim,
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        qk_norm=model_type == "qwen3",
+        tied=_flag(config, "tie_word_embeddings", source),
+        dtype=weights_dtype,
+        norm_dtype=_dtype(norm_dtype, "norm_dtype argument") if norm_dtype is not None else None,
+    )
+    if attention_bias or mlp_bias:
+        spec = _with_biases(spec, attention=attention_bias, mlp=mlp_bias)
+    return spec
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def _load(path_or_dict: "str | os.PathLike | Mapping[str, Any]") -> tuple[Mapping[str, Any], Path | None]:
+    """The config mapping and the file it was read from (``None`` for a mapping)."""
+    if isinstance(path_or_dict, Mapping):
+        return path_or_dict, None
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise ValueError(
+            f"HF config must be a dict, a config.json path or a directory, got {type(path_or_dict).__name__}"
+        )
+    path = Path(path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"cannot read HF config {str(path)!r}: {reason}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"HF config {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"HF config {str(path)!r} must hold a JSON object, got {type(config).__name__}")
+    return config, path
+
+
+def _model_type(config: Mapping[str, Any], source: str) -> str:
+    model_type = config.get("model_type")
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if model_type is None:
+        raise ValueError(f"{source}: missing required field 'model_type' (one of {supported})")
+    if not isinstance(model_type, str):
+        raise ValueError(f"{source}: model_type must be a string (one of {supported}), got {model_type!r}")
+    if model_type in _MOE_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is a mixture-of-experts model, which is not supported; "
+            f"supported dense decoders: {supported}"
+        )
+    experts = [f"{k}={config[k]}" for k in _EXPERT_KEYS if _is_positive(config.get(k))]
+    if experts:
+        raise ValueError(
+            f"{source}: {', '.join(experts)} makes this a mixture-of-experts model, which is not supported; "
+            f"supported dense decoders: {supported}"
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported dense decoders: {supported}")
+    return model_type
+
+
+def _is_positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_int(config: Mapping[str, Any], key: str, source: str) -> int:
+    value = _optional_positive_int(config, key, source)
+    if value is None:
+        raise ValueError(f"{source}: missing required field {key!r}")
+    return value
+
+
+def _optional_positive_int(config: Mapping[str, Any], key: str, source: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if not _is_positive(value):
+        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(config: Mapping[str, Any], key: str, source: str) -> bool:
+    # Every supported config class defaults these flags to False.
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: field {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _dtype(value: Any, what: str) -> str:
+    text = value.removeprefix("torch.") if isinstance(value, str) else value
+    if text not in WEIGHT_DTYPES:
+        raise ValueError(f"{what} {value!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+    return text
+
+
+def _config_dtype(config: Mapping[str, Any], source: str) -> str:
+    value = config.get("torch_dtype") or config.get("dtype")
+    return "bfloat16" if value is None else _dtype(value, f"{source}: torch_dtype")
+
+
+def _default_name(config: Mapping[str, Any], path: Path | None, model_type: str) -> str:
+    given = config.get("_name_or_path")
+    if isinstance(given, str) and given:
+        return given
+    if path is not None:  # checkpoints are directories named after the model
+        return path.resolve().parent.name or model_type
+    return model_type
+
+
+# -- biases the shared decoder builder does not emit ----------------------------------------
+
+
+def _with_biases(spec: ModelSpec, *, attention: bool, mlp: bool) -> ModelSpec:
+    """``spec`` plus o_proj bias (attention) and gate/up/down biases (mlp), in forward order.
+
+    Row-parallel biases (o, down) are added once after the all-reduce, so they are replicated;
+    column-parallel ones (gate, up) split with their weight's rows.
+    """
+    params: list[ParamSpec] = []
+    for p in spec.params:
+        params.append(p)
+        if p.role != "layer" or not p.name.endswith(".weight"):
+            continue
+        module = p.name.removesuffix(".weight")
+        kind = module.rsplit(".", 1)[1]
+        split_dim = 0 if kind in ("gate_proj", "up_proj") else None
+        if (attention and kind == "o_proj") or (mlp and kind in ("gate_proj", "up_proj", "down_proj")):
+            params.append(ParamSpec(f"{module}.bias", (p.shape[0],), p.dtype, "layer", layer=p.layer, tp_dim=split_dim))
+    return ModelSpec(spec.name, tuple(params), spec.num_layers, dict(spec.aliases),
+                     num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)

@@ -1,0 +1,167 @@
+"""The ``realloc`` command line, in-process through ``main`` and once as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import realloc.local_executor
+from realloc.cli import main
+from realloc.layout import Layout
+from realloc.placement import Placement
+from realloc.planner import plan_reallocation
+from realloc.spec import ModelSpec
+from realloc.topology import Topology
+
+LLAMA_7B = ["plan", "--model", "llama-7b", "--src", "dp=2,tp=4,pp=2", "--dst", "dp=8,tp=2,pp=1",
+            "--gpus-per-node", "8"]
+REQUIRED_KEYS = {
+    "plan_seconds", "bytes_total", "bytes_intra_node", "bytes_inter_node", "lower_bound_inter_node_bytes",
+    "max_node_egress_bytes", "max_node_ingress_bytes", "num_steps", "estimated_seconds", "model", "src",
+    "dst", "world_size", "num_nodes",
+}
+TABLES = {"node_egress_bytes", "node_ingress_bytes", "rank_send_bytes", "rank_recv_bytes"}
+
+
+def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
+    status = main(argv + ["--json"])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, "--json prints exactly one line"
+    return status, json.loads(out)
+
+
+def test_plan_summary(capsys):
+    assert main(LLAMA_7B) == 0
+    out = capsys.readouterr().out
+    for label in ("model", "source", "destination", "ranks", "bytes moved", "inter-node lower bound",
+                  "max node egress", "max node ingress", "steps", "estimated time", "plan time"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+    assert "llama-7b" in out and "dp=2,tp=4,pp=2" in out and "dp=8,tp=2,pp=1" in out
+    assert "16 on 2 nodes (8 per node)" in out
+
+
+def test_plan_json_keys_and_consistency(capsys):
+    status, report = run_json(capsys, LLAMA_7B)
+    assert status == 0
+    assert REQUIRED_KEYS <= set(report)
+    assert not TABLES & set(report), "per-rank/per-node tables only with --full-stats"
+    assert (report["model"], report["src"], report["dst"]) == ("llama-7b", "dp=2,tp=4,pp=2", "dp=8,tp=2,pp=1")
+    assert (report["world_size"], report["num_nodes"]) == (16, 2)
+    assert report["bytes_inter_node"] == report["lower_bound_inter_node_bytes"] > 0
+    assert report["bytes_total"] == report["bytes_intra_node"] + report["bytes_inter_node"]
+    assert report["num_steps"] > 0 and report["estimated_seconds"] > 0 and report["plan_seconds"] > 0
+    # The same numbers as planning directly.
+    spec = ModelSpec.preset("llama-7b")
+    plan = plan_reallocation(spec, Topology(dp=2, tp=4, pp=2), Topology(dp=8, tp=2), Placement.blocks(16, 8))
+    for key in ("bytes_total", "bytes_inter_node", "max_node_egress_bytes", "num_steps", "estimated_seconds"):
+        assert report[key] == plan.stats[key], key
+
+
+def test_full_stats_tables_add_up(capsys):
+    _, report = run_json(capsys, LLAMA_7B + ["--full-stats"])
+    assert TABLES <= set(report)
+    assert sum(report["node_egress_bytes"].values()) == report["bytes_inter_node"]
+    assert max(report["node_ingress_bytes"].values()) == report["max_node_ingress_bytes"]
+    assert sum(report["rank_send_bytes"].values()) == report["bytes_total"]
+
+
+def test_bandwidth_and_bucket_options(capsys):
+    _, base = run_json(capsys, LLAMA_7B)
+    _, slow = run_json(capsys, LLAMA_7B + ["--inter-gbps", "4.5", "--intra-gbps", "30"])
+    assert slow["bandwidths"]["inter_node"] == 4.5e9 and slow["bandwidths"]["intra_node"] == 30e9
+    assert slow["estimated_seconds"] == pytest.approx(10 * base["estimated_seconds"], rel=0.05)
+    _, small = run_json(capsys, LLAMA_7B + ["--bucket-mb", "16"])
+    assert small["bucket_bytes"] == 16 << 20
+    assert small["num_buckets"] > base["num_buckets"]
+    assert small["bytes_total"] == base["bytes_total"]
+
+
+def test_hf_config_directory_as_model(capsys, tmp_path):
+    config = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48, "vocab_size": 999,
+              "tie_word_embeddings": True}
+    (tmp_path / "my-qwen3").mkdir()
+    (tmp_path / "my-qwen3" / "config.json").write_text(json.dumps(config))
+    status, report = run_json(capsys, ["plan", "--model", str(tmp_path / "my-qwen3"), "--src", "tp=2,dp=2",
+                                       "--dst", "tp=4", "--gpus-per-node", "2", "--verify"])
+    assert status == 0 and report["verified"] is True
+    assert report["model"] == "my-qwen3" and report["num_nodes"] == 2
+
+
+@pytest.mark.parametrize("src, dst, extra", [
+    ("dp=3,tp=4", "dp=2,tp=6", []),                      # 12 heads / 2 kv heads: tp 4 -> 6
+    ("dp=2,tp=4,pp=2", "dp=8,tp=2,pp=1", []),
+    ("tp=2,pp=4", "dp=4,tp=2", ["--gpus-per-node", "4"]),  # tied head on a separate last stage
+    ("tp=12", "dp=3,tp=4", ["--gpus-per-node", "4"]),      # kv heads replicated 6 ways
+    ("dp=2,tp=2", "tp=4", ["--vocab-pad-multiple", "8", "--bucket-mb", "0.01", "--gpus-per-node", "1"]),
+])
+def test_verify_tiny(capsys, src, dst, extra):
+    status, report = run_json(capsys, ["plan", "--model", "tiny", "--src", src, "--dst", dst, "--verify", *extra])
+    assert status == 0
+    assert report["verified"] is True and report["mismatched_shards"] == 0
+    assert report["verified_shards"] > 0
+    assert report["executed_bytes_moved"] == report["bytes_total"]
+
+
+def test_verify_catches_a_broken_execution(capsys, monkeypatch):
+    real = realloc.local_executor.execute_in_process
+
+    def drop_last_step(plan, src, dst):
+        plan.steps = plan.steps[:-1]
+        return real(plan, src, dst)
+
+    monkeypatch.setattr(realloc.local_executor, "execute_in_process", drop_last_step)
+    status, report = run_json(capsys, ["plan", "--model", "tiny", "--src", "dp=2,tp=2", "--dst", "tp=4",
+                                       "--gpus-per-node", "2", "--verify"])
+    assert status == 1
+    assert report["verified"] is False and report["mismatched_shards"] > 0 and report["mismatches"]
+    assert main(["plan", "--model", "tiny", "--src", "dp=2,tp=2", "--dst", "tp=4", "--verify"]) == 1
+    assert "verified" in capsys.readouterr().out
+
+
+def test_verify_refuses_large_models(capsys):
+    assert main(LLAMA_7B + ["--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("realloc: error: --verify") and "GiB" in err and err.count("\n") == 1
+
+
+def test_presets(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("tiny", "llama-7b", "llama-70b", "qwen2.5-7b", "qwen2.5-72b"):
+        assert name in out
+    assert "6,738,415,616" in out  # llama-7b parameters
+    status, rows = run_json(capsys, ["presets"])
+    by_name = {r["name"]: r for r in rows["presets"]}
+    assert by_name["llama-70b"]["bytes"] == 2 * by_name["llama-70b"]["parameters"]
+    assert by_name["tiny"]["kv_heads"] == 2
+
+
+def test_exit_codes_of_usage(capsys):
+    assert main([]) == 2
+    assert main(["plan", "--model", "tiny", "--src", "tp=2"]) == 2  # --dst missing
+    assert main(["plan", "--model", "tiny", "--src", "tp=2", "--dst", "dp=2", "--gpus-per-node", "x"]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["--help"]) == 0
+    assert "plan" in capsys.readouterr().out
+
+
+def test_subprocess():
+    # -X importtime lists every module imported on stderr: planning must not pull in torch or ray.
+    ok = subprocess.run([sys.executable, "-X", "importtime", "-m", "realloc.cli", "plan", "--model", "llama-70b",
+                         "--src", "dp=4,tp=8,pp=8", "--dst", "dp=32,tp=8", "--json"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["world_size"] == 256
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in ok.stderr.splitlines()}
+    assert "realloc" in imported and "numpy" in imported
+    assert not {"torch", "ray"} & imported, "realloc plan must not import torch or ray"
+
+    bad = subprocess.run([sys.executable, "-m", "realloc.cli", "plan", "--model", "tiny", "--src", "dp=2,,tp=2",
+                          "--dst", "tp=4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("realloc: error: --src: bad topology part ''") and bad.stderr.count("\n") == 1
+    assert "Traceback" not in bad.stderr
