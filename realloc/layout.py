@@ -89,19 +89,19 @@ class Layout:
         """``(storage param, slot name)`` held by pipeline stage ``pp_rank``, in forward order."""
         layers = self.stages[pp_rank]
         last = len(self.stages) - 1
-        slots = []
+        slots, tied_heads = [], []
         for p in self.spec.params:
             if p.role == "embed":
                 if pp_rank == 0:
                     slots.append((p.name, p.name))
                 elif pp_rank == last and (alias := self.spec.tied_head_of(p.name)):
-                    slots.append((p.name, alias))
+                    tied_heads.append((p.name, alias))  # the head runs last: keep forward order
             elif p.role == "layer":
                 if p.layer in layers:
                     slots.append((p.name, p.name))
             elif pp_rank == last:
                 slots.append((p.name, p.name))
-        return slots
+        return slots + tied_heads
 
     @cached_property
     def _coordinate_shards(self) -> dict[tuple[int, int], tuple[tuple[Shard, ...], dict[str, int]]]:

@@ -82,6 +82,8 @@ class Plan:
     #: fan-out): the sender reads them from its destination buffers, not its source buffers.
     forward_from: int = 0
     stats: dict = field(default_factory=dict)
+    #: Wall time the planner took. Not part of the plan's data (so ``dumps`` is deterministic).
+    plan_seconds: float = field(default=0.0, compare=False)
 
     # -- derived views ------------------------------------------------------------------
     def segment_list(self, index: int) -> list[Segment]:

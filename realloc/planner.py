@@ -100,7 +100,7 @@ def plan_exchange(
     planner.assign_remote()
     plan = planner.build(bucket_bytes)
     plan.stats["lower_bound_inter_node_bytes"] = lower_bound_parts
-    plan.stats["plan_seconds"] = time.perf_counter() - started
+    plan.plan_seconds = time.perf_counter() - started
     return plan
 
 

@@ -1,0 +1,284 @@
+"""Reference Megatron slicing, written from the model description alone.
+
+Nothing here imports ``realloc.layout`` or calls ``ParamSpec.tp_range``: the local tensor of every
+rank is cut out of the FULL tensors with ``narrow``/``chunk`` following Megatron-LM's rules for a
+Llama-style decoder:
+
+* embedding and untied lm_head: split on the vocabulary (dim 0) after padding the vocabulary with
+  zero rows up to a multiple of ``pad_multiple * tp`` (``make_vocab_size_divisible_by``);
+* q (and its bias): column parallel, ``heads / tp`` whole heads per rank;
+* k, v (and biases): ``kv_heads / tp`` heads per rank, or when ``tp > kv_heads`` head
+  ``tp_rank // (tp // kv_heads)`` (each kv head replicated on ``tp / kv_heads`` ranks);
+* gate, up: column parallel (dim 0); o: row parallel by heads (dim 1); down: row parallel (dim 1);
+* layer norms, q/k norms and the final norm: whole on every rank;
+* pipeline: stage 0 holds the embedding, stage ``s`` the layers listed for it, the last stage the
+  final norm and the head; a tied head on a last stage other than stage 0 is its own copy of the
+  embedding (slot ``lm_head.weight``);
+* rank order: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``.
+
+The only realloc import is :func:`realloc.spec.decoder_spec`, to build the spec under test from
+the same description (:meth:`Decoder.spec`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+FINAL_NORM = "model.norm.weight"
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A Llama-style decoder, as a model card would describe it."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm weights
+    dtype: str = "bfloat16"
+    norm_dtype: str = "float32"
+
+    def spec(self, name: str = "oracle-model"):
+        from realloc.spec import decoder_spec
+
+        return decoder_spec(
+            name, hidden=self.hidden, intermediate=self.intermediate, layers=self.layers, heads=self.heads,
+            kv_heads=self.kv_heads, head_dim=self.head_dim, vocab=self.vocab, tied=self.tied,
+            qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, dtype=self.dtype, norm_dtype=self.norm_dtype,
+        )
+
+
+@dataclass(frozen=True)
+class Param:
+    """One storage tensor. ``rule`` is how tensor parallelism cuts it; ``home`` where it lives in
+    the pipeline: ``"first"`` (embedding), ``"last"`` (final norm, head) or a layer index."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    rule: str  # vocab | head_rows | kv_rows | rows | head_cols | cols | whole
+    home: "str | int"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+def params(d: Decoder) -> list[Param]:
+    """Storage tensors of ``d`` in forward order (HF names)."""
+    q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = [Param(EMBED, (d.vocab, d.hidden), d.dtype, "vocab", "first")]
+    for i in range(d.layers):
+        pre = f"model.layers.{i}."
+        out.append(Param(pre + "input_layernorm.weight", (d.hidden,), d.norm_dtype, "whole", i))
+        out.append(Param(pre + "self_attn.q_proj.weight", (q_rows, d.hidden), d.dtype, "head_rows", i))
+        out.append(Param(pre + "self_attn.k_proj.weight", (kv_rows, d.hidden), d.dtype, "kv_rows", i))
+        out.append(Param(pre + "self_attn.v_proj.weight", (kv_rows, d.hidden), d.dtype, "kv_rows", i))
+        if d.qkv_bias:
+            out.append(Param(pre + "self_attn.q_proj.bias", (q_rows,), d.dtype, "head_rows", i))
+            out.append(Param(pre + "self_attn.k_proj.bias", (kv_rows,), d.dtype, "kv_rows", i))
+            out.append(Param(pre + "self_attn.v_proj.bias", (kv_rows,), d.dtype, "kv_rows", i))
+        out.append(Param(pre + "self_attn.o_proj.weight", (d.hidden, q_rows), d.dtype, "head_cols", i))
+        if d.qk_norm:
+            out.append(Param(pre + "self_attn.q_norm.weight", (d.head_dim,), d.norm_dtype, "whole", i))
+            out.append(Param(pre + "self_attn.k_norm.weight", (d.head_dim,), d.norm_dtype, "whole", i))
+        out.append(Param(pre + "post_attention_layernorm.weight", (d.hidden,), d.norm_dtype, "whole", i))
+        out.append(Param(pre + "mlp.gate_proj.weight", (d.intermediate, d.hidden), d.dtype, "rows", i))
+        out.append(Param(pre + "mlp.up_proj.weight", (d.intermediate, d.hidden), d.dtype, "rows", i))
+        out.append(Param(pre + "mlp.down_proj.weight", (d.hidden, d.intermediate), d.dtype, "cols", i))
+    out.append(Param(FINAL_NORM, (d.hidden,), d.norm_dtype, "whole", "last"))
+    if not d.tied:
+        out.append(Param(HEAD, (d.vocab, d.hidden), d.dtype, "vocab", "last"))
+    return out
+
+
+def tp_fits(d: Decoder, tp: int) -> bool:
+    """Megatron can split ``d`` ``tp`` ways: whole q heads and mlp rows per rank, kv heads split or
+    replicated evenly."""
+    kv_ok = d.kv_heads % tp == 0 or tp % d.kv_heads == 0
+    return d.heads % tp == 0 and d.intermediate % tp == 0 and kv_ok
+
+
+def coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """``(dp_rank, tp_rank, pp_rank)`` of ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``."""
+    assert 0 <= rank < dp * tp * pp
+    tp_rank = rank % tp
+    dp_rank = (rank // tp) % dp
+    pp_rank = rank // (tp * dp)
+    return dp_rank, tp_rank, pp_rank
+
+
+def stage_lists(counts) -> list[list[int]]:
+    """Contiguous layer indices of each stage from per-stage layer counts."""
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def padded_vocab(vocab: int, tp: int, pad_multiple: int) -> int:
+    block = pad_multiple * tp
+    return -(-vocab // block) * block
+
+
+def tp_slice(d: Decoder, p: Param, full: torch.Tensor, tp: int, tp_rank: int, pad_multiple: int = 1,
+             pad_value=0) -> torch.Tensor:
+    """The local tensor of ``p`` on tp rank ``tp_rank`` (padding rows filled with ``pad_value``)."""
+    assert tp_fits(d, tp), f"tp={tp} does not fit {d}"
+    hd = d.head_dim
+    if p.rule == "whole":
+        return full.clone()
+    if p.rule == "vocab":
+        rows = padded_vocab(d.vocab, tp, pad_multiple)
+        pad = torch.full((rows - d.vocab,) + tuple(full.shape[1:]), pad_value, dtype=full.dtype)
+        return torch.cat([full, pad]).chunk(tp, dim=0)[tp_rank].clone()
+    if p.rule == "head_rows":  # q: heads / tp whole heads
+        per = d.heads // tp
+        return full.narrow(0, tp_rank * per * hd, per * hd).clone()
+    if p.rule == "kv_rows":
+        if tp <= d.kv_heads:
+            per = d.kv_heads // tp
+            return full.narrow(0, tp_rank * per * hd, per * hd).clone()
+        head = tp_rank // (tp // d.kv_heads)
+        return full.narrow(0, head * hd, hd).clone()
+    if p.rule == "rows":
+        return full.chunk(tp, dim=0)[tp_rank].clone()
+    if p.rule == "head_cols":  # o: row parallel over heads
+        per = d.heads // tp
+        return full.narrow(1, tp_rank * per * hd, per * hd).clone()
+    if p.rule == "cols":
+        return full.chunk(tp, dim=1)[tp_rank].clone()
+    raise AssertionError(p.rule)
+
+
+def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int) -> list[tuple[str, Param]]:
+    """``(slot name, storage param)`` of pipeline stage ``pp_rank``, forward order."""
+    last = len(stages) - 1
+    by_name = {p.name: p for p in params(d)}
+    slots = []
+    if pp_rank == 0:
+        slots.append((EMBED, by_name[EMBED]))
+    for p in params(d):
+        if isinstance(p.home, int) and p.home in stages[pp_rank]:
+            slots.append((p.name, p))
+    if pp_rank == last:
+        slots.append((FINAL_NORM, by_name[FINAL_NORM]))
+        if not d.tied:
+            slots.append((HEAD, by_name[HEAD]))
+        elif pp_rank != 0:
+            slots.append((HEAD, by_name[EMBED]))  # own copy of the tied embedding
+    return slots
+
+
+def local_tensors(d: Decoder, full: dict[str, torch.Tensor], dp: int, tp: int, pp: int,
+                  stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0) -> dict[str, torch.Tensor]:
+    """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors)."""
+    assert len(stages) == pp and sorted(i for s in stages for i in s) == list(range(d.layers))
+    _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
+    return {slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+            for slot, p in stage_slots(d, stages, pp_rank)}
+
+
+def storage_of(d: Decoder, slot: str) -> str:
+    return EMBED if d.tied and slot == HEAD else slot
+
+
+def full_tensors(d: Decoder, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random global tensors with no zero element (magnitudes in [1, 2), random signs), so an
+    element never written is visible against zero-initialised buffers."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for p in params(d):
+        mag = 1 + torch.rand(p.shape, generator=g, dtype=torch.float64)
+        sign = torch.randint(0, 2, p.shape, generator=g, dtype=torch.int64) * 2 - 1
+        out[p.name] = (mag * sign).to(TORCH_DTYPES[p.dtype])
+    return out
+
+
+def index_tensors(d: Decoder) -> dict[str, torch.Tensor]:
+    """Global tensors whose elements are their own flat index (int64)."""
+    return {p.name: torch.arange(p.numel, dtype=torch.int64).reshape(p.shape) for p in params(d)}
+
+
+def held_indices(d: Decoder, dp: int, tp: int, pp: int, stages: list[list[int]], rank: int,
+                 pad_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded)."""
+    local = local_tensors(d, index_tensors(d), dp, tp, pp, stages, rank, pad_multiple, pad_value=-1)
+    out: dict[str, list[torch.Tensor]] = {}
+    for slot, t in local.items():
+        flat = t.reshape(-1)
+        out.setdefault(storage_of(d, slot), []).append(flat[flat >= 0])
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+# -- hypothesis strategies for model descriptions and topologies --------------------------------
+
+#: (heads, kv_heads) pairs: MHA, GQA, MQA, and head counts where tp 4 -> 6 is legal.
+#: Richest first: hypothesis favours early choices.
+HEAD_CHOICES = [(12, 2), (48, 12), (8, 2), (12, 4), (6, 2), (4, 1), (6, 3), (4, 2), (12, 12), (2, 1), (4, 4),
+                (2, 2), (1, 1)]
+
+
+def decoders(st, max_layers: int = 5):
+    """A hypothesis strategy of small :class:`Decoder` descriptions (``st`` is hypothesis.strategies)."""
+
+    @st.composite
+    def build(draw):
+        heads, kv = draw(st.sampled_from(HEAD_CHOICES))
+        dtype = draw(st.sampled_from(["bfloat16", "float32", "float16"]))
+        return Decoder(
+            hidden=draw(st.integers(4, 16)),
+            intermediate=draw(st.sampled_from([24, 48, 36, 12])),  # divisible by every tp drawn
+            layers=draw(st.integers(1, max_layers)),
+            heads=heads,
+            kv_heads=kv,
+            head_dim=draw(st.integers(1, 3)) if heads < 48 else 1,
+            vocab=draw(st.integers(3, 61)),
+            tied=draw(st.booleans()),
+            qkv_bias=draw(st.booleans()),
+            qk_norm=draw(st.booleans()),
+            dtype=dtype,
+            norm_dtype=draw(st.sampled_from(["float32", dtype])),
+        )
+
+    return build()
+
+
+def factorisations(d: Decoder, world: int) -> list[tuple[int, int, int]]:
+    """Every ``(dp, tp, pp)`` with ``dp * tp * pp == world`` that fits ``d``."""
+    out = []
+    for tp in range(1, world + 1):
+        for pp in range(1, world // tp + 1):
+            if world % (tp * pp) == 0 and tp_fits(d, tp) and pp <= d.layers:
+                out.append((world // (tp * pp), tp, pp))
+    return sorted(out, key=lambda t: -sum(n > 1 for n in t))  # richest first: hypothesis favours early choices
+
+
+def layer_splits(st, layers: int, pp: int):
+    """Strategy: ``None`` (the layout's balanced split) or explicit counts, >= 1 per stage."""
+    if pp == 1:
+        return st.just(None)
+    explicit = st.lists(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True).map(
+        lambda cuts: tuple(b - a for a, b in zip([0] + sorted(cuts), sorted(cuts) + [layers])))
+    return st.one_of(st.just(None), explicit)
