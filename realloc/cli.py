@@ -217,7 +217,6 @@ def plan_report(spec: ModelSpec, src: Topology, dst: Topology, placement: Placem
                 plan_seconds: float, *, full: bool = False) -> dict[str, Any]:
     """The JSON-ready statistics of a plan (per-node/per-rank tables only when ``full``)."""
     stats = {k: v for k, v in plan.stats.items() if full or k not in _TABLE_STATS}
-    stats.pop("plan_seconds", None)  # the planner's own timer leaves out the layouts
     return {
         "model": spec.name,
         "model_parameters": sum(p.numel for p in spec.params),
