@@ -134,8 +134,8 @@ class CheckpointMixin:
     def ckpt_list(self, root: str, run_id: str, iterations: list[int] | None = None) -> Listing:
         return self._node_store(root, run_id).list(set(iterations) if iterations is not None else None)
 
-    def ckpt_cleanup(self, root: str, run_id: str, below: int | None = None, only: int | None = None) -> list[int]:
-        return self._node_store(root, run_id).remove_iterations(below=below, only=only)
+    def ckpt_cleanup(self, root: str, run_id: str, keep: int | None = None, only: int | None = None) -> list[int]:
+        return self._node_store(root, run_id).remove_iterations(keep=keep, only=only)
 
     def ckpt_forget(self) -> None:
         """Drop every cached checkpoint byte (after a failure, or when a save is final)."""
@@ -215,7 +215,8 @@ class CheckpointMixin:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             exchanged = time.perf_counter()
-            written = self._finish_exchange(mode, payload, incoming, dst, new_buffers)
+            local = any(worker == me for worker, _ in plan.local_copies)
+            written = self._finish_exchange(mode, payload, incoming, dst, new_buffers, local)
         except BaseException:
             if mode == "reshard" and new_buffers is not None:
                 self.allocator.release(new_buffers)
@@ -228,7 +229,7 @@ class CheckpointMixin:
                 "written": written}
 
     def _finish_exchange(self, mode: str, payload: dict, incoming: dict[int, Manifest], dst: ShardStore | None,
-                         new_buffers: dict | None) -> int:
+                         new_buffers: dict | None, local: bool) -> int:
         if mode == "reshard":
             self._install(new_buffers)
             return 0
@@ -242,11 +243,13 @@ class CheckpointMixin:
         if mode == "restore":
             manifest = incoming[self.rank]
             data = files[self.rank]
-            check_bytes(data, manifest, f"rank {self.rank} file received on {self.node_id}")
+            if not local:  # bytes from a peer: verify end to end (a local copy was verified as it was read)
+                check_bytes(data, manifest, f"rank {self.rank} file received on {self.node_id}")
             loaded = buffers_from_bytes(data, manifest)
             expected = self.layout.buffer_numels(self.rank)
             if {d: t.numel() for d, t in loaded.items()} != expected:
-                raise CorruptFileError(str(manifest.id), f"buffers do not fit rank {self.rank} of {self.layout.topology}")
+                raise CorruptFileError(str(manifest.id),
+                                       f"buffers do not fit rank {self.rank} of {self.layout.topology}")
             fresh = self.allocator.allocate(expected)
             for d, t in loaded.items():
                 fresh[d].copy_(t)

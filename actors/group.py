@@ -25,6 +25,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.world import World
+from actors.zero_copy import sweep_stale_buffers
 from actors.worker import PeerView, ShardWorker
 from realloc.layout import Layout
 from realloc.placement import Placement
@@ -266,6 +267,18 @@ class ModelGroup:
         label = f"{self.name}[{self.topology}] -> {other.name}[{other.topology}]"
         return ReallocStats(label, plan_seconds=plan_seconds, planned=plan.stats, **stats)
 
+    def checkpoint_manager(self, *, root: str | None = None, run_id: str | None = None, jump: int | None = None,
+                           factor: int = 2, timeout_s: float | None = None):
+        """Node-local checkpoints of this group with clique replication (docs/checkpoints.md).
+
+        Example:
+            >>> ckpt = group.checkpoint_manager(factor=2)  # doctest: +SKIP
+            >>> ckpt.save(100).wait(); ckpt.load()         # doctest: +SKIP
+        """
+        from actors.checkpoint import CheckpointManager
+
+        return CheckpointManager(self, root=root, run_id=run_id, jump=jump, factor=factor, timeout_s=timeout_s)
+
     def dead_workers(self) -> list[int]:
         """Ranks whose actors no longer answer."""
         names = set(_dead_actors(self.actors, self.actor_names))
@@ -328,6 +341,7 @@ class ModelGroup:
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self._pg)
+        sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
         self.world = None
 
 

@@ -15,6 +15,7 @@ from actors.transport import Transport, host_store
 from actors.zero_copy import BufferAllocator, open_handles
 from realloc.layout import Layout
 from actors.executor import PeerView, StepRunner
+from actors.ckpt_worker import CheckpointMixin
 from realloc.plan import Plan
 from realloc.shards import ShardStore, copy_local
 from realloc.spec import ModelSpec
@@ -40,7 +41,7 @@ class ShardContext:
     shards: tuple  # realloc.layout.Shard per slot, for global offsets
 
 
-class ShardWorker:
+class ShardWorker(CheckpointMixin):
     """One worker of a model group: its flat buffers, its process-group membership, its plans."""
 
     def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None):
@@ -50,7 +51,7 @@ class ShardWorker:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.allocator = BufferAllocator(self.device, zero_copy, f"{group}-{os.getpid()}")
+        self.allocator = BufferAllocator(self.device, zero_copy, group)
         self.layout: Layout | None = None
         self.rank: int | None = None
         self.buffers: dict[str, torch.Tensor] | None = None

@@ -29,13 +29,15 @@ class BufferAllocator:
         self.shared = shared and (device.type == "cuda" or os.path.isdir(SHM_DIR))
         self.tag = tag
         self.files: dict[int, list[str]] = {}  # id(buffers dict) -> files
+        if self.shared and device.type != "cuda":
+            sweep_stale_buffers()
 
     def allocate(self, numels: dict[str, int]) -> dict[str, torch.Tensor]:
         if not self.shared or self.device.type == "cuda":
             return {d: torch.zeros(n, dtype=TORCH_DTYPES[d], device=self.device) for d, n in numels.items()}
         out, files = {}, []
         for dtype, n in numels.items():
-            path = os.path.join(SHM_DIR, f"realloc-{self.tag}-{uuid.uuid4().hex[:12]}-{dtype}")
+            path = os.path.join(SHM_DIR, f"realloc-p{os.getpid()}-{self.tag}-{uuid.uuid4().hex[:12]}-{dtype}")
             out[dtype] = torch.from_file(path, shared=True, size=n, dtype=TORCH_DTYPES[dtype])
             files.append(path)
         self.files[id(out)] = files
@@ -68,6 +70,34 @@ class BufferAllocator:
             return {d: ("cuda", reduce_tensor(t)) for d, t in buffers.items()}
         paths = {p.rsplit("-", 1)[1]: p for p in self.files.get(id(buffers), [])}
         return {d: ("shm", paths[d], t.numel()) for d, t in buffers.items()}
+
+
+def sweep_stale_buffers() -> int:
+    """Unlink buffer files of dead processes on this node (workers killed with SIGKILL, or by
+    Ray when a node is lost, cannot clean up after themselves); returns how many were removed."""
+    removed = 0
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else ():
+        if not name.startswith("realloc-p"):
+            continue
+        pid_text = name[len("realloc-p"):].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def open_handles(handles: dict[str, Any]) -> dict[str, torch.Tensor]:

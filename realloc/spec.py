@@ -179,17 +179,10 @@ class ModelSpec:
 
     def check_same_as(self, other: "ModelSpec") -> None:
         """Raise ``ValueError`` unless ``other`` has the same parameters (names, shapes, dtypes)."""
-        mine = {p.name: (p.shape, p.dtype) for p in self.params}
-        theirs = {p.name: (p.shape, p.dtype) for p in other.params}
-        if mine == theirs:
-            return
-        only_a = sorted(set(mine) - set(theirs))[:3]
-        only_b = sorted(set(theirs) - set(mine))[:3]
-        differ = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])[:3]
-        raise ValueError(
-            f"model specs {self.name!r} and {other.name!r} differ: only in first {only_a}, "
-            f"only in second {only_b}, different shape/dtype {[(n, mine[n], theirs[n]) for n in differ]}"
-        )
+        difference = describe_difference({p.name: (tuple(p.shape), p.dtype) for p in self.params},
+                                         {p.name: (tuple(p.shape), p.dtype) for p in other.params}, "first", "second")
+        if difference:
+            raise ValueError(f"model specs {self.name!r} and {other.name!r} differ: {difference}")
 
     @staticmethod
     def preset(name: str) -> "ModelSpec":
@@ -211,6 +204,17 @@ class ModelSpec:
         from realloc.hf_config import spec_from_hf_config
 
         return spec_from_hf_config(path_or_dict, **kwargs)
+
+
+def describe_difference(a: dict, b: dict, a_name: str, b_name: str) -> str | None:
+    """What differs between two ``name -> (shape, dtype)`` tables (a few examples), or ``None``."""
+    if a == b:
+        return None
+    only_a = sorted(set(a) - set(b))[:3]
+    only_b = sorted(set(b) - set(a))[:3]
+    differ = sorted(n for n in set(a) & set(b) if a[n] != b[n])[:3]
+    return (f"only in {a_name} {only_a}, only in {b_name} {only_b}, "
+            f"different shape/dtype {[(n, a[n], b[n]) for n in differ]}")
 
 
 def decoder_spec(

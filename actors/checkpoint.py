@@ -1,0 +1,470 @@
+"""Driver side of local checkpoints: save with clique replication, find, load (restore or reshard),
+and Hugging Face import/export, for one :class:`~actors.group.ModelGroup`.
+
+Example (a running group)::
+
+    manager = CheckpointManager(group, run_id="ppo-7b", factor=2)   # jump = workers per node
+    manager.save(100)                                  # sync: written and replicated on return
+    handle = manager.save(200, is_async=True)          # training goes on...
+    handle.wait()                                      # ...replication runs here
+    group.replace_dead_workers()                       # after a node loss
+    manager.load()                                     # newest complete iteration, current layout
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.ckpt_worker import CheckpointFault
+from actors.executor import PeerView
+from actors.group import ReallocationError, _get
+from realloc.ckpt.catalog import Catalog
+from realloc.ckpt.errors import CheckpointError, MissingShardsError
+from realloc.ckpt.hf import DEFAULT_MAX_SHARD_BYTES, export_state, match_spec, save_hf_dir, scan_hf_dir
+from realloc.ckpt.local_store import NodeStore, default_root
+from realloc.ckpt.manifest import Manifest, check_iteration, check_run_id, param_table
+from realloc.ckpt.replication import (cliques, file_table, files_read_by, rank_of, replication_groups,
+                                      retrieval_groups)
+from realloc.ckpt.reshard import assign_readers, reshard_groups
+from realloc.plan import Plan
+from realloc.planner import plan_exchange
+
+#: Disk reads and writes of big models outlast the group's collective timeout.
+MIN_IO_TIMEOUT_S = 600.0
+#: Rounds of "read, find a corrupt copy, re-plan around it" before giving up.
+MAX_READ_ROUNDS = 8
+
+
+@dataclass
+class SaveStats:
+    """What one save did (seconds are wall time on the driver)."""
+
+    iteration: int
+    write_seconds: float
+    replicate_seconds: float
+    total_seconds: float
+    bytes_written: int
+    bytes_replicated_inter_node: int
+    bytes_replicated_intra_node: int
+    replica_files: int
+    removed_iterations: list[int]
+    worker_write_seconds: float = 0.0  # slowest worker: serialise, checksum, write (in the background if async)
+    replica_check_write_seconds: float = 0.0  # slowest worker: sha256 of received files + atomic writes
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoadStats:
+    """What one load did. ``method``: ``"restore"`` (rank files, same layout) or ``"reshard"``."""
+
+    iteration: int
+    method: str
+    scan_seconds: float
+    read_seconds: float
+    plan_seconds: float
+    exchange_seconds: float
+    total_seconds: float
+    bytes_read: int
+    bytes_local: int
+    bytes_intra_node: int
+    bytes_inter_node: int
+    corrupt_copies: list[str] = field(default_factory=list)
+    max_reader_bytes: int = 0
+    install_seconds: float = 0.0  # slowest worker: checksum and install after the transfers
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class SaveHandle:
+    """A save in progress; :meth:`wait` finishes it (writes, then replication, then removal of the
+    run's other iterations)."""
+
+    def __init__(self, manager: "CheckpointManager", iteration: int, refs: list, started: float, is_async: bool):
+        self.manager, self.iteration, self.is_async = manager, iteration, is_async
+        self._refs, self._started, self._stats, self._error = refs, started, None, None
+
+    def done(self) -> bool:
+        """Whether every worker finished writing (replication still runs in :meth:`wait`)."""
+        if self._stats is not None or self._error is not None:
+            return True
+        return not ray.wait(self._refs, num_returns=len(self._refs), timeout=0)[1]
+
+    def wait(self) -> SaveStats:
+        """Finish the save; raises :class:`CheckpointError` (files of this iteration removed) on failure."""
+        if self._error is not None:
+            raise self._error
+        if self._stats is None:
+            try:
+                self._stats = self.manager._finish_save(self)
+            except CheckpointError as exc:
+                self._error = exc
+                raise
+        return self._stats
+
+
+class CheckpointManager:
+    """Local checkpoints of ``group`` under ``root/<run_id>/<node id>/``.
+
+    ``jump``/``factor``: clique replication (default jump = workers per node, so the ``factor``
+    copies of a file sit on different nodes); ``factor=1`` keeps only the writer's copy.
+    ``run_id`` (default: a fresh random one) is checked on every file loaded: pass the same id to
+    resume a run. ``root`` defaults to ``$REALLOC_CKPT_ROOT`` or ``/dev/shm/realloc-ckpt``.
+
+    Example:
+        >>> manager = CheckpointManager(group, run_id="demo", factor=2)  # doctest: +SKIP
+        >>> manager.save(1).wait().bytes_replicated_inter_node > 0       # doctest: +SKIP
+        True
+    """
+
+    def __init__(self, group, root: "str | Path | None" = None, run_id: str | None = None,
+                 jump: int | None = None, factor: int = 2, timeout_s: float | None = None):
+        if root is not None and not isinstance(root, (str, Path)):
+            raise ValueError(f"root must be a path, got {type(root).__name__}")
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.group = group
+        self.root = Path(root) if root is not None else default_root()
+        self.run_id = check_run_id(run_id) if run_id is not None else uuid.uuid4().hex[:12]
+        self.jump = group.placement.per_node() if jump is None else jump
+        self.factor = factor
+        self.cliques = cliques(group.num_workers, self.jump, factor)  # ValueError on a bad J/F
+        self.timeout_s = float(timeout_s) if timeout_s is not None else max(group.timeout_s, MIN_IO_TIMEOUT_S)
+        self._pending: SaveHandle | None = None
+        self._last_saved: int | None = None
+
+    # -- paths -----------------------------------------------------------------------------
+    def node_dir(self, node: str) -> Path:
+        """This run's directory on ``node`` (tests and demos inspect or damage it)."""
+        return NodeStore(self.root, self.run_id, node).dir
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, iteration: int, is_async: bool = False, *, fault: CheckpointFault | None = None) -> SaveHandle:
+        """Write every rank's shards to its node and replicate them to its clique.
+
+        Sync: returns a finished handle. Async: returns once every worker has snapshotted its
+        buffers (training may then change them); ``handle.wait()`` finishes the writes, runs the
+        replication plan and removes older iterations. ``fault`` is a test hook.
+
+        Example:
+            >>> stats = manager.save(10).wait()  # doctest: +SKIP
+        """
+        check_iteration(iteration)
+        if not isinstance(is_async, bool):
+            raise ValueError(f"is_async must be True or False, got {is_async!r}")
+        if fault is not None and not (isinstance(fault, CheckpointFault) and fault.rank < self.group.num_workers):
+            raise ValueError(f"fault must be a CheckpointFault for a rank below {self.group.num_workers}, "
+                             f"got {fault!r}")
+        self._finish_pending()
+        if self._last_saved is not None and iteration <= self._last_saved:
+            raise ValueError(f"iteration {iteration} is not after the last saved iteration {self._last_saved}; "
+                             "iterations of a run must increase")
+        g = self.group
+        started = time.perf_counter()
+        refs = [a.ckpt_save.remote(str(self.root), self.run_id, iteration, is_async,
+                                   fault if fault is not None and fault.rank == r else None)
+                for r, a in enumerate(g.actors)]
+        handle = SaveHandle(self, iteration, refs, started, is_async)
+        if is_async:
+            try:  # the acknowledgements: every snapshot is taken
+                self._get(refs, f"save iteration {iteration}: snapshot")
+            except ReallocationError as exc:
+                self._abort_save(iteration, exc, refs)
+            self._pending = handle
+        else:
+            handle.wait()
+        return handle
+
+    def _finish_save(self, handle: SaveHandle) -> SaveStats:
+        g, iteration = self.group, handle.iteration
+        refs = handle._refs
+        try:
+            if handle.is_async:
+                refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
+            results = self._get(refs, f"save iteration {iteration}: write rank files")
+            written = time.perf_counter()
+            manifests: dict[int, Manifest] = {res["rank"]: res["manifest"] for res in results}
+            file_bytes = {r: m.file_bytes for r, m in manifests.items()}
+            holdings, needs = replication_groups(file_bytes, g.placement, self.jump, self.factor)
+            moved = {"intra": 0, "inter": 0}
+            finish = 0.0
+            if needs:
+                plan = self._plan(holdings, needs, file_table(file_bytes))
+                incoming: dict[int, dict[int, Manifest]] = defaultdict(dict)
+                for need in needs:
+                    for param, _, _ in need.pieces:
+                        incoming[need.workers[0]][rank_of(param)] = manifests[rank_of(param)]
+                payloads = [{"iteration": iteration, "root": str(self.root), "run_id": self.run_id,
+                             "incoming": incoming.get(w, {})} for w in range(g.num_workers)]
+                exchanged = self._exchange(plan, "replicate", payloads, f"save iteration {iteration}: replicate")
+                finish = max(res["finish_seconds"] for res in exchanged)
+                for res in exchanged:
+                    moved["intra"] += res["bytes"]["intra"]
+                    moved["inter"] += res["bytes"]["inter"]
+            else:
+                self._call_all("ckpt_forget", f"save iteration {iteration}")
+            replicated = time.perf_counter()
+            removed = self._on_nodes("ckpt_cleanup", f"save iteration {iteration}: remove others", keep=iteration)
+        except ReallocationError as exc:
+            self._abort_save(iteration, exc, refs)
+        finally:
+            self._pending = None
+        self._last_saved = iteration
+        return SaveStats(
+            iteration=iteration, write_seconds=written - handle._started, replicate_seconds=replicated - written,
+            total_seconds=time.perf_counter() - handle._started, bytes_written=sum(file_bytes.values()),
+            bytes_replicated_inter_node=moved["inter"], bytes_replicated_intra_node=moved["intra"],
+            replica_files=len(needs), removed_iterations=sorted({i for r in removed for i in r}),
+            worker_write_seconds=max(res["seconds"] for res in results), replica_check_write_seconds=finish)
+
+    def _abort_save(self, iteration: int, cause: Exception, refs: list) -> None:
+        """Let in-flight writes settle, delete the iteration on every live node, raise."""
+        g = self.group
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        dead = set(g.dead_workers())
+        live = [r for r in range(g.num_workers) if r not in dead]
+        try:
+            self._on_nodes("ckpt_cleanup", f"clean up failed save {iteration}", only=iteration, ranks=live)
+            _get([g.actors[r] for r in live], [g.actors[r].ckpt_forget.remote() for r in live],
+                 [g.actor_names[r] for r in live], g.timeout_s, "clean up failed save")
+        except ReallocationError:
+            pass  # best effort: a later successful save removes older leftovers
+        self._pending = None
+        previous = f"iteration {self._last_saved} stays loadable" if self._last_saved is not None else \
+            "earlier iterations are untouched"
+        raise CheckpointError(f"save of iteration {iteration} (run {self.run_id}) failed and was removed from the "
+                              f"live nodes; {previous}. Cause: {cause}") from cause
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+
+    # -- find and load ---------------------------------------------------------------------
+    def catalog(self, iterations: list[int] | None = None) -> Catalog:
+        """Usable rank files of this run on the nodes that host live workers (one listing per node)."""
+        listings = self._on_nodes("ckpt_list", "list checkpoints", iterations=iterations)
+        return Catalog(listings)
+
+    def find_latest(self) -> int | None:
+        """The newest iteration whose stored shards all have a usable copy on a live node, or None.
+
+        Example:
+            >>> manager.find_latest()  # doctest: +SKIP
+            200
+        """
+        self._finish_pending()
+        return self.catalog().latest_complete(self.group.spec)
+
+    def load(self, iteration: int | None = None) -> LoadStats:
+        """Restore ``iteration`` (default: :meth:`find_latest`) into the group's current layout.
+
+        Same layout and every rank file available: each rank gets its own file, from its node's
+        directory when there, else from replicas (planner: local first, senders balanced). Any
+        other case (another layout, lost rank files whose shards survive in dp twins): each stored
+        shard is read once by a balanced reader and the planner moves it where it is needed.
+        Raises :class:`MissingShardsError` naming the shards no live node has.
+        """
+        if iteration is not None:
+            check_iteration(iteration)
+        self._finish_pending()
+        try:
+            return self._load(iteration)
+        except ReallocationError as exc:
+            for a in self.group.actors:
+                a.ckpt_forget.remote()  # fire and forget: dead workers cannot answer
+            raise CheckpointError(f"load of run {self.run_id} failed: {exc}") from exc
+
+    def _load(self, iteration: int | None) -> LoadStats:
+        g = self.group
+        started = time.perf_counter()
+        catalog = self.catalog(None if iteration is None else [iteration])
+        nodes = sorted(set(g.placement.nodes))
+        if iteration is None:
+            iteration = catalog.latest_complete(g.spec)
+            if iteration is None:
+                newest = catalog.iterations()[-1] if catalog.iterations() else None
+                missing = catalog.missing(newest, g.spec) if newest is not None else []
+                detail = f"; newest partial iteration {newest} lacks {missing[:3]}" if newest is not None else ""
+                raise MissingShardsError(f"no complete checkpoint of run {self.run_id} under {self.root} on the live "
+                                         f"nodes {nodes}{detail}", missing)
+        missing = catalog.missing(iteration, g.spec)
+        if missing:
+            raise MissingShardsError(
+                f"iteration {iteration} of run {self.run_id} cannot be loaded: {len(missing)} stored shards have no "
+                f"usable copy on the live nodes {nodes}, e.g. {missing[:3]} (unusable files: {catalog.problems[:3]})",
+                missing)
+        manifests, copies = catalog.manifests(iteration), catalog.copies(iteration)
+        scanned = time.perf_counter()
+        target = g.layout()
+        reference = manifests[min(manifests)]
+        reference.check_spec(g.spec)
+        if reference.same_layout(target) and len(manifests) == g.num_workers:
+            stats = self._restore(iteration, manifests, copies)
+        else:
+            stats = self._reshard(iteration, manifests, copies, set(), [])
+        stats.scan_seconds = scanned - started
+        stats.total_seconds = time.perf_counter() - started
+        return stats
+
+    def _restore(self, iteration: int, manifests: dict[int, Manifest], copies: dict[int, set[str]]) -> LoadStats:
+        g = self.group
+        file_bytes = {r: m.file_bytes for r, m in manifests.items()}
+        excluded: set[tuple[str, int]] = set()
+        corrupt: list[str] = []
+        read_bytes, read_seconds, plan_seconds = 0, 0.0, 0.0
+        for _ in range(MAX_READ_ROUNDS):
+            usable = {r: {n for n in nodes if (n, r) not in excluded} for r, nodes in copies.items()}
+            if any(not nodes for nodes in usable.values()):
+                # A rank lost every copy: its shards may survive in a dp twin's file.
+                return self._reshard(iteration, manifests, copies, excluded, corrupt)
+            t0 = time.perf_counter()
+            holdings, needs = retrieval_groups(usable, file_bytes, g.placement, range(g.num_workers))
+            plan = self._plan(holdings, needs, file_table(file_bytes))
+            t1 = time.perf_counter()
+            reads = files_read_by(plan)
+            workers = sorted(reads)
+            results = self._get([g.actors[w].ckpt_read_files.remote(str(self.root), self.run_id,
+                                                                    {r: manifests[r] for r in reads[w]})
+                                 for w in workers], "load: read rank files", ranks=workers)
+            plan_seconds += t1 - t0
+            read_seconds += time.perf_counter() - t1
+            read_bytes += sum(res["bytes"] for res in results)
+            bad = [(g.placement.nodes[w], r, reason) for w, res in zip(workers, results)
+                   for r, reason in res["bad"].items()]
+            if not bad:
+                break
+            excluded |= {(n, r) for n, r, _ in bad}
+            corrupt += [f"{n}: rank {r} file: {reason}" for n, r, reason in bad]
+        else:
+            raise CheckpointError(f"load of iteration {iteration}: still finding corrupt copies after "
+                                  f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}")
+        payloads = [{"incoming": {w: manifests[w]}} for w in range(g.num_workers)]
+        t0 = time.perf_counter()
+        results = self._exchange(plan, "restore", payloads, f"load iteration {iteration}")
+        return self._load_stats(iteration, "restore", results, time.perf_counter() - t0, read_bytes, read_seconds,
+                                plan_seconds, corrupt, max((sum(file_bytes[r] for r in rs) for rs in reads.values()),
+                                                           default=0))
+
+    def _reshard(self, iteration: int, manifests: dict[int, Manifest], copies: dict[int, set[str]],
+                 excluded: set[tuple[str, int]], corrupt: list[str]) -> LoadStats:
+        g = self.group
+        read_bytes, read_seconds = 0, 0.0
+        stored = {r: m.shards for r, m in manifests.items()}
+        t0 = time.perf_counter()
+        assignment = assign_readers(stored, copies, g.placement, exclude=excluded)
+        plan_seconds = time.perf_counter() - t0
+        for _ in range(MAX_READ_ROUNDS):
+            t0 = time.perf_counter()
+            workers = sorted(w for w, ts in assignment.tasks.items() if ts)
+            results = self._get([g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id,
+                                                                    assignment.tasks[w], manifests)
+                                 for w in workers], "load: read stored shards", ranks=workers)
+            read_seconds += time.perf_counter() - t0
+            read_bytes += sum(res["bytes"] for res in results)
+            bad = [task for res in results for task, _ in res["bad"]]
+            if not bad:
+                break
+            corrupt += [f"{t.node}: rank {t.rank} file: {reason}" for res in results for t, reason in res["bad"]]
+            excluded |= {(t.node, t.rank) for t in bad}
+            failed = set(bad)
+            keep = [t for t in assignment.all() if t not in failed]
+            assignment = assign_readers(stored, copies, g.placement, exclude=excluded, keep=keep)
+        else:
+            raise CheckpointError(f"load of iteration {iteration}: still finding corrupt copies after "
+                                  f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}")
+        t0 = time.perf_counter()
+        holdings, needs = reshard_groups(assignment, g.layout())
+        plan = self._plan(holdings, needs, param_table(g.spec))
+        plan_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        results = self._exchange(plan, "reshard", [{} for _ in range(g.num_workers)], f"load iteration {iteration}")
+        return self._load_stats(iteration, "reshard", results, time.perf_counter() - t0, read_bytes, read_seconds,
+                                plan_seconds, corrupt, max(assignment.loads().values(), default=0))
+
+    @staticmethod
+    def _load_stats(iteration: int, method: str, results: list[dict], exchange_seconds: float, read_bytes: int,
+                    read_seconds: float, plan_seconds: float, corrupt: list[str], max_reader: int) -> LoadStats:
+        return LoadStats(
+            iteration=iteration, method=method, scan_seconds=0.0, read_seconds=read_seconds, plan_seconds=plan_seconds,
+            exchange_seconds=exchange_seconds, total_seconds=0.0, bytes_read=read_bytes,
+            bytes_local=sum(r["bytes"]["local"] for r in results),
+            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
+            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+            corrupt_copies=corrupt, max_reader_bytes=max_reader,
+            install_seconds=max(r["finish_seconds"] for r in results))
+
+    # -- Hugging Face ----------------------------------------------------------------------
+    def import_hf(self, path: "str | Path") -> dict:
+        """Load a HF safetensors directory (visible at ``path`` on every node) into the current layout.
+
+        Headers are checked on the driver first (``ValueError`` on a missing or misshapen tensor);
+        each rank then reads only its own slices.
+
+        Example:
+            >>> manager.import_hf("/models/llama-7b")  # doctest: +SKIP
+        """
+        self._finish_pending()
+        tensors = scan_hf_dir(path)
+        mapping = match_spec(tensors, self.group.spec)
+        started = time.perf_counter()
+        results = self._call_all("ckpt_import_hf", "import HF checkpoint", str(path), tensors, mapping)
+        return {"bytes_read": sum(r["bytes"] for r in results), "seconds": time.perf_counter() - started,
+                "max_rank_seconds": max(r["seconds"] for r in results)}
+
+    def export_hf(self, path: "str | Path", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+        """Write the model as a HF safetensors directory (from dp replica 0; tied head left out).
+
+        Example:
+            >>> manager.export_hf("/tmp/out", max_shard_bytes=2 << 30)  # doctest: +SKIP
+        """
+        if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+        self._finish_pending()
+        return save_hf_dir(export_state(self.group.state_dict(), self.group.spec), path, max_shard_bytes)
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _plan(self, holdings, needs, params) -> Plan:
+        opts = self.group.options
+        return plan_exchange(holdings, needs, self.group.placement, params, bucket_bytes=opts["bucket_bytes"],
+                             bandwidths=opts["bandwidths"])
+
+    def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str) -> list[dict]:
+        g = self.group
+        world = g._ensure_world([g])
+        peers = [PeerView(world.rank_of(a), g.placement.nodes[i], None, None) for i, a in enumerate(g.actors)]
+        plan_ref = ray.put(plan)
+        refs = [a.ckpt_exchange.remote(plan_ref, i, peers, mode, payloads[i]) for i, a in enumerate(g.actors)]
+        try:
+            return _get(g.actors, refs, g.actor_names, self.timeout_s, what)
+        except ReallocationError:
+            world.mark_broken()
+            for a in g.actors:
+                a.ckpt_forget.remote()
+            raise
+
+    def _get(self, refs: list, what: str, ranks: list[int] | None = None) -> list[Any]:
+        g = self.group
+        ranks = list(range(g.num_workers)) if ranks is None else ranks
+        return _get([g.actors[r] for r in ranks], refs, [g.actor_names[r] for r in ranks], self.timeout_s, what)
+
+    def _call_all(self, method: str, what: str, *args: Any) -> list[Any]:
+        return self._get([getattr(a, method).remote(*args) for a in self.group.actors], what)
+
+    def _on_nodes(self, method: str, what: str, ranks: list[int] | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method`` once per node that hosts one of ``ranks`` (default: all workers)."""
+        g = self.group
+        first: dict[str, int] = {}
+        for r in (range(g.num_workers) if ranks is None else ranks):
+            first.setdefault(g.placement.nodes[r], r)
+        chosen = sorted(first.values())
+        refs = [getattr(g.actors[r], method).remote(str(self.root), self.run_id, **kwargs) for r in chosen]
+        return self._get(refs, what, ranks=chosen)

@@ -1,0 +1,13 @@
+"""Local checkpoints: rank files, replication cliques, retrieval and resharding plans, HF import/export.
+
+Pure Python and torch (no Ray): the Ray workers (``actors.ckpt_worker``) and the driver
+(``actors.checkpoint``) call into these modules; tests run them in-process.
+"""
+
+from realloc.ckpt.catalog import Catalog
+from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
+from realloc.ckpt.manifest import CheckpointId, Manifest, ShardRecord
+from realloc.ckpt.replication import cliques
+
+__all__ = ["Catalog", "CheckpointError", "CheckpointId", "CorruptFileError", "Manifest", "MissingShardsError",
+           "ShardRecord", "cliques"]
