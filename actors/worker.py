@@ -17,7 +17,7 @@ from realloc.layout import Layout
 from actors.executor import PeerView, StepRunner
 from actors.ckpt_worker import CheckpointMixin
 from realloc.plan import Plan
-from realloc.shards import ShardStore, copy_local
+from realloc.shards import ShardStore, copy_local, zero_padding
 from realloc.spec import ModelSpec
 from realloc.synthetic import synthetic_box
 from realloc.topology import Topology
@@ -167,7 +167,9 @@ class ShardWorker(CheckpointMixin):
         if dst is None:
             return None
         layout = Layout(self.spec, dst[0], vocab_pad_multiple)
-        buffers = self.allocator.allocate(layout.buffer_numels(dst[1]))
+        # Every real element is written by the plan: only padding needs zeros in a reused buffer.
+        buffers = self.allocator.allocate(layout.buffer_numels(dst[1]), zero=False)
+        zero_padding(ShardStore(layout.shards(dst[1]), buffers))
         self.pending = (layout, dst[1], buffers)
         return self.allocator.export(buffers)
 

@@ -71,6 +71,15 @@ class ShardStore:
             view.copy_(value)
 
 
+def zero_padding(store: ShardStore) -> None:
+    """Zero every local element outside the shards' boxes (vocabulary padding)."""
+    for entries in store.by_param.values():
+        for shard, local in entries:
+            for d, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
+                if full > size:
+                    local.narrow(d, size, full - size).zero_()
+
+
 def pack(store: ShardStore, bucket: list[Piece], out: torch.Tensor) -> torch.Tensor:
     """Copy a bucket's boxes from ``store`` into the byte tensor ``out``."""
     for p in bucket:
