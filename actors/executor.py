@@ -25,6 +25,32 @@ class PeerView:
 
 
 
+class Staging:
+    """A worker's bucket staging buffers, kept across plans: their pages are touched once, not
+    per step (fresh pages cost a page fault each; at 64 MiB buckets that dominated a step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, slot: str, nbytes: int) -> torch.Tensor:
+        buf = self.buffers.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+
+def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of a single contiguous view (send from / receive into it without a copy)."""
+    if len(views) != 1 or not views[0].is_contiguous():
+        return None
+    return views[0].reshape(-1).view(torch.uint8)
+
+
 class StepRunner:
     """Runs one worker's routes of a plan, step by step, bucket by bucket.
 
@@ -35,13 +61,13 @@ class StepRunner:
     def __init__(self, transport, device: torch.device, plan: Plan, me: int, peers: list[PeerView],
                  src: ShardStore | None, dst: ShardStore | None,
                  open_peer: Callable[[PeerView, bool], ShardStore] | None = None,
-                 on_bucket: Callable[[], None] | None = None):
+                 on_bucket: Callable[[], None] | None = None, staging: "Staging | None" = None):
         self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
         self.open_peer = open_peer
         self.on_bucket = on_bucket
+        self.staging = staging if staging is not None else Staging(device)
         self.device = device
         self.my_node = peers[me].node
-        self.peak_staging = 0
         self._buckets: dict[int, list] = {}
         self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
 
@@ -83,27 +109,36 @@ class StepRunner:
         return done
 
     def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
-        transport = self.transport
         source = self.dst if forward else self.src
         send_b = self.buckets(send[1]) if send else []
         recv_b = self.buckets(recv[1]) if recv else []
-        cap = max([bucket_nbytes(b) for b in send_b + recv_b] or [0])
-        send_bufs = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(2 if len(send_b) > 1 else len(send_b))]
-        recv_buf = torch.empty(cap, dtype=torch.uint8, device=self.device) if recv_b else None
-        self.peak_staging = max(self.peak_staging, cap * (len(send_bufs) + (recv_buf is not None)))
         world = lambda peer: self.peers[peer].world_rank  # noqa: E731
-        if send_b:
-            pack(source, send_b[0], send_bufs[0][:bucket_nbytes(send_b[0])])
+
+        def outgoing(i: int) -> torch.Tensor:
+            """Bucket ``i``'s bytes: the source view itself when it is one contiguous box."""
+            direct = _direct_bytes([source.view(send_b[i][0].param, send_b[i][0].offsets, send_b[i][0].sizes)]) \
+                if len(send_b[i]) == 1 else None
+            if direct is not None:
+                return direct
+            buf = self.staging.get(f"send{i % 2}", bucket_nbytes(send_b[i]))
+            return pack(source, send_b[i], buf)
+
+        nxt = outgoing(0) if send_b else None
         for i in range(max(len(send_b), len(recv_b))):
-            out = (world(send[0]), send_bufs[i % 2][:bucket_nbytes(send_b[i])]) if i < len(send_b) else None
-            into = (world(recv[0]), recv_buf[:bucket_nbytes(recv_b[i])]) if i < len(recv_b) else None
-            requests = transport.exchange(out, into)
+            out = (world(send[0]), nxt) if i < len(send_b) else None
+            into = None
+            if i < len(recv_b):
+                piece = recv_b[i][0]
+                direct = _direct_bytes(self.dst.views(piece.param, piece.offsets, piece.sizes)) \
+                    if len(recv_b[i]) == 1 else None
+                into = (world(recv[0]), direct if direct is not None else
+                        self.staging.get("recv", bucket_nbytes(recv_b[i])), direct is None)
+            requests = self.transport.exchange(out, into[:2] if into else None)
             if i + 1 < len(send_b):  # pack the next bucket while this one is on the wire
-                nxt = send_b[i + 1]
-                pack(source, nxt, send_bufs[(i + 1) % 2][:bucket_nbytes(nxt)])
+                nxt = outgoing(i + 1)
             for r in requests:
                 r.wait()
-            if into is not None:
+            if into is not None and into[2]:
                 unpack(self.dst, recv_b[i], into[1])
             if self.on_bucket is not None:
                 self.on_bucket()

@@ -14,7 +14,7 @@ from actors import metrics
 from actors.transport import Transport, host_store
 from actors.zero_copy import BufferAllocator, open_handles
 from realloc.layout import Layout
-from actors.executor import PeerView, StepRunner
+from actors.executor import PeerView, Staging, StepRunner
 from actors.ckpt_worker import CheckpointMixin
 from realloc.plan import Plan
 from realloc.shards import ShardStore, copy_local, zero_padding
@@ -59,6 +59,7 @@ class ShardWorker(CheckpointMixin):
         self.transport: Transport | None = None
         self._store = None
         self._fault: tuple[str, float] | None = None
+        self.staging = Staging(self.device)
 
     # -- identity and collective set-up ----------------------------------------------------
     def info(self) -> dict:
@@ -191,7 +192,6 @@ class ShardWorker(CheckpointMixin):
         src = self._store_now() if peers[me].src is not None else None
         dst = ShardStore(self.pending[0].shards(self.pending[1]), self.pending[2]) if self.pending else None
         moved = {"local": 0, "intra": 0, "inter": 0}
-        staging = 0
         if phase == 0:
             for worker, j in plan.local_copies:
                 if worker == me:
@@ -200,12 +200,12 @@ class ShardWorker(CheckpointMixin):
             seconds, self._fault = self._fault[1], None
             time.sleep(seconds)
         executor = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store,
-                              on_bucket=self._after_bucket)
+                              on_bucket=self._after_bucket, staging=self.staging)
         steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
         for s in steps:
             for kind, nbytes in executor.run_step(s):
                 moved[kind] += nbytes
-        staging = executor.peak_staging
+        staging = self.staging.nbytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
