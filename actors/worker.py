@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +40,27 @@ class ShardContext:
     device: torch.device
     tensors: dict[str, torch.Tensor]
     shards: tuple  # realloc.layout.Shard per slot, for global offsets
+
+
+class _Background(threading.Thread):
+    """Runs ``fn`` in a thread; ``join()`` returns its result or raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as err:  # noqa: BLE001 - re-raised in join
+            self.error = err
+
+    def join(self, timeout: float | None = None) -> Any:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class ShardWorker(CheckpointMixin):
@@ -192,19 +214,25 @@ class ShardWorker(CheckpointMixin):
         src = self._store_now() if peers[me].src is not None else None
         dst = ShardStore(self.pending[0].shards(self.pending[1]), self.pending[2]) if self.pending else None
         moved = {"local": 0, "intra": 0, "inter": 0}
+        local_copies = None
         if phase == 0:
-            for worker, j in plan.local_copies:
-                if worker == me:
-                    moved["local"] += copy_local(src, dst, plan.segment_list(j))
+            # Local copies write boxes no route writes, and torch copies release the GIL: run
+            # them beside the transfers instead of before them.
+            mine = [j for worker, j in plan.local_copies if worker == me]
+            local_copies = _Background(lambda: sum(copy_local(src, dst, plan.segment_list(j)) for j in mine))
         if self._fault and self._fault[0] == "stall":
             seconds, self._fault = self._fault[1], None
             time.sleep(seconds)
         executor = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store,
                               on_bucket=self._after_bucket, staging=self.staging)
         steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
-        for s in steps:
-            for kind, nbytes in executor.run_step(s):
-                moved[kind] += nbytes
+        try:
+            for s in steps:
+                for kind, nbytes in executor.run_step(s):
+                    moved[kind] += nbytes
+        finally:  # never leave a thread writing into buffers an abort is about to recycle
+            if local_copies is not None:
+                moved["local"] += local_copies.join()
         staging = self.staging.nbytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
