@@ -39,10 +39,11 @@ import sys
 import time
 import uuid
 import zlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from actors.cluster import ray_for_command
 from realloc.layout import Layout
 from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers
 from realloc.topology import Topology
@@ -133,39 +134,6 @@ def _log(msg: str) -> None:
     print(f"[bench {time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def _ray(address: str | None, nodes: int, cpus_per_node: int, object_store_bytes: int) -> Iterator[str]:
-    """Like ``actors.cluster.ray_for_command``, with object stores big enough for the driver baseline.
-
-    ``ray.cluster_utils.Cluster`` gives simulated nodes 150 MiB object stores, which would make
-    the driver baseline spill to disk: that would measure the store size, not the method.
-    """
-    import ray
-
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        try:
-            yield f"attached to {address}"
-        finally:
-            ray.shutdown()
-        return
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "object_store_memory": object_store_bytes})
-    try:
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_bytes)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        yield (f"local Ray, {nodes} simulated nodes x {cpus_per_node} CPU slots, "
-               f"object stores {object_store_bytes / 2**30:.1f} GiB")
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -184,7 +152,7 @@ def bench(spec, src: Topology, dst: Topology, *, address: str | None = None, nod
         "model": spec.name, "model_bytes": spec.total_bytes(), "src": str(src), "dst": str(dst),
         "workers": workers, "bucket_bytes": bucket_bytes, "repeats": repeats, "verify_mode": verify,
     }
-    with _ray(address, nodes, per_node, store_bytes) as where:
+    with ray_for_command(address, nodes, per_node, store_bytes) as where:
         _log(f"{spec.name} ({spec.total_bytes() / 1e9:.2f} GB) {src} -> {dst} on {workers} actors; {where}")
         group = ModelGroup.create(spec, src, name="bench", bucket_bytes=bucket_bytes, timeout_s=900)
         _log("actors started")

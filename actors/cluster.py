@@ -10,11 +10,13 @@ import ray
 
 
 @contextlib.contextmanager
-def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int) -> Iterator[str]:
+def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int,
+                    object_store_bytes: int | None = None) -> Iterator[str]:
     """Attach to ``address``, or start ``num_nodes`` simulated nodes (distinct Ray node ids).
 
     Yields a description of what it started. Simulated nodes share this machine but are real
-    raylets, so placement, node ids and node loss behave as on a cluster.
+    raylets, so placement, node ids and node loss behave as on a cluster. They get 150 MiB
+    object stores unless ``object_store_bytes`` says otherwise.
     """
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if address:
@@ -26,13 +28,15 @@ def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int) -> 
         return
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    store = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **store})
     try:
         for _ in range(num_nodes):
-            cluster.add_node(num_cpus=cpus_per_node)
+            cluster.add_node(num_cpus=cpus_per_node, **store)
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-        yield f"local Ray, {num_nodes} simulated nodes x {cpus_per_node} CPU slots"
+        stores = f", object stores {object_store_bytes / 2**30:.1f} GiB" if object_store_bytes else ""
+        yield f"local Ray, {num_nodes} simulated nodes x {cpus_per_node} CPU slots{stores}"
     finally:
         ray.shutdown()
         cluster.shutdown()
