@@ -238,7 +238,7 @@ class ModelGroup:
         stats = _execute(world, plan, self.actors, self.actor_names, peers_src, peers_dst, self.placement,
                          self.vocab_pad_multiple, self.timeout_s, {"model": self.name}, blend=None)
         self.topology = dst
-        return ReallocStats(f"{plan_topology_label(peers_src[0][0])} -> {dst}", plan_seconds=plan_seconds,
+        return ReallocStats(f"{peers_src[0][0]} -> {dst}", plan_seconds=plan_seconds,
                             planned=plan.stats, **stats)
 
     def copy_to(self, other: "ModelGroup", eta: float | None = None) -> ReallocStats:
@@ -347,10 +347,6 @@ class ModelGroup:
 
 def _summary(resources: dict) -> dict:
     return {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")}
-
-
-def plan_topology_label(t: Topology) -> str:
-    return str(t)
 
 
 def _execute(world: World, plan: Plan, actors: list, names: list[str], src: list, dst: list,
