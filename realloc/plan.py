@@ -46,18 +46,10 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Part of a segment inside one bucket: ``box`` of ``param`` at byte ``offset`` of the bucket."""
+class Piece(Segment):
+    """Part of a segment inside one bucket, at byte ``offset`` of the bucket."""
 
-    param: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    dtype: str
-    offset: int
-
-    @property
-    def box(self) -> Box:
-        return self.offsets, self.sizes
+    offset: int = 0
 
 
 @dataclass
