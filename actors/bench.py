@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from actors.cluster import ray_for_command
+from realloc.boxes import box_index
 from realloc.layout import Layout
 from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers
 from realloc.topology import Topology
@@ -428,10 +429,6 @@ def _local_view(ctx, param: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
     raise KeyError(f"rank {ctx.rank} holds no box {offsets}+{sizes} of {param}")
 
 
-def _box(offsets, sizes) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-
-
 def source_owners(layout: Layout) -> dict[str, list[tuple[int, tuple, tuple]]]:
     """Per parameter, its distinct source boxes and the lowest rank holding each (dp replica 0).
 
@@ -582,7 +579,7 @@ def baseline_driver(group, dst: Topology) -> tuple[float, dict]:
     full = {p.name: torch.empty(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in spec.params}
     for boxes in fetched:
         for param, offsets, sizes, array in boxes:
-            full[param][_box(offsets, sizes)] = _from_numpy(array, spec.param(param).dtype, sizes)
+            full[param][box_index(offsets, sizes)] = _from_numpy(array, spec.param(param).dtype, sizes)
     fetched = None
     t_assemble = time.perf_counter()
     refs = {}
@@ -590,7 +587,7 @@ def baseline_driver(group, dst: Topology) -> tuple[float, dict]:
         for pp_rank in range(dst.pp):
             shards = dst_layout.shards_at(tp_rank, pp_rank)
             refs[tp_rank, pp_rank] = ray.put([
-                (s.param, s.offsets, s.sizes, _to_numpy(full[s.param][_box(s.offsets, s.sizes)]))
+                (s.param, s.offsets, s.sizes, _to_numpy(full[s.param][box_index(s.offsets, s.sizes)]))
                 for s in shards if s.numel])
     full = None
     t_put = time.perf_counter()
@@ -657,9 +654,9 @@ def _broadcast_fn(ctx, spec, owners: dict, dst: Topology, vpm: int) -> None:
             requests, pending = [], []
             for r, offsets, sizes in boxes:
                 if r == root:
-                    full[_box(offsets, sizes)].copy_(_local_view(ctx, p.name, offsets, sizes))
+                    full[box_index(offsets, sizes)].copy_(_local_view(ctx, p.name, offsets, sizes))
                     continue
-                target = full[_box(offsets, sizes)]
+                target = full[box_index(offsets, sizes)]
                 into = target if target.is_contiguous() else torch.empty(sizes, dtype=full.dtype)
                 requests.append(dist.irecv(into, r))
                 if into is not target:
@@ -676,7 +673,7 @@ def _broadcast_fn(ctx, spec, owners: dict, dst: Topology, vpm: int) -> None:
         dist.broadcast(full, root)
         for shard, _ in store.by_param.get(p.name, ()):
             if shard.numel:
-                store.write(p.name, shard.offsets, shard.sizes, full[_box(shard.offsets, shard.sizes)])
+                store.write(p.name, shard.offsets, shard.sizes, full[box_index(shard.offsets, shard.sizes)])
 
 
 # -- baseline (c): torch.distributed.checkpoint through /dev/shm --------------------------------

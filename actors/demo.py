@@ -9,6 +9,7 @@ import time
 import torch
 
 from actors.cluster import ray_for_command
+from realloc.boxes import box_index
 from realloc.topology import Topology
 
 DEFAULT_ROUTE = ["dp=2,tp=2,pp=2", "dp=1,tp=4,pp=2", "dp=2,tp=4,pp=1", "dp=8,tp=1,pp=1", "dp=2,tp=2,pp=2"]
@@ -42,7 +43,7 @@ def verify_against_reference(group, reference: dict[str, torch.Tensor]) -> int:
     checked = 0
     for rank, boxes in group.shard_boxes().items():
         for param, offsets, sizes, tensor in boxes:
-            expected = reference[param][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            expected = reference[param][box_index(offsets, sizes)]
             if not torch.equal(tensor, expected):
                 raise AssertionError(f"rank {rank}: {param} box {offsets}+{sizes} differs from the reference")
             checked += 1

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.world import World
 from actors.zero_copy import sweep_stale_buffers
 from actors.worker import PeerView, ShardWorker
+from realloc.boxes import box_index
 from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.plan import Plan
@@ -195,7 +196,7 @@ class ModelGroup:
         replica0 = [r for r in range(self.num_workers) if self.topology.coords(r)[0] == 0]
         for rank_boxes in self.shard_boxes(replica0).values():
             for param, offsets, sizes, tensor in rank_boxes:
-                full[param][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = tensor
+                full[param][box_index(offsets, sizes)] = tensor
         for alias, target in self.spec.aliases.items():
             full[alias] = full[target]
         return full

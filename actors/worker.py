@@ -17,6 +17,7 @@ from actors.zero_copy import BufferAllocator, open_handles
 from realloc.layout import Layout
 from actors.executor import PeerView, Staging, StepRunner
 from actors.ckpt_worker import CheckpointMixin
+from realloc.boxes import box_index
 from realloc.plan import Plan
 from realloc.shards import ShardStore, copy_local, zero_padding
 from realloc.spec import ModelSpec
@@ -135,8 +136,7 @@ class ShardWorker(CheckpointMixin):
             full = state.get(s.param)
             if full is None:
                 full = state[s.slot]
-            index = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))
-            store.write(s.param, s.offsets, s.sizes, full[index].to(self.device))
+            store.write(s.param, s.offsets, s.sizes, full[box_index(s.offsets, s.sizes)].to(self.device))
 
     def get_boxes(self) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
         """``(param, offsets, sizes, tensor)`` of every held box, on CPU (padding excluded)."""

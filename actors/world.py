@@ -7,8 +7,6 @@ and the next operation forms a fresh one, so the number of communicators stays b
 
 from __future__ import annotations
 
-import ray
-
 
 class World:
     def __init__(self, actors: list, names: list[str], backend: str):

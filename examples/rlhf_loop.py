@@ -21,6 +21,7 @@ import torch
 
 from actors import ModelGroup
 from realloc import ModelSpec, Topology
+from realloc.boxes import box_index
 from realloc.synthetic import synthetic_state_dict
 
 TRAIN = Topology(dp=2, tp=2, pp=2)
@@ -45,7 +46,7 @@ def expected_sums(reference: dict[str, torch.Tensor], group: ModelGroup) -> list
     for rank in range(group.num_workers):
         sums = {}
         for shard in group.layout().shards(rank):
-            box = reference[shard.param][tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.sizes))]
+            box = reference[shard.param][box_index(shard.offsets, shard.sizes)]
             sums[shard.slot] = float(box.double().sum())
         out.append(sums)
     return out

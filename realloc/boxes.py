@@ -7,6 +7,11 @@ import math
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
+def box_index(offsets, sizes) -> tuple[slice, ...]:
+    """The index that cuts box ``(offsets, sizes)`` out of a full tensor: ``full[box_index(o, s)]``."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
 def contains(outer: Box, inner: Box) -> bool:
     (oo, os_), (io, is_) = outer, inner
     return all(o <= i and i + s <= o + z for o, z, i, s in zip(oo, os_, io, is_))

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from realloc.boxes import box_index
 from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths, plan_reallocation
@@ -302,7 +303,7 @@ def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: i
     for store in src.values():
         for entries in store.by_param.values():
             for shard, local in entries:
-                local[_slices(shard.sizes)].copy_(full[shard.param][_box_slices(shard.offsets, shard.sizes)])
+                local[_slices(shard.sizes)].copy_(full[shard.param][box_index(shard.offsets, shard.sizes)])
     dst = {r: ShardStore(dst_layout.shards(r), allocate_buffers(dst_layout, r)) for r in range(world)}
     moved = execute_in_process(plan, src, dst)
 
@@ -311,7 +312,7 @@ def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: i
         for entries in store.by_param.values():
             for shard, local in entries:
                 expected = torch.zeros_like(local)
-                expected[_slices(shard.sizes)] = full[shard.param][_box_slices(shard.offsets, shard.sizes)]
+                expected[_slices(shard.sizes)] = full[shard.param][box_index(shard.offsets, shard.sizes)]
                 if not torch.equal(local, expected):
                     mismatches.append(f"rank {rank} {shard.slot}")
     return {
@@ -342,10 +343,6 @@ def _random_weights(spec: ModelSpec, seed: int) -> dict[str, "Any"]:
 
 def _slices(sizes: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(0, n) for n in sizes)
-
-
-def _box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 
 
 # -- realloc presets ------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

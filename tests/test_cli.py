@@ -10,7 +10,6 @@ import pytest
 
 import realloc.local_executor
 from realloc.cli import main
-from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.planner import plan_reallocation
 from realloc.spec import ModelSpec

@@ -21,6 +21,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
+from realloc.boxes import box_index
 from realloc.ckpt.files import SAFETENSORS_DTYPES, atomic_write
 from realloc.layout import Shard
 from realloc.shards import TORCH_DTYPES, ShardStore
@@ -134,7 +135,7 @@ def load_shards(path: "str | Path", tensors: Mapping[str, HFTensor], mapping: Ma
     for name, file_shards in sorted(by_file.items()):
         with safe_open(str(Path(path) / name), framework="pt") as f:
             for s in file_shards:
-                box = f.get_slice(mapping[s.param])[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))]
+                box = f.get_slice(mapping[s.param])[box_index(s.offsets, s.sizes)]
                 store.write(s.param, s.offsets, s.sizes, box.to(TORCH_DTYPES[s.dtype]))
                 read += box.numel() * box.element_size()
     return read
