@@ -23,8 +23,10 @@ from typing import Any
 import ray
 
 from actors.ckpt_worker import CheckpointFault
+from actors.errors import ReallocationError
 from actors.executor import PeerView
-from actors.group import ReallocationError, _get
+from actors.protocol import Operation
+from actors.remote import fire, gather
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
 from realloc.ckpt.hf import DEFAULT_MAX_SHARD_BYTES, export_state, match_spec, save_hf_dir, scan_hf_dir
@@ -130,6 +132,9 @@ class CheckpointManager:
                  jump: int | None = None, factor: int = 2, timeout_s: float | None = None):
         if root is not None and not isinstance(root, (str, Path)):
             raise ValueError(f"root must be a path, got {type(root).__name__}")
+        if root is not None and (not str(root).strip() or not Path(root).is_absolute()):
+            raise ValueError(f"root must be an absolute directory path (each worker resolves it on its own node), "
+                             f"got {str(root)!r}")
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.group = group
@@ -169,22 +174,27 @@ class CheckpointManager:
             raise ValueError(f"iteration {iteration} is not after the last saved iteration {self._last_saved}; "
                              "iterations of a run must increase")
         g = self.group
-        started = time.perf_counter()
-        refs = [a.ckpt_save.remote(str(self.root), self.run_id, iteration, is_async,
-                                   fault if fault is not None and fault.rank == r else None)
-                for r, a in enumerate(g.actors)]
-        handle = SaveHandle(self, iteration, refs, started, is_async)
-        if is_async:
-            try:  # the acknowledgements: every snapshot is taken
-                self._get(refs, f"save iteration {iteration}: snapshot")
-            except ReallocationError as exc:
-                self._abort_save(iteration, exc, refs)
-            self._pending = handle
-        else:
-            handle.wait()
+        with g._exclusive(f"save iteration {iteration}"):
+            started = time.perf_counter()
+            refs = [a.ckpt_save.remote(str(self.root), self.run_id, iteration, is_async,
+                                       fault if fault is not None and fault.rank == r else None)
+                    for r, a in enumerate(g.actors)]
+            handle = SaveHandle(self, iteration, refs, started, is_async)
+            if is_async:
+                try:  # the acknowledgements: every snapshot is taken
+                    self._get(refs, f"save iteration {iteration}: snapshot")
+                except ReallocationError as exc:
+                    self._abort_save(iteration, exc, refs)
+                self._pending = handle
+            else:
+                handle.wait()
         return handle
 
     def _finish_save(self, handle: SaveHandle) -> SaveStats:
+        with self.group._exclusive(f"save iteration {handle.iteration}"):
+            return self._finish_save_locked(handle)
+
+    def _finish_save_locked(self, handle: SaveHandle) -> SaveStats:
         g, iteration = self.group, handle.iteration
         refs = handle._refs
         try:
@@ -234,8 +244,8 @@ class CheckpointManager:
         live = [r for r in range(g.num_workers) if r not in dead]
         try:
             self._on_nodes("ckpt_cleanup", f"clean up failed save {iteration}", only=iteration, ranks=live)
-            _get([g.actors[r] for r in live], [g.actors[r].ckpt_forget.remote() for r in live],
-                 [g.actor_names[r] for r in live], g.timeout_s, "clean up failed save")
+            gather(g.workers.subset(live), [g.actors[r].ckpt_forget.remote() for r in live], g.timeout_s,
+                   "clean up failed save")
         except ReallocationError:
             pass  # best effort: a later successful save removes older leftovers
         self._pending = None
@@ -262,7 +272,8 @@ class CheckpointManager:
             200
         """
         self._finish_pending()
-        return self.catalog().latest_complete(self.group.spec)
+        with self.group._exclusive("find checkpoints"):
+            return self.catalog().latest_complete(self.group.spec)
 
     def load(self, iteration: int | None = None) -> LoadStats:
         """Restore ``iteration`` (default: :meth:`find_latest`) into the group's current layout.
@@ -277,10 +288,10 @@ class CheckpointManager:
             check_iteration(iteration)
         self._finish_pending()
         try:
-            return self._load(iteration)
+            with self.group._exclusive("load checkpoint"):
+                return self._load(iteration)
         except ReallocationError as exc:
-            for a in self.group.actors:
-                a.ckpt_forget.remote()  # fire and forget: dead workers cannot answer
+            fire(self.group.workers, "ckpt_forget")  # dead workers cannot answer
             raise CheckpointError(f"load of run {self.run_id} failed: {exc}") from exc
 
     def _load(self, iteration: int | None) -> LoadStats:
@@ -415,10 +426,15 @@ class CheckpointManager:
         self._finish_pending()
         tensors = scan_hf_dir(path)
         mapping = match_spec(tensors, self.group.spec)
+        g = self.group
         started = time.perf_counter()
-        results = self._call_all("ckpt_import_hf", "import HF checkpoint", str(path), tensors, mapping)
-        return {"bytes_read": sum(r["bytes"] for r in results), "seconds": time.perf_counter() - started,
-                "max_rank_seconds": max(r["seconds"] for r in results)}
+        with g._exclusive("import HF checkpoint"):
+            op = self._operation(f"import HF checkpoint {path}")
+            op.prepare()
+            read = op.call([a.op_fill.remote(op.id, "hf", str(path), tensors, mapping) for a in g.actors],
+                           "read shards")
+            op.commit()
+        return {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
 
     def export_hf(self, path: "str | Path", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
         """Write the model as a HF safetensors directory (from dp replica 0; tied head left out).
@@ -433,28 +449,47 @@ class CheckpointManager:
 
     # -- plumbing --------------------------------------------------------------------------
     def _plan(self, holdings, needs, params) -> Plan:
-        opts = self.group.options
-        return plan_exchange(holdings, needs, self.group.placement, params, bucket_bytes=opts["bucket_bytes"],
-                             bandwidths=opts["bandwidths"])
+        config = self.group.config
+        return plan_exchange(holdings, needs, self.group.placement, params, bucket_bytes=config.bucket_bytes,
+                             bandwidths=config.bandwidths)
+
+    def _operation(self, what: str) -> Operation:
+        g = self.group
+        return Operation(g.workers, [g.layout.at(r) for r in range(g.num_workers)], self.timeout_s,
+                         f"{what} (run {self.run_id})", f"group {g.name!r} keeps its previous weights in layout {g.layout}")
 
     def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str) -> list[dict]:
+        """Run a checkpoint plan on every worker. ``restore``/``reshard`` write new weights, so they
+        run as one operation of the protocol (prepare, exchange, commit, or abort everywhere)."""
         g = self.group
         world = g._ensure_world([g])
         peers = [PeerView(world.rank_of(a), g.placement.nodes[i], None, None) for i, a in enumerate(g.actors)]
+        plan.validate(g.num_workers)
         plan_ref = ray.put(plan)
-        refs = [a.ckpt_exchange.remote(plan_ref, i, peers, mode, payloads[i]) for i, a in enumerate(g.actors)]
+        if mode == "replicate":
+            refs = [a.ckpt_exchange.remote(None, world.id, plan_ref, i, peers, mode, payloads[i])
+                    for i, a in enumerate(g.actors)]
+            try:
+                return self._get(refs, what)
+            except ReallocationError:
+                world.mark_broken()
+                fire(g.workers, "ckpt_forget")
+                raise
+        op = self._operation(what)
+        op.prepare()
         try:
-            return _get(g.actors, refs, g.actor_names, self.timeout_s, what)
+            results = op.call([a.ckpt_exchange.remote(op.id, world.id, plan_ref, i, peers, mode, payloads[i])
+                               for i, a in enumerate(g.actors)], "exchange")
         except ReallocationError:
             world.mark_broken()
-            for a in g.actors:
-                a.ckpt_forget.remote()
             raise
+        op.commit()
+        return results
 
     def _get(self, refs: list, what: str, ranks: list[int] | None = None) -> list[Any]:
         g = self.group
-        ranks = list(range(g.num_workers)) if ranks is None else ranks
-        return _get([g.actors[r] for r in ranks], refs, [g.actor_names[r] for r in ranks], self.timeout_s, what)
+        workers = g.workers if ranks is None else g.workers.subset(ranks)
+        return gather(workers, refs, self.timeout_s, what)
 
     def _call_all(self, method: str, what: str, *args: Any) -> list[Any]:
         return self._get([getattr(a, method).remote(*args) for a in self.group.actors], what)

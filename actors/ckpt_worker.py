@@ -181,16 +181,20 @@ class CheckpointMixin:
         return {"bad": bad, "bytes": read, "seconds": time.perf_counter() - started}
 
     # -- exchange ----------------------------------------------------------------------------
-    def ckpt_exchange(self, plan: Plan, me: int, peers: list[PeerView], mode: str, payload: dict[str, Any]) -> dict:
+    def ckpt_exchange(self, op_id: str | None, world_id: str, plan: Plan, me: int, peers: list[PeerView], mode: str,
+                      payload: dict[str, Any]) -> dict:
         """Run my part of a checkpoint plan, then finish it.
 
-        ``mode``: ``"replicate"`` (send my new file, write the files I receive to my node),
-        ``"restore"`` (receive my own rank file, install its buffers) or ``"reshard"`` (receive my
-        shards of the current layout from the readers' boxes).
+        ``mode``: ``"replicate"`` (send my new file, write the files I receive to my node; no
+        operation: the save's own clean-up undoes a failure), ``"restore"`` (receive my own rank
+        file, check it and unpack it into the destination buffers of operation ``op_id``) or
+        ``"reshard"`` (receive my shards of the current layout into those buffers). Restore and
+        reshard never touch the current weights: the driver commits or aborts ``op_id`` afterwards.
         """
         started = time.perf_counter()
         state = self._ckpt()
-        new_buffers = None
+        self._check_world(world_id)
+        op = self._current_op(op_id) if mode != "replicate" else None
         try:
             if mode == "replicate":
                 job = state.saves[payload["iteration"]]
@@ -199,8 +203,7 @@ class CheckpointMixin:
                 src = boxes_store(state.sources) if state.sources else None
             incoming: dict[int, Manifest] = payload.get("incoming", {})
             if mode == "reshard":
-                new_buffers = self.allocator.allocate(self.layout.buffer_numels(self.rank))
-                dst = ShardStore(self.layout.shards(self.rank), new_buffers)
+                dst = op.store()
             else:
                 dst = boxes_store({(file_param(r), (0,), (m.file_bytes,)): torch.zeros(m.file_bytes, dtype=torch.uint8)
                                    for r, m in incoming.items()}) if incoming else None
@@ -216,11 +219,7 @@ class CheckpointMixin:
                 torch.cuda.synchronize(self.device)
             exchanged = time.perf_counter()
             local = any(worker == me for worker, _ in plan.local_copies)
-            written = self._finish_exchange(mode, payload, incoming, dst, new_buffers, local)
-        except BaseException:
-            if mode == "reshard" and new_buffers is not None:
-                self.allocator.release(new_buffers)
-            raise
+            written = self._finish_exchange(mode, payload, incoming, dst, op, local)
         finally:
             state.sources.clear()
             if mode == "replicate":
@@ -229,9 +228,8 @@ class CheckpointMixin:
                 "written": written}
 
     def _finish_exchange(self, mode: str, payload: dict, incoming: dict[int, Manifest], dst: ShardStore | None,
-                         new_buffers: dict | None, local: bool) -> int:
+                         op, local: bool) -> int:
         if mode == "reshard":
-            self._install(new_buffers)
             return 0
         files = {r: dst.view(file_param(r), (0,), (m.file_bytes,)) for r, m in incoming.items()}
         if mode == "replicate":
@@ -246,33 +244,13 @@ class CheckpointMixin:
             if not local:  # bytes from a peer: verify end to end (a local copy was verified as it was read)
                 check_bytes(data, manifest, f"rank {self.rank} file received on {self.node_id}")
             loaded = buffers_from_bytes(data, manifest)
-            expected = self.layout.buffer_numels(self.rank)
+            expected = op.dst.buffer_numels()
             if {d: t.numel() for d, t in loaded.items()} != expected:
-                raise CorruptFileError(str(manifest.id),
-                                       f"buffers do not fit rank {self.rank} of {self.layout.topology}")
-            fresh = self.allocator.allocate(expected)
+                raise CorruptFileError(str(manifest.id), f"buffers do not fit {op.dst}")
             for d, t in loaded.items():
-                fresh[d].copy_(t)
-            self._install(fresh)
+                op.buffers[d].copy_(t)
             return 0
         raise ValueError(f"unknown checkpoint exchange mode {mode!r}")
 
-    def _install(self, fresh: dict[str, torch.Tensor]) -> None:
-        old, self.buffers = self.buffers, fresh
-        self.allocator.release(old)
-
-    # -- Hugging Face import -----------------------------------------------------------------
-    def ckpt_import_hf(self, path: str, tensors: dict, mapping: dict[str, str]) -> dict:
-        """Read this rank's boxes from a HF safetensors directory (visible on this node)."""
-        from realloc.ckpt.hf import load_shards
-
-        started = time.perf_counter()
-        fresh = self.allocator.allocate(self.layout.buffer_numels(self.rank))
-        try:
-            shards = self.layout.shards(self.rank)
-            read = load_shards(path, tensors, mapping, shards, ShardStore(shards, fresh))
-        except BaseException:
-            self.allocator.release(fresh)
-            raise
-        self._install(fresh)
-        return {"bytes": read, "seconds": time.perf_counter() - started}
+    def _ckpt_forget_sources(self) -> None:
+        self._ckpt().sources.clear()

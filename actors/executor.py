@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 import torch
 
+from realloc.layout import RankLayout
 from realloc.plan import Plan, bucket_nbytes
 from realloc.shards import ShardStore, copy_local, pack, unpack
-from realloc.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class PeerView:
 
     world_rank: int
     node: str
-    src: tuple[Topology, int] | None  # (topology, rank) of its source layout in this plan
-    dst: tuple[Topology, int] | None
+    src: RankLayout | None  # what it holds (sends from) in this plan, None: not a source
+    dst: RankLayout | None  # what it will hold (receives into), None: not a destination
     src_handles: Any = None  # zero-copy handles of its buffers, when on my node
     dst_handles: Any = None
 

@@ -11,44 +11,59 @@ Example (8 CPU workers; on a GPU cluster pass ``use_gpu=True``)::
     policy.init_synthetic(seed=0)
     stats = policy.reallocate(Topology(dp=4, tp=2))   # train layout -> generation layout
     outputs = policy.run(lambda ctx: ctx.tensors["lm_head.weight"].shape)
+
+Every state change runs the protocol of :mod:`actors.protocol` (prepare, execute, commit or
+abort), one operation at a time per group: a second call from another thread waits for the
+first (up to the group's timeout, then :class:`~actors.errors.GroupBusyError`). Bad arguments
+raise ``ValueError`` before any worker is contacted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from functools import lru_cache
+from typing import Any, Callable, Iterator, Sequence
 
 import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors import metrics
+from actors.config import GroupConfig
+from actors.errors import GroupBusyError, ReallocationError
+from actors.protocol import Operation
+from actors.remote import Workers, call_all, diagnose, gather
 from actors.world import World
+from actors.worker import CONTROL, ShardWorker
 from actors.zero_copy import sweep_stale_buffers
-from actors.worker import PeerView, ShardWorker
 from realloc.boxes import box_index
 from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.plan import Plan
-from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths, plan_reallocation
+from realloc.planner import Bandwidths, plan_reallocation
+from realloc.shards import TORCH_DTYPES, check_eta
 from realloc.spec import ModelSpec
 from realloc.topology import Topology
 
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+log = logging.getLogger(__name__)
 
-
-class ReallocationError(RuntimeError):
-    """A reallocation failed; the source shards of every surviving worker are unchanged."""
-
-    def __init__(self, message: str, dead: Sequence[str] = ()):
-        super().__init__(message)
-        self.dead = list(dead)
+__all__ = ["ModelGroup", "ReallocStats", "ReallocationError", "GroupBusyError"]
 
 
 @dataclass
 class ReallocStats:
-    """What one ``reallocate``/``copy_to`` did, as measured on the workers."""
+    """What one ``reallocate``/``copy_to`` did, as measured on the workers.
+
+    ``seconds``: the transfers (both phases, on the driver's clock); ``pause_seconds``: the
+    whole call as the caller saw it (planning, prepare, transfers, commit).
+    """
 
     transition: str
     bytes_intra_node: int
@@ -58,6 +73,7 @@ class ReallocStats:
     plan_seconds: float
     peak_extra_bytes_per_actor: int
     planned: dict
+    pause_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -69,126 +85,230 @@ class ReallocStats:
             "transition": self.transition, "bytes_intra_node": self.bytes_intra_node,
             "bytes_inter_node": self.bytes_inter_node, "bytes_local": self.bytes_local,
             "seconds": self.seconds, "plan_seconds": self.plan_seconds, "gbps": self.gbps,
-            "peak_extra_bytes_per_actor": self.peak_extra_bytes_per_actor,
+            "peak_extra_bytes_per_actor": self.peak_extra_bytes_per_actor, "pause_seconds": self.pause_seconds,
         }
 
 
-class ModelGroup:
-    """One model's shards on ``topology.world_size`` Ray actors (one per GPU or CPU slot)."""
+@lru_cache(maxsize=64)
+def _plan(src: Layout, dst: Layout, placement: Placement, src_workers: tuple | None, dst_workers: tuple | None,
+          bucket_bytes: int, bandwidths: Bandwidths) -> Plan:
+    """Plans are pure functions of their inputs: an RL loop alternating two layouts plans twice."""
+    return plan_reallocation(src.spec, src, dst, placement, src_workers=src_workers, dst_workers=dst_workers,
+                             bucket_bytes=bucket_bytes, bandwidths=bandwidths)
 
-    def __init__(self, name: str, spec: ModelSpec, topology: Topology, actors: list, names: list[str],
-                 placement: Placement, pg, options: dict):
-        self.name, self.spec, self.topology = name, spec, topology
-        self.actors, self.actor_names, self.placement, self._pg = actors, names, placement, pg
-        self.options = options
+
+class ModelGroup:
+    """One model's shards on ``layout.topology.world_size`` Ray actors (one per GPU or CPU slot).
+
+    ``layout`` is the group's state: the one value saying what every worker holds.
+    """
+
+    def __init__(self, name: str, layout: Layout, config: GroupConfig, workers: Workers, placement: Placement,
+                 pg, infos: list[dict]):
+        self.name, self.layout, self.config = name, layout, config
+        self.workers, self.placement, self._pg, self.infos = workers, placement, pg, infos
         self.world: World | None = None
-        self.vocab_pad_multiple = options["vocab_pad_multiple"]
+        self._lock = threading.RLock()
+        self._closed = False
 
     # -- creation ------------------------------------------------------------------------
     @classmethod
     def create(
         cls,
         spec: ModelSpec,
-        topology: Topology,
+        topology: "Topology | str | Layout",
         *,
         name: str = "model",
-        use_gpu: bool = False,
-        strategy: str = "PACK",
-        cpus_per_worker: float = 1,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout_s: float = 120.0,
-        zero_copy: bool = True,
         vocab_pad_multiple: int = 1,
-        bandwidths: Bandwidths = Bandwidths(),
-        runtime_env: dict | None = None,
+        config: GroupConfig | None = None,
+        **settings: Any,
     ) -> "ModelGroup":
-        """Start ``topology.world_size`` actors in a placement group (one bundle per worker).
+        """Start one actor per rank of ``topology`` in a placement group (one bundle per worker).
 
-        ``strategy`` is the placement-group strategy (PACK by default: fill a node's GPUs first).
-        ``timeout_s`` bounds every collective operation and every wait of the driver.
-        ``zero_copy`` lets workers on one node copy from each other's buffers directly
-        (shared memory on CPU, CUDA IPC on GPU) instead of going through the process group.
+        ``topology`` is a :class:`Topology`, its string (``"dp=2,tp=4"``) or a full
+        :class:`Layout`. ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``strategy``,
+        ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``zero_copy``, ``bandwidths``,
+        ``runtime_env``), or pass ``config=``. Every argument is checked, and the cluster's
+        capacity too, before anything starts; a failure after the placement group exists
+        removes it and the actors again.
 
         Example:
             >>> group = ModelGroup.create(ModelSpec.preset("tiny"), Topology(dp=2, tp=2))  # doctest: +SKIP
         """
-        if not isinstance(topology, Topology):
-            raise ValueError(f"topology must be a realloc.Topology, got {type(topology).__name__}")
-        topology.check(spec)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"placement strategy {strategy!r} is not one of {STRATEGIES}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1024:
-            raise ValueError(f"bucket_bytes must be an integer of at least 1024, got {bucket_bytes!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        if not cpus_per_worker >= 0:
-            raise ValueError(f"cpus_per_worker must be >= 0, got {cpus_per_worker!r}")
-        if not name or "/" in name:
-            raise ValueError(f"group name must be non-empty without '/', got {name!r}")
-        n = topology.world_size
-        bundle = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
-        pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=f"realloc-{name}")
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        if not ready:
+        if not isinstance(spec, ModelSpec):
+            raise ValueError(f"spec must be a realloc.ModelSpec (e.g. ModelSpec.preset('tiny')), "
+                             f"got {type(spec).__name__} {spec!r}"[:200])
+        layout = _as_layout(spec, topology, vocab_pad_multiple)
+        if config is not None and settings:
+            raise ValueError(f"give either config= or settings, not both (got {sorted(settings)})")
+        if config is None:
+            unknown = sorted(set(settings) - set(GroupConfig.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"unknown group settings {unknown}; allowed: {sorted(GroupConfig.__dataclass_fields__)}")
+            config = GroupConfig(**settings)
+        elif not isinstance(config, GroupConfig):
+            raise ValueError(f"config must be an actors.config.GroupConfig, got {type(config).__name__}")
+        if not isinstance(name, str) or not name or any(c in name for c in "/:") or name != name.strip():
+            raise ValueError(f"group name must be a non-empty string without '/', ':' or surrounding spaces, "
+                             f"got {name!r}")
+        n = layout.topology.world_size
+        _check_capacity(n, config)
+        _check_name_free(name)
+        pg = placement_group([config.bundle() for _ in range(n)], strategy=config.strategy, name=f"realloc-{name}")
+        actors: list = []
+        try:
+            ready, _ = ray.wait([pg.ready()], timeout=config.timeout_s)
+            if not ready:
+                raise ReallocationError(
+                    f"placement group for {n} workers ({config.bundle()} each) not ready after {config.timeout_s:.0f}s "
+                    f"(available now: {_summary(ray.available_resources())}); nothing was started")
+            remote_cls = _remote_class(config)
+            names = [f"realloc:{name}:rank{r}" for r in range(n)]
+            for r in range(n):
+                actors.append(remote_cls.options(
+                    name=names[r], scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+                ).remote(name, spec, config.zero_copy))
+            workers = Workers(tuple(actors), tuple(names))
+            infos = call_all(workers, "info", timeout_s=config.timeout_s + 60, what=f"start workers of {name!r}")
+            placement = Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
+            group = cls(name, layout, config, workers, placement, pg, infos)
+            gather(workers, [a.set_layout.remote(layout.at(r)) for r, a in enumerate(actors)], config.timeout_s,
+                   "allocate shards")
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
             remove_placement_group(pg)
-            raise RuntimeError(f"placement group for {n} workers ({bundle} each) not ready after {timeout_s}s: "
-                               f"the cluster lacks resources (available: {_summary(ray.available_resources())})")
-        remote_cls = ray.remote(ShardWorker)
-        actors, names = [], []
-        for r in range(n):
-            actor_name = f"realloc:{name}:rank{r}"
-            actors.append(remote_cls.options(
-                name=actor_name, num_cpus=cpus_per_worker, num_gpus=1 if use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-                runtime_env=runtime_env, max_restarts=0,
-            ).remote(name, spec, zero_copy))
-            names.append(actor_name)
-        infos = _get(actors, [a.info.remote() for a in actors], names, timeout_s + 60, "start workers")
-        placement = Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
-        options = {"bucket_bytes": bucket_bytes, "timeout_s": timeout_s, "vocab_pad_multiple": vocab_pad_multiple,
-                   "bandwidths": bandwidths, "infos": infos, "cpus_per_worker": cpus_per_worker,
-                   "runtime_env": runtime_env, "zero_copy": zero_copy}
-        group = cls(name, spec, topology, actors, names, placement, pg, options)
-        _get(actors, [a.set_layout.remote(topology, r, vocab_pad_multiple) for r, a in enumerate(actors)],
-             names, timeout_s, "allocate shards")
+            raise
+        log.info("group %s: %d workers on %d nodes in layout %s", name, n, placement.num_nodes, layout)
         return group
+
+    # -- views ---------------------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        return self.layout.spec
+
+    @property
+    def topology(self) -> Topology:
+        return self.layout.topology
+
+    @property
+    def vocab_pad_multiple(self) -> int:
+        return self.layout.vocab_pad_multiple
 
     @property
     def num_workers(self) -> int:
-        return len(self.actors)
+        return len(self.workers)
+
+    @property
+    def actors(self) -> list:
+        return list(self.workers.actors)
+
+    @property
+    def actor_names(self) -> list[str]:
+        return list(self.workers.names)
 
     @property
     def timeout_s(self) -> float:
-        return self.options["timeout_s"]
+        return self.config.timeout_s
 
-    def layout(self) -> Layout:
-        return Layout(self.spec, self.topology, self.vocab_pad_multiple)
+    # -- one operation at a time ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self, what: str, *others: "ModelGroup") -> Iterator[None]:
+        groups = sorted({id(g): g for g in (self, *others)}.values(), key=id)  # one global order: no deadlock
+        taken = []
+        try:
+            for g in groups:
+                if g._closed:
+                    raise ValueError(f"{what}: group {g.name!r} was shut down")
+                if not g._lock.acquire(timeout=g.timeout_s):
+                    raise GroupBusyError(f"{what}: group {g.name!r} stayed busy with another operation for "
+                                         f"{g.timeout_s:.0f}s; nothing was done")
+                taken.append(g)
+                if g._closed:
+                    raise ValueError(f"{what}: group {g.name!r} was shut down")
+            yield
+        finally:
+            for g in reversed(taken):
+                g._lock.release()
+
+    def _call(self, method: str, what: str, *args: Any) -> list[Any]:
+        return call_all(self.workers, method, *args, timeout_s=self.timeout_s, what=f"{what} ({self.name})")
+
+    def _operation(self, dst: Layout, what: str, keeps: str) -> Operation:
+        return Operation(self.workers, [dst.at(r) for r in range(self.num_workers)], self.timeout_s, what, keeps)
 
     # -- weights -------------------------------------------------------------------------
     def init_synthetic(self, seed: int = 0) -> None:
-        """Fill every shard with the deterministic synthetic weights of ``seed``."""
-        self._call_all("init_synthetic", "initialise weights", seed)
+        """Fill every shard with the deterministic synthetic weights of ``seed`` (atomically)."""
+        _check_seed(seed)
+        self._fill("initialise weights", "synthetic", seed)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full tensors held on the driver; each worker slices only its boxes."""
-        expected = {p.name: (p.shape, p.dtype) for p in self.spec.params}
-        for name, (shape, _) in expected.items():
-            tensor = state.get(name)
-            if tensor is None and (alias := self.spec.tied_head_of(name)):
-                tensor = state.get(alias)
-            if tensor is None:
-                raise ValueError(f"state dict lacks parameter {name!r}")
-            if tuple(tensor.shape) != tuple(shape):
-                raise ValueError(f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-        ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
-        self._call_all("load_full", "load weights", ref)
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load full tensors held on the driver; each worker slices only its boxes (atomically).
+
+        Keys are parameter names (a tied head may be given by its alias instead); every parameter
+        is required, unknown keys are refused, values must be real (not meta) floating-point
+        ``torch.Tensor``s of the parameter's shape (a float dtype other than the parameter's is cast).
+        """
+        ref = ray.put(self._checked_state(state))
+        self._fill("load weights", "full", ref)
+
+    def _checked_state(self, state: object) -> dict[str, torch.Tensor]:
+        if not isinstance(state, Mapping):
+            raise ValueError(f"a state dict maps parameter names to tensors, got {type(state).__name__}")
+        spec = self.spec
+        known = {p.name for p in spec.params} | set(spec.aliases)
+        unknown = sorted(str(k) for k in state if k not in known)
+        if unknown:
+            raise ValueError(f"state dict has keys that are not parameters of {spec.name!r}: {unknown[:5]}")
+        out = {}
+        for p in spec.params:
+            alias = spec.tied_head_of(p.name)
+            key = p.name if p.name in state else alias if alias in state else None
+            if key is None:
+                raise ValueError(f"state dict lacks parameter {p.name!r}")
+            tensor = state[key]
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"parameter {key!r} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.device.type == "meta":
+                raise ValueError(f"parameter {key!r} is a meta tensor (no data); materialise it first")
+            if not tensor.is_floating_point():
+                raise ValueError(f"parameter {key!r} has dtype {tensor.dtype}; expected a floating-point tensor "
+                                 f"(the model holds {p.dtype})")
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"parameter {key!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            if alias in state and p.name in state and not torch.equal(state[alias].cpu(), state[p.name].cpu()):
+                raise ValueError(f"tied parameters {p.name!r} and {alias!r} are both given and differ")
+            out[p.name] = tensor.detach().to("cpu", TORCH_DTYPES[p.dtype]).contiguous()
+        return out
+
+    def _fill(self, what: str, how: str, *args: Any) -> None:
+        with self._exclusive(what):
+            op = self._operation(self.layout, f"{what} ({self.name})",
+                                 f"group {self.name!r} keeps its previous weights in layout {self.layout}")
+            op.prepare()
+            op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
+            op.commit()
 
     def shard_boxes(self, ranks: Sequence[int] | None = None) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
         """Per rank, ``(param, offsets, sizes, tensor)`` of every box it holds, fetched to the driver."""
-        ranks = list(range(self.num_workers)) if ranks is None else list(ranks)
-        boxes = _get([self.actors[r] for r in ranks], [self.actors[r].get_boxes.remote() for r in ranks],
-                     [self.actor_names[r] for r in ranks], self.timeout_s, "read shards")
+        ranks = self._check_ranks(ranks)
+        with self._exclusive("read shards"):
+            boxes = call_all(self.workers.subset(ranks), "get_boxes", timeout_s=self.timeout_s,
+                             what=f"read shards ({self.name})")
         return dict(zip(ranks, boxes))
+
+    def _check_ranks(self, ranks: object) -> list[int]:
+        if ranks is None:
+            return list(range(self.num_workers))
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            raise ValueError(f"ranks must be a sequence of integers, got {type(ranks).__name__}")
+        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.num_workers]
+        if bad:
+            raise ValueError(f"ranks {bad[:5]} are not ranks of group {self.name!r} (0..{self.num_workers - 1})")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks {list(ranks)} name a rank twice")
+        return list(ranks)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors assembled on the driver from the shards of dp replica 0."""
@@ -203,70 +323,115 @@ class ModelGroup:
 
     def verify_synthetic(self, seed: int = 0) -> dict[int, list[str]]:
         """Per rank, the slots that differ from the synthetic weights of ``seed`` (empty: all good)."""
-        bad = self._call_all("verify_synthetic", "verify weights", seed)
+        _check_seed(seed)
+        with self._exclusive("verify weights"):
+            bad = self._call("verify_synthetic", "verify weights", seed)
         return {r: b for r, b in enumerate(bad) if b}
 
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``fn(ctx, *args, **kwargs)`` on every worker against its local shards, in place."""
-        return self._call_all("run", "run user function", fn, args, kwargs)
+        """Run ``fn(ctx, *args, **kwargs)`` on every worker against its local shards, in place.
+
+        ``ctx`` is a :class:`~actors.worker.ShardContext`. Writes into ``ctx.tensors`` change the
+        weights directly (user code, not an atomic operation). Returned tensors that are views of
+        the worker's buffers are copied first, so only their own bytes travel.
+        """
+        if not callable(fn):
+            raise ValueError(f"run needs a callable fn(ctx, ...), got {type(fn).__name__}")
+        with self._exclusive("run user function"):
+            return self._call("run", "run user function", fn, args, kwargs)
+
+    def activity(self) -> list[dict]:
+        """Per worker, how many operation steps it ran (prepare/execute/commit/abort counters)."""
+        return self._call("activity", "read activity")
 
     # -- reallocation --------------------------------------------------------------------
-    def plan_to(self, dst: Topology) -> Plan:
-        """The plan :meth:`reallocate` would run (no traffic)."""
-        if not isinstance(dst, Topology):
-            raise ValueError(f"destination must be a realloc.Topology, got {type(dst).__name__}")
-        if dst.world_size != self.num_workers:
-            raise ValueError(f"destination {dst} needs {dst.world_size} workers but group {self.name!r} has "
-                             f"{self.num_workers}; dp*tp*pp must stay {self.num_workers}")
-        return plan_reallocation(self.spec, self.layout(), Layout(self.spec, dst, self.vocab_pad_multiple),
-                                 self.placement, bucket_bytes=self.options["bucket_bytes"],
-                                 bandwidths=self.options["bandwidths"])
+    def target(self, dst: "Topology | str | Layout") -> Layout:
+        """The layout ``dst`` names for this group (a topology keeps the group's vocabulary padding)."""
+        layout = _as_layout(self.spec, dst, self.vocab_pad_multiple, self.layout)
+        if layout.topology.world_size != self.num_workers:
+            raise ValueError(f"destination {layout} needs {layout.topology.world_size} workers but group "
+                             f"{self.name!r} has {self.num_workers}; dp*tp*pp must stay {self.num_workers}")
+        return layout
 
-    def reallocate(self, dst: Topology, src: Topology | None = None) -> ReallocStats:
+    def plan_to(self, dst: "Topology | str | Layout") -> Plan:
+        """The plan :meth:`reallocate` would run (no traffic)."""
+        return self._plan_to(self.target(dst))
+
+    def _plan_to(self, target: Layout) -> Plan:
+        return _plan(self.layout, target, self.placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
+
+    def reallocate(self, dst: "Topology | str | Layout", src: "Topology | str | Layout | None" = None) -> ReallocStats:
         """Move the weights into layout ``dst`` (planned on the driver, executed on the actors).
 
-        ``src`` (optional) must equal the current layout; it is accepted so RL loops can write
-        ``group.reallocate(dst, src=train_topo)`` and get an error if they lost track.
+        ``src`` (optional) must name the current layout; RL loops write
+        ``group.reallocate(dst, src=train_topo)`` to get an error if they lost track. On any
+        failure every live worker keeps the old layout and weights, ``group.layout`` is unchanged
+        and :class:`ReallocationError` says so, naming dead and unresponsive workers.
         """
-        if src is not None and src != self.topology:
-            raise ValueError(f"group {self.name!r} is in layout {self.topology}, not {src}")
         started = time.perf_counter()
-        plan = self.plan_to(dst)
-        plan_seconds = time.perf_counter() - started
-        world = self._ensure_world([self])
-        peers_src = [(self.topology, r) for r in range(self.num_workers)]
-        peers_dst = [(dst, r) for r in range(self.num_workers)]
-        stats = _execute(world, plan, self.actors, self.actor_names, peers_src, peers_dst, self.placement,
-                         self.vocab_pad_multiple, self.timeout_s, {"model": self.name}, blend=None)
-        self.topology = dst
-        return ReallocStats(f"{peers_src[0][0]} -> {dst}", plan_seconds=plan_seconds,
-                            planned=plan.stats, **stats)
+        target = self.target(dst)
+        with self._exclusive("reallocate"):
+            if src is not None:
+                claimed = self.target(src)
+                if claimed != self.layout:
+                    raise ValueError(f"group {self.name!r} holds layout {self.layout}, but src says {claimed}")
+            before = self.layout
+            t0 = time.perf_counter()
+            plan = self._plan_to(target)
+            plan_seconds = time.perf_counter() - t0
+            world = self._ensure_world([self])
+            op = self._operation(target, f"reallocate {self.name} {before} -> {target}",
+                                 f"group {self.name!r} stays in layout {before}")
+            op.prepare()
+            t0 = time.perf_counter()
+            result = op.execute_plan(world, plan, [before.at(r) for r in range(self.num_workers)], self.placement,
+                                     {"model": self.name})
+            seconds = time.perf_counter() - t0
+            op.commit()
+            self.layout = target
+        pause = time.perf_counter() - started
+        metrics.record_pause(self.name, "reallocate", pause)
+        log.debug("reallocate %s: %s -> %s in %.3fs", self.name, before, target, pause)
+        return ReallocStats(f"{before} -> {target}", result.bytes_intra_node, result.bytes_inter_node,
+                            result.bytes_local, seconds, plan_seconds, result.peak_extra_bytes_per_actor,
+                            plan.stats, pause)
 
     def copy_to(self, other: "ModelGroup", eta: float | None = None) -> ReallocStats:
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
 
-        With ``eta``, ``other = eta * self + (1 - eta) * other`` (EMA-style blending).
+        With ``eta``, ``other = eta * self + (1 - eta) * other`` (EMA-style blending). On failure
+        ``other`` keeps its old weights and this group is untouched.
         """
-        if eta is not None and not 0.0 <= eta <= 1.0:
-            raise ValueError(f"eta must be within [0, 1], got {eta!r}")
+        if not isinstance(other, ModelGroup):
+            raise ValueError(f"copy_to needs another ModelGroup, got {type(other).__name__}")
         if other is self:
             raise ValueError("copy_to needs another group; use reallocate to change this group's layout")
+        if eta is not None:
+            eta = check_eta(eta)
         self.spec.check_same_as(other.spec)
         started = time.perf_counter()
-        n, m = self.num_workers, other.num_workers
-        placement = Placement(self.placement.nodes + other.placement.nodes)
-        plan = plan_reallocation(self.spec, self.layout(), other.layout(), placement,
-                                 src_workers=list(range(n)), dst_workers=list(range(n, n + m)),
-                                 bucket_bytes=self.options["bucket_bytes"], bandwidths=self.options["bandwidths"])
-        plan_seconds = time.perf_counter() - started
-        world = self._ensure_world([self, other])
-        peers_src = [(self.topology, r) for r in range(n)] + [None] * m
-        peers_dst = [None] * n + [(other.topology, r) for r in range(m)]
-        stats = _execute(world, plan, self.actors + other.actors, self.actor_names + other.actor_names,
-                         peers_src, peers_dst, placement, self.vocab_pad_multiple,
-                         max(self.timeout_s, other.timeout_s), {"model": f"{self.name}->{other.name}"}, blend=eta)
-        label = f"{self.name}[{self.topology}] -> {other.name}[{other.topology}]"
-        return ReallocStats(label, plan_seconds=plan_seconds, planned=plan.stats, **stats)
+        with self._exclusive("copy_to", other):
+            n, m = self.num_workers, other.num_workers
+            placement = Placement(self.placement.nodes + other.placement.nodes)
+            t0 = time.perf_counter()
+            plan = _plan(self.layout, other.layout, placement, tuple(range(n)), tuple(range(n, n + m)),
+                         self.config.bucket_bytes, self.config.bandwidths)
+            plan_seconds = time.perf_counter() - t0
+            world = self._ensure_world([self, other])
+            label = f"{self.name}[{self.layout}] -> {other.name}[{other.layout}]"
+            op = Operation(self.workers + other.workers, [None] * n + [other.layout.at(r) for r in range(m)],
+                           max(self.timeout_s, other.timeout_s), f"copy {label}",
+                           f"{other.name!r} keeps its previous weights and {self.name!r} is untouched")
+            op.prepare()
+            t0 = time.perf_counter()
+            result = op.execute_plan(world, plan, [self.layout.at(r) for r in range(n)] + [None] * m, placement,
+                                     {"model": f"{self.name}->{other.name}"})
+            seconds = time.perf_counter() - t0
+            op.commit(blend=eta)
+        pause = time.perf_counter() - started
+        metrics.record_pause(f"{self.name}->{other.name}", "copy_to", pause)
+        return ReallocStats(label, result.bytes_intra_node, result.bytes_inter_node, result.bytes_local, seconds,
+                            plan_seconds, result.peak_extra_bytes_per_actor, plan.stats, pause)
 
     def checkpoint_manager(self, *, root: str | None = None, run_id: str | None = None, jump: int | None = None,
                            factor: int = 2, timeout_s: float | None = None):
@@ -280,165 +445,137 @@ class ModelGroup:
 
         return CheckpointManager(self, root=root, run_id=run_id, jump=jump, factor=factor, timeout_s=timeout_s)
 
+    # -- failures ------------------------------------------------------------------------
     def dead_workers(self) -> list[int]:
-        """Ranks whose actors no longer answer."""
-        names = set(_dead_actors(self.actors, self.actor_names))
-        return [r for r, n in enumerate(self.actor_names) if n in names]
+        """Ranks whose actors are dead (Ray says so; a stopped process is not dead)."""
+        dead = set(diagnose(self.workers).dead)
+        return [r for r, n in enumerate(self.workers.names) if n in dead]
 
     def replace_dead_workers(self) -> list[int]:
-        """Start fresh actors (empty, zeroed shards) for the dead ones; returns their ranks.
+        """Start fresh actors (zeroed shards of the current layout) for the dead ones; returns their ranks.
 
         Ray reschedules the placement-group bundles of a lost node onto nodes that have room,
         so replacements land wherever the cluster has capacity (a fresh node, typically). The
         placement is re-read from the new actors; restore the weights with a checkpoint load.
         """
-        dead = self.dead_workers()
-        if not dead:
-            return []
-        remote_cls = ray.remote(ShardWorker)
-        infos = self.options["infos"]
-        use_gpu = any(i["gpu_ids"] for i in infos)
-        for r in dead:
-            ray.kill(self.actors[r])
-            self.actors[r] = remote_cls.options(
-                name=f"{self.actor_names[r]}:gen{int(time.time() * 1000)}", num_cpus=self.options["cpus_per_worker"],
-                num_gpus=1 if use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
-                runtime_env=self.options["runtime_env"], max_restarts=0,
-            ).remote(self.name, self.spec, self.options["zero_copy"])
-        fresh = _get([self.actors[r] for r in dead], [self.actors[r].info.remote() for r in dead],
-                     [self.actor_names[r] for r in dead], self.timeout_s + 60, "start replacement workers")
-        for r, info in zip(dead, fresh):
-            infos[r] = info
-        self.placement = Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
-        _get([self.actors[r] for r in dead],
-             [self.actors[r].set_layout.remote(self.topology, r, self.vocab_pad_multiple) for r in dead],
-             [self.actor_names[r] for r in dead], self.timeout_s, "allocate shards")
-        if self.world is not None:
-            self.world.mark_broken()
-        return dead
+        with self._exclusive("replace dead workers"):
+            dead = self.dead_workers()
+            if not dead:
+                return []
+            remote_cls = _remote_class(self.config)
+            actors, names = list(self.workers.actors), list(self.workers.names)
+            for r in dead:
+                ray.kill(actors[r])
+                actors[r] = remote_cls.options(
+                    name=f"{names[r].split(':gen')[0]}:gen{int(time.time() * 1000)}",
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+                ).remote(self.name, self.spec, self.config.zero_copy)
+            self.workers = Workers(tuple(actors), tuple(names))
+            fresh_workers = self.workers.subset(dead)
+            fresh = call_all(fresh_workers, "info", timeout_s=self.timeout_s + 60, what="start replacement workers")
+            for r, info in zip(dead, fresh):
+                self.infos[r] = info
+            self.placement = Placement(tuple(i["node_id"] for i in self.infos), tuple(i["device"] for i in self.infos))
+            gather(fresh_workers, [actors[r].set_layout.remote(self.layout.at(r)) for r in dead], self.timeout_s,
+                   "allocate shards of replacement workers")
+            if self.world is not None:
+                self.world.mark_broken()
+            return dead
 
     def _ensure_world(self, groups: list["ModelGroup"]) -> World:
-        actors = [a for g in groups for a in g.actors]
+        actors = [a for g in groups for a in g.workers.actors]
         current = groups[0].world
         if current is not None and current.alive and all(g.world is current for g in groups) and current.covers(actors):
             return current
-        names = [n for g in groups for n in g.actor_names]
-        world = World.form(actors, names, max(g.timeout_s for g in groups))
+        workers = Workers(tuple(actors), tuple(n for g in groups for n in g.workers.names))
+        world = World.form(workers, max(g.timeout_s for g in groups))
         for g in groups:
             g.world = world
         return world
 
-    def _call_all(self, method: str, what: str, *args: Any) -> list[Any]:
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return _get(self.actors, refs, self.actor_names, self.timeout_s, what)
-
     def shutdown(self) -> None:
-        """Stop the actors and release the placement group."""
+        """Stop the actors and release the placement group (waits for a running operation first)."""
+        if self._closed:
+            return
+        acquired = self._lock.acquire(timeout=self.timeout_s)
         try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
-        except Exception:  # noqa: BLE001 - best effort: dead actors cannot clean up
-            pass
-        for a in self.actors:
-            ray.kill(a)
-        remove_placement_group(self._pg)
-        sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
-        self.world = None
+            self._closed = True
+            try:
+                ray.get([a.shutdown.remote() for a in self.workers.actors], timeout=30)
+            except Exception:  # noqa: BLE001 - best effort: dead actors cannot clean up
+                log.debug("group %s: some workers could not shut down cleanly", self.name, exc_info=True)
+            for a in self.workers.actors:
+                ray.kill(a)
+            remove_placement_group(self._pg)
+            sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
+            self.world = None
+        finally:
+            if acquired:
+                self._lock.release()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _remote_class(config: GroupConfig):
+    """The actor class with the group's resources; per-actor options (name, bundle) come on top.
+
+    The control concurrency group answers pings while the default group is busy in a transfer.
+    """
+    return ray.remote(num_cpus=config.cpus_per_worker, num_gpus=1 if config.use_gpu else 0,
+                      runtime_env=config.runtime_env, max_restarts=0,
+                      concurrency_groups={CONTROL: 1})(ShardWorker)
+
+
+def _as_layout(spec: ModelSpec, value: object, vocab_pad_multiple: int, current: Layout | None = None) -> Layout:
+    """A layout from a Layout, a Topology or a topology string (``ValueError`` for anything else)."""
+    if isinstance(value, Layout):
+        if value.spec != spec:
+            raise ValueError(f"layout {value!r} is of model {value.spec.name!r}, not {spec.name!r}")
+        return value
+    if isinstance(value, str):
+        value = Topology.parse(value)
+    if not isinstance(value, Topology):
+        raise ValueError(f"a layout is a realloc.Topology, a topology string like 'dp=2,tp=4' or a realloc.Layout, "
+                         f"got {type(value).__name__}")
+    return current.with_topology(value) if current is not None else Layout(spec, value, vocab_pad_multiple)
+
+
+def _check_seed(seed: object) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+
+def _check_capacity(n: int, config: GroupConfig) -> None:
+    """``ValueError`` when the cluster as it is cannot ever hold ``n`` bundles (instead of waiting)."""
+    if not ray.is_initialized():
+        raise ValueError("Ray is not initialised: call ray.init() (or ray.init(address=...)) first")
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    for resource, amount in config.bundle().items():
+        if amount <= 0:
+            continue
+        per_node = [math.floor(r.get(resource, 0) / amount + 1e-9) for r in nodes]
+        fits = sum(per_node)
+        if config.strategy == "STRICT_PACK":
+            fits = max(per_node, default=0)
+        elif config.strategy == "STRICT_SPREAD":
+            fits = sum(1 for k in per_node if k > 0)
+        if fits < n:
+            total = sum(r.get(resource, 0) for r in nodes)
+            raise ValueError(
+                f"the cluster cannot hold {n} workers of {amount:g} {resource} each with strategy "
+                f"{config.strategy}: its {len(nodes)} live nodes have {total:g} {resource} in all and fit {fits} "
+                "(add nodes, or lower cpus_per_worker)")
+
+
+def _check_name_free(name: str) -> None:
+    try:
+        ray.get_actor(f"realloc:{name}:rank0")
+    except ValueError:
+        return
+    raise ValueError(f"a group named {name!r} is already running (its actors hold the names realloc:{name}:rank*); "
+                     "shut it down or choose another name")
 
 
 def _summary(resources: dict) -> dict:
     return {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")}
-
-
-def _execute(world: World, plan: Plan, actors: list, names: list[str], src: list, dst: list,
-             placement: Placement, vocab_pad_multiple: int, timeout_s: float, tags: dict,
-             blend: float | None) -> dict:
-    """Run a plan on ``actors`` (plan worker ``i`` is ``actors[i]``): prepare, two phases, commit."""
-    what = "reallocate"
-    participants = sorted({w for _, w in plan.local_copies} | {w for _, a, b, _ in plan.routes() for w in (a, b)}
-                          | {i for i, d in enumerate(dst) if d is not None})
-    dst_handles = _get([actors[i] for i in participants],
-                       [actors[i].prepare.remote(dst[i], vocab_pad_multiple) for i in participants],
-                       [names[i] for i in participants], timeout_s, what)
-    handles_by_worker = dict(zip(participants, dst_handles))
-    src_handles = _get([actors[i] for i in participants], [actors[i].export_source.remote() for i in participants],
-                       [names[i] for i in participants], timeout_s, what)
-    src_by_worker = dict(zip(participants, src_handles))
-    peers = [PeerView(world.rank_of(actors[i]), placement.nodes[i], src[i], dst[i],
-                      src_by_worker.get(i) if src[i] is not None else None, handles_by_worker.get(i))
-             for i in range(len(actors))]
-    plan_ref = ray.put(plan)
-    started = time.perf_counter()
-    results = None
-    try:
-        for phase in (0, 1):
-            refs = [actors[i].execute.remote(plan_ref, i, peers, phase, {**tags, "rank": str(i)}) for i in participants]
-            results = _merge(results, _get([actors[i] for i in participants], refs,
-                                           [names[i] for i in participants], timeout_s, what))
-    except Exception:
-        world.mark_broken()
-        for i in participants:
-            actors[i].abort.remote()
-        raise
-    seconds = time.perf_counter() - started
-    _get([actors[i] for i in participants], [actors[i].commit.remote(blend if dst[i] is not None else None)
-                                             for i in participants],
-         [names[i] for i in participants], timeout_s, what)
-    return {
-        "bytes_intra_node": sum(r["bytes"]["intra"] for r in results),
-        "bytes_inter_node": sum(r["bytes"]["inter"] for r in results),
-        "bytes_local": sum(r["bytes"]["local"] for r in results),
-        "seconds": seconds,
-        "peak_extra_bytes_per_actor": max(r["staging_bytes"] + r["dst_bytes"] for r in results),
-    }
-
-
-def _merge(acc: list | None, new: list[dict]) -> list[dict]:
-    if acc is None:
-        return new
-    for a, b in zip(acc, new):
-        for k in a["bytes"]:
-            a["bytes"][k] += b["bytes"][k]
-        a["staging_bytes"] = max(a["staging_bytes"], b["staging_bytes"])
-    return acc
-
-
-def _get(actors: list, refs: list, names: list[str], timeout_s: float, what: str) -> list:
-    """``ray.get`` that fails fast: the first failure raises, naming dead actors; no hang."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            late = [names[refs.index(r)] for r in pending]
-            raise ReallocationError(f"{what}: timed out after {timeout_s:.0f}s waiting for {late}")
-        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-        for r in ready:
-            try:
-                ray.get(r)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as err:
-                dead = _dead_actors(actors, names) or [names[refs.index(r)]]
-                raise ReallocationError(f"{what}: worker(s) {dead} died ({type(err).__name__}); "
-                                        "source shards of the surviving workers are unchanged", dead) from err
-            except ray.exceptions.RayTaskError as err:
-                dead = _dead_actors(actors, names)
-                if dead:
-                    raise ReallocationError(f"{what}: worker(s) {dead} died; source shards of the surviving "
-                                            "workers are unchanged", dead) from err
-                raise ReallocationError(f"{what} failed on {names[refs.index(r)]}: {err.cause!r}") from err
-    return ray.get(refs)
-
-
-def _dead_actors(actors: list, names: list[str]) -> list[str]:
-    """Names of actors that no longer answer (a quick ping each)."""
-    pings = [a.info.remote() for a in actors]
-    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=5)
-    dead = []
-    for name, ping in zip(names, pings):
-        if ping not in ready:
-            continue
-        try:
-            ray.get(ping)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
-            dead.append(name)
-    return dead

@@ -1,28 +1,53 @@
-"""The Ray actor that owns one worker's shards and runs its part of every plan."""
+"""The Ray actor that owns one worker's shards and runs its part of every operation.
+
+State changes follow the driver's protocol (``actors/protocol.py``, docs/architecture.md):
+
+* ``op_prepare(op, dst)``: allocate destination buffers for ``dst`` (this worker's rank of the
+  new layout, or ``None`` for a worker that only sends). The current buffers are untouched.
+* ``op_execute`` / ``op_fill`` / ``ckpt_exchange``: write the destination buffers (transfers
+  from peers, synthetic weights, a state dict, checkpoint files).
+* ``op_commit(op)``: adopt the destination buffers; the old ones are kept as the *rollback*.
+* ``op_abort(op)``: undo whatever ``op`` did here: drop its destination buffers, or, after
+  a commit, put the rollback back. The driver aborts every live worker when any step of an
+  operation fails anywhere, so every live worker ends in the old layout.
+
+The rollback is dropped when the next operation is prepared (it becomes the spare buffer set,
+which the allocator keeps anyway), so it costs no memory beyond what buffer reuse holds.
+Commands carry the operation id; a command for an operation this worker is not running raises
+:class:`~actors.errors.StaleOperationError` instead of touching buffers.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
 import torch
 
 from actors import metrics
+from actors.ckpt_worker import CheckpointMixin
+from actors.errors import StaleOperationError
+from actors.executor import PeerView, Staging, StepRunner
 from actors.transport import Transport, host_store
 from actors.zero_copy import BufferAllocator, open_handles
-from realloc.layout import Layout
-from actors.executor import PeerView, Staging, StepRunner
-from actors.ckpt_worker import CheckpointMixin
 from realloc.boxes import box_index
+from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
-from realloc.shards import ShardStore, copy_local, zero_padding
+from realloc.shards import ShardStore, blend_into, copy_local, zero_padding
 from realloc.spec import ModelSpec
 from realloc.synthetic import synthetic_box
 from realloc.topology import Topology
+
+log = logging.getLogger(__name__)
+
+#: Ray concurrency group of the methods that must answer while a transfer runs (ping).
+CONTROL = "control"
+FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit")
 
 
 @dataclass
@@ -31,6 +56,7 @@ class ShardContext:
 
     ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
     worker's local shards, padding included; writing into them updates the worker's weights.
+    ``layout`` is the group's layout value; ``shards`` the rank's shards (global offsets).
     """
 
     rank: int
@@ -40,7 +66,25 @@ class ShardContext:
     pp_rank: int
     device: torch.device
     tensors: dict[str, torch.Tensor]
-    shards: tuple  # realloc.layout.Shard per slot, for global offsets
+    shards: tuple
+    layout: Layout | None = None
+
+
+@dataclass
+class Operation:
+    """This worker's part of one driver operation (named record of the pending state)."""
+
+    id: str
+    dst: RankLayout | None  # what this worker will hold; None: it only sends
+    buffers: dict[str, torch.Tensor] | None  # destination buffers (written by the operation)
+    committed: bool = False
+    rollback: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
+    moved: dict[str, int] = field(default_factory=lambda: {"local": 0, "intra": 0, "inter": 0})
+    seconds: float = 0.0
+    tags: dict = field(default_factory=dict)  # metric tags of its execute phases
+
+    def store(self) -> ShardStore | None:
+        return ShardStore(self.dst.shards(), self.buffers) if self.dst is not None else None
 
 
 class _Background(threading.Thread):
@@ -65,7 +109,7 @@ class _Background(threading.Thread):
 
 
 class ShardWorker(CheckpointMixin):
-    """One worker of a model group: its flat buffers, its process-group membership, its plans."""
+    """One worker of a model group: its flat buffers, its process-group membership, its operations."""
 
     def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None):
         torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
@@ -75,16 +119,25 @@ class ShardWorker(CheckpointMixin):
         self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.allocator = BufferAllocator(self.device, zero_copy, group)
-        self.layout: Layout | None = None
-        self.rank: int | None = None
+        self.held: RankLayout | None = None
         self.buffers: dict[str, torch.Tensor] | None = None
-        self.pending: tuple[Layout, int, dict[str, torch.Tensor]] | None = None
+        self.op: Operation | None = None
         self.transport: Transport | None = None
+        self.world_id: str | None = None
         self._store = None
         self._fault: tuple[str, float] | None = None
         self.staging = Staging(self.device)
+        self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
 
-    # -- identity and collective set-up ----------------------------------------------------
+    # -- identity, liveness and collective set-up --------------------------------------------
+    @property
+    def layout(self) -> Layout | None:
+        return self.held.layout if self.held is not None else None
+
+    @property
+    def rank(self) -> int | None:
+        return self.held.rank if self.held is not None else None
+
     def info(self) -> dict:
         return {
             "node_id": self.node_id, "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
@@ -92,57 +145,55 @@ class ShardWorker(CheckpointMixin):
             "zero_copy": self.allocator.shared,
         }
 
+    @ray.method(concurrency_group=CONTROL)
+    def ping(self) -> dict:
+        """Answered on the control thread, even while a transfer blocks the main one."""
+        return {"pid": os.getpid(), "op": self.op.id if self.op else None,
+                "layout": str(self.held) if self.held else None}
+
+    def activity(self) -> dict:
+        """Operation counters (tests: invalid input must cause no traffic and no state change)."""
+        return dict(self.counters)
+
     def open_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         addr = ray.util.get_node_ip_address()
         self._store = host_store(addr, world_size, timeout_s)
         return addr, self._store.port
 
-    def join(self, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float) -> str:
+    def join(self, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float) -> str:
         store, self._store = self._store, None
         if self.transport is not None:
             self.transport.close()
+            self.transport, self.world_id = None, None
         self.transport = Transport(addr, port, world_rank, world_size, self.device, timeout_s, store=store)
+        self.world_id = world_id
         return self.transport.backend
 
+    def _check_world(self, world_id: str) -> None:
+        if self.transport is None or self.world_id != world_id:
+            raise StaleOperationError(f"worker of {self.group} is in world {self.world_id}, not {world_id}: "
+                                      "it joined another world since (re-form the world)")
+
     # -- weights -------------------------------------------------------------------------
-    def set_layout(self, topology: Topology, rank: int, vocab_pad_multiple: int = 1) -> int:
-        """Adopt an (empty, zeroed) layout; returns the bytes of this worker's buffers."""
+    def set_layout(self, target: RankLayout) -> int:
+        """Adopt an (empty, zeroed) layout outside any operation (a new or replaced worker)."""
+        self._drop_op()
         old = self.buffers
-        self.layout = Layout(self.spec, topology, vocab_pad_multiple)
-        self.rank = rank
-        self.buffers = self.allocator.allocate(self.layout.buffer_numels(rank))
+        self.buffers = self.allocator.allocate(target.buffer_numels())
+        self.held = target
         self.allocator.release(old)
-        return self.layout.rank_bytes(rank)
+        return self.held.layout.rank_bytes(target.rank)
 
     def _store_now(self) -> ShardStore:
-        if self.layout is None or self.buffers is None:
+        if self.held is None or self.buffers is None:
             raise RuntimeError(f"worker of {self.group} has no layout yet")
-        return ShardStore(self.layout.shards(self.rank), self.buffers)
-
-    def init_synthetic(self, seed: int) -> None:
-        store = self._store_now()
-        for s in self.layout.shards(self.rank):
-            if s.numel:
-                p = self.spec.param(s.param)
-                store.write(s.param, s.offsets, s.sizes,
-                            synthetic_box(s.param, p.shape, s.offsets, s.sizes, s.dtype, seed).to(self.device))
-
-    def load_full(self, state: dict[str, torch.Tensor]) -> None:
-        """Slice this worker's boxes out of full tensors (aliases like ``lm_head.weight`` accepted)."""
-        store = self._store_now()
-        for s in self.layout.shards(self.rank):
-            if not s.numel:
-                continue
-            full = state.get(s.param)
-            if full is None:
-                full = state[s.slot]
-            store.write(s.param, s.offsets, s.sizes, full[box_index(s.offsets, s.sizes)].to(self.device))
+        return ShardStore(self.held.shards(), self.buffers)
 
     def get_boxes(self) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
         """``(param, offsets, sizes, tensor)`` of every held box, on CPU (padding excluded)."""
         store = self._store_now()
         return [(s.param, s.offsets, s.sizes, store.view(s.param, s.offsets, s.sizes).cpu().clone())
-                for s in self.layout.shards(self.rank) if s.numel]
+                for s in self.held.shards() if s.numel]
 
     def verify_synthetic(self, seed: int) -> list[str]:
         """Names of slots whose values differ from the synthetic weights (padding must be zero)."""
@@ -159,22 +210,32 @@ class ShardWorker(CheckpointMixin):
         return bad
 
     def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        dp_rank, tp_rank, pp_rank = self.layout.topology.coords(self.rank)
+        layout = self.held.layout
+        dp_rank, tp_rank, pp_rank = layout.topology.coords(self.rank)
         store = self._store_now()
-        ctx = ShardContext(self.rank, self.layout.topology, dp_rank, tp_rank, pp_rank, self.device,
-                           store.shard_tensors(), self.layout.shards(self.rank))
-        return fn(ctx, *args, **kwargs)
+        ctx = ShardContext(self.rank, layout.topology, dp_rank, tp_rank, pp_rank, self.device,
+                           store.shard_tensors(), self.held.shards(), layout)
+        return detach_result(fn(ctx, *args, **kwargs))
 
     def source_digest(self) -> dict[str, float]:
         """A cheap fingerprint of the current buffers (tests: sources untouched after a failure)."""
         return {d: float(t.double().sum()) + float((t.double() ** 2).sum()) for d, t in (self.buffers or {}).items()}
 
     def inject_fault(self, kind: str, value: float) -> None:
-        """Fault injection for tests of the failure path: ``("stall", seconds)`` sleeps at the start
-        of the next plan phase; ``("exit_after_buckets", n)`` kills this process after ``n`` buckets."""
-        if kind not in ("stall", "exit_after_buckets"):
-            raise ValueError(f"unknown fault {kind!r}; allowed: 'stall', 'exit_after_buckets'")
+        """Fault injection for tests of the failure paths: ``("stall", seconds)`` sleeps at the start
+        of the next execute phase; ``("exit_after_buckets", n)`` kills this process after ``n``
+        buckets; ``("exit_in_commit", 0)`` kills it when the next commit arrives (after every
+        transfer, before it adopts anything); ``("exit_after_commit", 0)`` kills it after it
+        adopted the new buffers, before it answers."""
+        if kind not in FAULTS:
+            raise ValueError(f"unknown fault {kind!r}; allowed: {', '.join(FAULTS)}")
         self._fault = (kind, value)
+
+    def _take_fault(self, kind: str) -> float | None:
+        if self._fault and self._fault[0] == kind:
+            value, self._fault = self._fault[1], None
+            return value
+        return None
 
     def _after_bucket(self) -> None:
         if self._fault and self._fault[0] == "exit_after_buckets":
@@ -183,36 +244,71 @@ class ShardWorker(CheckpointMixin):
             if remaining <= 0:
                 os._exit(1)
 
-    # -- plans ---------------------------------------------------------------------------
-    def prepare(self, dst: tuple[Topology, int] | None, vocab_pad_multiple: int = 1):
-        """Allocate destination buffers for the coming plan; returns their zero-copy handles."""
-        self.abort()
-        if dst is None:
-            return None
-        layout = Layout(self.spec, dst[0], vocab_pad_multiple)
-        # Every real element is written by the plan: only padding needs zeros in a reused buffer.
-        buffers = self.allocator.allocate(layout.buffer_numels(dst[1]), zero=False)
-        zero_padding(ShardStore(layout.shards(dst[1]), buffers))
-        self.pending = (layout, dst[1], buffers)
-        return self.allocator.export(buffers)
+    # -- the protocol --------------------------------------------------------------------
+    def op_prepare(self, op_id: str, dst: RankLayout | None) -> dict:
+        """Start operation ``op_id``: allocate destination buffers for ``dst`` (if any).
 
-    def export_source(self):
+        Returns the zero-copy handles of the destination and the current (source) buffers.
+        """
+        self.counters["prepare"] += 1
+        self._drop_op()
+        buffers = None
+        if dst is not None:
+            if dst.layout.spec != self.spec:
+                raise ValueError(f"worker of {self.group} holds model {self.spec.name!r}, not {dst.layout.spec.name!r}")
+            # Every real element is written by the operation: only padding needs zeros in a reused buffer.
+            buffers = self.allocator.allocate(dst.buffer_numels(), zero=False)
+            zero_padding(ShardStore(dst.shards(), buffers))
+        self.op = Operation(op_id, dst, buffers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # peers read these bytes from other processes
-        return self.allocator.export(self.buffers) if self.buffers is not None else None
+        return {"dst": self.allocator.export(buffers) if buffers is not None else None,
+                "src": self.allocator.export(self.buffers) if self.buffers is not None else None}
 
-    def execute(self, plan: Plan, me: int, peers: list[PeerView], phase: int, tags: dict) -> dict:
-        """Run phase ``phase`` (0: local copies and routes from holders, 1: intra-node fan-out)."""
+    def _current_op(self, op_id: str) -> Operation:
+        if self.op is None or self.op.id != op_id:
+            running = self.op.id if self.op else None
+            raise StaleOperationError(f"worker of {self.group} runs operation {running}, not {op_id}")
+        if self.op.committed:
+            raise StaleOperationError(f"operation {op_id} is already committed on this worker")
+        return self.op
+
+    def _drop_op(self) -> None:
+        """End the previous operation for good: its rollback becomes the spare set."""
+        op, self.op = self.op, None
+        if op is None:
+            return
+        if op.committed:
+            if op.rollback is not None:
+                self.allocator.release(op.rollback[1])
+        elif op.buffers is not None:
+            log.warning("worker of %s: operation %s was never committed or aborted; dropping it", self.group, op.id)
+            self.allocator.release(op.buffers)
+
+    def op_execute(self, op_id: str, world_id: str, plan: Plan, me: int, peers: list[PeerView], phase: int,
+                   tags: dict) -> dict:
+        """Run phase ``phase`` of ``plan`` (0: local copies and routes from holders, 1: fan-out)."""
+        self.counters["execute"] += 1
+        op = self._current_op(op_id)
+        self._check_world(world_id)
         started = time.perf_counter()
         metrics.in_flight(tags, +1)
         try:
-            return self._execute(plan, me, peers, phase, tags, started)
+            result = self._execute(op, plan, me, peers, phase)
         finally:
             metrics.in_flight(tags, -1)
+        seconds = time.perf_counter() - started
+        for kind, n in result["bytes"].items():
+            op.moved[kind] += n
+        op.seconds += seconds
+        op.tags = tags
+        metrics.record_phase(tags, phase, result["bytes"], seconds)
+        result["seconds"] = seconds
+        return result
 
-    def _execute(self, plan: Plan, me: int, peers: list[PeerView], phase: int, tags: dict, started: float) -> dict:
+    def _execute(self, op: Operation, plan: Plan, me: int, peers: list[PeerView], phase: int) -> dict:
         src = self._store_now() if peers[me].src is not None else None
-        dst = ShardStore(self.pending[0].shards(self.pending[1]), self.pending[2]) if self.pending else None
+        dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
         local_copies = None
         if phase == 0:
@@ -220,56 +316,122 @@ class ShardWorker(CheckpointMixin):
             # them beside the transfers instead of before them.
             mine = [j for worker, j in plan.local_copies if worker == me]
             local_copies = _Background(lambda: sum(copy_local(src, dst, plan.segment_list(j)) for j in mine))
-        if self._fault and self._fault[0] == "stall":
-            seconds, self._fault = self._fault[1], None
-            time.sleep(seconds)
-        executor = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store,
-                              on_bucket=self._after_bucket, staging=self.staging)
+        stall = self._take_fault("stall")
+        if stall:
+            time.sleep(stall)
+        runner = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store,
+                            on_bucket=self._after_bucket, staging=self.staging)
         steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
         try:
             for s in steps:
-                for kind, nbytes in executor.run_step(s):
+                for kind, nbytes in runner.run_step(s):
                     moved[kind] += nbytes
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local_copies is not None:
                 moved["local"] += local_copies.join()
-        staging = self.staging.nbytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - started
-        metrics.record(tags, moved, seconds)
-        return {"bytes": moved, "seconds": seconds, "staging_bytes": staging,
-                "dst_bytes": sum(t.numel() * t.element_size() for t in self.pending[2].values()) if self.pending else 0}
+        dst_bytes = sum(t.numel() * t.element_size() for t in op.buffers.values()) if op.buffers else 0
+        return {"bytes": moved, "staging_bytes": self.staging.nbytes, "dst_bytes": dst_bytes}
 
     def _peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
-        topology, rank = peer.dst if forward else peer.src
+        held = peer.dst if forward else peer.src
         handles = peer.dst_handles if forward else peer.src_handles
-        return ShardStore(Layout(self.spec, topology).shards(rank), open_handles(handles))
+        return ShardStore(held.shards(), open_handles(handles))
 
-    def commit(self, blend: float | None = None) -> None:
-        """Adopt the destination buffers (or blend them into the current ones) and free the old."""
-        if self.pending is None:
-            return
-        layout, rank, buffers = self.pending
-        self.pending = None
-        if blend is not None:
-            from realloc.shards import blend_into
+    def op_fill(self, op_id: str, how: str, *args: Any) -> int:
+        """Write the destination buffers of ``op_id`` from local data: ``("synthetic", seed)``,
+        ``("full", state_dict)`` (full tensors, this worker slices its boxes) or
+        ``("hf", path, tensors, mapping)`` (a HF safetensors directory). Returns bytes written."""
+        op = self._current_op(op_id)
+        store, shards = op.store(), op.dst.shards()
+        if how == "synthetic":
+            for s in shards:
+                if s.numel:
+                    p = self.spec.param(s.param)
+                    store.write(s.param, s.offsets, s.sizes,
+                                synthetic_box(s.param, p.shape, s.offsets, s.sizes, s.dtype, args[0]).to(self.device))
+        elif how == "full":
+            state = args[0]
+            for s in shards:
+                if s.numel:
+                    full = state.get(s.param)
+                    if full is None:
+                        full = state[s.slot]
+                    store.write(s.param, s.offsets, s.sizes, full[box_index(s.offsets, s.sizes)].to(self.device))
+        elif how == "hf":
+            from realloc.ckpt.hf import load_shards
 
-            blend_into(self.buffers, buffers, blend)
-            self.allocator.release(buffers)
-            return
-        old = self.buffers
-        self.layout, self.rank, self.buffers = layout, rank, buffers
-        self.allocator.release(old)
+            return load_shards(args[0], args[1], args[2], shards, store)
+        else:
+            raise ValueError(f"unknown fill {how!r}")
+        return sum(s.nbytes for s in shards)
 
-    def abort(self) -> None:
-        if self.pending is not None:
-            self.allocator.release(self.pending[2])
-            self.pending = None
+    def op_commit(self, op_id: str, blend: float | None = None) -> str:
+        """Adopt the destination buffers of ``op_id`` (blended with the current ones when ``blend``
+        is given: ``eta * new + (1 - eta) * old``); the old buffers become the rollback."""
+        self.counters["commit"] += 1
+        op = self._current_op(op_id)
+        if self._take_fault("exit_in_commit") is not None:
+            os._exit(1)
+        if op.dst is not None:
+            if blend is not None:
+                blend_into(op.buffers, self.buffers, blend)
+            self.allocator.drop_spares()  # memory: the rollback takes the spares' place
+            op.rollback = (self.held, self.buffers)
+            self.held, self.buffers = op.dst, op.buffers
+        op.committed = True
+        total = sum(op.moved.values())
+        if total:
+            metrics.record_operation(op.tags, total, op.seconds)
+        if self._take_fault("exit_after_commit") is not None:
+            os._exit(1)
+        return str(self.held)
+
+    def op_abort(self, op_id: str) -> str | None:
+        """Undo ``op_id`` on this worker (drop its buffers, or roll a commit back); idempotent.
+
+        Returns the layout this worker holds afterwards."""
+        self.counters["abort"] += 1
+        op = self.op
+        if op is None or op.id != op_id:
+            return str(self.held) if self.held else None  # nothing of that operation is here
+        self.op = None
+        if op.committed and op.rollback is not None:
+            new = self.buffers
+            self.held, self.buffers = op.rollback
+            self.allocator.release(new)
+        elif not op.committed and op.buffers is not None:
+            self.allocator.release(op.buffers)
+        self._ckpt_forget_sources()
+        return str(self.held) if self.held else None
 
     def shutdown(self) -> None:
-        self.abort()
+        self._drop_op()
         self.allocator.release_all()
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def detach_result(value: Any) -> Any:
+    """``value`` with every tensor that is a view of a larger storage copied out.
+
+    Ray pickles a tensor with its whole storage: a user function returning a view of a worker's
+    flat buffer would ship the buffer (and pin shared memory). Lists, tuples, sets and dicts are
+    walked; other objects are returned as they are.
+    """
+    if isinstance(value, torch.Tensor):
+        own = value.numel() * value.element_size()
+        if value.untyped_storage().nbytes() != own or not value.is_contiguous():
+            return value.detach().clone(memory_format=torch.contiguous_format)
+        return value
+    if isinstance(value, list):
+        return [detach_result(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(detach_result(v) for v in value)
+    if isinstance(value, tuple):  # a named tuple
+        return type(value)(*(detach_result(v) for v in value))
+    if isinstance(value, dict):
+        return {k: detach_result(v) for k, v in value.items()}
+    return value

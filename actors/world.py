@@ -3,34 +3,57 @@
 Formed once and reused by every plan among its actors. A copy between two groups forms one
 world over both (and keeps it for later copies and reallocations); a failure marks it broken
 and the next operation forms a fresh one, so the number of communicators stays bounded.
+
+An actor belongs to one world at a time: joining a new world destroys its membership of the old
+one. So forming a world marks every other live world that shares an actor as broken (group A
+copies to B, then to C: the A+B world is gone, and B must not reuse it). Each world has an id
+that its workers remember; every plan carries it, and a worker refuses a plan for a world it is
+not in, so a stale world can never silently pair the wrong ranks.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
+import weakref
+
+from actors.remote import Workers, call_all, gather
+
+log = logging.getLogger(__name__)
+
+_LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()
+
 
 class World:
-    def __init__(self, actors: list, names: list[str], backend: str):
-        self._rank = {a._actor_id: i for i, a in enumerate(actors)}
-        self.names, self.backend = names, backend
+    def __init__(self, workers: Workers, backend: str, world_id: str):
+        self._rank = {a._actor_id: i for i, a in enumerate(workers.actors)}
+        self.workers, self.backend, self.id = workers, backend, world_id
         self.alive = True
 
     @staticmethod
-    def form(actors: list, names: list[str], timeout_s: float) -> "World":
-        from actors.group import _get  # the fail-fast ray.get
-
-        n = len(actors)
-        addr, port = _get(actors[:1], [actors[0].open_store.remote(n, timeout_s)], names[:1], timeout_s, "form world")[0]
-        backends = _get(actors, [a.join.remote(addr, port, r, n, timeout_s) for r, a in enumerate(actors)],
-                        names, timeout_s + 30, "form world")
+    def form(workers: Workers, timeout_s: float) -> "World":
+        n = len(workers)
+        world_id = uuid.uuid4().hex[:12]
+        ids = {a._actor_id for a in workers.actors}
+        for other in list(_LIVE):
+            if other.alive and ids & set(other._rank):
+                other.mark_broken()  # its actors are about to leave it
+        head = workers.subset([0])
+        addr, port = call_all(head, "open_store", n, timeout_s, timeout_s=timeout_s, what="form world")[0]
+        refs = [a.join.remote(world_id, addr, port, r, n, timeout_s) for r, a in enumerate(workers.actors)]
+        backends = gather(workers, refs, timeout_s + 30, "form world")
         if len(set(backends)) != 1:
             raise ValueError(f"workers disagree on the backend ({sorted(set(backends))}): mixing GPU and CPU "
                              "workers in one world is not supported")
-        return World(actors, names, backends[0])
+        world = World(workers, backends[0], world_id)
+        _LIVE.add(world)
+        log.debug("formed world %s over %d workers (%s)", world_id, n, backends[0])
+        return world
 
     def rank_of(self, actor) -> int:
         return self._rank[actor._actor_id]
 
-    def covers(self, actors: list) -> bool:
+    def covers(self, actors) -> bool:
         return all(a._actor_id in self._rank for a in actors)
 
     def mark_broken(self) -> None:

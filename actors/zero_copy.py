@@ -58,14 +58,18 @@ class BufferAllocator:
         """Give buffers back: kept as the spares for the next allocation (older spares are freed)."""
         if buffers is None:
             return
-        for t in self._spares.values():
-            self._free(t)
-        self._spares = {}
+        self.drop_spares()
         for dtype, t in buffers.items():
             if keep:
                 self._spares[dtype, t.numel()] = t
             else:
                 self._free(t)
+
+    def drop_spares(self) -> None:
+        """Free the spare set (before keeping a rollback copy, so memory stays two layouts)."""
+        for t in self._spares.values():
+            self._free(t)
+        self._spares = {}
 
     def release_all(self) -> None:
         self._spares.clear()

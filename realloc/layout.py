@@ -64,17 +64,32 @@ class Group:
 
 
 class Layout:
-    """The shards of every rank of ``spec`` laid out in ``topology``.
+    """The shards of every rank of ``spec`` laid out in ``topology``: *the* layout value.
+
+    A layout is one value everywhere (a group's state, a peer's source or destination in a
+    plan, a prepared destination, a checkpoint manifest): spec, topology and vocabulary padding
+    travel together and are never rebuilt from parts. Two layouts are equal when they place
+    every element identically: same spec, same dp/tp/pp, same *effective* layers per stage
+    (an explicit ``layer_split`` equal to the default rule's split is the same layout) and the
+    same padding. Layouts are hashable and pickle without their cached shard tables.
 
     Example:
         >>> from realloc import ModelSpec, Topology
         >>> lay = Layout(ModelSpec.preset("tiny"), Topology(dp=1, tp=2, pp=2))
         >>> [s.slot for s in lay.shards(0)][:2]
         ['model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight']
+        >>> lay == Layout(lay.spec, Topology(tp=2, pp=2, layer_split=lay.layer_counts))
+        True
+        >>> lay == lay.with_topology(Topology(tp=2, pp=2)), lay == Layout(lay.spec, lay.topology, 64)
+        (True, False)
     """
 
     def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1):
-        if not isinstance(vocab_pad_multiple, int) or vocab_pad_multiple < 1:
+        if not isinstance(spec, ModelSpec):
+            raise ValueError(f"a layout needs a realloc.ModelSpec, got {type(spec).__name__}")
+        if not isinstance(topology, Topology):
+            raise ValueError(f"a layout needs a realloc.Topology, got {type(topology).__name__}")
+        if not isinstance(vocab_pad_multiple, int) or isinstance(vocab_pad_multiple, bool) or vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
         topology.check(spec)
         self.spec = spec
@@ -82,8 +97,50 @@ class Layout:
         self.vocab_pad_multiple = vocab_pad_multiple
         self.stages = topology.stage_layers(spec)
 
+    # -- value semantics -------------------------------------------------------------------
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        """Transformer layers of each pipeline stage (the effective split)."""
+        return tuple(len(s) for s in self.stages)
+
+    @property
+    def key(self) -> tuple:
+        """What decides where every element sits; equal keys mean equal layouts."""
+        t = self.topology
+        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and (self is other or self.key == other.key)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __getstate__(self) -> dict:
+        return {"spec": self.spec, "topology": self.topology, "vocab_pad_multiple": self.vocab_pad_multiple}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spec"], state["topology"], state["vocab_pad_multiple"])
+
+    def with_topology(self, topology: Topology) -> "Layout":
+        """The same model and padding in another topology."""
+        return Layout(self.spec, topology, self.vocab_pad_multiple)
+
+    def __str__(self) -> str:
+        t = self.topology
+        text = f"dp={t.dp},tp={t.tp},pp={t.pp}"
+        if t.pp > 1:
+            text += f" (layers {'/'.join(map(str, self.layer_counts))})"
+        if self.vocab_pad_multiple != 1:
+            text += f" vocab pad {self.vocab_pad_multiple}"
+        return text
+
     def __repr__(self) -> str:
-        return f"Layout({self.spec.name}, {self.topology})"
+        return f"Layout({self.spec.name}, {self})"
+
+    def at(self, rank: int) -> "RankLayout":
+        """Rank ``rank`` of this layout, as one value."""
+        self.topology.coords(rank)  # ValueError outside the layout
+        return RankLayout(self, rank)
 
     def stage_slots(self, pp_rank: int) -> list[tuple[str, str]]:
         """``(storage param, slot name)`` held by pipeline stage ``pp_rank``, in forward order."""
@@ -157,3 +214,27 @@ class Layout:
             members = tuple(workers[r] for r in self.topology.replica_ranks(tp_rank, pp_rank))
             groups.append(Group(members, pieces))
         return groups
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank of a layout: what a worker holds (or will hold), as one value.
+
+    Example:
+        >>> from realloc import ModelSpec, Topology
+        >>> r = Layout(ModelSpec.preset("tiny"), Topology(tp=2)).at(1)
+        >>> r.rank, sorted(r.buffer_numels()) == sorted(r.layout.buffer_numels(1))
+        (1, True)
+    """
+
+    layout: Layout
+    rank: int
+
+    def shards(self) -> tuple[Shard, ...]:
+        return self.layout.shards(self.rank)
+
+    def buffer_numels(self) -> dict[str, int]:
+        return self.layout.buffer_numels(self.rank)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} of {self.layout}"

@@ -14,8 +14,9 @@ ends of a route cut it identically without shipping millions of bucket records.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from realloc.boxes import Box, take_prefix
 from realloc.spec import DTYPE_BYTES
@@ -52,6 +53,14 @@ class Piece(Segment):
     offset: int = 0
 
 
+class Route(NamedTuple):
+    """One transfer of a step: ``src`` sends segment list ``segment_list`` to ``dst`` (JSON: a list)."""
+
+    src: int
+    dst: int
+    segment_list: int
+
+
 @dataclass
 class Plan:
     """A reallocation/exchange plan. See the module docstring for the model.
@@ -67,7 +76,7 @@ class Plan:
     segments: list[Segment]
     segment_lists: list[tuple[int, ...]]
     local_copies: list[tuple[int, int]]
-    steps: list[list[tuple[int, int, int]]]
+    steps: list[list[Route]]
     bucket_bytes: int
     nodes: tuple[str, ...]
     #: Steps from this index on forward bytes the sender received earlier in this plan (intra-node
@@ -144,7 +153,7 @@ class Plan:
                 segments=[Segment(p, tuple(o), tuple(s), d) for p, o, s, d in data["segments"]],
                 segment_lists=[tuple(x) for x in data["segment_lists"]],
                 local_copies=[(w, s) for w, s in data["local_copies"]],
-                steps=[[(a, b, c) for a, b, c in step] for step in data["steps"]],
+                steps=[[Route(a, b, c) for a, b, c in step] for step in data["steps"]],
                 bucket_bytes=data["bucket_bytes"],
                 nodes=tuple(data["nodes"]),
                 forward_from=data["forward_from"],
@@ -152,13 +161,50 @@ class Plan:
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"malformed plan JSON: {err}") from None
-        n_seg, n_lists = len(plan.segments), len(plan.segment_lists)
-        if any(not 0 <= i < n_seg for lst in plan.segment_lists for i in lst):
-            raise ValueError("malformed plan JSON: a segment list names a segment that does not exist")
-        if any(not 0 <= j < n_lists for _, j in plan.local_copies) or any(
-                not 0 <= j < n_lists for step in plan.steps for _, _, j in step):
-            raise ValueError("malformed plan JSON: a route names a segment list that does not exist")
+        plan.validate()
         return plan
+
+    def validate(self, num_workers: int | None = None) -> None:
+        """``ValueError`` naming the first inconsistency, before any executor touches a buffer.
+
+        Checks: segments have known dtypes and non-empty boxes; segment lists, local copies and
+        routes name things that exist; worker ids are non-negative (and below ``num_workers``
+        when given); in every step each worker sends at most once and receives at most once
+        (the executors post one send and one receive per step: a second one would be dropped).
+        """
+        if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) \
+                or self.bucket_bytes < BUCKET_ALIGN:
+            raise ValueError(f"plan bucket_bytes must be an integer of at least {BUCKET_ALIGN}, got {self.bucket_bytes!r}")
+        for i, seg in enumerate(self.segments):
+            if seg.dtype not in DTYPE_BYTES:
+                raise ValueError(f"plan segment {i} ({seg.param!r}) has dtype {seg.dtype!r}, not one of {sorted(DTYPE_BYTES)}")
+            if len(seg.offsets) != len(seg.sizes) or not seg.sizes or any(
+                    not isinstance(x, int) or x < 0 for x in seg.offsets) or any(
+                    not isinstance(x, int) or x < 1 for x in seg.sizes):
+                raise ValueError(f"plan segment {i} ({seg.param!r}) has an invalid box "
+                                 f"offsets={seg.offsets} sizes={seg.sizes}")
+        n_seg, n_lists = len(self.segments), len(self.segment_lists)
+        if any(not isinstance(i, int) or not 0 <= i < n_seg for lst in self.segment_lists for i in lst):
+            raise ValueError("malformed plan: a segment list names a segment that does not exist")
+        if any(not isinstance(j, int) or not 0 <= j < n_lists for _, j in self.local_copies) or any(
+                not isinstance(j, int) or not 0 <= j < n_lists for step in self.steps for _, _, j in step):
+            raise ValueError("malformed plan: a route names a segment list that does not exist")
+        if not isinstance(self.forward_from, int) or not 0 <= self.forward_from <= len(self.steps):
+            raise ValueError(f"plan forward_from {self.forward_from!r} is outside 0..{len(self.steps)}")
+        limit = "" if num_workers is None else f" and below {num_workers}"
+        workers = [w for w, _ in self.local_copies] + [w for step in self.steps for r in step for w in r[:2]]
+        bad = [w for w in workers if not isinstance(w, int) or isinstance(w, bool) or w < 0
+               or (num_workers is not None and w >= num_workers)]
+        if bad:
+            raise ValueError(f"plan names worker(s) {sorted(set(map(str, bad)))[:5]} that do not exist "
+                             f"(worker ids are integers from 0{limit})")
+        for s, step in enumerate(self.steps):
+            for end, verb in ((0, "send"), (1, "receive")):
+                counts = Counter(route[end] for route in step)
+                twice = sorted(w for w, n in counts.items() if n > 1)
+                if twice:
+                    raise ValueError(f"plan step {s}: worker(s) {twice} {verb} more than once (one send and one "
+                                     "receive per worker per step)")
 
 
 def buckets(segments: list[Segment], bucket_bytes: int) -> list[list[Piece]]:

@@ -42,7 +42,7 @@ import numpy as np
 from realloc.boxes import Box, contains, inside_shape, split_rows
 from realloc.layout import Group, Layout
 from realloc.placement import Placement
-from realloc.plan import Plan, Segment, buckets
+from realloc.plan import Plan, Route, Segment, buckets
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -430,7 +430,7 @@ class _Router:
         for (phase, src, dst), items in self.routes.items():
             j = intern(items)
             phases[phase].append((list_bytes[j], src, dst, j))
-        steps: list[list[tuple[int, int, int]]] = []
+        steps: list[list[Route]] = []
         forward_from = 0
         for routes in phases:
             forward_from = len(steps)
@@ -491,11 +491,11 @@ class _Router:
         }
 
 
-def _colour(routes: list[tuple[int, int, int, int]]) -> list[list[tuple[int, int, int]]]:
+def _colour(routes: list[tuple[int, int, int, int]]) -> list[list[Route]]:
     """Greedy edge colouring: each step holds at most one send and one receive per worker."""
     send_busy: dict[int, int] = defaultdict(int)  # worker -> bitmask of steps where it sends
     recv_busy: dict[int, int] = defaultdict(int)
-    steps: list[list[tuple[int, int, int]]] = []
+    steps: list[list[Route]] = []
     for _, src, dst, j in routes:
         busy = send_busy[src] | recv_busy[dst]
         free = ~busy & (busy + 1)  # lowest clear bit
@@ -504,5 +504,5 @@ def _colour(routes: list[tuple[int, int, int, int]]) -> list[list[tuple[int, int
         recv_busy[dst] |= free
         while len(steps) <= s:
             steps.append([])
-        steps[s].append((src, dst, j))
+        steps[s].append(Route(src, dst, j))
     return steps

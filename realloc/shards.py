@@ -102,12 +102,19 @@ def copy_local(src: ShardStore, dst: ShardStore, segments: Iterable[Segment]) ->
     return total
 
 
-def blend_into(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], eta: float) -> None:
-    """``old = eta * new + (1 - eta) * old`` over whole flat buffers (padding stays zero)."""
-    if not 0.0 <= eta <= 1.0:
-        raise ValueError(f"blend eta must be within [0, 1], got {eta!r}")
-    for dtype, buf in old.items():
-        buf.mul_(1.0 - eta).add_(new[dtype], alpha=eta)
+def check_eta(eta: object) -> float:
+    """``eta`` as a float in [0, 1]; ``ValueError`` for anything else (bools and strings included)."""
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0.0 <= eta <= 1.0:
+        raise ValueError(f"blend eta must be a number within [0, 1], got {eta!r}")
+    return float(eta)
+
+
+def blend_into(new: Mapping[str, torch.Tensor], old: Mapping[str, torch.Tensor], eta: float) -> None:
+    """``new = eta * new + (1 - eta) * old`` over whole flat buffers, written into ``new``
+    (padding is zero in both, so it stays zero). ``old`` is only read: it stays a valid rollback."""
+    eta = check_eta(eta)
+    for dtype, buf in new.items():
+        buf.mul_(eta).add_(old[dtype], alpha=1.0 - eta)
 
 
 def _piece_view(data: torch.Tensor, p: Piece) -> torch.Tensor:

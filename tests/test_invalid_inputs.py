@@ -129,8 +129,8 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("blocks 0 workers", lambda: Placement.blocks(0, 8), r"need positive num_workers and per_node, got 0 and 8"),
     ("blocks 0 per node", lambda: Placement.blocks(8, 0), r"need positive num_workers and per_node, got 8 and 0"),
     ("empty placement", lambda: Placement(()), r"placement has no workers"),
-    ("eta above 1", lambda: blend(1.5), r"blend eta must be within \[0, 1\], got 1.5"),
-    ("eta below 0", lambda: blend(-0.1), r"blend eta must be within \[0, 1\], got -0.1"),
+    ("eta above 1", lambda: blend(1.5), r"blend eta must be a number within \[0, 1\], got 1.5"),
+    ("eta below 0", lambda: blend(-0.1), r"blend eta must be a number within \[0, 1\], got -0.1"),
     ("plan format", lambda: Plan.from_json({"format": 99}), r"plan format 99 is not supported \(expected 1\)"),
 ]
 

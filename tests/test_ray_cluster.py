@@ -80,7 +80,7 @@ def test_reallocate_bit_exact(group, spec, dst):
 
 
 def test_reallocate_checks_src(group):
-    with pytest.raises(ValueError, match="is in layout"):
+    with pytest.raises(ValueError, match="holds layout dp=3,tp=4,pp=1, but src says dp=6,tp=2,pp=1"):
         group.reallocate(Topology(dp=12), src=Topology(dp=6, tp=2))
     with pytest.raises(ValueError, match="needs 8 workers"):
         group.reallocate(Topology(dp=2, tp=4))

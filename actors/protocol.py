@@ -1,0 +1,164 @@
+"""The driver-side exchange protocol: prepare, execute, then commit or abort.
+
+Every state change of a model group goes through one :class:`Operation` (``reallocate``,
+``copy_to``, ``init_synthetic``, ``load_state_dict``, checkpoint restore, resharding load and
+HF import), in the spirit of torch.distributed.checkpoint's storage-writer call sequence:
+
+1. ``prepare``: every participating worker allocates destination buffers for its rank of the
+   new layout (or none: a worker that only sends) and returns zero-copy handles. Nothing a
+   worker holds changes.
+2. ``execute``: the plan's phases (or a local fill) write the destination buffers only.
+3. ``commit``: every destination worker adopts its destination buffers and keeps the old ones
+   as its rollback. Only when *every* participant acknowledged does the driver change the
+   group's state (its layout).
+4. ``abort`` (after a failure at any step, on every live participant): a worker drops the
+   operation's buffers, or, if it had committed, puts its rollback back. So after any failure
+   every live worker holds the old layout and the old weights, and the error says so, naming
+   the dead and the unresponsive workers.
+
+The failure table in docs/architecture.md lists each step, what can fail there, and the state
+that follows. Worker-side counterparts: ``op_prepare``, ``op_execute``/``op_fill``/
+``ckpt_exchange``, ``op_commit``, ``op_abort`` in :mod:`actors.worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, NoReturn, Sequence
+
+import ray
+
+from actors.errors import ReallocationError
+from actors.executor import PeerView
+from actors.remote import Workers, gather
+from realloc.layout import RankLayout
+from realloc.placement import Placement
+from realloc.plan import Plan
+
+log = logging.getLogger(__name__)
+
+#: Longest wait for the workers' answers to an abort (they only free or swap buffers).
+ABORT_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """What the workers of one operation reported, summed (bytes received by link kind)."""
+
+    bytes_local: int
+    bytes_intra_node: int
+    bytes_inter_node: int
+    peak_extra_bytes_per_actor: int
+
+
+class Operation:
+    """One state change over ``workers``; ``dsts[i]`` is what worker ``i`` will hold (or None).
+
+    ``what`` names the operation in errors; ``keeps`` says what stays true when it fails
+    (e.g. "group 'policy' stays in layout dp=2,tp=2,pp=1").
+    """
+
+    def __init__(self, workers: Workers, dsts: Sequence[RankLayout | None], timeout_s: float, what: str,
+                 keeps: str):
+        if len(dsts) != len(workers):
+            raise ValueError(f"{len(dsts)} destinations for {len(workers)} workers")
+        self.id = uuid.uuid4().hex[:12]
+        self.workers, self.dsts = workers, list(dsts)
+        self.timeout_s, self.what, self.keeps = timeout_s, what, keeps
+        self.handles: list[dict] | None = None
+        log.debug("operation %s: %s", self.id, what)
+
+    # -- steps -----------------------------------------------------------------------------
+    def prepare(self) -> list[dict]:
+        """Step 1 on every worker; returns each worker's ``{"dst": handles, "src": handles}``."""
+        refs = [a.op_prepare.remote(self.id, d) for a, d in zip(self.workers.actors, self.dsts)]
+        self.handles = self.call(refs, "prepare")
+        return self.handles
+
+    def call(self, refs: Sequence, step: str, indices: Sequence[int] | None = None) -> list[Any]:
+        """Wait for one step's calls (on ``indices``, default all workers); abort all on failure."""
+        workers = self.workers if indices is None else self.workers.subset(indices)
+        try:
+            return gather(workers, refs, self.timeout_s, f"{self.what}: {step}")
+        except ReallocationError as err:
+            self.abort(err)
+
+    def execute_plan(self, world, plan: Plan, srcs: Sequence[RankLayout | None], placement: Placement,
+                     tags: dict) -> PhaseResult:
+        """Step 2 for a plan: both phases on every worker (plan worker ``i`` = ``workers[i]``)."""
+        if self.handles is None:
+            raise RuntimeError("execute before prepare")
+        plan.validate(len(self.workers))
+        peers = [PeerView(world.rank_of(a), placement.nodes[i], srcs[i], self.dsts[i],
+                          self.handles[i]["src"] if srcs[i] is not None else None, self.handles[i]["dst"])
+                 for i, a in enumerate(self.workers.actors)]
+        plan_ref = ray.put(plan)
+        results: list[dict] | None = None
+        try:
+            for phase in (0, 1):
+                refs = [a.op_execute.remote(self.id, world.id, plan_ref, i, peers, phase, {**tags, "rank": str(i)})
+                        for i, a in enumerate(self.workers.actors)]
+                results = _merge(results, gather(self.workers, refs, self.timeout_s, f"{self.what}: transfer"))
+        except ReallocationError as err:
+            world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
+            self.abort(err)
+        return PhaseResult(
+            bytes_local=sum(r["bytes"]["local"] for r in results),
+            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
+            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+            peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+        )
+
+    def commit(self, blend: float | None = None) -> None:
+        """Step 3: every worker adopts; any failure rolls every live worker back."""
+        refs = [a.op_commit.remote(self.id, blend if d is not None else None)
+                for a, d in zip(self.workers.actors, self.dsts)]
+        self.call(refs, "commit")
+
+    # -- failure -----------------------------------------------------------------------------
+    def abort(self, cause: ReallocationError) -> NoReturn:
+        """Step 4: undo the operation on every live worker, then raise what is true."""
+        dead = set(cause.dead)
+        live = [i for i, n in enumerate(self.workers.names) if n not in dead]
+        refs = {i: self.workers.actors[i].op_abort.remote(self.id) for i in live}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ABORT_WAIT_S)
+        ready = set(ready)
+        silent, lost = [], []
+        for i, ref in refs.items():
+            if ref not in ready:
+                silent.append(self.workers.names[i])
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                lost.append(self.workers.names[i])
+        all_dead = sorted(dead | set(lost))
+        unresponsive = sorted(set(cause.unresponsive) | set(silent))
+        state = f"Rolled back: {self.keeps}; every live worker that answered holds its old shards and weights"
+        if unresponsive:
+            state += (f"; {unresponsive} did not answer: their abort is queued and runs when they resume "
+                      "(they never adopted anything without a commit)")
+        if all_dead:
+            state += (f"; dead: {all_dead} (call replace_dead_workers(), then restore their weights from a "
+                      "checkpoint)")
+        log.warning("operation %s (%s) aborted: %s", self.id, self.what, cause.message)
+        raise ReallocationError(f"{cause.message}. {state}.", all_dead, unresponsive, self.keeps) from cause
+
+
+def _merge(acc: list | None, new: list[dict]) -> list[dict]:
+    if acc is None:
+        return new
+    for a, b in zip(acc, new):
+        for k in a["bytes"]:
+            a["bytes"][k] += b["bytes"][k]
+        a["staging_bytes"] = max(a["staging_bytes"], b["staging_bytes"])
+    return acc
+
+
+def timed(fn, *args, **kwargs) -> tuple[Any, float]:
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - started
