@@ -1,4 +1,4 @@
-"""3D-parallel topologies (data x tensor x pipeline) and their rank order.
+"""3D-parallel topologies (data x tensor x pipeline), their rank order and pipeline layer splits.
 
 Rank order is Megatron's: tensor-parallel rank fastest, then data-parallel, then pipeline
 stage slowest::
@@ -7,6 +7,24 @@ stage slowest::
 
 so the tp ranks of one replica's stage are neighbours (and share a node when a node holds tp
 or more workers), which is what tensor parallelism wants.
+
+Which transformer layers a pipeline stage holds must be what the engine holding the weights
+builds, or the shards are the wrong layers. ``Topology.layer_split`` gives the counts per stage
+explicitly; without it ``Topology.pp_split`` names the rule (see :data:`PP_SPLIT_RULES` and
+docs/conventions.md):
+
+* ``"vllm"`` (default): vLLM's ``get_pp_indices`` (vllm/distributed/utils.py): ``L // pp``
+  layers per stage, the ``L % pp`` leftover layers one each to the stages before the last,
+  from stage ``pp - 2`` backwards. Equal to Megatron-core's split whenever pp divides L.
+* ``"megatron"``: Megatron-core's default (``get_num_layers_to_build`` in
+  megatron/core/transformer/transformer_block.py): ``L / pp`` per stage, and pp must divide L.
+  Its uneven options (``num_layers_in_first_pipeline_stage`` /
+  ``num_layers_in_last_pipeline_stage``) are an explicit ``layer_split``.
+* ``"balanced"``: :func:`balanced_split`, the contiguous split with the smallest largest stage
+  in bytes. No engine uses it on its own: give the engine the same counts (vLLM's
+  ``VLLM_PP_LAYER_PARTITION``, Megatron's first/last-stage options).
+
+Every rule puts the embedding on stage 0 and the final norm and head on the last stage.
 """
 
 from __future__ import annotations
@@ -18,26 +36,94 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from realloc.spec import ModelSpec
 
-_DIM = re.compile(r"^\s*(dp|tp|pp)\s*=\s*(-?\d+)\s*$")
+#: Names ``Topology.pp_split`` accepts; the first is the default.
+PP_SPLIT_RULES = ("vllm", "megatron", "balanced")
+DEFAULT_PP_SPLIT = PP_SPLIT_RULES[0]
+
+_PART = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(\S*)\s*$")
+_INT = re.compile(r"^-?\d+$")
+_EXPECTED = ("expected dp=N, tp=N or pp=N (optionally pp_split=NAME and layer_split=A/B/...) "
+             "separated by commas")
+
+
+def _check_rule(rule: object) -> None:
+    allowed = ", ".join(PP_SPLIT_RULES)
+    if not isinstance(rule, str):
+        raise ValueError(f"topology pp_split must be a string naming a rule ({allowed}), got {rule!r}")
+    if rule not in PP_SPLIT_RULES:
+        raise ValueError(f"unknown pp_split {rule!r}; allowed: {allowed}")
+
+
+def pp_layer_counts(num_layers: int, pp: int, rule: str = DEFAULT_PP_SPLIT) -> tuple[int, ...]:
+    """Layers of each pipeline stage under a count-only ``rule`` (``"vllm"`` or ``"megatron"``).
+
+    ``"balanced"`` depends on the parameter sizes: use :func:`balanced_split` (or
+    :meth:`Topology.stage_counts`) for it.
+
+    Example:
+        >>> pp_layer_counts(32, 4), pp_layer_counts(30, 4), pp_layer_counts(30, 4, "vllm")
+        ((8, 8, 8, 8), (7, 8, 8, 7), (7, 8, 8, 7))
+        >>> pp_layer_counts(32, 4, "megatron")
+        (8, 8, 8, 8)
+    """
+    _check_rule(rule)
+    for what, value in (("num_layers", num_layers), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} is larger than the {num_layers} layers")
+    base, extra = divmod(num_layers, pp)
+    if rule == "vllm":
+        counts = [base] * pp
+        for stage in range(pp - 1 - extra, pp - 1):  # stages pp-2, pp-3, ... take one more each
+            counts[stage] += 1
+        return tuple(counts)
+    if rule == "megatron":
+        if extra:
+            example = "/".join(map(str, _megatron_uneven_example(num_layers, pp)))
+            raise ValueError(
+                f"pp_split='megatron' needs pp to divide the layer count, but {num_layers} layers do not split "
+                f"evenly over pp={pp}; give the stages explicitly with layer_split (Megatron's "
+                f"num_layers_in_first/last_pipeline_stage), e.g. layer_split={example}")
+        return (base,) * pp
+    raise ValueError(f"pp_split={rule!r} depends on parameter sizes, not only on the layer count: "
+                     "use balanced_split(spec, pp)")
+
+
+def _megatron_uneven_example(num_layers: int, pp: int) -> tuple[int, ...]:
+    """A split Megatron-core accepts through its first/last-stage options: equal middle stages
+    (as many layers as the largest even stage), the rest shared by the first and last stage."""
+    if pp == 1:
+        return (num_layers,)
+    for middle in (-(-num_layers // pp), num_layers // pp):
+        rest = num_layers - (pp - 2) * middle
+        if rest >= 2:
+            return (rest // 2,) + (middle,) * (pp - 2) + (rest - rest // 2,)
+    raise AssertionError("unreachable: pp <= num_layers")
 
 
 @dataclass(frozen=True)
 class Topology:
     """A data x tensor x pipeline layout of ``dp * tp * pp`` ranks.
 
-    ``layer_split`` optionally fixes how many transformer layers each pipeline stage holds
-    (default: balanced by parameter count, embedding on the first stage, head on the last).
+    ``layer_split`` optionally fixes how many transformer layers each pipeline stage holds;
+    without it ``pp_split`` names the rule that decides (default ``"vllm"``: the split vLLM and
+    Megatron-core build; see the module docstring). The embedding is on the first stage, the
+    final norm and head on the last.
 
     Example:
         >>> t = Topology.parse("dp=2,tp=4,pp=2")
         >>> t.world_size, t.coords(13)
         (16, (1, 1, 1))
+        >>> str(Topology(pp=4, pp_split="balanced")), str(Topology(pp=3, layer_split=(2, 3, 3)))
+        ('dp=1,tp=1,pp=4,pp_split=balanced', 'dp=1,tp=1,pp=3,layer_split=2/3/3')
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     layer_split: tuple[int, ...] | None = None
+    pp_split: str = DEFAULT_PP_SPLIT
 
     def __post_init__(self) -> None:
         for dim in ("dp", "tp", "pp"):
@@ -49,27 +135,43 @@ class Topology:
             object.__setattr__(self, "layer_split", split)
             if len(split) != self.pp:
                 raise ValueError(f"layer_split {split} has {len(split)} stages but pp={self.pp}")
-            if any((not isinstance(n, int)) or n < 1 for n in split):
+            if any((not isinstance(n, int)) or isinstance(n, bool) or n < 1 for n in split):
                 raise ValueError(f"layer_split {split}: every stage needs at least one layer")
+        _check_rule(self.pp_split)
 
     @staticmethod
     def parse(text: str) -> "Topology":
-        """Parse ``"dp=2,tp=4,pp=2"``; a missing dimension means 1."""
+        """Parse ``"dp=2,tp=4,pp=2"``; a missing dimension means 1.
+
+        Optional parts: ``pp_split=NAME`` (a rule of :data:`PP_SPLIT_RULES`) and
+        ``layer_split=A/B/...`` (layers per stage). ``Topology.parse(str(t)) == t`` for every ``t``.
+        """
         if not isinstance(text, str) or not text.strip():
             raise ValueError("topology string is empty; expected e.g. 'dp=2,tp=4,pp=2'")
-        dims: dict[str, int] = {}
+        fields: dict[str, object] = {}
         for part in text.split(","):
-            match = _DIM.match(part)
-            if not match:
-                raise ValueError(f"bad topology part {part!r} in {text!r}; expected dp=N, tp=N or pp=N separated by commas")
-            key, value = match.group(1), int(match.group(2))
-            if key in dims:
+            match = _PART.match(part)
+            key, value = (match.group(1), match.group(2)) if match else (None, "")
+            if key in ("dp", "tp", "pp") and _INT.match(value):
+                parsed: object = int(value)
+            elif key == "pp_split" and value:
+                parsed = value
+            elif key == "layer_split" and value and all(_INT.match(n) for n in value.split("/")):
+                parsed = tuple(int(n) for n in value.split("/"))
+            else:
+                raise ValueError(f"bad topology part {part!r} in {text!r}; {_EXPECTED}")
+            if key in fields:
                 raise ValueError(f"topology {text!r} gives {key} twice")
-            dims[key] = value
-        return Topology(**dims)
+            fields[key] = parsed
+        return Topology(**fields)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
-        return f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        text = f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        if self.layer_split is not None:
+            text += ",layer_split=" + "/".join(map(str, self.layer_split))
+        if self.pp_split != DEFAULT_PP_SPLIT:
+            text += f",pp_split={self.pp_split}"
+        return text
 
     @property
     def world_size(self) -> int:
@@ -90,15 +192,34 @@ class Topology:
         """Ranks holding the same shard (coordinate ``(tp_rank, pp_rank)``) in every dp replica."""
         return [self.rank(d, tp_rank, pp_rank) for d in range(self.dp)]
 
-    def stage_layers(self, spec: "ModelSpec") -> list[range]:
-        """Transformer layers of each pipeline stage."""
+    def stage_counts(self, spec: "ModelSpec") -> tuple[int, ...]:
+        """Number of transformer layers of each pipeline stage: ``layer_split`` if given, else
+        the ``pp_split`` rule applied to ``spec``."""
         if self.pp > spec.num_layers:
             raise ValueError(f"pp={self.pp} is larger than the {spec.num_layers} layers of {spec.name}")
-        split = self.layer_split or balanced_split(spec, self.pp)
+        if self.layer_split is not None:
+            split = self.layer_split
+        elif self.pp_split == "balanced":
+            split = balanced_split(spec, self.pp)
+        else:
+            try:
+                split = pp_layer_counts(spec.num_layers, self.pp, self.pp_split)
+            except ValueError as err:
+                raise ValueError(f"{spec.name}: {err}") from None
         if sum(split) != spec.num_layers:
             raise ValueError(f"layer_split {split} sums to {sum(split)} but {spec.name} has {spec.num_layers} layers")
+        return split
+
+    def stage_layers(self, spec: "ModelSpec") -> list[range]:
+        """Transformer layers of each pipeline stage (contiguous, in order).
+
+        Example:
+            >>> from realloc.spec import ModelSpec
+            >>> [len(r) for r in Topology(pp=4).stage_layers(ModelSpec.preset("qwen2.5-7b"))]
+            [7, 7, 7, 7]
+        """
         stages, start = [], 0
-        for n in split:
+        for n in self.stage_counts(spec):
             stages.append(range(start, start + n))
             start += n
         return stages
@@ -112,7 +233,7 @@ class Topology:
 
 
 def balanced_split(spec: "ModelSpec", pp: int) -> tuple[int, ...]:
-    """Contiguous layer counts per stage minimising the largest stage's bytes.
+    """Contiguous layer counts per stage minimising the largest stage's bytes (``pp_split="balanced"``).
 
     The embedding weighs on stage 0 and the final norm and head on the last stage (a tied head
     counts its copy there). Binary search on the bottleneck with a greedy feasibility check, so

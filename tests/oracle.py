@@ -14,6 +14,10 @@ Llama-style decoder:
 * pipeline: stage 0 holds the embedding, stage ``s`` the layers listed for it, the last stage the
   final norm and the head; a tied head on a last stage other than stage 0 is its own copy of the
   embedding (slot ``lm_head.weight``);
+* which layers a stage holds, when no explicit split is given: the engines' rule
+  (:func:`engine_stage_counts`), written from vLLM's ``get_pp_indices`` description
+  (vllm/distributed/utils.py) and Megatron-core's ``get_num_layers_to_build``
+  (megatron/core/transformer/transformer_block.py), not from ``realloc.topology``;
 * rank order: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``.
 
 The only realloc import is :func:`realloc.spec.decoder_spec`, to build the spec under test from
@@ -128,6 +132,25 @@ def coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
     return dp_rank, tp_rank, pp_rank
 
 
+def engine_stage_counts(layers: int, pp: int, rule: str = "vllm") -> tuple[int, ...]:
+    """Layers per pipeline stage as the engines build them, stage by stage.
+
+    vLLM: every stage has ``layers // pp``; the ``r = layers % pp`` leftover layers go one each
+    to the ``r`` stages just before the last one (never to the last, which also runs the final
+    norm and the head; the first only once every other stage but the last has one). Megatron-core
+    (no uneven options): ``layers / pp`` each, and pp must divide the layer count, which is where
+    the two agree.
+    """
+    assert 1 <= pp <= layers
+    base, r = layers // pp, layers % pp
+    if rule == "megatron":
+        if r:
+            raise ValueError(f"{layers} layers do not split evenly over pp={pp}")
+        return tuple(base for _ in range(pp))
+    assert rule == "vllm", rule
+    return tuple(base + (1 if pp - 1 - r <= s < pp - 1 else 0) for s in range(pp))
+
+
 def stage_lists(counts) -> list[list[int]]:
     """Contiguous layer indices of each stage from per-stage layer counts."""
     out, start = [], 0
@@ -135,6 +158,13 @@ def stage_lists(counts) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+def pipeline_stages(layers: int, pp: int, layer_split=None, rule: str = "vllm") -> list[list[int]]:
+    """Layer indices of each stage: the explicit ``layer_split`` as given, else the engines' rule."""
+    counts = tuple(layer_split) if layer_split is not None else engine_stage_counts(layers, pp, rule)
+    assert len(counts) == pp and sum(counts) == layers and min(counts) >= 1, counts
+    return stage_lists(counts)
 
 
 def padded_vocab(vocab: int, tp: int, pad_multiple: int) -> int:
@@ -276,9 +306,16 @@ def factorisations(d: Decoder, world: int) -> list[tuple[int, int, int]]:
 
 
 def layer_splits(st, layers: int, pp: int):
-    """Strategy: ``None`` (the layout's balanced split) or explicit counts, >= 1 per stage."""
+    """Strategy: ``None`` (the engines' default split, :func:`engine_stage_counts`) or explicit
+    counts, >= 1 per stage."""
     if pp == 1:
         return st.just(None)
     explicit = st.lists(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True).map(
         lambda cuts: tuple(b - a for a, b in zip([0] + sorted(cuts), sorted(cuts) + [layers])))
     return st.one_of(st.just(None), explicit)
+
+
+def pp_rules(st, layers: int, pp: int):
+    """Strategy: a ``pp_split`` rule name, the default ("vllm") first since hypothesis favours
+    early choices; "megatron" only where pp divides the layers (elsewhere it refuses)."""
+    return st.sampled_from(["vllm", "balanced"] + (["megatron"] if layers % pp == 0 else []))

@@ -175,7 +175,12 @@ class Case:
 
 
 def stages_of(d: oracle.Decoder, topo: Topology) -> list[list[int]]:
-    return [list(r) for r in topo.stage_layers(d.spec())]  # the split is input to the oracle
+    """The oracle's stages of ``topo``: an explicit ``layer_split`` as given, else the engines' rule
+    as tests/oracle.py computes it. Only a byte-balanced split (``pp_split="balanced"``, a choice
+    of this project that tests/test_layout.py checks for optimality) is taken from the topology."""
+    if topo.layer_split is None and topo.pp_split == "balanced":
+        return [list(r) for r in topo.stage_layers(d.spec())]  # input to the oracle
+    return oracle.pipeline_stages(d.layers, topo.pp, topo.layer_split, topo.pp_split)
 
 
 def side_masks(d: oracle.Decoder, topo: Topology, workers, pad: int) -> Masks:
@@ -273,7 +278,7 @@ def topologies(draw, d: oracle.Decoder, world: int, unlike: Topology | None = No
     if unlike is not None:
         options = [o for o in options if o != (unlike.dp, unlike.tp, unlike.pp)] or options
     dp, tp, pp = draw(st.sampled_from(options))
-    return Topology(dp, tp, pp, draw(oracle.layer_splits(st, d.layers, pp)))
+    return Topology(dp, tp, pp, draw(oracle.layer_splits(st, d.layers, pp)), draw(oracle.pp_rules(st, d.layers, pp)))
 
 
 @st.composite
