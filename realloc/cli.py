@@ -1,11 +1,12 @@
-"""The ``realloc`` command line.
+"""The pure commands of the ``realloc`` command line: ``plan`` and ``presets``.
 
 Each subcommand is registered by an ``add_<name>_parser(subparsers)`` function that sets
-``func`` (called with the parsed arguments, returns the exit status). Commands that need Ray
-(``demo``, ``bench``, ``ckpt-demo``) live in ``actors.cli_commands``, whose ``register(subparsers)``
-is called when that module imports. Importing ``actors`` pulls in ray and torch, so it happens
-only for commands other than the built-in ``plan`` and ``presets``: ``realloc plan`` has to start
-fast (it imports torch only for ``--verify``).
+``func`` (called with the parsed arguments, returns the exit status). This module never imports
+Ray or the ``actors`` package: the ``realloc`` console script is ``tools.cli``, which builds the
+parser here with its Ray-backed commands (``demo``, ``bench``, ``ckpt-demo``) as
+``build_parser(extra=[...])`` and runs it with :func:`run`, importing them only for commands
+other than ``plan`` and ``presets``. ``python -m realloc.cli`` has the pure commands only.
+``realloc plan`` has to start fast: it imports torch only for ``--verify``.
 
 Exit status: 0 success, 1 ``--verify`` found a mismatch, 2 invalid input (one line
 ``realloc: error: <message>`` on stderr) or a usage error.
@@ -20,7 +21,7 @@ import math
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from realloc.boxes import box_index
 from realloc.layout import Layout
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from realloc.plan import Plan
 
 PROG = "realloc"
-#: Subcommands defined in this module; any other command word loads ``actors.cli_commands``.
+#: Subcommands defined in this module; ``tools.cli`` loads its Ray-side commands for any other word.
 BUILTIN_COMMANDS = ("plan", "presets")
 #: ``--verify`` materialises the model about once per rank (full tensors, source and destination
 #: shards); beyond this it would swap rather than check anything.
@@ -43,8 +44,12 @@ VERIFY_LIMIT_BYTES = 2 << 30
 _TABLE_STATS = ("node_egress_bytes", "node_ingress_bytes", "rank_send_bytes", "rank_recv_bytes")
 
 
+#: Registers one subcommand on an argparse subparsers object (see :func:`build_parser`).
+AddParser = Callable[[Any], None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``realloc`` command line and return its exit status.
+    """Run the pure command line (``plan``, ``presets``) and return its exit status.
 
     Example:
         >>> main(["plan", "--model", "tiny", "--src", "tp=2", "--dst", "dp=2", "--json"])  # doctest: +ELLIPSIS
@@ -52,9 +57,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(extensions=_command_of(argv) not in BUILTIN_COMMANDS)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
+    """Parse ``argv`` with ``parser`` and call the chosen command's ``func``.
+
+    Returns its exit status; argparse's own exits (help: 0, usage error: 2) become return values,
+    and a ``ValueError`` becomes status 2 with one line ``realloc: error: <message>`` on stderr.
+    """
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed help (status 0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
     try:
@@ -64,34 +77,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def build_parser(*, extensions: bool = True) -> argparse.ArgumentParser:
-    """The argument parser with the built-in subcommands and, if ``extensions``, the Ray-side ones."""
+def build_parser(extra: Sequence[AddParser] = ()) -> argparse.ArgumentParser:
+    """The argument parser with the built-in subcommands, then one more per ``extra`` function.
+
+    Example:
+        >>> build_parser().parse_args(["presets", "--json"]).json
+        True
+    """
     parser = argparse.ArgumentParser(
         prog=PROG, description="Plan and run parameter reallocation between 3D-parallel layouts."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_plan_parser(subparsers)
     add_presets_parser(subparsers)
-    if extensions:
-        _register_extensions(subparsers)
+    for add_parser in extra:
+        add_parser(subparsers)
     return parser
 
 
-def _command_of(argv: Sequence[str]) -> str | None:
-    """The subcommand named in ``argv`` (the first word that is not an option), if any."""
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option), if any.
+
+    Example:
+        >>> command_of(["--help"]), command_of(["plan", "--json"])
+        (None, 'plan')
+    """
     return next((a for a in argv if not a.startswith("-")), None)
-
-
-def _register_extensions(subparsers: Any) -> None:
-    # Importing the actors package brings in ray and torch (seconds), so main() only calls this
-    # when the command is not a built-in one (or for the top-level help, which lists them all).
-    try:
-        from actors import cli_commands  # type: ignore[attr-defined]
-    except ImportError:
-        return  # the Ray-side commands are optional; planning works without them
-    register = getattr(cli_commands, "register", None)
-    if callable(register):
-        register(subparsers)
 
 
 # -- realloc plan ---------------------------------------------------------------------------

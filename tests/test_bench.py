@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from actors.bench import BASELINES, lower_bound, source_owners
-from realloc.cli import main
 from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.planner import plan_reallocation
 from realloc.spec import ModelSpec
 from realloc.topology import Topology
+from tools.bench import BASELINES, lower_bound, source_owners
+from tools.cli import main
 
+ROOT = Path(__file__).resolve().parent.parent  # run the checkout's tools.cli, not an installed one
 REQUIRED = {"ours_seconds", "baselines", "speedup_vs", "lower_bound_seconds", "ratio_to_lower_bound",
             "peak_extra_bytes_per_actor", "bucket_bytes", "lower_bound_formula", "transport", "verified", "plan"}
 
@@ -68,9 +70,9 @@ def test_bad_options_are_usage_errors(capsys):
 @pytest.mark.timeout(240)
 def test_bench_tiny_end_to_end():
     """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly."""
-    cmd = [sys.executable, "-m", "realloc.cli", "bench", "--model", "tiny", "--json", "--verify", "exact",
+    cmd = [sys.executable, "-m", "tools.cli", "bench", "--model", "tiny", "--json", "--verify", "exact",
            "--repeats", "2", "--probe-mb", "4", "--bucket-mb", "0.0625"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert REQUIRED <= set(report)

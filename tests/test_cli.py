@@ -1,19 +1,23 @@
-"""The ``realloc`` command line, in-process through ``main`` and once as a real subprocess."""
+"""The ``realloc`` command line (``tools.cli``, on top of the pure ``realloc.cli``), in-process through
+``main`` and as a real subprocess; and that ``realloc/`` never imports the Ray layer."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import realloc.cli
 import realloc.local_executor
-from realloc.cli import main
 from realloc.placement import Placement
 from realloc.planner import plan_reallocation
 from realloc.spec import ModelSpec
 from realloc.topology import Topology
+from tools.cli import main
 
 LLAMA_7B = ["plan", "--model", "llama-7b", "--src", "dp=2,tp=4,pp=2", "--dst", "dp=8,tp=2,pp=1",
             "--gpus-per-node", "8"]
@@ -23,6 +27,9 @@ REQUIRED_KEYS = {
     "dst", "world_size", "num_nodes",
 }
 TABLES = {"node_egress_bytes", "node_ingress_bytes", "rank_send_bytes", "rank_recv_bytes"}
+ROOT = Path(__file__).resolve().parent.parent
+#: Top-level packages that ``realloc/`` (the pure layer) must never import, not even lazily.
+RAY_LAYER = ("actors", "tools", "ray")
 
 
 def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
@@ -145,22 +152,81 @@ def test_exit_codes_of_usage(capsys):
     assert main(["plan", "--model", "tiny", "--src", "tp=2", "--dst", "dp=2", "--gpus-per-node", "x"]) == 2
     assert main(["frobnicate"]) == 2
     assert main(["--help"]) == 0
-    assert "plan" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("plan", "presets", "demo", "bench", "ckpt-demo"))
+
+
+def test_pure_cli_has_only_the_pure_commands(capsys):
+    # realloc.cli (python -m realloc.cli) knows plan and presets; the Ray commands come from tools.cli.
+    assert realloc.cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "plan" in out and "presets" in out and "demo" not in out and "bench" not in out
+    assert realloc.cli.main(["demo"]) == 2
+    assert "invalid choice: 'demo'" in capsys.readouterr().err
+    assert realloc.cli.main(["presets", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["presets"]
 
 
 def test_subprocess():
-    # -X importtime lists every module imported on stderr: planning must not pull in torch or ray.
-    ok = subprocess.run([sys.executable, "-X", "importtime", "-m", "realloc.cli", "plan", "--model", "llama-70b",
+    # The console script's module, run from this checkout. -X importtime lists every module
+    # imported on stderr: planning must not pull in torch, ray or the actors package.
+    ok = subprocess.run([sys.executable, "-X", "importtime", "-m", "tools.cli", "plan", "--model", "llama-70b",
                          "--src", "dp=4,tp=8,pp=8", "--dst", "dp=32,tp=8", "--json"],
-                        capture_output=True, text=True, timeout=60)
+                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads(ok.stdout)["world_size"] == 256
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in ok.stderr.splitlines()}
     assert "realloc" in imported and "numpy" in imported
-    assert not {"torch", "ray"} & imported, "realloc plan must not import torch or ray"
+    assert not {"torch", "ray", "actors"} & imported, "realloc plan must not import torch, ray or actors"
 
-    bad = subprocess.run([sys.executable, "-m", "realloc.cli", "plan", "--model", "tiny", "--src", "dp=2,,tp=2",
-                          "--dst", "tp=4"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "tools.cli", "plan", "--model", "tiny", "--src", "dp=2,,tp=2",
+                          "--dst", "tp=4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("realloc: error: --src: bad topology part ''") and bad.stderr.count("\n") == 1
     assert "Traceback" not in bad.stderr
+
+
+def _imported_modules(tree: ast.AST):
+    """(line, module) of every absolute import in ``tree``, wherever it sits (functions included),
+    and of ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in ("import_module", "__import__")):
+            yield node.lineno, node.args[0].value
+
+
+def test_realloc_never_imports_the_ray_layer_in_its_source():
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for path in sorted((ROOT / "realloc").rglob("*.py"))
+        for line, module in _imported_modules(ast.parse(path.read_text(), filename=str(path)))
+        if module.split(".")[0] in RAY_LAYER
+    ]
+    assert not offenders, "realloc/ is the pure layer; it must not import actors, tools or ray:\n" + "\n".join(offenders)
+
+
+def test_realloc_never_imports_the_ray_layer_when_run():
+    # Every realloc module, plus the pure CLI's top-level help (the old code loaded the Ray
+    # commands there): nothing of actors/, tools/ or ray may end up in sys.modules.
+    code = f"""
+import contextlib, importlib, io, pkgutil, sys
+import realloc, realloc.cli
+assert realloc.__file__.startswith({str(ROOT)!r}), realloc.__file__
+def loaded(when):
+    bad = sorted(m for m in sys.modules if m.split(".")[0] in {RAY_LAYER!r})
+    assert not bad, f"{{when}} loaded {{len(bad)}} modules of the Ray layer: {{bad[:5]}}"
+for info in pkgutil.walk_packages(realloc.__path__, "realloc."):
+    importlib.import_module(info.name)
+loaded("importing every realloc module")
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    assert realloc.cli.main(["--help"]) == 0
+assert "plan" in out.getvalue()
+loaded("realloc.cli.main(['--help'])")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from actors.cluster import ray_for_command
+from tools.cluster import ray_for_command
 from realloc.boxes import box_index
 from realloc.topology import Topology
 

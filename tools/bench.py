@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from actors.cluster import ray_for_command
+from tools.cluster import ray_for_command
 from realloc.boxes import box_index
 from realloc.layout import Layout
 from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers

@@ -1,0 +1,53 @@
+"""The ``realloc`` command line (console script): the pure commands of :mod:`realloc.cli`
+(``plan``, ``presets``) plus the Ray-backed ``demo``, ``bench`` and ``ckpt-demo``.
+
+Importing the Ray-side commands brings in ray, torch and the ``actors`` package (seconds), so
+:func:`main` only does it when the command word is not one of ``realloc.cli.BUILTIN_COMMANDS``
+(or there is none, as for the top-level ``--help``, which lists them all): ``realloc plan``
+starts as fast as ``python -m realloc.cli plan``. Errors are handled by ``realloc.cli.run``:
+exit status 2 and one line ``realloc: error: <message>`` on stderr for invalid input.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from realloc.cli import BUILTIN_COMMANDS, AddParser, build_parser, command_of, run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the full ``realloc`` command line and return its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = ray_commands() if command_of(argv) not in BUILTIN_COMMANDS else []
+    return run(build_parser(extra=extra), argv)
+
+
+def ray_commands() -> list[AddParser]:
+    """The ``add_<name>_parser`` functions of the Ray-backed commands (imports ray and torch).
+
+    They are optional: without an importable ``demo`` (no ray or torch) there are none, and
+    ``bench`` and ``ckpt-demo`` are each left out if they cannot be imported.
+    """
+    try:
+        from tools.demo import add_demo_parser
+    except ImportError:
+        return []  # planning works without the Ray side
+    commands: list[AddParser] = [add_demo_parser]
+    try:
+        from tools.bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        commands.append(add_bench_parser)
+    try:
+        from tools.ckpt_demo import add_ckpt_demo_parser
+    except ImportError:
+        pass
+    else:
+        commands.append(add_ckpt_demo_parser)
+    return commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())
