@@ -315,7 +315,7 @@ class CheckpointManager:
                 missing)
         manifests, copies = catalog.manifests(iteration), catalog.copies(iteration)
         scanned = time.perf_counter()
-        target = g.layout()
+        target = g.layout
         reference = manifests[min(manifests)]
         reference.check_spec(g.spec)
         if reference.same_layout(target) and len(manifests) == g.num_workers:
@@ -393,7 +393,7 @@ class CheckpointManager:
             raise CheckpointError(f"load of iteration {iteration}: still finding corrupt copies after "
                                   f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}")
         t0 = time.perf_counter()
-        holdings, needs = reshard_groups(assignment, g.layout())
+        holdings, needs = reshard_groups(assignment, g.layout)
         plan = self._plan(holdings, needs, param_table(g.spec))
         plan_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -45,7 +45,7 @@ def expected_sums(reference: dict[str, torch.Tensor], group: ModelGroup) -> list
     out = []
     for rank in range(group.num_workers):
         sums = {}
-        for shard in group.layout().shards(rank):
+        for shard in group.layout.shards(rank):
             box = reference[shard.param][box_index(shard.offsets, shard.sizes)]
             sums[shard.slot] = float(box.double().sum())
         out.append(sums)

@@ -204,7 +204,7 @@ def test_hf_export_and_import_round_trip(env, tmp_path):
     g.init_synthetic(OTHER)
     stats = m.import_hf(tmp_path)
     assert g.verify_synthetic(SEED) == {}
-    layout = g.layout()  # each rank read exactly its own boxes
+    layout = g.layout  # each rank read exactly its own boxes
     assert stats["bytes_read"] == sum(s.nbytes for r in range(g.num_workers) for s in layout.shards(r))
     g.reallocate(TRAIN)
 

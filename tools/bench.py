@@ -164,7 +164,7 @@ def bench(spec, src: Topology, dst: Topology, *, address: str | None = None, nod
                                  "torch": torch.__version__, "ray": __import__("ray").__version__, "where": where}
             batch = max(1, min(cores, workers))  # synthetic_box needs ~3x a slot in temporaries
             t = time.perf_counter()
-            _batched(group, range(workers), "init_synthetic", seed, batch=batch)
+            group.init_synthetic(seed)
             _log(f"synthetic weights written in {time.perf_counter() - t:.1f}s")
             src_digests = _digests_of_group(group)
 
@@ -634,7 +634,7 @@ def store_dtype(store: ShardStore, param: str) -> str:
 
 
 def baseline_broadcast(group, dst: Topology) -> tuple[float, dict]:
-    owners = source_owners(group.layout())
+    owners = source_owners(group.layout)
     started = time.perf_counter()
     group.run(_broadcast_fn, group.spec, owners, dst, group.vocab_pad_multiple)
     return time.perf_counter() - started, {"broadcast_bytes_per_rank": group.spec.total_bytes()}
@@ -680,7 +680,7 @@ def _broadcast_fn(ctx, spec, owners: dict, dst: Topology, vpm: int) -> None:
 
 
 def baseline_dcp(group, dst: Topology) -> tuple[float, dict]:
-    owners = source_owners(group.layout())
+    owners = source_owners(group.layout)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     path = os.path.join(base, f"realloc-bench-dcp-{uuid.uuid4().hex[:12]}")
     started = time.perf_counter()

@@ -26,27 +26,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def ray_commands() -> list[AddParser]:
     """The ``add_<name>_parser`` functions of the Ray-backed commands (imports ray and torch).
 
-    They are optional: without an importable ``demo`` (no ray or torch) there are none, and
-    ``bench`` and ``ckpt-demo`` are each left out if they cannot be imported.
+    An import error here is a broken installation and is raised as such: a command must never
+    silently vanish from the CLI.
     """
-    try:
-        from tools.demo import add_demo_parser
-    except ImportError:
-        return []  # planning works without the Ray side
-    commands: list[AddParser] = [add_demo_parser]
-    try:
-        from tools.bench import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        commands.append(add_bench_parser)
-    try:
-        from tools.ckpt_demo import add_ckpt_demo_parser
-    except ImportError:
-        pass
-    else:
-        commands.append(add_ckpt_demo_parser)
-    return commands
+    from tools.bench import add_bench_parser
+    from tools.ckpt_demo import add_ckpt_demo_parser
+    from tools.demo import add_demo_parser
+
+    return [add_demo_parser, add_bench_parser, add_ckpt_demo_parser]
 
 
 if __name__ == "__main__":
