@@ -24,7 +24,6 @@ that follows. Worker-side counterparts: ``op_prepare``, ``op_execute``/``op_fill
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, NoReturn, Sequence
@@ -124,7 +123,7 @@ class Operation:
         dead = set(cause.dead)
         live = [i for i, n in enumerate(self.workers.names) if n not in dead]
         refs = {i: self.workers.actors[i].op_abort.remote(self.id) for i in live}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ABORT_WAIT_S)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=min(ABORT_WAIT_S, self.timeout_s))
         ready = set(ready)
         silent, lost = [], []
         for i, ref in refs.items():
@@ -158,7 +157,3 @@ def _merge(acc: list | None, new: list[dict]) -> list[dict]:
     return acc
 
 
-def timed(fn, *args, **kwargs) -> tuple[Any, float]:
-    started = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - started
