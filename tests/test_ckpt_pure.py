@@ -182,7 +182,7 @@ def test_remove_iterations_keeps_the_saved_one_and_removes_a_failed_one(tmp_path
 
 @pytest.mark.parametrize("bad, match", [
     (dict(run_id="../x"), "run id"), (dict(run_id=""), "run id"), (dict(iteration=-1), "iteration"),
-    (dict(iteration=True), "iteration"), (dict(rank=-2), "rank"),
+    (dict(iteration=True), "iteration"), (dict(iteration=2**63), "iteration"), (dict(rank=-2), "rank"),
 ])
 def test_checkpoint_id_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -79,3 +79,48 @@ def test_every_checkpoint_error_round_trips_through_pickle(error):
     if isinstance(error, CorruptFileError):
         assert (copy.path, copy.reason) == (error.path, error.reason)
 
+
+# -- 2. iteration directories -------------------------------------------------------------------
+
+ITERATIONS = [7, 99_999_999, 100_000_000, 2**40]
+
+
+def test_iterations_past_eight_digits_are_listed_and_removable(tmp_path):
+    layout = Layout(TINY, Topology())
+    for it in ITERATIONS:
+        save(tmp_path, layout, ["n0"], iteration=it)
+    store = NodeStore(tmp_path, RUN, "n0")
+    # Names iteration_dir never writes are not iterations (and must not crash the listing).
+    for stray in ("iter_000000007", "iter_0100000000", "iter_1234567", f"iter_{2**63}", "iter_\u0661" + "0" * 7):
+        (store.dir / stray).mkdir()
+    assert store.iterations() == ITERATIONS
+    assert [m.id.iteration for m in store.list().manifests] == ITERATIONS
+    assert store.remove_iterations(keep=2**40) == ITERATIONS[:-1]
+    assert store.iterations() == [2**40]
+    assert store.remove_iterations(only=2**40) == [2**40] and store.iterations() == []
+    assert len(list(store.dir.iterdir())) == 5  # the strays are not ours to delete
+
+
+def test_iterations_are_bounded_by_max_iteration(tmp_path):
+    from realloc.ckpt.manifest import MAX_ITERATION
+
+    assert MAX_ITERATION == 2**63 - 1
+    store = NodeStore(tmp_path, RUN, "n0")
+    save(tmp_path, Layout(TINY, Topology()), ["n0"], iteration=MAX_ITERATION)
+    assert store.iterations() == [MAX_ITERATION] and store.list().manifests[0].id.iteration == MAX_ITERATION
+    for bad in (2**63, -1):
+        with pytest.raises(ValueError, match=r"iteration must be an integer from 0 to MAX_ITERATION = 2\*\*63 - 1"):
+            CheckpointId(RUN, bad, 0)
+        with pytest.raises(ValueError, match="MAX_ITERATION"):
+            store.iteration_dir(bad)
+
+
+def test_rank_files_past_five_digits_are_listed(tmp_path):
+    store = NodeStore(tmp_path, RUN, "n0")
+    layout = Layout(TINY, Topology(dp=100_001))  # one shard coordinate: cheap
+    for rank in (0, 100_000):
+        data, manifest = build_rank_file(CheckpointId(RUN, 1, rank), layout, allocate_buffers(layout, rank), "n0")
+        write_rank_file(store.iteration_dir(1), data, manifest)
+    assert store.paths(manifest.id)[1].name == "rank_100000.json"
+    (store.iteration_dir(1) / "rank_000000.json").write_text(manifest.dumps())  # not a name a save writes
+    assert [m.id.rank for m in store.list().manifests] == [0, 100_000]

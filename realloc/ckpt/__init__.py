@@ -6,8 +6,8 @@ Pure Python and torch (no Ray): the Ray workers (``actors.ckpt_worker``) and the
 
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
-from realloc.ckpt.manifest import CheckpointId, Manifest, ShardRecord
+from realloc.ckpt.manifest import MAX_ITERATION, CheckpointId, Manifest, ShardRecord
 from realloc.ckpt.replication import cliques
 
-__all__ = ["Catalog", "CheckpointError", "CheckpointId", "CorruptFileError", "Manifest", "MissingShardsError",
-           "ShardRecord", "cliques"]
+__all__ = ["MAX_ITERATION", "Catalog", "CheckpointError", "CheckpointId", "CorruptFileError", "Manifest",
+           "MissingShardsError", "ShardRecord", "cliques"]

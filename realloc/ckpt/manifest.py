@@ -20,6 +20,9 @@ from realloc.topology import Topology
 
 FORMAT = "realloc-ckpt/1"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Largest iteration: what a signed 64-bit integer (JSON readers, safetensors metadata) can carry.
+MAX_ITERATION = 2**63 - 1
+_ITERATION_DIR = re.compile(r"^iter_([0-9]{8,19})$")
 
 ParamTable = dict[str, tuple[tuple[int, ...], str]]
 
@@ -32,8 +35,37 @@ def check_run_id(run_id: object) -> str:
 
 
 def check_iteration(iteration: object) -> int:
-    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-        raise ValueError(f"iteration must be a non-negative integer, got {iteration!r}")
+    """``iteration`` if it is an integer in ``0..MAX_ITERATION``, else ``ValueError``."""
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or not 0 <= iteration <= MAX_ITERATION:
+        raise ValueError(f"iteration must be an integer from 0 to MAX_ITERATION = 2**63 - 1 = {MAX_ITERATION}, "
+                         f"got {iteration!r}")
+    return iteration
+
+
+def iteration_dir_name(iteration: int) -> str:
+    """The directory name of ``iteration``: ``iter_`` and at least 8 digits.
+
+    Example:
+        >>> iteration_dir_name(12), iteration_dir_name(100_000_000)
+        ('iter_00000012', 'iter_100000000')
+    """
+    return f"iter_{check_iteration(iteration):08d}"
+
+
+def parse_iteration_dir(name: str) -> int | None:
+    """The iteration whose directory is named ``name``, or ``None`` if :func:`iteration_dir_name`
+    never writes that name (too few digits, extra leading zeros, beyond ``MAX_ITERATION``).
+
+    Example:
+        >>> parse_iteration_dir("iter_100000000"), parse_iteration_dir("iter_000000012")
+        (100000000, None)
+    """
+    match = _ITERATION_DIR.match(name)
+    if not match:
+        return None
+    iteration = int(match.group(1))
+    if iteration > MAX_ITERATION or iteration_dir_name(iteration) != name:
+        return None
     return iteration
 
 
@@ -59,7 +91,7 @@ class CheckpointId:
 
     @property
     def iteration_dir(self) -> str:
-        return f"iter_{self.iteration:08d}"
+        return iteration_dir_name(self.iteration)
 
     @property
     def stem(self) -> str:
