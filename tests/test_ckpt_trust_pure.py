@@ -110,7 +110,7 @@ def test_iterations_are_bounded_by_max_iteration(tmp_path):
     save(tmp_path, Layout(TINY, Topology()), ["n0"], iteration=MAX_ITERATION)
     assert store.iterations() == [MAX_ITERATION] and store.list().manifests[0].id.iteration == MAX_ITERATION
     for bad in (2**63, -1):
-        with pytest.raises(ValueError, match=r"iteration must be an integer from 0 to MAX_ITERATION = 2\*\*63 - 1"):
+        with pytest.raises(ValueError, match=r"non-negative integer no larger than MAX_ITERATION = 2\*\*63 - 1"):
             CheckpointId(RUN, bad, 0)
         with pytest.raises(ValueError, match="MAX_ITERATION"):
             store.iteration_dir(bad)

@@ -39,8 +39,8 @@ def check_run_id(run_id: object) -> str:
 def check_iteration(iteration: object) -> int:
     """``iteration`` if it is an integer in ``0..MAX_ITERATION``, else ``ValueError``."""
     if not isinstance(iteration, int) or isinstance(iteration, bool) or not 0 <= iteration <= MAX_ITERATION:
-        raise ValueError(f"iteration must be an integer from 0 to MAX_ITERATION = 2**63 - 1 = {MAX_ITERATION}, "
-                         f"got {iteration!r}")
+        raise ValueError(f"iteration must be a non-negative integer no larger than MAX_ITERATION = 2**63 - 1 = "
+                         f"{MAX_ITERATION}, got {iteration!r}")
     return iteration
 
 
