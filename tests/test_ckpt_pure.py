@@ -68,8 +68,8 @@ def file_offset(path: Path, tensor: str) -> int:
     return 8 + length + json.loads(raw[8:8 + length])[tensor]["data_offsets"][0]
 
 
-def catalog_of(root: Path, nodes, run_id: str = RUN) -> Catalog:
-    return Catalog(NodeStore(root, run_id, n).list() for n in sorted(set(nodes)))
+def catalog_of(root: Path, nodes, run_id: str = RUN, spec: ModelSpec = TINY) -> Catalog:
+    return Catalog((NodeStore(root, run_id, n).list() for n in sorted(set(nodes))), spec)
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_remove_iterations_keeps_the_saved_one_and_removes_a_failed_one(tmp_path
 
 @pytest.mark.parametrize("bad, match", [
     (dict(run_id="../x"), "run id"), (dict(run_id=""), "run id"), (dict(iteration=-1), "iteration"),
-    (dict(iteration=True), "iteration"), (dict(rank=-2), "rank"),
+    (dict(iteration=True), "iteration"), (dict(iteration=2**63), "iteration"), (dict(rank=-2), "rank"),
 ])
 def test_checkpoint_id_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -215,6 +215,9 @@ def test_latest_complete_skips_partial_iteration_and_uses_dp_twins(tmp_path):
 def test_catalog_rejects_a_model_with_other_parameters(tmp_path):
     layout = Layout(TINY, Topology(tp=2))
     save_everywhere(tmp_path, layout, Placement.blocks(2, 2))
+    catalog = catalog_of(tmp_path, ["node-0"], spec=ModelSpec.preset("llama-7b"))
+    assert catalog.latest_complete() is None and len(catalog.problems) == 2
+    assert all("parameters differ" in p for p in catalog.problems)
     with pytest.raises(ValueError, match="parameters differ"):
         catalog_of(tmp_path, ["node-0"]).latest_complete(ModelSpec.preset("llama-7b"))
 

@@ -4,10 +4,10 @@ Pure Python and torch (no Ray): the Ray workers (``actors.ckpt_worker``) and the
 (``actors.checkpoint``) call into these modules; tests run them in-process.
 """
 
-from realloc.ckpt.catalog import Catalog
+from realloc.ckpt.catalog import Candidate, Catalog
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
-from realloc.ckpt.manifest import CheckpointId, Manifest, ShardRecord
+from realloc.ckpt.manifest import MAX_ITERATION, CheckpointId, Manifest, ShardRecord
 from realloc.ckpt.replication import cliques
 
-__all__ = ["Catalog", "CheckpointError", "CheckpointId", "CorruptFileError", "Manifest", "MissingShardsError",
-           "ShardRecord", "cliques"]
+__all__ = ["MAX_ITERATION", "Candidate", "Catalog", "CheckpointError", "CheckpointId", "CorruptFileError", "Manifest",
+           "MissingShardsError", "ShardRecord", "cliques"]

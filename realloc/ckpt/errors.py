@@ -1,4 +1,8 @@
-"""Errors of the checkpoint layer (bad arguments are plain ``ValueError``s, raised before any I/O)."""
+"""Errors of the checkpoint layer (bad arguments are plain ``ValueError``s, raised before any I/O).
+
+Every error pickles with its message and attributes (Ray ships a worker's exception to the
+driver by pickling it; one that does not round-trip arrives as an ``UnserializableException``).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ class MissingShardsError(CheckpointError):
         super().__init__(message)
         self.missing = list(missing)
 
+    def __reduce__(self):
+        # Exception's default reduce calls ``cls(*self.args)``, which lacks ``missing``.
+        return type(self), (self.args[0], self.missing), dict(self.__dict__)
+
 
 class CorruptFileError(CheckpointError):
     """A checkpoint file does not match its recorded checksum, size or identity."""
@@ -21,3 +29,6 @@ class CorruptFileError(CheckpointError):
     def __init__(self, path: str, reason: str):
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = path, reason
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason), dict(self.__dict__)

@@ -16,11 +16,10 @@ from pathlib import Path
 
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.files import TEMP_PREFIX, rank_paths, read_manifest
-from realloc.ckpt.manifest import CheckpointId, Manifest, check_iteration, check_run_id
+from realloc.ckpt.manifest import CheckpointId, Manifest, check_run_id, iteration_dir_name, parse_iteration_dir
 
 ROOT_ENV = "REALLOC_CKPT_ROOT"
-_ITER = re.compile(r"^iter_(\d{8})$")
-_RANK = re.compile(r"^rank_(\d{5})\.json$")
+_RANK = re.compile(r"^rank_([0-9]{5,})\.json$")
 
 
 def default_root() -> Path:
@@ -60,7 +59,7 @@ class NodeStore:
         self.dir = self.root / run_id / node
 
     def iteration_dir(self, iteration: int) -> Path:
-        return self.dir / f"iter_{check_iteration(iteration):08d}"
+        return self.dir / iteration_dir_name(iteration)
 
     def paths(self, ckpt_id: CheckpointId) -> tuple[Path, Path]:
         if ckpt_id.run_id != self.run_id:
@@ -68,9 +67,10 @@ class NodeStore:
         return rank_paths(self.iteration_dir(ckpt_id.iteration), ckpt_id)
 
     def iterations(self) -> list[int]:
+        """Iterations with a directory here: every name :meth:`iteration_dir` writes, no other."""
         if not self.dir.is_dir():
             return []
-        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _ITER.match(p.name)) and p.is_dir())
+        return sorted(it for p in self.dir.iterdir() if (it := parse_iteration_dir(p.name)) is not None and p.is_dir())
 
     def list(self, iterations: "set[int] | None" = None) -> Listing:
         """Rank files whose manifest parses, names this run, iteration and rank, and whose tensors
@@ -80,10 +80,10 @@ class NodeStore:
             if iterations is not None and it not in iterations:
                 continue
             for meta in sorted(self.iteration_dir(it).iterdir()):
-                match = _RANK.match(meta.name)
-                if not match:
+                rank = _parse_rank_file(meta.name)
+                if rank is None:
                     continue
-                expect = CheckpointId(self.run_id, it, int(match.group(1)))
+                expect = CheckpointId(self.run_id, it, rank)
                 tensors, _ = self.paths(expect)
                 try:
                     manifest = read_manifest(meta, expect)
@@ -111,3 +111,12 @@ class NodeStore:
                 for stray in self.iteration_dir(it).glob(f"{TEMP_PREFIX}*"):
                     stray.unlink(missing_ok=True)
         return removed
+
+
+def _parse_rank_file(name: str) -> int | None:
+    """The rank whose manifest is named ``name`` (as :attr:`CheckpointId.stem` writes it), or None."""
+    match = _RANK.match(name)
+    if not match:
+        return None
+    rank = int(match.group(1))
+    return rank if f"{CheckpointId('r', 0, rank).stem}.json" == name else None

@@ -4,7 +4,8 @@ A rank file ``rank_<r>.safetensors`` holds the rank's flat per-dtype buffers (pa
 its manifest ``rank_<r>.json`` says whose they are (run id, iteration, rank), in which layout
 (topology, vocabulary padding, the spec's parameter table), where every shard sits in the buffers,
 and how to check the bytes: the file's sha256 and a crc32 per shard (so a resharding load that
-reads single shards verifies exactly what it reads).
+reads single shards verifies exactly what it reads). The shard table itself is trusted only as far
+as :meth:`Manifest.check_layout` confirms it: exactly what the recorded layout gives the rank.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from realloc.ckpt.errors import CorruptFileError
 from realloc.layout import Layout, Shard
 from realloc.spec import DTYPE_BYTES, ModelSpec, describe_difference
 from realloc.topology import Topology
 
 FORMAT = "realloc-ckpt/1"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Largest iteration: what a signed 64-bit integer (JSON readers, safetensors metadata) can carry.
+MAX_ITERATION = 2**63 - 1
+_ITERATION_DIR = re.compile(r"^iter_([0-9]{8,19})$")
 
 ParamTable = dict[str, tuple[tuple[int, ...], str]]
 
@@ -32,8 +37,37 @@ def check_run_id(run_id: object) -> str:
 
 
 def check_iteration(iteration: object) -> int:
-    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-        raise ValueError(f"iteration must be a non-negative integer, got {iteration!r}")
+    """``iteration`` if it is an integer in ``0..MAX_ITERATION``, else ``ValueError``."""
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or not 0 <= iteration <= MAX_ITERATION:
+        raise ValueError(f"iteration must be a non-negative integer no larger than MAX_ITERATION = 2**63 - 1 = "
+                         f"{MAX_ITERATION}, got {iteration!r}")
+    return iteration
+
+
+def iteration_dir_name(iteration: int) -> str:
+    """The directory name of ``iteration``: ``iter_`` and at least 8 digits.
+
+    Example:
+        >>> iteration_dir_name(12), iteration_dir_name(100_000_000)
+        ('iter_00000012', 'iter_100000000')
+    """
+    return f"iter_{check_iteration(iteration):08d}"
+
+
+def parse_iteration_dir(name: str) -> int | None:
+    """The iteration whose directory is named ``name``, or ``None`` if :func:`iteration_dir_name`
+    never writes that name (too few digits, extra leading zeros, beyond ``MAX_ITERATION``).
+
+    Example:
+        >>> parse_iteration_dir("iter_100000000"), parse_iteration_dir("iter_000000012")
+        (100000000, None)
+    """
+    match = _ITERATION_DIR.match(name)
+    if not match:
+        return None
+    iteration = int(match.group(1))
+    if iteration > MAX_ITERATION or iteration_dir_name(iteration) != name:
+        return None
     return iteration
 
 
@@ -59,7 +93,7 @@ class CheckpointId:
 
     @property
     def iteration_dir(self) -> str:
-        return f"iter_{self.iteration:08d}"
+        return iteration_dir_name(self.iteration)
 
     @property
     def stem(self) -> str:
@@ -90,6 +124,20 @@ class ShardRecord(Shard):
                            tuple(shard.local_shape), shard.dtype, shard.buffer_offset, crc32)
 
 
+_SHARD_FIELDS = ("param", "slot", "offsets", "sizes", "local_shape", "dtype", "buffer_offset")
+
+
+def _same(recorded: Any, wanted: Any) -> bool:
+    """Equal and of the same types all the way down (JSON's ``48.0`` or ``true`` is not ``48`` or ``1``)."""
+    if type(recorded) is not type(wanted):
+        return False
+    if isinstance(wanted, (tuple, list)):
+        return len(recorded) == len(wanted) and all(_same(a, b) for a, b in zip(recorded, wanted))
+    if isinstance(wanted, dict):
+        return recorded.keys() == wanted.keys() and all(_same(recorded[k], wanted[k]) for k in wanted)
+    return recorded == wanted
+
+
 def param_table(spec: ModelSpec) -> ParamTable:
     return {p.name: (tuple(p.shape), p.dtype) for p in spec.params}
 
@@ -115,6 +163,70 @@ class Manifest:
         """The saved layout, over ``spec`` (which must have this manifest's parameters)."""
         self.check_spec(spec)
         return Layout(spec, self.topology, self.vocab_pad_multiple)
+
+    def check_layout(self, spec: ModelSpec) -> Layout:
+        """The saved layout over ``spec``, after checking that this manifest is what a save of that
+        layout writes for its rank (so a shard table edited by hand cannot misplace rows).
+
+        ``ValueError`` (from :meth:`check_spec`) if ``spec`` is another model;
+        :class:`CorruptFileError` naming the first field that differs otherwise: world size or rank
+        against the topology, a topology the model cannot take, the buffer sizes, or any field of
+        a shard record but its crc32 (which only the file's bytes can confirm).
+
+        Example:
+            >>> import dataclasses
+            >>> from realloc.ckpt.files import build_rank_file
+            >>> from realloc.shards import allocate_buffers
+            >>> spec = ModelSpec.preset("tiny")
+            >>> lay = Layout(spec, Topology(tp=2))
+            >>> man = build_rank_file(CheckpointId("r", 1, 0), lay, allocate_buffers(lay, 0), "n0")[1]
+            >>> man.check_layout(spec).topology
+            Topology(dp=1, tp=2, pp=1, layer_split=None)
+            >>> bad = dataclasses.replace(man, buffers={"bfloat16": 1})
+            >>> bad.check_layout(spec)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            realloc.ckpt.errors.CorruptFileError: r/iter_1/rank_0: buffers: recorded {'bfloat16': 1}, layout says ...
+        """
+        self.check_spec(spec)
+        self._check_world()
+        try:
+            layout = Layout(spec, self.topology, self.vocab_pad_multiple)
+        except ValueError as exc:
+            raise CorruptFileError(str(self.id), f"model {spec.name!r} cannot be laid out in the recorded "
+                                                 f"topology {self.topology}: {exc}") from exc
+        self.check_records(layout)
+        return layout
+
+    def check_records(self, layout: Layout) -> None:
+        """:meth:`check_layout` but for the model, with the saved layout already built (callers
+        checking many manifests of one save build it once and call :meth:`check_spec` themselves);
+        ``ValueError`` if ``layout`` is not the saved one."""
+        if not self.same_layout(layout):
+            raise ValueError(f"layout {layout.topology} (vocab_pad_multiple={layout.vocab_pad_multiple}) is not "
+                             f"the saved {self.topology} (vocab_pad_multiple={self.vocab_pad_multiple}) of {self.id}")
+        self._check_world()
+        rank = self.id.rank
+        expected = layout.buffer_numels(rank)
+        if not _same(self.buffers, expected):
+            self._corrupt(f"buffers: recorded {self.buffers}, layout says {expected}")
+        shards = layout.shards(rank)
+        if len(self.shards) != len(shards):
+            self._corrupt(f"{len(self.shards)} shard records, layout says {len(shards)}")
+        for i, (record, shard) in enumerate(zip(self.shards, shards)):
+            for name in _SHARD_FIELDS:
+                recorded, wanted = getattr(record, name), getattr(shard, name)
+                if not _same(recorded, wanted):
+                    self._corrupt(f"shard record {i} ({shard.slot}) field {name}: recorded {recorded!r}, "
+                                  f"layout says {wanted!r}")
+
+    def _check_world(self) -> None:
+        if self.world_size != self.topology.world_size or not 0 <= self.id.rank < self.topology.world_size:
+            self._corrupt(f"world size {self.world_size} and rank {self.id.rank}: recorded, topology {self.topology} "
+                          f"says world size {self.topology.world_size}")
+
+    def _corrupt(self, reason: str) -> None:
+        raise CorruptFileError(str(self.id), reason)
 
     def same_layout(self, layout: Layout) -> bool:
         return layout.topology == self.topology and layout.vocab_pad_multiple == self.vocab_pad_multiple
