@@ -262,7 +262,7 @@ class CheckpointManager:
     def catalog(self, iterations: list[int] | None = None) -> Catalog:
         """Usable rank files of this run on the nodes that host live workers (one listing per node)."""
         listings = self._on_nodes("ckpt_list", "list checkpoints", iterations=iterations)
-        return Catalog(listings)
+        return Catalog(listings, self.group.spec)
 
     def find_latest(self) -> int | None:
         """The newest iteration whose stored shards all have a usable copy on a live node, or None.
@@ -313,32 +313,34 @@ class CheckpointManager:
                 f"iteration {iteration} of run {self.run_id} cannot be loaded: {len(missing)} stored shards have no "
                 f"usable copy on the live nodes {nodes}, e.g. {missing[:3]} (unusable files: {catalog.problems[:3]})",
                 missing)
-        manifests, copies = catalog.manifests(iteration), catalog.copies(iteration)
         scanned = time.perf_counter()
-        target = g.layout
-        reference = manifests[min(manifests)]
-        reference.check_spec(g.spec)
-        if reference.same_layout(target) and len(manifests) == g.num_workers:
-            stats = self._restore(iteration, manifests, copies)
+        reference = catalog.any_manifest(iteration)
+        if reference.layout(g.spec) == g.layout and len(catalog.usable(iteration)) == g.num_workers:
+            stats = self._restore(iteration, catalog)
         else:
-            stats = self._reshard(iteration, manifests, copies, set(), [])
+            stats = self._reshard(iteration, catalog, set(), [])
         stats.scan_seconds = scanned - started
         stats.total_seconds = time.perf_counter() - started
         return stats
 
-    def _restore(self, iteration: int, manifests: dict[int, Manifest], copies: dict[int, set[str]]) -> LoadStats:
+    def _restore(self, iteration: int, catalog: Catalog) -> LoadStats:
+        """Each rank gets its own file. Per rank, copies are tried in the catalog's order of
+        candidates; a copy whose bytes fail its own checksums is excluded and the next round
+        re-plans without it (a disagreeing manifest never outvotes an intact copy)."""
         g = self.group
-        file_bytes = {r: m.file_bytes for r, m in manifests.items()}
         excluded: set[tuple[str, int]] = set()
         corrupt: list[str] = []
         read_bytes, read_seconds, plan_seconds = 0, 0.0, 0.0
         for _ in range(MAX_READ_ROUNDS):
-            usable = {r: {n for n in nodes if (n, r) not in excluded} for r, nodes in copies.items()}
-            if any(not nodes for nodes in usable.values()):
+            usable = catalog.usable(iteration, excluded)
+            if len(usable) < g.num_workers:
                 # A rank lost every copy: its shards may survive in a dp twin's file.
-                return self._reshard(iteration, manifests, copies, excluded, corrupt)
+                return self._reshard(iteration, catalog, excluded, corrupt)
+            manifests = {r: c.manifest for r, c in usable.items()}
+            file_bytes = {r: m.file_bytes for r, m in manifests.items()}
             t0 = time.perf_counter()
-            holdings, needs = retrieval_groups(usable, file_bytes, g.placement, range(g.num_workers))
+            holdings, needs = retrieval_groups({r: c.nodes for r, c in usable.items()}, file_bytes, g.placement,
+                                               range(g.num_workers))
             plan = self._plan(holdings, needs, file_table(file_bytes))
             t1 = time.perf_counter()
             reads = files_read_by(plan)
@@ -353,6 +355,7 @@ class CheckpointManager:
                    for r, reason in res["bad"].items()]
             if not bad:
                 break
+            fire(g.workers, "ckpt_forget")  # the next round reads other copies, maybe of other candidates
             excluded |= {(n, r) for n, r, _ in bad}
             corrupt += [f"{n}: rank {r} file: {reason}" for n, r, reason in bad]
         else:
@@ -365,15 +368,22 @@ class CheckpointManager:
                                 plan_seconds, corrupt, max((sum(file_bytes[r] for r in rs) for rs in reads.values()),
                                                            default=0))
 
-    def _reshard(self, iteration: int, manifests: dict[int, Manifest], copies: dict[int, set[str]],
-                 excluded: set[tuple[str, int]], corrupt: list[str]) -> LoadStats:
+    def _reshard(self, iteration: int, catalog: Catalog, excluded: set[tuple[str, int]],
+                 corrupt: list[str]) -> LoadStats:
+        """Each stored box is read once (crc-checked) by a balanced reader, then planned into the
+        current layout. Every candidate of a rank stores the same boxes (the catalog checked each
+        manifest against its layout), so boxes already read stay valid when a copy is excluded."""
         g = self.group
-        read_bytes, read_seconds = 0, 0.0
-        stored = {r: m.shards for r, m in manifests.items()}
-        t0 = time.perf_counter()
-        assignment = assign_readers(stored, copies, g.placement, exclude=excluded)
-        plan_seconds = time.perf_counter() - t0
+        read_bytes, read_seconds, plan_seconds = 0, 0.0, 0.0
+        keep: list = []
         for _ in range(MAX_READ_ROUNDS):
+            t0 = time.perf_counter()
+            usable = catalog.usable(iteration, excluded)
+            manifests = {r: c.manifest for r, c in usable.items()}
+            assignment = assign_readers({r: m.shards for r, m in manifests.items()},
+                                        {r: c.nodes for r, c in usable.items()}, g.placement, exclude=excluded,
+                                        keep=keep)
+            plan_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             workers = sorted(w for w, ts in assignment.tasks.items() if ts)
             results = self._get([g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id,
@@ -388,7 +398,6 @@ class CheckpointManager:
             excluded |= {(t.node, t.rank) for t in bad}
             failed = set(bad)
             keep = [t for t in assignment.all() if t not in failed]
-            assignment = assign_readers(stored, copies, g.placement, exclude=excluded, keep=keep)
         else:
             raise CheckpointError(f"load of iteration {iteration}: still finding corrupt copies after "
                                   f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}")

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.manifest import FORMAT, CheckpointId, Manifest, ShardRecord
 from realloc.layout import Layout
+from realloc.topology import Topology
 from realloc.shards import TORCH_DTYPES
 
 TEMP_PREFIX = ".tmp-"
@@ -99,11 +100,18 @@ def build_rank_file(ckpt_id: CheckpointId, layout: Layout, buffers: Mapping[str,
     data = safetensors.torch.save({tensor_name(d): t for d, t in cpu.items()}, metadata=metadata)
     spec = layout.spec
     manifest = Manifest(
-        id=ckpt_id, world_size=layout.topology.world_size, topology=layout.topology,
+        id=ckpt_id, world_size=layout.topology.world_size, topology=saved_topology(layout),
         vocab_pad_multiple=layout.vocab_pad_multiple, spec_name=spec.name,
         params={p.name: (tuple(p.shape), p.dtype) for p in spec.params}, buffers=expected,
         shards=tuple(records), file_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), written_on=node)
     return data, manifest
+
+
+def saved_topology(layout: Layout) -> Topology:
+    """The topology a manifest records: the layers of every stage spelled out, so the saved layout
+    never depends on which rule computed the split (rules and defaults may change; files stay)."""
+    t = layout.topology
+    return Topology(t.dp, t.tp, t.pp, layer_split=layout.layer_counts if t.pp > 1 else None)
 
 
 def rank_paths(directory: Path, ckpt_id: CheckpointId) -> tuple[Path, Path]:
