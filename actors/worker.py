@@ -289,8 +289,8 @@ class ShardWorker(CheckpointMixin):
                    tags: dict) -> dict:
         """Run phase ``phase`` of ``plan`` (0: local copies and routes from holders, 1: fan-out)."""
         self.counters["execute"] += 1
-        op = self._current_op(op_id)
         self._check_world(world_id)
+        op = self._current_op(op_id)
         started = time.perf_counter()
         metrics.in_flight(tags, +1)
         try:

@@ -117,6 +117,21 @@ def test_metrics_reach_the_export_port(head):
         assert ranks <= {"0", "1", "2", "3"} and ranks
         assert "ray_realloc_seconds_bucket" in text and 'model="watched"' in text
         assert "ray_realloc_in_flight" in text
+        # Phases are labelled; the bandwidth is per operation, not the last (empty) phase's zero.
+        assert re.search(r'ray_realloc_seconds_count\{[^}]*phase="1"', text), text[-2000:]
+        receivers = {re.search(r'rank="(\d+)"', m.group("tags")).group(1) for m in samples
+                     if 'kind="intra"' in m.group("tags") or 'kind="inter"' in m.group("tags")}
+        gauge = re.compile(r'^ray_realloc_bandwidth_gbps\{(?P<tags>[^}]*)\} (?P<value>[0-9.e+-]+)$', re.M)
+        bandwidth = {re.search(r'rank="(\d+)"', m.group("tags")).group(1): float(m.group("value"))
+                     for m in gauge.finditer(text) if 'model="watched"' in m.group("tags")}
+        assert receivers and all(bandwidth.get(r, 0) > 0 for r in receivers), (receivers, bandwidth)
+        # The pause the caller saw, recorded on the driver.
+        pause = re.compile(r'^ray_realloc_pause_seconds_count\{(?=[^}]*model="watched")(?=[^}]*op="reallocate")', re.M)
+        deadline = time.monotonic() + 60
+        while not pause.search(text) and time.monotonic() < deadline:
+            time.sleep(2)
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert pause.search(text), [line for line in text.splitlines() if "pause" in line][:5]
     finally:
         group.shutdown()
         ray.shutdown()
