@@ -21,6 +21,20 @@ def host_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
+#: NCCL error handling for the transport's process groups. torch's default (3, SkipCleanUp) tears
+#: the process down when a collective times out: every survivor of a failed peer would die and
+#: lose its weights. 2 (CleanUpOnly) aborts the communicator and raises instead, and blocking wait
+#: makes ``work.wait()`` raise on the timeout, so the protocol can roll the survivors back. (Ray
+#: Train sets 1, TearDown, because it restarts the whole worker group from a checkpoint anyway.)
+#: Values from ``ErrorHandlingMode`` in torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp.
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def process_group_environment(backend: str) -> dict[str, str]:
+    """Environment variables the transport sets (unless the user did) before creating a group."""
+    return dict(NCCL_ENVIRONMENT) if backend == "nccl" else {}
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -42,6 +56,8 @@ class Transport:
         ifname = _interface_of(ray_node_ip())
         if ifname:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        for key, value in process_group_environment(self.backend).items():
+            os.environ.setdefault(key, value)
         kwargs = {"device_id": device} if self.backend == "nccl" else {}
         dist.init_process_group(backend=self.backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout, **kwargs)

@@ -168,3 +168,4 @@ def test_buckets_fill_a_bucket_before_opening_the_next():
     # 'a' takes 12 bytes; 'b' starts at the aligned offset 16, leaving room for 3 rows of 16 bytes
     assert [(p.param, p.offset, p.sizes) for p in out[0]] == [("a", 0, (3,)), ("b", 16, (3, 4))]
     assert all(bucket_nbytes(b) <= 64 for b in out)
+

@@ -1,0 +1,91 @@
+"""The structure behind the trust guarantees, checked without Ray: the layout value, plan
+validation, picklable errors, result detaching, NCCL error handling."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from actors.errors import GroupBusyError, ReallocationError, StaleOperationError
+from actors.transport import process_group_environment
+from actors.worker import detach_result
+from realloc import Layout, ModelSpec, Placement, Topology, plan_reallocation
+from realloc.plan import Plan, Route
+
+TINY = ModelSpec.preset("tiny")
+
+
+def test_a_layout_is_one_value_with_its_padding():
+    a = Layout(TINY, Topology(dp=2, pp=2), 64)
+    assert a == Layout(TINY, Topology(dp=2, pp=2), 64) and hash(a) == hash(Layout(TINY, Topology(dp=2, pp=2), 64))
+    assert a != Layout(TINY, Topology(dp=2, pp=2))  # the padding is part of the value
+    assert a == Layout(TINY, Topology(dp=2, pp=2, layer_split=a.layer_counts), 64)  # same effect, same value
+    assert a.with_topology(Topology(dp=4)).vocab_pad_multiple == 64
+    copy = pickle.loads(pickle.dumps(a.at(3)))
+    assert copy.layout == a and copy.shards() == a.shards(3)
+    assert "vocab pad 64" in str(a)
+
+
+def test_layout_pickles_without_its_shard_tables():
+    big = Layout(ModelSpec.preset("llama-70b"), Topology(dp=32, tp=8, pp=8))
+    big.shards(0)  # fills the cache
+    assert len(pickle.dumps(big)) < 200_000
+
+
+@pytest.mark.parametrize("error", [
+    ReallocationError("boom", ["a"], ["b"], "dp=2,tp=1,pp=1"), GroupBusyError("busy"), StaleOperationError("old")])
+def test_errors_of_the_ray_layer_pickle(error):
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error) and type(copy) is type(error)
+    if isinstance(error, ReallocationError):
+        assert (copy.dead, copy.unresponsive, copy.layout) == (error.dead, error.unresponsive, error.layout)
+
+
+def plan_json() -> dict:
+    return plan_reallocation(TINY, Topology(tp=2), Topology(dp=2), Placement.blocks(2, 1)).to_json()
+
+
+def test_plan_steps_are_named_routes():
+    plan = Plan.from_json(plan_json())
+    assert all(isinstance(r, Route) for step in plan.steps for r in step)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["steps"].append([[0, 1, 0], [0, 1, 0]]), r"worker\(s\) \[0\] send more than once"),
+    (lambda d: d["steps"].append([[0, 1, 0], [1, 1, 0]]), r"worker\(s\) \[1\] receive more than once"),
+    (lambda d: d["segments"][0].__setitem__(3, "float8"), r"has dtype 'float8', not one of"),
+    (lambda d: d["segments"][0].__setitem__(2, [0, 4]), r"has an invalid box"),
+    (lambda d: d["steps"].append([[-1, 1, 0]]), r"names worker\(s\) \['-1'\] that do not exist"),
+    (lambda d: d["steps"].append([[0, 1, 99]]), r"names a segment list that does not exist"),
+    (lambda d: d.__setitem__("forward_from", 99), r"forward_from 99 is outside"),
+    (lambda d: d.__setitem__("bucket_bytes", 3), r"bucket_bytes must be an integer of at least 16"),
+])
+def test_malformed_plans_are_refused(edit, message):
+    data = plan_json()
+    edit(data)
+    with pytest.raises(ValueError, match=message):
+        Plan.from_json(data)
+
+
+def test_plans_naming_workers_beyond_the_group_are_refused():
+    plan = plan_reallocation(TINY, Topology(tp=2), Topology(dp=2), Placement.blocks(4, 2))
+    plan.validate(2)
+    plan.steps.append([Route(0, 3, 0)])
+    with pytest.raises(ValueError, match=r"worker\(s\) \['3'\] that do not exist .*below 2"):
+        plan.validate(2)
+
+
+def test_returned_views_carry_only_their_own_bytes():
+    flat = torch.arange(1000.0)
+    out = detach_result({"a": [flat[:10], flat[10:20]], "b": (flat[5:7],), "c": 3, "d": torch.ones(4)})
+    assert all(t.untyped_storage().nbytes() == t.numel() * 4 for t in out["a"] + list(out["b"]))
+    assert torch.equal(out["a"][1], flat[10:20]) and out["c"] == 3
+
+
+def test_nccl_timeouts_raise_instead_of_killing_the_survivors():
+    # torch's default (SkipCleanUp) would tear every survivor of a failed peer down.
+    assert process_group_environment("nccl")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert process_group_environment("nccl")["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert process_group_environment("gloo") == {}
