@@ -303,6 +303,7 @@ class ShardWorker(CheckpointMixin):
         op.seconds += seconds
         op.tags = tags
         metrics.record_phase(tags, phase, result["bytes"], seconds)
+        log.debug("%s op %s phase %d: %s in %.3fs", self.group, op_id, phase, result["bytes"], seconds)
         result["seconds"] = seconds
         return result
 

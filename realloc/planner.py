@@ -32,6 +32,7 @@ Algorithm (docs/architecture.md has the why and the measurements):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from realloc.layout import Group, Layout
 from realloc.placement import Placement
 from realloc.plan import Plan, Route, Segment, buckets
 from realloc.spec import DTYPE_BYTES, ModelSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 LSA_MAX_ROWS = 512
@@ -101,6 +104,9 @@ def plan_exchange(
     plan = planner.build(bucket_bytes)
     plan.stats["lower_bound_inter_node_bytes"] = lower_bound_parts
     plan.plan_seconds = time.perf_counter() - started
+    log.debug("planned %d routes in %d steps: %d B inter-node (bound %d), %d B intra-node, %d B local, %.3fs",
+              plan.stats["num_routes"], plan.stats["num_steps"], plan.stats["bytes_inter_node"], lower_bound_parts,
+              plan.stats["bytes_intra_node"], plan.stats["bytes_local_copy"], plan.plan_seconds)
     return plan
 
 
