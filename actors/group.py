@@ -36,6 +36,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors import metrics
+from actors.checkpoint import CheckpointManager
 from actors.config import GroupConfig
 from actors.errors import GroupBusyError, ReallocationError
 from actors.protocol import Operation
@@ -441,8 +442,6 @@ class ModelGroup:
             >>> ckpt = group.checkpoint_manager(factor=2)  # doctest: +SKIP
             >>> ckpt.save(100).wait(); ckpt.load()         # doctest: +SKIP
         """
-        from actors.checkpoint import CheckpointManager
-
         return CheckpointManager(self, root=root, run_id=run_id, jump=jump, factor=factor, timeout_s=timeout_s)
 
     # -- failures ------------------------------------------------------------------------

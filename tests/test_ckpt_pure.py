@@ -23,10 +23,12 @@ from realloc.ckpt.local_store import NodeStore
 from realloc.ckpt.manifest import CheckpointId, Manifest, ShardRecord, param_table
 from realloc.ckpt.replication import (cliques, file_table, files_read_by, replication_groups,
                                       retrieval_groups)
-from realloc.ckpt.reshard import assign_readers, box_of_local, boxes_store, reshard_groups, stored_units
+from realloc.ckpt.reshard import assign_readers, box_of_local, reshard_groups, stored_units
 from realloc.local_executor import execute_in_process
 from realloc.shards import ShardStore, allocate_buffers
 from realloc.spec import DTYPE_BYTES
+
+from ckpt_helpers import reader_stores
 from realloc.synthetic import synthetic_box, synthetic_state_dict
 
 TINY = ModelSpec.preset("tiny")
@@ -302,17 +304,6 @@ def test_retrieval_names_ranks_without_copies():
 # -- resharding -------------------------------------------------------------------------------
 
 
-def reader_stores(root: Path, assignment, manifests) -> dict[int, ShardStore]:
-    stores = {}
-    for worker, tasks in assignment.tasks.items():
-        boxes = {}
-        for t in tasks:
-            path = NodeStore(root, RUN, t.node).paths(manifests[t.rank].id)[0]
-            boxes[t.key] = box_of_local(read_shard(path, manifests[t.rank], t.record), t.record)
-        stores[worker] = boxes_store(boxes)
-    return stores
-
-
 @pytest.mark.parametrize("src, dst", [
     (Topology(dp=2, tp=2, pp=2), Topology(dp=1, tp=4, pp=2)),
     (Topology(dp=2, tp=2, pp=2), Topology(dp=8)),
@@ -333,7 +324,7 @@ def test_reshard_load_reads_each_stored_box_once_and_is_bit_exact(tmp_path, src,
     assert max(loads.values()) <= sum(sizes) / 8 + max(sizes)  # list-scheduling bound
     holdings, needs = reshard_groups(assignment, b)
     plan = plan_exchange(holdings, needs, placement, param_table(TINY))
-    src_stores = reader_stores(tmp_path, assignment, manifests)
+    src_stores = reader_stores(tmp_path, RUN, assignment, manifests)
     dst_stores = {r: ShardStore(b.shards(r), allocate_buffers(b, r)) for r in range(8)}
     execute_in_process(plan, src_stores, dst_stores)
     for r in range(8):

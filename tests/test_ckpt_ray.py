@@ -25,6 +25,7 @@ from realloc import ModelSpec, Placement, Topology  # noqa: E402
 from realloc.ckpt.errors import CheckpointError, MissingShardsError  # noqa: E402
 from realloc.ckpt.hf import INDEX_FILE, scan_hf_dir  # noqa: E402
 from realloc.synthetic import synthetic_state_dict  # noqa: E402
+from simulated import simulated_cluster  # noqa: E402
 
 SPEC = ModelSpec.preset("tiny")
 TRAIN = Topology(dp=2, tp=2, pp=2)
@@ -34,16 +35,8 @@ GROUP = "ckpt-test"
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=4) for _ in range(3)]
-    ray.init(address=c.address)
-    yield SimpleNamespace(cluster=c, nodes=nodes)
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(nodes=3, cpus_per_node=4) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

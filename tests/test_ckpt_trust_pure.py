@@ -14,13 +14,15 @@ import torch
 from realloc import Layout, ModelSpec, Placement, Topology, plan_exchange
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
-from realloc.ckpt.files import build_rank_file, buffers_from_bytes, read_shard, read_verified, write_rank_file
+from realloc.ckpt.files import build_rank_file, buffers_from_bytes, read_verified, write_rank_file
 from realloc.ckpt.local_store import NodeStore
 from realloc.ckpt.manifest import CheckpointId, Manifest, param_table
-from realloc.ckpt.reshard import assign_readers, box_of_local, boxes_store, reshard_groups
+from realloc.ckpt.reshard import assign_readers, reshard_groups
 from realloc.local_executor import execute_in_process
 from realloc.shards import ShardStore, allocate_buffers
 from realloc.synthetic import synthetic_box
+
+from ckpt_helpers import reader_stores
 
 TINY = ModelSpec.preset("tiny")
 RUN = "run-t"
@@ -216,13 +218,7 @@ def test_a_shifted_box_no_longer_gives_a_resharding_load_wrong_rows(tmp_path):
 def assert_reshard_is_exact(root: Path, catalog: Catalog, target: Layout, placement: Placement) -> None:
     manifests = catalog.manifests(1)
     assignment = assign_readers({r: m.shards for r, m in manifests.items()}, catalog.copies(1), placement)
-    stores = {}
-    for worker, tasks in assignment.tasks.items():
-        boxes = {}
-        for t in tasks:
-            path = NodeStore(root, RUN, t.node).paths(manifests[t.rank].id)[0]
-            boxes[t.key] = box_of_local(read_shard(path, manifests[t.rank], t.record), t.record)
-        stores[worker] = boxes_store(boxes)
+    stores = reader_stores(root, RUN, assignment, manifests)
     holdings, needs = reshard_groups(assignment, target)
     plan = plan_exchange(holdings, needs, placement, param_table(TINY))
     world = target.topology.world_size

@@ -8,11 +8,12 @@ import time
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from actors import ModelGroup, ReallocationError
 from realloc import ModelSpec, Topology
 from realloc.synthetic import synthetic_state_dict
+
+from simulated import simulated_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +22,8 @@ NODES, CPUS_PER_NODE = 3, 6
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=CPUS_PER_NODE) for _ in range(NODES)]
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(NODES, CPUS_PER_NODE) as c:
+        yield c.cluster, c.nodes
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,18 @@ import signal
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from actors import ModelGroup, ReallocationError
 from actors.errors import StaleOperationError
 from realloc import ModelSpec, Topology
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
 from realloc.synthetic import synthetic_state_dict
+
+from simulated import simulated_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +36,8 @@ TINY = ModelSpec.preset("tiny")  # 4 layers, 12 heads, 2 kv heads, tied embeddin
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=2) for _ in range(4)]
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield SimpleNamespace(cluster=c, nodes=nodes)
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(nodes=4, cpus_per_node=2) as c:
+        yield c
 
 
 def make(name: str, topology: str, seed: int | None = 1, **kwargs) -> ModelGroup:
