@@ -135,8 +135,9 @@ class CheckpointManager:
         if root is not None and (not str(root).strip() or not Path(root).is_absolute()):
             raise ValueError(f"root must be an absolute directory path (each worker resolves it on its own node), "
                              f"got {str(root)!r}")
-        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not 0 < timeout_s < float("inf")):
+            raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
         self.group = group
         self.root = Path(root) if root is not None else default_root()
         self.run_id = check_run_id(run_id) if run_id is not None else uuid.uuid4().hex[:12]
@@ -453,6 +454,8 @@ class CheckpointManager:
         """
         if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+        if not isinstance(path, (str, Path)):
+            raise ValueError(f"HF export directory must be a path, got {type(path).__name__}")
         self._finish_pending()
         return save_hf_dir(export_state(self.group.state_dict(), self.group.spec), path, max_shard_bytes)
 

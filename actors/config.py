@@ -56,6 +56,9 @@ class GroupConfig:
             raise ValueError(f"placement strategy {self.strategy!r} is not one of {STRATEGIES}")
         if not _number(self.cpus_per_worker) or not math.isfinite(self.cpus_per_worker) or self.cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker must be a finite number >= 0, got {self.cpus_per_worker!r}")
+        if self.cpus_per_worker == 0 and not self.use_gpu:
+            raise ValueError(f"cpus_per_worker must be > 0 unless use_gpu=True (a worker's placement bundle needs "
+                             f"some resource), got {self.cpus_per_worker!r}")
         if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) \
                 or self.bucket_bytes < MIN_BUCKET_BYTES:
             raise ValueError(f"bucket_bytes must be an integer of at least {MIN_BUCKET_BYTES}, got {self.bucket_bytes!r}")

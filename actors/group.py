@@ -265,22 +265,23 @@ class ModelGroup:
         out = {}
         for p in spec.params:
             alias = spec.tied_head_of(p.name)
-            key = p.name if p.name in state else alias if alias in state else None
-            if key is None:
+            keys = [k for k in (p.name, alias) if k is not None and k in state]  # both checked when both given
+            if not keys:
                 raise ValueError(f"state dict lacks parameter {p.name!r}")
-            tensor = state[key]
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"parameter {key!r} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.device.type == "meta":
-                raise ValueError(f"parameter {key!r} is a meta tensor (no data); materialise it first")
-            if not tensor.is_floating_point():
-                raise ValueError(f"parameter {key!r} has dtype {tensor.dtype}; expected a floating-point tensor "
-                                 f"(the model holds {p.dtype})")
-            if tuple(tensor.shape) != tuple(p.shape):
-                raise ValueError(f"parameter {key!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-            if alias in state and p.name in state and not torch.equal(state[alias].cpu(), state[p.name].cpu()):
+            for key in keys:
+                tensor = state[key]
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"parameter {key!r} must be a torch.Tensor, got {type(tensor).__name__}")
+                if tensor.device.type == "meta":
+                    raise ValueError(f"parameter {key!r} is a meta tensor (no data); materialise it first")
+                if not tensor.is_floating_point():
+                    raise ValueError(f"parameter {key!r} has dtype {tensor.dtype}; expected a floating-point tensor "
+                                     f"(the model holds {p.dtype})")
+                if tuple(tensor.shape) != tuple(p.shape):
+                    raise ValueError(f"parameter {key!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            if len(keys) == 2 and not torch.equal(state[alias].cpu(), state[p.name].cpu()):
                 raise ValueError(f"tied parameters {p.name!r} and {alias!r} are both given and differ")
-            out[p.name] = tensor.detach().to("cpu", TORCH_DTYPES[p.dtype]).contiguous()
+            out[p.name] = state[keys[0]].detach().to("cpu", TORCH_DTYPES[p.dtype]).contiguous()
         return out
 
     def _fill(self, what: str, how: str, *args: Any) -> None:

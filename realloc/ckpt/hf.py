@@ -49,6 +49,8 @@ def scan_hf_dir(path: "str | Path") -> dict[str, HFTensor]:
         >>> scan_hf_dir(d)["w"]
         HFTensor(file='model.safetensors', shape=(2, 3), dtype='float32')
     """
+    if not isinstance(path, (str, Path)):
+        raise ValueError(f"HF checkpoint directory must be a path, got {type(path).__name__}")
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"HF checkpoint directory {str(root)!r} does not exist")
