@@ -139,6 +139,9 @@ class ModelGroup:
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"spec must be a realloc.ModelSpec (e.g. ModelSpec.preset('tiny')), "
                              f"got {type(spec).__name__} {spec!r}"[:200])
+        if isinstance(topology, Layout) and vocab_pad_multiple != 1 and vocab_pad_multiple != topology.vocab_pad_multiple:
+            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple!r} contradicts the layout's own padding "
+                             f"({topology.vocab_pad_multiple}); a Layout carries its padding, give one or the other")
         layout = _as_layout(spec, topology, vocab_pad_multiple)
         if config is not None and settings:
             raise ValueError(f"give either config= or settings, not both (got {sorted(settings)})")

@@ -146,7 +146,9 @@ class Topology:
         Optional parts: ``pp_split=NAME`` (a rule of :data:`PP_SPLIT_RULES`) and
         ``layer_split=A/B/...`` (layers per stage). ``Topology.parse(str(t)) == t`` for every ``t``.
         """
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise ValueError(f"a topology string looks like 'dp=2,tp=4,pp=2', got {type(text).__name__} {text!r}")
+        if not text.strip():
             raise ValueError("topology string is empty; expected e.g. 'dp=2,tp=4,pp=2'")
         fields: dict[str, object] = {}
         for part in text.split(","):

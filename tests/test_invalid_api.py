@@ -176,6 +176,9 @@ case(C, "topology empty part", create(topology="dp=2,,tp=2"), r"bad topology par
 case(C, "topology unknown dim", create(topology="tp=2,ep=2"), r"bad topology part 'ep=2'")
 case(C, "tp the model cannot take", create(topology=Topology(tp=3)), r"tp=3 does not fit tiny")
 case(C, "pp beyond the layers", create(topology=Topology(pp=5)), r"pp=5 is larger than the 4 layers of tiny")
+case(C, "a Layout and another padding", create(topology=Layout(TINY, Topology(dp=2, tp=2), 64), vocab_pad_multiple=8),
+     r"vocab_pad_multiple=8 contradicts the layout's own padding \(64\)")
+case(C, "topology string of the wrong type", lambda e: Topology.parse(5), r"a topology string looks like .*got int 5")
 case(C, "layer_split not summing", create(topology=Topology(pp=2, layer_split=(1, 2))),
      r"layer_split \(1, 2\) sums to 3 but tiny has 4 layers")
 case(C, "layout of another model", create(topology=Layout(MINI, Topology())),

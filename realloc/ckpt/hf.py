@@ -53,7 +53,8 @@ def scan_hf_dir(path: "str | Path") -> dict[str, HFTensor]:
         raise ValueError(f"HF checkpoint directory must be a path, got {type(path).__name__}")
     root = Path(path)
     if not root.is_dir():
-        raise ValueError(f"HF checkpoint directory {str(root)!r} does not exist")
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise ValueError(f"HF checkpoint directory {str(root)!r} {what}")
     index = root / INDEX_FILE
     if index.exists():
         try:
