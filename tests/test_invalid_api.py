@@ -402,7 +402,7 @@ case(H, "export_hf path 3", lambda e: e.ckpt.export_hf(3, max_shard_bytes=1 << 2
 case(H, "import_hf of a missing directory", lambda e: e.ckpt.import_hf(str(e.tmp / "nope")),
      r"HF checkpoint directory '.*/nope' does not exist")
 case(H, "import_hf of a file", lambda e: e.ckpt.import_hf(str(e.mini_hf / "model.safetensors")),
-     r"HF checkpoint directory '.*model\.safetensors' does not exist")
+     r"HF checkpoint directory '.*model\.safetensors' is not a directory")
 case(H, "import_hf without safetensors", lambda e: e.ckpt.import_hf(e.empty),
      r"'.*/empty' has neither model\.safetensors nor model\.safetensors\.index\.json")
 case(H, "import_hf of another model", lambda e: e.ckpt.import_hf(e.mini_hf),
