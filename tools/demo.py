@@ -96,11 +96,12 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": spec.name, "workers": workers, "transitions": rows, "total_seconds": total}))
         return 0
-    header = f"{'transition':<36} {'intra MB':>9} {'inter MB':>9} {'local MB':>9} {'seconds':>8} {'GB/s':>6}  verified"
+    width = max(len("transition"), *(len(r["transition"]) for r in rows))
+    header = f"{'transition':<{width}} {'intra MB':>9} {'inter MB':>9} {'local MB':>9} {'seconds':>8} {'GB/s':>6}  verified"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['transition']:<36} {r['bytes_intra_node'] / 1e6:>9.1f} {r['bytes_inter_node'] / 1e6:>9.1f} "
+        print(f"{r['transition']:<{width}} {r['bytes_intra_node'] / 1e6:>9.1f} {r['bytes_inter_node'] / 1e6:>9.1f} "
               f"{r['bytes_local'] / 1e6:>9.1f} {r['seconds']:>8.3f} {r['gbps']:>6.2f}  {r['verified_boxes']} boxes")
     print(f"all {len(rows)} transitions bit-exact; total {total:.1f}s")
     return 0
