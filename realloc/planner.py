@@ -146,6 +146,15 @@ def plan_reallocation(
             f"{dst_layout.topology} has {dst_layout.topology.world_size}; one model group keeps its "
             "workers (give src_workers/dst_workers to copy between groups)"
         )
+    for name, workers in (("src_workers", src_workers), ("dst_workers", dst_workers)):
+        if workers is None:
+            continue
+        if isinstance(workers, (str, bytes)) or not isinstance(workers, Sequence) or any(
+                not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in workers):
+            raise ValueError(f"{name} must be a sequence of non-negative worker ids, got {workers!r}"[:200])
+        repeated = sorted({w for w in workers if list(workers).count(w) > 1})
+        if repeated:
+            raise ValueError(f"{name} names worker(s) {repeated[:5]} more than once: one worker holds one rank")
     for name, layout, workers in (("src", src_layout, src_workers), ("dst", dst_layout, dst_workers)):
         count = layout.topology.world_size if workers is None else len(workers)
         if workers is None and count > placement.num_workers:
