@@ -20,7 +20,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 
