@@ -25,7 +25,6 @@ import ray
 from actors.ckpt_worker import CheckpointFault
 from actors.errors import ReallocationError
 from actors.executor import PeerView
-from actors.protocol import Operation
 from actors.remote import fire, gather
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
@@ -436,14 +435,9 @@ class CheckpointManager:
         self._finish_pending()
         tensors = scan_hf_dir(path)
         mapping = match_spec(tensors, self.group.spec)
-        g = self.group
         started = time.perf_counter()
-        with g._exclusive("import HF checkpoint"):
-            op = self._operation(f"import HF checkpoint {path}")
-            op.prepare()
-            read = op.call([a.op_fill.remote(op.id, "hf", str(path), tensors, mapping) for a in g.actors],
-                           "read shards")
-            op.commit()
+        read = self.group._fill(f"import HF checkpoint {path}", "hf", str(path), tensors, mapping,
+                                timeout_s=self.timeout_s)
         return {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
 
     def export_hf(self, path: "str | Path", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
@@ -465,11 +459,6 @@ class CheckpointManager:
         return plan_exchange(holdings, needs, self.group.placement, params, bucket_bytes=config.bucket_bytes,
                              bandwidths=config.bandwidths)
 
-    def _operation(self, what: str) -> Operation:
-        g = self.group
-        return Operation(g.workers, [g.layout.at(r) for r in range(g.num_workers)], self.timeout_s,
-                         f"{what} (run {self.run_id})", f"group {g.name!r} keeps its previous weights in layout {g.layout}")
-
     def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str) -> list[dict]:
         """Run a checkpoint plan on every worker. ``restore``/``reshard`` write new weights, so they
         run as one operation of the protocol (prepare, exchange, commit, or abort everywhere)."""
@@ -487,7 +476,7 @@ class CheckpointManager:
                 world.mark_broken()
                 fire(g.workers, "ckpt_forget")
                 raise
-        op = self._operation(what)
+        op = g._weights_operation(f"{what} (run {self.run_id})", self.timeout_s)
         op.prepare()
         try:
             results = op.call([a.ckpt_exchange.remote(op.id, world.id, plan_ref, i, peers, mode, payloads[i])

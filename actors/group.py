@@ -169,12 +169,10 @@ class ModelGroup:
             remote_cls = _remote_class(config)
             names = [f"realloc:{name}:rank{r}" for r in range(n)]
             for r in range(n):
-                actors.append(remote_cls.options(
-                    name=names[r], scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-                ).remote(name, spec, config.zero_copy))
+                actors.append(_start_worker(remote_cls, names[r], pg, r, name, spec, config.zero_copy))
             workers = Workers(tuple(actors), tuple(names))
             infos = call_all(workers, "info", timeout_s=config.timeout_s + 60, what=f"start workers of {name!r}")
-            placement = Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
+            placement = _placement_of(infos)
             group = cls(name, layout, config, workers, placement, pg, infos)
             gather(workers, [a.set_layout.remote(layout.at(r)) for r, a in enumerate(actors)], config.timeout_s,
                    "allocate shards")
@@ -238,8 +236,14 @@ class ModelGroup:
     def _call(self, method: str, what: str, *args: Any) -> list[Any]:
         return call_all(self.workers, method, *args, timeout_s=self.timeout_s, what=f"{what} ({self.name})")
 
-    def _operation(self, dst: Layout, what: str, keeps: str) -> Operation:
-        return Operation(self.workers, [dst.at(r) for r in range(self.num_workers)], self.timeout_s, what, keeps)
+    def _operation(self, dst: Layout, what: str, keeps: str, timeout_s: float | None = None) -> Operation:
+        return Operation(self.workers, [dst.at(r) for r in range(self.num_workers)], timeout_s or self.timeout_s,
+                         what, keeps)
+
+    def _weights_operation(self, what: str, timeout_s: float | None = None) -> Operation:
+        """An operation that replaces this group's weights and keeps its layout."""
+        return self._operation(self.layout, f"{what} ({self.name})",
+                               f"group {self.name!r} keeps its previous weights in layout {self.layout}", timeout_s)
 
     # -- weights -------------------------------------------------------------------------
     def init_synthetic(self, seed: int = 0) -> None:
@@ -287,13 +291,15 @@ class ModelGroup:
             out[p.name] = state[keys[0]].detach().to("cpu", TORCH_DTYPES[p.dtype]).contiguous()
         return out
 
-    def _fill(self, what: str, how: str, *args: Any) -> None:
+    def _fill(self, what: str, how: str, *args: Any, timeout_s: float | None = None) -> list[int]:
+        """New weights from each worker's local data (``ShardWorker.op_fill``), as one operation;
+        returns the bytes each worker wrote."""
         with self._exclusive(what):
-            op = self._operation(self.layout, f"{what} ({self.name})",
-                                 f"group {self.name!r} keeps its previous weights in layout {self.layout}")
+            op = self._weights_operation(what, timeout_s)
             op.prepare()
-            op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
+            written = op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
             op.commit()
+        return written
 
     def shard_boxes(self, ranks: Sequence[int] | None = None) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
         """Per rank, ``(param, offsets, sizes, tensor)`` of every box it holds, fetched to the driver."""
@@ -381,25 +387,13 @@ class ModelGroup:
                 if claimed != self.layout:
                     raise ValueError(f"group {self.name!r} holds layout {self.layout}, but src says {claimed}")
             before = self.layout
-            t0 = time.perf_counter()
-            plan = self._plan_to(target)
-            plan_seconds = time.perf_counter() - t0
-            world = self._ensure_world([self])
             op = self._operation(target, f"reallocate {self.name} {before} -> {target}",
                                  f"group {self.name!r} stays in layout {before}")
-            op.prepare()
-            t0 = time.perf_counter()
-            result = op.execute_plan(world, plan, [before.at(r) for r in range(self.num_workers)], self.placement,
-                                     {"model": self.name})
-            seconds = time.perf_counter() - t0
-            op.commit()
+            stats = _move([self], op, lambda: self._plan_to(target), [before.at(r) for r in range(self.num_workers)],
+                          self.placement, self.name, f"{before} -> {target}", started)
             self.layout = target
-        pause = time.perf_counter() - started
-        metrics.record_pause(self.name, "reallocate", pause)
-        log.debug("reallocate %s: %s -> %s in %.3fs", self.name, before, target, pause)
-        return ReallocStats(f"{before} -> {target}", result.bytes_intra_node, result.bytes_inter_node,
-                            result.bytes_local, seconds, plan_seconds, result.peak_extra_bytes_per_actor,
-                            plan.stats, pause)
+        metrics.record_pause(self.name, "reallocate", stats.pause_seconds)
+        return stats
 
     def copy_to(self, other: "ModelGroup", eta: float | None = None) -> ReallocStats:
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
@@ -418,25 +412,17 @@ class ModelGroup:
         with self._exclusive("copy_to", other):
             n, m = self.num_workers, other.num_workers
             placement = Placement(self.placement.nodes + other.placement.nodes)
-            t0 = time.perf_counter()
-            plan = _plan(self.layout, other.layout, placement, tuple(range(n)), tuple(range(n, n + m)),
-                         self.config.bucket_bytes, self.config.bandwidths)
-            plan_seconds = time.perf_counter() - t0
-            world = self._ensure_world([self, other])
             label = f"{self.name}[{self.layout}] -> {other.name}[{other.layout}]"
             op = Operation(self.workers + other.workers, [None] * n + [other.layout.at(r) for r in range(m)],
                            max(self.timeout_s, other.timeout_s), f"copy {label}",
                            f"{other.name!r} keeps its previous weights and {self.name!r} is untouched")
-            op.prepare()
-            t0 = time.perf_counter()
-            result = op.execute_plan(world, plan, [self.layout.at(r) for r in range(n)] + [None] * m, placement,
-                                     {"model": f"{self.name}->{other.name}"})
-            seconds = time.perf_counter() - t0
-            op.commit(blend=eta)
-        pause = time.perf_counter() - started
-        metrics.record_pause(f"{self.name}->{other.name}", "copy_to", pause)
-        return ReallocStats(label, result.bytes_intra_node, result.bytes_inter_node, result.bytes_local, seconds,
-                            plan_seconds, result.peak_extra_bytes_per_actor, plan.stats, pause)
+            stats = _move([self, other], op,
+                          lambda: _plan(self.layout, other.layout, placement, tuple(range(n)), tuple(range(n, n + m)),
+                                        self.config.bucket_bytes, self.config.bandwidths),
+                          [self.layout.at(r) for r in range(n)] + [None] * m, placement,
+                          f"{self.name}->{other.name}", label, started, blend=eta)
+        metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
+        return stats
 
     def checkpoint_manager(self, *, root: str | None = None, run_id: str | None = None, jump: int | None = None,
                            factor: int = 2, timeout_s: float | None = None):
@@ -469,16 +455,14 @@ class ModelGroup:
             actors, names = list(self.workers.actors), list(self.workers.names)
             for r in dead:
                 ray.kill(actors[r])
-                actors[r] = remote_cls.options(
-                    name=f"{names[r].split(':gen')[0]}:gen{int(time.time() * 1000)}",
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
-                ).remote(self.name, self.spec, self.config.zero_copy)
+                actors[r] = _start_worker(remote_cls, f"{names[r]}:gen{int(time.time() * 1000)}", self._pg, r,
+                                          self.name, self.spec, self.config.zero_copy)
             self.workers = Workers(tuple(actors), tuple(names))
             fresh_workers = self.workers.subset(dead)
             fresh = call_all(fresh_workers, "info", timeout_s=self.timeout_s + 60, what="start replacement workers")
             for r, info in zip(dead, fresh):
                 self.infos[r] = info
-            self.placement = Placement(tuple(i["node_id"] for i in self.infos), tuple(i["device"] for i in self.infos))
+            self.placement = _placement_of(self.infos)
             gather(fresh_workers, [actors[r].set_layout.remote(self.layout.at(r)) for r in dead], self.timeout_s,
                    "allocate shards of replacement workers")
             if self.world is not None:
@@ -518,6 +502,39 @@ class ModelGroup:
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan], srcs: list, placement: Placement,
+          model: str, label: str, started: float, blend: float | None = None) -> ReallocStats:
+    """Plan, then run ``op`` over the plan (prepare, both phases, commit), timing each part.
+
+    The caller holds the groups' locks and changes its state only after this returns.
+    """
+    t0 = time.perf_counter()
+    plan = make_plan()
+    plan_seconds = time.perf_counter() - t0
+    world = groups[0]._ensure_world(groups)
+    op.prepare()
+    t0 = time.perf_counter()
+    result = op.execute_plan(world, plan, srcs, placement, {"model": model})
+    seconds = time.perf_counter() - t0
+    op.commit(blend=blend)
+    pause = time.perf_counter() - started
+    log.debug("%s: %s in %.3fs", op.what, label, pause)
+    return ReallocStats(label, result.bytes_intra_node, result.bytes_inter_node, result.bytes_local, seconds,
+                        plan_seconds, result.peak_extra_bytes_per_actor, plan.stats, pause)
+
+
+def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, zero_copy: bool):
+    """One worker actor, named, in bundle ``bundle`` of the group's placement group."""
+    return remote_cls.options(
+        name=actor_name, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+    ).remote(group, spec, zero_copy)
+
+
+def _placement_of(infos: list[dict]) -> Placement:
+    """The planner's placement from the workers' own reports (real Ray node ids)."""
+    return Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
 
 
 def _remote_class(config: GroupConfig):

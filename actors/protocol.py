@@ -32,7 +32,7 @@ import ray
 
 from actors.errors import ReallocationError
 from actors.executor import PeerView
-from actors.remote import Workers, gather
+from actors.remote import Workers, gather, settle
 from realloc.layout import RankLayout
 from realloc.placement import Placement
 from realloc.plan import Plan
@@ -122,24 +122,16 @@ class Operation:
         """Step 4: undo the operation on every live worker, then raise what is true."""
         dead = set(cause.dead)
         live = [i for i, n in enumerate(self.workers.names) if n not in dead]
-        refs = {i: self.workers.actors[i].op_abort.remote(self.id) for i in live}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=min(ABORT_WAIT_S, self.timeout_s))
-        ready = set(ready)
-        silent, lost = [], []
-        for i, ref in refs.items():
-            if ref not in ready:
-                silent.append(self.workers.names[i])
-                continue
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError:
-                lost.append(self.workers.names[i])
-        all_dead = sorted(dead | set(lost))
-        unresponsive = sorted(set(cause.unresponsive) | set(silent))
-        state = f"Rolled back: {self.keeps}; every live worker that answered holds its old shards and weights"
+        found = settle(self.workers.subset(live), [self.workers.actors[i].op_abort.remote(self.id) for i in live],
+                       min(ABORT_WAIT_S, self.timeout_s))
+        all_dead = sorted(dead | set(found.dead))
+        unresponsive = sorted(set(cause.unresponsive) | set(found.unresponsive))
+        state = f"Rolled back: {self.keeps}; every live worker whose abort succeeded holds its old shards and weights"
         if unresponsive:
             state += (f"; {unresponsive} did not answer: their abort is queued and runs when they resume "
                       "(they never adopted anything without a commit)")
+        if found.failed:
+            state += f"; the abort raised on {list(found.failed)}: their state is unknown"
         if all_dead:
             state += (f"; dead: {all_dead} (call replace_dead_workers(), then restore their weights from a "
                       "checkpoint)")

@@ -50,10 +50,12 @@ class Workers:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """Which workers are dead and which are alive but silent (names)."""
+    """Which workers are dead, which are alive but silent, and (for a settled call) whose call
+    raised while the worker lived on (names)."""
 
     dead: tuple[str, ...] = ()
     unresponsive: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.dead or self.unresponsive)
@@ -68,23 +70,28 @@ class Diagnosis:
         return "; ".join(parts)
 
 
-def diagnose(workers: Workers, seconds: float = PING_SECONDS) -> Diagnosis:
-    """Ping every worker's control thread; classify the ones that did not answer."""
-    pings = [a.ping.remote() for a in workers.actors]
-    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=seconds)
-    ready = set(ready)
-    dead, silent = [], []
-    for name, ping in zip(workers.names, pings):
-        if ping not in ready:
+def settle(workers: Workers, refs: Sequence, seconds: float) -> Diagnosis:
+    """Wait up to ``seconds`` for one call per worker and classify the workers by its outcome:
+    no answer (unresponsive), the actor died (dead), the call raised otherwise (failed)."""
+    refs = list(refs)
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=seconds)[0]) if refs else set()
+    dead, silent, failed = [], [], []
+    for name, ref in zip(workers.names, refs):
+        if ref not in ready:
             silent.append(name)
             continue
         try:
-            ray.get(ping)
+            ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
             dead.append(name)
-        except ray.exceptions.RayError:  # noqa: PERF203 - anything else: it answered, it is alive
-            pass
-    return Diagnosis(tuple(dead), tuple(silent))
+        except ray.exceptions.RayError:
+            failed.append(name)
+    return Diagnosis(tuple(dead), tuple(silent), tuple(failed))
+
+
+def diagnose(workers: Workers, seconds: float = PING_SECONDS) -> Diagnosis:
+    """Ping every worker's control thread; classify the ones that did not answer."""
+    return settle(workers, [a.ping.remote() for a in workers.actors], seconds)
 
 
 def gather(workers: Workers, refs: Sequence, timeout_s: float, what: str, state: str = "") -> list[Any]:

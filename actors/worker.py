@@ -346,26 +346,21 @@ class ShardWorker(CheckpointMixin):
         ``("hf", path, tensors, mapping)`` (a HF safetensors directory). Returns bytes written."""
         op = self._current_op(op_id)
         store, shards = op.store(), op.dst.shards()
-        if how == "synthetic":
-            for s in shards:
-                if s.numel:
-                    p = self.spec.param(s.param)
-                    store.write(s.param, s.offsets, s.sizes,
-                                synthetic_box(s.param, p.shape, s.offsets, s.sizes, s.dtype, args[0]).to(self.device))
-        elif how == "full":
-            state = args[0]
-            for s in shards:
-                if s.numel:
-                    full = state.get(s.param)
-                    if full is None:
-                        full = state[s.slot]
-                    store.write(s.param, s.offsets, s.sizes, full[box_index(s.offsets, s.sizes)].to(self.device))
-        elif how == "hf":
+        if how == "hf":
             from realloc.ckpt.hf import load_shards
 
             return load_shards(args[0], args[1], args[2], shards, store)
+        if how == "synthetic":
+            def box(s):
+                return synthetic_box(s.param, self.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype, args[0])
+        elif how == "full":  # the driver keys the state dict by storage parameter (aliases resolved)
+            def box(s):
+                return args[0][s.param][box_index(s.offsets, s.sizes)]
         else:
-            raise ValueError(f"unknown fill {how!r}")
+            raise ValueError(f"unknown fill {how!r}; allowed: synthetic, full, hf")
+        for s in shards:
+            if s.numel:
+                store.write(s.param, s.offsets, s.sizes, box(s).to(self.device))
         return sum(s.nbytes for s in shards)
 
     def op_commit(self, op_id: str, blend: float | None = None) -> str:

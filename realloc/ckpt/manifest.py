@@ -202,7 +202,7 @@ class Manifest:
         """:meth:`check_layout` but for the model, with the saved layout already built (callers
         checking many manifests of one save build it once and call :meth:`check_spec` themselves);
         ``ValueError`` if ``layout`` is not the saved one."""
-        if not self.same_layout(layout):
+        if Layout(layout.spec, self.topology, self.vocab_pad_multiple) != layout:
             raise ValueError(f"layout {layout.topology} (vocab_pad_multiple={layout.vocab_pad_multiple}) is not "
                              f"the saved {self.topology} (vocab_pad_multiple={self.vocab_pad_multiple}) of {self.id}")
         self._check_world()
@@ -227,9 +227,6 @@ class Manifest:
 
     def _corrupt(self, reason: str) -> None:
         raise CorruptFileError(str(self.id), reason)
-
-    def same_layout(self, layout: Layout) -> bool:
-        return layout.topology == self.topology and layout.vocab_pad_multiple == self.vocab_pad_multiple
 
     def check_spec(self, spec: ModelSpec) -> None:
         """``ValueError`` unless ``spec`` has exactly the saved parameters (names, shapes, dtypes)."""
