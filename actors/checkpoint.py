@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from actors.ckpt_worker import CheckpointFault
+from actors.context import ShardChange
 from actors.errors import ReallocationError
 from actors.executor import PeerView
 from actors.remote import fire, gather
@@ -485,6 +486,7 @@ class CheckpointManager:
             world.mark_broken()
             raise
         op.commit()
+        g._announce(ShardChange("load", g.layout, g.layout))
         return results
 
     def _get(self, refs: list, what: str, ranks: list[int] | None = None) -> list[Any]:

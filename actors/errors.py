@@ -34,5 +34,10 @@ class GroupBusyError(ReallocationError):
     """Another operation held the group for longer than the group's timeout; nothing was done."""
 
 
+class HookError(ReallocationError):
+    """A worker's ``on_shards_changed`` hook failed after a change was committed: the change
+    stands (``layout`` says which layout every live worker holds); the user's state may not."""
+
+
 class StaleOperationError(RuntimeError):
     """A worker got a command for an operation it is not running (a late or foreign driver call)."""

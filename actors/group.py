@@ -25,6 +25,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -38,7 +39,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors import metrics
 from actors.checkpoint import CheckpointManager
 from actors.config import GroupConfig
-from actors.errors import GroupBusyError, ReallocationError
+from actors.context import ShardChange
+from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
 from actors.remote import Workers, call_all, diagnose, gather
 from actors.world import World
@@ -105,8 +107,8 @@ class ModelGroup:
     """
 
     def __init__(self, name: str, layout: Layout, config: GroupConfig, workers: Workers, placement: Placement,
-                 pg, infos: list[dict]):
-        self.name, self.layout, self.config = name, layout, config
+                 pg, infos: list[dict], worker_cls: type = ShardWorker):
+        self.name, self.layout, self.config, self.worker_cls = name, layout, config, worker_cls
         self.workers, self.placement, self._pg, self.infos = workers, placement, pg, infos
         self.world: World | None = None
         self._lock = threading.RLock()
@@ -122,9 +124,14 @@ class ModelGroup:
         name: str = "model",
         vocab_pad_multiple: int = 1,
         config: GroupConfig | None = None,
+        worker_cls: type = ShardWorker,
         **settings: Any,
     ) -> "ModelGroup":
         """Start one actor per rank of ``topology`` in a placement group (one bundle per worker).
+
+        ``worker_cls``: your subclass of :class:`~actors.worker.ShardWorker` (your model code in
+        the workers: call its methods with :meth:`call`; its ``on_shards_changed`` hook runs after
+        every committed change, the first time when the group has started).
 
         ``topology`` is a :class:`Topology`, its string (``"dp=2,tp=4"``) or a full
         :class:`Layout`. ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``strategy``,
@@ -143,6 +150,7 @@ class ModelGroup:
             raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple!r} contradicts the layout's own padding "
                              f"({topology.vocab_pad_multiple}); a Layout carries its padding, give one or the other")
         layout = _as_layout(spec, topology, vocab_pad_multiple)
+        _check_worker_cls(worker_cls)
         if config is not None and settings:
             raise ValueError(f"give either config= or settings, not both (got {sorted(settings)})")
         if config is None:
@@ -166,16 +174,18 @@ class ModelGroup:
                 raise ReallocationError(
                     f"placement group for {n} workers ({config.bundle()} each) not ready after {config.timeout_s:.0f}s "
                     f"(available now: {_summary(ray.available_resources())}); nothing was started")
-            remote_cls = _remote_class(config)
+            remote_cls = _remote_class(config, worker_cls)
             names = [f"realloc:{name}:rank{r}" for r in range(n)]
             for r in range(n):
                 actors.append(_start_worker(remote_cls, names[r], pg, r, name, spec, config.zero_copy))
             workers = Workers(tuple(actors), tuple(names))
             infos = call_all(workers, "info", timeout_s=config.timeout_s + 60, what=f"start workers of {name!r}")
             placement = _placement_of(infos)
-            group = cls(name, layout, config, workers, placement, pg, infos)
+            group = cls(name, layout, config, workers, placement, pg, infos, worker_cls)
             gather(workers, [a.set_layout.remote(layout.at(r)) for r, a in enumerate(actors)], config.timeout_s,
                    "allocate shards")
+            group._form_user_groups()
+            group._announce(ShardChange("create", layout))
         except BaseException:
             for a in actors:
                 ray.kill(a)
@@ -299,6 +309,7 @@ class ModelGroup:
             op.prepare()
             written = op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
             op.commit()
+            self._announce(ShardChange("fill", self.layout, self.layout))
         return written
 
     def shard_boxes(self, ranks: Sequence[int] | None = None) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
@@ -342,7 +353,7 @@ class ModelGroup:
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every worker against its local shards, in place.
 
-        ``ctx`` is a :class:`~actors.worker.ShardContext`. Writes into ``ctx.tensors`` change the
+        ``ctx`` is a :class:`~actors.context.ShardContext`. Writes into ``ctx.tensors`` change the
         weights directly (user code, not an atomic operation). Returned tensors that are views of
         the worker's buffers are copied first, so only their own bytes travel.
         """
@@ -350,6 +361,49 @@ class ModelGroup:
             raise ValueError(f"run needs a callable fn(ctx, ...), got {type(fn).__name__}")
         with self._exclusive("run user function"):
             return self._call("run", "run user function", fn, args, kwargs)
+
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` of your worker class on every worker (or on ``ranks``),
+        all at once, and return the results in rank order.
+
+        ``method`` is the name of a public method your ``worker_cls`` defines. Like :meth:`run`,
+        it is user code (no atomic operation) and returned views of shard buffers are copied.
+        Example:
+            >>> losses = group.call("train_step", batch)  # doctest: +SKIP
+        """
+        allowed = _user_methods(self.worker_cls)
+        if not isinstance(method, str) or method not in allowed:
+            raise ValueError(f"{method!r} is not a method of worker class {self.worker_cls.__name__}; "
+                             f"callable: {allowed or 'none (pass worker_cls= to ModelGroup.create)'}")
+        ranks = self._check_ranks(ranks)
+        with self._exclusive(f"call {method}"):
+            workers = self.workers.subset(ranks)
+            return gather(workers, [a.user_call.remote(method, args, kwargs) for a in workers.actors],
+                          self.timeout_s, f"{self.worker_cls.__name__}.{method} ({self.name})")
+
+    def _announce(self, change: ShardChange, ranks: Sequence[int] | None = None) -> None:
+        """Run the workers' ``on_shards_changed`` hook after ``change`` was committed (and
+        ``self.layout`` updated). A failing hook does not undo the change: the error says so."""
+        if self.worker_cls.on_shards_changed is ShardWorker.on_shards_changed:
+            return  # nothing to run: save the round trip
+        workers = self.workers if ranks is None else self.workers.subset(ranks)
+        try:
+            gather(workers, [a.after_change.remote(change) for a in workers.actors], self.timeout_s,
+                   f"{self.worker_cls.__name__}.on_shards_changed after {change.kind} ({self.name})")
+        except ReallocationError as err:
+            raise HookError(f"{err.message}. The {change.kind} itself is committed: every live worker of "
+                            f"{self.name!r} holds layout {self.layout} with the new weights",
+                            err.dead, err.unresponsive, str(self.layout)) from err
+
+    def _form_user_groups(self) -> None:
+        """A fresh rendezvous store (on rank 0) and process-group cache on every worker."""
+        n, timeout = self.num_workers, self.timeout_s
+        addr, port = call_all(self.workers.subset([0]), "open_group_store", n, timeout, timeout_s=timeout,
+                              what=f"host the process-group store ({self.name})")[0]
+        generation = uuid.uuid4().hex[:8]
+        gather(self.workers, [a.join_groups.remote(addr, port, r, n, generation, timeout)
+                              for r, a in enumerate(self.workers.actors)], timeout + 30,
+               f"join the process-group store ({self.name})")
 
     def activity(self) -> list[dict]:
         """Per worker, how many operation steps it ran (prepare/execute/commit/abort counters)."""
@@ -392,6 +446,7 @@ class ModelGroup:
             stats = _move([self], op, lambda: self._plan_to(target), [before.at(r) for r in range(self.num_workers)],
                           self.placement, self.name, f"{before} -> {target}", started)
             self.layout = target
+            self._announce(ShardChange("reallocate", target, before))
         metrics.record_pause(self.name, "reallocate", stats.pause_seconds)
         return stats
 
@@ -421,6 +476,7 @@ class ModelGroup:
                                         self.config.bucket_bytes, self.config.bandwidths),
                           [self.layout.at(r) for r in range(n)] + [None] * m, placement,
                           f"{self.name}->{other.name}", label, started, blend=eta)
+            other._announce(ShardChange("copy", other.layout, other.layout))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
         return stats
 
@@ -451,7 +507,7 @@ class ModelGroup:
             dead = self.dead_workers()
             if not dead:
                 return []
-            remote_cls = _remote_class(self.config)
+            remote_cls = _remote_class(self.config, self.worker_cls)
             actors, names = list(self.workers.actors), list(self.workers.names)
             for r in dead:
                 ray.kill(actors[r])
@@ -467,6 +523,8 @@ class ModelGroup:
                    "allocate shards of replacement workers")
             if self.world is not None:
                 self.world.mark_broken()
+            self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
+            self._announce(ShardChange("replace", self.layout, self.layout), dead)
             return dead
 
     def _ensure_world(self, groups: list["ModelGroup"]) -> World:
@@ -537,14 +595,34 @@ def _placement_of(infos: list[dict]) -> Placement:
     return Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
 
 
-def _remote_class(config: GroupConfig):
+def _remote_class(config: GroupConfig, worker_cls: type = ShardWorker):
     """The actor class with the group's resources; per-actor options (name, bundle) come on top.
 
     The control concurrency group answers pings while the default group is busy in a transfer.
     """
     return ray.remote(num_cpus=config.cpus_per_worker, num_gpus=1 if config.use_gpu else 0,
                       runtime_env=config.runtime_env, max_restarts=0,
-                      concurrency_groups={CONTROL: 1})(ShardWorker)
+                      concurrency_groups={CONTROL: 1})(worker_cls)
+
+
+def _check_worker_cls(worker_cls: object) -> None:
+    if not isinstance(worker_cls, type) or not issubclass(worker_cls, ShardWorker):
+        raise ValueError(f"worker_cls must be a subclass of actors.ShardWorker, got {worker_cls!r}"[:200])
+    clashes = sorted(n for n, v in vars(worker_cls).items()
+                     if n in _RESERVED and not n.startswith("__") and n != "on_shards_changed")
+    if worker_cls is not ShardWorker and clashes:
+        raise ValueError(f"worker_cls {worker_cls.__name__} redefines methods the protocol relies on: {clashes}; "
+                         "rename them (only on_shards_changed is meant to be overridden)")
+
+
+#: Names of ShardWorker's own attributes: a subclass must not redefine them, and ``call`` refuses them.
+_RESERVED = frozenset(n for n in dir(ShardWorker) if not n.startswith("__"))
+
+
+def _user_methods(worker_cls: type) -> list[str]:
+    """Public methods the user's subclass adds (what ``ModelGroup.call`` may call)."""
+    return sorted(n for n in dir(worker_cls) if not n.startswith("_") and n not in _RESERVED
+                  and callable(getattr(worker_cls, n)))
 
 
 def _as_layout(spec: ModelSpec, value: object, vocab_pad_multiple: int, current: Layout | None = None) -> Layout:

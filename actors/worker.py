@@ -30,10 +30,13 @@ import ray
 import torch
 
 from actors import metrics
+from actors.communicator import Communicators
+from actors.context import ShardChange, ShardContext
 from actors.ckpt_worker import CheckpointMixin
 from actors.errors import StaleOperationError
 from actors.executor import PeerView, Staging, StepRunner
-from actors.transport import Transport, host_store
+from actors.parallel import ParallelGroups
+from actors.transport import Transport, connect_store, host_store
 from actors.zero_copy import BufferAllocator, open_handles
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
@@ -41,33 +44,12 @@ from realloc.plan import Plan
 from realloc.shards import ShardStore, blend_into, copy_local, zero_padding
 from realloc.spec import ModelSpec
 from realloc.synthetic import synthetic_box
-from realloc.topology import Topology
 
 log = logging.getLogger(__name__)
 
 #: Ray concurrency group of the methods that must answer while a transfer runs (ping).
 CONTROL = "control"
 FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit")
-
-
-@dataclass
-class ShardContext:
-    """What a user function sees on a worker (``group.run(fn)`` calls ``fn(ctx, ...)``).
-
-    ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
-    worker's local shards, padding included; writing into them updates the worker's weights.
-    ``layout`` is the group's layout value; ``shards`` the rank's shards (global offsets).
-    """
-
-    rank: int
-    topology: Topology
-    dp_rank: int
-    tp_rank: int
-    pp_rank: int
-    device: torch.device
-    tensors: dict[str, torch.Tensor]
-    shards: tuple
-    layout: Layout | None = None
 
 
 @dataclass
@@ -109,7 +91,16 @@ class _Background(threading.Thread):
 
 
 class ShardWorker(CheckpointMixin):
-    """One worker of a model group: its flat buffers, its process-group membership, its operations."""
+    """One worker of a model group: its flat buffers, its process-group membership, its operations.
+
+    Subclass it to run your own code in the workers (``ModelGroup.create(..., worker_cls=Mine)``):
+    the driver calls your public methods with ``group.call("method", ...)``; your state (a model,
+    an optimizer) lives across reallocations; ``self.context()`` is the current
+    :class:`~actors.context.ShardContext` (shards, views, ``bind``, dp/tp/pp groups); and
+    :meth:`on_shards_changed` runs after every committed change of the shards (rebind there).
+    Keep ``__init__``'s signature (call ``super().__init__(*args, **kwargs)`` first if you
+    override it) and do not name methods like the ones defined here.
+    """
 
     def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None):
         torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
@@ -128,6 +119,45 @@ class ShardWorker(CheckpointMixin):
         self._fault: tuple[str, float] | None = None
         self.staging = Staging(self.device)
         self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
+        self.communicators: Communicators | None = None
+        self._group_store = None
+
+    # -- user code ----------------------------------------------------------------------------
+    def on_shards_changed(self, ctx: ShardContext, change: ShardChange) -> None:
+        """Hook: runs on every worker of the group after a change of its shards is committed
+        everywhere (a new layout, new weights, creation, replacement). Every shard tensor is a
+        new object then: rebind or rebuild your modules here. All workers run it together, so
+        it may use ``ctx.groups``. Override it; the default does nothing."""
+
+    def context(self) -> ShardContext:
+        """The current layout's :class:`~actors.context.ShardContext` of this worker."""
+        store = self._store_now()
+        layout = self.held.layout
+        dp_rank, tp_rank, pp_rank = layout.topology.coords(self.rank)
+        groups = ParallelGroups(layout, self.rank, self.communicators)
+        return ShardContext(self.rank, layout.topology, dp_rank, tp_rank, pp_rank, self.device,
+                            store.shard_tensors(), self.held.shards(), layout, groups, self.held, self.buffers)
+
+    def after_change(self, change: ShardChange) -> None:
+        """Driver entry point of the hook (after the commit of ``change``)."""
+        self.on_shards_changed(self.context(), change)
+
+    def user_call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """Driver entry point of ``group.call``: run a method of the user's subclass."""
+        return detach_result(getattr(self, method)(*args, **kwargs))
+
+    def open_group_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Host the rendezvous store of the process groups for user code (rank 0 of the group)."""
+        addr = ray.util.get_node_ip_address()
+        self._group_store = host_store(addr, world_size, timeout_s)
+        return addr, self._group_store.port
+
+    def join_groups(self, addr: str, port: int, rank: int, world_size: int, generation: str, timeout_s: float) -> None:
+        """Start a fresh cache of user process groups (at creation and after a replacement)."""
+        if self.communicators is not None:
+            self.communicators.close()
+        store = self._group_store if self._group_store is not None else connect_store(addr, port, world_size, timeout_s)
+        self.communicators = Communicators(store, rank, world_size, self.device, timeout_s, generation)
 
     # -- identity, liveness and collective set-up --------------------------------------------
     @property
@@ -165,7 +195,8 @@ class ShardWorker(CheckpointMixin):
         if self.transport is not None:
             self.transport.close()
             self.transport, self.world_id = None, None
-        self.transport = Transport(addr, port, world_rank, world_size, self.device, timeout_s, store=store)
+        self.transport = Transport(addr, port, world_rank, world_size, self.device, timeout_s, store=store,
+                                   prefix=f"realloc/{world_id}")
         self.world_id = world_id
         return self.transport.backend
 
@@ -210,12 +241,7 @@ class ShardWorker(CheckpointMixin):
         return bad
 
     def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        layout = self.held.layout
-        dp_rank, tp_rank, pp_rank = layout.topology.coords(self.rank)
-        store = self._store_now()
-        ctx = ShardContext(self.rank, layout.topology, dp_rank, tp_rank, pp_rank, self.device,
-                           store.shard_tensors(), self.held.shards(), layout)
-        return detach_result(fn(ctx, *args, **kwargs))
+        return detach_result(fn(self.context(), *args, **kwargs))
 
     def source_digest(self) -> dict[str, float]:
         """A cheap fingerprint of the current buffers (tests: sources untouched after a failure)."""
@@ -408,6 +434,9 @@ class ShardWorker(CheckpointMixin):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self.communicators is not None:
+            self.communicators.close()
+            self.communicators = None
 
 
 def detach_result(value: Any) -> Any:

@@ -1,0 +1,94 @@
+"""What user code sees on a worker: the shard context and the record of a shard change.
+
+User code runs on the workers in three ways: ``group.run(fn)`` calls ``fn(ctx, ...)``;
+``group.call("method")`` calls a method of the user's worker subclass, which reads
+``self.context()``; and the worker's ``on_shards_changed(ctx, change)`` hook runs after every
+committed change of its shards. All three get a :class:`ShardContext`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from actors.parallel import ParallelGroups
+from realloc.binding import BindReport, bind_module, fused_views, shard_views
+from realloc.layout import Layout, RankLayout
+from realloc.topology import Topology
+
+#: Kinds of :class:`ShardChange`.
+CHANGES = ("create", "reallocate", "copy", "fill", "load", "replace")
+
+
+@dataclass(frozen=True)
+class ShardChange:
+    """One committed change of a worker's shard tensors (the hook's second argument).
+
+    ``kind``: ``create`` (the group started), ``reallocate`` (new layout), ``copy`` (this
+    group received another group's weights: ``copy_to``), ``fill`` (new weights in the same
+    layout: ``init_synthetic``, ``load_state_dict``, HF import), ``load`` (checkpoint restore or
+    resharding load) or ``replace`` (this worker replaced a dead one: its weights are zeros until
+    the next load). ``old`` is the layout before (``None`` at creation). After every change the
+    shard tensors are new objects: views taken before are stale (the old buffers become the
+    rollback and are recycled later), so modules must be rebound.
+    """
+
+    kind: str
+    new: Layout
+    old: Layout | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CHANGES:
+            raise ValueError(f"unknown shard change {self.kind!r}; allowed: {', '.join(CHANGES)}")
+
+    @property
+    def layout_changed(self) -> bool:
+        return self.old is None or self.old != self.new
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.old} -> {self.new})" if self.old is not None else f"{self.kind} ({self.new})"
+
+
+@dataclass
+class ShardContext:
+    """One worker's view of its shards in the current layout.
+
+    ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
+    worker's local shards, padding included; writing into them updates the worker's weights.
+    ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
+    ``groups`` the dp/tp/pp process groups of this rank of the layout
+    (:class:`~actors.parallel.ParallelGroups`). Everything here is valid until the next change.
+    """
+
+    rank: int
+    topology: Topology
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+    shards: tuple
+    layout: Layout | None = None
+    groups: ParallelGroups | None = None
+    rank_layout: RankLayout | None = None
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def views(self, *, padding: bool = False) -> dict[str, torch.Tensor]:
+        """Slot name -> view of the rank's shard: the real box only (vocabulary padding
+        invisible), or with ``padding=True`` the padded local tensor engines like Megatron hold."""
+        return shard_views(self.rank_layout, self.buffers, padding=padding)
+
+    def fused_views(self) -> dict[str, torch.Tensor]:
+        """:meth:`views` plus vLLM's fused ``qkv_proj`` and ``gate_up_proj`` of every layer,
+        as views spanning the parts (no copies)."""
+        return fused_views(self.rank_layout, self.buffers)
+
+    def bind(self, module: torch.nn.Module, *, fused: bool = False,
+             name_map: "Mapping[str, str] | Callable[[str], str | None] | None" = None,
+             strict: bool = True) -> BindReport:
+        """Make ``module``'s parameters the rank's shard tensors (no copies; same Parameter
+        objects, so an optimizer keeps its state). Names are HF slot names unless ``name_map``
+        says otherwise; ``fused=True`` offers vLLM's fused views too."""
+        return bind_module(module, self.fused_views() if fused else self.views(), name_map=name_map, strict=strict)

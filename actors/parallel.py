@@ -1,0 +1,97 @@
+"""The process groups user code gets on a worker: dp, tp and pp of the current layout.
+
+Each model group has its own rendezvous store (hosted by its rank-0 worker) and, on every
+worker, one :class:`~actors.communicator.Communicators` cache of private process groups over
+it. :class:`ParallelGroups` names the groups of one rank of one layout:
+
+* ``tp``: the ranks that share this rank's data-parallel replica and pipeline stage;
+* ``dp``: the replicas of this rank's shard (same tp and pp coordinate);
+* ``pp``: the stages of this rank's replica and tp coordinate;
+* ``model``: every worker of the model group.
+
+Group ranks follow the topology's rank order (tp fastest, then dp, then pp: Megatron's order),
+so rank ``i`` of ``tp`` is tp rank ``i``. Groups are private (never torch's default group, and
+never registered in it): user code may create its own default group and keep it. They are
+created on first use (collective over the members only, like ``torch.distributed.new_group``
+but without the non-members) and cached by their member ranks, so a loop that alternates two
+layouts creates communicators in its first round only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from realloc.layout import Layout
+
+#: Axes of a layout's groups, in the order they are listed.
+AXES = ("dp", "tp", "pp", "model")
+
+
+@dataclass(frozen=True)
+class GroupRanks:
+    """The member ranks of each group of one rank of a layout (pure: no process groups)."""
+
+    dp: tuple[int, ...]
+    tp: tuple[int, ...]
+    pp: tuple[int, ...]
+    model: tuple[int, ...]
+
+    @staticmethod
+    def of(layout: Layout, rank: int) -> "GroupRanks":
+        """Example:
+            >>> from realloc import ModelSpec, Topology
+            >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, tp=2, pp=2)), 5)
+            GroupRanks(dp=(5, 7), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7))
+        """
+        t = layout.topology
+        dp_rank, tp_rank, pp_rank = t.coords(rank)
+        return GroupRanks(
+            dp=tuple(t.replica_ranks(tp_rank, pp_rank)),
+            tp=tuple(t.rank(dp_rank, i, pp_rank) for i in range(t.tp)),
+            pp=tuple(t.rank(dp_rank, tp_rank, i) for i in range(t.pp)),
+            model=tuple(range(t.world_size)),
+        )
+
+
+class ParallelGroups:
+    """The dp/tp/pp/model process groups of rank ``rank`` of ``layout`` (``ctx.groups``).
+
+    Valid while the worker holds that layout: read them again from the context after every
+    change (the ``on_shards_changed`` hook gets a fresh context). ``ranks`` lists the members.
+
+    Each property creates its group on first use: every member must ask for it (as every
+    rank calls ``torch.distributed.new_group``), typically all workers in the same user call.
+    Use them with ``torch.distributed`` collectives (``all_reduce``, ``all_gather``,
+    ``broadcast(..., group_src=i)``) and, for point-to-point, ``group.send([t], peer, 0)`` /
+    ``group.recv([t], peer, 0)`` with group ranks (``P2POp`` refuses unregistered groups).
+    """
+
+    def __init__(self, layout: Layout, rank: int, communicators):
+        self.layout, self.rank = layout, rank
+        self.ranks = GroupRanks.of(layout, rank)
+        self._communicators = communicators
+
+    def _group(self, axis: str):
+        if self._communicators is None:
+            raise RuntimeError("this worker has no process groups for user code yet (the group is still starting)")
+        return self._communicators.group(getattr(self.ranks, axis))
+
+    @cached_property
+    def dp(self):
+        return self._group("dp")
+
+    @cached_property
+    def tp(self):
+        return self._group("tp")
+
+    @cached_property
+    def pp(self):
+        return self._group("pp")
+
+    @cached_property
+    def model(self):
+        return self._group("model")
+
+    def __repr__(self) -> str:
+        return f"ParallelGroups(rank {self.rank} of {self.layout}, {self.ranks})"
