@@ -1,0 +1,315 @@
+"""Binding a user's ``nn.Module`` to a worker's shard tensors, without copies.
+
+A worker keeps its weights in one flat buffer per dtype (:mod:`realloc.layout`); every shard is
+a contiguous ``local_shape`` tensor at ``buffer_offset`` in the buffer of its dtype. This module
+hands those tensors out as *views* and makes a module's parameters alias them:
+
+* :func:`shard_views`: slot name (HF names: ``model.layers.3.self_attn.q_proj.weight``,
+  ``lm_head.weight``) -> view of the real box (``padding=False``) or of the padded local tensor
+  (``padding=True``, what Megatron's and vLLM's vocab-parallel embeddings hold).
+* :func:`fused_views`: the same plus vLLM's fused ``qkv_proj`` and ``gate_up_proj`` tensors,
+  each ONE view spanning its parts in the buffer (never a copy).
+* :func:`bind_module`: ``param.data = view`` for every parameter of a module, after checking
+  every name, shape, dtype and device first (all or nothing). The Parameter objects stay the same,
+  so an optimizer built on the module keeps its state across rebinds, and an optimizer step
+  writes straight into the worker's buffers.
+* :func:`layer_name_map`: module names numbered per pipeline stage -> global slot names.
+
+Layer numbering conventions on a pipeline stage that holds global layers ``a..b``:
+
+* vLLM keeps *global* indices: ``make_layers`` (vllm/model_executor/models/utils.py) fills the
+  layers of other stages with ``PPMissingLayer`` placeholders (no parameters), so a stage's
+  ``named_parameters()`` already read ``model.layers.{a..b}.*``: bind with no name map.
+* Megatron numbers the layers of a stage's ``TransformerBlock`` *locally* (module names
+  ``layers.0 .. layers.{b-a}``; only ``layer_number`` and the sharded state dict carry the global
+  offset): bind with ``name_map=layer_name_map(rank_layout)`` (after translating Megatron's
+  own module names to HF names, if the module uses them).
+
+Rebinding after a layout change: the new rank layout gives new views; ``bind_module`` on the
+same module rebinds the same Parameter objects (shapes must be equal, so a module built for tp=2
+cannot be bound to a tp=4 rank: build the module for the topology it will run).
+
+Example:
+    >>> import torch
+    >>> from realloc import Layout, ModelSpec, Topology
+    >>> from realloc.shards import allocate_buffers
+    >>> rank = Layout(ModelSpec.preset("tiny"), Topology(tp=2)).at(0)
+    >>> buffers = allocate_buffers(rank.layout, rank.rank)
+    >>> views = fused_views(rank, buffers)
+    >>> qkv = views["model.layers.0.self_attn.qkv_proj.weight"]
+    >>> q = views["model.layers.0.self_attn.q_proj.weight"]
+    >>> qkv.data_ptr() == q.data_ptr(), qkv.shape[0] > q.shape[0]
+    (True, True)
+    >>> norm = torch.nn.Module()
+    >>> norm.weight = torch.nn.Parameter(torch.ones(96, dtype=views["model.norm.weight"].dtype))
+    >>> report = bind_module(norm, views, name_map=lambda n: "model.norm." + n, strict=False)
+    >>> report.bound, norm.weight.data_ptr() == views["model.norm.weight"].data_ptr()
+    (('weight',), True)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from realloc.layout import RankLayout, Shard
+from realloc.shards import TORCH_DTYPES
+
+__all__ = ["BindReport", "bind_module", "fused_views", "layer_name_map", "shard_views"]
+
+#: vLLM's fused parameters of a Llama-style layer: fused suffix -> its parts, in order.
+#: (``stacked_params_mapping`` of vllm/model_executor/models/llama.py.)
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+# -- views ---------------------------------------------------------------------------------
+
+def _local_tensor(shard: Shard, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.local_numel].view(shard.local_shape)
+
+
+def _check_buffers(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
+    if not isinstance(rank_layout, RankLayout):
+        raise ValueError(f"expected a realloc RankLayout (layout.at(rank)), got {type(rank_layout).__name__}")
+    for dtype, numel in rank_layout.buffer_numels().items():
+        if not isinstance(buffers, Mapping):
+            raise ValueError(f"buffers must map dtype name -> flat tensor, got {type(buffers).__name__}")
+        buf = buffers.get(dtype)
+        if not isinstance(buf, torch.Tensor):
+            raise ValueError(f"{rank_layout}: no {dtype} buffer (buffers hold {sorted(buffers)})")
+        if buf.dtype != TORCH_DTYPES[dtype]:
+            raise ValueError(f"{rank_layout}: the {dtype} buffer has dtype {buf.dtype}")
+        if buf.dim() != 1 or (buf.numel() > 1 and buf.stride(0) != 1):
+            raise ValueError(f"{rank_layout}: the {dtype} buffer must be a flat contiguous tensor, "
+                             f"got shape {tuple(buf.shape)} strides {buf.stride()}")
+        if buf.numel() < numel:
+            raise ValueError(f"{rank_layout}: the {dtype} buffer holds {buf.numel()} elements, the layout needs {numel}")
+
+
+def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
+                padding: bool = False) -> dict[str, torch.Tensor]:
+    """Slot name -> view of that shard in ``buffers`` (no copy), in the rank's forward order.
+
+    ``padding=False``: the real box only (``local.narrow(dim, 0, size)`` along a padded dim), so
+    the vocabulary padding is invisible and the shapes are those of the global tensor's slice.
+    ``padding=True``: the whole local tensor, padding rows included (Megatron's
+    ``VocabParallelEmbedding`` / vLLM's ``VocabParallelEmbedding``/``ParallelLMHead`` hold it
+    padded; the layout's padding is ``vocab_pad_multiple * tp``, choose it to match the engine).
+
+    ``ValueError`` when a buffer is missing, of another dtype, not flat or too small.
+    """
+    _check_buffers(rank_layout, buffers)
+    views = {}
+    for shard in rank_layout.shards():
+        local = _local_tensor(shard, buffers)
+        if not padding:
+            for dim, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
+                if size != full:
+                    local = local.narrow(dim, 0, size)
+        views[shard.slot] = local
+    return views
+
+
+def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
+                padding: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`shard_views` plus vLLM's fused tensors of every layer the rank holds, zero-copy.
+
+    Added per layer ``N`` on the rank (vLLM keeps global layer indices):
+
+    * ``model.layers.N.self_attn.qkv_proj.weight`` = ``[q; k; v]`` of the rank along dim 0, and
+      ``...qkv_proj.bias`` when the model has q/k/v biases. vLLM's ``QKVParallelLinear``
+      (vllm/model_executor/layers/linear.py) holds per tp rank its ``heads / tp`` q heads, then
+      ``kv_heads / tp`` k heads and as many v heads; when ``tp >= kv_heads`` one kv head,
+      ``tp_rank // (tp // kv_heads)``, replicated on ``tp / kv_heads`` ranks. Those are exactly
+      the column-parallel shards of the layout (:func:`realloc.spec.decoder_spec`).
+    * ``model.layers.N.mlp.gate_up_proj.weight`` = ``[gate; up]``: vLLM's
+      ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard.
+
+    (Names and part order: ``stacked_params_mapping`` in vllm/model_executor/models/llama.py.)
+    The parts stay in the result too, so one dict serves both conventions.
+
+    Each fused tensor is a single view of the flat buffer spanning its parts, which exists
+    because ``Layout`` places a stage's slots in forward order (q, k, v adjacent; gate, up
+    adjacent) in one buffer per dtype. That is verified from the shard table (same dtype,
+    ``buffer_offset`` contiguous, same trailing dims, no padding); ``ValueError`` if it does not
+    hold (a fused tensor is never silently copied). Layers holding none of a fused tensor's parts
+    (a model that is not Llama-style, no q/k/v bias) get no fused tensor; holding only some of
+    them is a ``ValueError``.
+    """
+    views = shard_views(rank_layout, buffers, padding=padding)
+    by_slot = {s.slot: s for s in rank_layout.shards()}
+    layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
+    for layer in layers:
+        prefix = f"model.layers.{layer}."
+        for fused, parts in FUSED_PARTS.items():
+            name = prefix + fused
+            shards = [by_slot.get(prefix + part) for part in parts]
+            if all(s is None for s in shards):
+                continue
+            if any(s is None for s in shards):
+                missing = [prefix + p for p, s in zip(parts, shards) if s is None]
+                raise ValueError(f"{rank_layout}: cannot build {name}: "
+                                 f"the rank holds some of its parts but not {missing}")
+            views[name] = _fused_view(name, shards, buffers, rank_layout)
+    return views
+
+
+def _fused_view(name: str, parts: list[Shard], buffers: Mapping[str, torch.Tensor],
+                rank_layout: RankLayout) -> torch.Tensor:
+    first = parts[0]
+    for prev, shard in zip(parts, parts[1:]):
+        problem = None
+        if shard.dtype != first.dtype:
+            problem = f"{shard.slot} is {shard.dtype}, {first.slot} is {first.dtype}"
+        elif shard.local_shape[1:] != first.local_shape[1:]:
+            problem = (f"{shard.slot} has trailing dims {shard.local_shape[1:]}, "
+                       f"{first.slot} {first.local_shape[1:]}")
+        elif shard.buffer_offset != prev.buffer_offset + prev.local_numel:
+            problem = (f"{shard.slot} starts at element {shard.buffer_offset} of the {shard.dtype} buffer, "
+                       f"not right after {prev.slot} (ends at {prev.buffer_offset + prev.local_numel})")
+        if problem:
+            raise ValueError(f"{rank_layout}: {name} cannot be one view of the buffer ({problem}); "
+                             "refusing to copy")
+    for shard in parts:
+        if shard.sizes != shard.local_shape:
+            raise ValueError(f"{rank_layout}: {name} cannot be one view: {shard.slot} is padded "
+                             f"(box {shard.sizes} in local {shard.local_shape}); refusing to copy")
+    rows = sum(s.local_shape[0] for s in parts)
+    numel = sum(s.local_numel for s in parts)
+    flat = buffers[first.dtype]
+    return flat[first.buffer_offset:first.buffer_offset + numel].view((rows,) + tuple(first.local_shape[1:]))
+
+
+# -- binding -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BindReport:
+    """What :func:`bind_module` did.
+
+    ``bound``: module parameter names now aliasing a shard tensor. ``unbound``: module parameters
+    left as they were (mapped to ``None``, or with no tensor under ``strict=False``).
+    ``unused_slots``: tensors no parameter took (fused parts under their own names, a head the
+    module ties to its embedding, ...).
+    """
+
+    bound: tuple[str, ...]
+    unbound: tuple[str, ...]
+    unused_slots: tuple[str, ...]
+
+
+def _resolver(name_map: object) -> Callable[[str], str | None]:
+    if name_map is None:
+        return lambda name: name
+    if isinstance(name_map, Mapping):
+        return lambda name: name_map.get(name, name)
+    if callable(name_map):
+        return name_map  # type: ignore[return-value]
+    raise ValueError(f"name_map must be a mapping, a callable or None, got {type(name_map).__name__}")
+
+
+def bind_module(module: nn.Module, tensors: Mapping[str, torch.Tensor], *,
+                name_map: "Mapping[str, str | None] | Callable[[str], str | None] | None" = None,
+                strict: bool = True) -> BindReport:
+    """Make ``module``'s parameters alias ``tensors`` (``param.data = tensor``): zero-copy.
+
+    Parameters come from ``module.named_parameters()`` (a tied weight once, under its first
+    name). Each one's slot is ``name_map(name)`` for a callable, ``name_map.get(name, name)``
+    for a mapping (names absent from it keep their own), or its own name; ``None`` means "not
+    from the shards" and leaves the parameter as it is (reported in ``unbound``).
+
+    The tensor must have exactly the parameter's shape, dtype and device (``ValueError`` naming
+    the parameter and both shapes/dtypes/devices: nothing is reshaped or cast). With
+    ``strict=True`` every parameter not mapped to ``None`` must find its tensor; with
+    ``strict=False`` those without one are reported in ``unbound``. Every check runs before any
+    parameter changes: a failing bind leaves the module exactly as it was.
+
+    The Parameter objects stay the same (only their data changes), so optimizer state keyed by
+    them stays valid across rebinds, and in-place updates (optimizer steps) write into the
+    worker's buffers. A module on the meta device cannot be rebound this way: materialise it
+    first (``module.to_empty(device=...)``).
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"bind_module needs an nn.Module, got {type(module).__name__}")
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"bind_module needs a mapping slot name -> tensor, got {type(tensors).__name__}")
+    resolve = _resolver(name_map)
+    plan: list[tuple[str, nn.Parameter, str, torch.Tensor]] = []
+    unbound, missing, problems = [], [], []
+    for name, param in module.named_parameters():
+        slot = resolve(name)
+        if slot is None:
+            unbound.append(name)
+            continue
+        if not isinstance(slot, str):
+            raise ValueError(f"name_map gave {slot!r} for parameter {name!r}; expected a slot name or None")
+        tensor = tensors.get(slot)
+        if tensor is None:
+            missing.append(name if slot == name else f"{name} (-> {slot})")
+            unbound.append(name)
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensors[{slot!r}] is a {type(tensor).__name__}, not a tensor")
+        where = name if slot == name else f"{name} (slot {slot})"
+        if tuple(tensor.shape) != tuple(param.shape):
+            problems.append(f"parameter {where}: module shape {tuple(param.shape)}, shard shape {tuple(tensor.shape)}")
+        elif tensor.dtype != param.dtype:
+            problems.append(f"parameter {where}: module dtype {param.dtype}, shard dtype {tensor.dtype}")
+        elif tensor.device != param.device:
+            problems.append(f"parameter {where}: module device {param.device}, shard device {tensor.device}")
+        else:
+            plan.append((name, param, slot, tensor))
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError("cannot bind the module: " + "; ".join(problems[:5]) + more)
+    if strict and missing:
+        known = sorted(tensors)[:5]
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"cannot bind the module: no shard tensor for parameters {missing[:5]}{more} "
+                         f"(slots look like {known}...); give a name_map, map them to None, or strict=False")
+    for _, param, _, tensor in plan:
+        param.data = tensor
+    used = {slot for _, _, slot, _ in plan}
+    return BindReport(bound=tuple(name for name, _, _, _ in plan), unbound=tuple(unbound),
+                      unused_slots=tuple(slot for slot in tensors if slot not in used))
+
+
+def layer_name_map(rank_layout: RankLayout, local_prefix: str = "model.layers.", *,
+                   slot_prefix: str = "model.layers.") -> Callable[[str], str]:
+    """Name map for a module numbering its layers locally ``0..k-1`` on a pipeline stage.
+
+    ``{local_prefix}{i}.{rest}`` -> ``{slot_prefix}{first + i}.{rest}``, ``first`` being the first
+    global layer of the rank's stage (Megatron's convention; vLLM keeps global indices and needs
+    no map). Other names are unchanged. A local index outside the stage's ``k`` layers raises
+    ``ValueError`` (the module was built for another split).
+
+    Example:
+        >>> from realloc import Layout, ModelSpec, Topology
+        >>> rank = Layout(ModelSpec.preset("tiny"), Topology(pp=2)).at(1)
+        >>> m = layer_name_map(rank)
+        >>> m("model.layers.0.mlp.up_proj.weight"), m("lm_head.weight")
+        ('model.layers.2.mlp.up_proj.weight', 'lm_head.weight')
+    """
+    if not isinstance(rank_layout, RankLayout):
+        raise ValueError(f"expected a realloc RankLayout (layout.at(rank)), got {type(rank_layout).__name__}")
+    layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
+    pattern = re.compile(re.escape(local_prefix) + r"(\d+)\.(.+)$")
+
+    def to_slot(name: str) -> str:
+        match = pattern.match(name)
+        if not match:
+            return name
+        local = int(match.group(1))
+        if not 0 <= local < len(layers):
+            raise ValueError(f"{name}: local layer {local} but {rank_layout} holds {len(layers)} layers "
+                             f"({layers.start}..{layers.stop - 1})")
+        return f"{slot_prefix}{layers[local]}.{match.group(2)}"
+
+    return to_slot
