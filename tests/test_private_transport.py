@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 TIMEOUT_S = 10.0
 
 
-def _spawn(fn, n: int, *args, timeout_s: float = 30.0) -> None:
+def _spawn(fn, n: int, *args, timeout_s: float = 60.0) -> None:
     """Run ``fn(rank, port, n, *args)`` in ``n`` spawned processes; fail on any error or timeout."""
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
