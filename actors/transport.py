@@ -1,18 +1,33 @@
-"""Point-to-point transport between the workers of one group: one torch.distributed process group.
+"""Point-to-point transport between the workers of one world: a private torch.distributed group.
 
 NCCL when the worker's buffers live on a GPU, gloo otherwise; the calls are the same
-(``batch_isend_irecv``), so CPU CI runs every line here except the device-specific setup.
-One process group per model group and generation (re-created only after a failure), never one
-per step or per pair: NCCL opens a connection per peer pair lazily inside that one communicator.
+(``communicator.exchange``: send and receive posted together), so CPU CI runs every line here
+except the device-specific setup. One process group per world and generation (re-created only
+after a failure or when the set of actors changes), never one per step or per pair.
+
+The group is *private* (``actors/communicator.py``, built like vLLM's stateless process groups):
+a ``ProcessGroup`` on a ``PrefixStore(prefix, store)`` with a gloo or NCCL backend registered
+on it, never registered in torch's global state. So the worker process stays free for user code
+that owns torch.distributed's default group (Megatron, FSDP, a vLLM engine): the transport never
+calls ``init_process_group``/``destroy_process_group``, and the user's calls to them leave it
+working. Two transports (two worlds, e.g. two model groups) can live in one process.
+
+Measured here (``python benchmarks/transport_construction.py``, gloo, 2 and 4 processes on this
+2-core machine; numbers in docs/architecture.md, "Private transport"): constructing a private
+group costs about what ``init_process_group`` or ``new_group`` costs, and one 64 MiB exchange
+moves as fast over it as over a registered group: the backend is the same object either way.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
+
+from actors import communicator
 
 
 def host_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -40,49 +55,44 @@ def backend_for(device: torch.device) -> str:
 
 
 class Transport:
-    """This worker's membership in the group's process group."""
+    """This worker's membership in a world's private process group (``self.pg``)."""
 
     def __init__(self, store_addr: str, store_port: int, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float, store: dist.TCPStore | None = None):
+                 timeout_s: float, store: dist.TCPStore | None = None, *, prefix: str = "realloc"):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend = backend_for(device)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.prefix = prefix
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(store_addr, store_port, world_size, is_master=False, timeout=timeout)
         # gloo binds its data sockets to the interface of the hostname unless told otherwise; on
         # hosts whose name resolves to 127.0.0.1 that breaks multi-node, so pin the node's NIC.
-        ifname = _interface_of(ray_node_ip())
+        ip = ray_node_ip()
+        ifname = _interface_of(ip) if ip else None
         if ifname:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         for key, value in process_group_environment(self.backend).items():
             os.environ.setdefault(key, value)
-        kwargs = {"device_id": device} if self.backend == "nccl" else {}
-        dist.init_process_group(backend=self.backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, **kwargs)
+        self.pg = communicator.private_group(store, prefix, rank, world_size, device, timeout_s)
         self.store = store
 
     def exchange(self, send: tuple[int, torch.Tensor] | None, recv: tuple[int, torch.Tensor] | None) -> list:
         """Post one send and/or one receive together; returns the requests to wait on."""
-        ops = []
-        if send is not None:
-            ops.append(dist.P2POp(dist.isend, send[1], send[0]))
-        if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv[1], recv[0]))
-        return dist.batch_isend_irecv(ops) if ops else []
+        return communicator.exchange(self.pg, self.device, send, recv)
 
     def barrier(self) -> None:
-        dist.barrier()
+        communicator.barrier(self.pg, self.device)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        pg, self.pg = self.pg, None
+        communicator.close(pg)
 
 
-def ray_node_ip() -> str:
-    import ray
-
+def ray_node_ip() -> str | None:
+    """This node's Ray IP inside a Ray worker; None elsewhere (the transport does not need Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
     return ray.util.get_node_ip_address()
 
 

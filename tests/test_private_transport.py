@@ -1,0 +1,252 @@
+"""The private transport (actors/communicator.py, actors/transport.py) beside user code that owns
+torch.distributed's default group. Pure torch, no Ray: processes from torch.multiprocessing spawn
+over gloo, one TCPStore opened by the test on an OS-chosen port; every wait has a timeout."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from actors import communicator
+from actors.communicator import Communicators, private_group
+from actors.transport import Transport
+
+CPU = torch.device("cpu")
+TIMEOUT_S = 10.0
+
+
+def _spawn(fn, n: int, *args, timeout_s: float = 60.0) -> None:
+    """Run ``fn(rank, port, n, *args)`` in ``n`` spawned processes; fail on any error or timeout."""
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.start_processes(_entry, args=(fn, store.port, n, args), nprocs=n, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.05, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"{fn.__name__} over {n} processes did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _entry(rank: int, fn, port: int, n: int, args) -> None:
+    torch.set_num_threads(1)
+    fn(rank, port, n, *args)
+
+
+def _client(port: int, n: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def _payload(sender: int, receiver: int, dtype: torch.dtype) -> torch.Tensor:
+    """What ``sender`` sends ``receiver``: the size and values depend on both, so a mix-up shows."""
+    numel = 1000 + 337 * sender + 101 * receiver
+    return (torch.arange(numel, dtype=torch.float64) % 97 + 1000 * sender + receiver).to(dtype)
+
+
+def _swap(pg, rank: int, send_to: int | None, recv_from: int | None, dtype: torch.dtype) -> None:
+    send = (send_to, _payload(rank, send_to, dtype)) if send_to is not None else None
+    expected = _payload(recv_from, rank, dtype) if recv_from is not None else None
+    into = torch.empty_like(expected) if expected is not None else None
+    works = communicator.exchange(pg, CPU, send, (recv_from, into) if recv_from is not None else None)
+    for w in works:
+        w.wait()
+    if expected is not None:
+        assert torch.equal(into, expected), f"rank {rank} received wrong data from {recv_from} ({dtype})"
+
+
+def _user_default_group(rank: int, store: dist.Store, n: int) -> None:
+    """What a trainer does: its own default group (through MASTER_ADDR-free store init)."""
+    dist.init_process_group("gloo", store=dist.PrefixStore("user", store), rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    assert t.item() == n * (n + 1) / 2
+    gathered = [torch.zeros(1) for _ in range(n)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]))
+    assert [g.item() for g in gathered] == list(range(n))
+
+
+# -- exchange ------------------------------------------------------------------------------------
+
+def _exchange_worker(rank: int, port: int, n: int) -> None:
+    pg = private_group(_client(port, n), "exchange", rank, n, CPU, TIMEOUT_S)
+    assert not dist.is_initialized()
+    for a, b in ((0, 1), (1, 2), (0, 2)):  # every pair sends to each other at the same time
+        if rank in (a, b):
+            peer = b if rank == a else a
+            for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+                _swap(pg, rank, peer, peer, dtype)
+    for dtype in (torch.float16, torch.int32):
+        _swap(pg, rank, (rank + 1) % n, (rank - 1) % n, dtype)  # a ring, uneven sizes
+    if rank == 0:  # send only / receive only
+        _swap(pg, rank, 2, None, torch.float32)
+    elif rank == 2:
+        _swap(pg, rank, None, 0, torch.float32)
+    assert communicator.exchange(pg, CPU, None, None) == []
+    with pytest.raises(ValueError, match="send peer"):
+        communicator.exchange(pg, CPU, (n, torch.zeros(1)), None)
+    communicator.barrier(pg, CPU)
+    communicator.close(pg)
+    assert not dist.is_initialized()
+
+
+def test_exchange_pairs_ring_and_one_way():
+    _spawn(_exchange_worker, 3)
+
+
+# -- user code owns the default group ------------------------------------------------------------
+
+def _user_before_worker(rank: int, port: int, n: int) -> None:
+    store = _client(port, n)
+    _user_default_group(rank, store, n)
+    pg = private_group(store, "after-user", rank, n, CPU, TIMEOUT_S)
+    _swap(pg, rank, 1 - rank, 1 - rank, torch.float32)
+    _user_default_group_collectives(rank, n)
+    _swap(pg, rank, 1 - rank, 1 - rank, torch.bfloat16)
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+    _swap(pg, rank, 1 - rank, 1 - rank, torch.int64)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pg)  # collectives through torch's API take the private group too
+    assert t.item() == n
+    communicator.barrier(pg, CPU)
+
+
+def _user_default_group_collectives(rank: int, n: int) -> None:
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    assert t.item() == n
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=1)
+    assert b.item() == 1.0
+
+
+def _user_after_worker(rank: int, port: int, n: int) -> None:
+    store = _client(port, n)
+    pg = private_group(store, "before-user", rank, n, CPU, TIMEOUT_S)
+    _swap(pg, rank, 1 - rank, 1 - rank, torch.float32)
+    _user_default_group(rank, store, n)
+    _swap(pg, rank, 1 - rank, 1 - rank, torch.float16)
+    _user_default_group_collectives(rank, n)
+    dist.destroy_process_group()
+    _swap(pg, rank, 1 - rank, 1 - rank, torch.uint8)
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, group=pg, group_src=0)
+    assert b.item() == 0.0
+    # the user can form a default group again; ours still works
+    _user_default_group(rank, dist.PrefixStore("again", store), n)
+    _swap(pg, rank, 1 - rank, 1 - rank, torch.int32)
+    dist.destroy_process_group()
+    communicator.barrier(pg, CPU)
+
+
+def test_user_default_group_formed_before_the_private_group():
+    _spawn(_user_before_worker, 2)
+
+
+def test_user_default_group_formed_and_destroyed_after_the_private_group():
+    _spawn(_user_after_worker, 2)
+
+
+# -- Communicators -------------------------------------------------------------------------------
+
+def _communicators_worker(rank: int, port: int, n: int) -> None:
+    comms = Communicators(_client(port, n), rank, n, CPU, TIMEOUT_S, generation="gen0")
+    everyone = comms.group((0, 1, 2, 3))
+    assert comms.created == 1 and everyone.size() == n and everyone.rank() == rank
+    half = (0, 1) if rank < 2 else (2, 3)  # two disjoint groups, created at the same time
+    for _ in range(3):  # alternating layouts: only the first round creates communicators
+        pg = comms.group(half)
+        assert pg.size() == 2 and pg.rank() == comms.group_rank(half, rank) == rank % 2
+        _swap(pg, pg.rank(), 1 - pg.rank(), 1 - pg.rank(), torch.float32)
+        assert comms.group(tuple(reversed(half))) is pg  # cached by the sorted rank tuple
+        assert comms.group(list(range(n))) is everyone
+        _swap(everyone, rank, (rank + 1) % n, (rank - 1) % n, torch.bfloat16)
+    assert comms.created == 2
+    other = (2, 3) if rank < 2 else (0, 1)
+    with pytest.raises(ValueError, match="not a member"):
+        comms.group(other)
+    with pytest.raises(ValueError, match="must not repeat"):
+        comms.group((rank, rank))
+    with pytest.raises(ValueError, match=r"in \[0, 4\)"):
+        comms.group((rank, 4))
+    with pytest.raises(ValueError, match="non-empty"):
+        comms.group(())
+    assert comms.created == 2
+    # a group over three of the four ranks: rank 3 stays out and is not needed
+    if rank < 3:
+        trio = comms.group((0, 1, 2))
+        t = torch.ones(1)
+        dist.all_reduce(t, group=trio)
+        assert t.item() == 3
+    communicator.barrier(everyone, CPU)
+    comms.close()
+    with pytest.raises(ValueError, match="closed"):
+        comms.group(half)
+    assert not dist.is_initialized()
+
+
+def test_communicators_cache_disjoint_groups_and_refuse_non_members():
+    _spawn(_communicators_worker, 4)
+
+
+def test_input_checks_name_what_was_wrong():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    for kwargs, what in (({"rank": 2}, "rank"), ({"size": 0}, "size"), ({"timeout_s": 0}, "timeout_s"),
+                         ({"prefix": ""}, "prefix"), ({"device": "cpu"}, "device"), ({"store": None}, "store")):
+        args = {"store": store, "prefix": "p", "rank": 0, "size": 1, "device": CPU, "timeout_s": 5.0} | kwargs
+        with pytest.raises(ValueError, match=what):
+            private_group(**args)
+    with pytest.raises(ValueError, match="generation"):
+        Communicators(store, 0, 1, CPU, 5.0, generation="")
+    with pytest.raises(ValueError, match="rank"):
+        Communicators(store, 1, 1, CPU, 5.0, generation="g")
+    comms = Communicators(store, 0, 1, CPU, 5.0, generation="g")
+    solo = comms.group((0,))
+    assert solo.size() == 1 and comms.created == 1
+    with pytest.raises(ValueError, match="ranks must be"):
+        comms.group(0)
+    comms.close()
+    assert not dist.is_initialized()
+
+
+# -- Transport: two worlds in one process --------------------------------------------------------
+
+def _two_worlds_worker(rank: int, port: int, n: int) -> None:
+    # the worker-side signature: address and port of the store, no store object on these ranks
+    a = Transport("127.0.0.1", port, rank, n, CPU, TIMEOUT_S, prefix="world-a")
+    b = Transport("127.0.0.1", port, rank, n, CPU, TIMEOUT_S, store=a.store, prefix="world-b")
+    assert a.backend == b.backend == "gloo" and a.store is b.store
+    assert not dist.is_initialized()
+    peer = 1 - rank
+    for dtype in (torch.float32, torch.bfloat16):
+        for t in (a, b, a):
+            send, into = _payload(rank, peer, dtype), torch.empty_like(_payload(peer, rank, dtype))
+            for w in t.exchange((peer, send), (peer, into)):
+                w.wait()
+            assert torch.equal(into, _payload(peer, rank, dtype))
+    a.barrier()
+    b.barrier()
+    a.close()
+    a.close()  # idempotent
+    send, into = torch.full((64,), rank), torch.empty(64, dtype=torch.int64)
+    for w in b.exchange((peer, send), (peer, into)):  # world b outlives world a
+        w.wait()
+    assert torch.equal(into, torch.full((64,), peer))
+    b.barrier()
+    b.close()
+    assert not dist.is_initialized()
+
+
+def test_transport_two_worlds_in_one_process_never_touch_the_default_group():
+    _spawn(_two_worlds_worker, 2)
