@@ -45,6 +45,11 @@ def host_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
 NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
+def connect_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A client of a store :func:`host_store` opened (every member but the host)."""
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def process_group_environment(backend: str) -> dict[str, str]:
     """Environment variables the transport sets (unless the user did) before creating a group."""
     return dict(NCCL_ENVIRONMENT) if backend == "nccl" else {}
@@ -62,9 +67,8 @@ class Transport:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend = backend_for(device)
         self.prefix = prefix
-        timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
-            store = dist.TCPStore(store_addr, store_port, world_size, is_master=False, timeout=timeout)
+            store = connect_store(store_addr, store_port, world_size, timeout_s)
         # gloo binds its data sockets to the interface of the hostname unless told otherwise; on
         # hosts whose name resolves to 127.0.0.1 that breaks multi-node, so pin the node's NIC.
         ip = ray_node_ip()

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from actors import HookError, ModelGroup, ShardWorker
-from realloc import Topology
 from realloc.spec import decoder_spec
 
 from simulated import simulated_cluster
@@ -163,11 +162,11 @@ def test_real_llama_trains_in_one_layout_and_generates_in_another(cluster, train
     pp stages), reallocated to a generation layout with another tp, greedy-decoded, moved back
     and trained on. Weights bit-exact across every move; tokens equal the single-process
     reference's; logits and weights close to it."""
-    report = rlhf_loop.run_loop(train, generate, iterations=2, steps=2, name=f"llama-{train}", log=print)
+    report = rlhf_loop.run_loop(train, generate, iterations=3, steps=2, name=f"llama-{train}", log=print)
     assert report.ok, report.failures
-    assert report.iterations == 2 and report.weights_bit_exact_after_moves and report.tokens_identical
+    assert report.iterations == 3 and report.weights_bit_exact_after_moves and report.tokens_identical
     assert report.max_logit_diff < 1e-3, report.max_logit_diff
-    assert report.max_weight_diff_vs_reference < 1e-4, report.max_weight_diff_vs_reference
+    assert report.max_weight_diff_vs_reference < 5e-4, report.max_weight_diff_vs_reference
     for loss, ref_loss in report.losses:
         assert abs(loss - ref_loss) < 1e-4
     assert report.losses[-1][0] < report.losses[0][0]  # it learns
