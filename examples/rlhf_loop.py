@@ -153,7 +153,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 def run_loop(train: str = "dp=2,tp=2", generate: str = "dp=1,tp=4", iterations: int = 2, steps: int = 2,
              prompts: int = 4, new_tokens: int = 6, name: str = "rlhf-policy", timeout_s: float = 120,
-             log=print) -> LoopReport:
+             log=print, worker_cls: type = LlamaWorker) -> LoopReport:
     """The loop on a running Ray; returns what it measured (``report.ok``: every check passed)."""
     report = LoopReport(train, generate)
     spec = CONFIG.spec()
@@ -164,7 +164,7 @@ def run_loop(train: str = "dp=2,tp=2", generate: str = "dp=1,tp=4", iterations: 
             p.copy_(init[n])
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
 
-    policy = ModelGroup.create(spec, train, name=name, worker_cls=LlamaWorker, timeout_s=timeout_s)
+    policy = ModelGroup.create(spec, train, name=name, worker_cls=worker_cls, timeout_s=timeout_s)
     try:
         policy.load_state_dict(init)
         policy.call("setup", asdict(CONFIG), train, LR)

@@ -170,3 +170,21 @@ def test_real_llama_trains_in_one_layout_and_generates_in_another(cluster, train
     for loss, ref_loss in report.losses:
         assert abs(loss - ref_loss) < 1e-4
     assert report.losses[-1][0] < report.losses[0][0]  # it learns
+
+
+class CorruptingWorker(rlhf_loop.LlamaWorker):
+    """Flips one weight of one rank whenever it arrives in the generation layout: what a wrong
+    shard would look like. The loop must notice (no silent wrong weights)."""
+
+    def on_shards_changed(self, ctx, change) -> None:
+        if ctx.topology.tp == 4 and ctx.rank == 2:
+            ctx.tensors["model.layers.1.mlp.down_proj.weight"][0, 0] += 0.5
+        super().on_shards_changed(ctx, change)
+
+
+def test_real_llama_loop_catches_a_wrong_weight(cluster):
+    report = rlhf_loop.run_loop("dp=2,tp=2", "dp=1,tp=4", iterations=1, steps=1, name="llama-corrupt",
+                                worker_cls=CorruptingWorker, log=print)
+    assert not report.ok and not report.weights_bit_exact_after_moves
+    assert any("weights changed moving dp=2,tp=2 -> dp=1,tp=4" in f for f in report.failures), report.failures
+    assert report.max_logit_diff > 1e-3
