@@ -13,6 +13,7 @@ Example (a running group)::
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import defaultdict
@@ -29,12 +30,15 @@ from actors.executor import PeerView
 from actors.remote import fire, gather
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
-from realloc.ckpt.hf import DEFAULT_MAX_SHARD_BYTES, export_state, match_spec, save_hf_dir, scan_hf_dir
+from realloc.ckpt.hf import (CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, GENERATION_CONFIG_FILE, begin_hf_dir,
+                              check_max_shard_bytes, finish_hf_dir, match_spec, scan_hf_dir)
+from realloc.ckpt.hf_export import assign_writers, check_reported
 from realloc.ckpt.local_store import NodeStore, default_root
 from realloc.ckpt.manifest import Manifest, check_iteration, check_run_id, param_table
 from realloc.ckpt.replication import (cliques, file_table, files_read_by, rank_of, replication_groups,
                                       retrieval_groups)
 from realloc.ckpt.reshard import assign_readers, reshard_groups
+from realloc.hf_config import canonical_json, check_config_fits, generation_config_of, hf_config_of
 from realloc.plan import Plan
 from realloc.planner import plan_exchange
 
@@ -82,6 +86,28 @@ class LoadStats:
     corrupt_copies: list[str] = field(default_factory=list)
     max_reader_bytes: int = 0
     install_seconds: float = 0.0  # slowest worker: checksum and install after the transfers
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class HFExportStats:
+    """What one :meth:`CheckpointManager.export_hf` did. ``files``: per weight file, in index
+    order, ``{name, bytes, sha256, tensors, writer, node}`` as its writer reported it."""
+
+    path: str
+    files: list[dict]
+    writers: list[int]
+    plan_seconds: float
+    exchange_seconds: float  # transfers and the writers' file writes
+    write_seconds: float  # slowest writer's file writes
+    total_seconds: float
+    bytes_written: int
+    bytes_local: int
+    bytes_intra_node: int
+    bytes_inter_node: int
+    max_writer_bytes: int
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -147,6 +173,7 @@ class CheckpointManager:
         self.timeout_s = float(timeout_s) if timeout_s is not None else max(group.timeout_s, MIN_IO_TIMEOUT_S)
         self._pending: SaveHandle | None = None
         self._last_saved: int | None = None
+        self.last_hf_export: HFExportStats | None = None
 
     # -- paths -----------------------------------------------------------------------------
     def node_dir(self, node: str) -> Path:
@@ -441,18 +468,69 @@ class CheckpointManager:
                                 timeout_s=self.timeout_s)
         return {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
 
-    def export_hf(self, path: "str | Path", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
-        """Write the model as a HF safetensors directory (from dp replica 0; tied head left out).
+    def export_hf(self, path: "str | Path", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                  config: "dict | None" = None, generation_config: "dict | None" = None, *,
+                  writers: int | None = None) -> list[Path]:
+        """Write the model as a HF directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+        Written: the weight files (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+        of at most ``max_shard_bytes`` tensor bytes each plus ``model.safetensors.index.json``),
+        ``config.json`` (``config``, default :func:`~realloc.hf_config.hf_config_of` of the spec:
+        the HF config it was made from, or one derived from its parameters) and
+        ``generation_config.json`` (``generation_config``, default the config's bos/eos/pad ids;
+        none when it has none). The tied head is not written.
+
+        Each tensor is assembled whole on one writer worker (``writers`` of them, default: as many
+        as the files; :mod:`realloc.ckpt.hf_export`) by one planned exchange from the current
+        layout, and the writers write their files into ``path`` on their own nodes: with workers
+        on several nodes ``path`` must be one shared directory. The driver holds no tensor; it
+        writes the JSON files, the index last. Returns the paths written; what each writer did is
+        in :attr:`last_hf_export`.
 
         Example:
-            >>> manager.export_hf("/tmp/out", max_shard_bytes=2 << 30)  # doctest: +SKIP
+            >>> manager.export_hf("/shared/out", max_shard_bytes=2 << 30)  # doctest: +SKIP
         """
-        if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
-            raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+        check_max_shard_bytes(max_shard_bytes)
         if not isinstance(path, (str, Path)):
             raise ValueError(f"HF export directory must be a path, got {type(path).__name__}")
+        g = self.group
+        config = hf_config_of(g.spec) if config is None else check_config_fits(config, g.spec)
+        if generation_config is None:
+            generation_config = generation_config_of(config)
+        elif not isinstance(generation_config, dict):
+            raise ValueError(f"generation_config must be a dict, got {type(generation_config).__name__}")
+        else:
+            generation_config = json.loads(canonical_json(generation_config, "generation_config"))
         self._finish_pending()
-        return save_hf_dir(export_state(self.group.state_dict(), self.group.spec), path, max_shard_bytes)
+        started = time.perf_counter()
+        with g._exclusive(f"export HF checkpoint {path}"):
+            assignment = assign_writers(g.layout, g.placement, max_shard_bytes, writers)
+            plan = self._plan(g.layout.groups(), assignment.needs(), param_table(g.spec))
+            planned = time.perf_counter()
+            root = begin_hf_dir(Path(path).absolute())
+            payloads = [{"root": str(root), "arena": assignment.arena(w) if w in assignment.writers else None}
+                        for w in range(g.num_workers)]
+            try:
+                results = self._exchange(plan, "export", payloads, f"export HF checkpoint to {root}")
+            except ReallocationError as exc:
+                raise CheckpointError(f"HF export to {root} failed (no index was written): {exc}") from exc
+        exchanged = time.perf_counter()
+        reports = [f for res in results for f in res["written"]]
+        check_reported(assignment, reports)
+        order = [f.name for f in assignment.files]
+        reports.sort(key=lambda f: order.index(f["name"]))
+        extra = {CONFIG_FILE: config, **({GENERATION_CONFIG_FILE: generation_config} if generation_config else {})}
+        written = [root / f["name"] for f in reports]
+        written += finish_hf_dir(root, order, assignment.weight_map(), g.spec.total_bytes(), extra)
+        self.last_hf_export = HFExportStats(
+            path=str(root), files=reports, writers=assignment.writers, plan_seconds=planned - started,
+            exchange_seconds=exchanged - planned, write_seconds=max(res["finish_seconds"] for res in results),
+            total_seconds=time.perf_counter() - started, bytes_written=sum(f["bytes"] for f in reports),
+            bytes_local=sum(r["bytes"]["local"] for r in results),
+            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
+            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+            max_writer_bytes=max(assignment.loads().values()))
+        return written
 
     # -- plumbing --------------------------------------------------------------------------
     def _plan(self, holdings, needs, params) -> Plan:
@@ -462,13 +540,14 @@ class CheckpointManager:
 
     def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str) -> list[dict]:
         """Run a checkpoint plan on every worker. ``restore``/``reshard`` write new weights, so they
-        run as one operation of the protocol (prepare, exchange, commit, or abort everywhere)."""
+        run as one operation of the protocol (prepare, exchange, commit, or abort everywhere);
+        ``replicate``/``export`` only read them."""
         g = self.group
         world = g._ensure_world([g])
         peers = [PeerView(world.rank_of(a), g.placement.nodes[i], None, None) for i, a in enumerate(g.actors)]
         plan.validate(g.num_workers)
         plan_ref = ray.put(plan)
-        if mode == "replicate":
+        if mode in ("replicate", "export"):  # no weights change: no operation
             refs = [a.ckpt_exchange.remote(None, world.id, plan_ref, i, peers, mode, payloads[i])
                     for i, a in enumerate(g.actors)]
             try:

@@ -187,23 +187,31 @@ class CheckpointMixin:
 
         ``mode``: ``"replicate"`` (send my new file, write the files I receive to my node; no
         operation: the save's own clean-up undoes a failure), ``"restore"`` (receive my own rank
-        file, check it and unpack it into the destination buffers of operation ``op_id``) or
-        ``"reshard"`` (receive my shards of the current layout into those buffers). Restore and
-        reshard never touch the current weights: the driver commits or aborts ``op_id`` afterwards.
+        file, check it and unpack it into the destination buffers of operation ``op_id``),
+        ``"reshard"`` (receive my shards of the current layout into those buffers) or ``"export"``
+        (send from my current weights; a writer of a HF export receives its whole tensors straight
+        into the bytes of its safetensors files, ``payload["arena"]``, and writes them atomically
+        into ``payload["root"]``; no operation: the weights are only read). Restore and reshard
+        never touch the current weights: the driver commits or aborts ``op_id`` afterwards.
         """
         started = time.perf_counter()
         state = self._ckpt()
         self._check_world(world_id)
-        op = self._current_op(op_id) if mode != "replicate" else None
+        op = self._current_op(op_id) if mode in ("restore", "reshard") else None
         try:
             if mode == "replicate":
                 job = state.saves[payload["iteration"]]
                 src = boxes_store({(file_param(self.rank), (0,), (job.data.numel(),)): job.data})
+            elif mode == "export":
+                src = self._store_now()
             else:
                 src = boxes_store(state.sources) if state.sources else None
             incoming: dict[int, Manifest] = payload.get("incoming", {})
+            arena = payload.get("arena")
             if mode == "reshard":
                 dst = op.store()
+            elif mode == "export":
+                data, dst = arena.allocate(self.device) if arena is not None else (None, None)
             else:
                 dst = boxes_store({(file_param(r), (0,), (m.file_bytes,)): torch.zeros(m.file_bytes, dtype=torch.uint8)
                                    for r, m in incoming.items()}) if incoming else None
@@ -219,7 +227,11 @@ class CheckpointMixin:
                 torch.cuda.synchronize(self.device)
             exchanged = time.perf_counter()
             local = any(worker == me for worker, _ in plan.local_copies)
-            written = self._finish_exchange(mode, payload, incoming, dst, op, local)
+            if mode == "export":
+                written = [] if arena is None else [{**f, "writer": self.rank, "node": self.node_id}
+                                                    for f in arena.write(data, payload["root"])]
+            else:
+                written = self._finish_exchange(mode, payload, incoming, dst, op, local)
         finally:
             state.sources.clear()
             if mode == "replicate":

@@ -7,6 +7,7 @@ matching ``transformers`` config class uses, so the spec matches the checkpoint'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -93,7 +94,143 @@ def spec_from_hf_config(
     )
     if attention_bias or mlp_bias:
         spec = _with_biases(spec, attention=attention_bias, mlp=mlp_bias)
-    return spec
+    return dataclasses.replace(spec, hf_config_json=canonical_json(config, source))
+
+
+# -- writing: the config of a spec ----------------------------------------------------------
+
+#: What a config derived from a spec (no HF config remembered) uses for what the parameters do not
+#: say. These are transformers' own defaults for Llama, Qwen2 and Qwen3 (``LlamaConfig()`` etc.),
+#: except ``max_position_embeddings``: Llama's class default (2048) applies to llama, 32768 to Qwen.
+DERIVED_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "initializer_range": 0.02}
+MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+#: Config keys copied into generation_config.json (transformers' ``GenerationConfig.from_model_config``).
+GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def canonical_json(config: Mapping[str, Any], source: str = "HF config") -> str:
+    """``config`` as canonical JSON text: sorted keys, no spaces (what a spec remembers)."""
+    try:
+        return json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source} is not plain JSON data: {exc}") from None
+
+
+def hf_config_of(spec: ModelSpec) -> dict[str, Any]:
+    """The HF ``config.json`` of ``spec``, for an export that ``from_pretrained`` loads as it is.
+
+    A spec made from a HF config returns that config, with ``torch_dtype`` set to the dtype the
+    weights are written in (the spec's, which ``dtype=`` may have overridden). Other specs
+    (presets, :func:`~realloc.spec.decoder_spec`) get a ``llama``, ``qwen2`` (q/k/v biases without
+    an o bias) or ``qwen3`` (q/k norms) config derived from their parameters, with
+    :data:`DERIVED_DEFAULTS` for what parameters do not tell. ``ValueError`` when the spec is not
+    one of these decoders (then pass the config explicitly to the export).
+
+    Example:
+        >>> from realloc.spec import decoder_spec
+        >>> c = hf_config_of(decoder_spec("m", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+        ...                                vocab=100, tied=True))
+        >>> c["model_type"], c["num_key_value_heads"], c["head_dim"], c["tie_word_embeddings"]
+        ('llama', 2, 16, True)
+    """
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"hf_config_of needs a realloc.ModelSpec, got {type(spec).__name__}")
+    if spec.hf_config_json is not None:
+        config = json.loads(spec.hf_config_json)
+        config.pop("dtype", None)  # newer transformers write "dtype"; one key says it
+        config["torch_dtype"] = _weights_dtype(spec)
+        return config
+    config = _derived_config(spec)
+    check_config_fits(config, spec)  # the derivation describes exactly these parameters
+    return config
+
+
+def check_config_fits(config: Mapping[str, Any], spec: ModelSpec) -> dict[str, Any]:
+    """``config`` as a plain dict if it describes ``spec``'s parameters (names and shapes; dtypes
+    may differ), else ``ValueError`` saying what differs."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"HF config must be a dict, got {type(config).__name__}")
+    described = spec_from_hf_config(config)
+    ours = {p.name: tuple(p.shape) for p in spec.params}
+    theirs = {p.name: tuple(p.shape) for p in described.params}
+    if ours != theirs or described.aliases != spec.aliases:
+        from realloc.spec import describe_difference
+
+        detail = describe_difference(ours, theirs, f"model {spec.name!r}", "the config") or \
+            f"tied aliases {spec.aliases} vs {described.aliases}"
+        raise ValueError(f"HF config does not describe model {spec.name!r}: {detail}")
+    return json.loads(canonical_json(config))
+
+
+def generation_config_of(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``generation_config.json`` for ``config``: its token ids, as transformers'
+    ``GenerationConfig.from_model_config`` takes them; ``None`` when it has none.
+
+    Example:
+        >>> generation_config_of({"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": None})
+        {'_from_model_config': True, 'bos_token_id': 1, 'eos_token_id': [2, 3]}
+    """
+    found = {k: config[k] for k in GENERATION_KEYS if config.get(k) is not None}
+    return {"_from_model_config": True, **found} if found else None
+
+
+def _weights_dtype(spec: ModelSpec) -> str:
+    """The dtype of the embedding (norms may be kept in another dtype)."""
+    embed = [p for p in spec.params if p.role == "embed"]
+    if embed:
+        return embed[0].dtype
+    by_bytes: dict[str, int] = {}
+    for p in spec.params:
+        by_bytes[p.dtype] = by_bytes.get(p.dtype, 0) + p.nbytes
+    return max(sorted(by_bytes), key=by_bytes.__getitem__)
+
+
+def _derived_config(spec: ModelSpec) -> dict[str, Any]:
+    names = spec.by_name
+
+    def shape(name: str) -> tuple[int, ...]:
+        p = names.get(name)
+        if p is None:
+            raise ValueError(f"model {spec.name!r} has no {name!r}: it is not a Llama/Qwen2/Qwen3 decoder, "
+                             "so no HF config can be derived from it (pass config= to the export)")
+        return tuple(p.shape)
+
+    vocab, hidden = shape("model.embed_tokens.weight")
+    heads = spec.num_heads
+    if heads is None:
+        raise ValueError(f"model {spec.name!r} does not record its attention heads: pass config= to the export")
+    kv_heads = spec.num_kv_heads or heads
+    layer = "model.layers.0."
+    q_rows = shape(layer + "self_attn.q_proj.weight")[0]
+    has = lambda suffix: (layer + suffix) in names  # noqa: E731
+    if has("self_attn.q_norm.weight"):
+        model_type = "qwen3"
+    elif has("self_attn.q_proj.bias") and not has("self_attn.o_proj.bias"):
+        model_type = "qwen2"
+    else:
+        model_type = "llama"
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": shape(layer + "mlp.gate_proj.weight")[0],
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": q_rows // heads,
+        "vocab_size": vocab,
+        "tie_word_embeddings": "lm_head.weight" in spec.aliases,
+        "torch_dtype": _weights_dtype(spec),
+        "max_position_embeddings": MAX_POSITIONS[model_type],
+        **DERIVED_DEFAULTS,
+    }
+    if model_type != "qwen2":
+        config["attention_bias"] = has("self_attn.q_proj.bias")
+    if model_type == "llama":
+        config["mlp_bias"] = has("mlp.gate_proj.bias")
+    return config
 
 
 # -- reading --------------------------------------------------------------------------------
@@ -215,5 +352,4 @@ def _with_biases(spec: ModelSpec, *, attention: bool, mlp: bool) -> ModelSpec:
         split_dim = 0 if kind in ("gate_proj", "up_proj") else None
         if (attention and kind == "o_proj") or (mlp and kind in ("gate_proj", "up_proj", "down_proj")):
             params.append(ParamSpec(f"{module}.bias", (p.shape[0],), p.dtype, "layer", layer=p.layer, tp_dim=split_dim))
-    return ModelSpec(spec.name, tuple(params), spec.num_layers, dict(spec.aliases),
-                     num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
+    return dataclasses.replace(spec, params=tuple(params))

@@ -118,6 +118,11 @@ class ModelSpec:
     (``model.embed_tokens.weight``). The alias is not a parameter of its own; a pipeline stage that
     holds the head but not the embedding keeps its own copy of the storage parameter.
 
+    ``hf_config_json`` is the Hugging Face ``config.json`` the spec was made from
+    (:meth:`from_hf_config`), as canonical JSON text (sorted keys, no spaces), or ``None``
+    (presets, :func:`decoder_spec`). HF export writes it back; it takes no part in equality or
+    hashing (two specs with the same parameters are the same model).
+
     Example:
         >>> spec = ModelSpec.preset("tiny")
         >>> spec.num_layers, spec.total_bytes() > 0
@@ -130,6 +135,7 @@ class ModelSpec:
     aliases: dict[str, str] = field(default_factory=dict)
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    hf_config_json: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]
