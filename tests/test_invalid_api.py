@@ -25,13 +25,14 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from actors import ModelGroup  # noqa: E402
+from actors import ModelGroup, ShardWorker  # noqa: E402
 from actors.config import GroupConfig  # noqa: E402
 from actors.errors import ReallocationError  # noqa: E402
 from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import ModelSpec, Placement, Topology  # noqa: E402
 from realloc.ckpt.errors import CheckpointError  # noqa: E402
 from realloc.ckpt.hf import save_hf_dir  # noqa: E402
+from realloc.hf_config import hf_config_of  # noqa: E402
 from realloc.layout import Layout  # noqa: E402
 from realloc.plan import Plan  # noqa: E402
 from realloc.planner import plan_reallocation  # noqa: E402
@@ -458,6 +459,22 @@ case(T, "Topology(dp=True)", lambda e: Topology(dp=True), r"topology dp must be 
 case(T, "Topology(tp=2.0)", lambda e: Topology(tp=2.0), r"topology tp must be a positive integer, got 2\.0")
 case(T, "layer_split of the wrong length", lambda e: Topology(pp=2, layer_split=(4,)),
      r"layer_split \(4,\) has 1 stages but pp=2")
+
+# your worker class and your calls (the policy's worker class is the plain ShardWorker).
+W = "worker class"
+case(W, "worker_cls object", create(worker_cls=object), r"worker_cls must be a subclass of actors\.ShardWorker")
+case(W, "worker_cls an instance", create(worker_cls=ShardWorker.__new__(ShardWorker)),
+     r"worker_cls must be a subclass of actors\.ShardWorker")
+case(W, "worker_cls redefining op_commit", create(worker_cls=type("Clash", (ShardWorker,), {"op_commit": lambda self: 0})),
+     r"worker_cls Clash redefines methods the protocol relies on: \['op_commit'\]")
+case(W, "call without a worker class", lambda e: e.policy.call("train"),
+     r"'train' is not a method of worker class ShardWorker; callable: none")
+case(W, "call a protocol method", lambda e: e.policy.call("op_commit", "x"), r"'op_commit' is not a method")
+case(W, "call a private name", lambda e: e.policy.call("_drop_op"), r"'_drop_op' is not a method")
+case(W, "call with a non-string name", lambda e: e.policy.call(len), r"is not a method of worker class")
+case(W, "call on ranks out of range", lambda e: e.policy.call("run", ranks=[0, 9]), r"not a method|not ranks")
+case(W, "export_hf config of another model",
+     lambda e: e.ckpt.export_hf(e.tmp / "x", config=hf_config_of(MINI)), r"HF config does not describe model 'tiny'")
 
 
 # -- the tests -------------------------------------------------------------------------------------

@@ -187,6 +187,7 @@ def bench(spec, src: Topology, dst: Topology, *, address: str | None = None, nod
             ours_ok = not bad and _digests_of_group(group) == src_digests
 
             group.run(_warm_imports)  # the baselines' imports (DCP: seconds per actor) are not their cost
+            open_default_group(group)  # the baselines run on the trainer's own default group, as users' do
             report["transport"] = measure_transport(group, probe_bytes)
             _log("transport: " + ", ".join(f"{k} {v:.3f}" for k, v in report["transport"].items()
                                            if k.endswith("gbps")) + " GB/s")
@@ -442,6 +443,34 @@ def source_owners(layout: Layout) -> dict[str, list[tuple[int, tuple, tuple]]]:
                 seen.add((s.param, s.offsets, s.sizes))
                 owners.setdefault(s.param, []).append((rank, s.offsets, s.sizes))
     return owners
+
+
+# -- the baselines' process group ---------------------------------------------------------------
+
+
+def open_default_group(group) -> None:
+    """torch's default process group in every worker, as a training framework creates it (the
+    baselines and the probes use it; our transport never does: it has its own private group)."""
+    addr, port = group.run(_free_address)[0]
+    group.run(_init_default_group, addr, port, group.num_workers)
+
+
+def _free_address(ctx) -> tuple[str, int]:
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def _init_default_group(ctx, addr: str, port: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=ctx.rank, world_size=world_size)
 
 
 # -- transport and memcpy probes ----------------------------------------------------------------

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-import safetensors.torch
 import torch
 from safetensors import safe_open
 
