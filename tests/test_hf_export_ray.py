@@ -22,17 +22,15 @@ from realloc.ckpt.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
 from realloc.hf_config import hf_config_of, spec_from_hf_config  # noqa: E402
 from realloc.spec import decoder_spec  # noqa: E402
 
+from simulated import simulated_cluster  # noqa: E402
+
 TOKENS = torch.tensor([[1, 5, 9, 42, 77, 3, 0, 64]])
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    # address="local": a new instance even when another cluster on this machine is the "current" one
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with simulated_cluster(nodes=1, cpus_per_node=4):  # as every Ray test module: its own cluster, torn down
+        yield
     sweep_stale_buffers()
 
 

@@ -206,6 +206,7 @@ class Arena:
     them, so each one is aligned for a typed view of the whole buffer; files start at multiples of 8.
 
     Example:
+        >>> import safetensors.torch
         >>> arena = Arena.plan([("f.safetensors", [("w", (2, 3), "float32"), ("b", (3,), "bfloat16")])])
         >>> data, store = arena.allocate()
         >>> store.write("w", (0, 0), (2, 3), torch.ones(2, 3))
