@@ -608,9 +608,9 @@ def _remote_class(config: GroupConfig, worker_cls: type = ShardWorker):
 def _check_worker_cls(worker_cls: object) -> None:
     if not isinstance(worker_cls, type) or not issubclass(worker_cls, ShardWorker):
         raise ValueError(f"worker_cls must be a subclass of actors.ShardWorker, got {worker_cls!r}"[:200])
-    clashes = sorted(n for n, v in vars(worker_cls).items()
-                     if n in _RESERVED and not n.startswith("__") and n != "on_shards_changed")
-    if worker_cls is not ShardWorker and clashes:
+    own = [c for c in worker_cls.__mro__ if c is not object and not issubclass(ShardWorker, c)]  # the user's classes
+    clashes = sorted({n for c in own for n in vars(c) if n in _RESERVED and n != "on_shards_changed"})
+    if clashes:
         raise ValueError(f"worker_cls {worker_cls.__name__} redefines methods the protocol relies on: {clashes}; "
                          "rename them (only on_shards_changed is meant to be overridden)")
 
