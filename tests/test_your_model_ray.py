@@ -80,12 +80,14 @@ class UserWorker(ShardWorker):
 
 
 def test_user_default_group_survives_reallocation(cluster):
-    """User code creates torch's default process group in the workers (before the transport
-    exists and again after reallocations); reallocations run; the user's collectives still work."""
+    """User code creates torch's default process group in the workers after the transport's
+    group exists (tests/test_private_transport.py covers before); reallocations run; the user's
+    collectives still work after each."""
     g = ModelGroup.create(SPEC, "dp=2,tp=2", name="usergroup", worker_cls=UserWorker, timeout_s=60)
     try:
         g.init_synthetic(3)
-        assert g.call("init_default_group", free_port(), 4) == [True] * 4  # before any world exists
+        g.reallocate("dp=1,tp=2,pp=2")  # the transport's world exists first...
+        assert g.call("init_default_group", free_port(), 4) == [True] * 4  # ...then the user's default group
         for dst in ("tp=4", "dp=2,tp=1,pp=2", "dp=2,tp=2"):
             g.reallocate(dst)
             assert g.call("default_all_reduce") == [10.0] * 4
