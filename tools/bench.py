@@ -12,6 +12,9 @@ One run, one set of actors (8 by default, on 2 simulated nodes), one model (``be
 * ``broadcast`` (OpenRLHF style): per parameter, the owners of its tp shards send them to one
   owner, which assembles the full tensor and ``dist.broadcast``s it to every rank; every rank
   slices its destination boxes out of it.
+* ``gather`` (veRL's path from an FSDP trainer, ``DTensor.full_tensor()``): per parameter, every
+  rank all-gathers the full tensor over its data-parallel replica (the boxes of every rank,
+  padded to one size), then slices its destination boxes out of it.
 * ``dcp``: ``torch.distributed.checkpoint.save`` of ShardedTensors in the source layout (one
   replica writes each box) to ``/dev/shm``, ``dcp.load`` into ShardedTensors of the destination
   layout (DCP's planner reshards), then the directory is removed.
@@ -49,7 +52,7 @@ from realloc.layout import Layout
 from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers
 from realloc.topology import Topology
 
-BASELINES = ("driver", "broadcast", "dcp")
+BASELINES = ("driver", "broadcast", "dcp", "gather")
 DEFAULT_SRC = "dp=2,tp=2,pp=2"
 DEFAULT_DST = "dp=4,tp=2,pp=1"
 MB = 1 << 20
@@ -705,6 +708,46 @@ def _broadcast_fn(ctx, spec, owners: dict, dst: Topology, vpm: int) -> None:
                 store.write(p.name, shard.offsets, shard.sizes, full[box_index(shard.offsets, shard.sizes)])
 
 
+# -- baseline (d): per-parameter all-gather of the full tensor (veRL's FSDP path) ---------------
+
+
+def baseline_gather(group, dst: Topology) -> tuple[float, dict]:
+    """veRL's weight sync from a sharded trainer (``DTensor.full_tensor()`` per parameter):
+    every rank all-gathers each full tensor over its replica, then slices its destination boxes."""
+    started = time.perf_counter()
+    group.run(_gather_fn, group.layout, dst)
+    return time.perf_counter() - started, {"gathered_bytes_per_rank": group.spec.total_bytes()}
+
+
+def _gather_fn(ctx, src: Layout, dst: Topology) -> None:
+    import torch.distributed as dist
+
+    spec, t = src.spec, src.topology
+    replicas = [[r for r in range(t.world_size) if t.coords(r)[0] == d] for d in range(t.dp)]
+    groups = [dist.new_group(ranks) for ranks in replicas] if t.dp > 1 else [None]  # every rank creates every group
+    mine = next(i for i, ranks in enumerate(replicas) if ctx.rank in ranks)
+    ranks, pg = replicas[mine], groups[mine]
+    boxes = {r: {s.param: s for s in src.shards(r) if s.numel} for r in ranks}
+    store = _new_dst_store(spec, dst, ctx.rank, src.vocab_pad_multiple)
+    for p in spec.params:
+        dtype = TORCH_DTYPES[p.dtype]
+        width = max((boxes[r][p.name].numel if p.name in boxes[r] else 0) for r in ranks)
+        send = torch.zeros(width, dtype=dtype)
+        if p.name in boxes[ctx.rank]:
+            s = boxes[ctx.rank][p.name]
+            send[:s.numel].copy_(_local_view(ctx, p.name, s.offsets, s.sizes).reshape(-1))
+        parts = [torch.empty(width, dtype=dtype) for _ in ranks]
+        dist.all_gather(parts, send, group=pg)
+        full = torch.empty(p.shape, dtype=dtype)
+        for r, part in zip(ranks, parts):
+            if p.name in boxes[r]:
+                s = boxes[r][p.name]
+                full[box_index(s.offsets, s.sizes)] = part[:s.numel].view(s.sizes)
+        for shard, _ in store.by_param.get(p.name, ()):
+            if shard.numel:
+                store.write(p.name, shard.offsets, shard.sizes, full[box_index(shard.offsets, shard.sizes)])
+
+
 # -- baseline (c): torch.distributed.checkpoint through /dev/shm --------------------------------
 
 
@@ -777,4 +820,5 @@ def _dcp_fn(ctx, spec, owners: dict, dst_owners: dict, dst: Topology, vpm: int, 
     return {"save": t1 - t0, "load": t2 - t1, "rm": time.perf_counter() - t2}
 
 
-BASELINE_FNS = {"driver": baseline_driver, "broadcast": baseline_broadcast, "dcp": baseline_dcp}
+BASELINE_FNS = {"driver": baseline_driver, "broadcast": baseline_broadcast, "dcp": baseline_dcp,
+                "gather": baseline_gather}
