@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from realloc.boxes import Box, contains, inside_shape, split_rows
+from realloc.boxes import Box, inside_shape, split_rows
 from realloc.layout import Group, Layout
 from realloc.placement import Placement
 from realloc.plan import Plan, Route, Segment, buckets
@@ -227,16 +228,31 @@ def _bundles(holdings: Sequence[Group], needs: Sequence[Group], params: ParamTab
         boxes = [b for _, b in held] + [b for _, b in need_by_param[param]]
         ndim = len(boxes[0][0])
         cuts = [sorted({b[0][d] for b in boxes} | {b[0][d] + b[1][d] for b in boxes}) for d in range(ndim)]
-        cells: dict[Box, set[int]] = {}
+        covering = _covering_masks(held, cuts)
+        cells: dict[Box, tuple[set[int], tuple[int, ...]]] = {}
         for gi, box in need_by_param[param]:
-            for cell in _grid_cells(box, cuts):
-                cells.setdefault(cell, set()).add(gi)
+            for cell, index in _grid_cells_indexed(box, cuts):
+                entry = cells.get(cell)
+                if entry is None:
+                    entry = cells[cell] = (set(), index)
+                entry[0].add(gi)
+        holder_sets: dict[int, frozenset] = {}
         for cell in sorted(cells):
-            holders = frozenset(gi for gi, b in held if contains(b, cell))
-            if not holders:
+            need_groups, index = cells[cell]
+            # A held box covers a grid cell whole or not at all: the holders of a cell are the
+            # held boxes covering its grid interval in every dimension (bitmask per interval).
+            mask = covering[0][index[0]]
+            for d in range(1, ndim):
+                if not mask:
+                    break
+                mask &= covering[d][index[d]]
+            if not mask:
                 missing.append(f"{param} offsets={cell[0]} sizes={cell[1]}")
                 continue
-            keyed[holders, frozenset(cells[cell])].append((order[param], param, cell))
+            holders = holder_sets.get(mask)
+            if holders is None:
+                holders = holder_sets[mask] = frozenset(held[i][0] for i in _bits(mask))
+            keyed[holders, frozenset(need_groups)].append((order[param], param, cell))
     if missing:
         raise ValueError(f"{len(missing)} needed boxes are held by no worker, e.g. {missing[:3]}")
 
@@ -253,16 +269,45 @@ def _bundles(holdings: Sequence[Group], needs: Sequence[Group], params: ParamTab
     return bundles, lower_bound
 
 
-def _grid_cells(box: Box, cuts: list[list[int]]) -> list[Box]:
+def _covering_masks(held: list[tuple[int, Box]], cuts: list[list[int]]) -> list[list[int]]:
+    """Per dim, per grid interval ``k`` (between ``cuts[d][k]`` and ``cuts[d][k + 1]``): the bitmask
+    of the entries of ``held`` whose box covers that interval (a sweep over interval starts/ends)."""
+    out = []
+    for d, points in enumerate(cuts):
+        at = {c: k for k, c in enumerate(points)}
+        toggles = [0] * len(points)
+        for i, (_, (offsets, sizes)) in enumerate(held):
+            bit = 1 << i
+            toggles[at[offsets[d]]] ^= bit
+            toggles[at[offsets[d] + sizes[d]]] ^= bit
+        masks, current = [], 0
+        for k in range(len(points) - 1):
+            current ^= toggles[k]
+            masks.append(current)
+        out.append(masks)
+    return out
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def _grid_cells_indexed(box: Box, cuts: list[list[int]]) -> list[tuple[Box, tuple[int, ...]]]:
+    """The grid cells of ``box`` with each cell's interval index per dim."""
     per_dim = []
     for d, (o, s) in enumerate(zip(*box)):
-        points = [c for c in cuts[d] if o < c < o + s]
-        edges = [o, *points, o + s]
-        per_dim.append([(edges[i], edges[i + 1] - edges[i]) for i in range(len(edges) - 1)])
-    cells: list[Box] = [((), ())]
+        points = cuts[d]
+        first, last = bisect_left(points, o), bisect_left(points, o + s)
+        per_dim.append([(points[k], points[k + 1] - points[k], k) for k in range(first, last)])
+    cells: list[tuple[tuple, tuple, tuple]] = [((), (), ())]
     for dim in per_dim:
-        cells = [(off + (o,), siz + (s,)) for off, siz in cells for o, s in dim]
-    return cells
+        cells = [(off + (o,), siz + (s,), idx + (k,)) for off, siz, idx in cells for o, s, k in dim]
+    return [((off, siz), idx) for off, siz, idx in cells]
 
 
 def _box_bytes(box: Box, dtype: str) -> int:
