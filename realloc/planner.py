@@ -44,7 +44,7 @@ import numpy as np
 from realloc.boxes import Box, inside_shape, split_rows
 from realloc.layout import Group, Layout
 from realloc.placement import Placement
-from realloc.plan import Plan, Route, Segment, buckets
+from realloc.plan import Plan, Route, Segment, bucket_count
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -258,12 +258,16 @@ def _bundles(holdings: Sequence[Group], needs: Sequence[Group], params: ParamTab
 
     bundles: list[_Bundle] = []
     lower_bound = 0
+    hold_maps: dict[frozenset, dict[str, list[int]]] = {}
+    need_maps: dict[frozenset, dict[str, list[int]]] = {}
     for (holders, needers), cells in sorted(keyed.items(), key=lambda kv: kv[1][0]):
         nbytes = sum(_box_bytes(c, params[p][1]) for _, p, c in cells)
-        hold_workers = {w for gi in holders for w in holdings[gi].workers}
-        need_workers = {w for gi in needers for w in needs[gi].workers}
-        b = _Bundle([c for _, _, c in cells], [p for _, p, _ in cells], nbytes,
-                    _node_map(hold_workers, placement), _node_map(need_workers, placement))
+        if holders not in hold_maps:
+            hold_maps[holders] = _node_map({w for gi in holders for w in holdings[gi].workers}, placement)
+        if needers not in need_maps:
+            need_maps[needers] = _node_map({w for gi in needers for w in needs[gi].workers}, placement)
+        # bundles sharing a node map share the dict: nothing below mutates it
+        b = _Bundle([c for _, _, c in cells], [p for _, p, _ in cells], nbytes, hold_maps[holders], need_maps[needers])
         lower_bound += nbytes * sum(1 for node in b.needers if node not in b.holders)
         bundles.append(b)
     return bundles, lower_bound
@@ -502,7 +506,7 @@ class _Router:
         for step in steps:
             for _, _, j in step:
                 if j not in bucket_counts:
-                    bucket_counts[j] = len(buckets([segments[i] for i in lists[j]], bucket_bytes))
+                    bucket_counts[j] = bucket_count([segments[i] for i in lists[j]], bucket_bytes)
         stats["num_buckets"] = sum(bucket_counts[j] for step in steps for _, _, j in step)
         return Plan(segments, lists, local_copies, steps, bucket_bytes, nodes, forward_from, stats)
 
