@@ -113,7 +113,8 @@ def _megatron_uneven_example(num_layers: int, pp: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Topology:
-    """A data x tensor x pipeline layout of ``dp * tp * pp`` ranks.
+    """A data x tensor x pipeline layout of ``dp * fsdp * tp * pp`` ranks (``fsdp``: sharded
+    data parallelism, FSDP2; with ``dp > 1`` too, HSDP; see the module docstring for the order).
 
     ``layer_split`` optionally fixes how many transformer layers each pipeline stage holds;
     without it ``pp_split`` names the rule that decides (default ``"vllm"``: the split vLLM and
