@@ -229,30 +229,32 @@ def _bundles(holdings: Sequence[Group], needs: Sequence[Group], params: ParamTab
         ndim = len(boxes[0][0])
         cuts = [sorted({b[0][d] for b in boxes} | {b[0][d] + b[1][d] for b in boxes}) for d in range(ndim)]
         covering = _covering_masks(held, cuts)
-        cells: dict[Box, tuple[set[int], tuple[int, ...]]] = {}
-        for gi, box in need_by_param[param]:
+        needing = _covering_masks(need_by_param[param], cuts)
+        cells: dict[Box, tuple[int, ...]] = {}
+        for _, box in need_by_param[param]:
             for cell, index in _grid_cells_indexed(box, cuts):
-                entry = cells.get(cell)
-                if entry is None:
-                    entry = cells[cell] = (set(), index)
-                entry[0].add(gi)
+                cells.setdefault(cell, index)
         holder_sets: dict[int, frozenset] = {}
+        need_sets: dict[int, frozenset] = {}
         for cell in sorted(cells):
-            need_groups, index = cells[cell]
-            # A held box covers a grid cell whole or not at all: the holders of a cell are the
-            # held boxes covering its grid interval in every dimension (bitmask per interval).
+            index = cells[cell]
+            # A box covers a grid cell whole or not at all: the holders (needers) of a cell are
+            # the held (needed) boxes covering its grid interval in every dim (bitmask per interval).
             mask = covering[0][index[0]]
+            need_mask = needing[0][index[0]]
             for d in range(1, ndim):
-                if not mask:
-                    break
                 mask &= covering[d][index[d]]
+                need_mask &= needing[d][index[d]]
             if not mask:
                 missing.append(f"{param} offsets={cell[0]} sizes={cell[1]}")
                 continue
             holders = holder_sets.get(mask)
             if holders is None:
                 holders = holder_sets[mask] = frozenset(held[i][0] for i in _bits(mask))
-            keyed[holders, frozenset(need_groups)].append((order[param], param, cell))
+            needers = need_sets.get(need_mask)
+            if needers is None:
+                needers = need_sets[need_mask] = frozenset(need_by_param[param][i][0] for i in _bits(need_mask))
+            keyed[holders, needers].append((order[param], param, cell))
     if missing:
         raise ValueError(f"{len(missing)} needed boxes are held by no worker, e.g. {missing[:3]}")
 
