@@ -44,7 +44,7 @@ import numpy as np
 from realloc.boxes import Box, inside_shape, split_rows
 from realloc.layout import Group, Layout
 from realloc.placement import Placement
-from realloc.plan import Plan, Route, Segment, bucket_count
+from realloc.plan import BUCKET_ALIGN, Plan, Route, Segment, bucket_count
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -310,6 +310,9 @@ def _grid_cells_indexed(box: Box, cuts: list[list[int]]) -> list[tuple[Box, tupl
         points = cuts[d]
         first, last = bisect_left(points, o), bisect_left(points, o + s)
         per_dim.append([(points[k], points[k + 1] - points[k], k) for k in range(first, last)])
+    if len(per_dim) == 2:
+        rows, cols = per_dim
+        return [(((o0, o1), (s0, s1)), (k0, k1)) for o0, s0, k0 in rows for o1, s1, k1 in cols]
     cells: list[tuple[tuple, tuple, tuple]] = [((), (), ())]
     for dim in per_dim:
         cells = [(off + (o,), siz + (s,), idx + (k,)) for off, siz, idx in cells for o, s, k in dim]
@@ -465,29 +468,33 @@ class _Router:
         list_index: dict[tuple[tuple[int, int, int], ...], int] = {}
         list_bytes: list[int] = []
 
-        key_segments: dict[tuple[int, int, int], list[int]] = {}
+        seg_bytes: list[int] = []  # segments[i].nbytes, computed once
+        key_segments: dict[tuple[int, int, int], tuple[list[int], int]] = {}  # key -> (ids, bytes)
 
-        def segment_ids(key: tuple[int, int, int]) -> list[int]:
-            ids = key_segments.get(key)
-            if ids is None:
-                ids = []
+        def segment_ids(key: tuple[int, int, int]) -> tuple[list[int], int]:
+            entry = key_segments.get(key)
+            if entry is None:
+                ids, total = [], 0
                 for param, box in self._segments_of(key):
                     i = seg_index.get((param, box))
                     if i is None:
                         i = seg_index[param, box] = len(segments)
-                        segments.append(Segment(param, box[0], box[1], self.params[param][1]))
+                        seg = Segment(param, box[0], box[1], self.params[param][1])
+                        segments.append(seg)
+                        seg_bytes.append(seg.nbytes)
                     ids.append(i)
-                key_segments[key] = ids
-            return ids
+                    total += seg_bytes[i]
+                entry = key_segments[key] = (ids, total)
+            return entry
 
         def intern(keys: list[tuple[int, int, int]]) -> int:
             k = tuple(keys)
             j = list_index.get(k)
             if j is None:
-                ids = tuple(i for key in keys for i in segment_ids(key))
+                entries = [segment_ids(key) for key in keys]
                 j = list_index[k] = len(lists)
-                lists.append(ids)
-                list_bytes.append(sum(segments[i].nbytes for i in ids))
+                lists.append(tuple(i for ids, _ in entries for i in ids))
+                list_bytes.append(sum(total for _, total in entries))
             return j
 
         local_copies = [(w, intern(items)) for w, items in sorted(self.local.items())]
@@ -505,10 +512,17 @@ class _Router:
 
         stats = self._stats(steps, local_copies, list_bytes, nodes)
         bucket_counts = {}
+        aligned = np.array(seg_bytes, dtype=np.int64)
+        aligned = -(-aligned // BUCKET_ALIGN) * BUCKET_ALIGN
         for step in steps:
             for _, _, j in step:
                 if j not in bucket_counts:
-                    bucket_counts[j] = bucket_count([segments[i] for i in lists[j]], bucket_bytes)
+                    ids = lists[j]
+                    if ids and int(aligned[np.array(ids, dtype=np.int64)].sum()) <= bucket_bytes:
+                        # every segment starts aligned and the aligned sizes fit: one bucket, uncut
+                        bucket_counts[j] = 1
+                    else:
+                        bucket_counts[j] = bucket_count([segments[i] for i in ids], bucket_bytes)
         stats["num_buckets"] = sum(bucket_counts[j] for step in steps for _, _, j in step)
         return Plan(segments, lists, local_copies, steps, bucket_bytes, nodes, forward_from, stats)
 

@@ -157,6 +157,7 @@ def check_plan(plan: Plan, shapes, dtypes, placement, hold: Masks, need: Masks) 
     check_each_needed_element_written_once(plan, shapes, hold, need)
     check_senders_hold_what_they_send(plan, shapes, hold)
     check_inter_node_bytes_meet_lower_bound(plan, shapes, dtypes, placement, hold, need)
+    assert plan.stats["num_buckets"] == sum(len(plan.buckets(j)) for _, _, _, j in plan.routes())
 
 
 # -- reallocations between layouts -------------------------------------------------------------
