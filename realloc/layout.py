@@ -7,7 +7,16 @@ The box sits at the origin of the local tensor; the local tensor can be larger t
 (vocabulary padding), the rest being zeros that are never part of the global tensor.
 
 Ranks of different dp replicas hold identical shards, so shards are computed once per
-``(tp_rank, pp_rank)`` coordinate: a 16,384-rank layout costs what a 64-coordinate one does.
+``(fsdp_rank, tp_rank, pp_rank)`` coordinate: a 16,384-rank layout costs what a 64-coordinate one does.
+
+Sharded data parallelism (``Topology.fsdp > 1``, FSDP2 / HSDP): a parameter's box on a rank is
+its tp box further cut along dim 0 as ``torch.chunk(tp_local, fsdp, dim=0)`` does: chunks of
+``ceil(n / fsdp)`` rows (``n`` the tp box's rows), fsdp rank ``i`` holding rows
+``[i*c, min((i+1)*c, n))`` of the tp box. The local tensor of such a shard is exactly its box (no
+vocabulary padding: ``vocab_pad_multiple > 1`` with ``fsdp > 1`` is refused). A rank whose chunk
+is empty (the last fsdp ranks when ``n < fsdp`` or chunks do not fill them) has **no shard** of
+that parameter in its table at all (FSDP2 keeps a zero-size local tensor there). With
+``fsdp == 1`` nothing changes. See docs/conventions.md, "Sharded data parallelism (FSDP2/HSDP)".
 """
 
 from __future__ import annotations
@@ -92,6 +101,9 @@ class Layout:
         if not isinstance(vocab_pad_multiple, int) or isinstance(vocab_pad_multiple, bool) or vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
         topology.check(spec)
+        if topology.fsdp > 1 and vocab_pad_multiple > 1:
+            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP shards hold "
+                             "exactly their rows of the tp box, without vocabulary padding; use vocab_pad_multiple=1")
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple
@@ -107,7 +119,7 @@ class Layout:
     def key(self) -> tuple:
         """What decides where every element sits; equal keys mean equal layouts."""
         t = self.topology
-        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple)
+        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and (self is other or self.key == other.key)
@@ -127,7 +139,7 @@ class Layout:
 
     def __str__(self) -> str:
         t = self.topology
-        text = f"dp={t.dp},tp={t.tp},pp={t.pp}"
+        text = f"dp={t.dp}," + (f"fsdp={t.fsdp}," if t.fsdp > 1 else "") + f"tp={t.tp},pp={t.pp}"
         if t.pp > 1:
             text += f" (layers {'/'.join(map(str, self.layer_counts))})"
         if self.vocab_pad_multiple != 1:
@@ -161,44 +173,59 @@ class Layout:
         return slots + tied_heads
 
     @cached_property
-    def _coordinate_shards(self) -> dict[tuple[int, int], tuple[tuple[Shard, ...], dict[str, int]]]:
+    def _coordinate_shards(self) -> dict[tuple[int, int, int], tuple[tuple[Shard, ...], dict[str, int]]]:
+        """``(fsdp_rank, tp_rank, pp_rank)`` -> (shards, elements per dtype buffer)."""
         by_name = self.spec.by_name
+        fsdp = self.topology.fsdp
         result = {}
         for pp_rank in range(self.topology.pp):
             slots = self.stage_slots(pp_rank)
             for tp_rank in range(self.topology.tp):
-                fill: dict[str, int] = {}
-                shards = []
+                tp_boxes = []
                 for name, slot in slots:
                     p = by_name[name]
                     offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
                     if p.tp_dim is not None:
                         start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple)
                         offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
-                    at = fill.get(p.dtype, 0)
-                    shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
-                    fill[p.dtype] = at + shard.local_numel
-                    shards.append(shard)
-                result[tp_rank, pp_rank] = tuple(shards), fill
+                    tp_boxes.append((p, name, slot, offsets, sizes, local))
+                for fsdp_rank in range(fsdp):
+                    fill: dict[str, int] = {}
+                    shards = []
+                    for p, name, slot, offsets, sizes, local in tp_boxes:
+                        if fsdp > 1:
+                            rows = sizes[0]
+                            chunk = -(-rows // fsdp)
+                            first = min(fsdp_rank * chunk, rows)
+                            held = min(first + chunk, rows) - first
+                            if held <= 0:
+                                continue  # an empty FSDP chunk: no shard on this rank
+                            offsets = [offsets[0] + first] + offsets[1:]
+                            sizes = local = [held] + sizes[1:]
+                        at = fill.get(p.dtype, 0)
+                        shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
+                        fill[p.dtype] = at + shard.local_numel
+                        shards.append(shard)
+                    result[fsdp_rank, tp_rank, pp_rank] = tuple(shards), fill
         return result
 
-    def shards_at(self, tp_rank: int, pp_rank: int) -> tuple[Shard, ...]:
-        return self._coordinate_shards[tp_rank, pp_rank][0]
+    def shards_at(self, tp_rank: int, pp_rank: int, fsdp_rank: int = 0) -> tuple[Shard, ...]:
+        return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def shards(self, rank: int) -> tuple[Shard, ...]:
-        _, tp_rank, pp_rank = self.topology.coords(rank)
-        return self.shards_at(tp_rank, pp_rank)
+        _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
+        return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def buffer_numels(self, rank: int) -> dict[str, int]:
         """Elements of each dtype buffer of ``rank``."""
-        _, tp_rank, pp_rank = self.topology.coords(rank)
-        return dict(self._coordinate_shards[tp_rank, pp_rank][1])
+        _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
+        return dict(self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][1])
 
     def rank_bytes(self, rank: int) -> int:
         return sum(n * DTYPE_BYTES[d] for d, n in self.buffer_numels(rank).items())
 
     def groups(self, workers: list[int] | None = None) -> list[Group]:
-        """The layout as planner input: one group per ``(tp, pp)`` coordinate.
+        """The layout as planner input: one group per ``(fsdp, tp, pp)`` coordinate.
 
         ``workers[rank]`` is the worker id of each rank (default: the rank itself), so two
         layouts over different workers (policy and reference model) share one id space.
@@ -209,9 +236,9 @@ class Layout:
         if len(workers) != world:
             raise ValueError(f"{len(workers)} worker ids for {world} ranks of {self.topology}")
         groups = []
-        for (tp_rank, pp_rank), (shards, _) in self._coordinate_shards.items():
+        for (fsdp_rank, tp_rank, pp_rank), (shards, _) in self._coordinate_shards.items():
             pieces = tuple((s.param, s.offsets, s.sizes) for s in shards if s.numel)
-            members = tuple(workers[r] for r in self.topology.replica_ranks(tp_rank, pp_rank))
+            members = tuple(workers[r] for r in self.topology.replica_ranks(tp_rank, pp_rank, fsdp_rank))
             groups.append(Group(members, pieces))
         return groups
 

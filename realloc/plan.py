@@ -243,6 +243,41 @@ def buckets(segments: list[Segment], bucket_bytes: int) -> list[list[Piece]]:
     return out
 
 
+def bucket_count(segments: list[Segment], bucket_bytes: int) -> int:
+    """``len(buckets(segments, bucket_bytes))`` without building the pieces (plan statistics)."""
+    if bucket_bytes < BUCKET_ALIGN:
+        raise ValueError(f"bucket_bytes must be at least {BUCKET_ALIGN}, got {bucket_bytes}")
+    count, current, used = 0, False, 0
+    for seg in segments:
+        item = DTYPE_BYTES[seg.dtype]
+        n = item
+        for s in seg.sizes:
+            n *= s
+        start = -(-used // BUCKET_ALIGN) * BUCKET_ALIGN
+        if start + n <= bucket_bytes:  # the whole segment fits: what take_prefix would return
+            current, used = True, start + n
+            continue
+        pending = [seg.box]
+        while pending:
+            box = pending.pop(0)
+            start = -(-used // BUCKET_ALIGN) * BUCKET_ALIGN
+            head, rest = take_prefix(box, (bucket_bytes - start) // item)
+            if head is None:
+                if current:
+                    count += 1
+                    current, used = False, 0
+                    pending.insert(0, box)
+                    continue
+                head, rest = take_prefix(box, 1)
+            current = True
+            n = item
+            for s in head[1]:
+                n *= s
+            used = start + n
+            pending[:0] = rest
+    return count + current
+
+
 def bucket_nbytes(bucket: list[Piece]) -> int:
     """Bytes a bucket buffer needs (end of its last piece)."""
     last = bucket[-1]

@@ -34,16 +34,17 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from realloc.boxes import Box, contains, inside_shape, split_rows
+from realloc.boxes import Box, inside_shape, split_rows
 from realloc.layout import Group, Layout
 from realloc.placement import Placement
-from realloc.plan import Plan, Route, Segment, buckets
+from realloc.plan import BUCKET_ALIGN, Plan, Route, Segment, bucket_count
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -227,42 +228,95 @@ def _bundles(holdings: Sequence[Group], needs: Sequence[Group], params: ParamTab
         boxes = [b for _, b in held] + [b for _, b in need_by_param[param]]
         ndim = len(boxes[0][0])
         cuts = [sorted({b[0][d] for b in boxes} | {b[0][d] + b[1][d] for b in boxes}) for d in range(ndim)]
-        cells: dict[Box, set[int]] = {}
-        for gi, box in need_by_param[param]:
-            for cell in _grid_cells(box, cuts):
-                cells.setdefault(cell, set()).add(gi)
+        covering = _covering_masks(held, cuts)
+        needing = _covering_masks(need_by_param[param], cuts)
+        cells: dict[Box, tuple[int, ...]] = {}
+        for _, box in need_by_param[param]:
+            for cell, index in _grid_cells_indexed(box, cuts):
+                cells.setdefault(cell, index)
+        holder_sets: dict[int, frozenset] = {}
+        need_sets: dict[int, frozenset] = {}
         for cell in sorted(cells):
-            holders = frozenset(gi for gi, b in held if contains(b, cell))
-            if not holders:
+            index = cells[cell]
+            # A box covers a grid cell whole or not at all: the holders (needers) of a cell are
+            # the held (needed) boxes covering its grid interval in every dim (bitmask per interval).
+            mask = covering[0][index[0]]
+            need_mask = needing[0][index[0]]
+            for d in range(1, ndim):
+                mask &= covering[d][index[d]]
+                need_mask &= needing[d][index[d]]
+            if not mask:
                 missing.append(f"{param} offsets={cell[0]} sizes={cell[1]}")
                 continue
-            keyed[holders, frozenset(cells[cell])].append((order[param], param, cell))
+            holders = holder_sets.get(mask)
+            if holders is None:
+                holders = holder_sets[mask] = frozenset(held[i][0] for i in _bits(mask))
+            needers = need_sets.get(need_mask)
+            if needers is None:
+                needers = need_sets[need_mask] = frozenset(need_by_param[param][i][0] for i in _bits(need_mask))
+            keyed[holders, needers].append((order[param], param, cell))
     if missing:
         raise ValueError(f"{len(missing)} needed boxes are held by no worker, e.g. {missing[:3]}")
 
     bundles: list[_Bundle] = []
     lower_bound = 0
+    hold_maps: dict[frozenset, dict[str, list[int]]] = {}
+    need_maps: dict[frozenset, dict[str, list[int]]] = {}
     for (holders, needers), cells in sorted(keyed.items(), key=lambda kv: kv[1][0]):
         nbytes = sum(_box_bytes(c, params[p][1]) for _, p, c in cells)
-        hold_workers = {w for gi in holders for w in holdings[gi].workers}
-        need_workers = {w for gi in needers for w in needs[gi].workers}
-        b = _Bundle([c for _, _, c in cells], [p for _, p, _ in cells], nbytes,
-                    _node_map(hold_workers, placement), _node_map(need_workers, placement))
+        if holders not in hold_maps:
+            hold_maps[holders] = _node_map({w for gi in holders for w in holdings[gi].workers}, placement)
+        if needers not in need_maps:
+            need_maps[needers] = _node_map({w for gi in needers for w in needs[gi].workers}, placement)
+        # bundles sharing a node map share the dict: nothing below mutates it
+        b = _Bundle([c for _, _, c in cells], [p for _, p, _ in cells], nbytes, hold_maps[holders], need_maps[needers])
         lower_bound += nbytes * sum(1 for node in b.needers if node not in b.holders)
         bundles.append(b)
     return bundles, lower_bound
 
 
-def _grid_cells(box: Box, cuts: list[list[int]]) -> list[Box]:
+def _covering_masks(held: list[tuple[int, Box]], cuts: list[list[int]]) -> list[list[int]]:
+    """Per dim, per grid interval ``k`` (between ``cuts[d][k]`` and ``cuts[d][k + 1]``): the bitmask
+    of the entries of ``held`` whose box covers that interval (a sweep over interval starts/ends)."""
+    out = []
+    for d, points in enumerate(cuts):
+        at = {c: k for k, c in enumerate(points)}
+        toggles = [0] * len(points)
+        for i, (_, (offsets, sizes)) in enumerate(held):
+            bit = 1 << i
+            toggles[at[offsets[d]]] ^= bit
+            toggles[at[offsets[d] + sizes[d]]] ^= bit
+        masks, current = [], 0
+        for k in range(len(points) - 1):
+            current ^= toggles[k]
+            masks.append(current)
+        out.append(masks)
+    return out
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def _grid_cells_indexed(box: Box, cuts: list[list[int]]) -> list[tuple[Box, tuple[int, ...]]]:
+    """The grid cells of ``box`` with each cell's interval index per dim."""
     per_dim = []
     for d, (o, s) in enumerate(zip(*box)):
-        points = [c for c in cuts[d] if o < c < o + s]
-        edges = [o, *points, o + s]
-        per_dim.append([(edges[i], edges[i + 1] - edges[i]) for i in range(len(edges) - 1)])
-    cells: list[Box] = [((), ())]
+        points = cuts[d]
+        first, last = bisect_left(points, o), bisect_left(points, o + s)
+        per_dim.append([(points[k], points[k + 1] - points[k], k) for k in range(first, last)])
+    if len(per_dim) == 2:
+        rows, cols = per_dim
+        return [(((o0, o1), (s0, s1)), (k0, k1)) for o0, s0, k0 in rows for o1, s1, k1 in cols]
+    cells: list[tuple[tuple, tuple, tuple]] = [((), (), ())]
     for dim in per_dim:
-        cells = [(off + (o,), siz + (s,)) for off, siz in cells for o, s in dim]
-    return cells
+        cells = [(off + (o,), siz + (s,), idx + (k,)) for off, siz, idx in cells for o, s, k in dim]
+    return [((off, siz), idx) for off, siz, idx in cells]
 
 
 def _box_bytes(box: Box, dtype: str) -> int:
@@ -414,29 +468,33 @@ class _Router:
         list_index: dict[tuple[tuple[int, int, int], ...], int] = {}
         list_bytes: list[int] = []
 
-        key_segments: dict[tuple[int, int, int], list[int]] = {}
+        seg_bytes: list[int] = []  # segments[i].nbytes, computed once
+        key_segments: dict[tuple[int, int, int], tuple[list[int], int]] = {}  # key -> (ids, bytes)
 
-        def segment_ids(key: tuple[int, int, int]) -> list[int]:
-            ids = key_segments.get(key)
-            if ids is None:
-                ids = []
+        def segment_ids(key: tuple[int, int, int]) -> tuple[list[int], int]:
+            entry = key_segments.get(key)
+            if entry is None:
+                ids, total = [], 0
                 for param, box in self._segments_of(key):
                     i = seg_index.get((param, box))
                     if i is None:
                         i = seg_index[param, box] = len(segments)
-                        segments.append(Segment(param, box[0], box[1], self.params[param][1]))
+                        seg = Segment(param, box[0], box[1], self.params[param][1])
+                        segments.append(seg)
+                        seg_bytes.append(seg.nbytes)
                     ids.append(i)
-                key_segments[key] = ids
-            return ids
+                    total += seg_bytes[i]
+                entry = key_segments[key] = (ids, total)
+            return entry
 
         def intern(keys: list[tuple[int, int, int]]) -> int:
             k = tuple(keys)
             j = list_index.get(k)
             if j is None:
-                ids = tuple(i for key in keys for i in segment_ids(key))
+                entries = [segment_ids(key) for key in keys]
                 j = list_index[k] = len(lists)
-                lists.append(ids)
-                list_bytes.append(sum(segments[i].nbytes for i in ids))
+                lists.append(tuple(i for ids, _ in entries for i in ids))
+                list_bytes.append(sum(total for _, total in entries))
             return j
 
         local_copies = [(w, intern(items)) for w, items in sorted(self.local.items())]
@@ -454,10 +512,17 @@ class _Router:
 
         stats = self._stats(steps, local_copies, list_bytes, nodes)
         bucket_counts = {}
+        aligned = np.array(seg_bytes, dtype=np.int64)
+        aligned = -(-aligned // BUCKET_ALIGN) * BUCKET_ALIGN
         for step in steps:
             for _, _, j in step:
                 if j not in bucket_counts:
-                    bucket_counts[j] = len(buckets([segments[i] for i in lists[j]], bucket_bytes))
+                    ids = lists[j]
+                    if ids and int(aligned[np.array(ids, dtype=np.int64)].sum()) <= bucket_bytes:
+                        # every segment starts aligned and the aligned sizes fit: one bucket, uncut
+                        bucket_counts[j] = 1
+                    else:
+                        bucket_counts[j] = bucket_count([segments[i] for i in ids], bucket_bytes)
         stats["num_buckets"] = sum(bucket_counts[j] for step in steps for _, _, j in step)
         return Plan(segments, lists, local_copies, steps, bucket_bytes, nodes, forward_from, stats)
 

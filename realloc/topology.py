@@ -1,4 +1,4 @@
-"""3D-parallel topologies (data x tensor x pipeline), their rank order and pipeline layer splits.
+"""Parallel topologies (data x sharded data x tensor x pipeline), their rank order and pipeline layer splits.
 
 Rank order is Megatron's: tensor-parallel rank fastest, then data-parallel, then pipeline
 stage slowest::
@@ -7,6 +7,15 @@ stage slowest::
 
 so the tp ranks of one replica's stage are neighbours (and share a node when a node holds tp
 or more workers), which is what tensor parallelism wants.
+
+Sharded data parallelism (FSDP2 ``fully_shard``; with dp > 1 too, HSDP) is a fourth size,
+``fsdp``, between tp and dp, as torchtitan's device mesh orders its dims
+(``["pp", "dp_replicate", "dp_shard", "cp", "tp"]``, tp fastest)::
+
+    rank = tp_rank + tp * (fsdp_rank + fsdp * (dp_rank + dp * pp_rank))
+
+With ``fsdp == 1`` this is the order above. :meth:`Topology.coords` keeps returning
+``(dp_rank, tp_rank, pp_rank)``; :meth:`Topology.coords4` gives ``(dp, fsdp, tp, pp)`` ranks.
 
 Which transformer layers a pipeline stage holds must be what the engine holding the weights
 builds, or the shards are the wrong layers. ``Topology.layer_split`` gives the counts per stage
@@ -42,7 +51,7 @@ DEFAULT_PP_SPLIT = PP_SPLIT_RULES[0]
 
 _PART = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(\S*)\s*$")
 _INT = re.compile(r"^-?\d+$")
-_EXPECTED = ("expected dp=N, tp=N or pp=N (optionally pp_split=NAME and layer_split=A/B/...) "
+_EXPECTED = ("expected dp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME and layer_split=A/B/...) "
              "separated by commas")
 
 
@@ -104,7 +113,8 @@ def _megatron_uneven_example(num_layers: int, pp: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Topology:
-    """A data x tensor x pipeline layout of ``dp * tp * pp`` ranks.
+    """A data x tensor x pipeline layout of ``dp * fsdp * tp * pp`` ranks (``fsdp``: sharded
+    data parallelism, FSDP2; with ``dp > 1`` too, HSDP; see the module docstring for the order).
 
     ``layer_split`` optionally fixes how many transformer layers each pipeline stage holds;
     without it ``pp_split`` names the rule that decides (default ``"vllm"``: the split vLLM and
@@ -124,9 +134,12 @@ class Topology:
     pp: int = 1
     layer_split: tuple[int, ...] | None = None
     pp_split: str = DEFAULT_PP_SPLIT
+    #: Sharded data-parallel size (FSDP2 / HSDP): each replica's tp shards are further cut
+    #: along dim 0 over ``fsdp`` ranks (see realloc.layout and docs/conventions.md).
+    fsdp: int = 1
 
     def __post_init__(self) -> None:
-        for dim in ("dp", "tp", "pp"):
+        for dim in ("dp", "fsdp", "tp", "pp"):
             value = getattr(self, dim)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"topology {dim} must be a positive integer, got {value!r}")
@@ -141,7 +154,7 @@ class Topology:
 
     @staticmethod
     def parse(text: str) -> "Topology":
-        """Parse ``"dp=2,tp=4,pp=2"``; a missing dimension means 1.
+        """Parse ``"dp=2,tp=4,pp=2"`` or ``"dp=2,fsdp=4,tp=2"``; a missing dimension means 1.
 
         Optional parts: ``pp_split=NAME`` (a rule of :data:`PP_SPLIT_RULES`) and
         ``layer_split=A/B/...`` (layers per stage). ``Topology.parse(str(t)) == t`` for every ``t``.
@@ -154,7 +167,7 @@ class Topology:
         for part in text.split(","):
             match = _PART.match(part)
             key, value = (match.group(1), match.group(2)) if match else (None, "")
-            if key in ("dp", "tp", "pp") and _INT.match(value):
+            if key in ("dp", "fsdp", "tp", "pp") and _INT.match(value):
                 parsed: object = int(value)
             elif key == "pp_split" and value:
                 parsed = value
@@ -168,7 +181,7 @@ class Topology:
         return Topology(**fields)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
-        text = f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        text = f"dp={self.dp}," + (f"fsdp={self.fsdp}," if self.fsdp > 1 else "") + f"tp={self.tp},pp={self.pp}"
         if self.layer_split is not None:
             text += ",layer_split=" + "/".join(map(str, self.layer_split))
         if self.pp_split != DEFAULT_PP_SPLIT:
@@ -177,22 +190,34 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.fsdp * self.tp * self.pp
 
-    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int, fsdp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (fsdp_rank + self.fsdp * (dp_rank + self.dp * pp_rank))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(dp_rank, tp_rank, pp_rank)`` of ``rank``."""
+        """``(dp_rank, tp_rank, pp_rank)`` of ``rank`` (its fsdp rank: :meth:`coords4`)."""
+        dp_rank, _, tp_rank, pp_rank = self.coords4(rank)
+        return dp_rank, tp_rank, pp_rank
+
+    def coords4(self, rank: int) -> tuple[int, int, int, int]:
+        """``(dp_rank, fsdp_rank, tp_rank, pp_rank)`` of ``rank``.
+
+        Example:
+            >>> Topology.parse("dp=2,fsdp=3,tp=2").coords4(7)
+            (1, 0, 1, 0)
+        """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside 0..{self.world_size - 1} of {self}")
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        return dp_rank, tp_rank, rank // (self.tp * self.dp)
+        rest = rank // self.tp
+        fsdp_rank = rest % self.fsdp
+        rest //= self.fsdp
+        return rest % self.dp, fsdp_rank, tp_rank, rest // self.dp
 
-    def replica_ranks(self, tp_rank: int, pp_rank: int) -> list[int]:
-        """Ranks holding the same shard (coordinate ``(tp_rank, pp_rank)``) in every dp replica."""
-        return [self.rank(d, tp_rank, pp_rank) for d in range(self.dp)]
+    def replica_ranks(self, tp_rank: int, pp_rank: int, fsdp_rank: int = 0) -> list[int]:
+        """Ranks holding the same shard (coordinate ``(fsdp_rank, tp_rank, pp_rank)``) in every dp replica."""
+        return [self.rank(d, tp_rank, pp_rank, fsdp_rank) for d in range(self.dp)]
 
     def stage_counts(self, spec: "ModelSpec") -> tuple[int, ...]:
         """Number of transformer layers of each pipeline stage: ``layer_split`` if given, else

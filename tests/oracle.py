@@ -18,7 +18,14 @@ Llama-style decoder:
   (:func:`engine_stage_counts`), written from vLLM's ``get_pp_indices`` description
   (vllm/distributed/utils.py) and Megatron-core's ``get_num_layers_to_build``
   (megatron/core/transformer/transformer_block.py), not from ``realloc.topology``;
-* rank order: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``.
+* rank order: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``;
+* sharded data parallelism (FSDP2 ``fully_shard``, HSDP when dp > 1 too), written from
+  torch/distributed/fsdp/_fully_shard/_fsdp_param.py and torchtitan's device mesh
+  (dims ``pp, dp_replicate, dp_shard, cp, tp``, tp fastest): the rank order becomes
+  ``rank = tp_rank + tp * (fsdp_rank + fsdp * (dp_rank + dp * pp_rank))``; FSDP2 shards the
+  tp-local tensor (its real rows, no vocabulary padding) with ``torch.chunk(local, fsdp, dim=0)``
+  and fsdp rank ``i`` holds chunk ``i``, or nothing (no slot at all here) when ``torch.chunk``
+  returned fewer chunks.
 
 The only realloc import is :func:`realloc.spec.decoder_spec`, to build the spec under test from
 the same description (:meth:`Decoder.spec`).
@@ -132,6 +139,22 @@ def coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
     return dp_rank, tp_rank, pp_rank
 
 
+def coords4(rank: int, dp: int, fsdp: int, tp: int, pp: int) -> tuple[int, int, int, int]:
+    """``(dp_rank, fsdp_rank, tp_rank, pp_rank)`` of
+    ``rank = tp_rank + tp * (fsdp_rank + fsdp * (dp_rank + dp * pp_rank))`` (torchtitan's mesh)."""
+    assert 0 <= rank < dp * fsdp * tp * pp
+    return (rank // (tp * fsdp)) % dp, (rank // tp) % fsdp, rank % tp, rank // (tp * fsdp * dp)
+
+
+def fsdp_chunk(local: torch.Tensor, fsdp: int, fsdp_rank: int) -> "torch.Tensor | None":
+    """FSDP2's shard of a (tp-local) tensor: ``torch.chunk(local, fsdp, dim=0)[fsdp_rank]``,
+    ``None`` where torch.chunk gives fewer chunks (FSDP2's ``_chunk_with_empty`` pads those)."""
+    if local.shape[0] == 0:
+        return None
+    chunks = torch.chunk(local, fsdp, dim=0)
+    return chunks[fsdp_rank].clone() if fsdp_rank < len(chunks) else None
+
+
 def engine_stage_counts(layers: int, pp: int, rule: str = "vllm") -> tuple[int, ...]:
     """Layers per pipeline stage as the engines build them, stage by stage.
 
@@ -222,12 +245,26 @@ def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int) -> list[tuple
 
 
 def local_tensors(d: Decoder, full: dict[str, torch.Tensor], dp: int, tp: int, pp: int,
-                  stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0) -> dict[str, torch.Tensor]:
+                  stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0,
+                  fsdp: int = 1) -> dict[str, torch.Tensor]:
     """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors)."""
     assert len(stages) == pp and sorted(i for s in stages for i in s) == list(range(d.layers))
-    _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
-    return {slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
-            for slot, p in stage_slots(d, stages, pp_rank)}
+    if fsdp == 1:
+        _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
+        return {slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+                for slot, p in stage_slots(d, stages, pp_rank)}
+    assert pad_multiple == 1, "FSDP shards carry no vocabulary padding"
+    _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
+    out = {}
+    for slot, p in stage_slots(d, stages, pp_rank):
+        local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+        if p.rule == "vocab":  # keep the real vocabulary rows only
+            per = padded_vocab(d.vocab, tp, pad_multiple) // tp
+            local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
+        chunk = fsdp_chunk(local, fsdp, fsdp_rank)
+        if chunk is not None:
+            out[slot] = chunk
+    return out
 
 
 def storage_of(d: Decoder, slot: str) -> str:
@@ -252,9 +289,9 @@ def index_tensors(d: Decoder) -> dict[str, torch.Tensor]:
 
 
 def held_indices(d: Decoder, dp: int, tp: int, pp: int, stages: list[list[int]], rank: int,
-                 pad_multiple: int = 1) -> dict[str, torch.Tensor]:
+                 pad_multiple: int = 1, fsdp: int = 1) -> dict[str, torch.Tensor]:
     """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded)."""
-    local = local_tensors(d, index_tensors(d), dp, tp, pp, stages, rank, pad_multiple, pad_value=-1)
+    local = local_tensors(d, index_tensors(d), dp, tp, pp, stages, rank, pad_multiple, pad_value=-1, fsdp=fsdp)
     out: dict[str, list[torch.Tensor]] = {}
     for slot, t in local.items():
         flat = t.reshape(-1)
@@ -303,6 +340,16 @@ def factorisations(d: Decoder, world: int) -> list[tuple[int, int, int]]:
             if world % (tp * pp) == 0 and tp_fits(d, tp) and pp <= d.layers:
                 out.append((world // (tp * pp), tp, pp))
     return sorted(out, key=lambda t: -sum(n > 1 for n in t))  # richest first: hypothesis favours early choices
+
+
+def factorisations4(d: Decoder, world: int) -> list[tuple[int, int, int, int]]:
+    """Every ``(dp, fsdp, tp, pp)`` with ``fsdp > 1`` and product ``world`` that fits ``d``."""
+    out = []
+    for dp, tp, pp in factorisations(d, world):
+        for fsdp in range(2, dp + 1):
+            if dp % fsdp == 0:
+                out.append((dp // fsdp, fsdp, tp, pp))
+    return sorted(out, key=lambda t: -sum(n > 1 for n in t))
 
 
 def layer_splits(st, layers: int, pp: int):

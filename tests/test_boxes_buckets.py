@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from realloc.boxes import contains, intersect, split_rows, take_prefix
-from realloc.plan import BUCKET_ALIGN, Segment, bucket_nbytes, buckets
+from realloc.plan import BUCKET_ALIGN, Segment, bucket_count, bucket_nbytes, buckets
 from realloc.spec import DTYPE_BYTES
 
 SHAPE_DIMS = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
@@ -169,3 +169,11 @@ def test_buckets_fill_a_bucket_before_opening_the_next():
     assert [(p.param, p.offset, p.sizes) for p in out[0]] == [("a", 0, (3,)), ("b", 16, (3, 4))]
     assert all(bucket_nbytes(b) <= 64 for b in out)
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(segment_lists(), st.integers(BUCKET_ALIGN, 200))
+def test_bucket_count_is_the_number_of_buckets(case, cap):
+    segments = [seg for _, seg in case]
+    assert bucket_count(segments, cap) == len(buckets(segments, cap))
+    assert bucket_count(segments * 3, cap) == len(buckets(segments * 3, cap))

@@ -103,6 +103,24 @@ def test_rank_file_round_trip_and_manifest_json(tmp_path):
         assert torch.equal(loaded[dtype], t)
 
 
+def test_fsdp_manifest_records_fsdp_and_checks_the_layout(tmp_path):
+    layout = Layout(TINY, Topology(dp=2, fsdp=2, tp=2))
+    manifests = save_everywhere(tmp_path, layout, Placement.blocks(8, 4))
+    m = manifests[5]
+    assert m.topology.fsdp == 2 and m.to_json()["topology"]["fsdp"] == 2
+    assert Manifest.loads(m.dumps()) == m
+    assert m.check_layout(TINY) == layout
+    for fsdp_layout in (Layout(TINY, Topology(dp=4, tp=2)), Layout(TINY, Topology(fsdp=4, tp=2))):
+        with pytest.raises(ValueError, match="is not the saved"):
+            m.check_records(fsdp_layout)
+    loaded = buffers_from_bytes(read_verified(NodeStore(tmp_path, RUN, "node-1").paths(m.id)[0], m), m)
+    for dtype, t in synthetic_buffers(layout, 5, seed=3).items():
+        assert torch.equal(loaded[dtype], t)
+    # without fsdp the manifest JSON is as before: no fsdp key
+    plain = save_everywhere(tmp_path / "plain", Layout(TINY, Topology(tp=2)), Placement.blocks(2, 2))[0]
+    assert "fsdp" not in plain.to_json()["topology"] and plain.topology.fsdp == 1
+
+
 def test_crash_between_tensors_and_manifest_leaves_file_invisible(tmp_path):
     layout = Layout(TINY, Topology(tp=2))
     data, m = build_rank_file(CheckpointId(RUN, 5, 0), layout, synthetic_buffers(layout, 0, 1), "n0")

@@ -112,6 +112,27 @@ def test_verify_tiny(capsys, src, dst, extra):
     assert report["executed_bytes_moved"] == report["bytes_total"]
 
 
+@pytest.mark.parametrize("src, dst, extra", [
+    ("fsdp=8", "dp=2,tp=4", ["--gpus-per-node", "4"]),                    # FSDP2 -> vLLM-style tp
+    ("dp=2,fsdp=2,tp=2", "tp=4,pp=2", ["--gpus-per-node", "2"]),          # HSDP x tp -> tp x pp
+    ("tp=2,pp=2", "dp=2,fsdp=2", ["--gpus-per-node", "4", "--bucket-mb", "0.01"]),  # back to HSDP
+    ("fsdp=3,pp=2", "dp=3,tp=2", ["--gpus-per-node", "3"]),                # uneven chunks, 3 nodes
+])
+def test_verify_fsdp_and_hsdp(capsys, src, dst, extra):
+    status, report = run_json(capsys, ["plan", "--model", "tiny", "--src", src, "--dst", dst, "--verify", *extra])
+    assert status == 0, report
+    assert report["verified"] is True and report["mismatched_shards"] == 0 and report["verified_shards"] > 0
+    assert report["executed_bytes_moved"] == report["bytes_total"]
+    assert report["bytes_inter_node"] == report["lower_bound_inter_node_bytes"]
+    assert (report["src"], report["dst"]) == (str(Topology.parse(src)), str(Topology.parse(dst)))
+
+
+def test_fsdp_with_vocab_padding_is_refused(capsys):
+    assert main(["plan", "--model", "tiny", "--src", "fsdp=4", "--dst", "tp=4", "--vocab-pad-multiple", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "vocab_pad_multiple=8 with fsdp=4" in err and err.count("\n") == 1
+
+
 def test_verify_catches_a_broken_execution(capsys, monkeypatch):
     real = realloc.local_executor.execute_in_process
 

@@ -51,7 +51,7 @@ def oracle_stages(d, t: Topology) -> list[list[int]]:
 
 def oracle_locals(d, layout, rank, full, pad):
     t = layout.topology
-    return oracle.local_tensors(d, full, t.dp, t.tp, t.pp, oracle_stages(d, t), rank, pad)
+    return oracle.local_tensors(d, full, t.dp, t.tp, t.pp, oracle_stages(d, t), rank, pad, fsdp=t.fsdp)
 
 
 def test_decoder_spec_has_the_parameters_of_the_description():
@@ -317,3 +317,122 @@ def test_topology_strings():
     assert str(t) == "dp=1,tp=1,pp=3,layer_split=2/3/3,pp_split=megatron"
     assert Topology.parse("pp=4,pp_split=vllm") == Topology(pp=4)
 
+
+
+# -- sharded data parallelism (FSDP2 / HSDP) ---------------------------------------------------
+
+
+@st.composite
+def fsdp_layouts(draw, max_world: int = 12):
+    """(decoder, Layout, 1) with fsdp > 1 (dp > 1 too: HSDP), tp and pp: uneven and empty chunks
+    come from the small dims (kv rows, biases, q/k norms) over fsdp up to 12."""
+    d = draw(oracle.decoders(st))
+    world = draw(st.sampled_from([w for w in (12, 8, 6, 4, 7, 5, 3, 2) if w <= max_world]))
+    options = oracle.factorisations4(d, world) or [(1, world, 1, 1)]
+    dp, fsdp, tp, pp = draw(st.sampled_from(options))
+    split = draw(oracle.layer_splits(st, d.layers, pp))
+    rule = draw(oracle.pp_rules(st, d.layers, pp))
+    return d, Layout(d.spec(), Topology(dp, tp, pp, split, rule, fsdp=fsdp)), 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(fsdp_layouts())
+def test_fsdp_shards_are_the_oracle_chunks(case):
+    test_shards_written_from_full_tensors_are_the_oracle_local_tensors.hypothesis.inner_test(case)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fsdp_layouts())
+def test_fsdp_buffers_are_contiguous_and_sized_by_the_chunks(case):
+    test_buffers_are_contiguous_and_sized_by_local_numels.hypothesis.inner_test(case)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fsdp_layouts())
+def test_fsdp_groups_are_coordinates_with_dp_replicas(case):
+    _, layout, _ = case
+    t = layout.topology
+    groups = layout.groups()
+    assert len(groups) == t.fsdp * t.tp * t.pp
+    assert sorted(w for g in groups for w in g.workers) == list(range(t.world_size))
+    for g in groups:
+        assert len(g.workers) == t.dp
+        coords = {t.coords4(w)[1:] for w in g.workers}
+        assert len(coords) == 1  # one (fsdp, tp, pp) coordinate, its dp replicas
+        assert {t.coords4(w)[0] for w in g.workers} == set(range(t.dp))
+        shards = layout.shards(g.workers[0])
+        assert g.pieces == tuple((s.param, s.offsets, s.sizes) for s in shards)
+        assert all(s.numel > 0 and s.local_shape == s.sizes for s in shards)  # no empty shard, no padding
+        for w in g.workers:
+            assert layout.shards(w) == shards
+    assert all(layout.at(r).buffer_numels() == layout.buffer_numels(r) for r in range(t.world_size))
+
+
+def test_fsdp_chunks_follow_torch_chunk_with_empty_last_ranks():
+    """k_proj of 2 kv heads x head_dim 1 = 2 rows over fsdp=3: ceil(2/3) = 1 row each, rank 2 empty;
+    q_proj 4 rows over fsdp=3 -> chunks of 2: rows 0-1, 2-3 and nothing (torch.chunk gives 2)."""
+    d = oracle.Decoder(hidden=5, intermediate=12, layers=1, heads=4, kv_heads=2, head_dim=1, vocab=7)
+    lay = Layout(d.spec(), Topology(fsdp=3))
+    rows = {r: {s.slot: (s.offsets[0], s.sizes[0]) for s in lay.shards(r)} for r in range(3)}
+    k, q, norm = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight", \
+        "model.layers.0.input_layernorm.weight"
+    assert [rows[r].get(k) for r in range(3)] == [(0, 1), (1, 1), None]
+    assert [rows[r].get(q) for r in range(3)] == [(0, 2), (2, 2), None]
+    assert [rows[r].get(norm) for r in range(3)] == [(0, 2), (2, 2), (4, 1)]
+    assert [rows[r].get(oracle.EMBED) for r in range(3)] == [(0, 3), (3, 3), (6, 1)]
+    # with tp=2 the chunks cut each tp box: the embedding's real rows 0-3 / 4-6 (tp pads 7 to 8)
+    lay = Layout(d.spec(), Topology(fsdp=2, tp=2))
+    t = lay.topology
+    emb = {t.coords4(r)[1:3]: [(s.offsets, s.sizes, s.local_shape) for s in lay.shards(r) if s.slot == oracle.EMBED]
+           for r in range(4)}
+    assert emb[0, 0] == [((0, 0), (2, 5), (2, 5))] and emb[1, 0] == [((2, 0), (2, 5), (2, 5))]
+    assert emb[0, 1] == [((4, 0), (2, 5), (2, 5))] and emb[1, 1] == [((6, 0), (1, 5), (1, 5))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3))
+def test_rank_order_is_torchtitans_mesh(dp, fsdp, tp, pp):
+    t = Topology(dp, tp, pp, fsdp=fsdp)
+    seen = []
+    for p, d, f, r in itertools.product(range(pp), range(dp), range(fsdp), range(tp)):
+        rank = r + tp * (f + fsdp * (d + dp * p))
+        assert t.rank(d, r, p, f) == rank
+        assert t.coords4(rank) == (d, f, r, p) == oracle.coords4(rank, dp, fsdp, tp, pp)
+        assert t.coords(rank) == (d, r, p)
+        seen.append(rank)
+    assert seen == list(range(t.world_size)) and t.world_size == dp * fsdp * tp * pp
+    with pytest.raises(ValueError):
+        t.coords4(t.world_size)
+
+
+def test_fsdp_topology_strings_and_layout_values():
+    assert str(Topology.parse("fsdp=8")) == "dp=1,fsdp=8,tp=1,pp=1"
+    t = Topology.parse("dp=2,fsdp=4,tp=2")
+    assert (t.dp, t.fsdp, t.tp, t.pp, t.world_size) == (2, 4, 2, 1, 16) and Topology.parse(str(t)) == t
+    assert str(Topology.parse("fsdp=1,tp=2")) == "dp=1,tp=2,pp=1"  # fsdp=1 prints as before
+    for bad in ("fsdp=0", "fsdp=-2", "fsdp=x", "fsdp=2,fsdp=2"):
+        with pytest.raises(ValueError, match="fsdp"):
+            Topology.parse(bad)
+    with pytest.raises(ValueError, match="topology fsdp must be a positive integer"):
+        Topology(fsdp=True)
+    spec = ModelSpec.preset("tiny")
+    a, b = Layout(spec, Topology(dp=4)), Layout(spec, Topology(fsdp=4))
+    assert a != b and a.key != b.key and Layout(spec, Topology(fsdp=4)) == b and hash(b) == hash(Layout(spec, b.topology))
+    assert Layout(spec, Topology(dp=2, fsdp=2)) not in (a, b)
+    assert "fsdp=4" in str(b)
+    with pytest.raises(ValueError, match="vocab_pad_multiple=64 with fsdp=4"):
+        Layout(spec, Topology(fsdp=4), 64)
+
+
+def test_fsdp_layout_costs_its_coordinates():
+    """2048-rank FSDP over llama-70b: every rank distinct, yet built from 2048 coordinates once."""
+    import time
+    spec = ModelSpec.preset("llama-70b")
+    started = time.perf_counter()
+    lay = Layout(spec, Topology(fsdp=2048))
+    total = sum(sum(s.numel for s in lay.shards(r)) for r in range(2048))
+    assert total == sum(p.numel for p in spec.params)  # every element on exactly one rank (untied)
+    assert len(lay.groups()) == 2048
+    hsdp = Layout(spec, Topology(dp=8, fsdp=256))
+    assert len(hsdp.groups()) == 256 and hsdp.shards(0) == hsdp.shards(256 * 7)
+    assert time.perf_counter() - started < 30

@@ -157,6 +157,7 @@ def check_plan(plan: Plan, shapes, dtypes, placement, hold: Masks, need: Masks) 
     check_each_needed_element_written_once(plan, shapes, hold, need)
     check_senders_hold_what_they_send(plan, shapes, hold)
     check_inter_node_bytes_meet_lower_bound(plan, shapes, dtypes, placement, hold, need)
+    assert plan.stats["num_buckets"] == sum(len(plan.buckets(j)) for _, _, _, j in plan.routes())
 
 
 # -- reallocations between layouts -------------------------------------------------------------
@@ -188,7 +189,7 @@ def side_masks(d: oracle.Decoder, topo: Topology, workers, pad: int) -> Masks:
     shapes = {p.name: p.shape for p in oracle.params(d)}
     out: Masks = {}
     for rank in range(topo.world_size):
-        held = oracle.held_indices(d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, pad)
+        held = oracle.held_indices(d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, pad, fsdp=topo.fsdp)
         masks = {}
         for param, idx in held.items():
             m = np.zeros(math.prod(shapes[param]), dtype=bool)
@@ -217,9 +218,10 @@ def check_execution_matches_oracle(case: Case, plan: Plan) -> None:
     src, dst = {}, {}
     for rank, worker in enumerate(src_workers):
         store = ShardStore(src_layout.shards(rank), allocate_buffers(src_layout, rank))
-        want = oracle.local_tensors(d, full, case.src.dp, case.src.tp, case.src.pp, stages_of(d, case.src), rank, case.pad)
+        want = oracle.local_tensors(d, full, case.src.dp, case.src.tp, case.src.pp, stages_of(d, case.src), rank, case.pad,
+                                    fsdp=case.src.fsdp)
         idx = oracle.local_tensors(d, oracle.index_tensors(d), case.src.dp, case.src.tp, case.src.pp,
-                                   stages_of(d, case.src), rank, case.pad, pad_value=-1)
+                                   stages_of(d, case.src), rank, case.pad, pad_value=-1, fsdp=case.src.fsdp)
         tensors = store.shard_tensors()
         assert sorted(tensors) == sorted(want)
         for slot, value in want.items():
@@ -230,7 +232,8 @@ def check_execution_matches_oracle(case: Case, plan: Plan) -> None:
     moved = execute_in_process(plan, src, dst)
     assert moved["bytes_moved"] == plan.stats["bytes_total"]
     for rank, worker in enumerate(dst_workers):
-        want = oracle.local_tensors(d, full, case.dst.dp, case.dst.tp, case.dst.pp, stages_of(d, case.dst), rank, case.pad)
+        want = oracle.local_tensors(d, full, case.dst.dp, case.dst.tp, case.dst.pp, stages_of(d, case.dst), rank, case.pad,
+                                    fsdp=case.dst.fsdp)
         got = dst[worker].shard_tensors()
         assert sorted(got) == sorted(want)
         for slot, value in want.items():
@@ -299,6 +302,63 @@ def cross_model_copies(draw):
     return Case(d, draw(topologies(d, ws)), draw(topologies(d, wd)), draw(placements(ws + wd)),
                 pad=draw(st.integers(1, 3)), bucket_bytes=draw(st.integers(1024, 4096)),
                 src_workers=list(workers[:ws]), dst_workers=list(workers[ws:]))
+
+
+@st.composite
+def fsdp_topologies(draw, d: oracle.Decoder, world: int):
+    """A topology of ``world`` ranks with fsdp > 1 (HSDP when dp > 1), with tp and pp."""
+    options = oracle.factorisations4(d, world)
+    dp, fsdp, tp, pp = draw(st.sampled_from(options))
+    return Topology(dp, tp, pp, draw(oracle.layer_splits(st, d.layers, pp)), draw(oracle.pp_rules(st, d.layers, pp)),
+                    fsdp=fsdp)
+
+
+@st.composite
+def fsdp_reallocations(draw):
+    """FSDP/HSDP to or from any layout (FSDP at both ends too); uneven and empty chunks come from
+    the small model dims over fsdp up to 12 (fsdp 5 and 7 divide nothing)."""
+    d = draw(oracle.decoders(st))
+    world = draw(st.sampled_from([12, 8, 6, 5, 7, 4, 3, 2]))
+    sharded = draw(fsdp_topologies(d, world))
+    other = draw(st.one_of(topologies(d, world), fsdp_topologies(d, world)))
+    src, dst = (sharded, other) if draw(st.booleans()) else (other, sharded)
+    return Case(d, src, dst, draw(placements(world)), bucket_bytes=draw(st.integers(1024, 4096)))
+
+
+@settings(max_examples=50, deadline=None)
+@given(fsdp_reallocations())
+def test_random_fsdp_reallocations(case):
+    check_reallocation(case)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_random_fsdp_copies_between_disjoint_worker_sets(data):
+    d = data.draw(oracle.decoders(st))
+    ws, wd = data.draw(st.sampled_from([6, 4, 3, 2])), data.draw(st.sampled_from([5, 4, 2, 1]))
+    src = data.draw(fsdp_topologies(d, ws))
+    dst = data.draw(st.one_of(topologies(d, wd), fsdp_topologies(d, wd)) if wd > 1 else topologies(d, wd))
+    workers = data.draw(st.permutations(list(range(ws + wd))))
+    case = Case(d, src, dst, data.draw(placements(ws + wd)), src_workers=list(workers[:ws]),
+                dst_workers=list(workers[ws:]))
+    assert not check_reallocation(case).local_copies
+
+
+FSDP8 = oracle.Decoder(hidden=6, intermediate=24, layers=4, heads=8, kv_heads=2, head_dim=2, vocab=19,
+                       tied=True, dtype="bfloat16", norm_dtype="float32")
+
+
+@pytest.mark.parametrize("case", [
+    Case(FSDP8, Topology(fsdp=8), Topology(dp=2, tp=4), Placement.blocks(8, 4)),
+    Case(FSDP8, Topology(dp=2, tp=2, pp=2, fsdp=1), Topology(dp=2, fsdp=2, tp=2), Placement.blocks(8, 2)),
+    Case(FSDP8, Topology(dp=2, fsdp=3, tp=2), Topology(tp=4, pp=3, layer_split=(1, 2, 1)), Placement.blocks(12, 4)),
+    Case(FSDP8, Topology(fsdp=7), Topology(fsdp=7, pp=1, dp=1), Placement.blocks(7, 3)),
+    Case(FSDP8, Topology(fsdp=5, pp=2), Topology(fsdp=2, dp=5), Placement.blocks(10, 4)),
+], ids=["fsdp8-dp2tp4", "dp2tp2pp2-hsdp", "hsdp-tp2-to-tp4pp3", "fsdp7-same", "fsdp5pp2-hsdp5x2"])
+def test_chosen_fsdp_reallocations(case):
+    plan = check_reallocation(case)
+    if case.src == case.dst:
+        assert plan.stats["bytes_total"] == 0
 
 
 @settings(max_examples=80, deadline=None)

@@ -243,12 +243,14 @@ class Manifest:
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         t = self.topology
+        topology = {"dp": t.dp, "tp": t.tp, "pp": t.pp, "layer_split": list(t.layer_split) if t.layer_split else None}
+        if t.fsdp > 1:  # written only when sharded, so manifests without FSDP are unchanged
+            topology["fsdp"] = t.fsdp
         return {
             "format": FORMAT,
             "run_id": self.id.run_id, "iteration": self.id.iteration, "rank": self.id.rank,
             "world_size": self.world_size,
-            "topology": {"dp": t.dp, "tp": t.tp, "pp": t.pp,
-                         "layer_split": list(t.layer_split) if t.layer_split else None},
+            "topology": topology,
             "vocab_pad_multiple": self.vocab_pad_multiple,
             "spec": {"name": self.spec_name, "params": {k: [list(s), d] for k, (s, d) in self.params.items()}},
             "buffers": dict(self.buffers),
@@ -273,7 +275,8 @@ class Manifest:
             manifest = Manifest(
                 id=CheckpointId(data["run_id"], data["iteration"], data["rank"]),
                 world_size=int(data["world_size"]),
-                topology=Topology(topo["dp"], topo["tp"], topo["pp"], tuple(split) if split else None),
+                topology=Topology(topo["dp"], topo["tp"], topo["pp"], tuple(split) if split else None,
+                                  fsdp=topo.get("fsdp", 1)),
                 vocab_pad_multiple=int(data["vocab_pad_multiple"]),
                 spec_name=str(data["spec"]["name"]),
                 params={k: (tuple(int(x) for x in s), str(d)) for k, (s, d) in data["spec"]["params"].items()},
