@@ -58,7 +58,7 @@ class ShardContext:
     ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
     worker's local shards, padding included; writing into them updates the worker's weights.
     ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
-    ``groups`` the dp/tp/pp process groups of this rank of the layout
+    ``groups`` the dp/fsdp/tp/pp process groups of this rank of the layout
     (:class:`~actors.parallel.ParallelGroups`). Everything here is valid until the next change.
     """
 
@@ -74,6 +74,7 @@ class ShardContext:
     groups: ParallelGroups | None = None
     rank_layout: RankLayout | None = None
     buffers: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    fsdp_rank: int = 0
 
     def views(self, *, padding: bool = False) -> dict[str, torch.Tensor]:
         """Slot name -> view of the rank's shard: the real box only (vocabulary padding

@@ -4,12 +4,14 @@ Each model group has its own rendezvous store (hosted by its rank-0 worker) and,
 worker, one :class:`~actors.communicator.Communicators` cache of private process groups over
 it. :class:`ParallelGroups` names the groups of one rank of one layout:
 
-* ``tp``: the ranks that share this rank's data-parallel replica and pipeline stage;
-* ``dp``: the replicas of this rank's shard (same tp and pp coordinate);
+* ``tp``: the ranks that share this rank's data-parallel coordinates and pipeline stage;
+* ``dp``: the replicas of this rank's shard (same fsdp, tp and pp coordinate);
+* ``fsdp``: the ranks sharding this rank's tp shard (FSDP2's shard group; one rank when fsdp=1);
 * ``pp``: the stages of this rank's replica and tp coordinate;
 * ``model``: every worker of the model group.
 
-Group ranks follow the topology's rank order (tp fastest, then dp, then pp: Megatron's order),
+Group ranks follow the topology's rank order (tp fastest, then fsdp, dp and pp: torchtitan's
+mesh order, Megatron's when fsdp=1),
 so rank ``i`` of ``tp`` is tp rank ``i``. Groups are private (never torch's default group, and
 never registered in it): user code may create its own default group and keep it. They are
 created on first use (collective over the members only, like ``torch.distributed.new_group``
@@ -25,7 +27,7 @@ from functools import cached_property
 from realloc.layout import Layout
 
 #: Axes of a layout's groups, in the order they are listed.
-AXES = ("dp", "tp", "pp", "model")
+AXES = ("dp", "fsdp", "tp", "pp", "model")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class GroupRanks:
     """The member ranks of each group of one rank of a layout (pure: no process groups)."""
 
     dp: tuple[int, ...]
+    fsdp: tuple[int, ...]
     tp: tuple[int, ...]
     pp: tuple[int, ...]
     model: tuple[int, ...]
@@ -42,20 +45,23 @@ class GroupRanks:
         """Example:
             >>> from realloc import ModelSpec, Topology
             >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, tp=2, pp=2)), 5)
-            GroupRanks(dp=(5, 7), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7))
+            GroupRanks(dp=(5, 7), fsdp=(5,), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7))
+            >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, fsdp=2, tp=2)), 5).fsdp
+            (5, 7)
         """
         t = layout.topology
-        dp_rank, tp_rank, pp_rank = t.coords(rank)
+        dp_rank, fsdp_rank, tp_rank, pp_rank = t.coords4(rank)
         return GroupRanks(
-            dp=tuple(t.replica_ranks(tp_rank, pp_rank)),
-            tp=tuple(t.rank(dp_rank, i, pp_rank) for i in range(t.tp)),
-            pp=tuple(t.rank(dp_rank, tp_rank, i) for i in range(t.pp)),
+            dp=tuple(t.replica_ranks(tp_rank, pp_rank, fsdp_rank)),
+            fsdp=tuple(t.rank(dp_rank, tp_rank, pp_rank, i) for i in range(t.fsdp)),
+            tp=tuple(t.rank(dp_rank, i, pp_rank, fsdp_rank) for i in range(t.tp)),
+            pp=tuple(t.rank(dp_rank, tp_rank, i, fsdp_rank) for i in range(t.pp)),
             model=tuple(range(t.world_size)),
         )
 
 
 class ParallelGroups:
-    """The dp/tp/pp/model process groups of rank ``rank`` of ``layout`` (``ctx.groups``).
+    """The dp/fsdp/tp/pp/model process groups of rank ``rank`` of ``layout`` (``ctx.groups``).
 
     Valid while the worker holds that layout: read them again from the context after every
     change (the ``on_shards_changed`` hook gets a fresh context). ``ranks`` lists the members.
@@ -80,6 +86,10 @@ class ParallelGroups:
     @cached_property
     def dp(self):
         return self._group("dp")
+
+    @cached_property
+    def fsdp(self):
+        return self._group("fsdp")
 
     @cached_property
     def tp(self):

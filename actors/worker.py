@@ -133,10 +133,11 @@ class ShardWorker(CheckpointMixin):
         """The current layout's :class:`~actors.context.ShardContext` of this worker."""
         store = self._store_now()
         layout = self.held.layout
-        dp_rank, tp_rank, pp_rank = layout.topology.coords(self.rank)
+        dp_rank, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(self.rank)
         groups = ParallelGroups(layout, self.rank, self.communicators)
         return ShardContext(self.rank, layout.topology, dp_rank, tp_rank, pp_rank, self.device,
-                            store.shard_tensors(), self.held.shards(), layout, groups, self.held, self.buffers)
+                            store.shard_tensors(), self.held.shards(), layout, groups, self.held, self.buffers,
+                            fsdp_rank)
 
     def after_change(self, change: ShardChange) -> None:
         """Driver entry point of the hook (after the commit of ``change``)."""

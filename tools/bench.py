@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import math
 import os
@@ -181,8 +182,8 @@ def bench(spec, src: Topology, dst: Topology, *, address: str | None = None, nod
                    if b}
             dst_digests = _digests_of_group(group)
             for r in range(workers):  # other dp replicas: byte-identical to their verified replica-0 twin
-                _, tp_rank, pp_rank = dst.coords(r)
-                if dst_digests[r] != dst_digests[dst.rank(0, tp_rank, pp_rank)]:
+                _, fsdp_rank, tp_rank, pp_rank = dst.coords4(r)
+                if dst_digests[r] != dst_digests[dst.rank(0, tp_rank, pp_rank, fsdp_rank)]:
                     bad.setdefault(r, ["<differs from its dp replica 0>"])
             _log(f"warm-up {src} -> {dst} {first:.2f}s; verified in {time.perf_counter() - t:.1f}s: "
                  f"{'ok' if not bad else bad}")
@@ -615,12 +616,11 @@ def baseline_driver(group, dst: Topology) -> tuple[float, dict]:
     fetched = None
     t_assemble = time.perf_counter()
     refs = {}
-    for tp_rank in range(dst.tp):
-        for pp_rank in range(dst.pp):
-            shards = dst_layout.shards_at(tp_rank, pp_rank)
-            refs[tp_rank, pp_rank] = ray.put([
-                (s.param, s.offsets, s.sizes, _to_numpy(full[s.param][box_index(s.offsets, s.sizes)]))
-                for s in shards if s.numel])
+    for fsdp_rank, tp_rank, pp_rank in itertools.product(range(dst.fsdp), range(dst.tp), range(dst.pp)):
+        shards = dst_layout.shards_at(tp_rank, pp_rank, fsdp_rank)
+        refs[fsdp_rank, tp_rank, pp_rank] = ray.put([
+            (s.param, s.offsets, s.sizes, _to_numpy(full[s.param][box_index(s.offsets, s.sizes)]))
+            for s in shards if s.numel])
     full = None
     t_put = time.perf_counter()
     group.run(_receive_boxes, [refs], spec, dst, vpm)
@@ -628,7 +628,7 @@ def baseline_driver(group, dst: Topology) -> tuple[float, dict]:
     refs = None
     return done - started, {"phases": {"fetch": t_fetch - started, "assemble": t_assemble - t_fetch,
                                        "slice_and_put": t_put - t_assemble, "actors_get_and_write": done - t_put},
-                            "objects_put": dst.tp * dst.pp}
+                            "objects_put": dst.fsdp * dst.tp * dst.pp}
 
 
 def _to_numpy(t: torch.Tensor):
@@ -653,8 +653,8 @@ def _receive_boxes(ctx, refs: list[dict], spec, dst: Topology, vpm: int) -> None
     import ray
 
     store = _new_dst_store(spec, dst, ctx.rank, vpm)
-    _, tp_rank, pp_rank = dst.coords(ctx.rank)
-    for param, offsets, sizes, array in ray.get(refs[0][tp_rank, pp_rank]):
+    _, fsdp_rank, tp_rank, pp_rank = dst.coords4(ctx.rank)
+    for param, offsets, sizes, array in ray.get(refs[0][fsdp_rank, tp_rank, pp_rank]):
         store.write(param, offsets, sizes, _from_numpy(array, store_dtype(store, param), sizes))
 
 

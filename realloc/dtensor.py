@@ -1,0 +1,124 @@
+"""DTensor interop: a DTensor state dict (FSDP2, torchtitan's FSDP+TP) against a rank's layout.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) and torchtitan hold every parameter as a
+``DTensor``: a device mesh, a placement per mesh dimension and a local tensor. The local tensor
+of a rank is one box of the global tensor; :func:`local_box` computes it with torch's own rule
+(``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, which also handles
+FSDP2's ``_StridedShard`` when tp shards the same dimension), so the boxes compared here are the
+engine's, not re-derived.
+
+* :func:`mesh_topology` derives the layout's topology from the mesh: dimension names
+  ``dp_replicate``/``dp`` (replicated), ``dp_shard``/``fsdp`` (sharded) and ``tp`` as torchtitan
+  names them; a one-dimensional mesh without names is sharded data parallelism.
+* :func:`check_boxes` refuses (``ValueError`` naming the parameter and both boxes) a state dict
+  whose local tensors are not exactly the rank's boxes in the layout: a wrong rank order or
+  another sharding rule would otherwise be a silent wrong weight.
+* :func:`read_local` / :func:`write_local` copy between the local tensors and the rank's shard
+  views (the weights the reallocation moves), in either direction.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from realloc.layout import RankLayout
+from realloc.topology import Topology
+
+#: Mesh dimension names and the topology field each one sets.
+MESH_NAMES = {"dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp", "fsdp": "fsdp", "tp": "tp"}
+
+
+def local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of the global tensor that ``tensor``'s local part holds (a plain
+    tensor holds all of itself)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+
+
+def mesh_topology(mesh) -> Topology:
+    """The topology a DTensor device mesh stands for (pp=1: a mesh per pipeline stage).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> str(mesh_topology(SimpleNamespace(mesh_dim_names=("dp_replicate", "dp_shard", "tp"), shape=(2, 4, 2))))
+        'dp=2,fsdp=4,tp=2,pp=1'
+    """
+    names = mesh.mesh_dim_names or (("fsdp",) if len(mesh.shape) == 1 else None)
+    if names is None:
+        raise ValueError(f"a device mesh of shape {tuple(mesh.shape)} needs dimension names "
+                         f"(one of {sorted(MESH_NAMES)}) to say which dimension is which")
+    sizes = {"dp": 1, "fsdp": 1, "tp": 1}
+    for name, size in zip(names, mesh.shape):
+        if name not in MESH_NAMES:
+            raise ValueError(f"mesh dimension {name!r} is not one of {sorted(MESH_NAMES)}")
+        sizes[MESH_NAMES[name]] = int(size)
+    return Topology(dp=sizes["dp"], tp=sizes["tp"], fsdp=sizes["fsdp"])
+
+
+def _pairs(rank: RankLayout, state: Mapping[str, torch.Tensor],
+           name_map: "Mapping[str, str] | Callable[[str], str | None] | None") -> list[tuple[str, object, torch.Tensor]]:
+    slots = {s.slot: s for s in rank.shards()}
+    pairs = []
+    for name, tensor in state.items():
+        slot = name_map(name) if callable(name_map) else (name_map or {}).get(name, name)
+        if slot is None:
+            continue
+        if slot not in slots:
+            if 0 in local_box(tensor)[1]:
+                continue  # an empty chunk (FSDP2's last ranks): the layout leaves it out as well
+            raise ValueError(f"state dict entry {name!r} (slot {slot!r}) is not held by {rank}")
+        pairs.append((name, slots[slot], tensor))
+    return pairs
+
+
+def check_boxes(rank: RankLayout, state: Mapping[str, torch.Tensor], name_map=None) -> None:
+    """``ValueError`` unless every entry's local tensor is exactly its shard's box on ``rank``."""
+    wrong = []
+    for name, shard, tensor in _pairs(rank, state, name_map):
+        box = local_box(tensor)
+        if box != (shard.offsets, shard.sizes):
+            wrong.append(f"{name}: local box offsets={box[0]} sizes={box[1]}, layout {rank} holds "
+                         f"offsets={shard.offsets} sizes={shard.sizes}")
+    if wrong:
+        raise ValueError(f"{len(wrong)} DTensor(s) do not hold what {rank} holds (another rank order or "
+                         f"sharding rule?): " + "; ".join(wrong[:3]))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def read_local(views: Mapping[str, torch.Tensor], rank: RankLayout, state: Mapping[str, torch.Tensor],
+               name_map=None) -> int:
+    """Copy each entry's local tensor into the rank's shard view (boxes checked first); bytes copied."""
+    check_boxes(rank, state, name_map)
+    total = 0
+    with torch.no_grad():
+        for name, shard, tensor in _pairs(rank, state, name_map):
+            local = _local(tensor)
+            views[shard.slot].copy_(local)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def write_local(state: Mapping[str, torch.Tensor], rank: RankLayout, views: Mapping[str, torch.Tensor],
+                name_map=None) -> int:
+    """Copy the rank's shard views into each entry's local tensor (boxes checked first); bytes copied."""
+    check_boxes(rank, state, name_map)
+    total = 0
+    with torch.no_grad():
+        for name, shard, tensor in _pairs(rank, state, name_map):
+            local = _local(tensor)
+            local.copy_(views[shard.slot])
+            total += local.numel() * local.element_size()
+    return total
