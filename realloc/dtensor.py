@@ -101,24 +101,22 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def read_local(views: Mapping[str, torch.Tensor], rank: RankLayout, state: Mapping[str, torch.Tensor],
                name_map=None) -> int:
     """Copy each entry's local tensor into the rank's shard view (boxes checked first); bytes copied."""
-    check_boxes(rank, state, name_map)
-    total = 0
-    with torch.no_grad():
-        for name, shard, tensor in _pairs(rank, state, name_map):
-            local = _local(tensor)
-            views[shard.slot].copy_(local)
-            total += local.numel() * local.element_size()
-    return total
+    return _copy(rank, state, views, name_map, into_views=True)
 
 
 def write_local(state: Mapping[str, torch.Tensor], rank: RankLayout, views: Mapping[str, torch.Tensor],
                 name_map=None) -> int:
     """Copy the rank's shard views into each entry's local tensor (boxes checked first); bytes copied."""
+    return _copy(rank, state, views, name_map, into_views=False)
+
+
+def _copy(rank: RankLayout, state: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor], name_map,
+          into_views: bool) -> int:
     check_boxes(rank, state, name_map)
     total = 0
     with torch.no_grad():
-        for name, shard, tensor in _pairs(rank, state, name_map):
-            local = _local(tensor)
-            local.copy_(views[shard.slot])
+        for _, shard, tensor in _pairs(rank, state, name_map):
+            local, view = _local(tensor), views[shard.slot]
+            (view if into_views else local).copy_(local if into_views else view)
             total += local.numel() * local.element_size()
     return total

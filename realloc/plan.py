@@ -14,6 +14,7 @@ ends of a route cut it identically without shipping millions of bucket records.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
@@ -207,54 +208,19 @@ class Plan:
                                      "receive per worker per step)")
 
 
-def buckets(segments: list[Segment], bucket_bytes: int) -> list[list[Piece]]:
-    """Cut ``segments`` (in order) into buckets of at most ``bucket_bytes`` bytes.
-
-    A segment larger than the space left is cut into leading boxes (whole rows when a row fits),
-    so every bucket respects the cap except when a single element is larger than the cap.
-    """
+def _cuts(segments: list[Segment], bucket_bytes: int) -> Iterator["tuple[Segment, tuple, tuple, int] | None"]:
+    """The pieces of :func:`buckets` in order, as ``(segment, offsets, sizes, byte offset)``;
+    ``None`` between two buckets. A segment that fits the space left is one piece (what
+    ``take_prefix`` would return, without calling it: the hot path of large plans)."""
     if bucket_bytes < BUCKET_ALIGN:
         raise ValueError(f"bucket_bytes must be at least {BUCKET_ALIGN}, got {bucket_bytes}")
-    out: list[list[Piece]] = []
-    current: list[Piece] = []
-    used = 0
+    current, used = False, 0
     for seg in segments:
         item = DTYPE_BYTES[seg.dtype]
-        pending = [seg.box]
-        while pending:
-            box = pending.pop(0)
-            start = -(-used // BUCKET_ALIGN) * BUCKET_ALIGN
-            head, rest = take_prefix(box, (bucket_bytes - start) // item)
-            if head is None:
-                if current:
-                    out.append(current)
-                    current, used = [], 0
-                    pending.insert(0, box)
-                    continue
-                head, rest = take_prefix(box, 1)  # one element larger than the cap
-            current.append(Piece(seg.param, head[0], head[1], seg.dtype, start))
-            n = item
-            for s in head[1]:
-                n *= s
-            used = start + n
-            pending[:0] = rest
-    if current:
-        out.append(current)
-    return out
-
-
-def bucket_count(segments: list[Segment], bucket_bytes: int) -> int:
-    """``len(buckets(segments, bucket_bytes))`` without building the pieces (plan statistics)."""
-    if bucket_bytes < BUCKET_ALIGN:
-        raise ValueError(f"bucket_bytes must be at least {BUCKET_ALIGN}, got {bucket_bytes}")
-    count, current, used = 0, False, 0
-    for seg in segments:
-        item = DTYPE_BYTES[seg.dtype]
-        n = item
-        for s in seg.sizes:
-            n *= s
         start = -(-used // BUCKET_ALIGN) * BUCKET_ALIGN
-        if start + n <= bucket_bytes:  # the whole segment fits: what take_prefix would return
+        n = item * math.prod(seg.sizes)
+        if start + n <= bucket_bytes:
+            yield seg, seg.offsets, seg.sizes, start
             current, used = True, start + n
             continue
         pending = [seg.box]
@@ -264,18 +230,41 @@ def bucket_count(segments: list[Segment], bucket_bytes: int) -> int:
             head, rest = take_prefix(box, (bucket_bytes - start) // item)
             if head is None:
                 if current:
-                    count += 1
+                    yield None
                     current, used = False, 0
                     pending.insert(0, box)
                     continue
-                head, rest = take_prefix(box, 1)
-            current = True
-            n = item
-            for s in head[1]:
-                n *= s
-            used = start + n
+                head, rest = take_prefix(box, 1)  # one element larger than the cap
+            yield seg, head[0], head[1], start
+            current, used = True, start + item * math.prod(head[1])
             pending[:0] = rest
-    return count + current
+
+
+def buckets(segments: list[Segment], bucket_bytes: int) -> list[list[Piece]]:
+    """Cut ``segments`` (in order) into buckets of at most ``bucket_bytes`` bytes.
+
+    A segment larger than the space left is cut into leading boxes (whole rows when a row fits),
+    so every bucket respects the cap except when a single element is larger than the cap.
+    """
+    out: list[list[Piece]] = [[]]
+    for cut in _cuts(segments, bucket_bytes):
+        if cut is None:
+            out.append([])
+        else:
+            seg, offsets, sizes, start = cut
+            out[-1].append(Piece(seg.param, offsets, sizes, seg.dtype, start))
+    return [b for b in out if b]
+
+
+def bucket_count(segments: list[Segment], bucket_bytes: int) -> int:
+    """``len(buckets(segments, bucket_bytes))`` without building the pieces (plan statistics)."""
+    breaks, pieces = 0, False
+    for cut in _cuts(segments, bucket_bytes):
+        if cut is None:
+            breaks += 1
+        else:
+            pieces = True
+    return breaks + pieces
 
 
 def bucket_nbytes(bucket: list[Piece]) -> int:

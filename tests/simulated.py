@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -25,3 +26,10 @@ def simulated_cluster(nodes: int, cpus_per_node: int) -> Iterator[SimpleNamespac
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a user's own process group in the workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

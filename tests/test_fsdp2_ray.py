@@ -6,7 +6,6 @@ weights back, after which FSDP2 trains on. Real Ray actors, two simulated nodes.
 
 from __future__ import annotations
 
-import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from actors import ModelGroup, ShardWorker
 from realloc.dtensor import mesh_topology, read_local, write_local
 
-from simulated import simulated_cluster
+from simulated import free_port, simulated_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama  # noqa: E402
@@ -73,12 +72,6 @@ class FSDPWorker(ShardWorker):
 def cluster():
     with simulated_cluster(nodes=2, cpus_per_node=2) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def same(a: dict, b: dict) -> bool:

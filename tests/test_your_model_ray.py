@@ -7,7 +7,6 @@ Real Ray actors on two simulated nodes, real gloo process groups.
 from __future__ import annotations
 
 import pickle
-import socket
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from actors import HookError, ModelGroup, ShardWorker
 from realloc.spec import decoder_spec
 
-from simulated import simulated_cluster
+from simulated import free_port, simulated_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import rlhf_loop  # noqa: E402
@@ -36,12 +35,6 @@ SPEC = decoder_spec("small-gqa", hidden=64, intermediate=128, layers=2, heads=4,
 def cluster():
     with simulated_cluster(nodes=2, cpus_per_node=2) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class UserWorker(ShardWorker):
