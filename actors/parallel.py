@@ -26,10 +26,6 @@ from functools import cached_property
 
 from realloc.layout import Layout
 
-#: Axes of a layout's groups, in the order they are listed.
-AXES = ("dp", "fsdp", "tp", "pp", "model")
-
-
 @dataclass(frozen=True)
 class GroupRanks:
     """The member ranks of each group of one rank of a layout (pure: no process groups)."""

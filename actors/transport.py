@@ -66,7 +66,6 @@ class Transport:
                  timeout_s: float, store: dist.TCPStore | None = None, *, prefix: str = "realloc"):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend = backend_for(device)
-        self.prefix = prefix
         if store is None:
             store = connect_store(store_addr, store_port, world_size, timeout_s)
         # gloo binds its data sockets to the interface of the hostname unless told otherwise; on

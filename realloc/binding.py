@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from realloc.layout import RankLayout, Shard
-from realloc.shards import TORCH_DTYPES
+from realloc.shards import TORCH_DTYPES, local_tensor
 
 __all__ = ["BindReport", "bind_module", "fused_views", "layer_name_map", "shard_views"]
 
@@ -71,10 +71,6 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
 
 
 # -- views ---------------------------------------------------------------------------------
-
-def _local_tensor(shard: Shard, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.local_numel].view(shard.local_shape)
-
 
 def _check_buffers(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
     if not isinstance(rank_layout, RankLayout):
@@ -109,7 +105,7 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     _check_buffers(rank_layout, buffers)
     views = {}
     for shard in rank_layout.shards():
-        local = _local_tensor(shard, buffers)
+        local = local_tensor(shard, buffers)
         if not padding:
             for dim, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
                 if size != full:

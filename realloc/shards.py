@@ -27,6 +27,11 @@ def allocate_buffers(layout: Layout, rank: int, device: "str | torch.device" = "
     return {d: torch.zeros(n, dtype=TORCH_DTYPES[d], device=device) for d, n in layout.buffer_numels(rank).items()}
 
 
+def local_tensor(shard: Shard, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The shard's local tensor (padding included): a view of its dtype's flat buffer."""
+    return buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.local_numel].view(shard.local_shape)
+
+
 class ShardStore:
     """Boxes of global tensors backed by one rank's flat buffers.
 
@@ -42,9 +47,7 @@ class ShardStore:
         self.buffers = dict(buffers)
         self.by_param: dict[str, list[tuple[Shard, torch.Tensor]]] = {}
         for s in shards:
-            flat = self.buffers[s.dtype]
-            local = flat[s.buffer_offset:s.buffer_offset + s.local_numel].view(s.local_shape)
-            self.by_param.setdefault(s.param, []).append((s, local))
+            self.by_param.setdefault(s.param, []).append((s, local_tensor(s, self.buffers)))
 
     def shard_tensors(self) -> dict[str, torch.Tensor]:
         """Slot name -> local tensor (the rank's model as its code sees it, padding included)."""
