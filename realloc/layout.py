@@ -24,9 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.topology import Topology
+
+if TYPE_CHECKING:
+    from realloc.pieces import PieceTable
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -172,23 +176,28 @@ class Layout:
                 slots.append((p.name, p.name))
         return slots + tied_heads
 
+    def _tp_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
+        """``(param spec, name, slot, offsets, sizes, local shape)`` of every slot of the
+        ``(tp_rank, pp_rank)`` coordinate before sharded data parallelism cuts it."""
+        by_name = self.spec.by_name
+        out = []
+        for name, slot in self.stage_slots(pp_rank):
+            p = by_name[name]
+            offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
+            if p.tp_dim is not None:
+                start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple)
+                offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
+            out.append((p, name, slot, offsets, sizes, local))
+        return out
+
     @cached_property
     def _coordinate_shards(self) -> dict[tuple[int, int, int], tuple[tuple[Shard, ...], dict[str, int]]]:
         """``(fsdp_rank, tp_rank, pp_rank)`` -> (shards, elements per dtype buffer)."""
-        by_name = self.spec.by_name
         fsdp = self.topology.fsdp
         result = {}
         for pp_rank in range(self.topology.pp):
-            slots = self.stage_slots(pp_rank)
             for tp_rank in range(self.topology.tp):
-                tp_boxes = []
-                for name, slot in slots:
-                    p = by_name[name]
-                    offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
-                    if p.tp_dim is not None:
-                        start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple)
-                        offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
-                    tp_boxes.append((p, name, slot, offsets, sizes, local))
+                tp_boxes = self._tp_boxes(tp_rank, pp_rank)
                 for fsdp_rank in range(fsdp):
                     fill: dict[str, int] = {}
                     shards = []
@@ -241,6 +250,43 @@ class Layout:
             members = tuple(workers[r] for r in self.topology.replica_ranks(tp_rank, pp_rank, fsdp_rank))
             groups.append(Group(members, pieces))
         return groups
+
+
+    def piece_table(self, workers: list[int] | None = None) -> "PieceTable":
+        """:meth:`groups` as a :class:`~realloc.pieces.PieceTable` (the same groups in the same
+        order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
+        a 2,048-way sharded layout costs what an unsharded one does."""
+        import numpy as np
+
+        from realloc.pieces import PieceTable
+
+        t = self.topology
+        if workers is None:
+            workers = list(range(t.world_size))
+        if len(workers) != t.world_size:
+            raise ValueError(f"{len(workers)} worker ids for {t.world_size} ranks of {t}")
+        groups: list[tuple[int, ...]] = []
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        ranks = np.arange(t.fsdp)
+        for pp_rank in range(t.pp):
+            for tp_rank in range(t.tp):
+                base = len(groups)
+                groups += [tuple(workers[r] for r in t.replica_ranks(tp_rank, pp_rank, f)) for f in range(t.fsdp)]
+                for _, name, _, offsets, sizes, _ in self._tp_boxes(tp_rank, pp_rank):
+                    if not all(sizes):
+                        continue
+                    # torch.chunk along dim 0, as _coordinate_shards cuts each rank's shard
+                    rows, chunk = sizes[0], -(-sizes[0] // t.fsdp)
+                    first = np.minimum(ranks * chunk, rows)
+                    held = np.minimum(first + chunk, rows) - first
+                    keep = np.flatnonzero(held > 0)
+                    off = np.tile(np.array(offsets, dtype=np.int64), (keep.size, 1))
+                    siz = np.tile(np.array(sizes, dtype=np.int64), (keep.size, 1))
+                    off[:, 0] += first[keep]
+                    siz[:, 0] = held[keep]
+                    parts.setdefault(name, []).append((base + keep, off, siz))
+        return PieceTable(groups, {name: tuple(np.concatenate(c) for c in zip(*chunks))
+                                   for name, chunks in parts.items()})
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 from realloc.boxes import Box, take_prefix
 from realloc.spec import DTYPE_BYTES
@@ -62,6 +63,112 @@ class Route(NamedTuple):
     segment_list: int
 
 
+class SegmentTable(Sequence[Segment]):
+    """Segments stored as runs, a read-only list: run ``(params, dtype, cells)`` stands for
+    ``[Segment(p, *cell, dtype) for p in params for cell in cells]``.
+
+    The planner cuts each kind of tensor once and shares the cells among the layers that have
+    them, so a plan of millions of segments holds thousands of runs; a segment object exists
+    only while someone looks at it.
+    """
+
+    def __init__(self, runs: list[tuple[tuple[str, ...], str, list[Box]]]):
+        self.runs = runs
+        self._starts = [0]
+        for params, _, cells in runs:
+            self._starts.append(self._starts[-1] + len(params) * len(cells))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"segment {index} of {len(self)}")
+        r = bisect_right(self._starts, index) - 1
+        params, dtype, cells = self.runs[r]
+        p, c = divmod(index - self._starts[r], len(cells))
+        return Segment(params[p], cells[c][0], cells[c][1], dtype)
+
+    def __iter__(self) -> Iterator[Segment]:
+        for params, dtype, cells in self.runs:
+            for p in params:
+                for offsets, sizes in cells:
+                    yield Segment(p, offsets, sizes, dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"SegmentTable({len(self)} segments in {len(self.runs)} runs)"
+
+
+class IndexChain(Sequence[int]):
+    """Segment ids of a list that chains several ranges of a :class:`SegmentTable`, read-only."""
+
+    def __init__(self, ranges: list[range]):
+        self.ranges = ranges
+        self._starts = [0]
+        for r in ranges:
+            self._starts.append(self._starts[-1] + len(r))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} of {len(self)}")
+        r = bisect_right(self._starts, index) - 1
+        return self.ranges[r][index - self._starts[r]]
+
+    def __iter__(self) -> Iterator[int]:
+        for r in self.ranges:
+            yield from r
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __repr__(self) -> str:
+        return f"IndexChain({self.ranges})"
+
+
+class StepTable(Sequence[list[Route]]):
+    """The steps of a large plan as arrays, a read-only list of steps: routes sorted by step,
+    step ``s`` being routes ``starts[s]:starts[s + 1]``. Pickles as four arrays."""
+
+    def __init__(self, src, dst, lists, starts):
+        import numpy as np  # only large plans use it; keeps `realloc.plan` light to import
+
+        self.src, self.dst, self.lists = (np.asarray(a, dtype=np.int64) for a in (src, dst, lists))
+        self.starts = np.asarray(starts, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"step {index} of {len(self)}")
+        a, b = int(self.starts[index]), int(self.starts[index + 1])
+        return [Route(*r) for r in zip(self.src[a:b].tolist(), self.dst[a:b].tolist(), self.lists[a:b].tolist())]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"StepTable({len(self)} steps, {len(self.src)} routes)"
+
+
 @dataclass
 class Plan:
     """A reallocation/exchange plan. See the module docstring for the model.
@@ -74,10 +181,10 @@ class Plan:
         True
     """
 
-    segments: list[Segment]
-    segment_lists: list[tuple[int, ...]]
+    segments: Sequence[Segment]  # a list, or a SegmentTable from the planner
+    segment_lists: list[Sequence[int]]  # tuples, or ranges into a SegmentTable
     local_copies: list[tuple[int, int]]
-    steps: list[list[Route]]
+    steps: Sequence[list[Route]]  # lists, or a StepTable for large plans
     bucket_bytes: int
     nodes: tuple[str, ...]
     #: Steps from this index on forward bytes the sender received earlier in this plan (intra-node
@@ -86,6 +193,15 @@ class Plan:
     stats: dict = field(default_factory=dict)
     #: Wall time the planner took. Not part of the plan's data (so ``dumps`` is deterministic).
     plan_seconds: float = field(default=0.0, compare=False)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal plans move the same segments the same way, whatever containers hold them."""
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (self.bucket_bytes, self.nodes, self.forward_from, self.stats, self.local_copies) == (
+            other.bucket_bytes, other.nodes, other.forward_from, other.stats, other.local_copies) and (
+            [tuple(x) for x in self.segment_lists] == [tuple(x) for x in other.segment_lists]
+            and self.segments == other.segments and self.steps == other.steps)
 
     # -- derived views ------------------------------------------------------------------
     def segment_list(self, index: int) -> list[Segment]:

@@ -37,14 +37,15 @@ import time
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from realloc.boxes import Box, inside_shape, split_rows
+from realloc.boxes import Box, split_rows
 from realloc.layout import Group, Layout
+from realloc.pieces import PieceTable
 from realloc.placement import Placement
-from realloc.plan import BUCKET_ALIGN, Plan, Route, Segment, bucket_count
+from realloc.plan import BUCKET_ALIGN, IndexChain, Plan, SegmentTable, StepTable, bucket_count
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ ParamTable = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
 
 
 def plan_exchange(
-    holdings: Sequence[Group],
-    needs: Sequence[Group],
+    holdings: "Sequence[Group] | PieceTable",
+    needs: "Sequence[Group] | PieceTable",
     placement: Placement,
     params: ParamTable,
     *,
@@ -96,6 +97,7 @@ def plan_exchange(
     started = time.perf_counter()
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes must be an integer of at least 1024, got {bucket_bytes!r}")
+    holdings, needs = (x if isinstance(x, PieceTable) else PieceTable.of_groups(x) for x in (holdings, needs))
     _validate(holdings, needs, placement, params)
     bundles, lower_bound_parts = _bundles(holdings, needs, params, placement)
     planner = _Router(placement, params, bandwidths)
@@ -162,8 +164,8 @@ def plan_reallocation(
             raise ValueError(f"{name} layout {layout.topology} has {count} ranks but placement has {placement.num_workers} workers")
     table = {p.name: (p.shape, p.dtype) for p in spec.params}
     return plan_exchange(
-        src_layout.groups(list(src_workers) if src_workers is not None else None),
-        dst_layout.groups(list(dst_workers) if dst_workers is not None else None),
+        src_layout.piece_table(list(src_workers) if src_workers is not None else None),
+        dst_layout.piece_table(list(dst_workers) if dst_workers is not None else None),
         placement, table, bucket_bytes=bucket_bytes, bandwidths=bandwidths,
     )
 
@@ -171,23 +173,29 @@ def plan_reallocation(
 # -- validation -----------------------------------------------------------------------------
 
 
-def _validate(holdings: Sequence[Group], needs: Sequence[Group], placement: Placement, params: ParamTable) -> None:
+def _validate(holdings: PieceTable, needs: PieceTable, placement: Placement, params: ParamTable) -> None:
     for name, (shape, dtype) in params.items():
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"parameter {name!r}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-    for what, groups in (("holdings", holdings), ("needs", needs)):
-        for g in groups:
-            if not g.workers:
+    for what, table in (("holdings", holdings), ("needs", needs)):
+        for workers in table.groups:
+            if not workers:
                 raise ValueError(f"{what}: a group has no workers")
-            placement.check_workers(g.workers, what)
-            for param, offsets, sizes in g.pieces:
-                if param not in params:
-                    raise ValueError(f"{what}: unknown parameter {param!r}")
-                if not inside_shape((tuple(offsets), tuple(sizes)), tuple(params[param][0])):
-                    raise ValueError(
-                        f"{what}: box offsets={tuple(offsets)} sizes={tuple(sizes)} is empty or outside "
-                        f"{param!r} of shape {tuple(params[param][0])}"
-                    )
+            placement.check_workers(workers, what)
+        for param, (_, offsets, sizes) in table.params.items():
+            if param not in params:
+                raise ValueError(f"{what}: unknown parameter {param!r}")
+            shape = np.array(params[param][0], dtype=np.int64)
+            if offsets.shape[1] != shape.size:
+                bad = np.arange(len(offsets))
+            else:
+                bad = np.flatnonzero((offsets < 0).any(1) | (sizes < 1).any(1) | (offsets + sizes > shape).any(1))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(
+                    f"{what}: box offsets={tuple(offsets[i].tolist())} sizes={tuple(sizes[i].tolist())} is empty "
+                    f"or outside {param!r} of shape {tuple(params[param][0])}"
+                )
 
 
 # -- step 1: cells and bundles ---------------------------------------------------------------
@@ -195,8 +203,9 @@ def _validate(holdings: Sequence[Group], needs: Sequence[Group], placement: Plac
 
 @dataclass
 class _Bundle:
-    cells: list[Box]
-    params: list[str]
+    #: ``(params, dtype, cells)``: every param of ``params`` (one dtype) has exactly ``cells`` in
+    #: this bundle (the same kind of tensor in many layers shares one cell list).
+    blocks: list[tuple[tuple[str, ...], str, list[Box]]]
     nbytes: int
     holders: dict[str, list[int]]  # node -> holder workers (sorted)
     needers: dict[str, list[int]]  # node -> needing workers (sorted)
@@ -209,70 +218,98 @@ def _node_map(workers: set[int], placement: Placement) -> dict[str, list[int]]:
     return dict(out)
 
 
-def _bundles(holdings: Sequence[Group], needs: Sequence[Group], params: ParamTable,
+#: A parameter's cells grouped by (holder groups, need groups), and the needed cells no one holds.
+_Pattern = tuple[dict[tuple[frozenset, frozenset], list[Box]], list[Box]]
+
+
+def _bundles(holdings: PieceTable, needs: PieceTable, params: ParamTable,
              placement: Placement) -> tuple[list[_Bundle], int]:
     order = {name: i for i, name in enumerate(params)}
-    hold_by_param: dict[str, list[tuple[int, Box]]] = defaultdict(list)
-    need_by_param: dict[str, list[tuple[int, Box]]] = defaultdict(list)
-    for gi, g in enumerate(holdings):
-        for param, offsets, sizes in g.pieces:
-            hold_by_param[param].append((gi, (tuple(offsets), tuple(sizes))))
-    for gi, g in enumerate(needs):
-        for param, offsets, sizes in g.pieces:
-            need_by_param[param].append((gi, (tuple(offsets), tuple(sizes))))
 
-    keyed: dict[tuple[frozenset, frozenset], list[tuple[int, str, Box]]] = defaultdict(list)
+    # Parameters with the same dtype, holder boxes and need boxes (the same kind of tensor in
+    # every layer of a stage) have the same cells: each distinct signature is cut once, and a
+    # bundle holds one block per signature, however many layers share it.
+    patterns: dict[tuple, tuple[_Pattern, list[str]]] = {}
     missing: list[str] = []
-    for param in sorted(need_by_param, key=order.__getitem__):
-        held = hold_by_param.get(param, [])
-        boxes = [b for _, b in held] + [b for _, b in need_by_param[param]]
-        ndim = len(boxes[0][0])
-        cuts = [sorted({b[0][d] for b in boxes} | {b[0][d] + b[1][d] for b in boxes}) for d in range(ndim)]
-        covering = _covering_masks(held, cuts)
-        needing = _covering_masks(need_by_param[param], cuts)
-        cells: dict[Box, tuple[int, ...]] = {}
-        for _, box in need_by_param[param]:
-            for cell, index in _grid_cells_indexed(box, cuts):
-                cells.setdefault(cell, index)
-        holder_sets: dict[int, frozenset] = {}
-        need_sets: dict[int, frozenset] = {}
-        for cell in sorted(cells):
-            index = cells[cell]
-            # A box covers a grid cell whole or not at all: the holders (needers) of a cell are
-            # the held (needed) boxes covering its grid interval in every dim (bitmask per interval).
-            mask = covering[0][index[0]]
-            need_mask = needing[0][index[0]]
-            for d in range(1, ndim):
-                mask &= covering[d][index[d]]
-                need_mask &= needing[d][index[d]]
-            if not mask:
-                missing.append(f"{param} offsets={cell[0]} sizes={cell[1]}")
-                continue
-            holders = holder_sets.get(mask)
-            if holders is None:
-                holders = holder_sets[mask] = frozenset(held[i][0] for i in _bits(mask))
-            needers = need_sets.get(need_mask)
-            if needers is None:
-                needers = need_sets[need_mask] = frozenset(need_by_param[param][i][0] for i in _bits(need_mask))
-            keyed[holders, needers].append((order[param], param, cell))
-    if missing:
-        raise ValueError(f"{len(missing)} needed boxes are held by no worker, e.g. {missing[:3]}")
+    unheld_count = 0
+    nothing = (np.zeros(0, dtype=np.int64),) * 3
+    for param in sorted(needs.params, key=order.__getitem__):
+        held, needed = holdings.params.get(param, nothing), needs.params[param]
+        signature = (params[param][1], len(params[param][0])) + tuple(a.tobytes() for a in held + needed)
+        entry = patterns.get(signature)
+        if entry is None:
+            cells = _cut_cells(holdings.boxes(param) if param in holdings.params else [], needs.boxes(param))
+            entry = patterns[signature] = (cells, [])
+        entry[1].append(param)
+        unheld = entry[0][1]
+        unheld_count += len(unheld)
+        missing += [f"{param} offsets={cell[0]} sizes={cell[1]}" for cell in unheld[:3 - len(missing)]]
+    if unheld_count:
+        raise ValueError(f"{unheld_count} needed boxes are held by no worker, e.g. {missing}")
+    keyed: dict[tuple[frozenset, frozenset], list[tuple[tuple[str, ...], str, list[Box]]]] = defaultdict(list)
+    for (dtype, *_), ((by_sets, _), names) in patterns.items():
+        for sets, cells in by_sets.items():
+            keyed[sets].append((tuple(names), dtype, cells))
 
     bundles: list[_Bundle] = []
     lower_bound = 0
     hold_maps: dict[frozenset, dict[str, list[int]]] = {}
     need_maps: dict[frozenset, dict[str, list[int]]] = {}
-    for (holders, needers), cells in sorted(keyed.items(), key=lambda kv: kv[1][0]):
-        nbytes = sum(_box_bytes(c, params[p][1]) for _, p, c in cells)
+    for (holders, needers), blocks in sorted(keyed.items(), key=lambda kv: min(
+            (order[b[0][0]], b[2][0]) for b in kv[1])):
+        blocks.sort(key=lambda b: order[b[0][0]])
+        nbytes = sum(len(names) * _cells_bytes(cells, dtype) for names, dtype, cells in blocks)
         if holders not in hold_maps:
-            hold_maps[holders] = _node_map({w for gi in holders for w in holdings[gi].workers}, placement)
+            hold_maps[holders] = _node_map({w for gi in holders for w in holdings.groups[gi]}, placement)
         if needers not in need_maps:
-            need_maps[needers] = _node_map({w for gi in needers for w in needs[gi].workers}, placement)
+            need_maps[needers] = _node_map({w for gi in needers for w in needs.groups[gi]}, placement)
         # bundles sharing a node map share the dict: nothing below mutates it
-        b = _Bundle([c for _, _, c in cells], [p for _, p, _ in cells], nbytes, hold_maps[holders], need_maps[needers])
+        b = _Bundle(blocks, nbytes, hold_maps[holders], need_maps[needers])
         lower_bound += nbytes * sum(1 for node in b.needers if node not in b.holders)
         bundles.append(b)
     return bundles, lower_bound
+
+
+def _cells_bytes(cells: list[Box], dtype: str) -> int:
+    return sum(_box_bytes(c, dtype) for c in cells)
+
+
+def _cut_cells(held: list[tuple[int, Box]], needed: list[tuple[int, Box]]) -> _Pattern:
+    """Cut every needed box at every held/needed boundary; group the grid cells by the sets of
+    holder groups and need groups covering them (cells in sorted order); list unheld cells."""
+    boxes = [b for _, b in held] + [b for _, b in needed]
+    ndim = len(boxes[0][0])
+    cuts = [sorted({b[0][d] for b in boxes} | {b[0][d] + b[1][d] for b in boxes}) for d in range(ndim)]
+    covering = _covering_masks(held, cuts)
+    needing = _covering_masks(needed, cuts)
+    cells: dict[Box, tuple[int, ...]] = {}
+    for _, box in needed:
+        for cell, index in _grid_cells_indexed(box, cuts):
+            cells.setdefault(cell, index)
+    holder_sets: dict[int, frozenset] = {}
+    need_sets: dict[int, frozenset] = {}
+    by_sets: dict[tuple[frozenset, frozenset], list[Box]] = defaultdict(list)
+    unheld: list[Box] = []
+    for cell in sorted(cells):
+        index = cells[cell]
+        # A box covers a grid cell whole or not at all: the holders (needers) of a cell are
+        # the held (needed) boxes covering its grid interval in every dim (bitmask per interval).
+        mask = covering[0][index[0]]
+        need_mask = needing[0][index[0]]
+        for d in range(1, ndim):
+            mask &= covering[d][index[d]]
+            need_mask &= needing[d][index[d]]
+        if not mask:
+            unheld.append(cell)
+            continue
+        holders = holder_sets.get(mask)
+        if holders is None:
+            holders = holder_sets[mask] = frozenset(held[i][0] for i in _bits(mask))
+        needers = need_sets.get(need_mask)
+        if needers is None:
+            needers = need_sets[need_mask] = frozenset(needed[i][0] for i in _bits(need_mask))
+        by_sets[holders, needers].append(cell)
+    return dict(by_sets), unheld
 
 
 def _covering_masks(held: list[tuple[int, Box]], cuts: list[list[int]]) -> list[list[int]]:
@@ -329,72 +366,168 @@ def _box_bytes(box: Box, dtype: str) -> int:
 # -- steps 2 and 3: routing ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _NeedNodes:
+    """A need map as arrays: needing nodes (node-map order) and, per node, its needing workers."""
+
+    node_idx: np.ndarray       # node index of each needing node
+    workers: list[list[int]]   # needing workers of each needing node
+    padded: np.ndarray         # the same as a (nodes, most workers on a node) array, -1 padded
+
+
 class _Router:
+    """Steps 2 and 3: where each bundle's bytes come from and which worker they enter.
+
+    Deliveries are recorded as ``(phase, src, dst, key)`` with keys ``(bundle, part, parts)``;
+    phase 0 moves bytes from holders (intra or inter node), phase 1 fans them out inside a node.
+    A bundle whose holder nodes each have one holder worker and whose needing nodes each have one
+    needing worker has no choice to make: its deliveries are recorded as arrays at once (the
+    sharded-data-parallel case at scale). Any other bundle picks the least-loaded worker per
+    delivery, one delivery at a time.
+    """
+
     def __init__(self, placement: Placement, params: ParamTable, bandwidths: Bandwidths):
         self.placement = placement
         self.params = params
         self.bandwidths = bandwidths
-        self.egress: dict[int, int] = defaultdict(int)   # worker -> bytes sent
-        self.ingress: dict[int, int] = defaultdict(int)  # worker -> bytes received
+        self.node_names = sorted(set(placement.nodes))
+        self.node_index = {n: i for i, n in enumerate(self.node_names)}
+        self.node_of = np.array([self.node_index[n] for n in placement.nodes], dtype=np.int64)
+        self.egress = np.zeros(placement.num_workers, dtype=np.int64)   # worker -> bytes sent
+        self.ingress = np.zeros(placement.num_workers, dtype=np.int64)  # worker -> bytes received
         self.node_egress: dict[str, int] = defaultdict(int)
-        # Routes carry (bundle id, part, parts) keys, expanded into segments once per distinct
-        # key list when the plan is built: dp replicas share them, so this is what scales.
-        # (phase, src, dst) -> keys; phase 0: from holders (intra or inter node), 1: fan-out.
         self.bundles: list[_Bundle] = []
-        self.routes: dict[tuple[int, int, int], list[tuple[int, int, int]]] = defaultdict(list)
-        self.local: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-        # class (holder nodes) -> list of (dst node, bundle id)
-        self.remote: dict[tuple[str, ...], list[tuple[str, int]]] = defaultdict(list)
+        self.keys: list[tuple[int, int, int]] = []
+        self.key_ids: dict[tuple[int, int, int], int] = {}
+        self.key_bytes: list[int] = []
+        self.deliveries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.pending: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        self.local: dict[int, list[int]] = defaultdict(list)  # worker -> key ids it copies locally
+        # class (holder nodes) -> (bundle id, positions of its remote needing nodes in _NeedNodes)
+        self.remote: dict[tuple[str, ...], list[tuple[int, np.ndarray]]] = defaultdict(list)
         self.pairs: set[tuple[str, str]] = set()
+        self._need_nodes: dict[int, _NeedNodes] = {}
+        self._holder_workers: dict[int, np.ndarray | None] = {}
+        self._splits: dict[tuple[int, int, int], list[Box]] = {}
 
-    def _least(self, workers: list[int], load: dict[int, int]) -> int:
+    # -- keys --------------------------------------------------------------------------------
+    def _key(self, bid: int, part: int, parts: int) -> int:
+        k = (bid, part, parts)
+        i = self.key_ids.get(k)
+        if i is None:
+            i = self.key_ids[k] = len(self.keys)
+            self.keys.append(k)
+            self.key_bytes.append(sum(len(names) * _cells_bytes(cells, dtype)
+                                      for names, dtype, cells in self.blocks_of(k)))
+        return i
+
+    def blocks_of(self, key: tuple[int, int, int]) -> list[tuple[tuple[str, ...], str, list[Box]]]:
+        """The blocks a key moves: its bundle's, or part ``part`` of ``parts`` of every cell."""
+        bid, part, parts = key
+        blocks = self.bundles[bid].blocks
+        if parts == 1:
+            return blocks
+        out = []
+        for names, dtype, cells in blocks:
+            split = self._splits.get((id(cells), part, parts))
+            if split is None:
+                split = self._splits[id(cells), part, parts] = [
+                    pieces[part] for c in cells if part < len(pieces := split_rows(c, parts))]
+            if split:
+                out.append((names, dtype, split))
+        return out
+
+    # -- recording ---------------------------------------------------------------------------
+    def _least(self, workers: list[int], load: np.ndarray) -> int:
         if len(workers) == 1:
             return workers[0]
-        return min(workers, key=lambda w: (load[w], w))
+        return min(workers, key=lambda w: (int(load[w]), w))
 
-    def _send(self, phase: int, src: int, dst: int, key: tuple[int, int, int], nbytes: int) -> None:
-        self.routes[phase, src, dst].append(key)
+    def _send(self, phase: int, src: int, dst: int, key: int) -> None:
+        for column, value in zip(self.pending, (phase, src, dst, key)):
+            column.append(value)
+        nbytes = self.key_bytes[key]
         self.egress[src] += nbytes
         self.ingress[dst] += nbytes
 
+    def _record(self, phase: int, src: np.ndarray, dst: np.ndarray, key: int) -> None:
+        """``_send`` for many routes of one key at once."""
+        if src.size:
+            self.deliveries.append((np.full(src.size, phase, dtype=np.int64), src, dst,
+                                    np.full(src.size, key, dtype=np.int64)))
+            np.add.at(self.egress, src, self.key_bytes[key])
+            np.add.at(self.ingress, dst, self.key_bytes[key])
+
+    def _need_nodes_of(self, needers: dict[str, list[int]]) -> _NeedNodes:
+        info = self._need_nodes.get(id(needers))  # need maps are shared and live as long as the router
+        if info is None:
+            workers = list(needers.values())
+            padded = np.full((len(workers), max(map(len, workers))), -1, dtype=np.int64)
+            for i, ws in enumerate(workers):
+                padded[i, :len(ws)] = ws
+            info = self._need_nodes[id(needers)] = _NeedNodes(
+                np.array([self.node_index[n] for n in needers], dtype=np.int64), workers, padded)
+        return info
+
+    def _single_holders(self, holders: dict[str, list[int]]) -> np.ndarray | None:
+        """Node index -> its one holder worker (-1 elsewhere), or None when a node has several."""
+        if id(holders) not in self._holder_workers:
+            table = None
+            if all(len(ws) == 1 for ws in holders.values()):
+                table = np.full(len(self.node_names), -1, dtype=np.int64)
+                for node, ws in holders.items():
+                    table[self.node_index[node]] = ws[0]
+            self._holder_workers[id(holders)] = table
+        return self._holder_workers[id(holders)]
+
+    # -- step 2 ------------------------------------------------------------------------------
     def route_bundle(self, b: _Bundle) -> None:
         bid = len(self.bundles)
         self.bundles.append(b)
-        whole = (bid, 0, 1)
-        remote = self.remote[tuple(sorted(b.holders))]
-        for node, needers in b.needers.items():
-            local_holders = b.holders.get(node)
-            if local_holders is None:
-                remote.append((node, bid))
+        for node, local_holders in b.holders.items():
+            needers = b.needers.get(node)
+            if needers is None:
                 continue
+            whole = self._key(bid, 0, 1)
             holding = set(local_holders)
             for w in needers:
                 if w in holding:
                     self.local[w].append(whole)
                 else:
-                    src = self._least(local_holders, self.egress)
-                    self._send(0, src, w, whole, b.nbytes)
+                    self._send(0, self._least(local_holders, self.egress), w, whole)
+        info = self._need_nodes_of(b.needers)
+        remote = np.flatnonzero(~np.isin(info.node_idx, [self.node_index[n] for n in b.holders]))
+        if remote.size:
+            self.remote[tuple(sorted(b.holders))].append((bid, remote))
 
+    # -- step 3 ------------------------------------------------------------------------------
     def assign_remote(self) -> None:
         for holder_nodes in sorted(self.remote):
             demands = self.remote[holder_nodes]
-            if not demands:
-                continue
-            by_dst: dict[str, list[int]] = defaultdict(list)
-            for node, bid in demands:
-                by_dst[node].append(bid)
-            parts = max(1, min(MAX_SENDERS_PER_CELL, len(holder_nodes) // len(by_dst)))
-            rows = [(node, p, sum(self.bundles[b].nbytes for b in bs) // parts) for node, bs in sorted(by_dst.items())
+            nodes = np.concatenate([self._need_nodes_of(self.bundles[bid].needers).node_idx[pos]
+                                    for bid, pos in demands])
+            weights = np.concatenate([np.full(pos.size, self.bundles[bid].nbytes, dtype=np.int64)
+                                      for bid, pos in demands])
+            node_bytes = np.zeros(len(self.node_names), dtype=np.int64)
+            np.add.at(node_bytes, nodes, weights)
+            dst_nodes = np.unique(nodes)  # node indices follow sorted node names
+            parts = max(1, min(MAX_SENDERS_PER_CELL, len(holder_nodes) // len(dst_nodes)))
+            rows = [(self.node_names[n], p, int(node_bytes[n]) // parts) for n in dst_nodes.tolist()
                     for p in range(parts)]
             chosen = self._balance(list(holder_nodes), rows)
+            sender = np.full((len(self.node_names), parts), -1, dtype=np.int64)
             for (node, part, nbytes), h in zip(rows, chosen):
                 self.node_egress[h] += nbytes
                 self.pairs.add((h, node))
-                for bid in by_dst[node]:
-                    self._deliver(bid, h, node, part, parts)
+                sender[self.node_index[node], part] = self.node_index[h]
+            for bid, pos in demands:
+                for part in range(parts):
+                    self._deliver(bid, pos, sender[:, part], part, parts)
 
     def _balance(self, holders: list[str], rows: list[tuple[str, int, int]]) -> list[str]:
         """Holder node for each row: min total cost with convex slot costs (see module doc)."""
+        if len(holders) == 1:
+            return holders * len(rows)
         mean = max(1, sum(r[2] for r in rows) // len(rows))
         slots_per = -(-len(rows) // len(holders))
         bonus = mean * 0.25
@@ -431,158 +564,221 @@ class _Router:
             out[r] = h
         return out
 
-    def _deliver(self, bid: int, holder_node: str, dst_node: str, part: int, parts: int) -> None:
+    def _deliver(self, bid: int, pos: np.ndarray, sender: np.ndarray, part: int, parts: int) -> None:
+        """Part ``part`` of bundle ``bid`` into its needing nodes at ``pos``, each sent by the
+        holder node ``sender[node]``: into one entry worker per node, then fanned out."""
         b = self.bundles[bid]
-        key = (bid, part, parts)
-        nbytes = b.nbytes if parts == 1 else sum(
-            _box_bytes(pieces[part], self.params[p][1])
-            for p, c in zip(b.params, b.cells) if part < len(pieces := split_rows(c, parts)))
+        key = self._key(bid, part, parts)
+        nbytes = self.key_bytes[key]
         if not nbytes:
             return
-        needers = b.needers[dst_node]
-        src = self._least(b.holders[holder_node], self.egress)
-        entry = self._least(needers, self.ingress)
-        self._send(0, src, entry, key, nbytes)
-        for w in needers:
-            if w != entry:
-                self._send(1, entry, w, key, nbytes)
+        info = self._need_nodes_of(b.needers)
+        holder_nodes = sender[info.node_idx[pos]]
+        single = self._single_holders(b.holders)
+        if single is not None:
+            # Each needing node is served by its own holder node's one holder, and the nodes'
+            # needing workers are disjoint: the greedy choice of each node's entry (least
+            # ingress, lowest id on ties) is independent of the other nodes', so all at once.
+            src, candidates = single[holder_nodes], info.padded[pos]
+            present = candidates >= 0
+            load = np.where(present, self.ingress[candidates], np.iinfo(np.int64).max)
+            choice = np.argmin(load, axis=1)
+            entry = candidates[np.arange(pos.size), choice]
+            fan = present.copy()
+            fan[np.arange(pos.size), choice] = False
+            fan_src, fan_dst = np.broadcast_to(entry[:, None], fan.shape)[fan], candidates[fan]
+            self._record(0, src, entry, key)
+            self._record(1, fan_src, fan_dst, key)
+            return
+        for p, h in zip(pos.tolist(), holder_nodes.tolist()):
+            needers = info.workers[p]
+            src = self._least(b.holders[self.node_names[h]], self.egress)
+            entry = self._least(needers, self.ingress)
+            self._send(0, src, entry, key)
+            for w in needers:
+                if w != entry:
+                    self._send(1, entry, w, key)
 
-    def _segments_of(self, key: tuple[int, int, int]) -> list[tuple[str, Box]]:
-        bid, part, parts = key
-        b = self.bundles[bid]
-        if parts == 1:
-            return list(zip(b.params, b.cells))
-        out = []
-        for p, c in zip(b.params, b.cells):
-            pieces = split_rows(c, parts)
-            if part < len(pieces):
-                out.append((p, pieces[part]))
-        return out
-
-    # -- step 4: steps, interning, stats -------------------------------------------------------
+    # -- step 4: route lists, segments, steps, stats -----------------------------------------
 
     def build(self, bucket_bytes: int) -> Plan:
-        segments: list[Segment] = []
-        seg_index: dict[tuple[str, Box], int] = {}
-        lists: list[tuple[int, ...]] = []
-        list_index: dict[tuple[tuple[int, int, int], ...], int] = {}
-        list_bytes: list[int] = []
+        phase, src, dst, keys = (np.concatenate([d[i] for d in self.deliveries] + [
+            np.array(self.pending[i], dtype=np.int64)]) for i in range(4))
+        # one route per (phase, src, dst), carrying its keys in the order they were recorded
+        order = np.lexsort((np.arange(keys.size), dst, src, phase))
+        phase, src, dst, keys = phase[order], src[order], dst[order], keys[order]
+        new = np.ones(keys.size, dtype=bool)
+        new[1:] = (phase[1:] != phase[:-1]) | (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])
+        starts = np.flatnonzero(new)
+        lengths = np.diff(np.append(starts, keys.size))
 
-        seg_bytes: list[int] = []  # segments[i].nbytes, computed once
-        key_segments: dict[tuple[int, int, int], tuple[list[int], int]] = {}  # key -> (ids, bytes)
+        key_lists: list[tuple[int, ...]] = []
+        list_index: dict[tuple[int, ...], int] = {}
 
-        def segment_ids(key: tuple[int, int, int]) -> tuple[list[int], int]:
-            entry = key_segments.get(key)
-            if entry is None:
-                ids, total = [], 0
-                for param, box in self._segments_of(key):
-                    i = seg_index.get((param, box))
-                    if i is None:
-                        i = seg_index[param, box] = len(segments)
-                        seg = Segment(param, box[0], box[1], self.params[param][1])
-                        segments.append(seg)
-                        seg_bytes.append(seg.nbytes)
-                    ids.append(i)
-                    total += seg_bytes[i]
-                entry = key_segments[key] = (ids, total)
-            return entry
-
-        def intern(keys: list[tuple[int, int, int]]) -> int:
-            k = tuple(keys)
+        def intern(k: tuple[int, ...]) -> int:
             j = list_index.get(k)
             if j is None:
-                entries = [segment_ids(key) for key in keys]
-                j = list_index[k] = len(lists)
-                lists.append(tuple(i for ids, _ in entries for i in ids))
-                list_bytes.append(sum(total for _, total in entries))
+                j = list_index[k] = len(key_lists)
+                key_lists.append(k)
             return j
 
-        local_copies = [(w, intern(items)) for w, items in sorted(self.local.items())]
-        nodes = self.placement.nodes
-        phases: list[list[tuple[int, int, int, int]]] = [[], []]
-        for (phase, src, dst), items in self.routes.items():
-            j = intern(items)
-            phases[phase].append((list_bytes[j], src, dst, j))
-        steps: list[list[Route]] = []
-        forward_from = 0
-        for routes in phases:
-            forward_from = len(steps)
-            routes.sort(key=lambda r: (-r[0], r[1], r[2]))
-            steps.extend(_colour(routes))
+        local_copies = [(w, intern(tuple(ks))) for w, ks in sorted(self.local.items())]
+        route_list = np.empty(starts.size, dtype=np.int64)
+        for r in np.flatnonzero(lengths > 1).tolist():
+            route_list[r] = intern(tuple(keys[starts[r]:starts[r] + lengths[r]].tolist()))
+        single = lengths == 1
+        first_keys = keys[starts[single]]
+        unique_keys, inverse = np.unique(first_keys, return_inverse=True)
+        ids = np.array([intern((k,)) for k in unique_keys.tolist()], dtype=np.int64)
+        route_list[single] = ids[inverse.reshape(-1)] if ids.size else ids
+        route_src, route_dst, route_phase = src[starts], dst[starts], phase[starts]
 
-        stats = self._stats(steps, local_copies, list_bytes, nodes)
-        bucket_counts = {}
-        aligned = np.array(seg_bytes, dtype=np.int64)
-        aligned = -(-aligned // BUCKET_ALIGN) * BUCKET_ALIGN
-        for step in steps:
-            for _, _, j in step:
-                if j not in bucket_counts:
-                    ids = lists[j]
-                    if ids and int(aligned[np.array(ids, dtype=np.int64)].sum()) <= bucket_bytes:
-                        # every segment starts aligned and the aligned sizes fit: one bucket, uncut
-                        bucket_counts[j] = 1
-                    else:
-                        bucket_counts[j] = bucket_count([segments[i] for i in ids], bucket_bytes)
-        stats["num_buckets"] = sum(bucket_counts[j] for step in steps for _, _, j in step)
-        return Plan(segments, lists, local_copies, steps, bucket_bytes, nodes, forward_from, stats)
+        segments, segment_lists, list_bytes, counts = self._segment_table(key_lists, bucket_bytes)
+        bytes_of = np.array(list_bytes, dtype=np.int64)[route_list] if route_list.size else route_list
+        step, num_steps, forward_from = _schedule(route_phase, route_src, route_dst, bytes_of)
+        by_step = np.lexsort((route_src, step))
+        steps = _steps_of(step[by_step], route_src[by_step], route_dst[by_step], route_list[by_step], num_steps)
+        stats = self._stats(route_src, route_dst, bytes_of, step, num_steps, local_copies, list_bytes)
+        stats["num_buckets"] = int(np.array(counts, dtype=np.int64)[route_list].sum()) if route_list.size else 0
+        return Plan(segments, segment_lists, local_copies, steps, bucket_bytes, self.placement.nodes,
+                    forward_from, stats)
 
-    def _stats(self, steps, local_copies, list_bytes, nodes) -> dict:
-        intra = inter = 0
-        node_in: dict[str, int] = defaultdict(int)
-        node_out: dict[str, int] = defaultdict(int)
-        send: dict[int, int] = defaultdict(int)
-        recv: dict[int, int] = defaultdict(int)
-        seconds = 0.0
+    def _segment_table(self, key_lists: list[tuple[int, ...]], bucket_bytes: int):
+        """Segments as runs of blocks, each key's one contiguous range (lists of several keys
+        chain their keys' ranges); bytes and bucket counts per list."""
+        runs: list[tuple[tuple[str, ...], str, list[Box]]] = []
+        key_range: dict[int, tuple[range, int, int]] = {}  # key -> (segments, bytes, aligned bytes)
+        cell_sizes: dict[tuple[int, str], tuple[int, int]] = {}
+        total = 0
+        for k in sorted({k for ks in key_lists for k in ks}):
+            first, nbytes, aligned = total, 0, 0
+            for names, dtype, cells in self.blocks_of(self.keys[k]):
+                runs.append((names, dtype, cells))
+                total += len(names) * len(cells)
+                sizes = cell_sizes.get((id(cells), dtype))
+                if sizes is None:
+                    plain = [_box_bytes(c, dtype) for c in cells]
+                    sizes = cell_sizes[id(cells), dtype] = (
+                        sum(plain), sum(-(-n // BUCKET_ALIGN) * BUCKET_ALIGN for n in plain))
+                nbytes += len(names) * sizes[0]
+                aligned += len(names) * sizes[1]
+            key_range[k] = (range(first, total), nbytes, aligned)
+        table = SegmentTable(runs)
+        lists: list[Sequence[int]] = []
+        list_bytes: list[int] = []
+        counts: list[int] = []
+        for ks in key_lists:
+            parts = [key_range[k] for k in ks]
+            ids = parts[0][0] if len(parts) == 1 else IndexChain([p[0] for p in parts])
+            lists.append(ids)
+            list_bytes.append(sum(p[1] for p in parts))
+            if sum(p[2] for p in parts) <= bucket_bytes:
+                counts.append(int(len(ids) > 0))
+            else:  # larger than one bucket: cut it as the executors will
+                counts.append(bucket_count([table[i] for i in ids], bucket_bytes))
+        return table, lists, list_bytes, counts
+
+    def _stats(self, src, dst, nbytes, step, num_steps, local_copies, list_bytes) -> dict:
         bw = self.bandwidths
-        for step in steps:
-            slowest = 0.0
-            for src, dst, j in step:
-                n = list_bytes[j]
-                send[src] += n
-                recv[dst] += n
-                if nodes[src] == nodes[dst]:
-                    intra += n
-                    slowest = max(slowest, n / bw.intra_node)
-                else:
-                    inter += n
-                    node_out[nodes[src]] += n
-                    node_in[nodes[dst]] += n
-                    slowest = max(slowest, n / bw.inter_node)
-            seconds += slowest
+        workers = self.placement.num_workers
+        nodes = len(self.node_names)
+        intra = self.node_of[src] == self.node_of[dst]
+        inter = ~intra
+        node_out = np.bincount(self.node_of[src[inter]], weights=nbytes[inter], minlength=nodes)
+        node_in = np.bincount(self.node_of[dst[inter]], weights=nbytes[inter], minlength=nodes)
+        send = np.bincount(src, weights=nbytes, minlength=workers)
+        recv = np.bincount(dst, weights=nbytes, minlength=workers)
+        slowest = np.zeros(num_steps)
+        np.maximum.at(slowest, step, nbytes / np.where(intra, bw.intra_node, bw.inter_node))
         local_per_worker: dict[int, int] = defaultdict(int)
         for w, j in local_copies:
             local_per_worker[w] += list_bytes[j]
-        seconds += max(local_per_worker.values(), default=0) / bw.local_copy
+        seconds = float(slowest.sum()) + max(local_per_worker.values(), default=0) / bw.local_copy
+
+        def named(values: np.ndarray, used: np.ndarray) -> dict[str, int]:
+            return {self.node_names[i]: int(values[i]) for i in np.flatnonzero(used).tolist()}
+
+        def ranked(values: np.ndarray, ends: np.ndarray) -> dict[str, int]:
+            return {str(w): int(values[w]) for w in np.unique(ends).tolist()}
+
+        used_out = np.bincount(self.node_of[src[inter]], minlength=nodes) > 0
+        used_in = np.bincount(self.node_of[dst[inter]], minlength=nodes) > 0
         return {
-            "bytes_total": intra + inter,
-            "bytes_intra_node": intra,
-            "bytes_inter_node": inter,
+            "bytes_total": int(nbytes.sum()),
+            "bytes_intra_node": int(nbytes[intra].sum()),
+            "bytes_inter_node": int(nbytes[inter].sum()),
             "bytes_local_copy": sum(local_per_worker.values()),
-            "max_node_egress_bytes": max(node_out.values(), default=0),
-            "max_node_ingress_bytes": max(node_in.values(), default=0),
-            "node_egress_bytes": dict(sorted(node_out.items())),
-            "node_ingress_bytes": dict(sorted(node_in.items())),
-            "rank_send_bytes": {str(k): v for k, v in sorted(send.items())},
-            "rank_recv_bytes": {str(k): v for k, v in sorted(recv.items())},
-            "num_steps": len(steps),
-            "num_routes": sum(len(s) for s in steps),
+            "max_node_egress_bytes": int(node_out.max(initial=0)),
+            "max_node_ingress_bytes": int(node_in.max(initial=0)),
+            "node_egress_bytes": named(node_out, used_out),
+            "node_ingress_bytes": named(node_in, used_in),
+            "rank_send_bytes": ranked(send, src),
+            "rank_recv_bytes": ranked(recv, dst),
+            "num_steps": num_steps,
+            "num_routes": int(src.size),
             "estimated_seconds": seconds,
             "bandwidths": {"intra_node": bw.intra_node, "inter_node": bw.inter_node, "local_copy": bw.local_copy},
         }
 
 
-def _colour(routes: list[tuple[int, int, int, int]]) -> list[list[Route]]:
-    """Greedy edge colouring: each step holds at most one send and one receive per worker."""
+#: Plans with more routes than this are scheduled by :func:`_cyclic_steps` and keep their steps
+#: as a :class:`StepTable` (arrays); smaller ones by the greedy :func:`_colour`, as lists.
+LARGE_PLAN_ROUTES = 100_000
+
+
+def _schedule(phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """Step of every route: phase 0 steps first, then phase 1 (fan-out); returns
+    ``(step per route, number of steps, first phase-1 step)``."""
+    step = np.zeros(src.size, dtype=np.int64)
+    num_steps = forward_from = 0
+    for ph in (0, 1):
+        forward_from = num_steps
+        idx = np.flatnonzero(phase == ph)
+        if not idx.size:
+            continue
+        if src.size > LARGE_PLAN_ROUTES:
+            colours = _cyclic_steps(src[idx], dst[idx])
+        else:
+            order = np.lexsort((dst[idx], src[idx], -nbytes[idx]))
+            colours = np.empty(idx.size, dtype=np.int64)
+            colours[order] = _colour(src[idx][order].tolist(), dst[idx][order].tolist())
+        step[idx] = colours + num_steps
+        num_steps += int(colours.max()) + 1
+    return step, num_steps, forward_from
+
+
+def _cyclic_steps(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Step ``(dst - src) mod W`` (``W`` past the largest worker id), steps left empty removed.
+
+    For one ``src`` the steps of its routes differ because their ``dst`` do, and for one ``dst``
+    because their ``src`` do: a proper schedule in at most ``W`` steps, computed without a loop.
+    It suits dense exchanges (every worker talks to most others, so any schedule needs about
+    ``W`` steps); sparse ones get the greedy colouring, which needs about their degree.
+    """
+    width = int(max(src.max(), dst.max())) + 1
+    colour = (dst - src) % width
+    _, dense = np.unique(colour, return_inverse=True)
+    return dense.reshape(-1)
+
+
+def _colour(src: list[int], dst: list[int]) -> list[int]:
+    """Greedy edge colouring, in the given order: each step holds at most one send and one
+    receive per worker; returns the step of each route."""
     send_busy: dict[int, int] = defaultdict(int)  # worker -> bitmask of steps where it sends
     recv_busy: dict[int, int] = defaultdict(int)
-    steps: list[list[Route]] = []
-    for _, src, dst, j in routes:
-        busy = send_busy[src] | recv_busy[dst]
+    out = []
+    for s_, d_ in zip(src, dst):
+        busy = send_busy[s_] | recv_busy[d_]
         free = ~busy & (busy + 1)  # lowest clear bit
-        s = free.bit_length() - 1
-        send_busy[src] |= free
-        recv_busy[dst] |= free
-        while len(steps) <= s:
-            steps.append([])
-        steps[s].append(Route(src, dst, j))
-    return steps
+        send_busy[s_] |= free
+        recv_busy[d_] |= free
+        out.append(free.bit_length() - 1)
+    return out
+
+
+def _steps_of(step: np.ndarray, src: np.ndarray, dst: np.ndarray, lists: np.ndarray, num_steps: int):
+    """Routes sorted by step as lists of :class:`Route`, or a :class:`StepTable` for large plans."""
+    table = StepTable(src, dst, lists, np.searchsorted(step, np.arange(num_steps + 1)))
+    if src.size > LARGE_PLAN_ROUTES:
+        return table
+    return [list(s) for s in table]
