@@ -111,12 +111,10 @@ class IndexChain(Sequence[int]):
 
     def __init__(self, ranges: list[range]):
         self.ranges = ranges
-        self._starts = [0]
-        for r in ranges:
-            self._starts.append(self._starts[-1] + len(r))
+        self._starts: list[int] = []  # computed on first use: most chains are only iterated
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return sum(map(len, self.ranges))
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -125,6 +123,10 @@ class IndexChain(Sequence[int]):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} of {len(self)}")
+        if not self._starts:
+            self._starts = [0]
+            for r in self.ranges:
+                self._starts.append(self._starts[-1] + len(r))
         r = bisect_right(self._starts, index) - 1
         return self.ranges[r][index - self._starts[r]]
 

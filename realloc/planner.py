@@ -253,19 +253,27 @@ def _bundles(holdings: PieceTable, needs: PieceTable, params: ParamTable,
 
     bundles: list[_Bundle] = []
     lower_bound = 0
+    sizes: dict[tuple[int, str], int] = {}  # (id of a cell list, dtype) -> bytes
+
+    def cells_bytes(cells: list[Box], dtype: str) -> int:
+        n = sizes.get((id(cells), dtype))
+        if n is None:
+            n = sizes[id(cells), dtype] = _cells_bytes(cells, dtype)
+        return n
+
     hold_maps: dict[frozenset, dict[str, list[int]]] = {}
     need_maps: dict[frozenset, dict[str, list[int]]] = {}
     for (holders, needers), blocks in sorted(keyed.items(), key=lambda kv: min(
             (order[b[0][0]], b[2][0]) for b in kv[1])):
         blocks.sort(key=lambda b: order[b[0][0]])
-        nbytes = sum(len(names) * _cells_bytes(cells, dtype) for names, dtype, cells in blocks)
+        nbytes = sum(len(names) * cells_bytes(cells, dtype) for names, dtype, cells in blocks)
         if holders not in hold_maps:
             hold_maps[holders] = _node_map({w for gi in holders for w in holdings.groups[gi]}, placement)
         if needers not in need_maps:
             need_maps[needers] = _node_map({w for gi in needers for w in needs.groups[gi]}, placement)
         # bundles sharing a node map share the dict: nothing below mutates it
         b = _Bundle(blocks, nbytes, hold_maps[holders], need_maps[needers])
-        lower_bound += nbytes * sum(1 for node in b.needers if node not in b.holders)
+        lower_bound += nbytes * (len(b.needers) - sum(1 for node in b.holders if node in b.needers))
         bundles.append(b)
     return bundles, lower_bound
 
@@ -373,6 +381,8 @@ class _NeedNodes:
     node_idx: np.ndarray       # node index of each needing node
     workers: list[list[int]]   # needing workers of each needing node
     padded: np.ndarray         # the same as a (nodes, most workers on a node) array, -1 padded
+    position: dict[str, int]   # node name -> its position in these arrays
+    everywhere: np.ndarray     # every position
 
 
 class _Router:
@@ -400,7 +410,7 @@ class _Router:
         self.keys: list[tuple[int, int, int]] = []
         self.key_ids: dict[tuple[int, int, int], int] = {}
         self.key_bytes: list[int] = []
-        self.deliveries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.deliveries: list[tuple[int, np.ndarray, np.ndarray, int]] = []  # (phase, srcs, dsts, key)
         self.pending: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         self.local: dict[int, list[int]] = defaultdict(list)  # worker -> key ids it copies locally
         # class (holder nodes) -> (bundle id, positions of its remote needing nodes in _NeedNodes)
@@ -453,10 +463,12 @@ class _Router:
     def _record(self, phase: int, src: np.ndarray, dst: np.ndarray, key: int) -> None:
         """``_send`` for many routes of one key at once."""
         if src.size:
-            self.deliveries.append((np.full(src.size, phase, dtype=np.int64), src, dst,
-                                    np.full(src.size, key, dtype=np.int64)))
-            np.add.at(self.egress, src, self.key_bytes[key])
-            np.add.at(self.ingress, dst, self.key_bytes[key])
+            self.deliveries.append((phase, src, dst, key))
+            for load, ends in ((self.egress, src), (self.ingress, dst)):
+                if ends.size > load.size // 4:
+                    load += np.bincount(ends, minlength=load.size) * self.key_bytes[key]
+                else:
+                    np.add.at(load, ends, self.key_bytes[key])
 
     def _need_nodes_of(self, needers: dict[str, list[int]]) -> _NeedNodes:
         info = self._need_nodes.get(id(needers))  # need maps are shared and live as long as the router
@@ -466,7 +478,8 @@ class _Router:
             for i, ws in enumerate(workers):
                 padded[i, :len(ws)] = ws
             info = self._need_nodes[id(needers)] = _NeedNodes(
-                np.array([self.node_index[n] for n in needers], dtype=np.int64), workers, padded)
+                np.array([self.node_index[n] for n in needers], dtype=np.int64), workers, padded,
+                {n: i for i, n in enumerate(needers)}, np.arange(len(workers)))
         return info
 
     def _single_holders(self, holders: dict[str, list[int]]) -> np.ndarray | None:
@@ -496,7 +509,10 @@ class _Router:
                 else:
                     self._send(0, self._least(local_holders, self.egress), w, whole)
         info = self._need_nodes_of(b.needers)
-        remote = np.flatnonzero(~np.isin(info.node_idx, [self.node_index[n] for n in b.holders]))
+        remote = info.everywhere
+        served = [info.position[n] for n in b.holders if n in info.position]
+        if served:
+            remote = np.delete(remote, served)
         if remote.size:
             self.remote[tuple(sorted(b.holders))].append((bid, remote))
 
@@ -580,6 +596,9 @@ class _Router:
             # needing workers are disjoint: the greedy choice of each node's entry (least
             # ingress, lowest id on ties) is independent of the other nodes', so all at once.
             src, candidates = single[holder_nodes], info.padded[pos]
+            if candidates.shape[1] == 1:  # one needing worker per node: it is the entry
+                self._record(0, src, candidates[:, 0], key)
+                return
             present = candidates >= 0
             load = np.where(present, self.ingress[candidates], np.iinfo(np.int64).max)
             choice = np.argmin(load, axis=1)
@@ -602,13 +621,20 @@ class _Router:
     # -- step 4: route lists, segments, steps, stats -----------------------------------------
 
     def build(self, bucket_bytes: int) -> Plan:
-        phase, src, dst, keys = (np.concatenate([d[i] for d in self.deliveries] + [
-            np.array(self.pending[i], dtype=np.int64)]) for i in range(4))
+        counts = [d[1].size for d in self.deliveries]
+        phase, keys = (np.concatenate([np.repeat(np.array([d[i] for d in self.deliveries], dtype=np.int64), counts),
+                                       np.array(self.pending[i], dtype=np.int64)]) for i in (0, 3))
+        src, dst = (np.concatenate([d[i] for d in self.deliveries] + [np.array(self.pending[i], dtype=np.int64)])
+                    for i in (1, 2))
         # one route per (phase, src, dst), carrying its keys in the order they were recorded
-        order = np.lexsort((np.arange(keys.size), dst, src, phase))
-        phase, src, dst, keys = phase[order], src[order], dst[order], keys[order]
+        width = self.placement.num_workers
+        route_of = (phase * width + src) * width + dst
+        if 2 * width * width < 2**31:
+            route_of = route_of.astype(np.int32)  # sorts and gathers faster
+        order = np.argsort(route_of, kind="stable")
+        route_of, keys = route_of[order], keys[order]
         new = np.ones(keys.size, dtype=bool)
-        new[1:] = (phase[1:] != phase[:-1]) | (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])
+        new[1:] = route_of[1:] != route_of[:-1]
         starts = np.flatnonzero(new)
         lengths = np.diff(np.append(starts, keys.size))
 
@@ -624,21 +650,34 @@ class _Router:
 
         local_copies = [(w, intern(tuple(ks))) for w, ks in sorted(self.local.items())]
         route_list = np.empty(starts.size, dtype=np.int64)
-        for r in np.flatnonzero(lengths > 1).tolist():
-            route_list[r] = intern(tuple(keys[starts[r]:starts[r] + lengths[r]].tolist()))
-        single = lengths == 1
-        first_keys = keys[starts[single]]
-        unique_keys, inverse = np.unique(first_keys, return_inverse=True)
-        ids = np.array([intern((k,)) for k in unique_keys.tolist()], dtype=np.int64)
-        route_list[single] = ids[inverse.reshape(-1)] if ids.size else ids
-        route_src, route_dst, route_phase = src[starts], dst[starts], phase[starts]
+        bits = len(self.keys).bit_length()
+        for length in np.unique(lengths).tolist():  # routes carrying `length` keys: their distinct key lists
+            routes = np.flatnonzero(lengths == length)
+            carried = keys[starts[routes][:, None] + np.arange(length)]
+            if length == 1:  # one key: the distinct keys, in key order
+                used = np.flatnonzero(np.bincount(carried[:, 0], minlength=len(self.keys)))
+                ids = np.zeros(len(self.keys), dtype=np.int64)
+                ids[used] = [intern((k,)) for k in used.tolist()]
+                route_list[routes] = ids[carried[:, 0]]
+            elif length * bits <= 62:  # each route's key list as one integer, then unique integers
+                code = (carried << (np.arange(length, dtype=np.int64) * bits)).sum(axis=1)
+                _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+                ids = np.array([intern(tuple(carried[i].tolist())) for i in first.tolist()], dtype=np.int64)
+                route_list[routes] = ids[inverse.reshape(-1)]
+            else:
+                route_list[routes] = [intern(tuple(row)) for row in carried.tolist()]
+        first_of_route = route_of[starts].astype(np.int64)
+        route_phase, route_src, route_dst = (first_of_route // (width * width), first_of_route // width % width,
+                                             first_of_route % width)
 
         segments, segment_lists, list_bytes, counts = self._segment_table(key_lists, bucket_bytes)
         bytes_of = np.array(list_bytes, dtype=np.int64)[route_list] if route_list.size else route_list
         step, num_steps, forward_from = _schedule(route_phase, route_src, route_dst, bytes_of)
-        by_step = np.lexsort((route_src, step))
-        steps = _steps_of(step[by_step], route_src[by_step], route_dst[by_step], route_list[by_step], num_steps)
-        stats = self._stats(route_src, route_dst, bytes_of, step, num_steps, local_copies, list_bytes)
+        by_step = np.argsort(step * width + route_src, kind="stable")
+        route_src, route_dst, route_list, bytes_of = (a[by_step] for a in (route_src, route_dst, route_list, bytes_of))
+        step_starts = np.searchsorted(step[by_step], np.arange(num_steps + 1))
+        steps = _steps_of(route_src, route_dst, route_list, step_starts)
+        stats = self._stats(route_src, route_dst, bytes_of, step_starts, local_copies, list_bytes)
         stats["num_buckets"] = int(np.array(counts, dtype=np.int64)[route_list].sum()) if route_list.size else 0
         return Plan(segments, segment_lists, local_copies, steps, bucket_bytes, self.placement.nodes,
                     forward_from, stats)
@@ -647,73 +686,77 @@ class _Router:
         """Segments as runs of blocks, each key's one contiguous range (lists of several keys
         chain their keys' ranges); bytes and bucket counts per list."""
         runs: list[tuple[tuple[str, ...], str, list[Box]]] = []
-        key_range: dict[int, tuple[range, int, int]] = {}  # key -> (segments, bytes, aligned bytes)
-        cell_sizes: dict[tuple[int, str], tuple[int, int]] = {}
+        key_range: dict[int, range] = {}
+        aligned: dict[int, int] = {}  # key -> bytes with every segment padded to BUCKET_ALIGN
+        cell_sizes: dict[tuple[int, str], int] = {}
         total = 0
         for k in sorted({k for ks in key_lists for k in ks}):
-            first, nbytes, aligned = total, 0, 0
+            first, padded = total, 0
             for names, dtype, cells in self.blocks_of(self.keys[k]):
                 runs.append((names, dtype, cells))
                 total += len(names) * len(cells)
-                sizes = cell_sizes.get((id(cells), dtype))
-                if sizes is None:
-                    plain = [_box_bytes(c, dtype) for c in cells]
-                    sizes = cell_sizes[id(cells), dtype] = (
-                        sum(plain), sum(-(-n // BUCKET_ALIGN) * BUCKET_ALIGN for n in plain))
-                nbytes += len(names) * sizes[0]
-                aligned += len(names) * sizes[1]
-            key_range[k] = (range(first, total), nbytes, aligned)
+                size = cell_sizes.get((id(cells), dtype))
+                if size is None:
+                    size = cell_sizes[id(cells), dtype] = sum(
+                        -(-_box_bytes(c, dtype) // BUCKET_ALIGN) * BUCKET_ALIGN for c in cells)
+                padded += len(names) * size
+            key_range[k], aligned[k] = range(first, total), padded
         table = SegmentTable(runs)
         lists: list[Sequence[int]] = []
         list_bytes: list[int] = []
         counts: list[int] = []
         for ks in key_lists:
-            parts = [key_range[k] for k in ks]
-            ids = parts[0][0] if len(parts) == 1 else IndexChain([p[0] for p in parts])
+            if len(ks) == 1:
+                ids, nbytes, padded = key_range[ks[0]], self.key_bytes[ks[0]], aligned[ks[0]]
+            else:
+                ids = IndexChain([key_range[k] for k in ks])
+                nbytes, padded = sum(self.key_bytes[k] for k in ks), sum(aligned[k] for k in ks)
             lists.append(ids)
-            list_bytes.append(sum(p[1] for p in parts))
-            if sum(p[2] for p in parts) <= bucket_bytes:
-                counts.append(int(len(ids) > 0))
+            list_bytes.append(nbytes)
+            if padded <= bucket_bytes:
+                counts.append(int(nbytes > 0))
             else:  # larger than one bucket: cut it as the executors will
                 counts.append(bucket_count([table[i] for i in ids], bucket_bytes))
         return table, lists, list_bytes, counts
 
-    def _stats(self, src, dst, nbytes, step, num_steps, local_copies, list_bytes) -> dict:
+    def _stats(self, src, dst, nbytes, step_starts, local_copies, list_bytes) -> dict:
+        """Plan statistics from the routes (sorted by step, step ``s`` being
+        ``step_starts[s]:step_starts[s + 1]``)."""
         bw = self.bandwidths
         workers = self.placement.num_workers
         nodes = len(self.node_names)
-        intra = self.node_of[src] == self.node_of[dst]
+        src_node, dst_node = self.node_of[src], self.node_of[dst]
+        intra = src_node == dst_node
         inter = ~intra
-        node_out = np.bincount(self.node_of[src[inter]], weights=nbytes[inter], minlength=nodes)
-        node_in = np.bincount(self.node_of[dst[inter]], weights=nbytes[inter], minlength=nodes)
-        send = np.bincount(src, weights=nbytes, minlength=workers)
-        recv = np.bincount(dst, weights=nbytes, minlength=workers)
-        slowest = np.zeros(num_steps)
-        np.maximum.at(slowest, step, nbytes / np.where(intra, bw.intra_node, bw.inter_node))
+        inter_bytes = nbytes[inter]
+        node_out = np.bincount(src_node[inter], weights=inter_bytes, minlength=nodes)
+        node_in = np.bincount(dst_node[inter], weights=inter_bytes, minlength=nodes)
+        num_steps = len(step_starts) - 1
+        seconds_each = nbytes / np.where(intra, bw.intra_node, bw.inter_node)
+        slowest = np.maximum.reduceat(seconds_each, step_starts[:-1]) if num_steps else np.zeros(0)
         local_per_worker: dict[int, int] = defaultdict(int)
         for w, j in local_copies:
             local_per_worker[w] += list_bytes[j]
         seconds = float(slowest.sum()) + max(local_per_worker.values(), default=0) / bw.local_copy
 
-        def named(values: np.ndarray, used: np.ndarray) -> dict[str, int]:
-            return {self.node_names[i]: int(values[i]) for i in np.flatnonzero(used).tolist()}
+        def table(ends: np.ndarray, weights: np.ndarray, size: int, name) -> dict[str, int]:
+            """Bytes per sender (receiver), for every one that sends (receives) something."""
+            total = np.bincount(ends, weights=weights, minlength=size)
+            used = np.bincount(ends, minlength=size) > 0
+            return {name(i): int(total[i]) for i in np.flatnonzero(used).tolist()}
 
-        def ranked(values: np.ndarray, ends: np.ndarray) -> dict[str, int]:
-            return {str(w): int(values[w]) for w in np.unique(ends).tolist()}
-
-        used_out = np.bincount(self.node_of[src[inter]], minlength=nodes) > 0
-        used_in = np.bincount(self.node_of[dst[inter]], minlength=nodes) > 0
+        node_name, rank_name = self.node_names.__getitem__, str
         return {
             "bytes_total": int(nbytes.sum()),
             "bytes_intra_node": int(nbytes[intra].sum()),
-            "bytes_inter_node": int(nbytes[inter].sum()),
+            "bytes_inter_node": int(inter_bytes.sum()),
             "bytes_local_copy": sum(local_per_worker.values()),
             "max_node_egress_bytes": int(node_out.max(initial=0)),
             "max_node_ingress_bytes": int(node_in.max(initial=0)),
-            "node_egress_bytes": named(node_out, used_out),
-            "node_ingress_bytes": named(node_in, used_in),
-            "rank_send_bytes": ranked(send, src),
-            "rank_recv_bytes": ranked(recv, dst),
+            "node_egress_bytes": table(src_node[inter], inter_bytes, nodes, node_name),
+            "node_ingress_bytes": table(dst_node[inter], inter_bytes, nodes, node_name),
+            "rank_send_bytes": table(src, nbytes, workers, rank_name),
+            "rank_recv_bytes": table(dst, nbytes, workers, rank_name),
             "num_steps": num_steps,
             "num_routes": int(src.size),
             "estimated_seconds": seconds,
@@ -757,8 +800,8 @@ def _cyclic_steps(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """
     width = int(max(src.max(), dst.max())) + 1
     colour = (dst - src) % width
-    _, dense = np.unique(colour, return_inverse=True)
-    return dense.reshape(-1)
+    used = np.bincount(colour, minlength=width) > 0
+    return (np.cumsum(used) - 1)[colour]
 
 
 def _colour(src: list[int], dst: list[int]) -> list[int]:
@@ -776,9 +819,9 @@ def _colour(src: list[int], dst: list[int]) -> list[int]:
     return out
 
 
-def _steps_of(step: np.ndarray, src: np.ndarray, dst: np.ndarray, lists: np.ndarray, num_steps: int):
+def _steps_of(src: np.ndarray, dst: np.ndarray, lists: np.ndarray, starts: np.ndarray):
     """Routes sorted by step as lists of :class:`Route`, or a :class:`StepTable` for large plans."""
-    table = StepTable(src, dst, lists, np.searchsorted(step, np.arange(num_steps + 1)))
+    table = StepTable(src, dst, lists, starts)
     if src.size > LARGE_PLAN_ROUTES:
         return table
     return [list(s) for s in table]
