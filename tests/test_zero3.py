@@ -324,3 +324,72 @@ def test_zero3_manifest_records_the_rule():
     plain = Layout(ZERO8.spec(), Topology(dp=2, fsdp=4, pp=2))
     _, man2 = build_rank_file(CheckpointId("r", 1, 3), plain, allocate_buffers(plain, 3), "n0")
     assert "fsdp_split" not in man2.to_json()["topology"]
+
+
+# -- binding ---------------------------------------------------------------------------------------
+
+
+def test_binding_a_zero3_layout_points_to_the_flat_partitions():
+    from realloc.binding import fused_views, shard_views
+    from realloc.flat import flat_views
+    from realloc.shards import allocate_buffers
+
+    topo = Topology(dp=2, fsdp=3, tp=2, fsdp_split="zero3")
+    lay = Layout(ZERO8.spec(), topo)
+    for rank in (0, 5, 11):
+        buffers = allocate_buffers(lay, rank)
+        for views in (shard_views, fused_views):
+            with pytest.raises(ValueError, match="flat_views"):
+                views(lay.at(rank), buffers)
+        want = oracle.local_tensors(ZERO8, oracle.full_tensors(ZERO8), topo.dp, topo.tp, topo.pp,
+                                    stages_of(ZERO8, topo), rank, fsdp=topo.fsdp, split="zero3")
+        flat = flat_views(lay.at(rank), buffers)
+        assert list(flat) == list(want), "every slot, in forward order"
+        for slot, value in want.items():
+            flat[slot].copy_(value)
+        for dt, buf in buffers.items():  # the views are the buffers: concatenated, they are all of it
+            assert torch.equal(buf, torch.cat([want[s].reshape(-1) for s in want if want[s].dtype == buf.dtype]))
+
+
+def test_fsdp2_empty_chunks_bind_as_empty_tensors():
+    """q_norm/k_norm (2 rows) over fsdp=8: ranks 2..7 hold an empty chunk. FSDP2's local tensor
+    there has 0 rows and the other dims of the tp shard (torch's _get_dim_chunked_size)."""
+    from torch import nn
+
+    from realloc.binding import bind_module, shard_views
+    from realloc.shards import allocate_buffers
+
+    d = oracle.Decoder(hidden=6, intermediate=24, layers=2, heads=4, kv_heads=2, head_dim=2, vocab=7,
+                       qk_norm=True, dtype="bfloat16", norm_dtype="float32")
+    topo = Topology(fsdp=8)
+    lay = Layout(d.spec(), topo)
+    full = oracle.full_tensors(d)
+    for rank in range(8):
+        views = shard_views(lay.at(rank), allocate_buffers(lay, rank))
+        slots = [slot for _, slot in lay.stage_slots(0)]
+        assert list(views) == slots, "every slot of the stage, in forward order"
+        for slot in slots:
+            param = oracle.storage_of(d, slot)
+            local = full[param]
+            chunks = list(torch.chunk(local, 8, dim=0))
+            chunks += [chunks[0].new_empty(0)] * (8 - len(chunks))  # FSDP2's _chunk_with_empty
+            chunk = chunks[rank]
+            shape = chunk.shape if chunk.numel() else (0,) + tuple(local.shape[1:])
+            assert tuple(views[slot].shape) == tuple(shape) and views[slot].dtype == full[param].dtype, (rank, slot)
+        module = nn.Module()
+        names = {}
+        for i, (slot, view) in enumerate(views.items()):
+            module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(view.shape, dtype=view.dtype)))
+            names[f"p{i}"] = slot
+        report = bind_module(module, views, name_map=names, strict=True)
+        assert len(report.bound) == len(slots) and not report.unbound
+    assert any(v.numel() == 0 for v in shard_views(lay.at(7), allocate_buffers(lay, 7)).values())
+
+
+def test_realloc_plan_verify_from_and_to_zero3(capsys):
+    from realloc.cli import main
+
+    for src, dst in (("fsdp=4,fsdp_split=zero3", "tp=2,dp=2"), ("tp=2,dp=2", "fsdp=4,fsdp_split=zero3")):
+        assert main(["plan", "--verify", "--model", "tiny", "--src", src, "--dst", dst, "--gpus-per-node", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "verified                yes" in out and "fsdp_split=zero3" in out
