@@ -29,10 +29,10 @@ from realloc.topology import FSDP_SPLIT_RULES, Topology
 
 try:
     from tests import oracle
-    from tests.test_planner_properties import POISON, check_plan, placements, stages_of, topologies
+    from tests.test_planner_properties import POISON, check_plan, placements, side_masks, stages_of, topologies
 except ImportError:  # pytest put tests/ itself on sys.path
     import oracle
-    from test_planner_properties import POISON, check_plan, placements, stages_of, topologies
+    from test_planner_properties import POISON, check_plan, placements, side_masks, stages_of, topologies
 
 
 # -- flat_range_boxes ------------------------------------------------------------------------
@@ -167,22 +167,6 @@ def test_random_zero3_layouts_hold_deepspeeds_partitions(data):
 # -- plans to and from zero3 layouts -------------------------------------------------------------
 
 
-def masks(d: oracle.Decoder, topo: Topology, workers) -> dict:
-    shapes = {p.name: p.shape for p in oracle.params(d)}
-    out = {}
-    for rank in range(topo.world_size):
-        held = oracle.held_indices(d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, 1, fsdp=topo.fsdp,
-                                   split=topo.fsdp_split)
-        per = {}
-        for param, idx in held.items():
-            m = np.zeros(math.prod(shapes[param]), dtype=bool)
-            m[idx.numpy()] = True
-            if m.any():
-                per[param] = m.reshape(shapes[param])
-        out[workers[rank]] = per
-    return out
-
-
 def check_zero3_reallocation(d: oracle.Decoder, src: Topology, dst: Topology, placement: Placement,
                              bucket_bytes: int = 4096, src_workers=None, dst_workers=None):
     spec = d.spec()
@@ -213,24 +197,35 @@ def check_zero3_reallocation(d: oracle.Decoder, src: Topology, dst: Topology, pl
             assert torch.equal(got[dt], want[dt]), f"{src} -> {dst}: rank {rank} {dt} buffer differs from the oracle"
     shapes = {p.name: p.shape for p in oracle.params(d)}
     dtypes = {p.name: p.dtype for p in oracle.params(d)}
-    check_plan(plan, shapes, dtypes, placement, masks(d, src, src_workers), masks(d, dst, dst_workers))
+    check_plan(plan, shapes, dtypes, placement, side_masks(d, src, src_workers, 1),
+               side_masks(d, dst, dst_workers, 1))
     return plan
 
 
 @st.composite
-def zero3_reallocations(draw):
-    """ZeRO-3 to or from any layout (fsdp2, plain, zero3 of another size); uneven and empty
-    partitions come from the small model dims over fsdp up to 12."""
+def zero3_reallocations(draw, disjoint: bool = False):
+    """ZeRO-3 to or from any layout (plain, fsdp2, zero3 of another shape) on the same workers, or
+    (``disjoint``) between disjoint worker sets of other sizes; uneven and empty partitions come
+    from the small model dims over fsdp up to 12. Returns :func:`check_zero3_reallocation`'s args."""
     d = draw(oracle.decoders(st))
-    world = draw(st.sampled_from([12, 8, 6, 5, 7, 4, 3, 2]))
-    flat = draw(zero3_topologies(d, world))
-    kind = draw(st.sampled_from(["plain", "fsdp2", "zero3"]))
-    if kind == "plain":
-        other = draw(topologies(d, world))
+    if disjoint:
+        worlds = (draw(st.sampled_from([6, 4, 3, 2])), draw(st.sampled_from([5, 4, 2, 1])))
     else:
-        other = dataclasses.replace(draw(zero3_topologies(d, world)), fsdp_split=kind)
-    src, dst = (flat, other) if draw(st.booleans()) else (other, flat)
-    return d, src, dst, draw(placements(world)), draw(st.integers(1024, 4096))
+        worlds = (draw(st.sampled_from([12, 8, 6, 5, 7, 4, 3, 2])),) * 2
+    flat = draw(zero3_topologies(d, worlds[0]))
+    kind = draw(st.sampled_from(["plain", "fsdp2", "zero3"] if oracle.factorisations4(d, worlds[1]) else ["plain"]))
+    if kind == "plain":
+        other = draw(topologies(d, worlds[1]))
+    else:
+        other = dataclasses.replace(draw(zero3_topologies(d, worlds[1])), fsdp_split=kind)
+    backwards = draw(st.booleans())
+    src, dst = (other, flat) if backwards else (flat, other)
+    workers = list(range(sum(worlds))) if disjoint else list(range(worlds[0]))
+    if disjoint:
+        workers = draw(st.permutations(workers))
+    ws = worlds[1] if backwards else worlds[0]
+    src_workers, dst_workers = (workers[:ws], workers[ws:]) if disjoint else (workers, workers)
+    return d, src, dst, draw(placements(len(workers))), draw(st.integers(1024, 4096)), src_workers, dst_workers
 
 
 @settings(max_examples=50, deadline=None)
@@ -240,18 +235,9 @@ def test_random_zero3_reallocations(case):
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.data())
-def test_random_zero3_copies_between_disjoint_worker_sets(data):
-    d = data.draw(oracle.decoders(st))
-    ws, wd = data.draw(st.sampled_from([6, 4, 3, 2])), data.draw(st.sampled_from([5, 4, 2, 1]))
-    src = data.draw(zero3_topologies(d, ws))
-    dst = data.draw(st.one_of(topologies(d, wd), zero3_topologies(d, wd)) if wd > 1 else topologies(d, wd))
-    if data.draw(st.booleans()):
-        src, dst, ws, wd = dst, src, wd, ws
-    workers = data.draw(st.permutations(list(range(ws + wd))))
-    plan = check_zero3_reallocation(d, src, dst, data.draw(placements(ws + wd)),
-                                    src_workers=list(workers[:ws]), dst_workers=list(workers[ws:]))
-    assert not plan.local_copies
+@given(zero3_reallocations(disjoint=True))
+def test_random_zero3_copies_between_disjoint_worker_sets(case):
+    assert not check_zero3_reallocation(*case).local_copies
 
 
 ZERO8 = oracle.Decoder(hidden=6, intermediate=24, layers=4, heads=8, kv_heads=2, head_dim=2, vocab=19,
