@@ -110,7 +110,7 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     """
     _check_buffers(rank_layout, buffers)
     topology = rank_layout.layout.topology
-    if topology.fsdp > 1 and topology.fsdp_split == "zero3":
+    if topology.fsdp_split == "zero3":  # (fsdp == 1 always reads "fsdp2")
         raise ValueError(f"{rank_layout}: a zero3 layout holds each slot as a flat partition (up to three boxes "
                          "of it, padded), not as a tensor of the slot's shape; bind the flat partitions "
                          "(DeepSpeed's ds_tensor) with realloc.flat.flat_views(rank_layout, buffers)")
