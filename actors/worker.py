@@ -137,7 +137,8 @@ class ShardWorker(CheckpointMixin):
         dp_rank, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(self.rank)
         groups = ParallelGroups(layout, self.rank, self.communicators)
         # ZeRO-3: a slot's tensor is its flat partition (DeepSpeed's ds_tensor), not one of its shards
-        tensors = flat_views(self.held, self.buffers) if layout.topology.fsdp_split == "zero3" else store.shard_tensors()
+        zero3 = layout.topology.fsdp_split == "zero3"
+        tensors = flat_views(self.held, self.buffers) if zero3 else store.shard_tensors()
         return ShardContext(self.rank, layout.topology, dp_rank, tp_rank, pp_rank, self.device,
                             tensors, self.held.shards(), layout, groups, self.held, self.buffers, fsdp_rank)
 

@@ -106,8 +106,9 @@ class Layout:
             raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
         topology.check(spec)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
-            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 shards "
-                             "hold exactly their part of the tp box, without vocabulary padding; use vocab_pad_multiple=1")
+            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 "
+                             "shards hold exactly their part of the tp box, without vocabulary padding; "
+                             "use vocab_pad_multiple=1")
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple

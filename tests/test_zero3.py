@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from realloc.boxes import box_index
 from realloc.flat import flat_range_boxes, zero3_partition, zero3_pieces
 from realloc.layout import Layout
 from realloc.placement import Placement
@@ -151,7 +152,7 @@ def check_layout_buffers(d: oracle.Decoder, topo: Topology) -> None:
         store = ShardStore(lay.shards(rank), got)
         for s in lay.shards(rank):
             if s.numel:
-                store.write(s.param, s.offsets, s.sizes, full[s.param][tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))])
+                store.write(s.param, s.offsets, s.sizes, full[s.param][box_index(s.offsets, s.sizes)])
         for dt in want:
             assert torch.equal(got[dt], want[dt]), f"{topo} rank {rank} {dt} buffer differs from ZeRO-3's partitions"
 
@@ -184,7 +185,8 @@ def check_zero3_reallocation(d: oracle.Decoder, src: Topology, dst: Topology, pl
         buffers = {dt: torch.where(idx[dt] < 0, torch.tensor(POISON, dtype=v.dtype), v) for dt, v in values.items()}
         src_stores[worker] = ShardStore(src_layout.shards(rank), buffers)
     for rank, worker in enumerate(dst_workers):
-        buffers = {dt: torch.full((n,), POISON, dtype=TORCH_DTYPES[dt]) for dt, n in dst_layout.buffer_numels(rank).items()}
+        buffers = {dt: torch.full((n,), POISON, dtype=TORCH_DTYPES[dt])
+                   for dt, n in dst_layout.buffer_numels(rank).items()}
         dst_stores[worker] = ShardStore(dst_layout.shards(rank), buffers)
         zero_padding(dst_stores[worker])  # what a worker does to a reused (not zeroed) buffer
     moved = execute_in_process(plan, src_stores, dst_stores)
