@@ -168,7 +168,8 @@ class Topology:
         """Parse ``"dp=2,tp=4,pp=2"`` or ``"dp=2,fsdp=4,tp=2"``; a missing dimension means 1.
 
         Optional parts: ``pp_split=NAME`` (a rule of :data:`PP_SPLIT_RULES`),
-        ``layer_split=A/B/...`` (layers per stage) and ``fsdp_split=NAME`` (:data:`FSDP_SPLIT_RULES`). ``Topology.parse(str(t)) == t`` for every ``t``.
+        ``layer_split=A/B/...`` (layers per stage) and ``fsdp_split=NAME`` (a rule of
+        :data:`FSDP_SPLIT_RULES`). ``Topology.parse(str(t)) == t`` for every ``t``.
         """
         if not isinstance(text, str):
             raise ValueError(f"a topology string looks like 'dp=2,tp=4,pp=2', got {type(text).__name__} {text!r}")
