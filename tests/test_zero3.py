@@ -299,6 +299,16 @@ def test_fsdp_split_option_parses_prints_and_compares():
         Layout(spec, t, 2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+       st.sampled_from(["vllm", "megatron", "balanced"]), st.sampled_from(FSDP_SPLIT_RULES))
+def test_topology_strings_round_trip_with_fsdp_split(dp, fsdp, tp, pp, pp_split, fsdp_split):
+    t = Topology(dp, tp, pp, None, pp_split, fsdp, fsdp_split)
+    assert Topology.parse(str(t)) == t and hash(Topology.parse(str(t))) == hash(t)
+    assert t.fsdp_split == (fsdp_split if fsdp > 1 else "fsdp2")
+    assert ("fsdp_split=zero3" in str(t)) == (fsdp > 1 and fsdp_split == "zero3")
+
+
 def test_zero3_manifest_records_the_rule():
     from realloc.ckpt.files import build_rank_file
     from realloc.ckpt.manifest import CheckpointId, Manifest
