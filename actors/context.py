@@ -56,7 +56,8 @@ class ShardContext:
     """One worker's view of its shards in the current layout.
 
     ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
-    worker's local shards, padding included; writing into them updates the worker's weights.
+    worker's local shards, padding included; writing into them updates the worker's weights. (A
+    ZeRO-3 layout, ``fsdp_split="zero3"``: each slot's 1-D flat partition, :func:`realloc.flat.flat_views`.)
     ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
     ``groups`` the dp/fsdp/tp/pp process groups of this rank of the layout
     (:class:`~actors.parallel.ParallelGroups`). Everything here is valid until the next change.

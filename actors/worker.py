@@ -39,6 +39,7 @@ from actors.parallel import ParallelGroups
 from actors.transport import Transport, connect_store, host_store
 from actors.zero_copy import BufferAllocator, open_handles
 from realloc.boxes import box_index
+from realloc.flat import flat_views
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
 from realloc.shards import ShardStore, blend_into, copy_local, zero_padding
@@ -135,9 +136,11 @@ class ShardWorker(CheckpointMixin):
         layout = self.held.layout
         dp_rank, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(self.rank)
         groups = ParallelGroups(layout, self.rank, self.communicators)
+        # ZeRO-3: a slot's tensor is its flat partition (DeepSpeed's ds_tensor), not one of its shards
+        zero3 = layout.topology.fsdp_split == "zero3"
+        tensors = flat_views(self.held, self.buffers) if zero3 else store.shard_tensors()
         return ShardContext(self.rank, layout.topology, dp_rank, tp_rank, pp_rank, self.device,
-                            store.shard_tensors(), self.held.shards(), layout, groups, self.held, self.buffers,
-                            fsdp_rank)
+                            tensors, self.held.shards(), layout, groups, self.held, self.buffers, fsdp_rank)
 
     def after_change(self, change: ShardChange) -> None:
         """Driver entry point of the hook (after the commit of ``change``)."""

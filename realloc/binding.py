@@ -100,9 +100,20 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     ``VocabParallelEmbedding`` / vLLM's ``VocabParallelEmbedding``/``ParallelLMHead`` hold it
     padded; the layout's padding is ``vocab_pad_multiple * tp``, choose it to match the engine).
 
+    Sharded data parallelism (FSDP2): a slot whose chunk is empty on this rank (no shard in the
+    layout) gets an empty tensor of FSDP2's shape there, 0 rows and the tp box's other dims, so a
+    module built from the rank's FSDP2 local tensors binds with ``strict=True``. A ZeRO-3 layout
+    (``fsdp_split="zero3"``) holds slots as flat partitions, not tensors of the slot's shape:
+    ``ValueError`` pointing to :func:`realloc.flat.flat_views`.
+
     ``ValueError`` when a buffer is missing, of another dtype, not flat or too small.
     """
     _check_buffers(rank_layout, buffers)
+    topology = rank_layout.layout.topology
+    if topology.fsdp_split == "zero3":  # (fsdp == 1 always reads "fsdp2")
+        raise ValueError(f"{rank_layout}: a zero3 layout holds each slot as a flat partition (up to three boxes "
+                         "of it, padded), not as a tensor of the slot's shape; bind the flat partitions "
+                         "(DeepSpeed's ds_tensor) with realloc.flat.flat_views(rank_layout, buffers)")
     views = {}
     for shard in rank_layout.shards():
         local = local_tensor(shard, buffers)
@@ -111,7 +122,26 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
                 if size != full:
                     local = local.narrow(dim, 0, size)
         views[shard.slot] = local
+    if topology.fsdp > 1 and len(views) < len(rank_layout.layout.stage_slots(topology.coords(rank_layout.rank)[2])):
+        views = _with_empty_chunks(rank_layout, buffers, views)
     return views
+
+
+def _with_empty_chunks(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor],
+                       views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``views`` plus a 0-row tensor for every slot of the stage whose FSDP2 chunk is empty here
+    (FSDP2's ``_get_dim_chunked_size``: the chunk's size with 0 along dim 0), in forward order."""
+    _, _, tp_rank, pp_rank = rank_layout.layout.topology.coords4(rank_layout.rank)
+    first = {s.slot: s for s in rank_layout.layout.shards_at(tp_rank, pp_rank, 0)}  # fsdp rank 0 holds rows
+    device = next((b.device for b in buffers.values()), torch.device("cpu"))
+    out = {}
+    for _, slot in rank_layout.layout.stage_slots(pp_rank):
+        if slot in views:
+            out[slot] = views[slot]
+        else:
+            shard = first[slot]
+            out[slot] = torch.empty((0,) + tuple(shard.sizes[1:]), dtype=TORCH_DTYPES[shard.dtype], device=device)
+    return out
 
 
 def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,

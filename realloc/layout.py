@@ -17,6 +17,9 @@ vocabulary padding: ``vocab_pad_multiple > 1`` with ``fsdp > 1`` is refused). A 
 is empty (the last fsdp ranks when ``n < fsdp`` or chunks do not fill them) has **no shard** of
 that parameter in its table at all (FSDP2 keeps a zero-size local tensor there). With
 ``fsdp == 1`` nothing changes. See docs/conventions.md, "Sharded data parallelism (FSDP2/HSDP)".
+With ``Topology.fsdp_split == "zero3"`` the tp box is instead flattened and cut as DeepSpeed
+ZeRO-3 does (:func:`realloc.flat.zero3_pieces`): a rank holds up to three shards of a 2-D
+parameter, consecutive in its buffer, the last padded (or one padding-only shard of empty box).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from realloc.flat import zero3_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.topology import Topology
 
@@ -106,8 +110,9 @@ class Layout:
             raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
         topology.check(spec)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
-            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP shards hold "
-                             "exactly their rows of the tp box, without vocabulary padding; use vocab_pad_multiple=1")
+            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 "
+                             "shards hold exactly their part of the tp box, without vocabulary padding; "
+                             "use vocab_pad_multiple=1")
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple
@@ -123,7 +128,7 @@ class Layout:
     def key(self) -> tuple:
         """What decides where every element sits; equal keys mean equal layouts."""
         t = self.topology
-        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp)
+        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp, t.fsdp_split)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and (self is other or self.key == other.key)
@@ -146,6 +151,8 @@ class Layout:
         text = f"dp={t.dp}," + (f"fsdp={t.fsdp}," if t.fsdp > 1 else "") + f"tp={t.tp},pp={t.pp}"
         if t.pp > 1:
             text += f" (layers {'/'.join(map(str, self.layer_counts))})"
+        if t.fsdp_split != "fsdp2":
+            text += f" {t.fsdp_split}"
         if self.vocab_pad_multiple != 1:
             text += f" vocab pad {self.vocab_pad_multiple}"
         return text
@@ -194,6 +201,7 @@ class Layout:
     def _coordinate_shards(self) -> dict[tuple[int, int, int], tuple[tuple[Shard, ...], dict[str, int]]]:
         """``(fsdp_rank, tp_rank, pp_rank)`` -> (shards, elements per dtype buffer)."""
         fsdp = self.topology.fsdp
+        zero3 = fsdp > 1 and self.topology.fsdp_split == "zero3"
         result = {}
         for pp_rank in range(self.topology.pp):
             for tp_rank in range(self.topology.tp):
@@ -202,7 +210,10 @@ class Layout:
                     fill: dict[str, int] = {}
                     shards = []
                     for p, name, slot, offsets, sizes, local in tp_boxes:
-                        if fsdp > 1:
+                        pieces = [((offsets, sizes), local)]
+                        if zero3:  # flat partitions: a few consecutive boxes, padding in the last
+                            pieces = zero3_pieces(tuple(offsets), tuple(sizes), fsdp, fsdp_rank)
+                        elif fsdp > 1:
                             rows = sizes[0]
                             chunk = -(-rows // fsdp)
                             first = min(fsdp_rank * chunk, rows)
@@ -211,10 +222,12 @@ class Layout:
                                 continue  # an empty FSDP chunk: no shard on this rank
                             offsets = [offsets[0] + first] + offsets[1:]
                             sizes = local = [held] + sizes[1:]
-                        at = fill.get(p.dtype, 0)
-                        shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
-                        fill[p.dtype] = at + shard.local_numel
-                        shards.append(shard)
+                            pieces = [((offsets, sizes), local)]
+                        for (offsets, sizes), local in pieces:
+                            at = fill.get(p.dtype, 0)
+                            shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
+                            fill[p.dtype] = at + shard.local_numel
+                            shards.append(shard)
                     result[fsdp_rank, tp_rank, pp_rank] = tuple(shards), fill
         return result
 

@@ -16,6 +16,9 @@ Sharded data parallelism (FSDP2 ``fully_shard``; with dp > 1 too, HSDP) is a fou
 
 With ``fsdp == 1`` this is the order above. :meth:`Topology.coords` keeps returning
 ``(dp_rank, tp_rank, pp_rank)``; :meth:`Topology.coords4` gives ``(dp, fsdp, tp, pp)`` ranks.
+``Topology.fsdp_split`` names how the fsdp ranks cut a tp shard (:data:`FSDP_SPLIT_RULES`):
+``"fsdp2"`` (default, FSDP2's ``torch.chunk`` rows) or ``"zero3"`` (DeepSpeed ZeRO-3's flat,
+padded partitions; realloc/flat.py). With ``fsdp == 1`` both are the same and it reads ``"fsdp2"``.
 
 Which transformer layers a pipeline stage holds must be what the engine holding the weights
 builds, or the shards are the wrong layers. ``Topology.layer_split`` gives the counts per stage
@@ -48,19 +51,22 @@ if TYPE_CHECKING:
 #: Names ``Topology.pp_split`` accepts; the first is the default.
 PP_SPLIT_RULES = ("vllm", "megatron", "balanced")
 DEFAULT_PP_SPLIT = PP_SPLIT_RULES[0]
+#: Names ``Topology.fsdp_split`` accepts (how fsdp ranks cut a tp shard); the first is the default.
+FSDP_SPLIT_RULES = ("fsdp2", "zero3")
+DEFAULT_FSDP_SPLIT = FSDP_SPLIT_RULES[0]
 
 _PART = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(\S*)\s*$")
 _INT = re.compile(r"^-?\d+$")
-_EXPECTED = ("expected dp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME and layer_split=A/B/...) "
-             "separated by commas")
+_EXPECTED = ("expected dp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME, layer_split=A/B/... and "
+             "fsdp_split=NAME) separated by commas")
 
 
-def _check_rule(rule: object) -> None:
-    allowed = ", ".join(PP_SPLIT_RULES)
+def _check_rule(rule: object, field: str = "pp_split", rules: tuple[str, ...] = PP_SPLIT_RULES) -> None:
+    allowed = ", ".join(rules)
     if not isinstance(rule, str):
-        raise ValueError(f"topology pp_split must be a string naming a rule ({allowed}), got {rule!r}")
-    if rule not in PP_SPLIT_RULES:
-        raise ValueError(f"unknown pp_split {rule!r}; allowed: {allowed}")
+        raise ValueError(f"topology {field} must be a string naming a rule ({allowed}), got {rule!r}")
+    if rule not in rules:
+        raise ValueError(f"unknown {field} {rule!r}; allowed: {allowed}")
 
 
 def pp_layer_counts(num_layers: int, pp: int, rule: str = DEFAULT_PP_SPLIT) -> tuple[int, ...]:
@@ -137,6 +143,8 @@ class Topology:
     #: Sharded data-parallel size (FSDP2 / HSDP): each replica's tp shards are further cut
     #: along dim 0 over ``fsdp`` ranks (see realloc.layout and docs/conventions.md).
     fsdp: int = 1
+    #: How the fsdp ranks cut a tp shard (:data:`FSDP_SPLIT_RULES`); reads the default when fsdp == 1.
+    fsdp_split: str = DEFAULT_FSDP_SPLIT
 
     def __post_init__(self) -> None:
         for dim in ("dp", "fsdp", "tp", "pp"):
@@ -151,13 +159,17 @@ class Topology:
             if any((not isinstance(n, int)) or isinstance(n, bool) or n < 1 for n in split):
                 raise ValueError(f"layer_split {split}: every stage needs at least one layer")
         _check_rule(self.pp_split)
+        _check_rule(self.fsdp_split, "fsdp_split", FSDP_SPLIT_RULES)
+        if self.fsdp == 1:  # one fsdp rank holds its whole tp shard under every rule
+            object.__setattr__(self, "fsdp_split", DEFAULT_FSDP_SPLIT)
 
     @staticmethod
     def parse(text: str) -> "Topology":
         """Parse ``"dp=2,tp=4,pp=2"`` or ``"dp=2,fsdp=4,tp=2"``; a missing dimension means 1.
 
-        Optional parts: ``pp_split=NAME`` (a rule of :data:`PP_SPLIT_RULES`) and
-        ``layer_split=A/B/...`` (layers per stage). ``Topology.parse(str(t)) == t`` for every ``t``.
+        Optional parts: ``pp_split=NAME`` (a rule of :data:`PP_SPLIT_RULES`),
+        ``layer_split=A/B/...`` (layers per stage) and ``fsdp_split=NAME`` (a rule of
+        :data:`FSDP_SPLIT_RULES`). ``Topology.parse(str(t)) == t`` for every ``t``.
         """
         if not isinstance(text, str):
             raise ValueError(f"a topology string looks like 'dp=2,tp=4,pp=2', got {type(text).__name__} {text!r}")
@@ -169,7 +181,7 @@ class Topology:
             key, value = (match.group(1), match.group(2)) if match else (None, "")
             if key in ("dp", "fsdp", "tp", "pp") and _INT.match(value):
                 parsed: object = int(value)
-            elif key == "pp_split" and value:
+            elif key in ("pp_split", "fsdp_split") and value:
                 parsed = value
             elif key == "layer_split" and value and all(_INT.match(n) for n in value.split("/")):
                 parsed = tuple(int(n) for n in value.split("/"))
@@ -186,6 +198,8 @@ class Topology:
             text += ",layer_split=" + "/".join(map(str, self.layer_split))
         if self.pp_split != DEFAULT_PP_SPLIT:
             text += f",pp_split={self.pp_split}"
+        if self.fsdp_split != DEFAULT_FSDP_SPLIT:
+            text += f",fsdp_split={self.fsdp_split}"
         return text
 
     @property

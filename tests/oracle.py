@@ -26,6 +26,10 @@ Llama-style decoder:
   tp-local tensor (its real rows, no vocabulary padding) with ``torch.chunk(local, fsdp, dim=0)``
   and fsdp rank ``i`` holds chunk ``i``, or nothing (no slot at all here) when ``torch.chunk``
   returned fewer chunks.
+* ZeRO-3 flat partitions (``fsdp_split="zero3"``), written from DeepSpeed's ``_partition_param``
+  (deepspeed/runtime/zero/partition_parameters.py): the same rank order; the tp-local tensor (its
+  real elements) is flattened, padded to a multiple of ``fsdp`` and cut into ``fsdp`` equal parts;
+  fsdp rank ``i`` holds part ``i`` (its ``ds_tensor``), every rank one part of every slot.
 
 The only realloc import is :func:`realloc.spec.decoder_spec`, to build the spec under test from
 the same description (:meth:`Decoder.spec`).
@@ -155,6 +159,14 @@ def fsdp_chunk(local: torch.Tensor, fsdp: int, fsdp_rank: int) -> "torch.Tensor 
     return chunks[fsdp_rank].clone() if fsdp_rank < len(chunks) else None
 
 
+def zero3_part(local: torch.Tensor, fsdp: int, fsdp_rank: int, pad_value=0) -> torch.Tensor:
+    """DeepSpeed ZeRO-3's ``ds_tensor`` of a (tp-local) tensor: flatten, pad with ``pad_value`` up
+    to a multiple of ``fsdp``, cut into ``fsdp`` equal parts, part ``fsdp_rank``."""
+    flat = local.reshape(-1)
+    pad = torch.full(((-flat.numel()) % fsdp,), pad_value, dtype=flat.dtype)
+    return torch.cat([flat, pad]).view(fsdp, -1)[fsdp_rank].clone()
+
+
 def engine_stage_counts(layers: int, pp: int, rule: str = "vllm") -> tuple[int, ...]:
     """Layers per pipeline stage as the engines build them, stage by stage.
 
@@ -246,8 +258,9 @@ def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int) -> list[tuple
 
 def local_tensors(d: Decoder, full: dict[str, torch.Tensor], dp: int, tp: int, pp: int,
                   stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0,
-                  fsdp: int = 1) -> dict[str, torch.Tensor]:
-    """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors)."""
+                  fsdp: int = 1, split: str = "fsdp2") -> dict[str, torch.Tensor]:
+    """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors);
+    ``split="zero3"``: the 1-D ZeRO-3 partition of every slot, padding filled with ``pad_value``."""
     assert len(stages) == pp and sorted(i for s in stages for i in s) == list(range(d.layers))
     if fsdp == 1:
         _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
@@ -261,6 +274,9 @@ def local_tensors(d: Decoder, full: dict[str, torch.Tensor], dp: int, tp: int, p
         if p.rule == "vocab":  # keep the real vocabulary rows only
             per = padded_vocab(d.vocab, tp, pad_multiple) // tp
             local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
+        if split == "zero3":
+            out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
+            continue
         chunk = fsdp_chunk(local, fsdp, fsdp_rank)
         if chunk is not None:
             out[slot] = chunk
@@ -289,9 +305,10 @@ def index_tensors(d: Decoder) -> dict[str, torch.Tensor]:
 
 
 def held_indices(d: Decoder, dp: int, tp: int, pp: int, stages: list[list[int]], rank: int,
-                 pad_multiple: int = 1, fsdp: int = 1) -> dict[str, torch.Tensor]:
+                 pad_multiple: int = 1, fsdp: int = 1, split: str = "fsdp2") -> dict[str, torch.Tensor]:
     """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded)."""
-    local = local_tensors(d, index_tensors(d), dp, tp, pp, stages, rank, pad_multiple, pad_value=-1, fsdp=fsdp)
+    local = local_tensors(d, index_tensors(d), dp, tp, pp, stages, rank, pad_multiple, pad_value=-1, fsdp=fsdp,
+                          split=split)
     out: dict[str, list[torch.Tensor]] = {}
     for slot, t in local.items():
         flat = t.reshape(-1)

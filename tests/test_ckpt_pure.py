@@ -326,6 +326,8 @@ def test_retrieval_names_ranks_without_copies():
     (Topology(dp=2, tp=2, pp=2), Topology(dp=1, tp=4, pp=2)),
     (Topology(dp=2, tp=2, pp=2), Topology(dp=8)),
     (Topology(tp=4, pp=2), Topology(dp=2, tp=2, pp=2)),
+    (Topology(fsdp=4, pp=2, fsdp_split="zero3"), Topology(dp=2, tp=2, pp=2)),
+    (Topology(tp=4, pp=2), Topology(dp=2, fsdp=4, fsdp_split="zero3")),
 ])
 def test_reshard_load_reads_each_stored_box_once_and_is_bit_exact(tmp_path, src, dst):
     placement = Placement.blocks(8, 4)

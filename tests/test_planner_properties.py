@@ -189,7 +189,8 @@ def side_masks(d: oracle.Decoder, topo: Topology, workers, pad: int) -> Masks:
     shapes = {p.name: p.shape for p in oracle.params(d)}
     out: Masks = {}
     for rank in range(topo.world_size):
-        held = oracle.held_indices(d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, pad, fsdp=topo.fsdp)
+        held = oracle.held_indices(d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, pad, fsdp=topo.fsdp,
+                                   split=topo.fsdp_split)
         masks = {}
         for param, idx in held.items():
             m = np.zeros(math.prod(shapes[param]), dtype=bool)

@@ -111,7 +111,8 @@ def saved_topology(layout: Layout) -> Topology:
     """The topology a manifest records: the layers of every stage spelled out, so the saved layout
     never depends on which rule computed the split (rules and defaults may change; files stay)."""
     t = layout.topology
-    return Topology(t.dp, t.tp, t.pp, layer_split=layout.layer_counts if t.pp > 1 else None, fsdp=t.fsdp)
+    return Topology(t.dp, t.tp, t.pp, layer_split=layout.layer_counts if t.pp > 1 else None, fsdp=t.fsdp,
+                    fsdp_split=t.fsdp_split)
 
 
 def rank_paths(directory: Path, ckpt_id: CheckpointId) -> tuple[Path, Path]:

@@ -18,7 +18,7 @@ from typing import Any
 from realloc.ckpt.errors import CorruptFileError
 from realloc.layout import Layout, Shard
 from realloc.spec import DTYPE_BYTES, ModelSpec, describe_difference
-from realloc.topology import Topology
+from realloc.topology import DEFAULT_FSDP_SPLIT, Topology
 
 FORMAT = "realloc-ckpt/1"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -246,6 +246,8 @@ class Manifest:
         topology = {"dp": t.dp, "tp": t.tp, "pp": t.pp, "layer_split": list(t.layer_split) if t.layer_split else None}
         if t.fsdp > 1:  # written only when sharded, so manifests without FSDP are unchanged
             topology["fsdp"] = t.fsdp
+        if t.fsdp_split != DEFAULT_FSDP_SPLIT:  # likewise: only for ZeRO-3 flat partitions
+            topology["fsdp_split"] = t.fsdp_split
         return {
             "format": FORMAT,
             "run_id": self.id.run_id, "iteration": self.id.iteration, "rank": self.id.rank,
@@ -276,7 +278,7 @@ class Manifest:
                 id=CheckpointId(data["run_id"], data["iteration"], data["rank"]),
                 world_size=int(data["world_size"]),
                 topology=Topology(topo["dp"], topo["tp"], topo["pp"], tuple(split) if split else None,
-                                  fsdp=topo.get("fsdp", 1)),
+                                  fsdp=topo.get("fsdp", 1), fsdp_split=topo.get("fsdp_split", DEFAULT_FSDP_SPLIT)),
                 vocab_pad_multiple=int(data["vocab_pad_multiple"]),
                 spec_name=str(data["spec"]["name"]),
                 params={k: (tuple(int(x) for x in s), str(d)) for k, (s, d) in data["spec"]["params"].items()},

@@ -1,0 +1,168 @@
+"""Flat (row-major) ranges of boxes, and DeepSpeed ZeRO-3's flat partitions built from them.
+
+DeepSpeed ZeRO stage 3 (``Init._partition_param`` in deepspeed/runtime/zero/partition_parameters.py,
+deepspeedai/DeepSpeed) partitions a parameter over its data-parallel partition group of ``world``
+ranks by flattening it (``param.contiguous().view(-1)``) and cutting the flat tensor into
+``world`` equal parts after padding:
+
+* ``partition_size = ceil(numel / world)`` (``_aligned_size`` = numel + ``_padding_size``, the
+  padding up to a multiple of ``world``, then ``// world``);
+* rank ``i`` (its rank in the partition group) holds flat elements
+  ``[i * partition_size, min((i + 1) * partition_size, numel))``;
+* its ``ds_tensor`` is 1-D with ``partition_size`` elements on *every* rank: the tail past
+  ``numel`` (the last holding rank's padding, and all of it on ranks past the end) is never part
+  of the parameter. DeepSpeed leaves it uninitialised (``torch.empty``); here it is zero.
+* With Megatron tensor parallelism (``Init(mpu=...)``: the partition group is the data-parallel
+  group) the parameter is the tp-local tensor, so the flat tensor is the tp shard's.
+
+A layout with ``Topology(fsdp_split="zero3")`` holds a rank's flat range of a tp box as the few
+boxes :func:`flat_range_boxes` cuts it into, consecutive in the rank's buffer, so the buffer
+slice is exactly the ``ds_tensor`` (:func:`zero3_pieces`; see docs/conventions.md, "ZeRO-3 flat
+partitions").
+"""
+
+from __future__ import annotations
+
+import math
+
+from realloc.boxes import Box
+
+__all__ = ["flat_range_boxes", "flat_views", "zero3_partition", "zero3_pieces"]
+
+
+def flat_range_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """The elements ``[start, stop)`` (row-major flat order) of box ``(offsets, sizes)`` as boxes.
+
+    Contract:
+
+    * ``0 <= start <= stop <= numel`` of the box, else ``ValueError``; ``start == stop`` gives ``[]``.
+    * The returned boxes, in order, list exactly the elements ``[start, stop)`` in row-major
+      order: each box is itself a run of consecutive flat positions (all its dims after the first
+      one larger than 1 are whole), and each starts where the previous ended. So the row-major
+      flattening of the boxes, concatenated, is ``box.reshape(-1)[start:stop]``.
+    * They are the fewest such runs: one box when the range is whole rows (or lies in one row,
+      recursively); otherwise a partial first row (suffix of that row, recursively), the whole
+      rows between, and a partial last row (prefix of that row, recursively), each present only
+      when non-empty. At most ``2 * ndim - 1`` boxes: 1 for 1-D, 3 for 2-D; a suffix or prefix
+      range (one ending at ``numel`` or starting at 0) takes at most ``ndim``.
+
+    Example:
+        >>> flat_range_boxes((0, 0), (3, 4), 2, 11)
+        [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
+        >>> flat_range_boxes((10, 5), (3, 4), 4, 12), flat_range_boxes((0,), (7,), 2, 5)
+        ([((11, 5), (2, 4))], [((2,), (3,))])
+    """
+    offsets, sizes = tuple(offsets), tuple(sizes)
+    total = math.prod(sizes)
+    if len(offsets) != len(sizes) or not sizes or not 0 <= start <= stop <= total:
+        raise ValueError(f"flat range [{start}, {stop}) of box offsets={offsets} sizes={sizes} ({total} elements)")
+    if start == stop:
+        return []
+    if len(sizes) == 1:
+        return [((offsets[0] + start,), (stop - start,))]
+    row = total // sizes[0]  # elements of one index of dim 0
+    first, first_in = divmod(start, row)
+    last, last_in = divmod(stop, row)  # stop is exclusive: row ``last`` holds ``last_in`` of them
+
+    def lift(r: int, inner: list[Box]) -> list[Box]:
+        return [((offsets[0] + r,) + o, (1,) + s) for o, s in inner]
+
+    if first == last:  # inside one row
+        return lift(first, flat_range_boxes(offsets[1:], sizes[1:], first_in, stop - first * row))
+    out = []
+    if first_in:
+        out += lift(first, flat_range_boxes(offsets[1:], sizes[1:], first_in, row))
+        first += 1
+    if last > first:
+        out.append(((offsets[0] + first,) + offsets[1:], (last - first,) + sizes[1:]))
+    if last_in:
+        out += lift(last, flat_range_boxes(offsets[1:], sizes[1:], 0, last_in))
+    return out
+
+
+def zero3_partition(numel: int, world: int, rank: int) -> tuple[int, int, int]:
+    """``(start, stop, partition_size)`` of ZeRO-3 rank ``rank`` of ``world`` on ``numel`` elements:
+    flat elements ``[start, stop)``, ``partition_size - (stop - start)`` of padding after them.
+
+    Example:
+        >>> [zero3_partition(10, 4, r) for r in range(4)]
+        [(0, 3, 3), (3, 6, 3), (6, 9, 3), (9, 10, 3)]
+        >>> zero3_partition(5, 4, 3)  # past the end: padding only
+        (5, 5, 2)
+    """
+    if world < 1 or not 0 <= rank < world or numel < 0:
+        raise ValueError(f"ZeRO-3 partition of {numel} elements: rank {rank} of world {world}")
+    size = -(-numel // world)
+    start = min(rank * size, numel)
+    return start, min(start + size, numel), size
+
+
+def zero3_pieces(offsets: tuple[int, ...], sizes: tuple[int, ...], world: int,
+                 rank: int) -> list[tuple[Box, tuple[int, ...]]]:
+    """ZeRO-3 rank ``rank``'s flat partition of box ``(offsets, sizes)`` as ``(box, local_shape)``
+    pieces, to lie consecutively in a buffer; their local elements add up to the partition size.
+
+    The pieces are :func:`flat_range_boxes` of the rank's range. Padding (the partition past the
+    box's last element) extends the last piece's *last* dim, the box sitting at the origin of its
+    local tensor as for vocabulary padding; so when padding follows a piece spanning several
+    innermost rows, its last innermost row becomes a piece of its own (at most ``2 * ndim - 1``
+    pieces still). A rank past the end holds one padding-only piece: the box origin with every
+    size 0, local shape ``(1, ..., 1, partition_size)``. A partition size of 0 (an empty box)
+    gives no piece.
+
+    Example:
+        >>> zero3_pieces((0, 0), (2, 3), 4, 1)  # partition size 2: elements 2, 3
+        [(((0, 2), (1, 1)), (1, 1)), (((1, 0), (1, 1)), (1, 1))]
+        >>> zero3_pieces((0, 0), (2, 3), 4, 3)  # past the end: padding only
+        [(((0, 0), (0, 0)), (1, 2))]
+        >>> zero3_pieces((0, 0), (7, 2), 3, 2)  # elements 10..13 (rows 5, 6) and one of padding
+        [(((5, 0), (1, 2)), (1, 2)), (((6, 0), (1, 2)), (1, 3))]
+        >>> zero3_pieces((4,), (3,), 2, 1)
+        [(((6,), (1,)), (2,))]
+    """
+    offsets, sizes = tuple(offsets), tuple(sizes)
+    start, stop, size = zero3_partition(math.prod(sizes), world, rank)
+    pad = size - (stop - start)
+    boxes = flat_range_boxes(offsets, sizes, start, stop)
+    if not pad:
+        return [(b, b[1]) for b in boxes]
+    if not boxes:
+        return [((offsets, (0,) * len(sizes)), (1,) * (len(sizes) - 1) + (size,))]
+    last_offsets, last_sizes = boxes.pop()
+    row = last_sizes[-1]
+    if any(n > 1 for n in last_sizes[:-1]):  # keep all but its last innermost row as they are
+        boxes += flat_range_boxes(last_offsets, last_sizes, 0, math.prod(last_sizes) - row)
+        last_offsets = tuple(o + n - 1 for o, n in zip(last_offsets[:-1], last_sizes[:-1])) + last_offsets[-1:]
+        last_sizes = (1,) * (len(sizes) - 1) + (row,)
+    pieces = [(b, b[1]) for b in boxes]
+    pieces.append(((last_offsets, last_sizes), last_sizes[:-1] + (row + pad,)))
+    return pieces
+
+
+def flat_views(rank_layout, buffers) -> dict:
+    """Slot name -> the rank's flat partition of that slot: ONE 1-D view of its dtype's buffer
+    spanning the slot's shards, padding included (no copy), in forward order.
+
+    For a zero3 layout this is DeepSpeed's ``ds_tensor``: ``partition_size`` elements on every rank,
+    the real ones first (what :func:`realloc.binding.shard_views` refuses to give as shaped
+    tensors). For other layouts it is each local tensor flattened (FSDP2's empty chunks absent).
+    ``ValueError`` for buffers :func:`realloc.binding.shard_views` refuses too.
+
+    Example:
+        >>> from realloc import Layout, ModelSpec, Topology
+        >>> from realloc.shards import allocate_buffers
+        >>> rank = Layout(ModelSpec.preset("tiny"), Topology(fsdp=8, fsdp_split="zero3")).at(7)
+        >>> views = flat_views(rank, allocate_buffers(rank.layout, 7))
+        >>> views["model.embed_tokens.weight"].shape, views["model.norm.weight"].shape
+        (torch.Size([12012]), torch.Size([12]))
+    """
+    from realloc.binding import _check_buffers
+
+    _check_buffers(rank_layout, buffers)
+    spans: dict[str, list] = {}
+    for s in rank_layout.shards():
+        span = spans.setdefault(s.slot, [s.dtype, s.buffer_offset, s.buffer_offset])
+        if span[2] != s.buffer_offset or span[0] != s.dtype:
+            raise ValueError(f"{rank_layout}: the shards of {s.slot} are not consecutive in one buffer")
+        span[2] += s.local_numel
+    return {slot: buffers[dtype][start:stop] for slot, (dtype, start, stop) in spans.items()}
