@@ -274,6 +274,8 @@ class Layout:
         from realloc.pieces import PieceTable
 
         t = self.topology
+        if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
+            return PieceTable.of_groups(self.groups(workers))
         if workers is None:
             workers = list(range(t.world_size))
         if len(workers) != t.world_size:

@@ -1,0 +1,89 @@
+"""The planner's large-plan forms against its small-plan forms, on random layouts.
+
+Sharded layouts at scale go through array forms that small plans never need: piece tables
+computed per ``(tp, pp)`` coordinate (``Layout.piece_table``), steps on the cyclic schedule kept
+as a ``StepTable``, segments as runs (``SegmentTable``). Here the array forms are checked
+against the plain ones: the piece table against the layout's own groups, and plans forced into
+the large form (``LARGE_PLAN_ROUTES = 0``) through the same oracle checks as every plan: bit-exact
+execution, each element written once, senders hold what they send, inter-node bytes at the bound.
+"""
+
+from __future__ import annotations
+
+import json
+from unittest import mock
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import realloc.planner as planner
+from realloc import Layout, Placement, Topology
+from realloc.pieces import PieceTable
+from realloc.plan import Plan, StepTable
+from test_planner_properties import (
+    FSDP8, Case, check_reallocation, fsdp_reallocations, fsdp_topologies, make_plan, reallocations, topologies,
+)
+
+import oracle
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_piece_table_is_the_layouts_groups_as_arrays(data):
+    d = data.draw(oracle.decoders(st))
+    world = data.draw(st.sampled_from([8, 6, 5, 4, 3, 2, 1]))
+    sharded = oracle.factorisations4(d, world)
+    topo = data.draw(st.one_of(topologies(d, world), fsdp_topologies(d, world)) if len(sharded) else topologies(d, world))
+    pad = 1 if topo.fsdp > 1 else data.draw(st.integers(1, 3))
+    layout = Layout(d.spec(), topo, pad)
+    workers = data.draw(st.permutations(list(range(world))))
+    got, want = layout.piece_table(list(workers)), PieceTable.of_groups(layout.groups(list(workers)))
+    assert got.groups == want.groups
+    assert sorted(got.params) == sorted(want.params)
+    for name in want.params:
+        for a, b in zip(got.params[name], want.params[name]):
+            assert np.array_equal(a, b), name
+
+
+def large_form():
+    """Every plan planned inside takes the large-plan form."""
+    return mock.patch.object(planner, "LARGE_PLAN_ROUTES", 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(reallocations())
+def test_large_form_plans_execute_bit_exact(case):
+    with large_form():
+        plan = check_reallocation(case)
+    assert isinstance(plan.steps, StepTable) or not plan.steps
+
+
+@settings(max_examples=30, deadline=None)
+@given(fsdp_reallocations())
+def test_large_form_fsdp_plans_execute_bit_exact(case):
+    with large_form():
+        check_reallocation(case)
+
+
+@settings(max_examples=20, deadline=None)
+@given(reallocations())
+def test_large_form_plans_survive_json_round_trip(case):
+    with large_form():
+        plan = make_plan(case)
+    back = Plan.from_json(json.loads(plan.dumps()))
+    assert back == plan and back.dumps() == plan.dumps()
+
+
+def test_large_form_and_small_form_move_the_same_bytes():
+    case = Case(FSDP8, Topology(fsdp=8), Topology(dp=2, tp=4), Placement.blocks(8, 4))
+    small = make_plan(case)
+    with large_form():
+        large = make_plan(case)
+    assert isinstance(large.steps, StepTable) and isinstance(small.steps, list)
+    for key in ("bytes_total", "bytes_inter_node", "bytes_intra_node", "bytes_local_copy", "num_routes",
+                "rank_send_bytes", "rank_recv_bytes", "lower_bound_inter_node_bytes"):
+        assert large.stats[key] == small.stats[key], key
+    routes = lambda p: sorted((src, dst, [(s.param, s.offsets, s.sizes) for s in p.segment_list(j)])  # noqa: E731
+                              for _, src, dst, j in p.routes())
+    assert routes(large) == routes(small)
