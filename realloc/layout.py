@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from realloc.conventions import check_options, megatron_qkv_order
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.topology import Topology
 
@@ -80,7 +81,8 @@ class Layout:
     travel together and are never rebuilt from parts. Two layouts are equal when they place
     every element identically: same spec, same dp/tp/pp, same *effective* layers per stage
     (an explicit ``layer_split`` equal to the default rule's split is the same layout) and the
-    same padding. Layouts are hashable and pickle without their cached shard tables.
+    same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``: see
+    :mod:`realloc.conventions`; ``layout.options`` holds all three). Layouts are hashable and pickle without their cached shard tables.
 
     Example:
         >>> from realloc import ModelSpec, Topology
@@ -93,7 +95,8 @@ class Layout:
         (True, False)
     """
 
-    def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1):
+    def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1,
+                 vocab_pad_rule: str = "megatron", qkv_order: str = "hf"):
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"a layout needs a realloc.ModelSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
@@ -101,12 +104,15 @@ class Layout:
         if not isinstance(vocab_pad_multiple, int) or isinstance(vocab_pad_multiple, bool) or vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
         topology.check(spec)
+        check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
             raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP shards hold "
                              "exactly their rows of the tp box, without vocabulary padding; use vocab_pad_multiple=1")
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple
+        self.vocab_pad_rule = vocab_pad_rule  # realloc.conventions: engine conventions
+        self.qkv_order = qkv_order
         self.stages = topology.stage_layers(spec)
 
     # -- value semantics -------------------------------------------------------------------
@@ -119,7 +125,14 @@ class Layout:
     def key(self) -> tuple:
         """What decides where every element sits; equal keys mean equal layouts."""
         t = self.topology
-        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp)
+        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp,
+                self.vocab_pad_rule, self.qkv_order)
+
+    @property
+    def options(self) -> dict:
+        """Everything but spec and topology: ``Layout(spec, topology, **layout.options)``."""
+        return {"vocab_pad_multiple": self.vocab_pad_multiple, "vocab_pad_rule": self.vocab_pad_rule,
+                "qkv_order": self.qkv_order}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and (self is other or self.key == other.key)
@@ -128,14 +141,15 @@ class Layout:
         return hash(self.key)
 
     def __getstate__(self) -> dict:
-        return {"spec": self.spec, "topology": self.topology, "vocab_pad_multiple": self.vocab_pad_multiple}
+        return {"spec": self.spec, "topology": self.topology, **self.options}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"], state["topology"], state["vocab_pad_multiple"])
+        self.__init__(state["spec"], state["topology"], state["vocab_pad_multiple"],
+                      state.get("vocab_pad_rule", "megatron"), state.get("qkv_order", "hf"))
 
     def with_topology(self, topology: Topology) -> "Layout":
-        """The same model and padding in another topology."""
-        return Layout(self.spec, topology, self.vocab_pad_multiple)
+        """The same model, padding and conventions in another topology."""
+        return Layout(self.spec, topology, **self.options)
 
     def __str__(self) -> str:
         t = self.topology
@@ -144,6 +158,10 @@ class Layout:
             text += f" (layers {'/'.join(map(str, self.layer_counts))})"
         if self.vocab_pad_multiple != 1:
             text += f" vocab pad {self.vocab_pad_multiple}"
+        if self.vocab_pad_rule != "megatron":
+            text += f" vocab rule {self.vocab_pad_rule}"
+        if self.qkv_order != "hf":
+            text += f" qkv {self.qkv_order}"
         return text
 
     def __repr__(self) -> str:
@@ -186,9 +204,12 @@ class Layout:
                     p = by_name[name]
                     offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
                     if p.tp_dim is not None:
-                        start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple)
+                        start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple,
+                                                             self.vocab_pad_rule)
                         offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
                     tp_boxes.append((p, name, slot, offsets, sizes, local))
+                if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.conventions)
+                    tp_boxes = megatron_qkv_order(tp_boxes, self.topology.tp)
                 for fsdp_rank in range(fsdp):
                     fill: dict[str, int] = {}
                     shards = []
