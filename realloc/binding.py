@@ -102,7 +102,7 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     the vocabulary padding is invisible and the shapes are those of the global tensor's slice.
     ``padding=True``: the whole local tensor, padding rows included (Megatron's
     ``VocabParallelEmbedding`` / vLLM's ``VocabParallelEmbedding``/``ParallelLMHead`` hold it
-    padded; the layout's padding is ``vocab_pad_multiple * tp``, choose it to match the engine).
+    padded; choose the layout's ``vocab_pad_multiple`` and ``vocab_pad_rule`` to match the engine).
 
     A slot held as several shards (q/k/v under ``Layout(qkv_order="megatron")``: one per query
     group) is no single tensor and has no view here; ``fused_views(..., convention="megatron")``
