@@ -306,3 +306,19 @@ def test_options_are_part_of_the_layout_value():
     assert "vocab_pad_rule" not in plain.to_json() and "qkv_order" not in plain.to_json()
     with pytest.raises(ValueError, match="is not the saved"):
         Manifest.loads(manifest.dumps()).check_records(base)
+
+
+def test_hf_checkpoint_loads_straight_into_megatron_linear_qkv(tmp_path):
+    from realloc.ckpt.hf import load_shards, match_spec, save_hf_dir, scan_hf_dir
+    from realloc.synthetic import synthetic_state_dict
+
+    spec = GQA.spec()
+    state = synthetic_state_dict(spec)
+    save_hf_dir(state, tmp_path)
+    lay = Layout(spec, Topology(tp=2, pp=2), 64, "vllm", "megatron")
+    tensors = scan_hf_dir(tmp_path)
+    full = {p.name: state[p.name] for p in spec.params}
+    for rank in range(lay.topology.world_size):
+        store = ShardStore(lay.shards(rank), allocate_buffers(lay, rank))
+        load_shards(tmp_path, tensors, match_spec(tensors, spec), lay.shards(rank), store)
+        check_rank(GQA, full, lay, rank, store.buffers)
