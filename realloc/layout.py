@@ -82,7 +82,8 @@ class Layout:
     every element identically: same spec, same dp/tp/pp, same *effective* layers per stage
     (an explicit ``layer_split`` equal to the default rule's split is the same layout) and the
     same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``: see
-    :mod:`realloc.conventions`; ``layout.options`` holds all three). Layouts are hashable and pickle without their cached shard tables.
+    :mod:`realloc.conventions`; ``layout.options`` holds all three). Layouts are hashable and
+    pickle without their cached shard tables.
 
     Example:
         >>> from realloc import ModelSpec, Topology

@@ -123,7 +123,8 @@ def test_layouts_hold_the_engines_local_tensors(data):
         buffers = allocate_buffers(layout, rank)
         store = ShardStore(layout.shards(rank), buffers)
         for s in layout.shards(rank):  # the layout's own boxes, filled from the full tensors
-            store.write(s.param, s.offsets, s.sizes, full[s.param][tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))])
+            box = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))
+            store.write(s.param, s.offsets, s.sizes, full[s.param][box])
         check_rank(d, full, layout, rank, buffers)
         if layout.qkv_order == "megatron":  # Megatron's linear_fc1 is the oracle's [gate; up]
             views = fused_views(layout.at(rank), buffers, convention="megatron")
