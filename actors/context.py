@@ -82,10 +82,11 @@ class ShardContext:
         invisible), or with ``padding=True`` the padded local tensor engines like Megatron hold."""
         return shard_views(self.rank_layout, self.buffers, padding=padding)
 
-    def fused_views(self) -> dict[str, torch.Tensor]:
-        """:meth:`views` plus vLLM's fused ``qkv_proj`` and ``gate_up_proj`` of every layer,
-        as views spanning the parts (no copies)."""
-        return fused_views(self.rank_layout, self.buffers)
+    def fused_views(self, convention: str = "vllm") -> dict[str, torch.Tensor]:
+        """:meth:`views` plus vLLM's fused ``qkv_proj`` and ``gate_up_proj`` of every layer
+        (``convention="megatron"``: Megatron-core's ``linear_qkv`` and ``linear_fc1``), as views
+        spanning the parts (no copies)."""
+        return fused_views(self.rank_layout, self.buffers, convention=convention)
 
     def bind(self, module: torch.nn.Module, *, fused: bool = False,
              name_map: "Mapping[str, str] | Callable[[str], str | None] | None" = None,

@@ -123,6 +123,8 @@ class ModelGroup:
         *,
         name: str = "model",
         vocab_pad_multiple: int = 1,
+        vocab_pad_rule: str = "megatron",
+        qkv_order: str = "hf",
         config: GroupConfig | None = None,
         worker_cls: type = ShardWorker,
         **settings: Any,
@@ -134,7 +136,9 @@ class ModelGroup:
         every committed change, the first time when the group has started).
 
         ``topology`` is a :class:`Topology`, its string (``"dp=2,tp=4"``) or a full
-        :class:`Layout`. ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``strategy``,
+        :class:`Layout`; ``vocab_pad_multiple``, ``vocab_pad_rule`` and ``qkv_order`` (engine
+        conventions, :mod:`realloc.conventions`) build the layout from a topology (a Layout carries
+        its own: give one or the other). ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``strategy``,
         ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``zero_copy``, ``bandwidths``,
         ``runtime_env``), or pass ``config=``. Every argument is checked, and the cluster's
         capacity too, before anything starts; a failure after the placement group exists
@@ -146,10 +150,15 @@ class ModelGroup:
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"spec must be a realloc.ModelSpec (e.g. ModelSpec.preset('tiny')), "
                              f"got {type(spec).__name__} {spec!r}"[:200])
-        if isinstance(topology, Layout) and vocab_pad_multiple != 1 and vocab_pad_multiple != topology.vocab_pad_multiple:
-            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple!r} contradicts the layout's own padding "
-                             f"({topology.vocab_pad_multiple}); a Layout carries its padding, give one or the other")
-        layout = _as_layout(spec, topology, vocab_pad_multiple)
+        options = {"vocab_pad_multiple": vocab_pad_multiple, "vocab_pad_rule": vocab_pad_rule, "qkv_order": qkv_order}
+        if isinstance(topology, Layout):
+            for option, default in (("vocab_pad_multiple", 1), ("vocab_pad_rule", "megatron"), ("qkv_order", "hf")):
+                given, own = options[option], topology.options[option]
+                if given != default and given != own:
+                    what = "padding" if option == "vocab_pad_multiple" else option
+                    raise ValueError(f"{option}={given!r} contradicts the layout's own {what} ({own}); "
+                                     f"a Layout carries its {what}, give one or the other")
+        layout = _as_layout(spec, topology, options)
         _check_worker_cls(worker_cls)
         if config is not None and settings:
             raise ValueError(f"give either config= or settings, not both (got {sorted(settings)})")
@@ -411,8 +420,8 @@ class ModelGroup:
 
     # -- reallocation --------------------------------------------------------------------
     def target(self, dst: "Topology | str | Layout") -> Layout:
-        """The layout ``dst`` names for this group (a topology keeps the group's vocabulary padding)."""
-        layout = _as_layout(self.spec, dst, self.vocab_pad_multiple, self.layout)
+        """The layout ``dst`` names for this group (a topology keeps the group's padding and conventions)."""
+        layout = _as_layout(self.spec, dst, self.layout.options, self.layout)
         if layout.topology.world_size != self.num_workers:
             raise ValueError(f"destination {layout} needs {layout.topology.world_size} workers but group "
                              f"{self.name!r} has {self.num_workers}; dp*tp*pp must stay {self.num_workers}")
@@ -625,7 +634,7 @@ def _user_methods(worker_cls: type) -> list[str]:
                   and callable(getattr(worker_cls, n)))
 
 
-def _as_layout(spec: ModelSpec, value: object, vocab_pad_multiple: int, current: Layout | None = None) -> Layout:
+def _as_layout(spec: ModelSpec, value: object, options: dict, current: Layout | None = None) -> Layout:
     """A layout from a Layout, a Topology or a topology string (``ValueError`` for anything else)."""
     if isinstance(value, Layout):
         if value.spec != spec:
@@ -636,7 +645,7 @@ def _as_layout(spec: ModelSpec, value: object, vocab_pad_multiple: int, current:
     if not isinstance(value, Topology):
         raise ValueError(f"a layout is a realloc.Topology, a topology string like 'dp=2,tp=4' or a realloc.Layout, "
                          f"got {type(value).__name__}")
-    return current.with_topology(value) if current is not None else Layout(spec, value, vocab_pad_multiple)
+    return current.with_topology(value) if current is not None else Layout(spec, value, **options)
 
 
 def _check_seed(seed: object) -> None:

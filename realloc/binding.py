@@ -50,12 +50,14 @@ Example:
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
+from realloc.conventions import check_choice
 from realloc.layout import RankLayout, Shard
 from realloc.shards import TORCH_DTYPES, local_tensor
 
@@ -68,6 +70,8 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
+#: Names ``fused_views(convention=...)`` accepts; the first is the default.
+FUSED_CONVENTIONS = ("vllm", "megatron")
 
 
 # -- views ---------------------------------------------------------------------------------
@@ -98,7 +102,11 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     the vocabulary padding is invisible and the shapes are those of the global tensor's slice.
     ``padding=True``: the whole local tensor, padding rows included (Megatron's
     ``VocabParallelEmbedding`` / vLLM's ``VocabParallelEmbedding``/``ParallelLMHead`` hold it
-    padded; the layout's padding is ``vocab_pad_multiple * tp``, choose it to match the engine).
+    padded; choose the layout's ``vocab_pad_multiple`` and ``vocab_pad_rule`` to match the engine).
+
+    A slot held as several shards (q/k/v under ``Layout(qkv_order="megatron")``: one per query
+    group) is no single tensor and has no view here; ``fused_views(..., convention="megatron")``
+    gives the ``linear_qkv`` tensor they make up.
 
     Sharded data parallelism (FSDP2): a slot whose chunk is empty on this rank (no shard in the
     layout) gets an empty tensor of FSDP2's shape there, 0 rows and the tp box's other dims, so a
@@ -115,7 +123,10 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
                          "of it, padded), not as a tensor of the slot's shape; bind the flat partitions "
                          "(DeepSpeed's ds_tensor) with realloc.flat.flat_views(rank_layout, buffers)")
     views = {}
+    pieces = Counter(s.slot for s in rank_layout.shards())
     for shard in rank_layout.shards():
+        if pieces[shard.slot] > 1:
+            continue
         local = local_tensor(shard, buffers)
         if not padding:
             for dim, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
@@ -145,8 +156,13 @@ def _with_empty_chunks(rank_layout: RankLayout, buffers: Mapping[str, torch.Tens
 
 
 def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
-                padding: bool = False) -> dict[str, torch.Tensor]:
-    """:func:`shard_views` plus vLLM's fused tensors of every layer the rank holds, zero-copy.
+                padding: bool = False, convention: str = "vllm") -> dict[str, torch.Tensor]:
+    """:func:`shard_views` plus an engine's fused tensors of every layer the rank holds, zero-copy.
+
+    ``convention`` (:data:`FUSED_CONVENTIONS`): ``"vllm"`` (below) or ``"megatron"``:
+    Megatron-core's ``model.layers.N.self_attention.linear_qkv.weight`` (and ``.bias``) and
+    ``model.layers.N.mlp.linear_fc1.weight`` (:func:`realloc.fused_megatron.megatron_fused_views`;
+    ``linear_qkv`` needs a ``Layout(qkv_order="megatron")`` unless the rank holds one query group).
 
     Added per layer ``N`` on the rank (vLLM keeps global layer indices):
 
@@ -170,8 +186,17 @@ def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     (a model that is not Llama-style, no q/k/v bias) get no fused tensor; holding only some of
     them is a ``ValueError``.
     """
+    check_choice("convention", convention, FUSED_CONVENTIONS)
+    if convention == "megatron":
+        from realloc.fused_megatron import megatron_fused_views
+
+        return megatron_fused_views(rank_layout, buffers, padding=padding)
     views = shard_views(rank_layout, buffers, padding=padding)
     by_slot = {s.slot: s for s in rank_layout.shards()}
+    several = sorted(slot for slot, n in Counter(s.slot for s in rank_layout.shards()).items() if n > 1)
+    if several:
+        raise ValueError(f"{rank_layout}: vLLM's fused views need one shard per slot, but {several[0]} is held as "
+                         f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'")
     layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
     for layer in layers:
         prefix = f"model.layers.{layer}."

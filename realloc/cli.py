@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from realloc.boxes import box_index
+from realloc.conventions import VOCAB_PAD_RULES, check_choice
 from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths, plan_reallocation
@@ -127,6 +128,10 @@ def add_plan_parser(subparsers: Any) -> None:
                    help="inter-node bandwidth in GB/s per worker for the time estimate (default %(default)g)")
     p.add_argument("--vocab-pad-multiple", type=int, default=1,
                    help="pad vocabulary shards to a multiple of this times tp (default 1)")
+    p.add_argument("--vocab-pad-rule", default=VOCAB_PAD_RULES[0],
+                   help=f"how the padded vocabulary is split: {' or '.join(VOCAB_PAD_RULES)} (default "
+                   "%(default)s: pad to a multiple of --vocab-pad-multiple times tp; vllm: pad to a multiple "
+                   "of --vocab-pad-multiple, e.g. 64, then split over tp)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
     p.add_argument("--verify", action="store_true",
@@ -153,6 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
     if args.vocab_pad_multiple < 1:
         raise ValueError(f"--vocab-pad-multiple must be a positive integer, got {args.vocab_pad_multiple}")
+    check_choice("--vocab-pad-rule", args.vocab_pad_rule, VOCAB_PAD_RULES)
     placement = Placement.blocks(src.world_size, args.gpus_per_node)
     if args.verify:
         _check_verify_size(spec, src.world_size)
@@ -162,8 +168,8 @@ def run_plan(args: argparse.Namespace) -> int:
     gc.disable()
     try:
         started = time.perf_counter()
-        src_layout = _layout(spec, src, args.vocab_pad_multiple, "--src")
-        dst_layout = _layout(spec, dst, args.vocab_pad_multiple, "--dst")
+        src_layout = _layout(spec, src, args.vocab_pad_multiple, "--src", args.vocab_pad_rule)
+        dst_layout = _layout(spec, dst, args.vocab_pad_multiple, "--dst", args.vocab_pad_rule)
         plan = plan_reallocation(spec, src_layout, dst_layout, placement,
                                  bucket_bytes=bucket_bytes, bandwidths=bandwidths)
         plan_seconds = time.perf_counter() - started
@@ -206,9 +212,10 @@ def _topology(text: str, option: str) -> Topology:
         raise ValueError(f"{option}: {exc}") from None
 
 
-def _layout(spec: ModelSpec, topology: Topology, vocab_pad_multiple: int, option: str) -> Layout:
+def _layout(spec: ModelSpec, topology: Topology, vocab_pad_multiple: int, option: str,
+            vocab_pad_rule: str = VOCAB_PAD_RULES[0]) -> Layout:
     try:
-        return Layout(spec, topology, vocab_pad_multiple)
+        return Layout(spec, topology, vocab_pad_multiple, vocab_pad_rule)
     except ValueError as exc:
         raise ValueError(f"{option} {topology}: {exc}") from None
 

@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from realloc.flat import zero3_pieces
+from realloc.conventions import check_options, megatron_qkv_order
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.topology import Topology
 
@@ -88,7 +89,9 @@ class Layout:
     travel together and are never rebuilt from parts. Two layouts are equal when they place
     every element identically: same spec, same dp/tp/pp, same *effective* layers per stage
     (an explicit ``layer_split`` equal to the default rule's split is the same layout) and the
-    same padding. Layouts are hashable and pickle without their cached shard tables.
+    same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``: see
+    :mod:`realloc.conventions`; ``layout.options`` holds all three). Layouts are hashable and
+    pickle without their cached shard tables.
 
     Example:
         >>> from realloc import ModelSpec, Topology
@@ -101,7 +104,8 @@ class Layout:
         (True, False)
     """
 
-    def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1):
+    def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1,
+                 vocab_pad_rule: str = "megatron", qkv_order: str = "hf"):
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"a layout needs a realloc.ModelSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
@@ -109,6 +113,7 @@ class Layout:
         if not isinstance(vocab_pad_multiple, int) or isinstance(vocab_pad_multiple, bool) or vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
         topology.check(spec)
+        check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
             raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 "
                              "shards hold exactly their part of the tp box, without vocabulary padding; "
@@ -116,6 +121,8 @@ class Layout:
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple
+        self.vocab_pad_rule = vocab_pad_rule  # realloc.conventions: engine conventions
+        self.qkv_order = qkv_order
         self.stages = topology.stage_layers(spec)
 
     # -- value semantics -------------------------------------------------------------------
@@ -128,7 +135,14 @@ class Layout:
     def key(self) -> tuple:
         """What decides where every element sits; equal keys mean equal layouts."""
         t = self.topology
-        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp, t.fsdp_split)
+        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp,
+                self.vocab_pad_rule, self.qkv_order, t.fsdp_split)
+
+    @property
+    def options(self) -> dict:
+        """Everything but spec and topology: ``Layout(spec, topology, **layout.options)``."""
+        return {"vocab_pad_multiple": self.vocab_pad_multiple, "vocab_pad_rule": self.vocab_pad_rule,
+                "qkv_order": self.qkv_order}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and (self is other or self.key == other.key)
@@ -137,14 +151,15 @@ class Layout:
         return hash(self.key)
 
     def __getstate__(self) -> dict:
-        return {"spec": self.spec, "topology": self.topology, "vocab_pad_multiple": self.vocab_pad_multiple}
+        return {"spec": self.spec, "topology": self.topology, **self.options}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"], state["topology"], state["vocab_pad_multiple"])
+        self.__init__(state["spec"], state["topology"], state["vocab_pad_multiple"],
+                      state.get("vocab_pad_rule", "megatron"), state.get("qkv_order", "hf"))
 
     def with_topology(self, topology: Topology) -> "Layout":
-        """The same model and padding in another topology."""
-        return Layout(self.spec, topology, self.vocab_pad_multiple)
+        """The same model, padding and conventions in another topology."""
+        return Layout(self.spec, topology, **self.options)
 
     def __str__(self) -> str:
         t = self.topology
@@ -155,6 +170,10 @@ class Layout:
             text += f" {t.fsdp_split}"
         if self.vocab_pad_multiple != 1:
             text += f" vocab pad {self.vocab_pad_multiple}"
+        if self.vocab_pad_rule != "megatron":
+            text += f" vocab rule {self.vocab_pad_rule}"
+        if self.qkv_order != "hf":
+            text += f" qkv {self.qkv_order}"
         return text
 
     def __repr__(self) -> str:
@@ -192,9 +211,12 @@ class Layout:
             p = by_name[name]
             offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
             if p.tp_dim is not None:
-                start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple)
+                start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple,
+                                                     self.vocab_pad_rule)
                 offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
             out.append((p, name, slot, offsets, sizes, local))
+        if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.conventions)
+            out = megatron_qkv_order(out, self.topology.tp)
         return out
 
     @cached_property

@@ -122,6 +122,8 @@ def plan_reallocation(
     src_workers: Sequence[int] | None = None,
     dst_workers: Sequence[int] | None = None,
     vocab_pad_multiple: int = 1,
+    vocab_pad_rule: str = "megatron",
+    qkv_order: str = "hf",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     bandwidths: Bandwidths = Bandwidths(),
 ) -> Plan:
@@ -129,6 +131,8 @@ def plan_reallocation(
 
     By default both layouts live on workers ``0..world-1`` (one model group changing layout);
     pass ``src_workers``/``dst_workers`` to copy between groups (policy -> reference model).
+    ``vocab_pad_multiple``, ``vocab_pad_rule`` and ``qkv_order`` apply to a topology given for
+    ``src``/``dst`` (a :class:`Layout` carries its own; give layouts when the sides differ).
 
     Example:
         >>> from realloc import ModelSpec, Topology, Placement
@@ -137,8 +141,9 @@ def plan_reallocation(
         >>> plan.stats["num_steps"] > 0
         True
     """
-    src_layout = src if isinstance(src, Layout) else Layout(spec, src, vocab_pad_multiple)
-    dst_layout = dst if isinstance(dst, Layout) else Layout(spec, dst, vocab_pad_multiple)
+    options = dict(vocab_pad_multiple=vocab_pad_multiple, vocab_pad_rule=vocab_pad_rule, qkv_order=qkv_order)
+    src_layout = src if isinstance(src, Layout) else Layout(spec, src, **options)
+    dst_layout = dst if isinstance(dst, Layout) else Layout(spec, dst, **options)
     if src_layout.spec is not spec:
         spec.check_same_as(src_layout.spec)
     if dst_layout.spec is not spec:

@@ -8,6 +8,7 @@ the Ray actors use exactly these functions, on CPU tensors or CUDA tensors alike
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable, Mapping
 
 import torch
@@ -50,8 +51,13 @@ class ShardStore:
             self.by_param.setdefault(s.param, []).append((s, local_tensor(s, self.buffers)))
 
     def shard_tensors(self) -> dict[str, torch.Tensor]:
-        """Slot name -> local tensor (the rank's model as its code sees it, padding included)."""
-        return {s.slot: t for entries in self.by_param.values() for s, t in entries}
+        """Slot name -> local tensor (the rank's model as its code sees it, padding included).
+
+        A slot held as several shards (``Layout(qkv_order="megatron")``'s q/k/v) is left out: it
+        is no single tensor (``realloc.binding.fused_views(..., convention="megatron")`` has it)."""
+        pairs = [(s.slot, t) for entries in self.by_param.values() for s, t in entries]
+        count = Counter(slot for slot, _ in pairs)
+        return {slot: t for slot, t in pairs if count[slot] == 1}
 
     def views(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[torch.Tensor]:
         """Every local view of the box (several when the rank holds the param twice)."""

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from realloc.conventions import vocab_units_per_rank
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1, "uint8": 1}
 
 #: Where a parameter lives in the pipeline.
@@ -86,18 +88,20 @@ class ParamSpec:
         allowed = "a divisor" + (" or a multiple" if self.replicate_units else "")
         return f"{self.name}: {units} units along dim {self.tp_dim} cannot be split {tp} ways (tp must be {allowed} of {units})"
 
-    def tp_range(self, tp: int, tp_rank: int, pad_multiple: int = 1) -> tuple[int, int, int]:
+    def tp_range(self, tp: int, tp_rank: int, pad_multiple: int = 1,
+                 pad_rule: str = "megatron") -> tuple[int, int, int]:
         """``(start, stop, local_size)`` along ``tp_dim`` of tp rank ``tp_rank``.
 
         ``stop - start`` is the global extent held; ``local_size`` can be larger (vocab padding to
-        a multiple of ``pad_multiple * tp`` units, as Megatron's ``make_vocab_size_divisible_by``).
+        a multiple of ``pad_multiple * tp`` units, as Megatron's ``make_vocab_size_divisible_by``;
+        ``pad_rule="vllm"``: to a multiple of ``pad_multiple``, then split over tp, see
+        :mod:`realloc.conventions`).
         """
         if self.tp_dim is None:
             raise ValueError(f"parameter {self.name!r} is replicated; it has no tp range")
         unit, units = self.tp_unit, self.units
         if self.pad_to_tp:
-            step = pad_multiple * tp
-            per = -(-units // step) * step // tp
+            per = vocab_units_per_rank(units, tp, pad_multiple, pad_rule, self.name)
             start = min(tp_rank * per, units)
             stop = min((tp_rank + 1) * per, units)
             return start * unit, stop * unit, per * unit

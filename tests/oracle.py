@@ -19,6 +19,15 @@ Llama-style decoder:
   (vllm/distributed/utils.py) and Megatron-core's ``get_num_layers_to_build``
   (megatron/core/transformer/transformer_block.py), not from ``realloc.topology``;
 * rank order: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``;
+* vLLM's vocabulary rule (``pad_rule="vllm"``), written from
+  vllm/model_executor/layers/vocab_parallel_embedding.py: ``pad_vocab_size`` rounds the vocabulary
+  up to a multiple of the padding size (64 by default), ``divide`` splits that padded size over
+  tp exactly (:func:`vllm_padded_vocab`), and rank ``r`` holds padded rows ``[r*per, (r+1)*per)``;
+* Megatron-core's fused ``linear_qkv`` (:func:`megatron_linear_qkv`), written from
+  megatron/core/transformer/attention.py: the global fused weight is, per query group, the group's
+  q heads then its k head then its v head, column-parallel, so a tp rank holds the consecutive
+  ``groups / tp`` groups; ``linear_fc1`` (megatron/core/transformer/mlp.py) is the rank's gate
+  rows then its up rows;
 * sharded data parallelism (FSDP2 ``fully_shard``, HSDP when dp > 1 too), written from
   torch/distributed/fsdp/_fully_shard/_fsdp_param.py and torchtitan's device mesh
   (dims ``pp, dp_replicate, dp_shard, cp, tp``, tp fastest): the rank order becomes
@@ -207,15 +216,23 @@ def padded_vocab(vocab: int, tp: int, pad_multiple: int) -> int:
     return -(-vocab // block) * block
 
 
+def vllm_padded_vocab(vocab: int, tp: int, pad_to: int) -> int:
+    """vLLM: ``pad_vocab_size(vocab, pad_to)``, and tp must divide it (``divide`` asserts)."""
+    padded = (vocab + pad_to - 1) // pad_to * pad_to
+    if padded % tp:
+        raise ValueError(f"vLLM cannot split {padded} padded rows {tp} ways")
+    return padded
+
+
 def tp_slice(d: Decoder, p: Param, full: torch.Tensor, tp: int, tp_rank: int, pad_multiple: int = 1,
-             pad_value=0) -> torch.Tensor:
+             pad_value=0, pad_rule: str = "megatron") -> torch.Tensor:
     """The local tensor of ``p`` on tp rank ``tp_rank`` (padding rows filled with ``pad_value``)."""
     assert tp_fits(d, tp), f"tp={tp} does not fit {d}"
     hd = d.head_dim
     if p.rule == "whole":
         return full.clone()
     if p.rule == "vocab":
-        rows = padded_vocab(d.vocab, tp, pad_multiple)
+        rows = (padded_vocab if pad_rule == "megatron" else vllm_padded_vocab)(d.vocab, tp, pad_multiple)
         pad = torch.full((rows - d.vocab,) + tuple(full.shape[1:]), pad_value, dtype=full.dtype)
         return torch.cat([full, pad]).chunk(tp, dim=0)[tp_rank].clone()
     if p.rule == "head_rows":  # q: heads / tp whole heads
@@ -258,21 +275,21 @@ def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int) -> list[tuple
 
 def local_tensors(d: Decoder, full: dict[str, torch.Tensor], dp: int, tp: int, pp: int,
                   stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0,
-                  fsdp: int = 1, split: str = "fsdp2") -> dict[str, torch.Tensor]:
+                  fsdp: int = 1, split: str = "fsdp2", pad_rule: str = "megatron") -> dict[str, torch.Tensor]:
     """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors);
     ``split="zero3"``: the 1-D ZeRO-3 partition of every slot, padding filled with ``pad_value``."""
     assert len(stages) == pp and sorted(i for s in stages for i in s) == list(range(d.layers))
     if fsdp == 1:
         _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
-        return {slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+        return {slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
                 for slot, p in stage_slots(d, stages, pp_rank)}
     assert pad_multiple == 1, "FSDP shards carry no vocabulary padding"
     _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
     out = {}
     for slot, p in stage_slots(d, stages, pp_rank):
-        local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+        local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
         if p.rule == "vocab":  # keep the real vocabulary rows only
-            per = padded_vocab(d.vocab, tp, pad_multiple) // tp
+            per = local.shape[0]
             local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
         if split == "zero3":
             out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
@@ -305,15 +322,40 @@ def index_tensors(d: Decoder) -> dict[str, torch.Tensor]:
 
 
 def held_indices(d: Decoder, dp: int, tp: int, pp: int, stages: list[list[int]], rank: int,
-                 pad_multiple: int = 1, fsdp: int = 1, split: str = "fsdp2") -> dict[str, torch.Tensor]:
+                 pad_multiple: int = 1, fsdp: int = 1, split: str = "fsdp2",
+                 pad_rule: str = "megatron") -> dict[str, torch.Tensor]:
     """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded)."""
     local = local_tensors(d, index_tensors(d), dp, tp, pp, stages, rank, pad_multiple, pad_value=-1, fsdp=fsdp,
-                          split=split)
+                          split=split, pad_rule=pad_rule)
     out: dict[str, list[torch.Tensor]] = {}
     for slot, t in local.items():
         flat = t.reshape(-1)
         out.setdefault(storage_of(d, slot), []).append(flat[flat >= 0])
     return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+def megatron_linear_qkv(d: Decoder, full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int,
+                        suffix: str = "weight") -> torch.Tensor:
+    """Megatron-core's local ``linear_qkv.{suffix}`` of tp rank ``tp_rank``, from the full HF q/k/v.
+
+    The full fused tensor is ``[groups, (q_per_group + 2) * head_dim, ...]``: per group its q heads,
+    its k head, its v head; column parallelism gives each rank ``groups / tp`` whole groups
+    (Megatron refuses ``kv_heads % tp != 0``)."""
+    assert d.kv_heads % tp == 0 and d.heads % d.kv_heads == 0
+    pre = f"model.layers.{layer}.self_attn."
+    q, k, v = (full[f"{pre}{x}_proj.{suffix}"] for x in "qkv")
+    groups, per_group, hd = d.kv_heads, d.heads // d.kv_heads, d.head_dim
+    rest = tuple(q.shape[1:])
+    fused = torch.cat([q.reshape((groups, per_group * hd) + rest), k.reshape((groups, hd) + rest),
+                       v.reshape((groups, hd) + rest)], dim=1)
+    return fused.reshape((groups * (per_group + 2) * hd,) + rest).chunk(tp, dim=0)[tp_rank].clone()
+
+
+def megatron_linear_fc1(full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """Megatron-core's local ``linear_fc1.weight`` with a gated linear unit: the rank's gate rows, then its up rows."""
+    pre = f"model.layers.{layer}.mlp."
+    return torch.cat([full[pre + "gate_proj.weight"].chunk(tp, dim=0)[tp_rank],
+                      full[pre + "up_proj.weight"].chunk(tp, dim=0)[tp_rank]])
 
 
 # -- hypothesis strategies for model descriptions and topologies --------------------------------

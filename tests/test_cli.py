@@ -127,6 +127,14 @@ def test_verify_fsdp_and_hsdp(capsys, src, dst, extra):
     assert (report["src"], report["dst"]) == (str(Topology.parse(src)), str(Topology.parse(dst)))
 
 
+@pytest.mark.parametrize("rule", ["vllm", "megatron"])
+def test_verify_vocab_pad_rules(capsys, rule):
+    argv = ["plan", "--model", "tiny", "--src", "dp=2,tp=2,pp=2", "--dst", "dp=2,tp=4", "--verify",
+            "--vocab-pad-multiple", "64", "--vocab-pad-rule", rule]
+    status, report = run_json(capsys, argv)
+    assert status == 0 and report["verified"] is True and report["mismatched_shards"] == 0
+
+
 def test_fsdp_with_vocab_padding_is_refused(capsys):
     assert main(["plan", "--model", "tiny", "--src", "fsdp=4", "--dst", "tp=4", "--vocab-pad-multiple", "8"]) == 2
     err = capsys.readouterr().err

@@ -178,6 +178,12 @@ case(C, "tp the model cannot take", create(topology=Topology(tp=3)), r"tp=3 does
 case(C, "pp beyond the layers", create(topology=Topology(pp=5)), r"pp=5 is larger than the 4 layers of tiny")
 case(C, "a Layout and another padding", create(topology=Layout(TINY, Topology(dp=2, tp=2), 64), vocab_pad_multiple=8),
      r"vocab_pad_multiple=8 contradicts the layout's own padding \(64\)")
+case(C, "a Layout and another vocab_pad_rule", create(topology=Layout(TINY, Topology(tp=2), 64), vocab_pad_rule="vllm"),
+     r"vocab_pad_rule='vllm' contradicts the layout's own vocab_pad_rule \(megatron\)")
+case(C, "vocab_pad_rule unknown", create(vocab_pad_rule="sglang"),
+     r"vocab_pad_rule must be one of 'megatron', 'vllm', got 'sglang'")
+case(C, "qkv_order with kv heads < tp", create(topology=Topology(tp=4), qkv_order="megatron"),
+     r"qkv_order='megatron' .*2 query groups \(kv heads\) cannot be split 4 ways")
 case(C, "topology string of the wrong type", lambda e: Topology.parse(5), r"a topology string looks like .*got int 5")
 case(C, "layer_split not summing", create(topology=Topology(pp=2, layer_split=(1, 2))),
      r"layer_split \(1, 2\) sums to 3 but tiny has 4 layers")

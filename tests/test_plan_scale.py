@@ -14,6 +14,7 @@ import json
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -87,3 +88,17 @@ def test_large_form_and_small_form_move_the_same_bytes():
     routes = lambda p: sorted((src, dst, [(s.param, s.offsets, s.sizes) for s in p.segment_list(j)])  # noqa: E731
                               for _, src, dst, j in p.routes())
     assert routes(large) == routes(small)
+
+
+@pytest.mark.parametrize("options", [
+    dict(vocab_pad_multiple=64, vocab_pad_rule="vllm"), dict(qkv_order="megatron"),
+    dict(vocab_pad_multiple=4, vocab_pad_rule="megatron", qkv_order="megatron"),
+])
+@pytest.mark.parametrize("topology", ["tp=2", "dp=2,tp=2,pp=2"])
+def test_piece_table_of_engine_conventions(options, topology):
+    layout = Layout(FSDP8.spec(), Topology.parse(topology), **options)
+    got, want = layout.piece_table(), PieceTable.of_groups(layout.groups())
+    assert got.groups == want.groups and sorted(got.params) == sorted(want.params)
+    for name in want.params:
+        for a, b in zip(got.params[name], want.params[name]):
+            assert np.array_equal(a, b), name

@@ -103,7 +103,8 @@ def build_rank_file(ckpt_id: CheckpointId, layout: Layout, buffers: Mapping[str,
         id=ckpt_id, world_size=layout.topology.world_size, topology=saved_topology(layout),
         vocab_pad_multiple=layout.vocab_pad_multiple, spec_name=spec.name,
         params={p.name: (tuple(p.shape), p.dtype) for p in spec.params}, buffers=expected,
-        shards=tuple(records), file_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), written_on=node)
+        shards=tuple(records), file_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), written_on=node,
+        vocab_pad_rule=layout.vocab_pad_rule, qkv_order=layout.qkv_order)
     return data, manifest
 
 

@@ -157,12 +157,20 @@ class Manifest:
     file_bytes: int
     sha256: str
     written_on: str  # the node the rank ran on when it saved
+    vocab_pad_rule: str = "megatron"  # engine conventions (realloc.conventions); in JSON only when not
+    qkv_order: str = "hf"  # the default, so manifests of default layouts are unchanged
 
     # -- layout ---------------------------------------------------------------------------
+    @property
+    def layout_options(self) -> dict:
+        """The saved layout's options: ``Layout(spec, topology, **options)`` (see ``Layout.options``)."""
+        return {"vocab_pad_multiple": self.vocab_pad_multiple, "vocab_pad_rule": self.vocab_pad_rule,
+                "qkv_order": self.qkv_order}
+
     def layout(self, spec: ModelSpec) -> Layout:
         """The saved layout, over ``spec`` (which must have this manifest's parameters)."""
         self.check_spec(spec)
-        return Layout(spec, self.topology, self.vocab_pad_multiple)
+        return Layout(spec, self.topology, **self.layout_options)
 
     def check_layout(self, spec: ModelSpec) -> Layout:
         """The saved layout over ``spec``, after checking that this manifest is what a save of that
@@ -191,7 +199,7 @@ class Manifest:
         self.check_spec(spec)
         self._check_world()
         try:
-            layout = Layout(spec, self.topology, self.vocab_pad_multiple)
+            layout = Layout(spec, self.topology, **self.layout_options)
         except ValueError as exc:
             raise CorruptFileError(str(self.id), f"model {spec.name!r} cannot be laid out in the recorded "
                                                  f"topology {self.topology}: {exc}") from exc
@@ -202,9 +210,9 @@ class Manifest:
         """:meth:`check_layout` but for the model, with the saved layout already built (callers
         checking many manifests of one save build it once and call :meth:`check_spec` themselves);
         ``ValueError`` if ``layout`` is not the saved one."""
-        if Layout(layout.spec, self.topology, self.vocab_pad_multiple) != layout:
-            raise ValueError(f"layout {layout.topology} (vocab_pad_multiple={layout.vocab_pad_multiple}) is not "
-                             f"the saved {self.topology} (vocab_pad_multiple={self.vocab_pad_multiple}) of {self.id}")
+        if Layout(layout.spec, self.topology, **self.layout_options) != layout:
+            raise ValueError(f"layout {layout.topology} ({_options_text(layout.options)}) is not "
+                             f"the saved {self.topology} ({_options_text(self.layout_options)}) of {self.id}")
         self._check_world()
         rank = self.id.rank
         expected = layout.buffer_numels(rank)
@@ -238,7 +246,7 @@ class Manifest:
     def layout_key(self) -> tuple:
         """Equal for every rank file of one consistent save."""
         return (self.id.run_id, self.id.iteration, self.world_size, self.topology, self.vocab_pad_multiple,
-                tuple(sorted((k, v) for k, v in self.params.items())))
+                tuple(sorted((k, v) for k, v in self.params.items())), self.vocab_pad_rule, self.qkv_order)
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -248,7 +256,7 @@ class Manifest:
             topology["fsdp"] = t.fsdp
         if t.fsdp_split != DEFAULT_FSDP_SPLIT:  # likewise: only for ZeRO-3 flat partitions
             topology["fsdp_split"] = t.fsdp_split
-        return {
+        data = {
             "format": FORMAT,
             "run_id": self.id.run_id, "iteration": self.id.iteration, "rank": self.id.rank,
             "world_size": self.world_size,
@@ -261,6 +269,10 @@ class Manifest:
             "file": {"bytes": self.file_bytes, "sha256": self.sha256},
             "written_on": self.written_on,
         }
+        for name, default in (("vocab_pad_rule", "megatron"), ("qkv_order", "hf")):
+            if getattr(self, name) != default:  # written only when not the default
+                data[name] = getattr(self, name)
+        return data
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
@@ -288,6 +300,8 @@ class Manifest:
                 file_bytes=int(data["file"]["bytes"]),
                 sha256=str(data["file"]["sha256"]),
                 written_on=str(data["written_on"]),
+                vocab_pad_rule=str(data.get("vocab_pad_rule", "megatron")),
+                qkv_order=str(data.get("qkv_order", "hf")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"manifest is missing or has a malformed field: {exc!r}") from exc
@@ -305,3 +319,7 @@ class Manifest:
         except json.JSONDecodeError as exc:
             raise ValueError(f"manifest is not valid JSON: {exc}") from exc
         return Manifest.from_json(data)
+
+
+def _options_text(options: dict) -> str:
+    return ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in options.items())

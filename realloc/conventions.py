@@ -1,0 +1,171 @@
+"""Engine conventions as named layout options: how an engine's local tensors sit in a rank's buffer.
+
+A :class:`~realloc.layout.Layout` takes two options besides its topology and
+``vocab_pad_multiple`` (docs/conventions.md, "Engine conventions side by side"):
+
+``vocab_pad_rule`` (:data:`VOCAB_PAD_RULES`): how the vocabulary-parallel embedding and lm head
+are padded and split over tp ranks.
+
+* ``"megatron"`` (default): Megatron-LM's ``make_vocab_size_divisible_by``: the vocabulary is
+  padded to a multiple of ``vocab_pad_multiple * tp`` and every rank holds ``padded / tp`` rows
+  (megatron/training/tokenizer/tokenizer.py ``_vocab_size_with_padding``;
+  megatron/core/tensor_parallel/layers.py ``VocabParallelEmbedding``).
+* ``"vllm"``: vLLM's ``VocabParallelEmbedding`` / ``ParallelLMHead``
+  (vllm/model_executor/layers/vocab_parallel_embedding.py): ``pad_vocab_size`` rounds the
+  vocabulary up to a multiple of ``padding_size`` (``DEFAULT_VOCAB_PADDING_SIZE = 64``: pass
+  ``vocab_pad_multiple=64``), then ``divide(num_embeddings_padded, tp_size)`` gives every rank
+  ``padded / tp`` rows. ``divide`` asserts exact divisibility (no ceil): a padded vocabulary tp
+  does not divide is refused here with a ``ValueError``. Rank ``r`` holds padded rows
+  ``[r*per, (r+1)*per)`` and real rows ``[min(r*per, V), min((r+1)*per, V))``
+  (``VocabParallelEmbeddingShardIndices``: ``org_vocab_start/end_index``), so the last ranks
+  can hold fewer real rows, or none. A tied or untied lm head is padded the same way.
+
+``qkv_order`` (:data:`QKV_ORDERS`): how a tp rank's q/k/v shards of a layer sit in its buffer.
+
+* ``"hf"`` (default): one shard per parameter in forward order, ``q, k, v``; the region is
+  vLLM's ``qkv_proj`` (``[q; k; v]`` of the rank).
+* ``"megatron"``: Megatron-core's ``linear_qkv`` (megatron/core/transformer/attention.py,
+  ``SelfAttention.get_query_key_value_tensors``): the rank's fused output is viewed as
+  ``[ng, (np/ng + 2) * hn]`` and split into ``[np/ng * hn, hn, hn]`` per query group, so for each
+  local query group ``g`` the rows are: the q rows of the group's ``heads / kv_heads`` heads, then
+  the group's k head, then its v head. Each such piece is its own shard (a box of the HF
+  ``q_proj``/``k_proj``/``v_proj``), so one parameter has several shards on one rank and the
+  weight region (and the bias region, when there are q/k/v biases) is exactly the local
+  ``linear_qkv`` tensor of shape ``[local_groups * (q_per_group + 2) * head_dim, hidden]``.
+  Megatron needs ``num_query_groups`` divisible by tp (``divide`` in ``Attention.__init__``): kv
+  heads are never replicated there, so ``tp > kv_heads`` is refused. Not combined with fsdp.
+
+The MLP needs no option: Megatron's ``linear_fc1`` with ``gated_linear_unit`` holds
+``[gate; up]`` of the rank (``glu`` in megatron/core/transformer/mlp.py chunks the local output in
+two), which is also vLLM's ``gate_up_proj``: gate and up are adjacent in every layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from realloc.spec import ModelSpec, ParamSpec
+    from realloc.topology import Topology
+
+#: Names ``Layout(vocab_pad_rule=...)`` accepts; the first is the default.
+VOCAB_PAD_RULES = ("megatron", "vllm")
+#: Names ``Layout(qkv_order=...)`` accepts; the first is the default.
+QKV_ORDERS = ("hf", "megatron")
+
+_QKV = re.compile(r"^(?P<prefix>.*)self_attn\.(?P<part>[qkv])_proj\.(?P<suffix>weight|bias)$")
+
+
+def check_choice(option: str, value: object, allowed: tuple[str, ...]) -> str:
+    """``value`` when it is one of ``allowed``; ``ValueError`` naming the allowed values otherwise."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{option} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+    return value
+
+
+def vocab_units_per_rank(units: int, tp: int, pad_multiple: int, rule: str, name: str = "vocabulary") -> int:
+    """Padded units (vocabulary rows) every tp rank holds under ``rule``.
+
+    Example:
+        >>> vocab_units_per_rank(50257, 8, 64, "megatron"), vocab_units_per_rank(50257, 8, 64, "vllm")
+        (6336, 6288)
+    """
+    if rule == "megatron":
+        step = pad_multiple * tp
+        return -(-units // step) * step // tp
+    check_choice("vocab_pad_rule", rule, VOCAB_PAD_RULES)
+    padded = -(-units // pad_multiple) * pad_multiple
+    if padded % tp:
+        raise ValueError(
+            f"vocab_pad_rule='vllm': {name} of {units} rows padded to a multiple of {pad_multiple} is "
+            f"{padded} rows, which tp={tp} does not divide (vLLM's VocabParallelEmbedding splits the "
+            f"padded vocabulary with divide(), exactly); choose vocab_pad_multiple so that tp divides it")
+    return padded // tp
+
+
+def check_options(spec: "ModelSpec", topology: "Topology", vocab_pad_multiple: int, vocab_pad_rule: str,
+                  qkv_order: str) -> None:
+    """``ValueError`` unless the options are known names and ``spec`` can be laid out with them."""
+    check_choice("vocab_pad_rule", vocab_pad_rule, VOCAB_PAD_RULES)
+    check_choice("qkv_order", qkv_order, QKV_ORDERS)
+    tp = topology.tp
+    for p in spec.params:
+        if p.pad_to_tp and p.tp_dim is not None:
+            vocab_units_per_rank(p.units, tp, vocab_pad_multiple, vocab_pad_rule, p.name)
+    if qkv_order == "hf":
+        return
+    if topology.fsdp > 1:
+        raise ValueError(f"qkv_order='megatron' with fsdp={topology.fsdp}: Megatron's linear_qkv order is a "
+                         "tensor-parallel layout without FSDP; use qkv_order='hf'")
+    for q, k, v in qkv_triples(spec):
+        _megatron_groups(q, k, v, tp)
+
+
+def qkv_triples(spec: "ModelSpec") -> list[tuple["ParamSpec", "ParamSpec", "ParamSpec"]]:
+    """``(q, k, v)`` parameter specs of every layer (weights and, separately, biases)."""
+    by_name = spec.by_name
+    out = []
+    for p in spec.params:
+        m = _QKV.match(p.name)
+        if not m or m["part"] != "q":
+            continue
+        names = [f"{m['prefix']}self_attn.{x}_proj.{m['suffix']}" for x in "kv"]
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise ValueError(f"qkv_order='megatron': {p.name} has no {missing[0]} to fuse with")
+        out.append((p, by_name[names[0]], by_name[names[1]]))
+    return out
+
+
+def _megatron_groups(q: "ParamSpec", k: "ParamSpec", v: "ParamSpec", tp: int) -> tuple[int, int]:
+    """``(head_dim, q heads per group)`` of a q/k/v triple Megatron can fuse at ``tp``, else ``ValueError``."""
+    where = f"qkv_order='megatron' ({q.name})"
+    if not (q.tp_dim == k.tp_dim == v.tp_dim == 0) or not (q.tp_unit == k.tp_unit == v.tp_unit):
+        raise ValueError(f"{where}: q/k/v must split by heads of one size along dim 0")
+    if q.dtype != k.dtype or q.dtype != v.dtype or q.shape[1:] != k.shape[1:] or k.shape != v.shape:
+        raise ValueError(f"{where}: q/k/v differ in dtype or trailing dims; they cannot be one linear_qkv")
+    groups = k.units
+    if q.units % groups:
+        raise ValueError(f"{where}: {q.units} heads are not a multiple of {groups} query groups")
+    if groups % tp:
+        raise ValueError(f"{where}: {groups} query groups (kv heads) cannot be split {tp} ways; Megatron-core "
+                         f"needs num_query_groups divisible by tp (no kv head replication), so tp must divide "
+                         f"{groups}")
+    return q.tp_unit, q.units // groups
+
+
+def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
+    """A stage's tp boxes in forward order -> the same boxes with every layer's q/k/v (weights,
+    and biases) replaced by Megatron's per-group pieces, in ``linear_qkv`` order.
+
+    ``entries`` are ``(param_spec, name, slot, offsets, sizes, local_shape)`` with list-valued
+    boxes (as :class:`~realloc.layout.Layout` builds them); the pieces are new such tuples whose
+    local shape is their box (q/k/v carry no padding).
+    """
+    by_slot = {e[2]: e for e in entries}
+    out, done = [], set()
+    for entry in entries:
+        p, slot = entry[0], entry[2]
+        if slot in done:
+            continue
+        m = _QKV.match(slot)
+        if not m:
+            out.append(entry)
+            continue
+        if m["part"] != "q":
+            raise ValueError(f"qkv_order='megatron': {slot} comes before its q_proj")
+        trio = [by_slot.get(f"{m['prefix']}self_attn.{x}_proj.{m['suffix']}") for x in "qkv"]
+        if any(e is None for e in trio):
+            raise ValueError(f"qkv_order='megatron': the stage holds {slot} but not all of its k/v")
+        head_dim, per_group = _megatron_groups(trio[0][0], trio[1][0], trio[2][0], tp)
+        q_rows, kv_rows = per_group * head_dim, head_dim
+        local_groups = trio[1][4][0] // kv_rows
+        for g in range(local_groups):
+            for e, rows in zip(trio, (q_rows, kv_rows, kv_rows)):
+                offsets, sizes = list(e[3]), list(e[4])
+                offsets[0] += g * rows
+                sizes[0] = rows
+                out.append((e[0], e[1], e[2], offsets, sizes, list(sizes)))
+        done.update(e[2] for e in trio)
+    return out
