@@ -84,9 +84,8 @@ def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: s
     norms = norm_dtype or dtype
     experts = get.positive(*EXPERT_KEYS[model_type])
     deepseek = model_type.startswith("deepseek")
-    if deepseek:
-        kv_heads = get.optional_positive("num_key_value_heads") or heads
-        head_dim = get.positive("v_head_dim")  # the dense attention decoder_spec emits is replaced
+    if deepseek:  # MLA gives every head its own k and v; decoder_spec's attention is replaced below
+        kv_heads, head_dim = heads, get.positive("v_head_dim")
         qkv_bias = attention_bias = False
     else:
         kv_heads = _kv_heads(config, source, heads, DEFAULTS[model_type]["num_key_value_heads"])
@@ -95,12 +94,12 @@ def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: s
         qkv_bias = attention_bias or (model_type == "qwen2_moe" and get.flag("qkv_bias"))
     base = decoder_spec(
         name, hidden=hidden, intermediate=get.positive("intermediate_size"), layers=layers, heads=heads,
-        kv_heads=kv_heads if not deepseek else heads, vocab=sizes["vocab_size"], head_dim=head_dim,
+        kv_heads=kv_heads, vocab=sizes["vocab_size"], head_dim=head_dim,
         qkv_bias=qkv_bias, qk_norm=model_type == "qwen3_moe", tied=get.flag("tie_word_embeddings"),
         dtype=dtype, norm_dtype=norm_dtype,
     )
     moe_layers = _moe_layers(get, model_type, layers)
-    block = _ExpertBlocks(model_type, hidden, experts, dtype)
+    block = _ExpertBlocks(hidden, experts, dtype)
     if model_type == "mixtral":
         mlp = block.mixtral(get.positive("intermediate_size"))
     elif model_type == "qwen2_moe":
@@ -114,8 +113,6 @@ def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: s
         mlp = block.deepseek(inter, inter * get.positive("n_shared_experts"), bias=model_type == "deepseek_v3")
     attention = _mla(get, hidden, heads, dtype, norms, get.flag("attention_bias")) if deepseek else None
     spec = _swap_blocks(base, attention, mlp, moe_layers)
-    if deepseek:
-        spec = dataclasses.replace(spec, num_kv_heads=heads)  # MLA: every head gets its own k and v
     if attention_bias:
         from realloc.hf_config import _with_biases
 
@@ -145,8 +142,9 @@ def checkpoint_state_dict(state_dict: Mapping[str, T], model_type: str) -> dict[
         >>> import numpy as np
         >>> sd = {"model.layers.0.mlp.experts.gate_up_proj": np.zeros((2, 6, 4)),
         ...       "model.layers.0.mlp.experts.down_proj": np.zeros((2, 4, 3))}
-        >>> {k: v.shape for k, v in checkpoint_state_dict(sd, "qwen3_moe").items()}["model.layers.0.mlp.experts.1.up_proj.weight"]
-        (3, 4)
+        >>> out = checkpoint_state_dict(sd, "qwen3_moe")
+        >>> out["model.layers.0.mlp.experts.1.up_proj.weight"].shape, len(out)
+        ((3, 4), 6)
     """
     if model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MOE_MODEL_TYPES)}")
@@ -200,7 +198,6 @@ def _swiglu(layer: int, prefix: str, inter: int, hidden: int, dtype: str,
 class _ExpertBlocks:
     """The MoE MLP block of each supported family."""
 
-    model_type: str
     hidden: int
     experts: int
     dtype: str

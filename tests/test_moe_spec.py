@@ -120,7 +120,8 @@ def test_deepseek_v3_layout_of_published_config():
     bias = names["model.layers.60.mlp.gate.e_score_correction_bias"]
     assert (bias.shape, bias.dtype, bias.buffer, bias.tp_dim) == ((256,), "float32", True, None)
     assert sum(p.numel for p in spec.params if p.buffer) == 58 * 256
-    attention = {n.split("self_attn.")[1]: p.shape for n, p in names.items() if n.startswith("model.layers.0.self_attn.")}
+    prefix = "model.layers.0.self_attn."
+    attention = {n[len(prefix):]: p.shape for n, p in names.items() if n.startswith(prefix)}
     assert attention == {
         "q_a_proj.weight": (1536, 7168), "q_a_layernorm.weight": (1536,), "q_b_proj.weight": (128 * 192, 1536),
         "kv_a_proj_with_mqa.weight": (512 + 64, 7168), "kv_a_layernorm.weight": (512,),
@@ -210,7 +211,8 @@ def test_tensor_parallel_rules():
         "model.layers.3.self_attn.kv_a_layernorm.weight": (None, 1),
     }
     lite = spec_from_hf_config(CONFIGS / "DeepSeek-V2-Lite.json").by_name
-    assert (lite["model.layers.0.self_attn.q_proj.weight"].tp_dim, lite["model.layers.0.self_attn.q_proj.weight"].tp_unit) == (0, 192)
+    q_proj = lite["model.layers.0.self_attn.q_proj.weight"]  # q_lora_rank null
+    assert (q_proj.tp_dim, q_proj.tp_unit) == (0, 192)
     qwen2 = spec_from_hf_config(CONFIGS / "Qwen2-57B-A14B.json").by_name
     assert qwen2["model.layers.0.mlp.shared_expert_gate.weight"].tp_dim is None
     assert qwen2["model.layers.0.mlp.shared_expert.up_proj.weight"].tp_dim == 0
@@ -245,6 +247,15 @@ def test_cli_plan_reports_parameter_count(name, src, dst, capsys):
     assert main(["plan", "--model", str(CONFIGS / f"{name}.json"), "--src", src, "--dst", dst, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["model"], report["model_parameters"]) == (name, PUBLISHED_COUNTS[name])
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "qwen2_moe"])
+def test_cli_plan_verifies_moving_a_small_moe(case, tmp_path, capsys):
+    path = tmp_path / f"{case}.json"
+    path.write_text(json.dumps(TINY[case]))
+    argv = ["plan", "--model", str(path), "--src", "tp=2,pp=2", "--dst", "dp=2,tp=2", "--verify", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["verified"] is True
 
 
 def test_cli_plan_refuses_tp_that_splits_a_head(capsys):
