@@ -238,7 +238,7 @@ def plan_report(spec: ModelSpec, src: Topology, dst: Topology, placement: Placem
     stats = {k: v for k, v in plan.stats.items() if full or k not in _TABLE_STATS}
     return {
         "model": spec.name,
-        "model_parameters": sum(p.numel for p in spec.params),
+        "model_parameters": sum(p.numel for p in spec.params if not p.buffer),  # buffers move but do not count
         "model_bytes": spec.total_bytes(),
         "src": str(src),
         "dst": str(dst),

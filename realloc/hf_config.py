@@ -1,8 +1,10 @@
 """Model specs from Hugging Face ``config.json`` files, without depending on ``transformers``.
 
-Only dense decoder LLMs whose weights follow the Llama naming are supported: ``llama``,
-``mistral``, ``qwen2`` and ``qwen3``. Defaults for fields a config leaves out are the ones the
-matching ``transformers`` config class uses, so the spec matches the checkpoint's tensors.
+Supported: dense decoder LLMs whose weights follow the Llama naming (``llama``, ``mistral``,
+``qwen2`` and ``qwen3``) and the mixture-of-experts decoders of :mod:`realloc.moe_spec`
+(``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``deepseek_v2``, ``deepseek_v3``). Defaults for fields
+a config leaves out are the ones the matching ``transformers`` config class uses, so the spec
+matches the checkpoint's tensors.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from realloc.moe_spec import MOE_MODEL_TYPES, moe_spec
 from realloc.spec import ModelSpec, ParamSpec, decoder_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: Weight dtypes a config may ask for (``torch_dtype``, or ``dtype`` in newer configs).
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
-_MOE_MODEL_TYPES = {
-    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba",
-    "granitemoe", "phimoe", "jetmoe", "llama4", "minimax",
+#: Mixture-of-experts model types with no spec builder (refused with a clear message).
+_UNSUPPORTED_MOE_MODEL_TYPES = {
+    "dbrx", "olmoe", "jamba", "granitemoe", "phimoe", "jetmoe", "llama4", "minimax",
 }
 #: Keys whose positive value marks a mixture-of-experts model even under a dense model_type.
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -34,7 +37,7 @@ def spec_from_hf_config(
     name: str | None = None,
     norm_dtype: str | None = None,
 ) -> ModelSpec:
-    """The :class:`ModelSpec` of a dense decoder LLM described by a HF config.
+    """The :class:`ModelSpec` of the decoder LLM (dense or mixture-of-experts) a HF config describes.
 
     ``path_or_dict`` is the parsed config, a ``config.json`` path or a directory holding one.
     ``dtype`` overrides the config's ``torch_dtype`` (default ``bfloat16``); ``norm_dtype`` gives
@@ -53,48 +56,67 @@ def spec_from_hf_config(
     config, path = _load(path_or_dict)
     source = "HF config" if path is None else f"HF config {str(path)!r}"
     model_type = _model_type(config, source)
+    weights_dtype = _dtype(dtype, "dtype argument") if dtype is not None else _config_dtype(config, source)
+    norms = _dtype(norm_dtype, "norm_dtype argument") if norm_dtype is not None else None
+    spec_name = name or _default_name(config, path, model_type)
+    if model_type in MOE_MODEL_TYPES:
+        spec = moe_spec(config, source, model_type, name=spec_name, dtype=weights_dtype, norm_dtype=norms)
+    else:
+        spec = _dense_spec(config, source, model_type, name=spec_name, dtype=weights_dtype, norm_dtype=norms)
+    return dataclasses.replace(spec, hf_config_json=canonical_json(config, source))
+
+
+def _dense_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: str, dtype: str,
+                norm_dtype: str | None) -> ModelSpec:
     sizes = {key: _positive_int(config, key, source) for key in _REQUIRED}
     heads = sizes["num_attention_heads"]
-    kv_heads = _optional_positive_int(config, "num_key_value_heads", source) or heads
-    if heads % kv_heads:
-        raise ValueError(
-            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-        )
-    head_dim = _optional_positive_int(config, "head_dim", source)
-    if head_dim is None:
-        # transformers' Qwen3Config defaults head_dim to 128; the others derive it from hidden size.
-        if model_type == "qwen3":
-            head_dim = 128
-        elif sizes["hidden_size"] % heads:
-            raise ValueError(
-                f"{source}: hidden_size={sizes['hidden_size']} is not a multiple of num_attention_heads={heads} "
-                "and no head_dim is given"
-            )
-        else:
-            head_dim = sizes["hidden_size"] // heads
-
     # Qwen2 always has q/k/v biases; llama and qwen3 put a bias on q/k/v *and* o when asked.
     attention_bias = _flag(config, "attention_bias", source) and model_type in ("llama", "qwen3")
     mlp_bias = _flag(config, "mlp_bias", source) and model_type == "llama"
-    weights_dtype = _dtype(dtype, "dtype argument") if dtype is not None else _config_dtype(config, source)
     spec = decoder_spec(
-        name or _default_name(config, path, model_type),
+        name,
         hidden=sizes["hidden_size"],
         intermediate=sizes["intermediate_size"],
         layers=sizes["num_hidden_layers"],
         heads=heads,
-        kv_heads=kv_heads,
+        kv_heads=_kv_heads(config, source, heads, None),
         vocab=sizes["vocab_size"],
-        head_dim=head_dim,
+        head_dim=_head_dim(config, source, model_type, sizes["hidden_size"], heads),
         qkv_bias=model_type == "qwen2" or attention_bias,
         qk_norm=model_type == "qwen3",
         tied=_flag(config, "tie_word_embeddings", source),
-        dtype=weights_dtype,
-        norm_dtype=_dtype(norm_dtype, "norm_dtype argument") if norm_dtype is not None else None,
+        dtype=dtype,
+        norm_dtype=norm_dtype,
     )
     if attention_bias or mlp_bias:
         spec = _with_biases(spec, attention=attention_bias, mlp=mlp_bias)
-    return dataclasses.replace(spec, hf_config_json=canonical_json(config, source))
+    return spec
+
+
+def _kv_heads(config: Mapping[str, Any], source: str, heads: int, default: int | None) -> int:
+    """``num_key_value_heads`` (``default`` when left out; ``None``: multi-head, one per head)."""
+    kv_heads = _optional_positive_int(config, "num_key_value_heads", source) if "num_key_value_heads" in config \
+        else default
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    return kv_heads
+
+
+def _head_dim(config: Mapping[str, Any], source: str, model_type: str, hidden: int, heads: int) -> int:
+    head_dim = _optional_positive_int(config, "head_dim", source)
+    if head_dim is not None:
+        return head_dim
+    # transformers' Qwen3Config defaults head_dim to 128; the others derive it from hidden size.
+    if model_type == "qwen3":
+        return 128
+    if hidden % heads:
+        raise ValueError(
+            f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} and no head_dim is given"
+        )
+    return hidden // heads
 
 
 # -- writing: the config of a spec ----------------------------------------------------------
@@ -263,12 +285,14 @@ def _load(path_or_dict: "str | os.PathLike | Mapping[str, Any]") -> tuple[Mappin
 
 def _model_type(config: Mapping[str, Any], source: str) -> str:
     model_type = config.get("model_type")
-    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    supported = f"{', '.join(SUPPORTED_MODEL_TYPES)}; supported mixture-of-experts: {', '.join(MOE_MODEL_TYPES)}"
     if model_type is None:
         raise ValueError(f"{source}: missing required field 'model_type' (one of {supported})")
     if not isinstance(model_type, str):
         raise ValueError(f"{source}: model_type must be a string (one of {supported}), got {model_type!r}")
-    if model_type in _MOE_MODEL_TYPES:
+    if model_type in MOE_MODEL_TYPES:
+        return model_type
+    if model_type in _UNSUPPORTED_MOE_MODEL_TYPES:
         raise ValueError(
             f"{source}: model_type {model_type!r} is a mixture-of-experts model, which is not supported; "
             f"supported dense decoders: {supported}"
@@ -276,8 +300,8 @@ def _model_type(config: Mapping[str, Any], source: str) -> str:
     experts = [f"{k}={config[k]}" for k in _EXPERT_KEYS if _is_positive(config.get(k))]
     if experts:
         raise ValueError(
-            f"{source}: {', '.join(experts)} makes this a mixture-of-experts model, which is not supported; "
-            f"supported dense decoders: {supported}"
+            f"{source}: {', '.join(experts)} makes this a mixture-of-experts model, but model_type {model_type!r} "
+            f"has no experts; supported dense decoders: {supported}"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported dense decoders: {supported}")
@@ -304,9 +328,9 @@ def _optional_positive_int(config: Mapping[str, Any], key: str, source: str) -> 
     return value
 
 
-def _flag(config: Mapping[str, Any], key: str, source: str) -> bool:
-    # Every supported config class defaults these flags to False.
-    value = config.get(key, False)
+def _flag(config: Mapping[str, Any], key: str, source: str, default: bool = False) -> bool:
+    # Every supported config class defaults these flags to False but Qwen2-MoE's qkv_bias.
+    value = config.get(key, default)
     if not isinstance(value, bool):
         raise ValueError(f"{source}: field {key!r} must be true or false, got {value!r}")
     return value
@@ -328,6 +352,8 @@ def _default_name(config: Mapping[str, Any], path: Path | None, model_type: str)
     given = config.get("_name_or_path")
     if isinstance(given, str) and given:
         return given
+    if path is not None and path.name != "config.json":  # a saved config of its own: Mixtral-8x7B.json
+        return path.stem
     if path is not None:  # checkpoints are directories named after the model
         return path.resolve().parent.name or model_type
     return model_type

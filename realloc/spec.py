@@ -30,6 +30,9 @@ class ParamSpec:
     multiple of it (GQA k/v heads: each head is then held by ``tp // units`` ranks).
     ``pad_to_tp`` lets the unit count be padded up to a multiple of tp (vocabulary padding): the
     padding is local zeros, never part of the global tensor.
+    ``buffer`` marks a tensor the checkpoint stores that is not a trainable parameter (a persistent
+    buffer such as DeepSeek-V3's router ``e_score_correction_bias``): it moves like any other but is
+    left out of parameter counts.
     """
 
     name: str
@@ -41,6 +44,7 @@ class ParamSpec:
     tp_unit: int = 1
     replicate_units: bool = False
     pad_to_tp: bool = False
+    buffer: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

@@ -250,3 +250,42 @@ def test_preset_matches_equivalent_hf_config():
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     }
     assert spec_from_hf_config(config).params == ModelSpec.preset("qwen2.5-7b").params
+
+
+# -- mixture-of-experts (details in test_moe_spec.py) ---------------------------------------
+
+
+MIXTRAL_TINY = {**MISTRAL_7B, "model_type": "mixtral", "num_hidden_layers": 1, "num_local_experts": 8}
+
+
+def test_supported_moe_model_types_are_accepted():
+    spec = spec_from_hf_config(MIXTRAL_TINY)
+    moe = {k: v for k, v in layer_shapes(spec).items()
+           if k.startswith(("block_sparse_moe.gate.", "block_sparse_moe.experts.7."))}
+    assert moe == {"block_sparse_moe.gate.weight": (8, 4096), "block_sparse_moe.experts.7.w1.weight": (14336, 4096),
+                   "block_sparse_moe.experts.7.w3.weight": (14336, 4096),
+                   "block_sparse_moe.experts.7.w2.weight": (4096, 14336)}
+    assert not any(name.startswith("mlp.") for name in layer_shapes(spec))
+    assert count(spec) == 32000 * 4096 * 2 + 4096 + (2 * 4096 * 4096 + 2 * 1024 * 4096 + 2 * 4096
+                                                      + 8 * 4096 + 8 * 3 * 14336 * 4096)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({**LLAMA3_8B, "model_type": "olmoe"}, r"model_type 'olmoe' is a mixture-of-experts model, which is not supported; "
+     r"supported dense decoders: llama, mistral, qwen2, qwen3; supported mixture-of-experts: mixtral, qwen2_moe, "
+     r"qwen3_moe, deepseek_v2, deepseek_v3"),
+    ({**LLAMA3_8B, "model_type": "dbrx"}, r"'dbrx' is a mixture-of-experts model, which is not supported"),
+    ({**LLAMA3_8B, "num_local_experts": 8}, r"num_local_experts=8 makes this a mixture-of-experts model, but "
+     r"model_type 'llama' has no experts"),
+    ({**QWEN3_06B, "num_experts": 128}, r"num_experts=128 makes this a mixture-of-experts model"),
+])
+def test_unsupported_moe_is_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        spec_from_hf_config(config)
+
+
+def test_moe_name_from_config_file_stem(tmp_path):
+    path = tmp_path / "Mixtral-tiny.json"
+    path.write_text(json.dumps(MIXTRAL_TINY))
+    assert spec_from_hf_config(path).name == "Mixtral-tiny"
+    assert spec_from_hf_config(write_config(tmp_path / "ckpt", MIXTRAL_TINY)).name == "ckpt"

@@ -104,9 +104,12 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
      r"missing required field 'hidden_size'"),
     ("missing model_type", lambda: spec_from_hf_config(config_with(model_type=...)),
      r"missing required field 'model_type'"),
-    ("MoE model_type", lambda: spec_from_hf_config(config_with(model_type="mixtral")),
-     r"'mixtral' is a mixture-of-experts model, which is not supported; supported dense decoders: llama"),
-    ("qwen2_moe", lambda: spec_from_hf_config(config_with(model_type="qwen2_moe")), r"'qwen2_moe' is a mixture-of-experts"),
+    ("MoE model_type", lambda: spec_from_hf_config(config_with(model_type="olmoe")),
+     r"'olmoe' is a mixture-of-experts model, which is not supported; supported dense decoders: llama, mistral, "
+     r"qwen2, qwen3; supported mixture-of-experts: mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3"),
+    ("dbrx", lambda: spec_from_hf_config(config_with(model_type="dbrx")), r"'dbrx' is a mixture-of-experts"),
+    ("qwen2_moe kv heads", lambda: spec_from_hf_config(config_with(model_type="qwen2_moe")),
+     r"num_attention_heads=4 is not a multiple of num_key_value_heads=16"),  # Qwen2MoeConfig's default
     ("experts under llama", lambda: spec_from_hf_config(config_with(num_local_experts=8)),
      r"num_local_experts=8 makes this a mixture-of-experts model"),
     ("model_type not a string", lambda: spec_from_hf_config(config_with(model_type=["llama"])),
