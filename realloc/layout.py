@@ -303,7 +303,8 @@ class Layout:
         if len(workers) != t.world_size:
             raise ValueError(f"{len(workers)} worker ids for {t.world_size} ranks of {t}")
         groups: list[tuple[int, ...]] = []
-        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        rows: dict[str, tuple[list[int], list[list[int]], list[list[int]]]] = {}  # unsharded boxes
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}  # fsdp ranks' chunks
         ranks = np.arange(t.fsdp)
         for pp_rank in range(t.pp):
             for tp_rank in range(t.tp):
@@ -312,18 +313,26 @@ class Layout:
                 for _, name, _, offsets, sizes, _ in self._tp_boxes(tp_rank, pp_rank):
                     if not all(sizes):
                         continue
+                    if t.fsdp == 1:
+                        entry = rows.setdefault(name, ([], [], []))
+                        entry[0].append(base)
+                        entry[1].append(offsets)
+                        entry[2].append(sizes)
+                        continue
                     # torch.chunk along dim 0, as _coordinate_shards cuts each rank's shard
-                    rows, chunk = sizes[0], -(-sizes[0] // t.fsdp)
-                    first = np.minimum(ranks * chunk, rows)
-                    held = np.minimum(first + chunk, rows) - first
+                    n, chunk = sizes[0], -(-sizes[0] // t.fsdp)
+                    first = np.minimum(ranks * chunk, n)
+                    held = np.minimum(first + chunk, n) - first
                     keep = np.flatnonzero(held > 0)
                     off = np.tile(np.array(offsets, dtype=np.int64), (keep.size, 1))
                     siz = np.tile(np.array(sizes, dtype=np.int64), (keep.size, 1))
                     off[:, 0] += first[keep]
                     siz[:, 0] = held[keep]
                     parts.setdefault(name, []).append((base + keep, off, siz))
-        return PieceTable(groups, {name: tuple(np.concatenate(c) for c in zip(*chunks))
-                                   for name, chunks in parts.items()})
+        tables = {name: tuple(np.concatenate(c) for c in zip(*chunks)) for name, chunks in parts.items()}
+        tables.update({name: (np.array(g, dtype=np.int64), np.array(o, dtype=np.int64), np.array(z, dtype=np.int64))
+                       for name, (g, o, z) in rows.items()})
+        return PieceTable(groups, tables)
 
 
 @dataclass(frozen=True)

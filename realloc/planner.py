@@ -45,7 +45,7 @@ from realloc.boxes import Box, split_rows
 from realloc.layout import Group, Layout
 from realloc.pieces import PieceTable
 from realloc.placement import Placement
-from realloc.plan import BUCKET_ALIGN, IndexChain, Plan, SegmentTable, StepTable, bucket_count
+from realloc.plan import BUCKET_ALIGN, IndexChain, Plan, Segment, SegmentTable, StepTable, bucket_count
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -721,7 +721,9 @@ class _Router:
             if padded <= bucket_bytes:
                 counts.append(int(nbytes > 0))
             else:  # larger than one bucket: cut it as the executors will
-                counts.append(bucket_count([table[i] for i in ids], bucket_bytes))
+                counts.append(bucket_count([Segment(p, o, z, dtype) for k in ks for names, dtype, cells in
+                                            self.blocks_of(self.keys[k]) for p in names for o, z in cells],
+                                           bucket_bytes))
         return table, lists, list_bytes, counts
 
     def _stats(self, src, dst, nbytes, step_starts, local_copies, list_bytes) -> dict:

@@ -167,7 +167,18 @@ class ModelSpec:
 
     @property
     def by_name(self) -> dict[str, ParamSpec]:
-        return {p.name: p for p in self.params}
+        """Name -> parameter (built once per spec; do not mutate)."""
+        table = self.__dict__.get("_by_name")
+        if table is None:
+            table = {p.name: p for p in self.params}
+            object.__setattr__(self, "_by_name", table)
+        return table
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_by_name"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def param(self, name: str) -> ParamSpec:
         for p in self.params:
