@@ -102,3 +102,19 @@ def test_piece_table_of_engine_conventions(options, topology):
     for name in want.params:
         for a, b in zip(got.params[name], want.params[name]):
             assert np.array_equal(a, b), name
+
+
+def test_an_rl_loop_alternating_two_layouts_plans_each_direction_once():
+    from actors.group import _plan
+    from realloc.planner import Bandwidths
+
+    spec = FSDP8.spec()
+    train, generate = Layout(spec, Topology(fsdp=8)), Layout(spec, Topology(dp=2, tp=4))
+    placement = Placement.blocks(8, 4)
+    _plan.cache_clear()
+    for _ in range(5):  # equal layout values, not the same objects, each round (as a loop rebuilds them)
+        there = _plan(Layout(spec, Topology(fsdp=8)), generate, placement, None, None, 1 << 20, Bandwidths())
+        back = _plan(Layout(spec, Topology(dp=2, tp=4)), train, placement, None, None, 1 << 20, Bandwidths())
+        assert there is not back
+    info = _plan.cache_info()
+    assert (info.misses, info.hits) == (2, 8)
