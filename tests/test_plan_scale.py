@@ -47,9 +47,18 @@ def test_piece_table_is_the_layouts_groups_as_arrays(data):
             assert np.array_equal(a, b), name
 
 
-def large_form():
-    """Every plan planned inside takes the large-plan form."""
-    return mock.patch.object(planner, "LARGE_PLAN_ROUTES", 0)
+class large_form:
+    """Every plan planned inside takes the large-plan form: arrays and the cyclic schedule."""
+
+    def __enter__(self):
+        self.patches = [mock.patch.object(planner, "LARGE_PLAN_ROUTES", 0),
+                        mock.patch.object(planner, "_cyclic_suits", lambda src, dst: True)]
+        for p in self.patches:
+            p.start()
+
+    def __exit__(self, *exc):
+        for p in reversed(self.patches):
+            p.stop()
 
 
 @settings(max_examples=40, deadline=None)
@@ -118,3 +127,17 @@ def test_an_rl_loop_alternating_two_layouts_plans_each_direction_once():
         assert there is not back
     info = _plan.cache_info()
     assert (info.misses, info.hits) == (2, 8)
+
+
+def test_cyclic_schedule_only_where_it_costs_few_steps():
+    rng = np.random.default_rng(0)
+    width = 512
+    src = np.repeat(np.arange(width), width - 1)  # everyone to everyone else: dense
+    dst = (src + np.tile(np.arange(1, width), width)) % width
+    assert planner._cyclic_suits(src, dst)
+    many = 50_000  # each of 50,000 workers sends to the same 4 offsets: degree 4
+    sparse_src = np.repeat(np.arange(many), 4)
+    sparse_dst = (sparse_src + np.tile(rng.choice(np.arange(1, 1000), 4, replace=False), many)) % many
+    assert planner._cyclic_suits(sparse_src, sparse_dst)  # the same 4 offsets everywhere: 4 colours
+    scattered = (sparse_src + rng.integers(1, many, sparse_src.size)) % many  # 4 random peers each
+    assert not planner._cyclic_suits(sparse_src, scattered)
