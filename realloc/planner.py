@@ -189,20 +189,31 @@ def _validate(holdings: PieceTable, needs: PieceTable, placement: Placement, par
             if not workers:
                 raise ValueError(f"{what}: a group has no workers")
             placement.check_workers(workers, what)
-        for param, (_, offsets, sizes) in table.params.items():
-            if param not in params:
-                raise ValueError(f"{what}: unknown parameter {param!r}")
-            shape = np.array(params[param][0], dtype=np.int64)
-            if offsets.shape[1] != shape.size:
-                bad = np.arange(len(offsets))
-            else:
-                bad = np.flatnonzero((offsets < 0).any(1) | (sizes < 1).any(1) | (offsets + sizes > shape).any(1))
+        unknown = [p for p in table.params if p not in params]
+        if unknown:
+            raise ValueError(f"{what}: unknown parameter {unknown[0]!r}")
+        by_ndim: dict[int, list[str]] = defaultdict(list)
+        for param, (_, offsets, _) in table.params.items():
+            if offsets.shape[1] != len(params[param][0]):
+                _refuse_box(what, param, table, 0, params)
+            by_ndim[offsets.shape[1]].append(param)
+        for names in by_ndim.values():  # all boxes of one rank of tensor at once
+            offsets = np.concatenate([table.params[p][1] for p in names])
+            sizes = np.concatenate([table.params[p][2] for p in names])
+            counts = [len(table.params[p][1]) for p in names]
+            shapes = np.repeat(np.array([params[p][0] for p in names], dtype=np.int64).reshape(len(names), -1),
+                               counts, axis=0)
+            bad = np.flatnonzero((offsets < 0).any(1) | (sizes < 1).any(1) | (offsets + sizes > shapes).any(1))
             if bad.size:
-                i = int(bad[0])
-                raise ValueError(
-                    f"{what}: box offsets={tuple(offsets[i].tolist())} sizes={tuple(sizes[i].tolist())} is empty "
-                    f"or outside {param!r} of shape {tuple(params[param][0])}"
-                )
+                at = int(bad[0])
+                k = int(np.searchsorted(np.cumsum(counts), at, side="right"))
+                _refuse_box(what, names[k], table, at - sum(counts[:k]), params)
+
+
+def _refuse_box(what: str, param: str, table: PieceTable, i: int, params: ParamTable) -> None:
+    _, offsets, sizes = table.params[param]
+    raise ValueError(f"{what}: box offsets={tuple(offsets[i].tolist())} sizes={tuple(sizes[i].tolist())} is empty "
+                     f"or outside {param!r} of shape {tuple(params[param][0])}")
 
 
 # -- step 1: cells and bundles ---------------------------------------------------------------
