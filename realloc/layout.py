@@ -418,6 +418,52 @@ class Layout:
                     groups.append(Group(members, pieces(self._expert_boxes(ep_rank, etp_rank, pp_rank))))
         return groups
 
+    def _expert_piece_table(self, workers: list[int] | None) -> "PieceTable":
+        """:meth:`piece_table` with expert parallelism: the groups of :meth:`_expert_groups`; the
+        boxes of a routed expert's tensor are those of every tensor of its shape (one array pair
+        per shape, shared), in the groups of its expert-parallel rank."""
+        import numpy as np
+
+        from realloc.pieces import PieceTable
+
+        t = self.topology
+        if workers is None:
+            workers = list(range(t.world_size))
+        if len(workers) != t.world_size:
+            raise ValueError(f"{len(workers)} worker ids for {t.world_size} ranks of {t}")
+        etp, groups = t.expert_tp, []
+        owner = [r for r in range(t.ep) for _ in expert_range(self.num_experts, t.ep, r)]
+        rows: dict[str, tuple[list[int], list[list[int]], list[list[int]]]] = {}
+        tables: dict[str, tuple] = {}
+        boxes: dict[tuple, tuple] = {}  # (shape, tp_dim, tp_unit) -> offsets, sizes of the etp ranks
+        for pp_rank in range(t.pp):
+            for tp_rank in range(t.tp):
+                gi = len(groups)
+                groups.append(tuple(workers[r] for r in t.replica_ranks(tp_rank, pp_rank)))
+                for _, name, _, offsets, sizes, _ in self._dense_boxes(tp_rank, pp_rank):
+                    if all(sizes):
+                        entry = rows.setdefault(name, ([], [], []))
+                        entry[0].append(gi)
+                        entry[1].append(offsets)
+                        entry[2].append(sizes)
+            experts = self._stage(pp_rank)[1]
+            if not experts:
+                continue
+            first = len(groups)
+            groups += [tuple(workers[r] for r in t.expert_replica_ranks(etp_rank, ep_rank, pp_rank))
+                       for ep_rank in range(t.ep) for etp_rank in range(etp)]
+            indices = {r: np.arange(first + r * etp, first + (r + 1) * etp, dtype=np.int64) for r in range(t.ep)}
+            for e, entries in experts.items():
+                for p, name, slot in entries:
+                    kind = (p.shape, p.tp_dim, p.tp_unit)
+                    if kind not in boxes:
+                        cut = [self._box(p, name, slot, etp, r) for r in range(etp)]
+                        boxes[kind] = tuple(np.array([c[i] for c in cut], dtype=np.int64) for i in (3, 4))
+                    tables[name] = (indices[owner[e]],) + boxes[kind]
+        tables.update({name: (np.array(g, dtype=np.int64), np.array(o, dtype=np.int64), np.array(z, dtype=np.int64))
+                       for name, (g, o, z) in rows.items()})
+        return PieceTable(groups, tables)
+
     def piece_table(self, workers: list[int] | None = None) -> "PieceTable":
         """:meth:`groups` as a :class:`~realloc.pieces.PieceTable` (the same groups in the same
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
@@ -427,8 +473,10 @@ class Layout:
         from realloc.pieces import PieceTable
 
         t = self.topology
-        if (t.fsdp > 1 and t.fsdp_split != "fsdp2") or t.expert_parallel:  # from the groups
+        if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
             return PieceTable.of_groups(self.groups(workers))
+        if t.expert_parallel:
+            return self._expert_piece_table(workers)
         if workers is None:
             workers = list(range(t.world_size))
         if len(workers) != t.world_size:
