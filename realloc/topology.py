@@ -71,7 +71,7 @@ DEFAULT_FSDP_SPLIT = FSDP_SPLIT_RULES[0]
 
 _PART = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(\S*)\s*$")
 _INT = re.compile(r"^-?\d+$")
-_EXPECTED = ("expected dp=N, fsdp=N, tp=N, pp=N, ep=N or etp=N (optionally pp_split=NAME, layer_split=A/B/... "
+_EXPECTED = ("expected dp=N, ep=N, etp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME, layer_split=A/B/... "
              "and fsdp_split=NAME) separated by commas")
 _SIZES = ("dp", "fsdp", "tp", "pp", "ep", "etp")
 
@@ -303,7 +303,7 @@ class Topology:
         """``(edp_rank, ep_rank, etp_rank, pp_rank)`` of ``rank`` in the expert mesh (tp-ep-dp-pp).
 
         Example:
-            >>> Topology.parse("dp=4,tp=2,ep=4,etp=1").expert_coords(13)
+            >>> Topology.parse("dp=4,tp=2,pp=2,ep=4,etp=1").expert_coords(13)
             (1, 1, 0, 1)
         """
         dp_rank, _, tp_rank, pp_rank = self.coords4(rank)
