@@ -27,6 +27,7 @@ from realloc.local_executor import execute_in_process
 from realloc.pieces import PieceTable
 from realloc.planner import plan_reallocation
 from realloc.shards import ShardStore, allocate_buffers
+from test_layout import check_shards_written_from_full_tensors
 from test_planner_properties import POISON, check_plan, placements
 
 import oracle
@@ -150,17 +151,9 @@ def ep_reallocations(draw):
 def test_every_ranks_tensors_are_the_oracles(case):
     m, layout, pad = case
     full = oracle.moe_full_tensors(m, seed=3)
+    check_shards_written_from_full_tensors(layout, full,
+                                           lambda rank: oracle_tensors(m, full, layout.topology, rank, pad))
     for rank in range(layout.topology.world_size):
-        want = oracle_tensors(m, full, layout.topology, rank, pad)
-        got = {}
-        for shard in layout.shards(rank):
-            local = torch.zeros(shard.local_shape, dtype=full[shard.param].dtype)
-            local[tuple(slice(0, n) for n in shard.sizes)] = full[shard.param][
-                tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.sizes))]
-            got[shard.slot] = local
-        assert sorted(got) == sorted(want), f"rank {rank} of {layout}"
-        for slot, value in want.items():
-            assert torch.equal(got[slot], value), f"rank {rank} of {layout}: {slot}"
         # one flat buffer per dtype, shards packed without gaps or overlaps
         ends: dict[str, int] = {}
         for shard in layout.shards(rank):
