@@ -1,6 +1,6 @@
 """Engine conventions as named layout options: how an engine's local tensors sit in a rank's buffer.
 
-A :class:`~realloc.layout.Layout` takes two options besides its topology and
+A :class:`~realloc.layout.Layout` takes three options besides its topology and
 ``vocab_pad_multiple`` (docs/conventions.md, "Engine conventions side by side"):
 
 ``vocab_pad_rule`` (:data:`VOCAB_PAD_RULES`): how the vocabulary-parallel embedding and lm head

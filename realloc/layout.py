@@ -117,8 +117,8 @@ class Layout:
     travel together and are never rebuilt from parts. Two layouts are equal when they place
     every element identically: same spec, same dp/tp/pp, same *effective* layers per stage
     (an explicit ``layer_split`` equal to the default rule's split is the same layout) and the
-    same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``: see
-    :mod:`realloc.conventions`; ``layout.options`` holds all three). Layouts are hashable and
+    same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``, ``expert_order``:
+    see :mod:`realloc.conventions`; ``layout.options`` holds all four). Layouts are hashable and
     pickle without their cached shard tables.
 
     Example:

@@ -140,7 +140,8 @@ class Topology:
     ``layer_split`` optionally fixes how many transformer layers each pipeline stage holds;
     without it ``pp_split`` names the rule that decides (default ``"vllm"``: the split vLLM and
     Megatron-core build; see the module docstring). The embedding is on the first stage, the
-    final norm and head on the last.
+    final norm and head on the last. ``ep``/``etp`` lay out the routed experts of MoE models
+    (expert parallelism, module docstring); ``etp`` reads ``None`` when it is tp.
 
     Example:
         >>> t = Topology.parse("dp=2,tp=4,pp=2")
