@@ -28,6 +28,7 @@ from realloc.pieces import PieceTable
 from realloc.planner import plan_reallocation
 from realloc.shards import ShardStore, allocate_buffers
 from test_layout import check_shards_written_from_full_tensors
+from test_plan_scale import large_form
 from test_planner_properties import POISON, check_plan, placements
 
 import oracle
@@ -191,6 +192,14 @@ def test_piece_table_is_the_layouts_groups(case, data):
 def test_random_ep_reallocations(case):
     m, src, dst, placement, pad, bucket_bytes = case
     check_moe_reallocation(m, src, dst, placement, pad, bucket_bytes)
+
+
+@settings(max_examples=20, deadline=None)
+@given(ep_reallocations())
+def test_large_form_ep_plans_execute_bit_exact(case):
+    m, src, dst, placement, pad, bucket_bytes = case
+    with large_form():
+        check_moe_reallocation(m, src, dst, placement, pad, bucket_bytes)
 
 
 @settings(max_examples=15, deadline=None)
