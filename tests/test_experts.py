@@ -387,3 +387,19 @@ def test_plan_qwen3_moe_ep_to_ep_times_tp(capsys):
                  "--dst", "ep=4,tp=2", "--gpus-per-node", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bytes_inter_node"] == report["lower_bound_inter_node_bytes"] > 0
+
+
+def test_mixtral_fused_expert_views_use_its_module_names():
+    from realloc.hf_config import spec_from_hf_config
+
+    spec = spec_from_hf_config({"model_type": "mixtral", "hidden_size": 8, "intermediate_size": 12,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 20, "num_local_experts": 6})
+    layout = Layout(spec, Topology.parse("dp=2,tp=2,ep=2"), expert_order="vllm")  # etp=2: 3 experts, half rows
+    views = fused_views(layout.at(3), allocate_buffers(layout, 3))
+    assert tuple(views["model.layers.1.block_sparse_moe.experts.w13_weight"].shape) == (3, 12, 8)
+    assert tuple(views["model.layers.1.block_sparse_moe.experts.w2_weight"].shape) == (3, 8, 6)
+    w1 = views["model.layers.1.block_sparse_moe.experts.4.w1.weight"]  # expert 4 is the rank's second
+    w3 = views["model.layers.1.block_sparse_moe.experts.4.w3.weight"]
+    w13 = views["model.layers.1.block_sparse_moe.experts.w13_weight"]
+    assert w1.data_ptr() == w13[1].data_ptr() and w3.data_ptr() == w13[1, 6:].data_ptr()
