@@ -175,6 +175,12 @@ def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     * ``model.layers.N.mlp.gate_up_proj.weight`` = ``[gate; up]``: vLLM's
       ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard.
 
+    * ``model.layers.N.mlp.experts.w13_weight`` ``[local_experts, 2 * inter / etp, hidden]`` and
+      ``...experts.w2_weight`` ``[local_experts, hidden, inter / etp]`` (Mixtral:
+      ``block_sparse_moe.experts.*``): vLLM's ``FusedMoE`` buffers of the rank's routed experts,
+      when the layout was built with ``expert_order="vllm"`` (:mod:`realloc.conventions`); a
+      layout in ``"hf"`` order has no such views (its expert tensors are per expert).
+
     (Names and part order: ``stacked_params_mapping`` in vllm/model_executor/models/llama.py.)
     The parts stay in the result too, so one dict serves both conventions.
 
@@ -210,6 +216,33 @@ def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
                 raise ValueError(f"{rank_layout}: cannot build {name}: "
                                  f"the rank holds some of its parts but not {missing}")
             views[name] = _fused_view(name, shards, buffers, rank_layout)
+    if rank_layout.layout.expert_order == "vllm":
+        views.update(_vllm_expert_views(rank_layout, buffers))
+    return views
+
+
+def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's ``w13_weight`` and ``w2_weight`` of every MoE layer of the rank, one view each."""
+    from realloc.conventions import expert_projection
+
+    by_layer: dict[str, tuple[list, list]] = {}
+    for shard in rank_layout.shards():
+        p = rank_layout.layout.spec.by_name[shard.param]
+        if p.expert is None:
+            continue
+        proj = expert_projection(p)
+        w13, w2 = by_layer.setdefault(p.name.split(".experts.")[0] + ".experts.", ([], []))
+        (w2 if proj == 2 else w13).append(((p.expert, proj), shard))
+    views = {}
+    for prefix, (w13, w2) in by_layer.items():
+        experts = len(w2)
+        for name, parts in ((prefix + "w13_weight", w13), (prefix + "w2_weight", w2)):
+            shards = [shard for _, shard in sorted(parts, key=lambda x: x[0])]
+            if len(shards) != experts * (2 if name.endswith("w13_weight") else 1):
+                raise ValueError(f"{rank_layout}: cannot build {name}: the rank holds {len(w13)} gate/up and "
+                                 f"{len(w2)} down expert shards of the layer")
+            flat = _fused_view(name, shards, buffers, rank_layout)
+            views[name] = flat.view((experts, flat.shape[0] // experts) + tuple(flat.shape[1:]))
     return views
 
 

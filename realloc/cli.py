@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from realloc.boxes import box_index
-from realloc.conventions import VOCAB_PAD_RULES, check_choice
+from realloc.conventions import EXPERT_ORDERS, VOCAB_PAD_RULES, check_choice
 from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths, plan_reallocation
@@ -113,11 +113,11 @@ def add_plan_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="plan a reallocation between two layouts and print its statistics",
-        description="Plan moving a model from one dp/tp/pp layout to another on the same workers "
+        description="Plan moving a model from one dp/tp/pp(/ep) layout to another on the same workers "
         "(filled into nodes in rank order) and print the plan's statistics.",
     )
     p.add_argument("--model", required=True, help="preset name (see 'realloc presets'), config.json or its directory")
-    p.add_argument("--src", required=True, help="source layout, e.g. dp=2,tp=4,pp=2")
+    p.add_argument("--src", required=True, help="source layout, e.g. dp=2,tp=4,pp=2 or ep=8,tp=1 (expert parallelism)")
     p.add_argument("--dst", required=True, help="destination layout, e.g. dp=8,tp=2,pp=1")
     p.add_argument("--gpus-per-node", type=int, default=8, help="workers per node (default 8)")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
@@ -132,6 +132,10 @@ def add_plan_parser(subparsers: Any) -> None:
                    help=f"how the padded vocabulary is split: {' or '.join(VOCAB_PAD_RULES)} (default "
                    "%(default)s: pad to a multiple of --vocab-pad-multiple times tp; vllm: pad to a multiple "
                    "of --vocab-pad-multiple, e.g. 64, then split over tp)")
+    for side in ("src", "dst"):
+        p.add_argument(f"--{side}-expert-order", default=EXPERT_ORDERS[0],
+                       help=f"buffer order of the {side} layout's routed experts: {' or '.join(EXPERT_ORDERS)} "
+                       "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
     p.add_argument("--verify", action="store_true",
@@ -159,6 +163,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.vocab_pad_multiple < 1:
         raise ValueError(f"--vocab-pad-multiple must be a positive integer, got {args.vocab_pad_multiple}")
     check_choice("--vocab-pad-rule", args.vocab_pad_rule, VOCAB_PAD_RULES)
+    check_choice("--src-expert-order", args.src_expert_order, EXPERT_ORDERS)
+    check_choice("--dst-expert-order", args.dst_expert_order, EXPERT_ORDERS)
     placement = Placement.blocks(src.world_size, args.gpus_per_node)
     if args.verify:
         _check_verify_size(spec, src.world_size)
@@ -168,8 +174,8 @@ def run_plan(args: argparse.Namespace) -> int:
     gc.disable()
     try:
         started = time.perf_counter()
-        src_layout = _layout(spec, src, args.vocab_pad_multiple, "--src", args.vocab_pad_rule)
-        dst_layout = _layout(spec, dst, args.vocab_pad_multiple, "--dst", args.vocab_pad_rule)
+        src_layout = _layout(spec, src, args.vocab_pad_multiple, "--src", args.vocab_pad_rule, args.src_expert_order)
+        dst_layout = _layout(spec, dst, args.vocab_pad_multiple, "--dst", args.vocab_pad_rule, args.dst_expert_order)
         plan = plan_reallocation(spec, src_layout, dst_layout, placement,
                                  bucket_bytes=bucket_bytes, bandwidths=bandwidths)
         plan_seconds = time.perf_counter() - started
@@ -213,9 +219,9 @@ def _topology(text: str, option: str) -> Topology:
 
 
 def _layout(spec: ModelSpec, topology: Topology, vocab_pad_multiple: int, option: str,
-            vocab_pad_rule: str = VOCAB_PAD_RULES[0]) -> Layout:
+            vocab_pad_rule: str = VOCAB_PAD_RULES[0], expert_order: str = EXPERT_ORDERS[0]) -> Layout:
     try:
-        return Layout(spec, topology, vocab_pad_multiple, vocab_pad_rule)
+        return Layout(spec, topology, vocab_pad_multiple, vocab_pad_rule, expert_order=expert_order)
     except ValueError as exc:
         raise ValueError(f"{option} {topology}: {exc}") from None
 

@@ -1,6 +1,6 @@
 """Engine conventions as named layout options: how an engine's local tensors sit in a rank's buffer.
 
-A :class:`~realloc.layout.Layout` takes two options besides its topology and
+A :class:`~realloc.layout.Layout` takes three options besides its topology and
 ``vocab_pad_multiple`` (docs/conventions.md, "Engine conventions side by side"):
 
 ``vocab_pad_rule`` (:data:`VOCAB_PAD_RULES`): how the vocabulary-parallel embedding and lm head
@@ -35,6 +35,20 @@ are padded and split over tp ranks.
   Megatron needs ``num_query_groups`` divisible by tp (``divide`` in ``Attention.__init__``): kv
   heads are never replicated there, so ``tp > kv_heads`` is refused. Not combined with fsdp.
 
+``expert_order`` (:data:`EXPERT_ORDERS`): how a rank's routed-expert shards of a layer sit in its
+buffer (docs/conventions.md, "Expert parallelism").
+
+* ``"hf"`` (default): forward order of the checkpoint names, per local expert its gate, up and
+  down shards (``mlp.experts.{e}.gate_proj/up_proj/down_proj``; Mixtral ``w1``/``w3``/``w2``).
+* ``"vllm"``: vLLM's ``FusedMoE`` buffers (vllm/model_executor/layers/fused_moe/layer.py):
+  ``w13_weight`` ``[local_experts, 2 * inter / etp, hidden]``, per local expert its gate rows then
+  its up rows (``_load_w13`` narrows the expert's rows to ``[0, shard)`` for ``w1`` (gate) and
+  ``[shard, 2 * shard)`` for ``w3`` (up), each the etp rank's slice), then ``w2_weight``
+  ``[local_experts, hidden, inter / etp]`` (``_load_w2``: the down projection's columns of the etp
+  rank). Both are one contiguous region of the rank's buffer, at the place of the layer's first
+  expert tensor; :func:`realloc.binding.fused_views` gives them as
+  ``model.layers.N.mlp.experts.w13_weight`` / ``w2_weight`` views.
+
 The MLP needs no option: Megatron's ``linear_fc1`` with ``gated_linear_unit`` holds
 ``[gate; up]`` of the rank (``glu`` in megatron/core/transformer/mlp.py chunks the local output in
 two), which is also vLLM's ``gate_up_proj``: gate and up are adjacent in every layout.
@@ -53,8 +67,13 @@ if TYPE_CHECKING:
 VOCAB_PAD_RULES = ("megatron", "vllm")
 #: Names ``Layout(qkv_order=...)`` accepts; the first is the default.
 QKV_ORDERS = ("hf", "megatron")
+#: Names ``Layout(expert_order=...)`` accepts; the first is the default.
+EXPERT_ORDERS = ("hf", "vllm")
 
 _QKV = re.compile(r"^(?P<prefix>.*)self_attn\.(?P<part>[qkv])_proj\.(?P<suffix>weight|bias)$")
+#: A routed expert's projection: 0 gate (``w1``), 1 up (``w3``), 2 down (``w2``).
+_EXPERT_PROJ = re.compile(r"^(?P<prefix>.*)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PROJ_INDEX = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
 def check_choice(option: str, value: object, allowed: tuple[str, ...]) -> str:
@@ -85,10 +104,13 @@ def vocab_units_per_rank(units: int, tp: int, pad_multiple: int, rule: str, name
 
 
 def check_options(spec: "ModelSpec", topology: "Topology", vocab_pad_multiple: int, vocab_pad_rule: str,
-                  qkv_order: str) -> None:
+                  qkv_order: str, expert_order: str = "hf") -> None:
     """``ValueError`` unless the options are known names and ``spec`` can be laid out with them."""
     check_choice("vocab_pad_rule", vocab_pad_rule, VOCAB_PAD_RULES)
     check_choice("qkv_order", qkv_order, QKV_ORDERS)
+    check_choice("expert_order", expert_order, EXPERT_ORDERS)
+    if expert_order == "vllm":
+        _check_vllm_experts(spec, topology)
     tp = topology.tp
     for p in spec.params:
         if p.pad_to_tp and p.tp_dim is not None:
@@ -168,4 +190,51 @@ def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
                 sizes[0] = rows
                 out.append((e[0], e[1], e[2], offsets, sizes, list(sizes)))
         done.update(e[2] for e in trio)
+    return out
+
+
+def expert_projection(p: "ParamSpec") -> int:
+    """0 (gate), 1 (up) or 2 (down) for a routed expert's weight; ``ValueError`` for anything else."""
+    m = _EXPERT_PROJ.match(p.name)
+    if p.expert is None or not m:
+        raise ValueError(f"expert_order='vllm': {p.name} is not a routed expert's gate/up/down weight "
+                         "(vLLM's FusedMoE holds only w13_weight and w2_weight)")
+    return _PROJ_INDEX[m["proj"]]
+
+
+def _check_vllm_experts(spec: "ModelSpec", topology: "Topology") -> None:
+    experts = [p for p in spec.params if p.expert is not None]
+    if not experts:
+        raise ValueError(f"expert_order='vllm': {spec.name} has no routed experts; use expert_order='hf'")
+    if topology.fsdp > 1:
+        raise ValueError(f"expert_order='vllm' with fsdp={topology.fsdp}: vLLM's fused expert buffers are not "
+                         "FSDP shards; use expert_order='hf'")
+    for p in experts:
+        expert_projection(p)
+
+
+def vllm_expert_order(entries: list[tuple]) -> list[tuple]:
+    """A stage's boxes in forward order -> the same boxes with every layer's routed experts in
+    vLLM's ``FusedMoE`` order: at the place of the layer's first expert box, per held expert its
+    gate then its up box (``w13_weight``), then every held expert's down box (``w2_weight``).
+
+    ``entries`` are ``(param_spec, name, slot, offsets, sizes, local_shape)`` as
+    :class:`~realloc.layout.Layout` builds them.
+    """
+    layers: dict[int, tuple[list[tuple], list[tuple]]] = {}
+    for entry in entries:
+        p = entry[0]
+        if p.expert is not None:
+            w13, w2 = layers.setdefault(p.layer, ([], []))
+            proj = expert_projection(p)
+            (w2 if proj == 2 else w13).append(((p.expert, proj), entry))
+    out, done = [], set()
+    for entry in entries:
+        p = entry[0]
+        if p.expert is None:
+            out.append(entry)
+        elif p.layer not in done:
+            done.add(p.layer)
+            w13, w2 = layers[p.layer]
+            out += [e for _, e in sorted(w13, key=lambda x: x[0])] + [e for _, e in sorted(w2, key=lambda x: x[0])]
     return out

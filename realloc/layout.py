@@ -20,6 +20,17 @@ that parameter in its table at all (FSDP2 keeps a zero-size local tensor there).
 With ``Topology.fsdp_split == "zero3"`` the tp box is instead flattened and cut as DeepSpeed
 ZeRO-3 does (:func:`realloc.flat.zero3_pieces`): a rank holds up to three shards of a 2-D
 parameter, consecutive in its buffer, the last padded (or one padding-only shard of empty box).
+
+Expert parallelism (``Topology.ep > 1`` or ``etp != tp``; docs/conventions.md, "Expert
+parallelism"): the dense parameters are laid out as above, by ``(tp_rank, pp_rank)``; a routed
+expert's tensors (``ParamSpec.expert``) are held by the ranks of the expert-parallel rank
+(:meth:`~realloc.topology.Topology.expert_coords`) whose contiguous block of experts contains it
+(:func:`expert_range`), cut ``etp`` ways along their tp dim. A rank's shards are its dense and
+expert shards in forward order (``expert_order="vllm"``: vLLM's fused expert buffers, see
+:mod:`realloc.conventions`). The planner input then has two kinds of groups per stage: dense
+groups (one per tp rank, over dp) and expert groups (one per ``(etp_rank, ep_rank)``, over the
+expert data-parallel replicas); a rank is in one of each, and for every parameter the groups
+holding it are disjoint.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from realloc.flat import zero3_pieces
-from realloc.conventions import check_options, megatron_qkv_order
+from realloc.conventions import check_options, megatron_qkv_order, vllm_expert_order
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.topology import Topology
 
@@ -73,9 +84,26 @@ class Shard:
         return self.offsets, self.sizes
 
 
+def expert_range(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The routed experts expert-parallel rank ``ep_rank`` holds: a contiguous block, the
+    ``num_experts % ep`` leftover experts one each to the first ranks (vLLM's
+    ``determine_expert_map``, linear placement; Megatron-core's ``num_experts / ep`` blocks
+    when ep divides the experts).
+
+    Example:
+        >>> [list(expert_range(10, 4, r)) for r in range(4)]
+        [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    """
+    base, extra = divmod(num_experts, ep)
+    start = ep_rank * base + min(ep_rank, extra)
+    return range(start, start + base + (ep_rank < extra))
+
+
 @dataclass(frozen=True)
 class Group:
-    """Workers that hold (or need) exactly the same boxes: one shard coordinate over dp replicas."""
+    """Workers that hold (or need) exactly the same boxes of the parameters listed: one shard
+    coordinate over its replicas (with expert parallelism a worker is in a dense group and an
+    expert group, which list different parameters)."""
 
     workers: tuple[int, ...]
     pieces: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (param, offsets, sizes)
@@ -89,8 +117,8 @@ class Layout:
     travel together and are never rebuilt from parts. Two layouts are equal when they place
     every element identically: same spec, same dp/tp/pp, same *effective* layers per stage
     (an explicit ``layer_split`` equal to the default rule's split is the same layout) and the
-    same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``: see
-    :mod:`realloc.conventions`; ``layout.options`` holds all three). Layouts are hashable and
+    same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``, ``expert_order``:
+    see :mod:`realloc.conventions`; ``layout.options`` holds all four). Layouts are hashable and
     pickle without their cached shard tables.
 
     Example:
@@ -105,7 +133,7 @@ class Layout:
     """
 
     def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1,
-                 vocab_pad_rule: str = "megatron", qkv_order: str = "hf"):
+                 vocab_pad_rule: str = "megatron", qkv_order: str = "hf", expert_order: str = "hf"):
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"a layout needs a realloc.ModelSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
@@ -113,7 +141,7 @@ class Layout:
         if not isinstance(vocab_pad_multiple, int) or isinstance(vocab_pad_multiple, bool) or vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
         topology.check(spec)
-        check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order)
+        check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order, expert_order)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
             raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 "
                              "shards hold exactly their part of the tp box, without vocabulary padding; "
@@ -123,7 +151,11 @@ class Layout:
         self.vocab_pad_multiple = vocab_pad_multiple
         self.vocab_pad_rule = vocab_pad_rule  # realloc.conventions: engine conventions
         self.qkv_order = qkv_order
+        self.expert_order = expert_order
         self.stages = topology.stage_layers(spec)
+        self.num_experts = 1 + max((p.expert for p in spec.params if p.expert is not None), default=-1)
+        self._stage_cache: dict[int, tuple] = {}
+        self._rank_cache: dict[tuple[int, int, int, int], tuple[tuple[Shard, ...], dict[str, int]]] = {}
 
     # -- value semantics -------------------------------------------------------------------
     @property
@@ -136,13 +168,13 @@ class Layout:
         """What decides where every element sits; equal keys mean equal layouts."""
         t = self.topology
         return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp,
-                self.vocab_pad_rule, self.qkv_order, t.fsdp_split)
+                self.vocab_pad_rule, self.qkv_order, t.fsdp_split, t.ep, t.etp, self.expert_order)
 
     @property
     def options(self) -> dict:
         """Everything but spec and topology: ``Layout(spec, topology, **layout.options)``."""
         return {"vocab_pad_multiple": self.vocab_pad_multiple, "vocab_pad_rule": self.vocab_pad_rule,
-                "qkv_order": self.qkv_order}
+                "qkv_order": self.qkv_order, "expert_order": self.expert_order}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and (self is other or self.key == other.key)
@@ -155,7 +187,8 @@ class Layout:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["spec"], state["topology"], state["vocab_pad_multiple"],
-                      state.get("vocab_pad_rule", "megatron"), state.get("qkv_order", "hf"))
+                      state.get("vocab_pad_rule", "megatron"), state.get("qkv_order", "hf"),
+                      state.get("expert_order", "hf"))
 
     def with_topology(self, topology: Topology) -> "Layout":
         """The same model, padding and conventions in another topology."""
@@ -174,6 +207,12 @@ class Layout:
             text += f" vocab rule {self.vocab_pad_rule}"
         if self.qkv_order != "hf":
             text += f" qkv {self.qkv_order}"
+        if t.ep != 1:
+            text += f" ep {t.ep}"
+        if t.etp is not None:
+            text += f" etp {t.etp}"
+        if self.expert_order != "hf":
+            text += f" experts {self.expert_order}"
         return text
 
     def __repr__(self) -> str:
@@ -202,22 +241,56 @@ class Layout:
                 slots.append((p.name, p.name))
         return slots + tied_heads
 
+    def _stage(self, pp_rank: int) -> tuple[list[tuple], dict[int, list[tuple]]]:
+        """``(slots, experts)`` of a stage: ``(param spec, name, slot)`` of every slot in forward
+        order, and the routed experts' ones by expert index (built once per stage)."""
+        cached = self._stage_cache.get(pp_rank)
+        if cached is None:
+            by_name = self.spec.by_name
+            slots = [(by_name[name], name, slot) for name, slot in self.stage_slots(pp_rank)]
+            experts: dict[int, list[tuple]] = {}
+            for entry in slots:
+                if entry[0].expert is not None:
+                    experts.setdefault(entry[0].expert, []).append(entry)
+            cached = self._stage_cache[pp_rank] = (slots, experts)
+        return cached
+
+    def _box(self, p, name: str, slot: str, split: int, rank: int) -> tuple:
+        offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
+        if p.tp_dim is not None:
+            start, stop, local_size = p.tp_range(split, rank, self.vocab_pad_multiple, self.vocab_pad_rule)
+            offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
+        return p, name, slot, offsets, sizes, local
+
+    def _ordered(self, entries: list[tuple]) -> list[tuple]:
+        """Entries in forward order -> in the buffer order of the engine conventions."""
+        if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.conventions)
+            entries = megatron_qkv_order(entries, self.topology.tp)
+        if self.expert_order == "vllm":  # vLLM's w13_weight / w2_weight per layer
+            entries = vllm_expert_order(entries)
+        return entries
+
     def _tp_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
         """``(param spec, name, slot, offsets, sizes, local shape)`` of every slot of the
-        ``(tp_rank, pp_rank)`` coordinate before sharded data parallelism cuts it."""
-        by_name = self.spec.by_name
-        out = []
-        for name, slot in self.stage_slots(pp_rank):
-            p = by_name[name]
-            offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
-            if p.tp_dim is not None:
-                start, stop, local_size = p.tp_range(self.topology.tp, tp_rank, self.vocab_pad_multiple,
-                                                     self.vocab_pad_rule)
-                offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
-            out.append((p, name, slot, offsets, sizes, local))
-        if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.conventions)
-            out = megatron_qkv_order(out, self.topology.tp)
-        return out
+        ``(tp_rank, pp_rank)`` coordinate before sharded data parallelism cuts it (without expert
+        parallelism: routed experts are split by tp like every other parameter)."""
+        tp = self.topology.tp
+        return self._ordered([self._box(p, name, slot, tp, tp_rank) for p, name, slot in self._stage(pp_rank)[0]])
+
+    def _dense_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
+        """The boxes of the stage's parameters that are not routed experts, as :meth:`_tp_boxes`."""
+        tp = self.topology.tp
+        return self._ordered([self._box(p, name, slot, tp, tp_rank)
+                              for p, name, slot in self._stage(pp_rank)[0] if p.expert is None])
+
+    def _expert_boxes(self, ep_rank: int, etp_rank: int, pp_rank: int) -> list[tuple]:
+        """The boxes of the routed experts expert-parallel rank ``ep_rank`` holds on the stage,
+        cut by ``etp``, in forward order of the experts (each expert's tensors in spec order)."""
+        t, experts = self.topology, self._stage(pp_rank)[1]
+        entries = [self._box(p, name, slot, t.expert_tp, etp_rank)
+                   for e in expert_range(self.num_experts, t.ep, ep_rank) for p, name, slot in experts.get(e, ())]
+        entries.sort(key=lambda entry: entry[0].layer)  # stable: layer by layer, experts in order
+        return entries
 
     @cached_property
     def _coordinate_shards(self) -> dict[tuple[int, int, int], tuple[tuple[Shard, ...], dict[str, int]]]:
@@ -253,15 +326,49 @@ class Layout:
                     result[fsdp_rank, tp_rank, pp_rank] = tuple(shards), fill
         return result
 
+    def _expert_rank_shards(self, rank: int) -> tuple[tuple[Shard, ...], dict[str, int]]:
+        """(shards, elements per dtype buffer) of ``rank`` with expert parallelism: its dense and
+        expert boxes in forward order, then the conventions' order (built once per coordinate)."""
+        t = self.topology
+        _, ep_rank, etp_rank, pp_rank = t.expert_coords(rank)
+        key = (t.coords(rank)[1], ep_rank, etp_rank, pp_rank)
+        cached = self._rank_cache.get(key)
+        if cached is None:
+            held = expert_range(self.num_experts, t.ep, ep_rank)
+            entries = []
+            for p, name, slot in self._stage(pp_rank)[0]:
+                if p.expert is None:
+                    entries.append(self._box(p, name, slot, t.tp, key[0]))
+                elif p.expert in held:
+                    entries.append(self._box(p, name, slot, t.expert_tp, etp_rank))
+            fill: dict[str, int] = {}
+            shards = []
+            for p, name, slot, offsets, sizes, local in self._ordered(entries):
+                at = fill.get(p.dtype, 0)
+                shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
+                fill[p.dtype] = at + shard.local_numel
+                shards.append(shard)
+            cached = self._rank_cache[key] = (tuple(shards), fill)
+        return cached
+
     def shards_at(self, tp_rank: int, pp_rank: int, fsdp_rank: int = 0) -> tuple[Shard, ...]:
+        """The shards of every rank of coordinate ``(fsdp_rank, tp_rank, pp_rank)``; with expert
+        parallelism ranks of one coordinate differ in experts: use :meth:`shards`."""
+        if self.topology.expert_parallel:
+            raise ValueError(f"{self}: with expert parallelism the ranks of tp rank {tp_rank} hold different "
+                             "experts; ask for a rank's shards with shards(rank)")
         return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def shards(self, rank: int) -> tuple[Shard, ...]:
+        if self.topology.expert_parallel:
+            return self._expert_rank_shards(rank)[0]
         _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
         return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def buffer_numels(self, rank: int) -> dict[str, int]:
         """Elements of each dtype buffer of ``rank``."""
+        if self.topology.expert_parallel:
+            return dict(self._expert_rank_shards(rank)[1])
         _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
         return dict(self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][1])
 
@@ -273,12 +380,18 @@ class Layout:
 
         ``workers[rank]`` is the worker id of each rank (default: the rank itself), so two
         layouts over different workers (policy and reference model) share one id space.
+
+        With expert parallelism, per stage: one dense group per tp rank (over dp, the stage's
+        parameters that are not routed experts), then one expert group per ``(ep_rank,
+        etp_rank)`` (over the expert data-parallel replicas, its experts' boxes).
         """
         world = self.topology.world_size
         if workers is None:
             workers = list(range(world))
         if len(workers) != world:
             raise ValueError(f"{len(workers)} worker ids for {world} ranks of {self.topology}")
+        if self.topology.expert_parallel:
+            return self._expert_groups(workers)
         groups = []
         for (fsdp_rank, tp_rank, pp_rank), (shards, _) in self._coordinate_shards.items():
             pieces = tuple((s.param, s.offsets, s.sizes) for s in shards if s.numel)
@@ -286,6 +399,70 @@ class Layout:
             groups.append(Group(members, pieces))
         return groups
 
+
+    def _expert_groups(self, workers: list[int]) -> list[Group]:
+        t, groups = self.topology, []
+
+        def pieces(entries):
+            return tuple((name, tuple(o), tuple(z)) for _, name, _, o, z, _ in entries if all(z))
+
+        for pp_rank in range(t.pp):
+            for tp_rank in range(t.tp):
+                members = tuple(workers[r] for r in t.replica_ranks(tp_rank, pp_rank))
+                groups.append(Group(members, pieces(self._dense_boxes(tp_rank, pp_rank))))
+            if not self._stage(pp_rank)[1]:
+                continue  # a stage of dense layers only
+            for ep_rank in range(t.ep):
+                for etp_rank in range(t.expert_tp):
+                    members = tuple(workers[r] for r in t.expert_replica_ranks(etp_rank, ep_rank, pp_rank))
+                    groups.append(Group(members, pieces(self._expert_boxes(ep_rank, etp_rank, pp_rank))))
+        return groups
+
+    def _expert_piece_table(self, workers: list[int] | None) -> "PieceTable":
+        """:meth:`piece_table` with expert parallelism: the groups of :meth:`_expert_groups`; the
+        boxes of a routed expert's tensor are those of every tensor of its shape (one array pair
+        per shape, shared), in the groups of its expert-parallel rank."""
+        import numpy as np
+
+        from realloc.pieces import PieceTable
+
+        t = self.topology
+        if workers is None:
+            workers = list(range(t.world_size))
+        if len(workers) != t.world_size:
+            raise ValueError(f"{len(workers)} worker ids for {t.world_size} ranks of {t}")
+        etp, groups = t.expert_tp, []
+        owner = [r for r in range(t.ep) for _ in expert_range(self.num_experts, t.ep, r)]
+        rows: dict[str, tuple[list[int], list[list[int]], list[list[int]]]] = {}
+        tables: dict[str, tuple] = {}
+        boxes: dict[tuple, tuple] = {}  # (shape, tp_dim, tp_unit) -> offsets, sizes of the etp ranks
+        for pp_rank in range(t.pp):
+            for tp_rank in range(t.tp):
+                gi = len(groups)
+                groups.append(tuple(workers[r] for r in t.replica_ranks(tp_rank, pp_rank)))
+                for _, name, _, offsets, sizes, _ in self._dense_boxes(tp_rank, pp_rank):
+                    if all(sizes):
+                        entry = rows.setdefault(name, ([], [], []))
+                        entry[0].append(gi)
+                        entry[1].append(offsets)
+                        entry[2].append(sizes)
+            experts = self._stage(pp_rank)[1]
+            if not experts:
+                continue
+            first = len(groups)
+            groups += [tuple(workers[r] for r in t.expert_replica_ranks(etp_rank, ep_rank, pp_rank))
+                       for ep_rank in range(t.ep) for etp_rank in range(etp)]
+            indices = {r: np.arange(first + r * etp, first + (r + 1) * etp, dtype=np.int64) for r in range(t.ep)}
+            for e, entries in experts.items():
+                for p, name, slot in entries:
+                    kind = (p.shape, p.tp_dim, p.tp_unit)
+                    if kind not in boxes:
+                        cut = [self._box(p, name, slot, etp, r) for r in range(etp)]
+                        boxes[kind] = tuple(np.array([c[i] for c in cut], dtype=np.int64) for i in (3, 4))
+                    tables[name] = (indices[owner[e]],) + boxes[kind]
+        tables.update({name: (np.array(g, dtype=np.int64), np.array(o, dtype=np.int64), np.array(z, dtype=np.int64))
+                       for name, (g, o, z) in rows.items()})
+        return PieceTable(groups, tables)
 
     def piece_table(self, workers: list[int] | None = None) -> "PieceTable":
         """:meth:`groups` as a :class:`~realloc.pieces.PieceTable` (the same groups in the same
@@ -298,6 +475,8 @@ class Layout:
         t = self.topology
         if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
             return PieceTable.of_groups(self.groups(workers))
+        if t.expert_parallel:
+            return self._expert_piece_table(workers)
         if workers is None:
             workers = list(range(t.world_size))
         if len(workers) != t.world_size:

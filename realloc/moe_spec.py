@@ -180,18 +180,19 @@ Block = Callable[[int], list[ParamSpec]]
 
 
 def _param(layer: int, suffix: str, shape: tuple[int, ...], dtype: str, tp_dim: int | None = None,
-           unit: int = 1, buffer: bool = False) -> ParamSpec:
+           unit: int = 1, buffer: bool = False, expert: int | None = None) -> ParamSpec:
     return ParamSpec(f"model.layers.{layer}.{suffix}", shape, dtype, "layer", layer=layer, tp_dim=tp_dim,
-                     tp_unit=unit, buffer=buffer)
+                     tp_unit=unit, buffer=buffer, expert=expert)
 
 
 def _swiglu(layer: int, prefix: str, inter: int, hidden: int, dtype: str,
-            names: tuple[str, str, str] = _QWEN_PROJ) -> list[ParamSpec]:
-    """Gate and up column parallel (dim 0), down row parallel (dim 1)."""
+            names: tuple[str, str, str] = _QWEN_PROJ, expert: int | None = None) -> list[ParamSpec]:
+    """Gate and up column parallel (dim 0), down row parallel (dim 1); ``expert``: the routed
+    expert's index (``ParamSpec.expert``), ``None`` for dense and shared MLPs."""
     gate, up, down = names
-    return [_param(layer, f"{prefix}.{gate}.weight", (inter, hidden), dtype, 0),
-            _param(layer, f"{prefix}.{up}.weight", (inter, hidden), dtype, 0),
-            _param(layer, f"{prefix}.{down}.weight", (hidden, inter), dtype, 1)]
+    return [_param(layer, f"{prefix}.{gate}.weight", (inter, hidden), dtype, 0, expert=expert),
+            _param(layer, f"{prefix}.{up}.weight", (inter, hidden), dtype, 0, expert=expert),
+            _param(layer, f"{prefix}.{down}.weight", (hidden, inter), dtype, 1, expert=expert)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +206,7 @@ class _ExpertBlocks:
     def _routed(self, layer: int, block: str, inter: int, names: tuple[str, str, str]) -> list[ParamSpec]:
         params = [_param(layer, f"{block}.gate.weight", (self.experts, self.hidden), self.dtype)]
         for e in range(self.experts):
-            params += _swiglu(layer, f"{block}.experts.{e}", inter, self.hidden, self.dtype, names)
+            params += _swiglu(layer, f"{block}.experts.{e}", inter, self.hidden, self.dtype, names, expert=e)
         return params
 
     def mixtral(self, inter: int) -> Block:

@@ -33,6 +33,10 @@ class ParamSpec:
     ``buffer`` marks a tensor the checkpoint stores that is not a trainable parameter (a persistent
     buffer such as DeepSeek-V3's router ``e_score_correction_bias``): it moves like any other but is
     left out of parameter counts.
+    ``expert`` is the index of the routed expert the tensor belongs to (``None``: not a routed
+    expert; shared experts, routers and dense layers are ``None``). Expert parallelism
+    (``Topology.ep``/``etp``, docs/conventions.md "Expert parallelism") places routed experts
+    by it and cuts them by ``etp`` instead of ``tp``.
     """
 
     name: str
@@ -45,8 +49,13 @@ class ParamSpec:
     replicate_units: bool = False
     pad_to_tp: bool = False
     buffer: bool = False
+    expert: int | None = None
 
     def __post_init__(self) -> None:
+        if self.expert is not None and (isinstance(self.expert, bool) or not isinstance(self.expert, int)
+                                        or self.expert < 0 or self.role != "layer"):
+            raise ValueError(f"parameter {self.name!r}: expert {self.expert!r} must be a non-negative integer "
+                             "on a layer parameter")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"parameter {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         if self.role not in ROLES:

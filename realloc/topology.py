@@ -37,10 +37,24 @@ docs/conventions.md):
   ``VLLM_PP_LAYER_PARTITION``, Megatron's first/last-stage options).
 
 Every rule puts the embedding on stage 0 and the final norm and head on the last stage.
+
+Expert parallelism (``ep``, ``etp``; docs/conventions.md, "Expert parallelism") lays out the
+routed experts of MoE layers apart from the dense parts, which keep the order above. Within a
+pipeline stage, position ``i = tp_rank + tp * dp_rank`` (the rank modulo ``dp * tp``) is, in
+Megatron-core's expert mesh (``RankGenerator`` with order ``"tp-ep-dp-pp"`` in
+megatron/core/parallel_state.py ``initialize_model_parallel``)::
+
+    i = etp_rank + etp * (ep_rank + ep * edp_rank)
+
+``etp`` (expert tensor parallelism, Megatron's ``expert_tensor_parallel_size``) defaults to tp;
+the expert data-parallel size ``edp = dp * tp / (ep * etp)`` is what is left. With ``etp = 1``
+and ``ep = dp * tp`` this is vLLM's ``ep_rank = dp_rank * tp_size + tp_rank``
+(``FusedMoEParallelConfig.make`` in vllm/model_executor/layers/fused_moe/config.py).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -57,8 +71,9 @@ DEFAULT_FSDP_SPLIT = FSDP_SPLIT_RULES[0]
 
 _PART = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(\S*)\s*$")
 _INT = re.compile(r"^-?\d+$")
-_EXPECTED = ("expected dp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME, layer_split=A/B/... and "
-             "fsdp_split=NAME) separated by commas")
+_EXPECTED = ("expected dp=N, ep=N, etp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME, layer_split=A/B/... "
+             "and fsdp_split=NAME) separated by commas")
+_SIZES = ("dp", "fsdp", "tp", "pp", "ep", "etp")
 
 
 def _check_rule(rule: object, field: str = "pp_split", rules: tuple[str, ...] = PP_SPLIT_RULES) -> None:
@@ -125,7 +140,8 @@ class Topology:
     ``layer_split`` optionally fixes how many transformer layers each pipeline stage holds;
     without it ``pp_split`` names the rule that decides (default ``"vllm"``: the split vLLM and
     Megatron-core build; see the module docstring). The embedding is on the first stage, the
-    final norm and head on the last.
+    final norm and head on the last. ``ep``/``etp`` lay out the routed experts of MoE models
+    (expert parallelism, module docstring); ``etp`` reads ``None`` when it is tp.
 
     Example:
         >>> t = Topology.parse("dp=2,tp=4,pp=2")
@@ -145,12 +161,31 @@ class Topology:
     fsdp: int = 1
     #: How the fsdp ranks cut a tp shard (:data:`FSDP_SPLIT_RULES`); reads the default when fsdp == 1.
     fsdp_split: str = DEFAULT_FSDP_SPLIT
+    #: Expert-parallel size: routed experts are split in contiguous blocks over ``ep`` ranks of
+    #: every pipeline stage (module docstring; 1: every rank holds every expert of its stage).
+    ep: int = 1
+    #: Expert tensor-parallel size (Megatron's ``expert_tensor_parallel_size``); ``None`` (the
+    #: default) means ``tp``, and an ``etp`` equal to ``tp`` reads ``None``. Use :attr:`expert_tp`.
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        for dim in ("dp", "fsdp", "tp", "pp"):
+        for dim in _SIZES:
             value = getattr(self, dim)
+            if dim == "etp" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"topology {dim} must be a positive integer, got {value!r}")
+        if self.etp == self.tp:  # the default, spelled out
+            object.__setattr__(self, "etp", None)
+        block, experts = self.dp * self.tp, self.ep * self.expert_tp
+        if block % experts:
+            raise ValueError(
+                f"topology ep={self.ep} x etp={self.expert_tp} = {experts} must divide dp x tp = {block} (the ranks "
+                f"of a pipeline stage, which Megatron-core's expert mesh tp-ep-dp-pp splits into etp x ep x edp); "
+                f"e.g. dp={experts // math.gcd(experts, self.tp)} with tp={self.tp}")
+        if self.fsdp > 1 and self.expert_parallel:
+            raise ValueError(f"fsdp={self.fsdp} with ep={self.ep}, etp={self.expert_tp}: sharded data parallelism "
+                             "with expert parallelism is not supported yet; use fsdp=1 or ep=1 with etp=tp")
         if self.layer_split is not None:
             split = tuple(self.layer_split)
             object.__setattr__(self, "layer_split", split)
@@ -163,13 +198,36 @@ class Topology:
         if self.fsdp == 1:  # one fsdp rank holds its whole tp shard under every rule
             object.__setattr__(self, "fsdp_split", DEFAULT_FSDP_SPLIT)
 
+    @property
+    def expert_tp(self) -> int:
+        """The effective expert tensor-parallel size: ``etp``, or ``tp`` when not given."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: the replicas of one expert shard in a pipeline stage."""
+        return self.dp * self.tp // (self.ep * self.expert_tp)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether routed experts are laid out apart from the dense tp split (``ep > 1`` or ``etp != tp``)."""
+        return self.ep > 1 or self.etp is not None
+
     @staticmethod
     def parse(text: str) -> "Topology":
         """Parse ``"dp=2,tp=4,pp=2"`` or ``"dp=2,fsdp=4,tp=2"``; a missing dimension means 1.
 
         Optional parts: ``pp_split=NAME`` (a rule of :data:`PP_SPLIT_RULES`),
-        ``layer_split=A/B/...`` (layers per stage) and ``fsdp_split=NAME`` (a rule of
-        :data:`FSDP_SPLIT_RULES`). ``Topology.parse(str(t)) == t`` for every ``t``.
+        ``layer_split=A/B/...`` (layers per stage), ``fsdp_split=NAME`` (a rule of
+        :data:`FSDP_SPLIT_RULES`), ``ep=N`` and ``etp=N`` (expert parallelism; etp defaults to
+        tp). With ``ep`` but no ``dp``, dp is the smallest that ``ep * etp`` fits in:
+        ``ep * etp / gcd(ep * etp, tp)`` (``ep=8,tp=1`` is dp=8; ``ep=4,tp=2`` is dp=4, etp=2).
+        ``Topology.parse(str(t)) == t`` for every ``t``.
+
+        Example:
+            >>> t = Topology.parse("ep=4,tp=2")
+            >>> t.dp, t.world_size, str(t), str(Topology.parse("ep=8,etp=1,tp=2"))
+            (4, 8, 'dp=4,tp=2,pp=1,ep=4', 'dp=4,tp=2,pp=1,ep=8,etp=1')
         """
         if not isinstance(text, str):
             raise ValueError(f"a topology string looks like 'dp=2,tp=4,pp=2', got {type(text).__name__} {text!r}")
@@ -179,7 +237,7 @@ class Topology:
         for part in text.split(","):
             match = _PART.match(part)
             key, value = (match.group(1), match.group(2)) if match else (None, "")
-            if key in ("dp", "fsdp", "tp", "pp") and _INT.match(value):
+            if key in _SIZES and _INT.match(value):
                 parsed: object = int(value)
             elif key in ("pp_split", "fsdp_split") and value:
                 parsed = value
@@ -190,6 +248,11 @@ class Topology:
             if key in fields:
                 raise ValueError(f"topology {text!r} gives {key} twice")
             fields[key] = parsed
+        if "ep" in fields and "dp" not in fields:  # the smallest dp that ep x etp fits in
+            tp, ep = fields.get("tp", 1), fields["ep"]
+            etp = fields.get("etp", tp)
+            if all(isinstance(v, int) and v >= 1 for v in (tp, ep, etp)):
+                fields["dp"] = ep * etp // math.gcd(ep * etp, tp)  # type: ignore[operator]
         return Topology(**fields)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
@@ -200,6 +263,10 @@ class Topology:
             text += f",pp_split={self.pp_split}"
         if self.fsdp_split != DEFAULT_FSDP_SPLIT:
             text += f",fsdp_split={self.fsdp_split}"
+        if self.ep != 1:
+            text += f",ep={self.ep}"
+        if self.etp is not None:
+            text += f",etp={self.etp}"
         return text
 
     @property
@@ -232,6 +299,24 @@ class Topology:
     def replica_ranks(self, tp_rank: int, pp_rank: int, fsdp_rank: int = 0) -> list[int]:
         """Ranks holding the same shard (coordinate ``(fsdp_rank, tp_rank, pp_rank)``) in every dp replica."""
         return [self.rank(d, tp_rank, pp_rank, fsdp_rank) for d in range(self.dp)]
+
+    def expert_coords(self, rank: int) -> tuple[int, int, int, int]:
+        """``(edp_rank, ep_rank, etp_rank, pp_rank)`` of ``rank`` in the expert mesh (tp-ep-dp-pp).
+
+        Example:
+            >>> Topology.parse("dp=4,tp=2,pp=2,ep=4,etp=1").expert_coords(13)
+            (1, 1, 0, 1)
+        """
+        dp_rank, _, tp_rank, pp_rank = self.coords4(rank)
+        i, etp = tp_rank + self.tp * dp_rank, self.expert_tp
+        return i // (etp * self.ep), (i // etp) % self.ep, i % etp, pp_rank
+
+    def expert_replica_ranks(self, etp_rank: int, ep_rank: int, pp_rank: int) -> list[int]:
+        """Ranks holding the same expert shard: coordinate ``(etp_rank, ep_rank, pp_rank)`` in every
+        expert data-parallel replica (fsdp is 1 whenever experts are laid out apart)."""
+        step = self.expert_tp * self.ep
+        first = etp_rank + self.expert_tp * ep_rank + self.dp * self.tp * pp_rank
+        return list(range(first, first + step * self.expert_dp, step))
 
     def stage_counts(self, spec: "ModelSpec") -> tuple[int, ...]:
         """Number of transformer layers of each pipeline stage: ``layer_split`` if given, else
@@ -267,9 +352,23 @@ class Topology:
 
     def check(self, spec: "ModelSpec") -> None:
         """Raise ``ValueError`` if ``spec`` cannot take this topology."""
-        problems = spec.tp_problems(self.tp)
+        experts = self.expert_parallel
+        problems = [msg for p in spec.params if not (experts and p.expert is not None)
+                    and (msg := p.tp_problem(self.tp))]
         if problems:
             raise ValueError(f"tp={self.tp} does not fit {spec.name}: " + "; ".join(problems[:3]))
+        if experts:
+            count = 1 + max((p.expert for p in spec.params if p.expert is not None), default=-1)
+            if count == 0:
+                raise ValueError(f"ep={self.ep}, etp={self.expert_tp}: {spec.name} has no routed experts; "
+                                 "use ep=1 without etp")
+            if self.ep > count:
+                raise ValueError(f"ep={self.ep} is larger than the {count} routed experts of {spec.name}: every "
+                                 f"expert-parallel rank holds at least one expert (ep <= {count})")
+            problems = [msg for p in spec.params if p.expert is not None and (msg := p.tp_problem(self.expert_tp))]
+            if problems:
+                raise ValueError(f"etp={self.expert_tp} does not fit the experts of {spec.name}: "
+                                 + "; ".join(problems[:3]))
         self.stage_layers(spec)
 
 

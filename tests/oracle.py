@@ -40,8 +40,21 @@ Llama-style decoder:
   real elements) is flattened, padded to a multiple of ``fsdp`` and cut into ``fsdp`` equal parts;
   fsdp rank ``i`` holds part ``i`` (its ``ds_tensor``), every rank one part of every slot.
 
-The only realloc import is :func:`realloc.spec.decoder_spec`, to build the spec under test from
-the same description (:meth:`Decoder.spec`).
+* expert parallelism (:class:`MoeDecoder`, :func:`moe_local_tensors`), written from Megatron-core's
+  expert mesh (megatron/core/parallel_state.py ``initialize_model_parallel``: a
+  ``RankGenerator`` over sizes ``tp=expert_tensor_parallel_size, ep, dp=expert data parallel,
+  pp`` in order ``"tp-ep-dp-pp"``, the first name fastest) and vLLM's ``determine_expert_map``
+  (vllm/model_executor/layers/fused_moe/layer.py, linear placement: ``global // ep`` experts per
+  rank, the ``global % ep`` leftover ones one each to the first ranks, contiguous): a rank's
+  expert coordinates are the mixed-radix digits of its rank over ``[etp, ep, edp, pp]``; it
+  holds the experts vLLM's expert map gives its ep rank, each cut ``etp`` ways like a dense MLP
+  (gate/up by rows, down by columns); everything else is the dense model's slicing. vLLM's fused
+  ``w13_weight``/``w2_weight`` (:func:`vllm_w13`, :func:`vllm_w2`, from ``FusedMoE._load_w13`` /
+  ``_load_w2``): the local experts stacked, per expert the etp slice of gate then of up.
+
+The only realloc imports are :func:`realloc.spec.decoder_spec` and
+:func:`realloc.hf_config.spec_from_hf_config`, to build the spec under test from the same
+description (:meth:`Decoder.spec`, :meth:`MoeDecoder.spec`).
 """
 
 from __future__ import annotations
@@ -98,6 +111,7 @@ class Param:
     dtype: str
     rule: str  # vocab | head_rows | kv_rows | rows | head_cols | cols | whole
     home: "str | int"
+    expert: "int | None" = None  # a routed expert's index (MoeDecoder)
 
     @property
     def numel(self) -> int:
@@ -254,14 +268,17 @@ def tp_slice(d: Decoder, p: Param, full: torch.Tensor, tp: int, tp_rank: int, pa
     raise AssertionError(p.rule)
 
 
-def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int) -> list[tuple[str, Param]]:
-    """``(slot name, storage param)`` of pipeline stage ``pp_rank``, forward order."""
+def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int, plist: "list[Param] | None" = None
+                ) -> list[tuple[str, Param]]:
+    """``(slot name, storage param)`` of pipeline stage ``pp_rank``, forward order (of ``plist``,
+    default ``params(d)``)."""
+    plist = params(d) if plist is None else plist
     last = len(stages) - 1
-    by_name = {p.name: p for p in params(d)}
+    by_name = {p.name: p for p in plist}
     slots = []
     if pp_rank == 0:
         slots.append((EMBED, by_name[EMBED]))
-    for p in params(d):
+    for p in plist:
         if isinstance(p.home, int) and p.home in stages[pp_rank]:
             slots.append((p.name, p))
     if pp_rank == last:
@@ -425,3 +442,166 @@ def pp_rules(st, layers: int, pp: int):
     """Strategy: a ``pp_split`` rule name, the default ("vllm") first since hypothesis favours
     early choices; "megatron" only where pp divides the layers (elsewhere it refuses)."""
     return st.sampled_from(["vllm", "balanced"] + (["megatron"] if layers % pp == 0 else []))
+
+
+# -- mixture of experts with expert parallelism ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeDecoder(Decoder):
+    """A Qwen2-MoE-style decoder: the first ``dense_layers`` layers have a dense MLP
+    (``intermediate``), the others a router over ``experts`` routed experts of ``moe_inter`` rows
+    plus one shared expert of ``shared_inter`` rows behind a 1-row sigmoid gate."""
+
+    experts: int = 4
+    moe_inter: int = 4
+    shared_inter: int = 8
+    dense_layers: int = 1
+
+    def config(self) -> dict:
+        return {"model_type": "qwen2_moe", "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads, "head_dim": self.head_dim,
+                "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab, "num_experts": self.experts,
+                "moe_intermediate_size": self.moe_inter, "shared_expert_intermediate_size": self.shared_inter,
+                "mlp_only_layers": list(range(self.dense_layers)), "qkv_bias": self.qkv_bias,
+                "tie_word_embeddings": self.tied}
+
+    def spec(self, name: str = "oracle-moe"):
+        from realloc.hf_config import spec_from_hf_config
+
+        return spec_from_hf_config(self.config(), dtype=self.dtype, norm_dtype=self.norm_dtype, name=name)
+
+
+def moe_params(m: MoeDecoder) -> list[Param]:
+    """Storage tensors of ``m`` in forward order: the dense decoder's, with every MoE layer's MLP
+    replaced by the router, the routed experts (gate, up, down each) and the shared expert."""
+    out = []
+    for p in params(m):
+        layer = p.home
+        if not (isinstance(layer, int) and layer >= m.dense_layers and ".mlp." in p.name):
+            out.append(p)
+            continue
+        if not p.name.endswith("mlp.gate_proj.weight"):
+            continue  # the dense MLP's up/down: replaced with the gate below
+        pre = f"model.layers.{layer}.mlp."
+        out.append(Param(pre + "gate.weight", (m.experts, m.hidden), m.dtype, "whole", layer))
+        for e in range(m.experts):
+            for proj, shape, rule in (("gate_proj", (m.moe_inter, m.hidden), "rows"),
+                                      ("up_proj", (m.moe_inter, m.hidden), "rows"),
+                                      ("down_proj", (m.hidden, m.moe_inter), "cols")):
+                out.append(Param(f"{pre}experts.{e}.{proj}.weight", shape, m.dtype, rule, layer, expert=e))
+        for proj, shape, rule in (("gate_proj", (m.shared_inter, m.hidden), "rows"),
+                                  ("up_proj", (m.shared_inter, m.hidden), "rows"),
+                                  ("down_proj", (m.hidden, m.shared_inter), "cols")):
+            out.append(Param(f"{pre}shared_expert.{proj}.weight", shape, m.dtype, rule, layer))
+        out.append(Param(pre + "shared_expert_gate.weight", (1, m.hidden), m.dtype, "whole", layer))
+    return out
+
+
+def moe_tp_fits(m: MoeDecoder, tp: int) -> bool:
+    return tp_fits(m, tp) and m.shared_inter % tp == 0
+
+
+def vllm_expert_map(experts: int, ep: int) -> list[int]:
+    """vLLM's linear expert placement as an owner per expert: ep rank ``r`` gets ``experts // ep``
+    experts plus one if ``r < experts % ep``, in rank order."""
+    owner: list[int] = []
+    for r in range(ep):
+        owner += [r] * (experts // ep + (1 if r < experts % ep else 0))
+    return owner
+
+
+def local_experts(experts: int, ep: int, ep_rank: int) -> list[int]:
+    return [e for e, r in enumerate(vllm_expert_map(experts, ep)) if r == ep_rank]
+
+
+def expert_mesh_coords(rank: int, dp: int, tp: int, pp: int, ep: int, etp: int) -> tuple[int, int, int, int]:
+    """``(etp_rank, ep_rank, edp_rank, pp_rank)``: Megatron's RankGenerator, order tp-ep-dp-pp over
+    sizes ``[etp, ep, dp * tp // (ep * etp), pp]``."""
+    sizes = [etp, ep, dp * tp // (ep * etp), pp]
+    assert math.prod(sizes) == dp * tp * pp
+    digits = []
+    for n in sizes:
+        digits.append(rank % n)
+        rank //= n
+    return tuple(digits)  # type: ignore[return-value]
+
+
+def moe_local_tensors(m: MoeDecoder, full: dict[str, torch.Tensor], dp: int, tp: int, pp: int, ep: int, etp: int,
+                      stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0
+                      ) -> dict[str, torch.Tensor]:
+    """Slot name -> local tensor of ``rank`` with expert parallelism ``ep``/``etp``."""
+    etp_rank, ep_rank, _, pp_rank = expert_mesh_coords(rank, dp, tp, pp, ep, etp)
+    _, tp_rank, pp_dense = coords(rank, dp, tp, pp)
+    assert pp_dense == pp_rank
+    mine = set(local_experts(m.experts, ep, ep_rank))
+    out = {}
+    for slot, p in stage_slots(m, stages, pp_rank, moe_params(m)):
+        if p.expert is None:
+            out[slot] = tp_slice(m, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+        elif p.expert in mine:
+            out[slot] = full[p.name].chunk(etp, dim=0 if p.rule == "rows" else 1)[etp_rank].clone()
+    return out
+
+
+def moe_full_tensors(m: MoeDecoder, seed: int = 0, index: bool = False) -> dict[str, torch.Tensor]:
+    """As :func:`full_tensors` (``index=True``: :func:`index_tensors`) for the MoE parameters."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for p in moe_params(m):
+        if index:
+            out[p.name] = torch.arange(p.numel, dtype=torch.int64).reshape(p.shape)
+            continue
+        mag = 1 + torch.rand(p.shape, generator=g, dtype=torch.float64)
+        sign = torch.randint(0, 2, p.shape, generator=g, dtype=torch.int64) * 2 - 1
+        out[p.name] = (mag * sign).to(TORCH_DTYPES[p.dtype])
+    return out
+
+
+def vllm_w13(full: dict[str, torch.Tensor], layer: int, experts: list[int], etp: int, etp_rank: int) -> torch.Tensor:
+    """vLLM's ``w13_weight`` of an ep/etp rank: ``[len(experts), 2 * inter / etp, hidden]``, per
+    local expert its gate rows' etp slice (``w1``) then its up rows' (``w3``)."""
+    pre = f"model.layers.{layer}.mlp.experts."
+    return torch.stack([torch.cat([full[f"{pre}{e}.gate_proj.weight"].chunk(etp, 0)[etp_rank],
+                                   full[f"{pre}{e}.up_proj.weight"].chunk(etp, 0)[etp_rank]]) for e in experts])
+
+
+def vllm_w2(full: dict[str, torch.Tensor], layer: int, experts: list[int], etp: int, etp_rank: int) -> torch.Tensor:
+    """vLLM's ``w2_weight``: ``[len(experts), hidden, inter / etp]``, the down projections' column slices."""
+    pre = f"model.layers.{layer}.mlp.experts."
+    return torch.stack([full[f"{pre}{e}.down_proj.weight"].chunk(etp, 1)[etp_rank] for e in experts])
+
+
+def moe_decoders(st, max_layers: int = 4):
+    """A hypothesis strategy of small :class:`MoeDecoder` descriptions (dims divisible by 1, 2, 4)."""
+
+    @st.composite
+    def build(draw):
+        heads, kv = draw(st.sampled_from([(4, 2), (8, 2), (4, 4), (4, 1), (2, 2), (2, 1)]))
+        head_dim = draw(st.integers(1, 3))
+        dtype = draw(st.sampled_from(["bfloat16", "float32"]))
+        layers = draw(st.integers(2, max_layers))
+        return MoeDecoder(
+            hidden=heads * head_dim, intermediate=draw(st.sampled_from([8, 16])), layers=layers, heads=heads,
+            kv_heads=kv, head_dim=head_dim, vocab=draw(st.integers(5, 40)), tied=draw(st.booleans()),
+            qkv_bias=draw(st.booleans()), dtype=dtype, norm_dtype=draw(st.sampled_from(["float32", dtype])),
+            experts=draw(st.integers(1, 9)), moe_inter=draw(st.sampled_from([4, 8])),
+            shared_inter=draw(st.sampled_from([4, 8])), dense_layers=draw(st.integers(0, 1)))
+
+    return build()
+
+
+def ep_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, int, int]]:
+    """Every ``(dp, tp, pp, ep, etp)`` of ``world`` ranks that fits ``m``: ``ep * etp`` divides the
+    ``dp * tp`` ranks of a stage, ``ep`` at most the experts, etp splits the expert rows."""
+    out = []
+    for tp in range(1, world + 1):
+        for pp in range(1, world // tp + 1):
+            if world % (tp * pp) or not moe_tp_fits(m, tp) or pp > m.layers:
+                continue
+            block = world // pp
+            for ep in range(1, min(block, m.experts) + 1):
+                for etp in range(1, block // ep + 1):
+                    if block % (ep * etp) == 0 and m.moe_inter % etp == 0:
+                        out.append((block // tp, tp, pp, ep, etp))
+    return sorted(out, key=lambda t: (-(t[3] > 1), -sum(n > 1 for n in t)))

@@ -70,13 +70,19 @@ def test_decoder_spec_has_the_parameters_of_the_description():
 def test_shards_written_from_full_tensors_are_the_oracle_local_tensors(case):
     d, layout, pad = case
     full = oracle.full_tensors(d, seed=1)
+    check_shards_written_from_full_tensors(layout, full, lambda rank: oracle_locals(d, layout, rank, full, pad))
+
+
+def check_shards_written_from_full_tensors(layout, full, oracle_of_rank) -> None:
+    """Every rank's shards, written from the global tensors ``full`` through its boxes, are the
+    local tensors ``oracle_of_rank(rank)`` gives (padding zero)."""
     for rank in range(layout.topology.world_size):
         store = ShardStore(layout.shards(rank), allocate_buffers(layout, rank))
         for s in layout.shards(rank):
             box = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))
             store.write(s.param, s.offsets, s.sizes, full[s.param][box])
         got = store.shard_tensors()
-        want = oracle_locals(d, layout, rank, full, pad)
+        want = oracle_of_rank(rank)
         assert sorted(got) == sorted(want), f"rank {rank}: slots differ"
         for slot, tensor in want.items():
             assert got[slot].dtype == tensor.dtype, (rank, slot)

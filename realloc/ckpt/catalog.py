@@ -78,7 +78,8 @@ class Catalog:
 
     def _layout(self, manifest: Manifest) -> Layout | str:
         """The saved layout of ``manifest`` over the model (built once per save), or why there is none."""
-        key = (manifest.topology, manifest.vocab_pad_multiple, manifest.vocab_pad_rule, manifest.qkv_order)
+        key = (manifest.topology, manifest.vocab_pad_multiple, manifest.vocab_pad_rule, manifest.qkv_order,
+               manifest.expert_order)
         if key not in self._layouts:
             try:
                 self._layouts[key] = Layout(self.spec, *key)

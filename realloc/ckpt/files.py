@@ -104,7 +104,7 @@ def build_rank_file(ckpt_id: CheckpointId, layout: Layout, buffers: Mapping[str,
         vocab_pad_multiple=layout.vocab_pad_multiple, spec_name=spec.name,
         params={p.name: (tuple(p.shape), p.dtype) for p in spec.params}, buffers=expected,
         shards=tuple(records), file_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), written_on=node,
-        vocab_pad_rule=layout.vocab_pad_rule, qkv_order=layout.qkv_order)
+        vocab_pad_rule=layout.vocab_pad_rule, qkv_order=layout.qkv_order, expert_order=layout.expert_order)
     return data, manifest
 
 
@@ -113,7 +113,7 @@ def saved_topology(layout: Layout) -> Topology:
     never depends on which rule computed the split (rules and defaults may change; files stay)."""
     t = layout.topology
     return Topology(t.dp, t.tp, t.pp, layer_split=layout.layer_counts if t.pp > 1 else None, fsdp=t.fsdp,
-                    fsdp_split=t.fsdp_split)
+                    fsdp_split=t.fsdp_split, ep=t.ep, etp=t.etp)
 
 
 def rank_paths(directory: Path, ckpt_id: CheckpointId) -> tuple[Path, Path]:

@@ -159,13 +159,14 @@ class Manifest:
     written_on: str  # the node the rank ran on when it saved
     vocab_pad_rule: str = "megatron"  # engine conventions (realloc.conventions); in JSON only when not
     qkv_order: str = "hf"  # the default, so manifests of default layouts are unchanged
+    expert_order: str = "hf"
 
     # -- layout ---------------------------------------------------------------------------
     @property
     def layout_options(self) -> dict:
         """The saved layout's options: ``Layout(spec, topology, **options)`` (see ``Layout.options``)."""
         return {"vocab_pad_multiple": self.vocab_pad_multiple, "vocab_pad_rule": self.vocab_pad_rule,
-                "qkv_order": self.qkv_order}
+                "qkv_order": self.qkv_order, "expert_order": self.expert_order}
 
     def layout(self, spec: ModelSpec) -> Layout:
         """The saved layout, over ``spec`` (which must have this manifest's parameters)."""
@@ -246,7 +247,8 @@ class Manifest:
     def layout_key(self) -> tuple:
         """Equal for every rank file of one consistent save."""
         return (self.id.run_id, self.id.iteration, self.world_size, self.topology, self.vocab_pad_multiple,
-                tuple(sorted((k, v) for k, v in self.params.items())), self.vocab_pad_rule, self.qkv_order)
+                tuple(sorted((k, v) for k, v in self.params.items())), self.vocab_pad_rule, self.qkv_order,
+                self.expert_order)
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -256,6 +258,10 @@ class Manifest:
             topology["fsdp"] = t.fsdp
         if t.fsdp_split != DEFAULT_FSDP_SPLIT:  # likewise: only for ZeRO-3 flat partitions
             topology["fsdp_split"] = t.fsdp_split
+        if t.ep != 1:  # likewise: only with expert parallelism
+            topology["ep"] = t.ep
+        if t.etp is not None:
+            topology["etp"] = t.etp
         data = {
             "format": FORMAT,
             "run_id": self.id.run_id, "iteration": self.id.iteration, "rank": self.id.rank,
@@ -269,7 +275,7 @@ class Manifest:
             "file": {"bytes": self.file_bytes, "sha256": self.sha256},
             "written_on": self.written_on,
         }
-        for name, default in (("vocab_pad_rule", "megatron"), ("qkv_order", "hf")):
+        for name, default in (("vocab_pad_rule", "megatron"), ("qkv_order", "hf"), ("expert_order", "hf")):
             if getattr(self, name) != default:  # written only when not the default
                 data[name] = getattr(self, name)
         return data
@@ -290,7 +296,8 @@ class Manifest:
                 id=CheckpointId(data["run_id"], data["iteration"], data["rank"]),
                 world_size=int(data["world_size"]),
                 topology=Topology(topo["dp"], topo["tp"], topo["pp"], tuple(split) if split else None,
-                                  fsdp=topo.get("fsdp", 1), fsdp_split=topo.get("fsdp_split", DEFAULT_FSDP_SPLIT)),
+                                  fsdp=topo.get("fsdp", 1), fsdp_split=topo.get("fsdp_split", DEFAULT_FSDP_SPLIT),
+                                  ep=topo.get("ep", 1), etp=topo.get("etp")),
                 vocab_pad_multiple=int(data["vocab_pad_multiple"]),
                 spec_name=str(data["spec"]["name"]),
                 params={k: (tuple(int(x) for x in s), str(d)) for k, (s, d) in data["spec"]["params"].items()},
@@ -302,6 +309,7 @@ class Manifest:
                 written_on=str(data["written_on"]),
                 vocab_pad_rule=str(data.get("vocab_pad_rule", "megatron")),
                 qkv_order=str(data.get("qkv_order", "hf")),
+                expert_order=str(data.get("expert_order", "hf")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"manifest is missing or has a malformed field: {exc!r}") from exc
