@@ -462,7 +462,7 @@ class Layout:
                     tables[name] = (indices[owner[e]],) + boxes[kind]
         tables.update({name: (np.array(g, dtype=np.int64), np.array(o, dtype=np.int64), np.array(z, dtype=np.int64))
                        for name, (g, o, z) in rows.items()})
-        return PieceTable(groups, tables)
+        return PieceTable(groups, tables, boxes_checked=True)
 
     def piece_table(self, workers: list[int] | None = None) -> "PieceTable":
         """:meth:`groups` as a :class:`~realloc.pieces.PieceTable` (the same groups in the same
@@ -511,7 +511,7 @@ class Layout:
         tables = {name: tuple(np.concatenate(c) for c in zip(*chunks)) for name, chunks in parts.items()}
         tables.update({name: (np.array(g, dtype=np.int64), np.array(o, dtype=np.int64), np.array(z, dtype=np.int64))
                        for name, (g, o, z) in rows.items()})
-        return PieceTable(groups, tables)
+        return PieceTable(groups, tables, boxes_checked=True)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ class PieceTable:
 
     groups: list[tuple[int, ...]]
     params: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    #: The boxes lie inside their parameters' shapes by construction (a layout's, built from the
+    #: spec it was checked against): the planner checks only the names and the workers.
+    boxes_checked: bool = False
 
     @staticmethod
     def of_groups(groups: Sequence[Group]) -> "PieceTable":

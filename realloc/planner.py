@@ -192,6 +192,8 @@ def _validate(holdings: PieceTable, needs: PieceTable, placement: Placement, par
         unknown = [p for p in table.params if p not in params]
         if unknown:
             raise ValueError(f"{what}: unknown parameter {unknown[0]!r}")
+        if table.boxes_checked:
+            continue
         by_ndim: dict[int, list[str]] = defaultdict(list)
         for param, (_, offsets, _) in table.params.items():
             if offsets.shape[1] != len(params[param][0]):
@@ -609,32 +611,36 @@ class _Router:
         info = self._need_nodes_of(b.needers)
         holder_nodes = sender[info.node_idx[pos]]
         single = self._single_holders(b.holders)
-        if single is not None:
-            # Each needing node is served by its own holder node's one holder, and the nodes'
-            # needing workers are disjoint: the greedy choice of each node's entry (least
-            # ingress, lowest id on ties) is independent of the other nodes', so all at once.
-            src, candidates = single[holder_nodes], info.padded[pos]
-            if candidates.shape[1] == 1:  # one needing worker per node: it is the entry
-                self._record(0, src, candidates[:, 0], key)
-                return
-            present = candidates >= 0
-            load = np.where(present, self.ingress[candidates], np.iinfo(np.int64).max)
-            choice = np.argmin(load, axis=1)
-            entry = candidates[np.arange(pos.size), choice]
-            fan = present.copy()
-            fan[np.arange(pos.size), choice] = False
-            fan_src, fan_dst = np.broadcast_to(entry[:, None], fan.shape)[fan], candidates[fan]
-            self._record(0, src, entry, key)
-            self._record(1, fan_src, fan_dst, key)
+        src = single[holder_nodes] if single is not None else self._senders(b, holder_nodes, nbytes)
+        # The nodes' needing workers are disjoint, so each node's entry (least ingress, lowest
+        # id on ties) does not depend on the other nodes' choices: all at once.
+        candidates = info.padded[pos]
+        if candidates.shape[1] == 1:  # one needing worker per node: it is the entry
+            self._record(0, src, candidates[:, 0], key)
             return
-        for p, h in zip(pos.tolist(), holder_nodes.tolist()):
-            needers = info.workers[p]
-            src = self._least(b.holders[self.node_names[h]], self.egress)
-            entry = self._least(needers, self.ingress)
-            self._send(0, src, entry, key)
-            for w in needers:
-                if w != entry:
-                    self._send(1, entry, w, key)
+        present = candidates >= 0
+        load = np.where(present, self.ingress[candidates], np.iinfo(np.int64).max)
+        choice = np.argmin(load, axis=1)
+        entry = candidates[np.arange(pos.size), choice]
+        fan = present.copy()
+        fan[np.arange(pos.size), choice] = False
+        fan_src, fan_dst = np.broadcast_to(entry[:, None], fan.shape)[fan], candidates[fan]
+        self._record(0, src, entry, key)
+        self._record(1, fan_src, fan_dst, key)
+
+    def _senders(self, b: _Bundle, holder_nodes: np.ndarray, nbytes: int) -> np.ndarray:
+        """The holder worker sending each delivery: one at a time, each delivery would go to the
+        holder of its node with the least egress (lowest id on ties), which then has ``nbytes``
+        more. For ``k`` deliveries from one node that is the ``k`` smallest of
+        ``(egress[w] + j * nbytes, w)`` over its holders ``w`` and ``j = 0..k-1``, in order."""
+        src = np.empty(holder_nodes.size, dtype=_ID)
+        for h in np.unique(holder_nodes).tolist():
+            at = np.flatnonzero(holder_nodes == h)
+            workers = np.array(b.holders[self.node_names[h]], dtype=np.int64)
+            loads = self.egress[workers][:, None] + np.arange(at.size, dtype=np.int64) * nbytes
+            ids = np.broadcast_to(workers[:, None], loads.shape).ravel()
+            src[at] = ids[np.lexsort((ids, loads.ravel()))[:at.size]]
+        return src
 
     # -- step 4: route lists, segments, steps, stats -----------------------------------------
 
@@ -723,6 +729,8 @@ class _Router:
         lists: list[Sequence[int]] = []
         list_bytes: list[int] = []
         counts: list[int] = []
+        shapes: dict[int, tuple] = {}  # id of a cell list -> its cells' sizes
+        known: dict[tuple, int] = {}  # size signature of a list -> its bucket count
         for ks in key_lists:
             if len(ks) == 1:
                 ids, nbytes, padded = key_range[ks[0]], self.key_bytes[ks[0]], aligned[ks[0]]
@@ -734,10 +742,26 @@ class _Router:
             if padded <= bucket_bytes:
                 counts.append(int(nbytes > 0))
             else:  # larger than one bucket: cut it as the executors will
-                counts.append(bucket_count([Segment(p, o, z, dtype) for k in ks for names, dtype, cells in
-                                            self.blocks_of(self.keys[k]) for p in names for o, z in cells],
-                                           bucket_bytes))
+                counts.append(self._bucket_count(ks, bucket_bytes, shapes, known))
         return table, lists, list_bytes, counts
+
+    def _bucket_count(self, ks: tuple[int, ...], bucket_bytes: int, shapes: dict, known: dict) -> int:
+        """``bucket_count`` of a list's segments. Cutting depends only on the sequence of
+        segment sizes and dtypes (not names or offsets), so lists with the same sequence (the
+        same experts on another rank, the same layers on another replica) are cut once."""
+        blocks = [b for k in ks for b in self.blocks_of(self.keys[k])]
+        signature = []
+        for names, dtype, cells in blocks:
+            sizes = shapes.get(id(cells))
+            if sizes is None:
+                sizes = shapes[id(cells)] = tuple(z for _, z in cells)
+            signature.append((len(names), dtype, sizes))
+        signature = tuple(signature)
+        n = known.get(signature)
+        if n is None:
+            n = known[signature] = bucket_count([Segment(p, o, z, dtype) for names, dtype, cells in blocks
+                                                 for p in names for o, z in cells], bucket_bytes)
+        return n
 
     def _stats(self, src, dst, nbytes, step_starts, local_copies, list_bytes) -> dict:
         """Plan statistics from the routes (sorted by step, step ``s`` being
