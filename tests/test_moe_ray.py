@@ -52,8 +52,10 @@ def test_the_model_has_what_moe_models_have():
 
 @pytest.mark.parametrize("route", [
     ["dp=1,tp=4,pp=2", "dp=8,tp=1,pp=1", "dp=2,tp=4,pp=1", "dp=1,tp=2,pp=4"],
-])
-def test_reallocations_through_tp_and_pp_are_bit_exact(env, route):
+    # expert parallelism: ep 2 -> 4 -> 8, ep x tp changes, vLLM's ep = dp*tp with etp=1, ep with pp
+    ["dp=4,tp=2,ep=2,etp=2", "dp=4,tp=2,ep=4", "ep=8,tp=1", "dp=2,tp=4,ep=8,etp=1", "dp=2,tp=2,pp=2,ep=2"],
+], ids=["tp-pp", "ep"])
+def test_reallocations_are_bit_exact(env, route):
     g = env.group
     for topo in route + [str(TRAIN)]:
         g.reallocate(Topology.parse(topo))
@@ -63,7 +65,7 @@ def test_reallocations_through_tp_and_pp_are_bit_exact(env, route):
 def test_cross_model_copy_into_a_reference_in_another_layout(env):
     from actors import ModelGroup
 
-    reference = ModelGroup.create(SPEC, Topology(dp=1, tp=4, pp=1), name="moe-ref", timeout_s=60)
+    reference = ModelGroup.create(SPEC, Topology.parse("dp=1,tp=4,ep=4,etp=1"), name="moe-ref", timeout_s=60)
     try:
         reference.init_synthetic(OTHER)
         env.group.copy_to(reference)
@@ -75,7 +77,7 @@ def test_cross_model_copy_into_a_reference_in_another_layout(env):
 def test_checkpoint_save_and_resharding_load(env):
     g, m = env.group, env.manager
     m.save(1)
-    g.reallocate(Topology(dp=4, tp=2, pp=1))
+    g.reallocate(Topology.parse("dp=4,tp=2,ep=4"))  # into an expert-parallel layout
     g.init_synthetic(OTHER)
     stats = m.load()
     assert stats.method == "reshard" and g.verify_synthetic(SEED) == {}
