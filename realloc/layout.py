@@ -155,6 +155,7 @@ class Layout:
         self.stages = topology.stage_layers(spec)
         self.num_experts = 1 + max((p.expert for p in spec.params if p.expert is not None), default=-1)
         self._stage_cache: dict[int, tuple] = {}
+        self._box_cache: dict[tuple, tuple] = {}
         self._rank_cache: dict[tuple[int, int, int, int], tuple[tuple[Shard, ...], dict[str, int]]] = {}
 
     # -- value semantics -------------------------------------------------------------------
@@ -256,11 +257,17 @@ class Layout:
         return cached
 
     def _box(self, p, name: str, slot: str, split: int, rank: int) -> tuple:
-        offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
-        if p.tp_dim is not None:
-            start, stop, local_size = p.tp_range(split, rank, self.vocab_pad_multiple, self.vocab_pad_rule)
-            offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
-        return p, name, slot, offsets, sizes, local
+        # tensors of one kind (every layer's q_proj, every expert's down_proj) have one box per
+        # (split, rank): computed once (tp_range reads only these fields of the spec)
+        key = (p.shape, p.tp_dim, p.tp_unit, p.replicate_units, p.pad_to_tp, split, rank)
+        box = self._box_cache.get(key)
+        if box is None:
+            offsets, sizes, local = [0] * len(p.shape), list(p.shape), list(p.shape)
+            if p.tp_dim is not None:
+                start, stop, local_size = p.tp_range(split, rank, self.vocab_pad_multiple, self.vocab_pad_rule)
+                offsets[p.tp_dim], sizes[p.tp_dim], local[p.tp_dim] = start, stop - start, local_size
+            box = self._box_cache[key] = (tuple(offsets), tuple(sizes), tuple(local))
+        return p, name, slot, list(box[0]), list(box[1]), list(box[2])
 
     def _ordered(self, entries: list[tuple]) -> list[tuple]:
         """Entries in forward order -> in the buffer order of the engine conventions."""
@@ -460,8 +467,17 @@ class Layout:
                         cut = [self._box(p, name, slot, etp, r) for r in range(etp)]
                         boxes[kind] = tuple(np.array([c[i] for c in cut], dtype=np.int64) for i in (3, 4))
                     tables[name] = (indices[owner[e]],) + boxes[kind]
-        tables.update({name: (np.array(g, dtype=np.int64), np.array(o, dtype=np.int64), np.array(z, dtype=np.int64))
-                       for name, (g, o, z) in rows.items()})
+        by_ndim: dict[int, list[str]] = {}
+        for name, (_, o, _) in rows.items():
+            by_ndim.setdefault(len(o[0]), []).append(name)
+        for ndim, names in by_ndim.items():  # one array per tensor rank, then a view per parameter
+            counts = [len(rows[name][0]) for name in names]
+            ends = np.cumsum(counts).tolist()
+            g = np.array([x for name in names for x in rows[name][0]], dtype=np.int64)
+            o = np.array([x for name in names for x in rows[name][1]], dtype=np.int64).reshape(-1, ndim)
+            z = np.array([x for name in names for x in rows[name][2]], dtype=np.int64).reshape(-1, ndim)
+            for name, end, n in zip(names, ends, counts):
+                tables[name] = (g[end - n:end], o[end - n:end], z[end - n:end])
         return PieceTable(groups, tables, boxes_checked=True)
 
     def piece_table(self, workers: list[int] | None = None) -> "PieceTable":
@@ -509,8 +525,17 @@ class Layout:
                     siz[:, 0] = held[keep]
                     parts.setdefault(name, []).append((base + keep, off, siz))
         tables = {name: tuple(np.concatenate(c) for c in zip(*chunks)) for name, chunks in parts.items()}
-        tables.update({name: (np.array(g, dtype=np.int64), np.array(o, dtype=np.int64), np.array(z, dtype=np.int64))
-                       for name, (g, o, z) in rows.items()})
+        by_ndim: dict[int, list[str]] = {}
+        for name, (_, o, _) in rows.items():
+            by_ndim.setdefault(len(o[0]), []).append(name)
+        for ndim, names in by_ndim.items():  # one array per tensor rank, then a view per parameter
+            counts = [len(rows[name][0]) for name in names]
+            ends = np.cumsum(counts).tolist()
+            g = np.array([x for name in names for x in rows[name][0]], dtype=np.int64)
+            o = np.array([x for name in names for x in rows[name][1]], dtype=np.int64).reshape(-1, ndim)
+            z = np.array([x for name in names for x in rows[name][2]], dtype=np.int64).reshape(-1, ndim)
+            for name, end, n in zip(names, ends, counts):
+                tables[name] = (g[end - n:end], o[end - n:end], z[end - n:end])
         return PieceTable(groups, tables, boxes_checked=True)
 
 
