@@ -1,4 +1,4 @@
-"""The process groups user code gets on a worker: dp, tp and pp of the current layout.
+"""The process groups user code gets on a worker: dp, fsdp, tp, pp and the expert groups of the current layout.
 
 Each model group has its own rendezvous store (hosted by its rank-0 worker) and, on every
 worker, one :class:`~actors.communicator.Communicators` cache of private process groups over
@@ -8,6 +8,10 @@ it. :class:`ParallelGroups` names the groups of one rank of one layout:
 * ``dp``: the replicas of this rank's shard (same fsdp, tp and pp coordinate);
 * ``fsdp``: the ranks sharding this rank's tp shard (FSDP2's shard group; one rank when fsdp=1);
 * ``pp``: the stages of this rank's replica and tp coordinate;
+* ``ep``, ``etp``, ``edp``: the expert-parallel, expert-tensor-parallel and expert-data-parallel
+  groups of the expert mesh (Megatron's tp-ep-dp-pp order inside a stage, see
+  :meth:`realloc.topology.Topology.expert_coords`); without expert parallelism ``ep`` is this rank
+  alone, ``etp`` is ``tp`` and ``edp`` is ``dp``, as in Megatron-core;
 * ``model``: every worker of the model group.
 
 Group ranks follow the topology's rank order (tp fastest, then fsdp, dp and pp: torchtitan's
@@ -35,24 +39,36 @@ class GroupRanks:
     tp: tuple[int, ...]
     pp: tuple[int, ...]
     model: tuple[int, ...]
+    ep: tuple[int, ...] = ()
+    etp: tuple[int, ...] = ()
+    edp: tuple[int, ...] = ()
 
     @staticmethod
     def of(layout: Layout, rank: int) -> "GroupRanks":
         """Example:
             >>> from realloc import ModelSpec, Topology
             >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, tp=2, pp=2)), 5)
-            GroupRanks(dp=(5, 7), fsdp=(5,), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7))
+            GroupRanks(dp=(5, 7), fsdp=(5,), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7), ep=(5,), etp=(4, 5), edp=(5, 7))
             >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, fsdp=2, tp=2)), 5).fsdp
             (5, 7)
         """
         t = layout.topology
         dp_rank, fsdp_rank, tp_rank, pp_rank = t.coords4(rank)
+        edp_rank, ep_rank, etp_rank, _ = t.expert_coords(rank)
+        etp, stage = t.expert_tp, t.dp * t.tp * pp_rank
+
+        def expert_rank(edp: int, ep: int, etp_: int) -> int:
+            return stage + etp_ + etp * (ep + t.ep * edp)
+
         return GroupRanks(
             dp=tuple(t.replica_ranks(tp_rank, pp_rank, fsdp_rank)),
             fsdp=tuple(t.rank(dp_rank, tp_rank, pp_rank, i) for i in range(t.fsdp)),
             tp=tuple(t.rank(dp_rank, i, pp_rank, fsdp_rank) for i in range(t.tp)),
             pp=tuple(t.rank(dp_rank, tp_rank, i, fsdp_rank) for i in range(t.pp)),
             model=tuple(range(t.world_size)),
+            ep=tuple(expert_rank(edp_rank, i, etp_rank) for i in range(t.ep)),
+            etp=tuple(expert_rank(edp_rank, ep_rank, i) for i in range(etp)),
+            edp=tuple(t.expert_replica_ranks(etp_rank, ep_rank, pp_rank)),
         )
 
 
@@ -98,6 +114,18 @@ class ParallelGroups:
     @cached_property
     def model(self):
         return self._group("model")
+
+    @cached_property
+    def ep(self):
+        return self._group("ep")
+
+    @cached_property
+    def etp(self):
+        return self._group("etp")
+
+    @cached_property
+    def edp(self):
+        return self._group("edp")
 
     def __repr__(self) -> str:
         return f"ParallelGroups(rank {self.rank} of {self.layout}, {self.ranks})"

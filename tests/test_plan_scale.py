@@ -11,6 +11,7 @@ execution, each element written once, senders hold what they send, inter-node by
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -141,3 +142,28 @@ def test_cyclic_schedule_only_where_it_costs_few_steps():
     assert planner._cyclic_suits(sparse_src, sparse_dst)  # the same 4 offsets everywhere: 4 colours
     scattered = (sparse_src + rng.integers(1, many, sparse_src.size)) % many  # 4 random peers each
     assert not planner._cyclic_suits(sparse_src, scattered)
+
+
+@pytest.mark.parametrize("topology", ["dp=4,tp=2,pp=2,ep=4,etp=1", "dp=4,tp=2,ep=2", "dp=2,tp=4,ep=8,etp=1", "dp=2,tp=2,pp=2"])
+def test_expert_process_groups_follow_megatrons_expert_mesh(topology):
+    """Written from Megatron-core's RankGenerator(tp=etp, ep, dp=edp, pp, order "tp-ep-dp-pp"):
+    inside a stage, rank = etp_rank + etp * (ep_rank + ep * edp_rank)."""
+    from actors.parallel import GroupRanks
+    from realloc.cli import load_model
+
+    spec = load_model(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
+    t = Topology.parse(topology)
+    etp = t.etp or t.tp
+    ep, edp, block = t.ep, t.dp * t.tp // (t.ep * etp), t.dp * t.tp
+    mesh = {}
+    for pp in range(t.pp):
+        for d in range(edp):
+            for e in range(ep):
+                for x in range(etp):
+                    mesh[pp * block + x + etp * (e + ep * d)] = (pp, d, e, x)
+    layout = Layout(spec, t)
+    for rank, (pp, d, e, x) in mesh.items():
+        got = GroupRanks.of(layout, rank)
+        assert got.ep == tuple(r for r, m in sorted(mesh.items()) if m[0] == pp and m[1] == d and m[3] == x)
+        assert got.etp == tuple(r for r, m in sorted(mesh.items()) if m[0] == pp and m[1] == d and m[2] == e)
+        assert got.edp == tuple(r for r, m in sorted(mesh.items()) if m[0] == pp and m[2] == e and m[3] == x)
