@@ -26,7 +26,6 @@ layouts creates communicators in its first round only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from realloc.layout import Layout
 
@@ -72,6 +71,19 @@ class GroupRanks:
         )
 
 
+class _Axis:
+    """A group of :class:`ParallelGroups` named by the attribute, created on first use, then cached."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, groups, owner=None):
+        if groups is None:
+            return self
+        group = groups.__dict__[self.name] = groups._group(self.name)
+        return group
+
+
 class ParallelGroups:
     """The dp/fsdp/tp/pp/model process groups of rank ``rank`` of ``layout`` (``ctx.groups``).
 
@@ -95,37 +107,14 @@ class ParallelGroups:
             raise RuntimeError("this worker has no process groups for user code yet (the group is still starting)")
         return self._communicators.group(getattr(self.ranks, axis))
 
-    @cached_property
-    def dp(self):
-        return self._group("dp")
-
-    @cached_property
-    def fsdp(self):
-        return self._group("fsdp")
-
-    @cached_property
-    def tp(self):
-        return self._group("tp")
-
-    @cached_property
-    def pp(self):
-        return self._group("pp")
-
-    @cached_property
-    def model(self):
-        return self._group("model")
-
-    @cached_property
-    def ep(self):
-        return self._group("ep")
-
-    @cached_property
-    def etp(self):
-        return self._group("etp")
-
-    @cached_property
-    def edp(self):
-        return self._group("edp")
+    dp = _Axis()
+    fsdp = _Axis()
+    tp = _Axis()
+    pp = _Axis()
+    model = _Axis()
+    ep = _Axis()
+    etp = _Axis()
+    edp = _Axis()
 
     def __repr__(self) -> str:
         return f"ParallelGroups(rank {self.rank} of {self.layout}, {self.ranks})"

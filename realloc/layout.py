@@ -467,17 +467,7 @@ class Layout:
                         cut = [self._box(p, name, slot, etp, r) for r in range(etp)]
                         boxes[kind] = tuple(np.array([c[i] for c in cut], dtype=np.int64) for i in (3, 4))
                     tables[name] = (indices[owner[e]],) + boxes[kind]
-        by_ndim: dict[int, list[str]] = {}
-        for name, (_, o, _) in rows.items():
-            by_ndim.setdefault(len(o[0]), []).append(name)
-        for ndim, names in by_ndim.items():  # one array per tensor rank, then a view per parameter
-            counts = [len(rows[name][0]) for name in names]
-            ends = np.cumsum(counts).tolist()
-            g = np.array([x for name in names for x in rows[name][0]], dtype=np.int64)
-            o = np.array([x for name in names for x in rows[name][1]], dtype=np.int64).reshape(-1, ndim)
-            z = np.array([x for name in names for x in rows[name][2]], dtype=np.int64).reshape(-1, ndim)
-            for name, end, n in zip(names, ends, counts):
-                tables[name] = (g[end - n:end], o[end - n:end], z[end - n:end])
+        tables.update(_row_arrays(rows))
         return PieceTable(groups, tables, boxes_checked=True)
 
     def piece_table(self, workers: list[int] | None = None) -> "PieceTable":
@@ -525,18 +515,29 @@ class Layout:
                     siz[:, 0] = held[keep]
                     parts.setdefault(name, []).append((base + keep, off, siz))
         tables = {name: tuple(np.concatenate(c) for c in zip(*chunks)) for name, chunks in parts.items()}
-        by_ndim: dict[int, list[str]] = {}
-        for name, (_, o, _) in rows.items():
-            by_ndim.setdefault(len(o[0]), []).append(name)
-        for ndim, names in by_ndim.items():  # one array per tensor rank, then a view per parameter
-            counts = [len(rows[name][0]) for name in names]
-            ends = np.cumsum(counts).tolist()
-            g = np.array([x for name in names for x in rows[name][0]], dtype=np.int64)
-            o = np.array([x for name in names for x in rows[name][1]], dtype=np.int64).reshape(-1, ndim)
-            z = np.array([x for name in names for x in rows[name][2]], dtype=np.int64).reshape(-1, ndim)
-            for name, end, n in zip(names, ends, counts):
-                tables[name] = (g[end - n:end], o[end - n:end], z[end - n:end])
+        tables.update(_row_arrays(rows))
         return PieceTable(groups, tables, boxes_checked=True)
+
+
+def _row_arrays(rows: dict[str, tuple[list[int], list, list]]) -> dict[str, tuple]:
+    """Per parameter ``(groups, offsets, sizes)`` lists -> arrays: one array per tensor rank
+    for all parameters, then a view of it per parameter (one ``np.array`` call, not three per
+    parameter)."""
+    import numpy as np
+
+    by_ndim: dict[int, list[str]] = {}
+    for name, (_, o, _) in rows.items():
+        by_ndim.setdefault(len(o[0]), []).append(name)
+    out = {}
+    for ndim, names in by_ndim.items():
+        counts = [len(rows[name][0]) for name in names]
+        ends = np.cumsum(counts).tolist()
+        g = np.array([x for name in names for x in rows[name][0]], dtype=np.int64)
+        o = np.array([x for name in names for x in rows[name][1]], dtype=np.int64).reshape(-1, ndim)
+        z = np.array([x for name in names for x in rows[name][2]], dtype=np.int64).reshape(-1, ndim)
+        for name, end, n in zip(names, ends, counts):
+            out[name] = (g[end - n:end], o[end - n:end], z[end - n:end])
+    return out
 
 
 @dataclass(frozen=True)

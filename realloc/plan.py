@@ -63,7 +63,27 @@ class Route(NamedTuple):
     segment_list: int
 
 
-class SegmentTable(Sequence[Segment]):
+class _ReadOnlyList(Sequence):
+    """Indexing as a list's (negative indices, slices as lists, ``IndexError`` past the end);
+    subclasses give ``__len__`` and ``_item`` for ``0 <= index < len(self)``."""
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"{type(self).__name__} index {index} out of range ({len(self)})")
+        return self._item(index)
+
+    def _item(self, index: int):
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+
+class SegmentTable(_ReadOnlyList):
     """Segments stored as runs, a read-only list: run ``(params, dtype, cells)`` stands for
     ``[Segment(p, *cell, dtype) for p in params for cell in cells]``.
 
@@ -81,13 +101,7 @@ class SegmentTable(Sequence[Segment]):
     def __len__(self) -> int:
         return self._starts[-1]
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"segment {index} of {len(self)}")
+    def _item(self, index: int) -> Segment:
         r = bisect_right(self._starts, index) - 1
         params, dtype, cells = self.runs[r]
         p, c = divmod(index - self._starts[r], len(cells))
@@ -99,14 +113,11 @@ class SegmentTable(Sequence[Segment]):
                 for offsets, sizes in cells:
                     yield Segment(p, offsets, sizes, dtype)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
     def __repr__(self) -> str:
         return f"SegmentTable({len(self)} segments in {len(self.runs)} runs)"
 
 
-class IndexChain(Sequence[int]):
+class IndexChain(_ReadOnlyList):
     """Segment ids of a list that chains several ranges of a :class:`SegmentTable`, read-only."""
 
     def __init__(self, ranges: list[range]):
@@ -116,13 +127,7 @@ class IndexChain(Sequence[int]):
     def __len__(self) -> int:
         return sum(map(len, self.ranges))
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"index {index} of {len(self)}")
+    def _item(self, index: int) -> int:
         if not self._starts:
             self._starts = [0]
             for r in self.ranges:
@@ -134,14 +139,11 @@ class IndexChain(Sequence[int]):
         for r in self.ranges:
             yield from r
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
     def __repr__(self) -> str:
         return f"IndexChain({self.ranges})"
 
 
-class StepTable(Sequence[list[Route]]):
+class StepTable(_ReadOnlyList):
     """The steps of a large plan as arrays, a read-only list of steps: routes sorted by step,
     step ``s`` being routes ``starts[s]:starts[s + 1]``. Pickles as four arrays."""
 
@@ -154,18 +156,9 @@ class StepTable(Sequence[list[Route]]):
     def __len__(self) -> int:
         return len(self.starts) - 1
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"step {index} of {len(self)}")
+    def _item(self, index: int) -> list[Route]:
         a, b = int(self.starts[index]), int(self.starts[index + 1])
         return [Route(*r) for r in zip(self.src[a:b].tolist(), self.dst[a:b].tolist(), self.lists[a:b].tolist())]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
     def __repr__(self) -> str:
         return f"StepTable({len(self)} steps, {len(self.src)} routes)"

@@ -33,3 +33,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_dead_workers(group, timeout_s: float = 60) -> list[int]:
+    """Poll until Ray reports some of ``group``'s workers dead (after a node was removed)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (dead := group.dead_workers()):
+        assert time.monotonic() < deadline, "Ray never noticed the lost node"
+        time.sleep(0.5)
+    return dead
+
+
+def lose_node(env, node_id: str, group) -> list[int]:
+    """Remove the simulated node ``node_id`` (``env`` from :func:`simulated_cluster`: ``cluster``
+    and ``nodes``) and wait until ``group`` sees its workers dead; returns their ranks."""
+    env.cluster.remove_node(next(n for n in env.nodes if n.node_id == node_id))
+    return wait_for_dead_workers(group)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +24,7 @@ from realloc import ModelSpec, Placement, Topology  # noqa: E402
 from realloc.ckpt.errors import CheckpointError, MissingShardsError  # noqa: E402
 from realloc.ckpt.hf import INDEX_FILE, scan_hf_dir  # noqa: E402
 from realloc.synthetic import synthetic_state_dict  # noqa: E402
-from simulated import simulated_cluster  # noqa: E402
+from simulated import lose_node, simulated_cluster  # noqa: E402
 
 SPEC = ModelSpec.preset("tiny")
 TRAIN = Topology(dp=2, tp=2, pp=2)
@@ -204,17 +203,13 @@ def test_hf_export_and_import_round_trip(env, tmp_path):
 
 @pytest.mark.slow
 def test_node_loss_restore_onto_a_fresh_node(env):
-    g, m, c = env.group, env.manager, env.cluster
+    g, m = env.group, env.manager
     g.init_synthetic(SEED)
     m.save(7)
     lost = g.placement.nodes[0]
     survivor = g.placement.nodes[4]
-    c.remove_node(next(n for n in env.nodes if n.node_id == lost))
+    lose_node(env, lost, g)
     shutil.rmtree(m.node_dir(lost))  # its local storage went with it
-    deadline = time.monotonic() + 60
-    while not g.dead_workers():
-        assert time.monotonic() < deadline, "Ray never noticed the lost node"
-        time.sleep(0.5)
     assert g.replace_dead_workers() == [0, 1, 2, 3]
     fresh = g.placement.nodes[0]
     assert fresh not in (lost, survivor) and not m.node_dir(fresh).exists()  # empty storage

@@ -9,7 +9,6 @@ save and a resharding load, and a restore after a node is lost.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ from actors.checkpoint import CheckpointManager  # noqa: E402
 from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import Topology  # noqa: E402
 from realloc.cli import load_model  # noqa: E402
-from simulated import simulated_cluster  # noqa: E402
+from simulated import lose_node, simulated_cluster  # noqa: E402
 
 SPEC = load_model(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
 TRAIN = Topology(dp=2, tp=2, pp=2)
@@ -88,15 +87,10 @@ def test_checkpoint_save_and_resharding_load(env):
 
 @pytest.mark.slow
 def test_restore_after_node_loss(env):
-    g, m, c = env.group, env.manager, env.cluster
+    g, m = env.group, env.manager
     g.init_synthetic(SEED)
     m.save(2)
-    lost = g.placement.nodes[0]
-    c.remove_node(next(n for n in env.nodes if n.node_id == lost))
-    deadline = time.monotonic() + 60
-    while not g.dead_workers():
-        assert time.monotonic() < deadline, "Ray never noticed the lost node"
-        time.sleep(0.5)
+    lose_node(env, g.placement.nodes[0], g)
     g.replace_dead_workers()
     stats = m.load()
     assert stats.method == "restore" and g.verify_synthetic(SEED) == {}
