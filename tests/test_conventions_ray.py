@@ -46,7 +46,8 @@ def test_group_keeps_its_conventions_across_reallocations_and_copies(cluster):
             "model.layers.0.mlp.linear_fc1.weight": (384, 96)}
         group.reallocate(Topology(tp=2, pp=2))
         assert group.verify_synthetic(1) == {}
-        assert group.layout.options == {"vocab_pad_multiple": 64, "vocab_pad_rule": "vllm", "qkv_order": "megatron"}
+        assert group.layout.options == {"vocab_pad_multiple": 64, "vocab_pad_rule": "vllm", "qkv_order": "megatron",
+                                        "expert_order": "hf"}
         group.reallocate("dp=4")
         assert group.verify_synthetic(1) == {} and group.layout.qkv_order == "megatron"
         group.copy_to(plain)  # Megatron order, vLLM padding -> HF order, Megatron padding
