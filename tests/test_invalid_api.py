@@ -173,7 +173,7 @@ case(C, "topology 42", create(topology=42), r"a layout is a realloc\.Topology.*g
 case(C, "topology None", create(topology=None), r"a layout is a realloc\.Topology.*got NoneType")
 case(C, "topology 'dp=0'", create(topology="dp=0"), r"topology dp must be a positive integer, got 0")
 case(C, "topology empty part", create(topology="dp=2,,tp=2"), r"bad topology part '' in 'dp=2,,tp=2'")
-case(C, "topology unknown dim", create(topology="tp=2,ep=2"), r"bad topology part 'ep=2'")
+case(C, "topology unknown dim", create(topology="tp=2,xp=2"), r"bad topology part 'xp=2'")
 case(C, "tp the model cannot take", create(topology=Topology(tp=3)), r"tp=3 does not fit tiny")
 case(C, "pp beyond the layers", create(topology=Topology(pp=5)), r"pp=5 is larger than the 4 layers of tiny")
 case(C, "a Layout and another padding", create(topology=Layout(TINY, Topology(dp=2, tp=2), 64), vocab_pad_multiple=8),
