@@ -22,6 +22,32 @@ class PeerView:
     dst: RankLayout | None  # what it will hold (receives into), None: not a destination
     src_handles: Any = None  # zero-copy handles of its buffers, when on my node
     dst_handles: Any = None
+    #: Whether it exports zero-copy handles (set when the handles travel between the workers
+    #: themselves, ``ShardWorker.op_run``, instead of inside this view). None: decided by the
+    #: presence of the handles above.
+    shared: bool | None = None
+
+
+def is_zero_copy(peers: list[PeerView], sender: int, receiver: int, forward: bool) -> bool:
+    """Whether a route is a direct read of the sender's buffers by the receiver (for a worker that
+    can map same-node buffers). Both ends evaluate it on the same shared data, so they agree."""
+    a, b = peers[sender], peers[receiver]
+    if a.node != b.node:
+        return False
+    if a.shared is not None:  # buffers exist exactly where the layout does
+        return a.shared and (a.dst if forward else a.src) is not None
+    return (a.dst_handles if forward else a.src_handles) is not None
+
+
+def worker_routes(plan: Plan, me: int) -> dict[int, list[tuple[int, int, int]]]:
+    """Step -> the routes of ``plan`` that ``me`` sends or receives, from one pass over the steps
+    (a worker runs only these; scanning every step's routes per worker and step is what a large
+    plan must not cost)."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for s, a, b, j in plan.routes():
+        if a == me or b == me:
+            out.setdefault(s, []).append((a, b, j))
+    return out
 
 
 
@@ -81,9 +107,7 @@ class StepRunner:
 
         Both ends evaluate this on the same shared data, so they agree without talking.
         """
-        a, b = self.peers[sender], self.peers[receiver]
-        handles = a.dst_handles if forward else a.src_handles
-        return self.open_peer is not None and a.node == b.node and handles is not None
+        return self.open_peer is not None and is_zero_copy(self.peers, sender, receiver, forward)
 
     def peer_store(self, peer: int, forward: bool) -> ShardStore:
         key = (peer, forward)
@@ -91,11 +115,12 @@ class StepRunner:
             self._peer_stores[key] = self.open_peer(self.peers[peer], forward)
         return self._peer_stores[key]
 
-    def run_step(self, s: int) -> list[tuple[str, int]]:
+    def run_step(self, s: int, routes: list[tuple[int, int, int]] | None = None) -> list[tuple[str, int]]:
+        """Step ``s``; ``routes``: this worker's routes of it (:func:`worker_routes`), or all of the step's."""
         forward = self.plan.reads_destination(s)
         send = recv = None
         done = []
-        for src, dst, j in self.plan.steps[s]:
+        for src, dst, j in (self.plan.steps[s] if routes is None else routes):
             if src == self.me and not self.zero_copy(src, dst, forward):
                 send = (dst, j)
             if dst == self.me:
