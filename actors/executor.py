@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from realloc.layout import RankLayout
-from realloc.plan import Plan, bucket_nbytes
+from realloc.plan import Piece, Plan, bucket_nbytes
 from realloc.shards import ShardStore, copy_local, pack, unpack
 
 
@@ -70,6 +71,29 @@ class Staging:
         return sum(b.numel() for b in self.buffers.values())
 
 
+#: Pieces of a bucket at least this large travel as their own message: sent straight from the
+#: source view and received straight into the destination view wherever that view is contiguous
+#: (no pack or unpack copy); smaller ones are packed together.
+DIRECT_MIN_BYTES = int(os.environ.get("REALLOC_DIRECT_MIN_BYTES", 256 << 10))
+
+
+def messages(bucket: list[Piece]) -> list[list[Piece]]:
+    """A bucket as the messages that carry it: every piece of at least ``DIRECT_MIN_BYTES`` alone,
+    runs of smaller pieces together. A pure function of the bucket, so both ends of a route cut
+    it identically; each end then decides by itself whether its side of a one-piece message is a
+    contiguous view (no copy) or goes through staging (pieces keep their offsets in the bucket)."""
+    out: list[list[Piece]] = []
+    small = False
+    for p in bucket:
+        big = p.nbytes >= DIRECT_MIN_BYTES
+        if big or not small:
+            out.append([p])
+        else:
+            out[-1].append(p)
+        small = not big
+    return out
+
+
 def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
     """The bytes of a single contiguous view (send from / receive into it without a copy)."""
     if len(views) != 1 or not views[0].is_contiguous():
@@ -95,6 +119,7 @@ class StepRunner:
         self.device = device
         self.my_node = peers[me].node
         self._buckets: dict[int, list] = {}
+        self._messages: dict[int, list] = {}
         self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
 
     def buckets(self, j: int) -> list:
@@ -133,20 +158,26 @@ class StepRunner:
             done += self._transfer(send, recv, forward)
         return done
 
+    def messages(self, j: int) -> list[list[Piece]]:
+        """Segment list ``j`` as messages: its buckets, each split by :func:`messages`."""
+        if j not in self._messages:
+            self._messages[j] = [m for bucket in self.buckets(j) for m in messages(bucket)]
+        return self._messages[j]
+
     def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
         source = self.dst if forward else self.src
-        send_b = self.buckets(send[1]) if send else []
-        recv_b = self.buckets(recv[1]) if recv else []
+        send_b = self.messages(send[1]) if send else []
+        recv_b = self.messages(recv[1]) if recv else []
         world = lambda peer: self.peers[peer].world_rank  # noqa: E731
 
         def outgoing(i: int) -> torch.Tensor:
-            """Bucket ``i``'s bytes: the source view itself when it is one contiguous box."""
+            """Message ``i``'s bytes: the source view itself when it is one contiguous box."""
             direct = _direct_bytes([source.view(send_b[i][0].param, send_b[i][0].offsets, send_b[i][0].sizes)]) \
                 if len(send_b[i]) == 1 else None
             if direct is not None:
                 return direct
-            buf = self.staging.get(f"send{i % 2}", bucket_nbytes(send_b[i]))
-            return pack(source, send_b[i], buf)
+            end = bucket_nbytes(send_b[i])
+            return pack(source, send_b[i], self.staging.get(f"send{i % 2}", end))[send_b[i][0].offset:end]
 
         nxt = outgoing(0) if send_b else None
         for i in range(max(len(send_b), len(recv_b))):
@@ -156,15 +187,16 @@ class StepRunner:
                 piece = recv_b[i][0]
                 direct = _direct_bytes(self.dst.views(piece.param, piece.offsets, piece.sizes)) \
                     if len(recv_b[i]) == 1 else None
+                end = bucket_nbytes(recv_b[i])
                 into = (world(recv[0]), direct if direct is not None else
-                        self.staging.get("recv", bucket_nbytes(recv_b[i])), direct is None)
+                        self.staging.get("recv", end)[piece.offset:end], direct is None)
             requests = self.transport.exchange(out, into[:2] if into else None)
             if i + 1 < len(send_b):  # pack the next bucket while this one is on the wire
                 nxt = outgoing(i + 1)
             for r in requests:
                 r.wait()
             if into is not None and into[2]:
-                unpack(self.dst, recv_b[i], into[1])
+                unpack(self.dst, recv_b[i], self.staging.get("recv", bucket_nbytes(recv_b[i])))
             if self.on_bucket is not None:
                 self.on_bucket()
         kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
