@@ -106,12 +106,7 @@ class Operation:
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return PhaseResult(
-            bytes_local=sum(r["bytes"]["local"] for r in results),
-            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-            peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
-        )
+        return _phase_result(results)
 
     def run_plan(self, world, plan: Plan, srcs: Sequence[RankLayout | None], placement: Placement, shared: Sequence[bool],
                  tags: dict) -> PhaseResult:
@@ -135,13 +130,7 @@ class Operation:
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return PhaseResult(
-            bytes_local=sum(r["bytes"]["local"] for r in results),
-            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-            peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
-            seconds=max(r["seconds"] for r in results),
-        )
+        return _phase_result(results, seconds=max(r["seconds"] for r in results))
 
     def commit(self, blend: float | None = None) -> None:
         """Step 3: every worker adopts; any failure rolls every live worker back."""
@@ -191,6 +180,16 @@ def _bundle_ref(plan: Plan, world, actors: Sequence, srcs, dsts, placement: Plac
     while len(_BUNDLES) > _BUNDLES_KEPT:
         _BUNDLES.popitem(last=False)
     return entry[0], entry[1]
+
+
+def _phase_result(results: list[dict], seconds: float = 0.0) -> PhaseResult:
+    return PhaseResult(
+        bytes_local=sum(r["bytes"]["local"] for r in results),
+        bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
+        bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+        peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+        seconds=seconds,
+    )
 
 
 def _merge(acc: list | None, new: list[dict]) -> list[dict]:

@@ -375,10 +375,14 @@ class ShardWorker(CheckpointMixin):
         self.counters["execute"] += 1
         self._check_world(world_id)
         op = self._current_op(op_id)
+        return self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
+
+    def _timed(self, op: Operation, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
+        """``run()`` (an execute phase of ``op``), timed and counted into ``op`` and the metrics."""
         started = time.perf_counter()
         metrics.in_flight(tags, +1)
         try:
-            result = self._execute(op, plan, me, peers, phase)
+            result = run()
         finally:
             metrics.in_flight(tags, -1)
         seconds = time.perf_counter() - started
@@ -387,7 +391,7 @@ class ShardWorker(CheckpointMixin):
         op.seconds += seconds
         op.tags = tags
         metrics.record_phase(tags, phase, result["bytes"], seconds)
-        log.debug("%s op %s phase %d: %s in %.3fs", self.group, op_id, phase, result["bytes"], seconds)
+        log.debug("%s op %s phase %s: %s in %.3fs", self.group, op.id, phase, result["bytes"], seconds)
         result["seconds"] = seconds
         return result
 
@@ -441,19 +445,7 @@ class ShardWorker(CheckpointMixin):
         op = self.op
         self._runs += 1
         self._evict_mappings()
-        started = time.perf_counter()
-        metrics.in_flight(tags, +1)
-        try:
-            result = self._run(op, bundle, me)
-        finally:
-            metrics.in_flight(tags, -1)
-        seconds = time.perf_counter() - started
-        for kind, n in result["bytes"].items():
-            op.moved[kind] += n
-        op.seconds += seconds
-        op.tags = tags
-        metrics.record_phase(tags, "all", result["bytes"], seconds)
-        result["seconds"] = seconds
+        result = self._timed(op, tags, "all", lambda: self._run(op, bundle, me))
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         return result
 
