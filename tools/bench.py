@@ -275,11 +275,18 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
                                            if k.endswith("gbps")) + " GB/s")
 
             directions: list[dict] = []
-            for i, (src, dst) in enumerate(transitions):
-                ok, pair = _bench_transition(group, layouts, i, src, dst, repeats, baseline_repeats, baselines,
-                                             verify, seed, report["transport"], cores)
-                ours_ok &= ok
-                directions += pair
+            try:
+                for i, (src, dst) in enumerate(transitions):
+                    ok, pair = _bench_transition(group, layouts, i, src, dst, repeats, baseline_repeats, baselines,
+                                                 verify, seed, report["transport"], cores)
+                    ours_ok &= ok
+                    directions += pair
+            except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed an actor: keep what finished
+                report["error"] = f"{type(err).__name__}: {err}"[:2000]
+                layouts.failures.append(f"stopped after {len(directions)} directions: {report['error'][:200]}")
+                _log(f"stopped: {report['error'][:300]}")
+                if not directions:
+                    raise
             report["directions"] = directions
             _summarise(report, directions, ours_ok, layouts.failures)
         finally:
@@ -461,6 +468,8 @@ def format_report(r: dict) -> str:
     lines.append(f"verified: {verified}; "
                  f"peak extra bytes per actor {r['peak_extra_bytes_per_actor'] / 1e6:.1f} MB; "
                  f"bucket {r['bucket_bytes'] / MB:g} MiB; total {r['total_seconds']:.1f}s")
+    if r.get("error"):
+        lines.append(f"STOPPED EARLY after {len(r['directions'])} directions: {r['error'][:300]}")
     return "\n".join(lines)
 
 
