@@ -130,6 +130,26 @@ def exchange(pg: ProcessGroup, device: torch.device, send: tuple[int, torch.Tens
     return [work] if work is not None else []
 
 
+def post(pg: ProcessGroup, device: torch.device, sends: list[tuple[int, torch.Tensor]],
+         recvs: list[tuple[int, torch.Tensor]], tag: int) -> list:
+    """Post several sends and receives (group ranks, tensors) at once on ``tag``; returns the
+    Works to wait on. Small control messages (handles, readiness) outside a plan's steps; one
+    coalesced group call where the backend supports it (NCCL), all asynchronous on gloo."""
+    if not sends and not recvs:
+        return []
+    if not pg._get_backend(device).supports_coalescing:
+        return [pg.send([t], peer, tag) for peer, t in sends] + [pg.recv([t], peer, tag) for peer, t in recvs]
+    pg._start_coalescing(device)
+    try:
+        for peer, t in sends:
+            pg.send([t], peer, tag)
+        for peer, t in recvs:
+            pg.recv([t], peer, tag)
+    finally:
+        work = pg._end_coalescing(device)
+    return [work] if work is not None else []
+
+
 def barrier(pg: ProcessGroup, device: torch.device) -> None:
     """Wait until every rank of ``pg`` got here (an all-reduce of one element on ``device``, which
     works the same for gloo and NCCL and needs no device guess)."""

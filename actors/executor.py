@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from realloc.layout import RankLayout
-from realloc.plan import Plan, bucket_nbytes
+from realloc.plan import Piece, Plan, bucket_nbytes
 from realloc.shards import ShardStore, copy_local, pack, unpack
 
 
@@ -22,6 +23,32 @@ class PeerView:
     dst: RankLayout | None  # what it will hold (receives into), None: not a destination
     src_handles: Any = None  # zero-copy handles of its buffers, when on my node
     dst_handles: Any = None
+    #: Whether it exports zero-copy handles (set when the handles travel between the workers
+    #: themselves, ``ShardWorker.op_run``, instead of inside this view). None: decided by the
+    #: presence of the handles above.
+    shared: bool | None = None
+
+
+def is_zero_copy(peers: list[PeerView], sender: int, receiver: int, forward: bool) -> bool:
+    """Whether a route is a direct read of the sender's buffers by the receiver (for a worker that
+    can map same-node buffers). Both ends evaluate it on the same shared data, so they agree."""
+    a, b = peers[sender], peers[receiver]
+    if a.node != b.node:
+        return False
+    if a.shared is not None:  # buffers exist exactly where the layout does
+        return a.shared and (a.dst if forward else a.src) is not None
+    return (a.dst_handles if forward else a.src_handles) is not None
+
+
+def worker_routes(plan: Plan, me: int) -> dict[int, list[tuple[int, int, int]]]:
+    """Step -> the routes of ``plan`` that ``me`` sends or receives, from one pass over the steps
+    (a worker runs only these; scanning every step's routes per worker and step is what a large
+    plan must not cost)."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for s, a, b, j in plan.routes():
+        if a == me or b == me:
+            out.setdefault(s, []).append((a, b, j))
+    return out
 
 
 
@@ -42,6 +69,29 @@ class Staging:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
+
+
+#: Pieces of a bucket at least this large travel as their own message: sent straight from the
+#: source view and received straight into the destination view wherever that view is contiguous
+#: (no pack or unpack copy); smaller ones are packed together.
+DIRECT_MIN_BYTES = int(os.environ.get("REALLOC_DIRECT_MIN_BYTES", 256 << 10))
+
+
+def messages(bucket: list[Piece]) -> list[list[Piece]]:
+    """A bucket as the messages that carry it: every piece of at least ``DIRECT_MIN_BYTES`` alone,
+    runs of smaller pieces together. A pure function of the bucket, so both ends of a route cut
+    it identically; each end then decides by itself whether its side of a one-piece message is a
+    contiguous view (no copy) or goes through staging (pieces keep their offsets in the bucket)."""
+    out: list[list[Piece]] = []
+    small = False
+    for p in bucket:
+        big = p.nbytes >= DIRECT_MIN_BYTES
+        if big or not small:
+            out.append([p])
+        else:
+            out[-1].append(p)
+        small = not big
+    return out
 
 
 def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
@@ -69,6 +119,7 @@ class StepRunner:
         self.device = device
         self.my_node = peers[me].node
         self._buckets: dict[int, list] = {}
+        self._messages: dict[int, list] = {}
         self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
 
     def buckets(self, j: int) -> list:
@@ -81,9 +132,7 @@ class StepRunner:
 
         Both ends evaluate this on the same shared data, so they agree without talking.
         """
-        a, b = self.peers[sender], self.peers[receiver]
-        handles = a.dst_handles if forward else a.src_handles
-        return self.open_peer is not None and a.node == b.node and handles is not None
+        return self.open_peer is not None and is_zero_copy(self.peers, sender, receiver, forward)
 
     def peer_store(self, peer: int, forward: bool) -> ShardStore:
         key = (peer, forward)
@@ -91,11 +140,12 @@ class StepRunner:
             self._peer_stores[key] = self.open_peer(self.peers[peer], forward)
         return self._peer_stores[key]
 
-    def run_step(self, s: int) -> list[tuple[str, int]]:
+    def run_step(self, s: int, routes: list[tuple[int, int, int]] | None = None) -> list[tuple[str, int]]:
+        """Step ``s``; ``routes``: this worker's routes of it (:func:`worker_routes`), or all of the step's."""
         forward = self.plan.reads_destination(s)
         send = recv = None
         done = []
-        for src, dst, j in self.plan.steps[s]:
+        for src, dst, j in (self.plan.steps[s] if routes is None else routes):
             if src == self.me and not self.zero_copy(src, dst, forward):
                 send = (dst, j)
             if dst == self.me:
@@ -108,20 +158,26 @@ class StepRunner:
             done += self._transfer(send, recv, forward)
         return done
 
+    def messages(self, j: int) -> list[list[Piece]]:
+        """Segment list ``j`` as messages: its buckets, each split by :func:`messages`."""
+        if j not in self._messages:
+            self._messages[j] = [m for bucket in self.buckets(j) for m in messages(bucket)]
+        return self._messages[j]
+
     def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
         source = self.dst if forward else self.src
-        send_b = self.buckets(send[1]) if send else []
-        recv_b = self.buckets(recv[1]) if recv else []
+        send_b = self.messages(send[1]) if send else []
+        recv_b = self.messages(recv[1]) if recv else []
         world = lambda peer: self.peers[peer].world_rank  # noqa: E731
 
         def outgoing(i: int) -> torch.Tensor:
-            """Bucket ``i``'s bytes: the source view itself when it is one contiguous box."""
+            """Message ``i``'s bytes: the source view itself when it is one contiguous box."""
             direct = _direct_bytes([source.view(send_b[i][0].param, send_b[i][0].offsets, send_b[i][0].sizes)]) \
                 if len(send_b[i]) == 1 else None
             if direct is not None:
                 return direct
-            buf = self.staging.get(f"send{i % 2}", bucket_nbytes(send_b[i]))
-            return pack(source, send_b[i], buf)
+            end = bucket_nbytes(send_b[i])
+            return pack(source, send_b[i], self.staging.get(f"send{i % 2}", end))[send_b[i][0].offset:end]
 
         nxt = outgoing(0) if send_b else None
         for i in range(max(len(send_b), len(recv_b))):
@@ -131,15 +187,16 @@ class StepRunner:
                 piece = recv_b[i][0]
                 direct = _direct_bytes(self.dst.views(piece.param, piece.offsets, piece.sizes)) \
                     if len(recv_b[i]) == 1 else None
+                end = bucket_nbytes(recv_b[i])
                 into = (world(recv[0]), direct if direct is not None else
-                        self.staging.get("recv", bucket_nbytes(recv_b[i])), direct is None)
+                        self.staging.get("recv", end)[piece.offset:end], direct is None)
             requests = self.transport.exchange(out, into[:2] if into else None)
             if i + 1 < len(send_b):  # pack the next bucket while this one is on the wire
                 nxt = outgoing(i + 1)
             for r in requests:
                 r.wait()
             if into is not None and into[2]:
-                unpack(self.dst, recv_b[i], into[1])
+                unpack(self.dst, recv_b[i], self.staging.get("recv", bucket_nbytes(recv_b[i])))
             if self.on_bucket is not None:
                 self.on_bucket()
         kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731

@@ -64,8 +64,8 @@ __all__ = ["ModelGroup", "ReallocStats", "ReallocationError", "GroupBusyError"]
 class ReallocStats:
     """What one ``reallocate``/``copy_to`` did, as measured on the workers.
 
-    ``seconds``: the transfers (both phases, on the driver's clock); ``pause_seconds``: the
-    whole call as the caller saw it (planning, prepare, transfers, commit).
+    ``seconds``: the transfers (both phases, the slowest worker's own clock); ``pause_seconds``:
+    the whole call as the caller saw it (planning, the driver round trip, prepare, transfers, commit).
     """
 
     transition: str
@@ -573,7 +573,7 @@ class ModelGroup:
 
 def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan], srcs: list, placement: Placement,
           model: str, label: str, started: float, blend: float | None = None) -> ReallocStats:
-    """Plan, then run ``op`` over the plan (prepare, both phases, commit), timing each part.
+    """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
 
     The caller holds the groups' locks and changes its state only after this returns.
     """
@@ -581,11 +581,16 @@ def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan]
     plan = make_plan()
     plan_seconds = time.perf_counter() - t0
     world = groups[0]._ensure_world(groups)
-    op.prepare()
-    t0 = time.perf_counter()
-    result = op.execute_plan(world, plan, srcs, placement, {"model": model})
-    seconds = time.perf_counter() - t0
-    op.commit(blend=blend)
+    if blend is None:
+        shared = [info["zero_copy"] for g in groups for info in g.infos]
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model})
+        seconds = result.seconds
+    else:  # blending rewrites destination buffers that fan-out readers may still be reading:
+        op.prepare()  # commit only after every worker finished (the driver's barrier)
+        t0 = time.perf_counter()
+        result = op.execute_plan(world, plan, srcs, placement, {"model": model})
+        seconds = time.perf_counter() - t0
+        op.commit(blend=blend)
     pause = time.perf_counter() - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)
     return ReallocStats(label, result.bytes_intra_node, result.bytes_inter_node, result.bytes_local, seconds,

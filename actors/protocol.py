@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NoReturn, Sequence
 
@@ -51,6 +52,7 @@ class PhaseResult:
     bytes_intra_node: int
     bytes_inter_node: int
     peak_extra_bytes_per_actor: int
+    seconds: float = 0.0  # the slowest worker's own execution time (run_plan)
 
 
 class Operation:
@@ -104,12 +106,31 @@ class Operation:
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return PhaseResult(
-            bytes_local=sum(r["bytes"]["local"] for r in results),
-            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-            peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
-        )
+        return _phase_result(results)
+
+    def run_plan(self, world, plan: Plan, srcs: Sequence[RankLayout | None], placement: Placement, shared: Sequence[bool],
+                 tags: dict) -> PhaseResult:
+        """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
+        and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
+        zero-copy handles (its ``info()["zero_copy"]``).
+
+        The workers exchange zero-copy handles and fan-out readiness among themselves, and each
+        commits when its own part is done. Any failure anywhere aborts every live worker, which
+        rolls a committed one back: afterwards every live worker holds the old layout, as after a
+        failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
+        rewrites destination buffers that other workers may still be reading.
+        """
+        if self.handles is not None:
+            raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
+        key, ref = _bundle_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
+        try:
+            refs = [a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)})
+                    for i, a in enumerate(self.workers.actors)]
+            results = gather(self.workers, refs, self.timeout_s, f"{self.what}: prepare, transfer and commit")
+        except ReallocationError as err:
+            world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
+            self.abort(err)
+        return _phase_result(results, seconds=max(r["seconds"] for r in results))
 
     def commit(self, blend: float | None = None) -> None:
         """Step 3: every worker adopts; any failure rolls every live worker back."""
@@ -137,6 +158,38 @@ class Operation:
                       "checkpoint)")
         log.warning("operation %s (%s) aborted: %s", self.id, self.what, cause.message)
         raise ReallocationError(f"{cause.message}. {state}.", all_dead, unresponsive, self.keeps) from cause
+
+
+#: (plan, world, peers) -> (key, ObjectRef of (plan, peers), plan): a loop alternating layouts
+#: ships each plan to the workers once; they cache it by key (``ShardWorker._bundle``).
+_BUNDLES: "OrderedDict[tuple, tuple[str, Any, Plan]]" = OrderedDict()
+_BUNDLES_KEPT = 16
+
+
+def _bundle_ref(plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement,
+                shared: Sequence[bool]) -> tuple[str, Any]:
+    ranks = tuple(world.rank_of(a) for a in actors)
+    key = (id(plan), world.id, ranks, tuple(srcs), tuple(dsts), tuple(placement.nodes), tuple(shared))
+    hit = _BUNDLES.get(key)
+    if hit is not None and hit[2] is plan:
+        _BUNDLES.move_to_end(key)
+        return hit[0], hit[1]
+    plan.validate(len(actors))
+    peers = [PeerView(r, placement.nodes[i], srcs[i], dsts[i], shared=bool(shared[i])) for i, r in enumerate(ranks)]
+    entry = _BUNDLES[key] = (uuid.uuid4().hex, ray.put((plan, peers)), plan)
+    while len(_BUNDLES) > _BUNDLES_KEPT:
+        _BUNDLES.popitem(last=False)
+    return entry[0], entry[1]
+
+
+def _phase_result(results: list[dict], seconds: float = 0.0) -> PhaseResult:
+    return PhaseResult(
+        bytes_local=sum(r["bytes"]["local"] for r in results),
+        bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
+        bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+        peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+        seconds=seconds,
+    )
 
 
 def _merge(acc: list | None, new: list[dict]) -> list[dict]:

@@ -21,20 +21,24 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import ray
 import torch
 
 from actors import metrics
+from actors import communicator
 from actors.communicator import Communicators
 from actors.context import ShardChange, ShardContext
 from actors.ckpt_worker import CheckpointMixin
 from actors.errors import StaleOperationError
-from actors.executor import PeerView, Staging, StepRunner
+from actors.executor import PeerView, Staging, StepRunner, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
 from actors.transport import Transport, connect_store, host_store
 from actors.zero_copy import BufferAllocator, open_handles
@@ -51,6 +55,49 @@ log = logging.getLogger(__name__)
 #: Ray concurrency group of the methods that must answer while a transfer runs (ping).
 CONTROL = "control"
 FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit")
+#: ``op_run``: bytes of one zero-copy handle message (length + pickle), and its message tags
+#: (plan steps use tag 0).
+HANDLE_BYTES = 1 << 14
+HANDLES_TAG, READY_TAG = 1, 2
+#: Plans (with their peers and this worker's routes) kept per worker, and how many operations a
+#: peer's mapped buffer stays mapped without being read.
+BUNDLES_KEPT, MAPPINGS_KEPT_OPS = 8, 2
+
+
+@dataclass
+class Bundle:
+    """A plan as one worker runs it in ``op_run``, computed once per plan and world and cached:
+    its routes by step, its local copies, and whom it exchanges zero-copy handles and readiness
+    with (decided from the peers' ``shared`` flags, identically at both ends)."""
+
+    plan: Plan
+    peers: list[PeerView]
+    routes: dict[int, list[tuple[int, int, int]]]
+    local: list[int]
+    read_from: list[int]  # peers whose buffers this worker maps (it needs their handles)
+    read_by: list[int]  # peers that map this worker's buffers (they need its handles)
+    wait_ready: dict[int, list[int]]  # fan-out step -> peers whose phase 0 must be done before it
+    notify: list[int]  # peers that read this worker's destination buffers in fan-out steps
+
+    @staticmethod
+    def make(plan: Plan, peers: list[PeerView], me: int) -> "Bundle":
+        routes = worker_routes(plan, me)
+        read_from, read_by, notify, wait_ready = set(), set(), set(), {}
+        for s, step in routes.items():
+            forward = plan.reads_destination(s)
+            for a, b, _ in step:
+                if not is_zero_copy(peers, a, b, forward):
+                    continue
+                if b == me:
+                    read_from.add(a)
+                    if forward:
+                        wait_ready.setdefault(s, []).append(a)
+                if a == me:
+                    read_by.add(b)
+                    if forward:
+                        notify.add(b)
+        return Bundle(plan, peers, routes, [j for w, j in plan.local_copies if w == me], sorted(read_from),
+                      sorted(read_by), wait_ready, sorted(notify))
 
 
 @dataclass
@@ -122,6 +169,10 @@ class ShardWorker(CheckpointMixin):
         self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
         self.communicators: Communicators | None = None
         self._group_store = None
+        self._bundles: OrderedDict[str, Bundle] = OrderedDict()
+        self._mapped: dict[tuple, tuple[int, Any]] = {}  # peer buffers kept mapped: key -> (last op, value)
+        self._runs = 0
+        self._copier: ThreadPoolExecutor | None = None
 
     # -- user code ----------------------------------------------------------------------------
     def on_shards_changed(self, ctx: ShardContext, change: ShardChange) -> None:
@@ -275,10 +326,11 @@ class ShardWorker(CheckpointMixin):
                 os._exit(1)
 
     # -- the protocol --------------------------------------------------------------------
-    def op_prepare(self, op_id: str, dst: RankLayout | None) -> dict:
+    def op_prepare(self, op_id: str, dst: RankLayout | None, export: bool = True) -> dict | None:
         """Start operation ``op_id``: allocate destination buffers for ``dst`` (if any).
 
-        Returns the zero-copy handles of the destination and the current (source) buffers.
+        Returns the zero-copy handles of the destination and the current (source) buffers
+        (``export=False``: nothing, ``op_run`` sends them to the peers that need them).
         """
         self.counters["prepare"] += 1
         self._drop_op()
@@ -292,6 +344,8 @@ class ShardWorker(CheckpointMixin):
         self.op = Operation(op_id, dst, buffers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # peers read these bytes from other processes
+        if not export:
+            return None
         return {"dst": self.allocator.export(buffers) if buffers is not None else None,
                 "src": self.allocator.export(self.buffers) if self.buffers is not None else None}
 
@@ -321,10 +375,14 @@ class ShardWorker(CheckpointMixin):
         self.counters["execute"] += 1
         self._check_world(world_id)
         op = self._current_op(op_id)
+        return self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
+
+    def _timed(self, op: Operation, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
+        """``run()`` (an execute phase of ``op``), timed and counted into ``op`` and the metrics."""
         started = time.perf_counter()
         metrics.in_flight(tags, +1)
         try:
-            result = self._execute(op, plan, me, peers, phase)
+            result = run()
         finally:
             metrics.in_flight(tags, -1)
         seconds = time.perf_counter() - started
@@ -333,7 +391,7 @@ class ShardWorker(CheckpointMixin):
         op.seconds += seconds
         op.tags = tags
         metrics.record_phase(tags, phase, result["bytes"], seconds)
-        log.debug("%s op %s phase %d: %s in %.3fs", self.group, op_id, phase, result["bytes"], seconds)
+        log.debug("%s op %s phase %s: %s in %.3fs", self.group, op.id, phase, result["bytes"], seconds)
         result["seconds"] = seconds
         return result
 
@@ -369,6 +427,139 @@ class ShardWorker(CheckpointMixin):
         held = peer.dst if forward else peer.src
         handles = peer.dst_handles if forward else peer.src_handles
         return ShardStore(held.shards(), open_handles(handles))
+
+    def op_run(self, op_id: str, world_id: str, key: str, plan_box: list, me: int, tags: dict) -> dict:
+        """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
+
+        ``plan_box`` is ``[ObjectRef of (plan, peers)]``, fetched only the first time this worker
+        sees ``key`` (the bundle is cached). Zero-copy handles travel between the workers that need
+        them (point to point, on the world's process group) instead of through the driver, and a
+        fan-out read of a peer's destination buffers waits for that peer's "phase 0 done" message
+        instead of a driver barrier. The commit at the end is the protocol's: if any worker fails,
+        the driver aborts every live worker, which rolls a committed one back (``op_abort``).
+        """
+        self._check_world(world_id)
+        bundle = self._bundle(key, plan_box, me)
+        self.op_prepare(op_id, bundle.peers[me].dst, export=False)
+        self.counters["execute"] += 1
+        op = self.op
+        self._runs += 1
+        self._evict_mappings()
+        result = self._timed(op, tags, "all", lambda: self._run(op, bundle, me))
+        self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
+        return result
+
+    def _bundle(self, key: str, plan_box: list, me: int) -> Bundle:
+        bundle = self._bundles.get(key)
+        if bundle is None:
+            plan, peers = ray.get(plan_box[0])
+            plan.validate(len(peers))
+            bundle = self._bundles[key] = Bundle.make(plan, peers, me)
+            while len(self._bundles) > BUNDLES_KEPT:
+                self._bundles.popitem(last=False)
+        self._bundles.move_to_end(key)
+        return bundle
+
+    def _run(self, op: Operation, b: Bundle, me: int) -> dict:
+        src = self._store_now() if b.peers[me].src is not None else None
+        dst = op.store()
+        moved = {"local": 0, "intra": 0, "inter": 0}
+        peers = self._swap_handles(b, op, me) if (b.read_from or b.read_by) else b.peers
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
+        # Local copies write boxes no route writes, and torch copies release the GIL: beside the transfers.
+        local = self._copier.submit(lambda: sum(copy_local(src, dst, b.plan.segment_list(j)) for j in b.local)) \
+            if b.local else None
+        runner = StepRunner(self.transport, self.device, b.plan, me, peers, src, dst, self._mapped_peer_store,
+                            on_bucket=self._after_bucket, staging=self.staging)
+        ready: dict[int, Any] = {}
+        sent: list = []
+        ok = False
+        try:
+            stall = self._take_fault("stall")
+            if stall:
+                time.sleep(stall)
+            steps = sorted(b.routes)
+            forward_from = b.plan.forward_from
+            for s in (s for s in steps if s < forward_from):
+                for kind, nbytes in runner.run_step(s, b.routes[s]):
+                    moved[kind] += nbytes
+            # Phase 0 is done here: tell the peers that read my destination buffers (fan-out reads
+            # forward only cells received over routes, never local copies: planner, step 2).
+            sent, ready = self._post_ready(b, peers)
+            for s in (s for s in steps if s >= forward_from):
+                for peer in b.wait_ready.get(s, ()):
+                    work = ready.pop(peer, None)
+                    if work is not None:
+                        work.wait()
+                for kind, nbytes in runner.run_step(s, b.routes[s]):
+                    moved[kind] += nbytes
+            for work in sent + list(ready.values()):
+                work.wait()
+            ok = True
+        finally:  # never leave a thread writing into buffers an abort is about to recycle
+            if local is not None:
+                if ok:
+                    moved["local"] += local.result()
+                else:
+                    local.exception()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dst_bytes = sum(t.numel() * t.element_size() for t in op.buffers.values()) if op.buffers else 0
+        return {"bytes": moved, "staging_bytes": self.staging.nbytes, "dst_bytes": dst_bytes}
+
+    def _swap_handles(self, b: Bundle, op: Operation, me: int) -> list[PeerView]:
+        """Send my handles to the peers that map my buffers, receive those of the peers I map."""
+        sends_from_src = b.peers[me].src is not None and self.buffers is not None
+        mine = pickle.dumps({"src": self.allocator.export(self.buffers) if sends_from_src else None,
+                             "dst": self.allocator.export(op.buffers) if op.buffers is not None else None})
+        if len(mine) + 8 > HANDLE_BYTES:
+            raise RuntimeError(f"zero-copy handles of {len(mine)} bytes exceed the {HANDLE_BYTES}-byte message")
+        out = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
+        out[:8] = torch.frombuffer(bytearray(len(mine).to_bytes(8, "little")), dtype=torch.uint8)
+        out[8:8 + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        out = out.to(self.device)
+        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self.device) for p in b.read_from}
+        for work in communicator.post(self.transport.pg, self.device, [(b.peers[p].world_rank, out) for p in b.read_by],
+                                      [(b.peers[p].world_rank, t) for p, t in ins.items()], HANDLES_TAG):
+            work.wait()
+        peers = list(b.peers)
+        for p, t in ins.items():
+            raw = t.cpu().numpy().tobytes()
+            h = pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+            peers[p] = replace(peers[p], src_handles=h["src"], dst_handles=h["dst"])
+        return peers
+
+    def _post_ready(self, b: Bundle, peers: list[PeerView]) -> tuple[list, dict[int, Any]]:
+        """Post "phase 0 done" to my fan-out readers and the receives of my fan-out senders' ones."""
+        senders = sorted({p for ps in b.wait_ready.values() for p in ps})
+        if not senders and not b.notify:
+            return [], {}
+        one = torch.ones(1, dtype=torch.uint8, device=self.device)
+        works = communicator.post(self.transport.pg, self.device, [(peers[p].world_rank, one) for p in b.notify],
+                                  [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=self.device))
+                                   for p in senders], READY_TAG)
+        if len(works) == len(b.notify) + len(senders):  # one Work per message (gloo)
+            return works[:len(b.notify)], dict(zip(senders, works[len(b.notify):]))
+        # one coalesced Work for all (NCCL): the first fan-out read waits for every message
+        return list(works), {p: works[0] for p in senders} if works else {}
+
+    def _mapped_peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
+        """A same-node peer's buffers as a store, kept mapped across operations: an RL loop
+        alternating two layouts reads the same files every time (no page-table faults per op)."""
+        held = peer.dst if forward else peer.src
+        handles = peer.dst_handles if forward else peer.src_handles
+        if any(h[0] != "shm" for h in handles.values()):
+            return self._peer_store(peer, forward)
+        key = (held, tuple(sorted((d, h[1], h[2]) for d, h in handles.items())))
+        entry = self._mapped.get(key)
+        store = entry[1] if entry is not None else ShardStore(held.shards(), open_handles(handles))
+        self._mapped[key] = (self._runs, store)
+        return store
+
+    def _evict_mappings(self) -> None:
+        for key in [k for k, (last, _) in self._mapped.items() if last < self._runs - MAPPINGS_KEPT_OPS]:
+            del self._mapped[key]
 
     def op_fill(self, op_id: str, how: str, *args: Any) -> int:
         """Write the destination buffers of ``op_id`` from local data: ``("synthetic", seed)``,
@@ -434,6 +625,11 @@ class ShardWorker(CheckpointMixin):
 
     def shutdown(self) -> None:
         self._drop_op()
+        self._mapped.clear()
+        self._bundles.clear()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
         self.allocator.release_all()
         if self.transport is not None:
             self.transport.close()

@@ -14,7 +14,7 @@ from realloc.placement import Placement
 from realloc.planner import plan_reallocation
 from realloc.spec import ModelSpec
 from realloc.topology import Topology
-from tools.bench import BASELINES, lower_bound, source_owners
+from tools.bench import ALL_TRANSITIONS, BASELINES, lower_bound, parse_transitions, source_owners
 from tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent  # run the checkout's tools.cli, not an installed one
@@ -64,6 +64,22 @@ def test_bad_options_are_usage_errors(capsys):
     assert "unknown baselines" in capsys.readouterr().err
     assert main(["bench", "--src", "dp=2", "--dst", "dp=4"]) == 2
     assert main(["bench", "--repeats", "0"]) == 2
+    assert main(["bench", "--baseline-repeats", "0"]) == 2
+    assert main(["bench", "--transitions", "dp=2;tp=2"]) == 2
+    assert main(["bench", "--transitions", "all", "--src", "fsdp=8"]) == 2
+    assert main(["bench", "--transitions", "dp=2->dp=2"]) == 2
+
+
+def test_transitions():
+    assert [(str(a), str(b)) for a, b in parse_transitions(None)] == [
+        (str(Topology.parse(a)), str(Topology.parse(b))) for a, b in ALL_TRANSITIONS]
+    assert len(ALL_TRANSITIONS) >= 4
+    assert parse_transitions("default") == [(Topology(dp=2, tp=2, pp=2), Topology(dp=4, tp=2))]
+    assert parse_transitions(None, "fsdp=8") == [(Topology(fsdp=8), Topology(dp=4, tp=2))]
+    assert parse_transitions(" dp=4,tp=2 -> tp=8 ; fsdp=8->dp=8 ") == [
+        (Topology(dp=4, tp=2), Topology(tp=8)), (Topology(fsdp=8), Topology(dp=8))]
+    with pytest.raises(ValueError, match="same number of ranks"):
+        parse_transitions("dp=2->tp=2;dp=4->tp=4")
 
 
 @pytest.mark.slow
@@ -71,7 +87,8 @@ def test_bad_options_are_usage_errors(capsys):
 def test_bench_tiny_end_to_end():
     """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly."""
     cmd = [sys.executable, "-m", "tools.cli", "bench", "--model", "tiny", "--json", "--verify", "exact",
-           "--repeats", "2", "--probe-mb", "4", "--bucket-mb", "0.0625"]
+           "--transitions", "dp=2,tp=2,pp=2->dp=4,tp=2;fsdp=8->dp=1,tp=2,pp=4",
+           "--repeats", "2", "--baseline-repeats", "1", "--probe-mb", "4", "--bucket-mb", "0.0625"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -80,11 +97,17 @@ def test_bench_tiny_end_to_end():
     assert report["verified"] == {"ours": True, **{b: True for b in BASELINES}}
     assert report["bucket_bytes"] == 64 << 10
     assert (report["workers"], report["nodes"]) == (8, 2)
-    assert len(report["ours"]["forward_seconds"]) == 2
-    for key in ("ours_seconds", "lower_bound_seconds", "ratio_to_lower_bound", "peak_extra_bytes_per_actor"):
-        assert report[key] > 0, key
-    assert all(v > 0 for v in report["baselines"].values())
-    assert all(v > 0 for v in report["speedup_vs"].values())
+    ways = [(d["src"], d["dst"], d["way"]) for d in report["directions"]]
+    a, b, c, d = (str(Topology.parse(t)) for t in ("dp=2,tp=2,pp=2", "dp=4,tp=2", "fsdp=8", "dp=1,tp=2,pp=4"))
+    assert ways == [(a, b, "forward"), (b, a, "back"), (c, d, "forward"), (d, c, "back")], ways
+    assert report["ratio_to_lower_bound"] == max(d["ratio_to_lower_bound"] for d in report["directions"])
+    for d in report["directions"]:
+        assert len(d["ours"]["seconds"]) == 2
+        assert set(d["baselines"]) == set(BASELINES) and all(len(v) == 1 for v in d["baseline_runs"].values())
+        for key in ("ours_seconds", "lower_bound_seconds", "ratio_to_lower_bound", "peak_extra_bytes_per_actor"):
+            assert d[key] > 0, key
+        assert all(v > 0 for v in d["baselines"].values())
+        assert all(report["speedup_vs"][b] <= d["speedup_vs"][b] for b in BASELINES)
     for key in ("gloo_p2p_gbps", "gloo_aggregate_gbps", "memcpy_1core_gbps", "memcpy_aggregate_gbps"):
         assert report["transport"][key] > 0, key
     assert report["transport"]["gloo_p2p_cross_node"]
