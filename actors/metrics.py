@@ -4,7 +4,9 @@ Exported through Ray's metrics agent (Prometheus format on the metrics export po
 Ray dashboard and any Prometheus/Grafana set-up show them:
 
 * ``realloc_bytes_total{model,rank,kind=local|intra|inter}``: bytes a worker received;
-* ``realloc_seconds{model,rank,phase}``: seconds a worker spent in each execute phase;
+* ``realloc_seconds{model,rank,phase}``: seconds a worker spent executing: ``phase`` is ``0`` or
+  ``1`` for operations run phase by phase (blended copies, fills, loads), ``all`` for the
+  one-call path of ``reallocate``/``copy_to`` (prepare, both phases and commit together);
 * ``realloc_bandwidth_gbps{model,rank}``: bytes received per second over the worker's last
   operation that received anything (all phases together);
 * ``realloc_in_flight{model,rank}``: execute phases running on the worker;
