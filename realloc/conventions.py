@@ -168,7 +168,7 @@ def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
     by_slot = {e[2]: e for e in entries}
     out, done = [], set()
     for entry in entries:
-        p, slot = entry[0], entry[2]
+        slot = entry[2]
         if slot in done:
             continue
         m = _QKV.match(slot)

@@ -37,7 +37,7 @@ import time
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -447,8 +447,8 @@ class _Router:
         if i is None:
             i = self.key_ids[k] = len(self.keys)
             self.keys.append(k)
-            self.key_bytes.append(sum(len(names) * _cells_bytes(cells, dtype)
-                                      for names, dtype, cells in self.blocks_of(k)))
+            self.key_bytes.append(self.bundles[bid].nbytes if parts == 1 else sum(  # whole: counted by _bundles
+                len(names) * _cells_bytes(cells, dtype) for names, dtype, cells in self.blocks_of(k)))
         return i
 
     def blocks_of(self, key: tuple[int, int, int]) -> list[tuple[tuple[str, ...], str, list[Box]]]:
