@@ -410,10 +410,9 @@ class _Router:
 
     Deliveries are recorded as ``(phase, src, dst, key)`` with keys ``(bundle, part, parts)``;
     phase 0 moves bytes from holders (intra or inter node), phase 1 fans them out inside a node.
-    A bundle whose holder nodes each have one holder worker and whose needing nodes each have one
-    needing worker has no choice to make: its deliveries are recorded as arrays at once (the
-    sharded-data-parallel case at scale). Any other bundle picks the least-loaded worker per
-    delivery, one delivery at a time.
+    A bundle's remote deliveries are recorded as arrays at once, with the result of choosing the
+    least-loaded sender and entry worker one delivery at a time (:meth:`_deliver`,
+    :meth:`_senders`); copies inside a node that holds the bundle are chosen one at a time.
     """
 
     def __init__(self, placement: Placement, params: ParamTable, bandwidths: Bandwidths):
