@@ -32,12 +32,16 @@ class ShardChange:
     resharding load) or ``replace`` (this worker replaced a dead one: its weights are zeros until
     the next load). ``old`` is the layout before (``None`` at creation). After every change the
     shard tensors are new objects: views taken before are stale (the old buffers become the
-    rollback and are recycled later), so modules must be rebound.
+    rollback and are recycled later), so modules must be rebound. Except when ``same_storage``:
+    the move went to a layout kept in place (``reallocate(..., keep="in_place")``), and the
+    shard tensors view the very memory this layout had when it was last held, so modules bound
+    to it then (and CUDA graphs captured over them) are still valid.
     """
 
     kind: str
     new: Layout
     old: Layout | None = None
+    same_storage: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in CHANGES:

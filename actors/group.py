@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterator, Sequence
 
@@ -42,7 +42,8 @@ from actors.config import GroupConfig
 from actors.context import ShardChange
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
-from actors.remote import Workers, call_all, diagnose, gather
+from actors.remote import Workers, call_all, diagnose, gather, settle
+from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.world import World
 from actors.worker import CONTROL, ShardWorker
 from actors.zero_copy import sweep_stale_buffers
@@ -66,6 +67,10 @@ class ReallocStats:
 
     ``seconds``: the transfers (both phases, the slowest worker's own clock); ``pause_seconds``:
     the whole call as the caller saw it (planning, the driver round trip, prepare, transfers, commit).
+    ``resident_use``: ``"adopted"`` (the destination was a kept layout holding the current
+    weights: nothing moved), ``"refreshed"`` (a kept layout's buffers were written in place) or
+    None; ``resident_*_bytes_per_actor``: the largest worker's kept layouts afterwards, on its
+    device and in host memory (actors/resident.py).
     """
 
     transition: str
@@ -77,6 +82,9 @@ class ReallocStats:
     peak_extra_bytes_per_actor: int
     planned: dict
     pause_seconds: float = 0.0
+    resident_use: str | None = None
+    resident_in_place_bytes_per_actor: int = 0
+    resident_host_bytes_per_actor: int = 0
 
     @property
     def gbps(self) -> float:
@@ -89,6 +97,9 @@ class ReallocStats:
             "bytes_inter_node": self.bytes_inter_node, "bytes_local": self.bytes_local,
             "seconds": self.seconds, "plan_seconds": self.plan_seconds, "gbps": self.gbps,
             "peak_extra_bytes_per_actor": self.peak_extra_bytes_per_actor, "pause_seconds": self.pause_seconds,
+            "resident_use": self.resident_use,
+            "resident_in_place_bytes_per_actor": self.resident_in_place_bytes_per_actor,
+            "resident_host_bytes_per_actor": self.resident_host_bytes_per_actor,
         }
 
 
@@ -103,7 +114,10 @@ def _plan(src: Layout, dst: Layout, placement: Placement, src_workers: tuple | N
 class ModelGroup:
     """One model's shards on ``layout.topology.world_size`` Ray actors (one per GPU or CPU slot).
 
-    ``layout`` is the group's state: the one value saying what every worker holds.
+    ``layout`` is the group's state: the one value saying what every worker holds. ``version``
+    counts the changes of the weights the driver knows of (fills, loads, copies into the group,
+    replacements, and ``run``/``call`` unless told ``writes=False``); kept layouts
+    (``reallocate(..., keep=)``) are tagged with it.
     """
 
     def __init__(self, name: str, layout: Layout, config: GroupConfig, workers: Workers, placement: Placement,
@@ -111,6 +125,8 @@ class ModelGroup:
         self.name, self.layout, self.config, self.worker_cls = name, layout, config, worker_cls
         self.workers, self.placement, self._pg, self.infos = workers, placement, pg, infos
         self.world: World | None = None
+        self.version = 0
+        self._resident: dict[Layout, ResidentLayout] = {}
         self._lock = threading.RLock()
         self._closed = False
 
@@ -359,24 +375,32 @@ class ModelGroup:
             bad = self._call("verify_synthetic", "verify weights", seed)
         return {r: b for r, b in enumerate(bad) if b}
 
-    def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable, *args: Any, writes: bool = True, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every worker against its local shards, in place.
 
         ``ctx`` is a :class:`~actors.context.ShardContext`. Writes into ``ctx.tensors`` change the
         weights directly (user code, not an atomic operation). Returned tensors that are views of
-        the worker's buffers are copied first, so only their own bytes travel.
+        the worker's buffers are copied first, so only their own bytes travel. ``writes=False``
+        promises that ``fn`` does not change the weights: kept layouts stay current
+        (:meth:`reallocate` with ``keep``); by default every run counts as a change.
         """
         if not callable(fn):
             raise ValueError(f"run needs a callable fn(ctx, ...), got {type(fn).__name__}")
+        _check_writes(writes)
         with self._exclusive("run user function"):
+            if writes:
+                self.version += 1
             return self._call("run", "run user function", fn, args, kwargs)
 
-    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, writes: bool = True,
+             **kwargs: Any) -> list[Any]:
         """Call ``method(*args, **kwargs)`` of your worker class on every worker (or on ``ranks``),
         all at once, and return the results in rank order.
 
         ``method`` is the name of a public method your ``worker_cls`` defines. Like :meth:`run`,
-        it is user code (no atomic operation) and returned views of shard buffers are copied.
+        it is user code (no atomic operation) and returned views of shard buffers are copied;
+        pass ``writes=False`` for methods that do not change the weights (generation), so kept
+        layouts stay current.
         Example:
             >>> losses = group.call("train_step", batch)  # doctest: +SKIP
         """
@@ -385,14 +409,20 @@ class ModelGroup:
             raise ValueError(f"{method!r} is not a method of worker class {self.worker_cls.__name__}; "
                              f"callable: {allowed or 'none (pass worker_cls= to ModelGroup.create)'}")
         ranks = self._check_ranks(ranks)
+        _check_writes(writes)
         with self._exclusive(f"call {method}"):
+            if writes:
+                self.version += 1
             workers = self.workers.subset(ranks)
             return gather(workers, [a.user_call.remote(method, args, kwargs) for a in workers.actors],
                           self.timeout_s, f"{self.worker_cls.__name__}.{method} ({self.name})")
 
     def _announce(self, change: ShardChange, ranks: Sequence[int] | None = None) -> None:
         """Run the workers' ``on_shards_changed`` hook after ``change`` was committed (and
-        ``self.layout`` updated). A failing hook does not undo the change: the error says so."""
+        ``self.layout`` updated). A failing hook does not undo the change: the error says so.
+        Every change but a creation and a move is a change of the weights: the version moves on."""
+        if change.kind not in ("create", "reallocate"):
+            self.version += 1
         if self.worker_cls.on_shards_changed is ShardWorker.on_shards_changed:
             return  # nothing to run: save the round trip
         workers = self.workers if ranks is None else self.workers.subset(ranks)
@@ -434,15 +464,22 @@ class ModelGroup:
     def _plan_to(self, target: Layout) -> Plan:
         return _plan(self.layout, target, self.placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
 
-    def reallocate(self, dst: "Topology | str | Layout", src: "Topology | str | Layout | None" = None) -> ReallocStats:
+    def reallocate(self, dst: "Topology | str | Layout", src: "Topology | str | Layout | None" = None, *,
+                   keep: str | None = None) -> ReallocStats:
         """Move the weights into layout ``dst`` (planned on the driver, executed on the actors).
 
         ``src`` (optional) must name the current layout; RL loops write
         ``group.reallocate(dst, src=train_topo)`` to get an error if they lost track. On any
         failure every live worker keeps the old layout and weights, ``group.layout`` is unchanged
         and :class:`ReallocationError` says so, naming dead and unresponsive workers.
+
+        ``keep="in_place"`` or ``"host"`` keeps the layout left behind resident (on the device,
+        or copied to host memory), tagged with the weight version (actors/resident.py). Moving
+        to a kept layout that still holds the current weights adopts it (no traffic); to one
+        that is stale, writes into its buffers (same memory). :meth:`release_resident` frees them.
         """
         started = time.perf_counter()
+        keep = check_keep(keep)
         target = self.target(dst)
         with self._exclusive("reallocate"):
             if src is not None:
@@ -450,14 +487,67 @@ class ModelGroup:
                 if claimed != self.layout:
                     raise ValueError(f"group {self.name!r} holds layout {self.layout}, but src says {claimed}")
             before = self.layout
+            order = KeepOrder(keep, self.version) if keep is not None and target != before else None
             op = self._operation(target, f"reallocate {self.name} {before} -> {target}",
                                  f"group {self.name!r} stays in layout {before}")
-            stats = _move([self], op, lambda: self._plan_to(target), [before.at(r) for r in range(self.num_workers)],
-                          self.placement, self.name, f"{before} -> {target}", started)
+            record = self._resident.get(target)
+            try:
+                if record is not None and record.version == self.version:
+                    stats = self._adopt(op, target, order, f"{before} -> {target}", started)
+                else:
+                    stats = _move([self], op, lambda: self._plan_to(target),
+                                  [before.at(r) for r in range(self.num_workers)], self.placement, self.name,
+                                  f"{before} -> {target}", started, keep=order)
+            except ReallocationError:
+                self._resident.pop(target, None)  # no longer kept (the workers' aborts freed or restored it)
+                self._sync_resident()  # ... and freed everywhere
+                raise
+            self._resident.pop(target, None)  # adopted, or refreshed in place: the current layout now
+            if order is not None:
+                self._resident[before] = ResidentLayout(before, order.version, keep,
+                                                        max(before.rank_bytes(r) for r in range(self.num_workers)))
             self.layout = target
-            self._announce(ShardChange("reallocate", target, before))
+            self._announce(ShardChange("reallocate", target, before,
+                                       same_storage=stats.resident_use == "refreshed"
+                                       or (stats.resident_use == "adopted" and record.where == "in_place")))
         metrics.record_pause(self.name, "reallocate", stats.pause_seconds)
         return stats
+
+    def _adopt(self, op: Operation, target: Layout, order: KeepOrder | None, label: str,
+               started: float) -> ReallocStats:
+        result = op.adopt(target, self.version, order)
+        return ReallocStats(label, 0, 0, result.bytes_local, result.seconds, 0.0, 0, {"adopted": True},
+                            time.perf_counter() - started, "adopted", result.resident_in_place_bytes,
+                            result.resident_host_bytes)
+
+    def resident_layouts(self) -> list[ResidentLayout]:
+        """The layouts kept by ``reallocate(..., keep=)``, with their versions (``fresh``: moving
+        there adopts them, nothing moves)."""
+        with self._exclusive("list kept layouts"):
+            return [replace(r, fresh=r.version == self.version) for r in self._resident.values()]
+
+    def release_resident(self, layouts: "Sequence[Topology | str | Layout] | None" = None) -> None:
+        """Free kept layouts (all of them by default) on every worker."""
+        with self._exclusive("release kept layouts"):
+            drop = list(self._resident) if layouts is None else [self.target(x) for x in layouts]
+            unknown = [str(x) for x in drop if x not in self._resident]
+            if unknown:
+                raise ValueError(f"group {self.name!r} keeps no layout {unknown}; kept: "
+                                 f"{[str(x) for x in self._resident] or 'none'}")
+            for layout in drop:
+                del self._resident[layout]
+            self._call("resident_sync", "release kept layouts", self._resident_known())
+
+    def _resident_known(self) -> list[tuple[Layout, int]]:
+        return [(layout, r.version) for layout, r in self._resident.items()]
+
+    def _sync_resident(self) -> None:
+        """After a failure: every live worker frees the kept layouts the driver does not list (best effort)."""
+        known = self._resident_known()
+        found = settle(self.workers, [a.resident_sync.remote(known) for a in self.workers.actors], 30.0)
+        if found.dead or found.unresponsive or found.failed:
+            log.warning("group %s: kept layouts not synchronised on %s", self.name,
+                        list(found.dead + found.unresponsive + found.failed))
 
     def copy_to(self, other: "ModelGroup", eta: float | None = None) -> ReallocStats:
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
@@ -523,6 +613,8 @@ class ModelGroup:
                 actors[r] = _start_worker(remote_cls, f"{names[r]}:gen{int(time.time() * 1000)}", self._pg, r,
                                           self.name, self.spec, self.config.zero_copy)
             self.workers = Workers(tuple(actors), tuple(names))
+            self._resident.clear()  # the fresh workers keep nothing: no kept layout is whole any more
+            self._sync_resident()
             fresh_workers = self.workers.subset(dead)
             fresh = call_all(fresh_workers, "info", timeout_s=self.timeout_s + 60, what="start replacement workers")
             for r, info in zip(dead, fresh):
@@ -572,7 +664,8 @@ class ModelGroup:
 
 
 def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan], srcs: list, placement: Placement,
-          model: str, label: str, started: float, blend: float | None = None) -> ReallocStats:
+          model: str, label: str, started: float, blend: float | None = None,
+          keep: KeepOrder | None = None) -> ReallocStats:
     """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
 
     The caller holds the groups' locks and changes its state only after this returns.
@@ -583,7 +676,7 @@ def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan]
     world = groups[0]._ensure_world(groups)
     if blend is None:
         shared = [info["zero_copy"] for g in groups for info in g.infos]
-        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model})
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep)
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)
@@ -594,7 +687,9 @@ def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan]
     pause = time.perf_counter() - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)
     return ReallocStats(label, result.bytes_intra_node, result.bytes_inter_node, result.bytes_local, seconds,
-                        plan_seconds, result.peak_extra_bytes_per_actor, plan.stats, pause)
+                        plan_seconds, result.peak_extra_bytes_per_actor, plan.stats, pause,
+                        "refreshed" if result.refreshed else None, result.resident_in_place_bytes,
+                        result.resident_host_bytes)
 
 
 def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, zero_copy: bool):
@@ -651,6 +746,11 @@ def _as_layout(spec: ModelSpec, value: object, options: dict, current: Layout | 
         raise ValueError(f"a layout is a realloc.Topology, a topology string like 'dp=2,tp=4' or a realloc.Layout, "
                          f"got {type(value).__name__}")
     return current.with_topology(value) if current is not None else Layout(spec, value, **options)
+
+
+def _check_writes(writes: object) -> None:
+    if not isinstance(writes, bool):
+        raise ValueError(f"writes must be True or False (does the code change the weights?), got {writes!r}")
 
 
 def _check_seed(seed: object) -> None:

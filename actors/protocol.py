@@ -34,7 +34,8 @@ import ray
 from actors.errors import ReallocationError
 from actors.executor import PeerView
 from actors.remote import Workers, gather, settle
-from realloc.layout import RankLayout
+from actors.resident import KeepOrder
+from realloc.layout import Layout, RankLayout
 from realloc.placement import Placement
 from realloc.plan import Plan
 
@@ -53,6 +54,9 @@ class PhaseResult:
     bytes_inter_node: int
     peak_extra_bytes_per_actor: int
     seconds: float = 0.0  # the slowest worker's own execution time (run_plan)
+    resident_in_place_bytes: int = 0  # the largest worker's kept layouts on its device
+    resident_host_bytes: int = 0  # ... and in host memory
+    refreshed: bool = False  # the destination was a kept layout, written in place
 
 
 class Operation:
@@ -109,7 +113,7 @@ class Operation:
         return _phase_result(results)
 
     def run_plan(self, world, plan: Plan, srcs: Sequence[RankLayout | None], placement: Placement, shared: Sequence[bool],
-                 tags: dict) -> PhaseResult:
+                 tags: dict, keep: KeepOrder | None = None) -> PhaseResult:
         """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
         and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
         zero-copy handles (its ``info()["zero_copy"]``).
@@ -118,18 +122,27 @@ class Operation:
         commits when its own part is done. Any failure anywhere aborts every live worker, which
         rolls a committed one back: afterwards every live worker holds the old layout, as after a
         failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
-        rewrites destination buffers that other workers may still be reading.
+        rewrites destination buffers that other workers may still be reading. ``keep``: every
+        worker keeps the layout it leaves resident (actors/resident.py).
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
         key, ref = _bundle_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
-            refs = [a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)})
+            refs = [a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep)
                     for i, a in enumerate(self.workers.actors)]
             results = gather(self.workers, refs, self.timeout_s, f"{self.what}: prepare, transfer and commit")
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
+        return _phase_result(results, seconds=max(r["seconds"] for r in results))
+
+    def adopt(self, layout: Layout, version: int, keep: KeepOrder | None = None) -> PhaseResult:
+        """Steps 1-3 of a move to a kept ``layout`` that holds weight ``version`` (``op_adopt``:
+        one call per worker, buffers swapped, no traffic). Any failure aborts every live worker,
+        which puts its current buffers back and keeps the adopted ones resident again."""
+        refs = [a.op_adopt.remote(self.id, layout, version, keep) for a in self.workers.actors]
+        results = self.call(refs, "adopt the kept layout")
         return _phase_result(results, seconds=max(r["seconds"] for r in results))
 
     def commit(self, blend: float | None = None) -> None:
@@ -189,6 +202,9 @@ def _phase_result(results: list[dict], seconds: float = 0.0) -> PhaseResult:
         bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
         peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
         seconds=seconds,
+        resident_in_place_bytes=max((r.get("resident", {}).get("in_place", 0) for r in results), default=0),
+        resident_host_bytes=max((r.get("resident", {}).get("host", 0) for r in results), default=0),
+        refreshed=any(r.get("refreshed", False) for r in results),
     )
 
 

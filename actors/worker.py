@@ -40,6 +40,7 @@ from actors.ckpt_worker import CheckpointMixin
 from actors.errors import StaleOperationError
 from actors.executor import PeerView, Staging, StepRunner, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
+from actors.resident import KeepOrder, Resident, copy_into, to_host
 from actors.transport import Transport, connect_store, host_store
 from actors.zero_copy import BufferAllocator, open_handles
 from realloc.boxes import box_index
@@ -112,6 +113,9 @@ class Operation:
     moved: dict[str, int] = field(default_factory=lambda: {"local": 0, "intra": 0, "inter": 0})
     seconds: float = 0.0
     tags: dict = field(default_factory=dict)  # metric tags of its execute phases
+    kept: Layout | None = None  # the layout this operation's commit kept resident (keep=...)
+    adopted: Resident | None = None  # the resident layout this operation adopted (op_adopt)
+    refreshed: bool = False  # its destination buffers are a kept layout's (written in place)
 
     def store(self) -> ShardStore | None:
         return ShardStore(self.dst.shards(), self.buffers) if self.dst is not None else None
@@ -173,6 +177,7 @@ class ShardWorker(CheckpointMixin):
         self._mapped: dict[tuple, tuple[int, Any]] = {}  # peer buffers kept mapped: key -> (last op, value)
         self._runs = 0
         self._copier: ThreadPoolExecutor | None = None
+        self._kept: dict[Layout, Resident] = {}  # kept layouts (actors/resident.py)
 
     # -- user code ----------------------------------------------------------------------------
     def on_shards_changed(self, ctx: ShardContext, change: ShardChange) -> None:
@@ -334,14 +339,18 @@ class ShardWorker(CheckpointMixin):
         """
         self.counters["prepare"] += 1
         self._drop_op()
-        buffers = None
+        buffers, refreshed = None, False
         if dst is not None:
             if dst.layout.spec != self.spec:
                 raise ValueError(f"worker of {self.group} holds model {self.spec.name!r}, not {dst.layout.spec.name!r}")
-            # Every real element is written by the operation: only padding needs zeros in a reused buffer.
-            buffers = self.allocator.allocate(dst.buffer_numels(), zero=False)
+            kept = self._kept.pop(dst.layout, None)  # stale (a fresh one is adopted instead): refresh it
+            if kept is not None and kept.where == "in_place" and kept.held == dst:
+                buffers, refreshed = kept.buffers, True  # same memory: modules bound to it stay valid
+            else:
+                # Every real element is written by the operation: only padding needs zeros in a reused buffer.
+                buffers = self.allocator.allocate(dst.buffer_numels(), zero=False)
             zero_padding(ShardStore(dst.shards(), buffers))
-        self.op = Operation(op_id, dst, buffers)
+        self.op = Operation(op_id, dst, buffers, refreshed=refreshed)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # peers read these bytes from other processes
         if not export:
@@ -363,7 +372,7 @@ class ShardWorker(CheckpointMixin):
         if op is None:
             return
         if op.committed:
-            if op.rollback is not None:
+            if op.rollback is not None and op.kept is None:  # a kept rollback belongs to self._kept
                 self.allocator.release(op.rollback[1])
         elif op.buffers is not None:
             log.warning("worker of %s: operation %s was never committed or aborted; dropping it", self.group, op.id)
@@ -428,7 +437,8 @@ class ShardWorker(CheckpointMixin):
         handles = peer.dst_handles if forward else peer.src_handles
         return ShardStore(held.shards(), open_handles(handles))
 
-    def op_run(self, op_id: str, world_id: str, key: str, plan_box: list, me: int, tags: dict) -> dict:
+    def op_run(self, op_id: str, world_id: str, key: str, plan_box: list, me: int, tags: dict,
+               keep: KeepOrder | None = None) -> dict:
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
         ``plan_box`` is ``[ObjectRef of (plan, peers)]``, fetched only the first time this worker
@@ -437,6 +447,8 @@ class ShardWorker(CheckpointMixin):
         fan-out read of a peer's destination buffers waits for that peer's "phase 0 done" message
         instead of a driver barrier. The commit at the end is the protocol's: if any worker fails,
         the driver aborts every live worker, which rolls a committed one back (``op_abort``).
+        ``keep``: keep the layout left behind resident (actors/resident.py); if the destination
+        layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
         """
         self._check_world(world_id)
         bundle = self._bundle(key, plan_box, me)
@@ -447,7 +459,74 @@ class ShardWorker(CheckpointMixin):
         self._evict_mappings()
         result = self._timed(op, tags, "all", lambda: self._run(op, bundle, me))
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
+        if keep is not None:
+            self._keep(op, keep)
+        result["refreshed"] = op.refreshed
+        result["resident"] = self.resident_bytes()
         return result
+
+    # -- resident layouts (actors/resident.py) ----------------------------------------------
+    def _keep(self, op: Operation, order: KeepOrder) -> None:
+        """Keep the layout ``op`` committed away from (its rollback) resident, as ``order`` says."""
+        if op.rollback is None:
+            return
+        held, buffers = op.rollback
+        if order.where == "host":
+            host = to_host(buffers)
+            self.allocator.release(buffers, keep=False)  # the device memory goes back (generation needs it)
+            buffers = host
+            op.rollback = (held, host)
+        self._kept[held.layout] = Resident(held, buffers, order.version, order.where)
+        op.kept = held.layout
+
+    def op_adopt(self, op_id: str, layout: Layout, version: int, keep: KeepOrder | None = None) -> dict:
+        """Prepare and commit a move to the kept ``layout`` in one call: its buffers become the
+        current ones (from host memory: copied back to the device first). No byte travels.
+
+        The kept layout must hold weight ``version`` (the driver's current one); otherwise
+        :class:`~actors.errors.StaleOperationError` and nothing changes. ``op_abort`` undoes it
+        (the adopted buffers become resident again)."""
+        self.counters["prepare"] += 1
+        started = time.perf_counter()
+        self._drop_op()
+        kept = self._kept.get(layout)
+        if kept is None or kept.version != version:
+            have = f"version {kept.version}" if kept is not None else "nothing"
+            raise StaleOperationError(f"worker of {self.group} keeps {have} of layout {layout}, not weight version "
+                                      f"{version}: nothing was adopted")
+        local = 0
+        if kept.where == "host":
+            buffers = self.allocator.allocate(kept.held.buffer_numels(), zero=False)
+            local = copy_into(buffers, kept.buffers)
+        else:
+            buffers = kept.buffers
+        del self._kept[layout]
+        op = self.op = Operation(op_id, kept.held, buffers, adopted=kept)
+        op.moved["local"] = local
+        self.op_commit(op_id)
+        if keep is not None:
+            self._keep(op, keep)
+        seconds = time.perf_counter() - started
+        return {"bytes": dict(op.moved), "staging_bytes": 0, "dst_bytes": 0, "seconds": seconds,
+                "resident": self.resident_bytes()}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of the kept layouts, by where they are (``in_place``, ``host``)."""
+        out = {"in_place": 0, "host": 0}
+        for r in self._kept.values():
+            out[r.where] += r.nbytes
+        return out
+
+    def resident_sync(self, known: list[tuple[Layout, int]]) -> dict[str, int]:
+        """Free every kept layout the driver does not list as ``(layout, version)`` (after a
+        failure, a replacement, or ``release_resident``). Outside any operation."""
+        self._drop_op()
+        wanted = set(known)
+        for layout in [k for k, r in self._kept.items() if (k, r.version) not in wanted]:
+            r = self._kept.pop(layout)
+            if r.where == "in_place":
+                self.allocator.release(r.buffers, keep=False)
+        return self.resident_bytes()
 
     def _bundle(self, key: str, plan_box: list, me: int) -> Bundle:
         bundle = self._bundles.get(key)
@@ -616,15 +695,28 @@ class ShardWorker(CheckpointMixin):
         self.op = None
         if op.committed and op.rollback is not None:
             new = self.buffers
-            self.held, self.buffers = op.rollback
-            self.allocator.release(new)
+            held, old = op.rollback
+            if op.kept is not None:  # the old buffers were kept resident: take them back
+                kept = self._kept.pop(op.kept)
+                old = kept.buffers
+                if kept.where == "host":
+                    old = self.allocator.allocate(held.buffer_numels(), zero=False)
+                    copy_into(old, kept.buffers)
+            self.held, self.buffers = held, old
+            if op.adopted is not None:  # the adopted layout is kept again, as it was
+                self._kept[op.adopted.held.layout] = op.adopted
+                if op.adopted.where == "host":
+                    self.allocator.release(new, keep=False)
+            else:
+                self.allocator.release(new)
         elif not op.committed and op.buffers is not None:
-            self.allocator.release(op.buffers)
+            self.allocator.release(op.buffers)  # a refreshed kept layout is half written: freed too
         self._ckpt_forget_sources()
         return str(self.held) if self.held else None
 
     def shutdown(self) -> None:
         self._drop_op()
+        self._kept.clear()
         self._mapped.clear()
         self._bundles.clear()
         if self._copier is not None:

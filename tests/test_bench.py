@@ -111,3 +111,9 @@ def test_bench_tiny_end_to_end():
     for key in ("gloo_p2p_gbps", "gloo_aggregate_gbps", "memcpy_1core_gbps", "memcpy_aggregate_gbps"):
         assert report["transport"][key] > 0, key
     assert report["transport"]["gloo_p2p_cross_node"]
+    res = report["resident"]  # the RL loop with kept layouts: refresh there, adopt back, verified above
+    for mode in ("in_place", "host"):
+        assert res[mode]["there"]["resident_use"] == "refreshed" and res[mode]["back"]["resident_use"] == "adopted"
+        assert res[mode]["back"]["bytes_inter_node"] == res[mode]["back"]["bytes_intra_node"] == 0
+        assert res[mode]["kept_bytes_per_actor"] > 0 and len(res[mode]["there_seconds"]) == 2
+    assert res["host"]["back"]["bytes_local"] > 0 == res["in_place"]["back"]["bytes_local"]

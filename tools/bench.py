@@ -109,6 +109,8 @@ def add_bench_parser(subparsers) -> None:
                    "shards (default), or element-wise against synthetic_box (slow on big models)")
     p.add_argument("--probe-mb", type=float, default=256, help="bytes of the gloo/memcpy probes in MiB (default 256)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-resident", action="store_true",
+                   help="skip the resident-layout loop (reallocate(..., keep=) on the first transition)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench)
 
@@ -165,7 +167,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report = bench(spec, transitions, address=args.address, nodes=args.nodes, bucket_bytes=int(args.bucket_mb * MB),
                    repeats=args.repeats, baseline_repeats=args.baseline_repeats,
                    baselines=[b for b in BASELINES if b not in skip], verify=args.verify,
-                   probe_bytes=int(args.probe_mb * MB), seed=args.seed)
+                   probe_bytes=int(args.probe_mb * MB), seed=args.seed, resident=not args.no_resident)
     if args.json:
         print(json.dumps(report))
     else:
@@ -228,7 +230,7 @@ class _Layouts:
 def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | None = None, nodes: int = 2,
           bucket_bytes: int = 64 * MB, repeats: int = 3, baseline_repeats: int = 3,
           baselines: list[str] = list(BASELINES), verify: str = "digest", probe_bytes: int = 256 * MB,
-          seed: int = 0) -> dict:
+          seed: int = 0, resident: bool = True) -> dict:
     """Run the whole benchmark (both directions of every transition, one set of actors);
     returns the report (see ``docs/benchmarks.md``)."""
     from actors.group import ModelGroup
@@ -288,6 +290,9 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
                 if not directions:
                     raise
             report["directions"] = directions
+            if resident and directions and "error" not in report:
+                report["resident"], ok = _bench_resident(group, layouts, *transitions[0], repeats, directions[:2])
+                ours_ok &= ok
             _summarise(report, directions, ours_ok, layouts.failures)
         finally:
             group.shutdown()
@@ -335,6 +340,53 @@ def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: 
         d["verified"]["ours"] = ok
         out.append(d)
     return ok, out
+
+
+def _bench_resident(group, layouts: _Layouts, src: Topology, dst: Topology, repeats: int,
+                    without: list[dict]) -> tuple[dict, bool]:
+    """The RL loop with kept layouts (``reallocate(..., keep=mode)``, actors/resident.py), per
+    mode: a 'training step' that counts as a change of the weights (it writes nothing, so the
+    digests still verify), the move to ``dst`` (which refreshes the kept ``dst`` buffers in
+    place), the move back (which adopts the kept ``src``: nothing travels). ``without``: the two
+    directions of the same transition without ``keep`` (their medians are the comparison)."""
+    ok, out = True, {}
+    for mode in ("in_place", "host"):
+        if group.topology != src:
+            group.reallocate(src)
+        group.reallocate(dst, keep=mode)  # warm-up: keeps src, then dst
+        group.reallocate(src, keep=mode)
+        there, back = [], []
+        for i in range(repeats):
+            group.run(_training_step)  # a change of the weights as far as the driver knows
+            t = time.perf_counter()
+            s1 = group.reallocate(dst, keep=mode)
+            there.append(time.perf_counter() - t)
+            if i == repeats - 1:
+                ok &= layouts.check()
+            t = time.perf_counter()
+            s2 = group.reallocate(src, keep=mode)
+            back.append(time.perf_counter() - t)
+            if i == repeats - 1:
+                ok &= layouts.check()
+        ok &= s1.resident_use == "refreshed" and s2.resident_use == "adopted"
+        kept = max(s1.resident_in_place_bytes_per_actor + s1.resident_host_bytes_per_actor,
+                   s2.resident_in_place_bytes_per_actor + s2.resident_host_bytes_per_actor)
+        out[mode] = {
+            "there_median_seconds": statistics.median(there), "back_median_seconds": statistics.median(back),
+            "round_trip_median_seconds": statistics.median(there) + statistics.median(back),
+            "there_seconds": there, "back_seconds": back, "there": s1.as_dict(), "back": s2.as_dict(),
+            "kept_bytes_per_actor": kept,
+        }
+        _log(f"resident ({mode}) {src} <-> {dst}: there {out[mode]['there_median_seconds']:.3f}s (refresh), "
+             f"back {out[mode]['back_median_seconds']:.3f}s (adopt); kept {kept / 1e6:.1f} MB per actor")
+        group.release_resident()
+    out["without_keep_round_trip_median_seconds"] = sum(d["ours_seconds"] for d in without)
+    return out, ok
+
+
+def _training_step(ctx) -> None:
+    """Stands for an optimizer step in the bench's resident loop (``group.run`` counts it as a
+    change of the weights); it writes nothing, so the verified digests still hold."""
 
 
 def _direction(group, layouts: _Layouts, index: int, way: str, src: Topology, dst: Topology, times: list,
@@ -468,6 +520,13 @@ def format_report(r: dict) -> str:
     lines.append(f"verified: {verified}; "
                  f"peak extra bytes per actor {r['peak_extra_bytes_per_actor'] / 1e6:.1f} MB; "
                  f"bucket {r['bucket_bytes'] / MB:g} MiB; total {r['total_seconds']:.1f}s")
+    if r.get("resident"):
+        res = r["resident"]
+        lines.append(f"resident layouts (keep=, RL loop on the first transition): round trip "
+                     f"{res['without_keep_round_trip_median_seconds']:.3f}s without keep; "
+                     + "; ".join(f"{m} {res[m]['round_trip_median_seconds']:.3f}s (there {res[m]['there_median_seconds']:.3f}"
+                                 f", back {res[m]['back_median_seconds']:.3f}), kept "
+                                 f"{res[m]['kept_bytes_per_actor'] / 1e6:.1f} MB/actor" for m in ("in_place", "host")))
     if r.get("error"):
         lines.append(f"STOPPED EARLY after {len(r['directions'])} directions: {r['error'][:300]}")
     return "\n".join(lines)
