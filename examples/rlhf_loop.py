@@ -17,6 +17,7 @@ Run it directly (starts a local Ray) or on a cluster::
 
     python examples/rlhf_loop.py
     python examples/rlhf_loop.py --train dp=1,tp=2,pp=2 --generate dp=2,tp=2
+    python examples/rlhf_loop.py --keep in_place   # keep both layouts: the way back moves nothing
     RAY_ADDRESS=http://127.0.0.1:8265 ray job submit --working-dir . -- python examples/rlhf_loop.py
 """
 
@@ -121,6 +122,8 @@ class LoopReport:
     losses: list = field(default_factory=list)
     cycle_seconds: list = field(default_factory=list)  # train -> generate -> train, each iteration
     move_seconds: list = field(default_factory=list)  # the two reallocations of each iteration
+    move_uses: list = field(default_factory=list)  # their resident_use (with --keep: refreshed / adopted)
+    keep: str | None = None
     failures: list = field(default_factory=list)
 
     @property
@@ -153,9 +156,12 @@ def max_diff(a: dict, b: dict) -> float:
 
 def run_loop(train: str = "dp=2,tp=2", generate: str = "dp=1,tp=4", iterations: int = 2, steps: int = 2,
              prompts: int = 4, new_tokens: int = 6, name: str = "rlhf-policy", timeout_s: float = 120,
-             log=print, worker_cls: type = LlamaWorker) -> LoopReport:
-    """The loop on a running Ray; returns what it measured (``report.ok``: every check passed)."""
-    report = LoopReport(train, generate)
+             log=print, worker_cls: type = LlamaWorker, keep: str | None = None) -> LoopReport:
+    """The loop on a running Ray; returns what it measured (``report.ok``: every check passed).
+
+    ``keep``: keep the layout each move leaves (``reallocate(..., keep=)``); generation is
+    called with ``writes=False``, so the way back adopts the kept training layout."""
+    report = LoopReport(train, generate, keep=keep)
     spec = CONFIG.spec()
     init = reference_init(CONFIG, seed=0)
     reference = llama.Llama(CONFIG)
@@ -178,14 +184,15 @@ def run_loop(train: str = "dp=2,tp=2", generate: str = "dp=1,tp=4", iterations: 
             report.losses.append((sum(last) / len(last), ref_loss))  # the mean over dp = the full-batch loss
 
             trained = policy.state_dict()
-            to_gen = policy.reallocate(generate, src=train)
+            to_gen = policy.reallocate(generate, src=train, keep=keep)
             if not _same(policy.state_dict(), trained):
                 report.failures.append(f"iteration {it}: weights changed moving {train} -> {generate}")
             prompt = batches(CONFIG, prompts, 5, seed=1000 + it)
-            outputs = policy.call("generate", prompt, new_tokens)
-            back = policy.reallocate(train, src=generate)
+            outputs = policy.call("generate", prompt, new_tokens, writes=False)
+            back = policy.reallocate(train, src=generate, keep=keep)
             report.cycle_seconds.append(time.perf_counter() - started)
             report.move_seconds.append((to_gen.pause_seconds, back.pause_seconds))
+            report.move_uses.append((to_gen.resident_use, back.resident_use))
             if not _same(policy.state_dict(), trained):
                 report.failures.append(f"iteration {it}: weights changed moving {generate} -> {train}")
 
@@ -230,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", default="dp=1,tp=4", help="generation layout, pp=1 (default tp=4)")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps per iteration")
+    parser.add_argument("--keep", choices=("in_place", "host"), default=None,
+                        help="keep the layout each move leaves (resident layouts: the way back moves nothing)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     workers = Topology.parse(args.train).world_size
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.init(log_to_driver=False)
         else:
             ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
-    report = run_loop(args.train, args.generate, args.iterations, args.steps)
+    report = run_loop(args.train, args.generate, args.iterations, args.steps, keep=args.keep)
     if args.json:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     for failure in report.failures:

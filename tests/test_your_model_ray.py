@@ -151,14 +151,23 @@ def test_worker_class_calls_hooks_and_errors(cluster):
         ModelGroup.create(SPEC, "tp=2", name="bad", worker_cls=Clash)
 
 
-@pytest.mark.parametrize("train,generate", [("dp=2,tp=2", "dp=1,tp=4"), ("dp=1,tp=2,pp=2", "dp=2,tp=2")])
-def test_real_llama_trains_in_one_layout_and_generates_in_another(cluster, train, generate):
+@pytest.mark.parametrize("train,generate,keep", [("dp=2,tp=2", "dp=1,tp=4", None),
+                                                 ("dp=2,tp=2", "dp=1,tp=4", "in_place"),
+                                                 ("dp=1,tp=2,pp=2", "dp=2,tp=2", "host")])
+def test_real_llama_trains_in_one_layout_and_generates_in_another(cluster, train, generate, keep):
     """examples/rlhf_loop.py: a real Llama trained with AdamW (dp gradient reduction, tp layers,
     pp stages), reallocated to a generation layout with another tp, greedy-decoded, moved back
     and trained on. Weights bit-exact across every move; tokens equal the single-process
-    reference's; logits and weights close to it."""
-    report = rlhf_loop.run_loop(train, generate, iterations=3, steps=2, name=f"llama-{train}", log=print)
+    reference's; logits and weights close to it. With ``keep`` (resident layouts) the way back
+    adopts the kept training layout, and AdamW trains on in it."""
+    report = rlhf_loop.run_loop(train, generate, iterations=3, steps=2, name=f"llama-{train}-{keep}", log=print,
+                                keep=keep)
     assert report.ok, report.failures
+    if keep is None:
+        assert report.move_uses == [(None, None)] * 3
+    else:  # in place, the generation layout is kept too: refreshed from the second iteration on
+        there = "refreshed" if keep == "in_place" else None
+        assert report.move_uses == [(None, "adopted")] + [(there, "adopted")] * 2, report.move_uses
     assert report.iterations == 3 and report.weights_bit_exact_after_moves and report.tokens_identical
     assert report.max_logit_diff < 1e-3, report.max_logit_diff
     assert report.max_weight_diff_vs_reference < 5e-4, report.max_weight_diff_vs_reference

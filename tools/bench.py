@@ -270,7 +270,7 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
             ours_ok = layouts.check()
             group.reallocate(src)
             ours_ok &= layouts.check()
-            group.run(_warm_imports)  # the baselines' imports (DCP: seconds per actor) are not their cost
+            group.run(_warm_imports, writes=False)  # the baselines' imports (DCP: seconds per actor) are not their cost
             open_default_group(group)  # the baselines run on the trainer's own default group, as users' do
             report["transport"] = measure_transport(group, probe_bytes)
             _log("transport: " + ", ".join(f"{k} {v:.3f}" for k, v in report["transport"].items()
@@ -344,17 +344,19 @@ def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: 
 
 def _bench_resident(group, layouts: _Layouts, src: Topology, dst: Topology, repeats: int,
                     without: list[dict]) -> tuple[dict, bool]:
-    """The RL loop with kept layouts (``reallocate(..., keep=mode)``, actors/resident.py), per
-    mode: a 'training step' that counts as a change of the weights (it writes nothing, so the
-    digests still verify), the move to ``dst`` (which refreshes the kept ``dst`` buffers in
-    place), the move back (which adopts the kept ``src``: nothing travels). ``without``: the two
-    directions of the same transition without ``keep`` (their medians are the comparison)."""
-    ok, out = True, {}
-    for mode in ("in_place", "host"):
+    """The RL loop with kept layouts (``reallocate(..., keep=)``, actors/resident.py): per
+    iteration a 'training step' that counts as a change of the weights (it writes nothing, so the
+    digests still verify), the move to ``dst``, the move back. ``in_place``: both layouts kept
+    on the device, so the move there refreshes the kept ``dst`` buffers and the move back adopts
+    ``src`` (nothing travels). ``host``: the trainer's layout offloaded during generation
+    (``keep="host"`` there, nothing kept back), so the move back is one host-to-device copy.
+    ``without``: the two directions of the same transition without ``keep``."""
+    ok, out = True, {}  # (the digest checks are group.run(..., writes=False): they leave the version alone)
+    for mode, back_keep, there_use in (("in_place", "in_place", "refreshed"), ("host", None, None)):
         if group.topology != src:
             group.reallocate(src)
-        group.reallocate(dst, keep=mode)  # warm-up: keeps src, then dst
-        group.reallocate(src, keep=mode)
+        group.reallocate(dst, keep=mode)  # warm-up (and in place: both layouts kept from here on)
+        group.reallocate(src, keep=back_keep)
         there, back = [], []
         for i in range(repeats):
             group.run(_training_step)  # a change of the weights as far as the driver knows
@@ -364,11 +366,11 @@ def _bench_resident(group, layouts: _Layouts, src: Topology, dst: Topology, repe
             if i == repeats - 1:
                 ok &= layouts.check()
             t = time.perf_counter()
-            s2 = group.reallocate(src, keep=mode)
+            s2 = group.reallocate(src, keep=back_keep)
             back.append(time.perf_counter() - t)
             if i == repeats - 1:
                 ok &= layouts.check()
-        ok &= s1.resident_use == "refreshed" and s2.resident_use == "adopted"
+        ok &= s1.resident_use == there_use and s2.resident_use == "adopted"
         kept = max(s1.resident_in_place_bytes_per_actor + s1.resident_host_bytes_per_actor,
                    s2.resident_in_place_bytes_per_actor + s2.resident_host_bytes_per_actor)
         out[mode] = {
@@ -377,8 +379,8 @@ def _bench_resident(group, layouts: _Layouts, src: Topology, dst: Topology, repe
             "there_seconds": there, "back_seconds": back, "there": s1.as_dict(), "back": s2.as_dict(),
             "kept_bytes_per_actor": kept,
         }
-        _log(f"resident ({mode}) {src} <-> {dst}: there {out[mode]['there_median_seconds']:.3f}s (refresh), "
-             f"back {out[mode]['back_median_seconds']:.3f}s (adopt); kept {kept / 1e6:.1f} MB per actor")
+        _log(f"resident ({mode}) {src} <-> {dst}: there {out[mode]['there_median_seconds']:.3f}s, "
+             f"back {out[mode]['back_median_seconds']:.3f}s (adopted); kept {kept / 1e6:.1f} MB per actor")
         group.release_resident()
     out["without_keep_round_trip_median_seconds"] = sum(d["ours_seconds"] for d in without)
     return out, ok
@@ -416,7 +418,7 @@ def _direction(group, layouts: _Layouts, index: int, way: str, src: Topology, ds
             seconds, info = BASELINE_FNS[name](group, dst)
             bad = _verify_baseline(group, verify, seed, reference) if reference is not None or verify == "exact" \
                 else ["<no verified reference digests>"]
-            group.run(_drop_state)
+            group.run(_drop_state, writes=False)
             runs.append(seconds)
             bad_any += bad
         info.update(verified=not bad_any, mismatches=bad_any[:5])
@@ -581,11 +583,11 @@ def _batched(group, ranks, method: str, *args, batch: int) -> list:
 
 
 def _digests_of_group(group) -> list[dict[str, int]]:
-    return group.run(_ctx_digests)
+    return group.run(_ctx_digests, writes=False)
 
 
 def _verify_baseline(group, how: str, seed: int, reference: list[dict[str, int]]) -> list[str]:
-    return [f"rank {r} {slot}" for r, bad in enumerate(group.run(_verify_state, how, seed, reference)) for slot in bad]
+    return [f"rank {r} {slot}" for r, bad in enumerate(group.run(_verify_state, how, seed, reference, writes=False)) for slot in bad]
 
 
 def _verify_state(ctx, how: str, seed: int, reference: list[dict[str, int]]) -> list[str]:
@@ -666,8 +668,8 @@ def source_owners(layout: Layout) -> dict[str, list[tuple[int, tuple, tuple]]]:
 def open_default_group(group) -> None:
     """torch's default process group in every worker, as a training framework creates it (the
     baselines and the probes use it; our transport never does: it has its own private group)."""
-    addr, port = group.run(_free_address)[0]
-    group.run(_init_default_group, addr, port, group.num_workers)
+    addr, port = group.run(_free_address, writes=False)[0]
+    group.run(_init_default_group, addr, port, group.num_workers, writes=False)
 
 
 def _free_address(ctx) -> tuple[str, int]:
@@ -698,7 +700,7 @@ def measure_transport(group, nbytes: int, reps: int = 3) -> dict:
     other = [r for r in range(len(nodes)) if nodes[r] != nodes[0]]
     peer = other[0] if other else (first[1] if len(first) > 1 else None)
     pairs = list(zip(first, other)) if other else list(zip(first[::2], first[1::2]))
-    results = group.run(_probe, peer, pairs, nbytes, reps)
+    results = group.run(_probe, peer, pairs, nbytes, reps, writes=False)
     r0 = results[0]
     agg = max(r["gloo_aggregate_seconds"] for r in results if r["gloo_aggregate_seconds"] is not None)
     agg_bytes = sum(r["gloo_aggregate_bytes"] for r in results)
