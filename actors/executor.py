@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -101,31 +101,41 @@ def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
     return views[0].reshape(-1).view(torch.uint8)
 
 
+@dataclass
+class Cuts:
+    """One plan's segment lists cut into buckets and messages, filled as a runner needs them."""
+
+    buckets: dict[int, list] = field(default_factory=dict)
+    messages: dict[int, list] = field(default_factory=dict)
+
+
 class StepRunner:
     """Runs one worker's routes of a plan, step by step, bucket by bucket.
 
     ``src``/``dst`` are this worker's stores (model buffers, checkpoint files read into memory,
     ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
+    ``cuts``: a :class:`Cuts` of the same plan to reuse (the plan's buckets and messages are
+    pure functions of it: a worker running one plan again does not cut them again).
     """
 
     def __init__(self, transport, device: torch.device, plan: Plan, me: int, peers: list[PeerView],
                  src: ShardStore | None, dst: ShardStore | None,
                  open_peer: Callable[[PeerView, bool], ShardStore] | None = None,
-                 on_bucket: Callable[[], None] | None = None, staging: "Staging | None" = None):
+                 on_bucket: Callable[[], None] | None = None, staging: "Staging | None" = None,
+                 cuts: "Cuts | None" = None):
         self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
         self.open_peer = open_peer
         self.on_bucket = on_bucket
         self.staging = staging if staging is not None else Staging(device)
         self.device = device
         self.my_node = peers[me].node
-        self._buckets: dict[int, list] = {}
-        self._messages: dict[int, list] = {}
+        self.cuts = cuts if cuts is not None else Cuts()
         self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
 
     def buckets(self, j: int) -> list:
-        if j not in self._buckets:
-            self._buckets[j] = self.plan.buckets(j)
-        return self._buckets[j]
+        if j not in self.cuts.buckets:
+            self.cuts.buckets[j] = self.plan.buckets(j)
+        return self.cuts.buckets[j]
 
     def zero_copy(self, sender: int, receiver: int, forward: bool) -> bool:
         """Whether a route is a direct read of the sender's buffers by the receiver.
@@ -160,9 +170,9 @@ class StepRunner:
 
     def messages(self, j: int) -> list[list[Piece]]:
         """Segment list ``j`` as messages: its buckets, each split by :func:`messages`."""
-        if j not in self._messages:
-            self._messages[j] = [m for bucket in self.buckets(j) for m in messages(bucket)]
-        return self._messages[j]
+        if j not in self.cuts.messages:
+            self.cuts.messages[j] = [m for bucket in self.buckets(j) for m in messages(bucket)]
+        return self.cuts.messages[j]
 
     def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
         source = self.dst if forward else self.src

@@ -38,7 +38,7 @@ from actors.communicator import Communicators
 from actors.context import ShardChange, ShardContext
 from actors.ckpt_worker import CheckpointMixin
 from actors.errors import StaleOperationError
-from actors.executor import PeerView, Staging, StepRunner, is_zero_copy, worker_routes
+from actors.executor import Cuts, PeerView, Staging, StepRunner, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
 from actors.transport import Transport, connect_store, host_store
@@ -79,6 +79,7 @@ class Bundle:
     read_by: list[int]  # peers that map this worker's buffers (they need its handles)
     wait_ready: dict[int, list[int]]  # fan-out step -> peers whose phase 0 must be done before it
     notify: list[int]  # peers that read this worker's destination buffers in fan-out steps
+    cuts: Cuts = field(default_factory=Cuts)  # its buckets and messages, cut on the first run
 
     @staticmethod
     def make(plan: Plan, peers: list[PeerView], me: int) -> "Bundle":
@@ -550,7 +551,7 @@ class ShardWorker(CheckpointMixin):
         local = self._copier.submit(lambda: sum(copy_local(src, dst, b.plan.segment_list(j)) for j in b.local)) \
             if b.local else None
         runner = StepRunner(self.transport, self.device, b.plan, me, peers, src, dst, self._mapped_peer_store,
-                            on_bucket=self._after_bucket, staging=self.staging)
+                            on_bucket=self._after_bucket, staging=self.staging, cuts=b.cuts)
         ready: dict[int, Any] = {}
         sent: list = []
         ok = False
