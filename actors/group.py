@@ -444,6 +444,13 @@ class ModelGroup:
                               for r, a in enumerate(self.workers.actors)], timeout + 30,
                f"join the process-group store ({self.name})")
 
+    def trim_memory(self) -> int:
+        """Free, on every worker, the buffers the last operation left behind (its rollback, which
+        becomes the spare set the next move reuses to avoid page faults); e.g. before generation
+        allocates its cache. Kept layouts stay (:meth:`release_resident`). Returns the bytes freed."""
+        with self._exclusive("trim memory"):
+            return sum(self._call("trim_memory", "trim memory"))
+
     def activity(self) -> list[dict]:
         """Per worker, how many operation steps it ran (prepare/execute/commit/abort counters)."""
         return self._call("activity", "read activity")

@@ -511,6 +511,14 @@ class ShardWorker(CheckpointMixin):
         return {"bytes": dict(op.moved), "staging_bytes": 0, "dst_bytes": 0, "seconds": seconds,
                 "resident": self.resident_bytes()}
 
+    def trim_memory(self) -> int:
+        """Free what a finished operation left: its rollback and the spare buffer set (kept to
+        reuse touched pages). Kept layouts stay. Returns the bytes freed. Outside any operation."""
+        self._drop_op()
+        freed = sum(t.numel() * t.element_size() for t in self.allocator.spares())
+        self.allocator.drop_spares()
+        return freed
+
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the kept layouts, by where they are (``in_place``, ``host``)."""
         out = {"in_place": 0, "host": 0}

@@ -65,6 +65,9 @@ class BufferAllocator:
             else:
                 self._free(t)
 
+    def spares(self) -> list[torch.Tensor]:
+        return list(self._spares.values())
+
     def drop_spares(self) -> None:
         """Free the spare set (before keeping a rollback copy, so memory stays two layouts)."""
         for t in self._spares.values():

@@ -105,9 +105,12 @@ def test_the_rl_loop_moves_once_per_iteration_and_keeps_storage(cluster):
         moved = g.reallocate(GEN, keep="in_place")
         assert moved.resident_use is None and moved.bytes_intra_node + moved.bytes_inter_node > 0
         assert_weights(g, reference(1, -1))
+        assert g.trim_memory() == 0  # the move kept what it left: no rollback to free ...
+        assert [r.layout.topology for r in g.resident_layouts()] == [Topology.parse(TRAIN)]  # ... and trim keeps it
         g.release_resident()
         assert g.resident_layouts() == [] and all(b == {"in_place": 0, "host": 0} for b in kept_bytes(g))
         assert g.reallocate(TRAIN).resident_use is None
+        assert g.trim_memory() > 0 and g.trim_memory() == 0  # the rollback of that move, once
         assert_weights(g, reference(1, -1))
     finally:
         g.shutdown()

@@ -415,6 +415,7 @@ def _direction(group, layouts: _Layouts, index: int, way: str, src: Topology, ds
     for name in baselines:
         runs, bad_any = [], []
         for _ in range(baseline_repeats):
+            group.trim_memory()  # 8 actors, each with a spare layout and a baseline's copies: 24 GB was not enough
             seconds, info = BASELINE_FNS[name](group, dst)
             bad = _verify_baseline(group, verify, seed, reference) if reference is not None or verify == "exact" \
                 else ["<no verified reference digests>"]
