@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import itertools
 import json
@@ -420,6 +421,7 @@ def _direction(group, layouts: _Layouts, index: int, way: str, src: Topology, ds
             bad = _verify_baseline(group, verify, seed, reference) if reference is not None or verify == "exact" \
                 else ["<no verified reference digests>"]
             group.run(_drop_state, writes=False)
+            _malloc_trim()  # the driver baseline's full tensors
             runs.append(seconds)
             bad_any += bad
         info.update(verified=not bad_any, mismatches=bad_any[:5])
@@ -630,6 +632,17 @@ def _verify_state(ctx, how: str, seed: int, reference: list[dict[str, int]]) -> 
 def _drop_state(ctx) -> None:
     _STATE.clear()
     gc.collect()
+    _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    """Give freed heap pages back to the OS: glibc keeps them, and a baseline's temporaries (full
+    tensors, all-gather parts) piled up over 8 actors until Ray's memory monitor killed one.
+    Between runs, outside every timing; a no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _new_dst_store(spec, dst: Topology, rank: int, vocab_pad_multiple: int) -> ShardStore:
