@@ -536,7 +536,7 @@ class ModelGroup:
     def release_resident(self, layouts: "Sequence[Topology | str | Layout] | None" = None) -> None:
         """Free kept layouts (all of them by default) on every worker."""
         with self._exclusive("release kept layouts"):
-            drop = list(self._resident) if layouts is None else [self.target(x) for x in layouts]
+            drop = list(self._resident) if layouts is None else list(dict.fromkeys(self.target(x) for x in layouts))
             unknown = [str(x) for x in drop if x not in self._resident]
             if unknown:
                 raise ValueError(f"group {self.name!r} keeps no layout {unknown}; kept: "
