@@ -280,10 +280,8 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
             directions: list[dict] = []
             try:
                 for i, (src, dst) in enumerate(transitions):
-                    ok, pair = _bench_transition(group, layouts, i, src, dst, repeats, baseline_repeats, baselines,
-                                                 verify, seed, report["transport"], cores)
-                    ours_ok &= ok
-                    directions += pair
+                    ours_ok &= _bench_transition(group, layouts, i, src, dst, repeats, baseline_repeats, baselines,
+                                                 verify, seed, report["transport"], cores, directions)
             except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed an actor: keep what finished
                 report["error"] = f"{type(err).__name__}: {err}"[:2000]
                 layouts.failures.append(f"stopped after {len(directions)} directions: {report['error'][:200]}")
@@ -305,9 +303,11 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
 
 def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: Topology, repeats: int,
                       baseline_repeats: int, baselines: list[str], verify: str, seed: int, transport: dict,
-                      cores: int) -> tuple[bool, list[dict]]:
+                      cores: int, out: list[dict]) -> bool:
     """Both directions of ``src -> dst``: ours (a warm-up round trip, then ``repeats`` timed round
-    trips), then every baseline ``baseline_repeats`` times from ``src``, then from ``dst``."""
+    trips), then every baseline ``baseline_repeats`` times from ``src``, then from ``dst``. Each
+    direction is appended to ``out`` when it is finished (a run stopped in the way back keeps the
+    way there); returns whether ours verified."""
     ok = True
     if group.topology != src:
         group.reallocate(src)
@@ -330,7 +330,6 @@ def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: 
         _log(f"ours {src} <-> {dst} round trip {i + 1}/{repeats}: "
              f"{times['forward'][-1][0]:.3f}s there (execute {times['forward'][-1][1]:.3f}s), "
              f"{times['back'][-1][0]:.3f}s back (execute {times['back'][-1][1]:.3f}s)")
-    out = []
     for way, a, b in (("forward", src, dst), ("back", dst, src)):
         if way == "back":
             group.reallocate(dst)  # untimed: the baselines of the way back start from dst
@@ -340,7 +339,7 @@ def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: 
                        baseline_repeats, verify, seed, transport, cores)
         d["verified"]["ours"] = ok
         out.append(d)
-    return ok, out
+    return ok
 
 
 def _bench_resident(group, layouts: _Layouts, src: Topology, dst: Topology, repeats: int,
