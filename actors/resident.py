@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from realloc.layout import Layout, RankLayout
+from realloc.shards import buffers_nbytes
 
 #: Where ``keep`` puts the buffers of the layout a group leaves.
 KEEP_MODES = ("in_place", "host")
@@ -59,7 +60,7 @@ class Resident:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+        return buffers_nbytes(self.buffers.values())
 
 
 def to_host(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -80,7 +81,7 @@ def copy_into(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> int
         dst[dtype].copy_(t, non_blocking=t.is_pinned())
     if any(t.is_cuda for t in dst.values()):
         torch.cuda.synchronize()
-    return sum(t.numel() * t.element_size() for t in src.values())
+    return buffers_nbytes(src.values())
 
 
 @dataclass(frozen=True)

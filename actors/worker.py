@@ -47,7 +47,7 @@ from realloc.boxes import box_index
 from realloc.flat import flat_views
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
-from realloc.shards import ShardStore, blend_into, copy_local, zero_padding
+from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, zero_padding
 from realloc.spec import ModelSpec
 from realloc.synthetic import synthetic_box
 
@@ -428,9 +428,13 @@ class ShardWorker(CheckpointMixin):
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local_copies is not None:
                 moved["local"] += local_copies.join()
+        return self._finished(op, moved)
+
+    def _finished(self, op: Operation, moved: dict[str, int]) -> dict:
+        """An execute phase's report, once its writes are complete (on a GPU: synchronised)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dst_bytes = sum(t.numel() * t.element_size() for t in op.buffers.values()) if op.buffers else 0
+        dst_bytes = buffers_nbytes(op.buffers.values()) if op.buffers else 0
         return {"bytes": moved, "staging_bytes": self.staging.nbytes, "dst_bytes": dst_bytes}
 
     def _peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
@@ -495,15 +499,10 @@ class ShardWorker(CheckpointMixin):
             have = f"version {kept.version}" if kept is not None else "nothing"
             raise StaleOperationError(f"worker of {self.group} keeps {have} of layout {layout}, not weight version "
                                       f"{version}: nothing was adopted")
-        local = 0
-        if kept.where == "host":
-            buffers = self.allocator.allocate(kept.held.buffer_numels(), zero=False)
-            local = copy_into(buffers, kept.buffers)
-        else:
-            buffers = kept.buffers
+        buffers = self._on_device(kept)
         del self._kept[layout]
         op = self.op = Operation(op_id, kept.held, buffers, adopted=kept)
-        op.moved["local"] = local
+        op.moved["local"] = buffers_nbytes(buffers.values()) if kept.where == "host" else 0
         self.op_commit(op_id)
         if keep is not None:
             self._keep(op, keep)
@@ -511,13 +510,19 @@ class ShardWorker(CheckpointMixin):
         return {"bytes": dict(op.moved), "staging_bytes": 0, "dst_bytes": 0, "seconds": seconds,
                 "resident": self.resident_bytes()}
 
+    def _on_device(self, kept: Resident) -> dict[str, torch.Tensor]:
+        """A kept layout's buffers on the device: themselves, or a copy of the host copy."""
+        if kept.where != "host":
+            return kept.buffers
+        buffers = self.allocator.allocate(kept.held.buffer_numels(), zero=False)
+        copy_into(buffers, kept.buffers)
+        return buffers
+
     def trim_memory(self) -> int:
         """Free what a finished operation left: its rollback and the spare buffer set (kept to
         reuse touched pages). Kept layouts stay. Returns the bytes freed. Outside any operation."""
         self._drop_op()
-        freed = sum(t.numel() * t.element_size() for t in self.allocator.spares())
-        self.allocator.drop_spares()
-        return freed
+        return self.allocator.drop_spares()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the kept layouts, by where they are (``in_place``, ``host``)."""
@@ -591,10 +596,7 @@ class ShardWorker(CheckpointMixin):
                     moved["local"] += local.result()
                 else:
                     local.exception()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dst_bytes = sum(t.numel() * t.element_size() for t in op.buffers.values()) if op.buffers else 0
-        return {"bytes": moved, "staging_bytes": self.staging.nbytes, "dst_bytes": dst_bytes}
+        return self._finished(op, moved)
 
     def _swap_handles(self, b: Bundle, op: Operation, me: int) -> list[PeerView]:
         """Send my handles to the peers that map my buffers, receive those of the peers I map."""
@@ -706,11 +708,7 @@ class ShardWorker(CheckpointMixin):
             new = self.buffers
             held, old = op.rollback
             if op.kept is not None:  # the old buffers were kept resident: take them back
-                kept = self._kept.pop(op.kept)
-                old = kept.buffers
-                if kept.where == "host":
-                    old = self.allocator.allocate(held.buffer_numels(), zero=False)
-                    copy_into(old, kept.buffers)
+                old = self._on_device(self._kept.pop(op.kept))
             self.held, self.buffers = held, old
             if op.adopted is not None:  # the adopted layout is kept again, as it was
                 self._kept[op.adopted.held.layout] = op.adopted

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from realloc.shards import TORCH_DTYPES
+from realloc.shards import TORCH_DTYPES, buffers_nbytes
 
 SHM_DIR = "/dev/shm"
 
@@ -65,14 +65,14 @@ class BufferAllocator:
             else:
                 self._free(t)
 
-    def spares(self) -> list[torch.Tensor]:
-        return list(self._spares.values())
-
-    def drop_spares(self) -> None:
-        """Free the spare set (before keeping a rollback copy, so memory stays two layouts)."""
+    def drop_spares(self) -> int:
+        """Free the spare set (before keeping a rollback copy, so memory stays two layouts);
+        returns its bytes."""
+        freed = buffers_nbytes(self._spares.values())
         for t in self._spares.values():
             self._free(t)
         self._spares = {}
+        return freed
 
     def release_all(self) -> None:
         self._spares.clear()

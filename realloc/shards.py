@@ -28,6 +28,11 @@ def allocate_buffers(layout: Layout, rank: int, device: "str | torch.device" = "
     return {d: torch.zeros(n, dtype=TORCH_DTYPES[d], device=device) for d, n in layout.buffer_numels(rank).items()}
 
 
+def buffers_nbytes(buffers: Iterable[torch.Tensor]) -> int:
+    """Bytes held by ``buffers`` (flat buffers, kept layouts, spares)."""
+    return sum(t.numel() * t.element_size() for t in buffers)
+
+
 def local_tensor(shard: Shard, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The shard's local tensor (padding included): a view of its dtype's flat buffer."""
     return buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.local_numel].view(shard.local_shape)
