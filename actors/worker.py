@@ -38,7 +38,7 @@ from actors.communicator import Communicators
 from actors.context import ShardChange, ShardContext
 from actors.ckpt_worker import CheckpointMixin
 from actors.errors import StaleOperationError
-from actors.executor import Cuts, PeerView, Staging, StepRunner, is_zero_copy, worker_routes
+from actors.executor import Cuts, PeerView, Staging, StepRunner, collector_paused, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
 from actors.transport import Transport, connect_store, host_store
@@ -392,7 +392,8 @@ class ShardWorker(CheckpointMixin):
         started = time.perf_counter()
         metrics.in_flight(tags, +1)
         try:
-            result = run()
+            with collector_paused():
+                result = run()
         finally:
             metrics.in_flight(tags, -1)
         seconds = time.perf_counter() - started

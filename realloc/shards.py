@@ -8,12 +8,14 @@ the Ray actors use exactly these functions, on CPU tensors or CUDA tensors alike
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Mapping
 
 import torch
 
-from realloc.boxes import Box, contains
+from realloc.boxes import contains
 from realloc.layout import Layout, Shard
 from realloc.plan import Piece, Segment
 
@@ -38,8 +40,86 @@ def local_tensor(shard: Shard, buffers: Mapping[str, torch.Tensor]) -> torch.Ten
     return buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.local_numel].view(shard.local_shape)
 
 
+@dataclass(frozen=True)
+class Address:
+    """Where a box lives in a rank's flat buffers: ``buffers[dtype]``'s elements from ``offset``
+    with ``strides`` (row-major inside its shard's local tensor, padding included)."""
+
+    dtype: str
+    offset: int
+    strides: tuple[int, ...]
+
+
+class ShardIndex:
+    """A rank's shards by param, and the :class:`Address` of every box asked for: pure numbers,
+    computed once per box. A worker's stores change buffers every move but not their shards, so
+    one index serves every store over the same shards (:meth:`of`).
+
+    Example:
+        >>> from realloc import ModelSpec, Topology
+        >>> index = ShardIndex(Layout(ModelSpec.preset("tiny"), Topology(tp=2)).shards(1))
+        >>> index.by_param["model.layers.0.mlp.down_proj.weight"][0].offsets  # columns 96.. of 192
+        (0, 96)
+        >>> index.addresses("model.layers.0.mlp.down_proj.weight", (0, 100), (96, 4))
+        (Address(dtype='bfloat16', offset=77284, strides=(96, 1)),)
+    """
+
+    #: ``of``'s memo: id of a shards tuple -> (the tuple, its index). Layouts hand out the same
+    #: tuple for a rank every time; holding it keeps its id from being reused while cached.
+    _by_tuple: "OrderedDict[int, tuple[tuple[Shard, ...], ShardIndex]]" = OrderedDict()
+    _KEPT = 64
+
+    def __init__(self, shards: Iterable[Shard]):
+        self.by_param: dict[str, list[Shard]] = {}
+        for s in shards:
+            self.by_param.setdefault(s.param, []).append(s)
+        self._memo: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[Address, ...]] = {}
+
+    @classmethod
+    def of(cls, shards: "Iterable[Shard] | ShardIndex") -> "ShardIndex":
+        """The index of ``shards``: itself if it is one, the cached one of a tuple seen before
+        (the last 64), else a new one."""
+        if isinstance(shards, ShardIndex):
+            return shards
+        if not isinstance(shards, tuple):
+            return cls(shards)
+        entry = cls._by_tuple.get(id(shards))
+        if entry is not None and entry[0] is shards:
+            cls._by_tuple.move_to_end(id(shards))
+            return entry[1]
+        index = cls(shards)
+        cls._by_tuple[id(shards)] = (shards, index)
+        while len(cls._by_tuple) > cls._KEPT:
+            cls._by_tuple.popitem(last=False)
+        return index
+
+    def addresses(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Address, ...]:
+        """Every local copy of the box (several when the rank holds the param twice); ``KeyError``
+        naming the box when no shard contains it."""
+        key = (param, tuple(offsets), tuple(sizes))
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = tuple(
+                _address(shard, key[1]) for shard in self.by_param.get(param, ()) if contains(shard.box, key[1:]))
+            if not found:
+                raise KeyError(f"this rank holds no shard of {param!r} containing offsets={key[1]} sizes={key[2]}")
+        return found
+
+
+def _address(shard: Shard, offsets: tuple[int, ...]) -> Address:
+    """The address of the box at ``offsets`` (global) inside ``shard``'s local tensor."""
+    strides = [1] * len(shard.local_shape)
+    for d in range(len(strides) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shard.local_shape[d + 1]
+    offset = shard.buffer_offset + sum((o - so) * st for o, so, st in zip(offsets, shard.offsets, strides))
+    return Address(shard.dtype, offset, tuple(strides))
+
+
 class ShardStore:
     """Boxes of global tensors backed by one rank's flat buffers.
+
+    ``shards``: the rank's shards, or their :class:`ShardIndex` (a tuple of shards seen before
+    reuses its index: building a store is then a dict copy).
 
     Example:
         >>> from realloc import ModelSpec, Topology
@@ -49,11 +129,15 @@ class ShardStore:
         torch.Size([64])
     """
 
-    def __init__(self, shards: Iterable[Shard], buffers: Mapping[str, torch.Tensor]):
+    def __init__(self, shards: "Iterable[Shard] | ShardIndex", buffers: Mapping[str, torch.Tensor]):
         self.buffers = dict(buffers)
-        self.by_param: dict[str, list[tuple[Shard, torch.Tensor]]] = {}
-        for s in shards:
-            self.by_param.setdefault(s.param, []).append((s, local_tensor(s, self.buffers)))
+        self.index = ShardIndex.of(shards)
+
+    @cached_property
+    def by_param(self) -> dict[str, list[tuple[Shard, torch.Tensor]]]:
+        """Param -> ``(shard, local tensor)`` of each of its shards here (built when first asked)."""
+        return {param: [(s, local_tensor(s, self.buffers)) for s in shards]
+                for param, shards in self.index.by_param.items()}
 
     def shard_tensors(self) -> dict[str, torch.Tensor]:
         """Slot name -> local tensor (the rank's model as its code sees it, padding included).
@@ -66,14 +150,10 @@ class ShardStore:
 
     def views(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[torch.Tensor]:
         """Every local view of the box (several when the rank holds the param twice)."""
-        box: Box = (tuple(offsets), tuple(sizes))
         out = []
-        for shard, local in self.by_param.get(param, ()):
-            if contains(shard.box, box):
-                index = tuple(slice(o - so, o - so + n) for o, so, n in zip(offsets, shard.offsets, sizes))
-                out.append(local[index])
-        if not out:
-            raise KeyError(f"this rank holds no shard of {param!r} containing offsets={box[0]} sizes={box[1]}")
+        for a in self.index.addresses(param, offsets, sizes):
+            buf = self.buffers[a.dtype]
+            out.append(buf.as_strided(sizes, a.strides, buf.storage_offset() + a.offset))
         return out
 
     def view(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -87,8 +167,11 @@ class ShardStore:
 
 def zero_padding(store: ShardStore) -> None:
     """Zero every local element outside the shards' boxes (vocabulary padding)."""
-    for entries in store.by_param.values():
-        for shard, local in entries:
+    for shards in store.index.by_param.values():
+        for shard in shards:
+            if shard.sizes == shard.local_shape:
+                continue
+            local = local_tensor(shard, store.buffers)
             for d, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
                 if full > size:
                     local.narrow(d, size, full - size).zero_()

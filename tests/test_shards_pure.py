@@ -1,0 +1,74 @@
+"""Shard stores address boxes by precomputed strides (realloc/shards.py: ShardIndex): every view
+checked against numpy slicing of the shard's local tensor, described from the shard record."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from realloc.layout import Shard
+from realloc.shards import ShardIndex, ShardStore, zero_padding
+
+
+@st.composite
+def store_case(draw):
+    """A rank holding one param twice (a tied head), each shard at its own buffer offset with
+    padding past its box, and a box inside the held part."""
+    ndim = draw(st.integers(1, 3))
+    full = tuple(draw(st.integers(1, 7)) for _ in range(ndim))
+    offsets = tuple(draw(st.integers(0, n - 1)) for n in full)
+    sizes = tuple(draw(st.integers(1, n - o)) for n, o in zip(full, offsets))
+    local_shape = tuple(s + draw(st.integers(0, 2)) for s in sizes)
+    gap = draw(st.integers(0, 5))
+    first = Shard("w", "w", offsets, sizes, local_shape, "float32", draw(st.integers(0, 5)))
+    second = Shard("w", "head", offsets, sizes, local_shape, "float32", first.buffer_offset + math.prod(local_shape) + gap)
+    box_offsets = tuple(draw(st.integers(o, o + s - 1)) for o, s in zip(offsets, sizes))
+    box_sizes = tuple(draw(st.integers(1, o + s - bo)) for o, s, bo in zip(offsets, sizes, box_offsets))
+    return (first, second), (box_offsets, box_sizes), second.buffer_offset + math.prod(local_shape)
+
+
+def reference(buf: np.ndarray, shard: Shard, box) -> np.ndarray:
+    local = buf[shard.buffer_offset:shard.buffer_offset + math.prod(shard.local_shape)].reshape(shard.local_shape)
+    return local[tuple(slice(o - so, o - so + n) for o, so, n in zip(box[0], shard.offsets, box[1]))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(store_case(), st.booleans())
+def test_views_are_the_boxes_of_the_local_tensors(case, offset_buffer):
+    shards, box, numel = case
+    base = torch.arange(numel + 3, dtype=torch.float32)
+    buf = base[3:] if offset_buffer else base[:numel]  # a buffer need not start its storage
+    store = ShardStore(shards, {"float32": buf})
+    views = store.views("w", *box)
+    assert len(views) == 2
+    for view, shard in zip(views, shards):
+        assert np.array_equal(view.numpy(), reference(buf.numpy(), shard, box))
+    value = torch.full(box[1], -1.0)
+    store.write("w", *box, value)
+    for shard in shards:
+        assert (reference(buf.numpy(), shard, box) == -1).all()
+    assert int((buf == -1).sum()) == 2 * math.prod(box[1])  # nothing else written
+
+
+def test_a_box_no_shard_holds_names_itself():
+    shard = Shard("w", "w", (0, 4), (4, 4), (4, 4), "float32", 0)
+    store = ShardStore((shard,), {"float32": torch.zeros(16)})
+    with pytest.raises(KeyError, match=r"'w' containing offsets=\(0, 2\) sizes=\(4, 4\)"):
+        store.view("w", (0, 2), (4, 4))
+    with pytest.raises(KeyError, match="'b'"):
+        store.view("b", (0,), (1,))
+
+
+def test_stores_over_one_shards_tuple_share_an_index():
+    shards = (Shard("w", "w", (0,), (4,), (6,), "float32", 0),)
+    a = ShardStore(shards, {"float32": torch.zeros(6)})
+    b = ShardStore(shards, {"float32": torch.ones(6)})
+    assert a.index is b.index is ShardIndex.of(shards)
+    assert ShardStore(list(shards), {"float32": torch.zeros(6)}).index is not a.index  # a list may change: not cached
+    assert b.view("w", (1,), (2,)).tolist() == [1.0, 1.0]  # same addresses, each store's own buffers
+    zero_padding(b)
+    assert b.buffers["float32"].tolist() == [1, 1, 1, 1, 0, 0]
