@@ -73,7 +73,12 @@ def collector_paused() -> Iterator[None]:
 
 class Staging:
     """A worker's bucket staging buffers, kept across plans: their pages are touched once, not
-    per step (fresh pages cost a page fault each; at 64 MiB buckets that dominated a step)."""
+    per step (fresh pages cost a page fault each; at 64 MiB buckets that dominated a step).
+
+    Two slots, ``"a"`` and ``"b"``, so a worker never holds more than one bucket pair: a step
+    that only sends packs into them in turn (the next bucket while this one is on the wire), a
+    step that only receives unpacks from ``"b"``, and a step that does both sends from ``"a"``
+    and receives into ``"b"`` (:meth:`StepRunner._transfer`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -199,6 +204,11 @@ class StepRunner:
         recv_b = self.messages(recv[1]) if recv else []
         world = lambda peer: self.peers[peer].world_rank  # noqa: E731
 
+        # Staging slots (one bucket pair at most, see Staging): sending only, the two take turns
+        # and bucket i+1 is packed while bucket i is on the wire; sending and receiving, "a"
+        # sends, "b" receives, and the next bucket is packed once this one has left.
+        exchange = bool(recv_b)
+
         def outgoing(i: int) -> torch.Tensor:
             """Message ``i``'s bytes: the source view itself when it is one contiguous box."""
             direct = _direct_bytes([source.view(send_b[i][0].param, send_b[i][0].offsets, send_b[i][0].sizes)]) \
@@ -206,7 +216,8 @@ class StepRunner:
             if direct is not None:
                 return direct
             end = bucket_nbytes(send_b[i])
-            return pack(source, send_b[i], self.staging.get(f"send{i % 2}", end))[send_b[i][0].offset:end]
+            slot = "a" if exchange or i % 2 == 0 else "b"
+            return pack(source, send_b[i], self.staging.get(slot, end))[send_b[i][0].offset:end]
 
         nxt = outgoing(0) if send_b else None
         for i in range(max(len(send_b), len(recv_b))):
@@ -218,14 +229,16 @@ class StepRunner:
                     if len(recv_b[i]) == 1 else None
                 end = bucket_nbytes(recv_b[i])
                 into = (world(recv[0]), direct if direct is not None else
-                        self.staging.get("recv", end)[piece.offset:end], direct is None)
+                        self.staging.get("b", end)[piece.offset:end], direct is None)
             requests = self.transport.exchange(out, into[:2] if into else None)
-            if i + 1 < len(send_b):  # pack the next bucket while this one is on the wire
+            if i + 1 < len(send_b) and not exchange:  # pack the next bucket while this one is on the wire
                 nxt = outgoing(i + 1)
             for r in requests:
                 r.wait()
+            if i + 1 < len(send_b) and exchange:  # slot "a" is free again
+                nxt = outgoing(i + 1)
             if into is not None and into[2]:
-                unpack(self.dst, recv_b[i], self.staging.get("recv", bucket_nbytes(recv_b[i])))
+                unpack(self.dst, recv_b[i], self.staging.get("b", bucket_nbytes(recv_b[i])))
             if self.on_bucket is not None:
                 self.on_bucket()
         kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731

@@ -73,6 +73,11 @@ def test_reallocate_bit_exact(group, spec, dst):
     assert stats.bytes_inter_node == planned["bytes_inter_node"] == planned["lower_bound_inter_node_bytes"]
     assert stats.bytes_intra_node == planned["bytes_intra_node"]
     assert stats.seconds > 0 and stats.peak_extra_bytes_per_actor > 0, before
+    # Extra memory: the destination shard plus one bucket pair of staging at most, also after
+    # earlier moves left their staging behind (it is kept across plans).
+    layout = group.layout
+    largest = max(layout.rank_bytes(r) for r in range(layout.topology.world_size))
+    assert stats.peak_extra_bytes_per_actor <= largest + 2 * group.config.bucket_bytes, (before, stats.peak_extra_bytes_per_actor)
 
 
 def test_reallocate_checks_src(group):
