@@ -75,10 +75,9 @@ class Staging:
     """A worker's bucket staging buffers, kept across plans: their pages are touched once, not
     per step (fresh pages cost a page fault each; at 64 MiB buckets that dominated a step).
 
-    Two slots, ``"a"`` and ``"b"``, so a worker never holds more than one bucket pair: a step
-    that only sends packs into them in turn (the next bucket while this one is on the wire), a
-    step that only receives unpacks from ``"b"``, and a step that does both sends from ``"a"``
-    and receives into ``"b"`` (:meth:`StepRunner._transfer`)."""
+    Two slots, ``"a"`` and ``"b"``, so a worker never holds more than one bucket pair: the next
+    bucket to send is packed into whichever slot the bucket on the wire (sent or received)
+    leaves free, or after it has landed when it needs both (:meth:`StepRunner._transfer`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -204,41 +203,47 @@ class StepRunner:
         recv_b = self.messages(recv[1]) if recv else []
         world = lambda peer: self.peers[peer].world_rank  # noqa: E731
 
-        # Staging slots (one bucket pair at most, see Staging): sending only, the two take turns
-        # and bucket i+1 is packed while bucket i is on the wire; sending and receiving, "a"
-        # sends, "b" receives, and the next bucket is packed once this one has left.
-        exchange = bool(recv_b)
+        # Staging slots (one bucket pair at most, see Staging): bucket i+1 is packed into a slot
+        # that neither bucket i's send nor its receive is using, while bucket i is on the wire;
+        # when both slots are taken (a packed send and a packed receive), after it has landed.
 
-        def outgoing(i: int) -> torch.Tensor:
-            """Message ``i``'s bytes: the source view itself when it is one contiguous box."""
+        def outgoing(i: int, slot: str) -> tuple[torch.Tensor, str | None]:
+            """Message ``i``'s bytes and the slot they occupy: the source view itself (no slot)
+            when it is one contiguous box, else packed into ``slot``."""
             direct = _direct_bytes([source.view(send_b[i][0].param, send_b[i][0].offsets, send_b[i][0].sizes)]) \
                 if len(send_b[i]) == 1 else None
             if direct is not None:
-                return direct
+                return direct, None
             end = bucket_nbytes(send_b[i])
-            slot = "a" if exchange or i % 2 == 0 else "b"
-            return pack(source, send_b[i], self.staging.get(slot, end))[send_b[i][0].offset:end]
+            return pack(source, send_b[i], self.staging.get(slot, end))[send_b[i][0].offset:end], slot
 
-        nxt = outgoing(0) if send_b else None
+        nxt, sending = outgoing(0, "a") if send_b else (None, None)
         for i in range(max(len(send_b), len(recv_b))):
             out = (world(send[0]), nxt) if i < len(send_b) else None
-            into = None
+            busy = {sending} if i < len(send_b) and sending else set()
+            into, landing = None, None
             if i < len(recv_b):
                 piece = recv_b[i][0]
                 direct = _direct_bytes(self.dst.views(piece.param, piece.offsets, piece.sizes)) \
                     if len(recv_b[i]) == 1 else None
-                end = bucket_nbytes(recv_b[i])
-                into = (world(recv[0]), direct if direct is not None else
-                        self.staging.get("b", end)[piece.offset:end], direct is None)
-            requests = self.transport.exchange(out, into[:2] if into else None)
-            if i + 1 < len(send_b) and not exchange:  # pack the next bucket while this one is on the wire
-                nxt = outgoing(i + 1)
+                if direct is None:
+                    landing = "b" if "b" not in busy else "a"
+                    busy.add(landing)
+                    end = bucket_nbytes(recv_b[i])
+                    direct = self.staging.get(landing, end)[piece.offset:end]
+                into = (world(recv[0]), direct)
+            requests = self.transport.exchange(out, into)
+            packed = False
+            free = [slot for slot in ("a", "b") if slot not in busy]
+            if i + 1 < len(send_b) and free:  # pack the next bucket while this one is on the wire
+                nxt, sending = outgoing(i + 1, free[0])
+                packed = True
             for r in requests:
                 r.wait()
-            if i + 1 < len(send_b) and exchange:  # slot "a" is free again
-                nxt = outgoing(i + 1)
-            if into is not None and into[2]:
-                unpack(self.dst, recv_b[i], self.staging.get("b", bucket_nbytes(recv_b[i])))
+            if landing is not None:
+                unpack(self.dst, recv_b[i], self.staging.get(landing, bucket_nbytes(recv_b[i])))
+            if i + 1 < len(send_b) and not packed:  # both slots were in use: now they are free
+                nxt, sending = outgoing(i + 1, "a")
             if self.on_bucket is not None:
                 self.on_bucket()
         kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
