@@ -8,6 +8,7 @@ the Ray actors use exactly these functions, on CPU tensors or CUDA tensors alike
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -68,6 +69,7 @@ class ShardIndex:
     #: tuple for a rank every time; holding it keeps its id from being reused while cached.
     _by_tuple: "OrderedDict[int, tuple[tuple[Shard, ...], ShardIndex]]" = OrderedDict()
     _KEPT = 64
+    _lock = threading.Lock()  # stores are built in a worker's threads too (local copies, saves)
 
     def __init__(self, shards: Iterable[Shard]):
         self.by_param: dict[str, list[Shard]] = {}
@@ -83,15 +85,16 @@ class ShardIndex:
             return shards
         if not isinstance(shards, tuple):
             return cls(shards)
-        entry = cls._by_tuple.get(id(shards))
-        if entry is not None and entry[0] is shards:
-            cls._by_tuple.move_to_end(id(shards))
-            return entry[1]
-        index = cls(shards)
-        cls._by_tuple[id(shards)] = (shards, index)
-        while len(cls._by_tuple) > cls._KEPT:
-            cls._by_tuple.popitem(last=False)
-        return index
+        with cls._lock:
+            entry = cls._by_tuple.get(id(shards))
+            if entry is not None and entry[0] is shards:
+                cls._by_tuple.move_to_end(id(shards))
+                return entry[1]
+            index = cls(shards)
+            cls._by_tuple[id(shards)] = (shards, index)
+            while len(cls._by_tuple) > cls._KEPT:
+                cls._by_tuple.popitem(last=False)
+            return index
 
     def addresses(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Address, ...]:
         """Every local copy of the box (several when the rank holds the param twice); ``KeyError``
