@@ -470,7 +470,7 @@ def lower_bound(plan, transport: dict, cores: int, workers: int) -> dict:
     gloo = max(transport["gloo_p2p_gbps"], transport["gloo_aggregate_gbps"]) * 1e9
     memcpy = max(transport["memcpy_cores_gbps"], transport["memcpy_aggregate_gbps"]) * 1e9
     # The formula before 2026-11-22 charged copies at cores x the one-core rate, a rate no
-    # measurement showed (two cores copying at once moved ~1.4x one core here, not 2x); kept
+    # measurement showed (two cores copying at once moved 1.45-1.75x one core here, not 2x); kept
     # beside the bound so runs before and after compare.
     linear = max(min(cores, workers) * transport["memcpy_1core_gbps"], transport["memcpy_aggregate_gbps"]) * 1e9
     one_core = transport["memcpy_1core_gbps"] * 1e9
@@ -502,8 +502,8 @@ def lower_bound(plan, transport: dict, cores: int, workers: int) -> dict:
         "lower_bound_linear_copy_seconds": max(s["bytes_inter_node"] / gloo + copied / linear, critical),
         # The same bound for an implementation that writes into freshly allocated /dev/shm
         # destination buffers (as ours and every baseline do): copies at the first-touch rate.
-        "lower_bound_fresh_buffers_seconds": s["bytes_inter_node"] / gloo + (s["bytes_intra_node"] + s["bytes_local_copy"])
-        / (min(cores, workers) * transport["memcpy_shm_cold_gbps"] * 1e9),
+        "lower_bound_fresh_buffers_seconds": s["bytes_inter_node"] / gloo
+        + copied / (min(cores, workers) * transport["memcpy_shm_cold_gbps"] * 1e9),
     }
 
 
@@ -771,7 +771,7 @@ def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], copiers: list[in
     out["barrier_seconds"] = _together(lambda: None, reps, 0.0)
     # gloo, every cross-node pair exchanging at once (both directions), as a reallocation does
     partner = {a: b for a, b in pairs} | {b: a for a, b in pairs}
-    chunk = max(MB, nbytes // 4)
+    chunk = max(MB, nbytes // 4)  # per actor, in every probe of several actors at once
     send = recv = None
     if rank in partner:
         send, recv = torch.ones(chunk, dtype=torch.uint8), torch.empty(chunk, dtype=torch.uint8)
@@ -813,7 +813,6 @@ def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], copiers: list[in
     # memcpy on ``copiers`` (one actor per core) at once, then on every actor at once: the
     # machine's copy rate with its cores busy (it need not be cores x the one-core rate: they
     # share the memory bus), and with every actor competing for them (as in a reallocation)
-    chunk = max(MB, nbytes // 4)
     a = torch.ones(chunk, dtype=torch.uint8)
     b = torch.zeros(chunk, dtype=torch.uint8)
     out["memcpy_chunk_bytes"] = chunk
