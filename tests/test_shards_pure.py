@@ -72,3 +72,35 @@ def test_stores_over_one_shards_tuple_share_an_index():
     assert b.view("w", (1,), (2,)).tolist() == [1.0, 1.0]  # same addresses, each store's own buffers
     zero_padding(b)
     assert b.buffers["float32"].tolist() == [1, 1, 1, 1, 0, 0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_copy_boxes_moves_exactly_the_bytes_of_per_pair_copies(data):
+    """copy_boxes (grouped small copies, 8-byte words where rows allow) against one copy_ per
+    pair: the same destination bits, misaligned offsets and odd row lengths included."""
+    from realloc.shards import copy_boxes
+
+    dtype = data.draw(st.sampled_from([torch.bfloat16, torch.float32, torch.int8, torch.float64]))
+    src = torch.arange(4096, dtype=torch.float64).to(dtype)
+    got, want = torch.full((4096,), -1, dtype=dtype), torch.full((4096,), -1, dtype=dtype)
+    outs, ins, refs, used = [], [], [], 0
+    for _ in range(data.draw(st.integers(1, 5))):
+        rows, cols = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 24))
+        pitch_src = cols + data.draw(st.integers(0, 9))
+        pitch_dst = cols + data.draw(st.integers(0, 9))
+        off_src = data.draw(st.integers(0, 100))
+        off_dst = used + data.draw(st.integers(0, 9))  # boxes of outs never overlap
+        used = off_dst + rows * pitch_dst
+        if used > 4096:
+            break
+        view = lambda t, off, pitch: t.as_strided((rows, cols), (pitch, 1), off)  # noqa: E731
+        outs.append(view(got, off_dst, pitch_dst))
+        ins.append(view(src, off_src, pitch_src))
+        refs.append((view(want, off_dst, pitch_dst), view(src, off_src, pitch_src)))
+    if not outs:
+        return
+    copy_boxes(outs, ins)
+    for o, i in refs:
+        o.copy_(i)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
