@@ -13,6 +13,7 @@ from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 MIN_BUCKET_BYTES = 1024
+TRANSPORTS = ("auto", "nccl", "gloo")
 
 
 def _number(value: object) -> bool:
@@ -24,7 +25,13 @@ class GroupConfig:
     """How a group's workers are placed and how its operations run.
 
     ``strategy``: placement-group strategy (PACK fills a node first, so tp groups share nodes).
-    ``cpus_per_worker``: CPU slots per worker bundle. ``use_gpu``: one GPU per worker (NCCL).
+    ``cpus_per_worker``: CPU slots per worker bundle. ``use_gpu``: workers hold their buffers on a
+    GPU; ``gpus_per_worker`` of one each (default 1; a fraction such as 0.125 puts several workers
+    on one GPU, where they read each other's buffers through CUDA IPC). ``transport``: the backend
+    of the process group that carries what zero-copy reads do not: ``"nccl"`` (GPU buffers, one GPU
+    per worker: NCCL refuses two ranks on one device), ``"gloo"`` (CPU buffers; GPU buffers are
+    staged through pinned host memory), ``"auto"`` (the default: ``nccl`` when every worker has a
+    whole GPU, else ``gloo``).
     ``bucket_bytes``: transfer bucket size (the memory cap of staging). ``timeout_s``: bounds
     every collective and every driver wait (finite). ``zero_copy``: same-node workers copy from
     each other's buffers directly. ``bandwidths``: link speeds for the planner's time estimate.
@@ -40,6 +47,8 @@ class GroupConfig:
     """
 
     use_gpu: bool = False
+    gpus_per_worker: float = 1
+    transport: str = "auto"
     strategy: str = "PACK"
     cpus_per_worker: float = 1
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -52,6 +61,18 @@ class GroupConfig:
         for name in ("use_gpu", "zero_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        g = self.gpus_per_worker
+        if not _number(g) or not math.isfinite(g) or g <= 0 or (g > 1 and g != int(g)):
+            raise ValueError(f"gpus_per_worker must be a fraction in (0, 1] or a whole number of GPUs (what Ray "
+                             f"can assign), got {g!r}")
+        if g != 1 and not self.use_gpu:
+            raise ValueError(f"gpus_per_worker={g!r} needs use_gpu=True (CPU workers hold no GPU)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r} is not one of {TRANSPORTS}")
+        if self.transport == "nccl" and not (self.use_gpu and g >= 1):
+            raise ValueError("transport='nccl' needs use_gpu=True and gpus_per_worker >= 1 (NCCL moves GPU buffers "
+                             f"and refuses two ranks on one GPU), got use_gpu={self.use_gpu}, gpus_per_worker={g!r}; "
+                             "use 'gloo' or 'auto'")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"placement strategy {self.strategy!r} is not one of {STRATEGIES}")
         if not _number(self.cpus_per_worker) or not math.isfinite(self.cpus_per_worker) or self.cpus_per_worker < 0:
@@ -70,6 +91,18 @@ class GroupConfig:
         if self.runtime_env is not None and not isinstance(self.runtime_env, dict):
             raise ValueError(f"runtime_env must be a dict or None, got {type(self.runtime_env).__name__}")
 
+    @property
+    def backend(self) -> str:
+        """The transport's torch.distributed backend (``transport`` with ``"auto"`` resolved)."""
+        if self.transport != "auto":
+            return self.transport
+        return "nccl" if self.use_gpu and self.gpus_per_worker >= 1 else "gloo"
+
+    @property
+    def num_gpus(self) -> float:
+        """GPUs of one worker's actor (0 for CPU workers)."""
+        return self.gpus_per_worker if self.use_gpu else 0
+
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle of one worker."""
-        return {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
+        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.use_gpu else {})}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -52,6 +53,21 @@ def worker_routes(plan: Plan, me: int) -> dict[int, list[tuple[int, int, int]]]:
             out.setdefault(s, []).append((a, b, j))
     return out
 
+
+
+class Phases:
+    """Where one worker's time in one operation went: seconds by phase, in the order marked
+    (``mark(name)`` charges the time since the previous mark to ``name``). Two clock reads a
+    phase; ``ShardWorker.last_phases()`` hands the last operation's to the driver (bench-gpu)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 @contextmanager

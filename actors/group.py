@@ -154,8 +154,8 @@ class ModelGroup:
         ``topology`` is a :class:`Topology`, its string (``"dp=2,tp=4"``) or a full
         :class:`Layout`; ``vocab_pad_multiple``, ``vocab_pad_rule`` and ``qkv_order`` (engine
         conventions, :mod:`realloc.conventions`) build the layout from a topology (a Layout carries
-        its own: give one or the other). ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``strategy``,
-        ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``zero_copy``, ``bandwidths``,
+        its own: give one or the other). ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``gpus_per_worker``,
+        ``transport``, ``strategy``, ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``zero_copy``, ``bandwidths``,
         ``runtime_env``), or pass ``config=``. Every argument is checked, and the cluster's
         capacity too, before anything starts; a failure after the placement group exists
         removes it and the actors again.
@@ -202,7 +202,7 @@ class ModelGroup:
             remote_cls = _remote_class(config, worker_cls)
             names = [f"realloc:{name}:rank{r}" for r in range(n)]
             for r in range(n):
-                actors.append(_start_worker(remote_cls, names[r], pg, r, name, spec, config.zero_copy))
+                actors.append(_start_worker(remote_cls, names[r], pg, r, name, spec, config))
             workers = Workers(tuple(actors), tuple(names))
             infos = call_all(workers, "info", timeout_s=config.timeout_s + 60, what=f"start workers of {name!r}")
             placement = _placement_of(infos)
@@ -618,7 +618,7 @@ class ModelGroup:
             for r in dead:
                 ray.kill(actors[r])
                 actors[r] = _start_worker(remote_cls, f"{names[r]}:gen{int(time.time() * 1000)}", self._pg, r,
-                                          self.name, self.spec, self.config.zero_copy)
+                                          self.name, self.spec, self.config)
             self.workers = Workers(tuple(actors), tuple(names))
             self._resident.clear()  # the fresh workers keep nothing: no kept layout is whole any more
             self._sync_resident()
@@ -699,11 +699,11 @@ def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan]
                         result.resident_host_bytes)
 
 
-def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, zero_copy: bool):
+def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, config: GroupConfig):
     """One worker actor, named, in bundle ``bundle`` of the group's placement group."""
     return remote_cls.options(
         name=actor_name, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-    ).remote(group, spec, zero_copy)
+    ).remote(group, spec, config.zero_copy, backend=config.backend)
 
 
 def _placement_of(infos: list[dict]) -> Placement:
@@ -716,7 +716,7 @@ def _remote_class(config: GroupConfig, worker_cls: type = ShardWorker):
 
     The control concurrency group answers pings while the default group is busy in a transfer.
     """
-    return ray.remote(num_cpus=config.cpus_per_worker, num_gpus=1 if config.use_gpu else 0,
+    return ray.remote(num_cpus=config.cpus_per_worker, num_gpus=config.num_gpus,
                       runtime_env=config.runtime_env, max_restarts=0,
                       concurrency_groups={CONTROL: 1})(worker_cls)
 

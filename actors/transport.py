@@ -1,8 +1,10 @@
 """Point-to-point transport between the workers of one world: a private torch.distributed group.
 
-NCCL when the worker's buffers live on a GPU, gloo otherwise; the calls are the same
-(``communicator.exchange``: send and receive posted together), so CPU CI runs every line here
-except the device-specific setup. One process group per world and generation (re-created only
+NCCL when the worker's buffers live on a GPU (one GPU per worker), gloo otherwise; the calls
+are the same (``communicator.exchange``: send and receive posted together), so CPU CI runs every
+line here except the device-specific setup. GPU buffers over gloo (workers sharing a GPU, where
+NCCL refuses to pair two ranks of one device) are staged through pinned host memory
+(:class:`HostStaging`), which the CPU suite also runs by staging host tensors. One process group per world and generation (re-created only
 after a failure or when the set of actors changes), never one per step or per pair.
 
 The group is *private* (``actors/communicator.py``, built like vLLM's stateless process groups):
@@ -56,16 +58,89 @@ def process_group_environment(backend: str) -> dict[str, str]:
 
 
 def backend_for(device: torch.device) -> str:
+    """The default backend for buffers on ``device``: NCCL for CUDA, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def wire_device(backend: str, device: torch.device) -> torch.device:
+    """Where the tensors a ``backend`` group sends must live: the buffers' own device for NCCL,
+    host memory for gloo (whose send/recv read raw host pointers)."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+class HostStaging:
+    """Carries device tensors over a host-memory backend (gloo between workers that share a GPU,
+    or whose GPUs NCCL cannot pair): a send is copied into a host buffer first, a receive lands
+    in one and is copied to its device tensor when its request is waited on.
+
+    Two host buffers, ``send`` and ``recv``, kept and grown to the largest message (one bucket
+    each at most: the executor's messages are bucket-bounded), pinned when CUDA is there so the
+    copies run at full PCIe speed. ``always``: stage host tensors too (tests: the CPU suite runs
+    every line the GPU path runs, with host copies in place of the device ones).
+    """
+
+    def __init__(self, always: bool = False):
+        self.always = always
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def needed(self, t: torch.Tensor) -> bool:
+        return self.always or t.device.type != "cpu"
+
+    def host(self, slot: str, nbytes: int) -> torch.Tensor:
+        buf = self.buffers.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return buf[:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+    def outgoing(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s bytes in the host send buffer (a blocking copy: the buffer is reused next message)."""
+        src = t.reshape(-1).view(torch.uint8)
+        host = self.host("send", src.numel())
+        host.copy_(src)
+        return host
+
+    def incoming(self, t: torch.Tensor) -> tuple[torch.Tensor, "_Landing"]:
+        """The host buffer to receive ``t``'s bytes into, and what copies them to ``t`` afterwards."""
+        dst = t.reshape(-1).view(torch.uint8)
+        return self.host("recv", dst.numel()), _Landing(dst)
+
+
+class _Landing:
+    """Wraps a receive's request: ``wait()`` waits for the bytes, then copies them to the device
+    tensor (blocking, so the host buffer is free for the next message when it returns)."""
+
+    def __init__(self, dst: torch.Tensor):
+        self.dst, self.host, self.work = dst, None, None
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.dst.copy_(self.host)
+        return True
+
+
 class Transport:
-    """This worker's membership in a world's private process group (``self.pg``)."""
+    """This worker's membership in a world's private process group (``self.pg``).
+
+    ``backend``: ``"nccl"`` or ``"gloo"`` (default: :func:`backend_for` the buffers' device). With
+    gloo and device buffers, messages are staged through host memory (:class:`HostStaging`).
+    """
 
     def __init__(self, store_addr: str, store_port: int, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float, store: dist.TCPStore | None = None, *, prefix: str = "realloc"):
+                 timeout_s: float, store: dist.TCPStore | None = None, *, prefix: str = "realloc",
+                 backend: str | None = None, staging: HostStaging | None = None):
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.backend = backend_for(device)
+        self.backend = backend if backend is not None else backend_for(device)
+        if self.backend not in ("nccl", "gloo") or (self.backend == "nccl" and device.type != "cuda"):
+            raise ValueError(f"backend {self.backend!r} cannot carry buffers on {device}; allowed: 'gloo', or "
+                             "'nccl' for CUDA buffers")
+        self.wire = wire_device(self.backend, device)
+        self.host_staging = staging if staging is not None else HostStaging()
         if store is None:
             store = connect_store(store_addr, store_port, world_size, timeout_s)
         # gloo binds its data sockets to the interface of the hostname unless told otherwise; on
@@ -76,15 +151,28 @@ class Transport:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         for key, value in process_group_environment(self.backend).items():
             os.environ.setdefault(key, value)
-        self.pg = communicator.private_group(store, prefix, rank, world_size, device, timeout_s)
+        self.pg = communicator.private_group(store, prefix, rank, world_size, self.wire, timeout_s)
         self.store = store
 
     def exchange(self, send: tuple[int, torch.Tensor] | None, recv: tuple[int, torch.Tensor] | None) -> list:
-        """Post one send and/or one receive together; returns the requests to wait on."""
-        return communicator.exchange(self.pg, self.device, send, recv)
+        """Post one send and/or one receive together; returns the requests to wait on (a staged
+        receive's bytes are in its tensor once its request's ``wait()`` returned)."""
+        if self.wire.type == "cuda":
+            return communicator.exchange(self.pg, self.wire, send, recv)
+        staging, landing = self.host_staging, None
+        if send is not None and staging.needed(send[1]):
+            send = (send[0], staging.outgoing(send[1]))
+        if recv is not None and staging.needed(recv[1]):
+            host, landing = staging.incoming(recv[1])
+            recv = (recv[0], host)
+        works = communicator.exchange(self.pg, self.wire, send, recv)
+        if landing is not None:
+            landing.host, landing.work = recv[1], works.pop()  # the receive is posted last
+            works.append(landing)
+        return works
 
     def barrier(self) -> None:
-        communicator.barrier(self.pg, self.device)
+        communicator.barrier(self.pg, self.wire)
 
     def close(self) -> None:
         pg, self.pg = self.pg, None

@@ -38,11 +38,11 @@ from actors.communicator import Communicators
 from actors.context import ShardChange, ShardContext
 from actors.ckpt_worker import CheckpointMixin
 from actors.errors import StaleOperationError
-from actors.executor import Cuts, PeerView, Staging, StepRunner, collector_paused, is_zero_copy, worker_routes
+from actors.executor import Cuts, PeerView, Phases, Staging, StepRunner, collector_paused, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
-from actors.transport import Transport, connect_store, host_store
-from actors.zero_copy import BufferAllocator, open_handles
+from actors.transport import Transport, backend_for, connect_store, host_store, wire_device
+from actors.zero_copy import BufferAllocator, handle_identity, open_handles
 from realloc.boxes import box_index
 from realloc.flat import flat_views
 from realloc.layout import Layout, RankLayout
@@ -75,8 +75,11 @@ class Bundle:
     peers: list[PeerView]
     routes: dict[int, list[tuple[int, int, int]]]
     local: list[int]
-    read_from: list[int]  # peers whose buffers this worker maps (it needs their handles)
-    read_by: list[int]  # peers that map this worker's buffers (they need its handles)
+    #: peer -> which of its buffers this worker maps (forward flags: False its source, True its
+    #: destination); it receives exactly these handles from that peer and opens each once
+    read_from: dict[int, tuple[bool, ...]]
+    #: peer -> which of this worker's buffers that peer maps (it is sent exactly these handles)
+    read_by: dict[int, tuple[bool, ...]]
     wait_ready: dict[int, list[int]]  # fan-out step -> peers whose phase 0 must be done before it
     notify: list[int]  # peers that read this worker's destination buffers in fan-out steps
     cuts: Cuts = field(default_factory=Cuts)  # its buckets and messages, cut on the first run
@@ -84,22 +87,25 @@ class Bundle:
     @staticmethod
     def make(plan: Plan, peers: list[PeerView], me: int) -> "Bundle":
         routes = worker_routes(plan, me)
-        read_from, read_by, notify, wait_ready = set(), set(), set(), {}
+        read_from: dict[int, set[bool]] = {}
+        read_by: dict[int, set[bool]] = {}
+        notify, wait_ready = set(), {}
         for s, step in routes.items():
             forward = plan.reads_destination(s)
             for a, b, _ in step:
                 if not is_zero_copy(peers, a, b, forward):
                     continue
                 if b == me:
-                    read_from.add(a)
+                    read_from.setdefault(a, set()).add(forward)
                     if forward:
                         wait_ready.setdefault(s, []).append(a)
                 if a == me:
-                    read_by.add(b)
+                    read_by.setdefault(b, set()).add(forward)
                     if forward:
                         notify.add(b)
-        return Bundle(plan, peers, routes, [j for w, j in plan.local_copies if w == me], sorted(read_from),
-                      sorted(read_by), wait_ready, sorted(notify))
+        return Bundle(plan, peers, routes, [j for w, j in plan.local_copies if w == me],
+                      {p: tuple(sorted(f)) for p, f in sorted(read_from.items())},
+                      {p: tuple(sorted(f)) for p, f in sorted(read_by.items())}, wait_ready, sorted(notify))
 
 
 @dataclass
@@ -155,12 +161,20 @@ class ShardWorker(CheckpointMixin):
     override it) and do not name methods like the ones defined here.
     """
 
-    def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None):
+    def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None,
+                 backend: str | None = None):
         torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
         self.group, self.spec = group, spec
         if device is None:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+        #: The process groups' backend (GroupConfig.backend) and the device their tensors live on:
+        #: the buffers' device for NCCL, host memory for gloo (GPU buffers are staged through it).
+        self.backend = backend if backend is not None else backend_for(self.device)
+        if self.backend not in ("nccl", "gloo") or (self.backend == "nccl" and self.device.type != "cuda"):
+            raise ValueError(f"backend {self.backend!r} cannot serve buffers on {self.device}; allowed: 'gloo', "
+                             "or 'nccl' for CUDA buffers")
+        self.wire = wire_device(self.backend, self.device)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.allocator = BufferAllocator(self.device, zero_copy, group)
         self.held: RankLayout | None = None
@@ -179,6 +193,7 @@ class ShardWorker(CheckpointMixin):
         self._runs = 0
         self._copier: ThreadPoolExecutor | None = None
         self._kept: dict[Layout, Resident] = {}  # kept layouts (actors/resident.py)
+        self.phases = Phases()
 
     # -- user code ----------------------------------------------------------------------------
     def on_shards_changed(self, ctx: ShardContext, change: ShardChange) -> None:
@@ -218,7 +233,7 @@ class ShardWorker(CheckpointMixin):
         if self.communicators is not None:
             self.communicators.close()
         store = self._group_store if self._group_store is not None else connect_store(addr, port, world_size, timeout_s)
-        self.communicators = Communicators(store, rank, world_size, self.device, timeout_s, generation)
+        self.communicators = Communicators(store, rank, world_size, self.wire, timeout_s, generation)
 
     # -- identity, liveness and collective set-up --------------------------------------------
     @property
@@ -257,7 +272,7 @@ class ShardWorker(CheckpointMixin):
             self.transport.close()
             self.transport, self.world_id = None, None
         self.transport = Transport(addr, port, world_rank, world_size, self.device, timeout_s, store=store,
-                                   prefix=f"realloc/{world_id}")
+                                   prefix=f"realloc/{world_id}", backend=self.backend)
         self.world_id = world_id
         return self.transport.backend
 
@@ -292,12 +307,12 @@ class ShardWorker(CheckpointMixin):
         bad = []
         store = self._store_now()
         for s, local in ((s, t) for entries in store.by_param.values() for s, t in entries):
-            expected = torch.zeros(s.local_shape, dtype=local.dtype)
+            expected = torch.zeros(s.local_shape, dtype=local.dtype, device=local.device)
             if s.numel:
                 index = tuple(slice(0, n) for n in s.sizes)
                 expected[index] = synthetic_box(s.param, self.spec.param(s.param).shape, s.offsets, s.sizes,
-                                                s.dtype, seed)
-            if not torch.equal(local.cpu(), expected):
+                                                s.dtype, seed, local.device)
+            if not torch.equal(local, expected):
                 bad.append(s.slot)
         return bad
 
@@ -354,6 +369,10 @@ class ShardWorker(CheckpointMixin):
         self.op = Operation(op_id, dst, buffers, refreshed=refreshed)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # peers read these bytes from other processes
+            # CUDA IPC handles are made per reader and opened once each (_swap_handles): never
+            # broadcast through the driver. Without them the driver-run phases (op_execute)
+            # carry every route over the transport.
+            return {"dst": None, "src": None} if export else None
         if not export:
             return None
         return {"dst": self.allocator.export(buffers) if buffers is not None else None,
@@ -457,19 +476,28 @@ class ShardWorker(CheckpointMixin):
         layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
         """
         self._check_world(world_id)
+        self.phases = Phases()
         bundle = self._bundle(key, plan_box, me)
         self.op_prepare(op_id, bundle.peers[me].dst, export=False)
         self.counters["execute"] += 1
         op = self.op
         self._runs += 1
         self._evict_mappings()
+        self.phases.mark("prepare")
         result = self._timed(op, tags, "all", lambda: self._run(op, bundle, me))
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
+        self._unmap_device_sources()
         result["refreshed"] = op.refreshed
         result["resident"] = self.resident_bytes()
+        self.phases.mark("commit")
         return result
+
+    def last_phases(self) -> dict[str, float]:
+        """Seconds by phase of the last ``op_run`` on this worker (prepare, handles, transfers,
+        fan-out, local copies, device sync, commit): where a move's time went."""
+        return dict(self.phases.seconds)
 
     # -- resident layouts (actors/resident.py) ----------------------------------------------
     def _keep(self, op: Operation, order: KeepOrder) -> None:
@@ -558,13 +586,15 @@ class ShardWorker(CheckpointMixin):
         src = self._store_now() if b.peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
-        peers = self._swap_handles(b, op, me) if (b.read_from or b.read_by) else b.peers
+        opened = self._swap_handles(b, op) if (b.read_from or b.read_by) else {}
+        self.phases.mark("handles")
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
         # Local copies write boxes no route writes, and torch copies release the GIL: beside the transfers.
         local = self._copier.submit(lambda: sum(copy_local(src, dst, b.plan.segment_list(j)) for j in b.local)) \
             if b.local else None
-        runner = StepRunner(self.transport, self.device, b.plan, me, peers, src, dst, self._mapped_peer_store,
+        runner = StepRunner(self.transport, self.device, b.plan, me, b.peers, src, dst,
+                            lambda view, forward: opened[view.world_rank, forward],
                             on_bucket=self._after_bucket, staging=self.staging, cuts=b.cuts)
         ready: dict[int, Any] = {}
         sent: list = []
@@ -578,9 +608,11 @@ class ShardWorker(CheckpointMixin):
             for s in (s for s in steps if s < forward_from):
                 for kind, nbytes in runner.run_step(s, b.routes[s]):
                     moved[kind] += nbytes
+            self.phases.mark("transfers")
             # Phase 0 is done here: tell the peers that read my destination buffers (fan-out reads
             # forward only cells received over routes, never local copies: planner, step 2).
-            sent, ready = self._post_ready(b, peers)
+            sent, ready = self._post_ready(b, b.peers)
+            self.phases.mark("ready")
             for s in (s for s in steps if s >= forward_from):
                 for peer in b.wait_ready.get(s, ()):
                     work = ready.pop(peer, None)
@@ -590,6 +622,7 @@ class ShardWorker(CheckpointMixin):
                     moved[kind] += nbytes
             for work in sent + list(ready.values()):
                 work.wait()
+            self.phases.mark("fan-out")
             ok = True
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local is not None:
@@ -597,38 +630,49 @@ class ShardWorker(CheckpointMixin):
                     moved["local"] += local.result()
                 else:
                     local.exception()
-        return self._finished(op, moved)
+        self.phases.mark("local copies")
+        result = self._finished(op, moved)
+        self.phases.mark("device sync")
+        return result
 
-    def _swap_handles(self, b: Bundle, op: Operation, me: int) -> list[PeerView]:
-        """Send my handles to the peers that map my buffers, receive those of the peers I map."""
-        sends_from_src = b.peers[me].src is not None and self.buffers is not None
-        mine = pickle.dumps({"src": self.allocator.export(self.buffers) if sends_from_src else None,
-                             "dst": self.allocator.export(op.buffers) if op.buffers is not None else None})
-        if len(mine) + 8 > HANDLE_BYTES:
-            raise RuntimeError(f"zero-copy handles of {len(mine)} bytes exceed the {HANDLE_BYTES}-byte message")
-        out = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
-        out[:8] = torch.frombuffer(bytearray(len(mine).to_bytes(8, "little")), dtype=torch.uint8)
-        out[8:8 + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        out = out.to(self.device)
-        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self.device) for p in b.read_from}
-        for work in communicator.post(self.transport.pg, self.device, [(b.peers[p].world_rank, out) for p in b.read_by],
+    def _swap_handles(self, b: Bundle, op: Operation) -> dict[tuple[int, bool], ShardStore]:
+        """Send each peer that maps my buffers the handles of exactly the buffers it reads, made
+        for it alone; receive mine and open each once. Returns the opened stores by (the peer's
+        world rank, forward).
+
+        One export per reader and buffer, each opened exactly once: a CUDA IPC export carries a
+        reference count that the producer's freed block waits on (torch keeps it allocated, in
+        its IPC limbo, until the count drops). An export nobody opens never drops it (every
+        freed layout leaked: bench-gpu ran out of memory on llama-7b after a few moves); one
+        opened by two readers drops it twice and frees the block under the second."""
+        outs = []
+        for p, sides in b.read_by.items():
+            mine = {"src": self.allocator.export(self.buffers) if False in sides else None,
+                    "dst": self.allocator.export(op.buffers) if True in sides else None}
+            outs.append((b.peers[p].world_rank, _handle_message(mine, self.wire)))
+        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self.wire) for p in b.read_from}
+        for work in communicator.post(self.transport.pg, self.wire, outs,
                                       [(b.peers[p].world_rank, t) for p, t in ins.items()], HANDLES_TAG):
             work.wait()
-        peers = list(b.peers)
+        opened = {}
         for p, t in ins.items():
             raw = t.cpu().numpy().tobytes()
             h = pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
-            peers[p] = replace(peers[p], src_handles=h["src"], dst_handles=h["dst"])
-        return peers
+            view = replace(b.peers[p], src_handles=h["src"], dst_handles=h["dst"])
+            for forward in b.read_from[p]:
+                opened[view.world_rank, forward] = self._mapped_peer_store(view, forward)
+        return opened
 
     def _post_ready(self, b: Bundle, peers: list[PeerView]) -> tuple[list, dict[int, Any]]:
         """Post "phase 0 done" to my fan-out readers and the receives of my fan-out senders' ones."""
         senders = sorted({p for ps in b.wait_ready.values() for p in ps})
         if not senders and not b.notify:
             return [], {}
-        one = torch.ones(1, dtype=torch.uint8, device=self.device)
-        works = communicator.post(self.transport.pg, self.device, [(peers[p].world_rank, one) for p in b.notify],
-                                  [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=self.device))
+        if b.notify and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # my phase-0 writes land before a reader in another process starts
+        one = torch.ones(1, dtype=torch.uint8, device=self.wire)
+        works = communicator.post(self.transport.pg, self.wire, [(peers[p].world_rank, one) for p in b.notify],
+                                  [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=self.wire))
                                    for p in senders], READY_TAG)
         if len(works) == len(b.notify) + len(senders):  # one Work per message (gloo)
             return works[:len(b.notify)], dict(zip(senders, works[len(b.notify):]))
@@ -637,19 +681,35 @@ class ShardWorker(CheckpointMixin):
 
     def _mapped_peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
         """A same-node peer's buffers as a store, kept mapped across operations: an RL loop
-        alternating two layouts reads the same files every time (no page-table faults per op)."""
+        alternating two layouts reads the same files every time (no page-table faults per op).
+
+        CUDA handles are opened every time (each export carries a fresh IPC reference count that
+        only opening releases), but the open storage kept here makes torch's IPC cache answer
+        them without ``cudaIpcOpenMemHandle`` (0.16 s for a first open on an H100)."""
         held = peer.dst if forward else peer.src
         handles = peer.dst_handles if forward else peer.src_handles
-        if any(h[0] != "shm" for h in handles.values()):
-            return self._peer_store(peer, forward)
-        key = (held, tuple(sorted((d, h[1], h[2]) for d, h in handles.items())))
+        key = (held, tuple(sorted((d, *handle_identity(h)) for d, h in handles.items())))
         entry = self._mapped.get(key)
-        store = entry[1] if entry is not None else ShardStore(held.shards(), open_handles(handles))
-        self._mapped[key] = (self._runs, store)
+        if entry is not None and all(h[0] == "shm" for h in handles.values()):
+            store = entry[1]
+        else:
+            store = ShardStore(held.shards(), open_handles(handles))
+        self._mapped[key] = (self._runs, store, forward)
         return store
 
     def _evict_mappings(self) -> None:
-        for key in [k for k, (last, _) in self._mapped.items() if last < self._runs - MAPPINGS_KEPT_OPS]:
+        for key in [k for k, (last, _, _) in self._mapped.items() if last < self._runs - MAPPINGS_KEPT_OPS]:
+            del self._mapped[key]
+
+    def _unmap_device_sources(self) -> None:
+        """After a move on a GPU, let go of the peers' source buffers it read: they are those
+        peers' rollback now, freed at the next operation, and a block another process still
+        maps stays allocated (torch keeps it in its IPC limbo) instead of serving the next
+        allocation. Their destination buffers, which they hold now, stay mapped: the next move
+        reads them as sources without opening them again."""
+        if self.device.type != "cuda":
+            return
+        for key in [k for k, (last, _, forward) in self._mapped.items() if not (forward and last == self._runs)]:
             del self._mapped[key]
 
     def op_fill(self, op_id: str, how: str, *args: Any) -> int:
@@ -664,7 +724,8 @@ class ShardWorker(CheckpointMixin):
             return load_shards(args[0], args[1], args[2], shards, store)
         if how == "synthetic":
             def box(s):
-                return synthetic_box(s.param, self.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype, args[0])
+                return synthetic_box(s.param, self.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype, args[0],
+                                     self.device)
         elif how == "full":  # the driver keys the state dict by storage parameter (aliases resolved)
             def box(s):
                 return args[0][s.param][box_index(s.offsets, s.sizes)]
@@ -737,6 +798,17 @@ class ShardWorker(CheckpointMixin):
         if self.communicators is not None:
             self.communicators.close()
             self.communicators = None
+
+
+def _handle_message(handles: dict, device: torch.device) -> torch.Tensor:
+    """Pickled zero-copy handles as a fixed-size byte tensor on ``device`` (8-byte length first)."""
+    raw = pickle.dumps(handles)
+    if len(raw) + 8 > HANDLE_BYTES:
+        raise RuntimeError(f"zero-copy handles of {len(raw)} bytes exceed the {HANDLE_BYTES}-byte message")
+    out = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
+    out[:8] = torch.frombuffer(bytearray(len(raw).to_bytes(8, "little")), dtype=torch.uint8)
+    out[8:8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out.to(device)
 
 
 def detach_result(value: Any) -> Any:

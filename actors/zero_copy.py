@@ -27,7 +27,8 @@ class BufferAllocator:
     Released buffers are kept as *spares* (one set: the last released) and handed out again for
     the same (dtype, size): an RL loop going train -> generate -> train reuses the pages it
     already touched instead of faulting in fresh ones (fresh /dev/shm pages fill at ~1 GB/s here,
-    touched ones at ~10 GB/s). On GPUs torch's caching allocator does this by itself.
+    touched ones at ~10 GB/s). On GPUs torch's caching allocator does this by itself, so no
+    spares are kept there (:meth:`release`).
     """
 
     def __init__(self, device: torch.device, shared: bool, tag: str):
@@ -55,10 +56,16 @@ class BufferAllocator:
         return out
 
     def release(self, buffers: dict[str, torch.Tensor] | None, keep: bool = True) -> None:
-        """Give buffers back: kept as the spares for the next allocation (older spares are freed)."""
+        """Give buffers back: kept as the spares for the next allocation (older spares are freed).
+
+        GPU buffers are never kept: torch's caching allocator already hands their blocks to the
+        next allocation of this process, and a spare set on a GPU that several workers share
+        holds a layout per worker that the others cannot use (bench-gpu ran out of memory on
+        llama-7b with it; docs/benchmarks.md, "GPU")."""
         if buffers is None:
             return
         self.drop_spares()
+        keep = keep and self.device.type != "cuda"
         for dtype, t in buffers.items():
             if keep:
                 self._spares[dtype, t.numel()] = t
@@ -128,6 +135,17 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def handle_identity(handle: tuple) -> tuple:
+    """What names the memory behind an exported buffer, the same for every export of it: the
+    file and size (shm), or the CUDA IPC handle, offset and size of its storage plus the tensor's
+    element offset and size (``reduce_tensor``'s arguments; the event and reference count
+    differ per export)."""
+    if handle[0] == "shm":
+        return handle[1], handle[2]
+    args = handle[1][1]
+    return args[7], args[9], args[8], args[3], tuple(args[1])
 
 
 def open_handles(handles: dict[str, Any]) -> dict[str, torch.Tensor]:

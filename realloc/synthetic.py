@@ -16,20 +16,38 @@ from realloc.shards import TORCH_DTYPES
 _MULT = 2654435761  # Knuth's multiplicative hash constant
 
 
+#: Elements computed at once: a box is made in slabs along its first axis so the int64
+#: temporaries (8 bytes an element, several of them) stay bounded on big shards.
+CHUNK_ELEMENTS = 1 << 24
+
+
 def synthetic_box(param: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
-                  dtype: str, seed: int = 0) -> torch.Tensor:
-    """Values of box ``(offsets, sizes)`` of the synthetic tensor ``param`` of ``shape``.
+                  dtype: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Values of box ``(offsets, sizes)`` of the synthetic tensor ``param`` of ``shape``, made on
+    ``device`` (the same bits on every device: integer hashing, then one float32 rounding and one
+    cast, both round-to-nearest-even).
 
     Example:
         >>> a = synthetic_box("w", (4, 6), (0, 0), (4, 6), "float32")
         >>> bool((a[1:3, 2:5] == synthetic_box("w", (4, 6), (1, 2), (2, 3), "float32")).all())
         True
     """
+    numel = 1
+    for n in sizes:
+        numel *= n
+    if len(sizes) > 1 and numel > CHUNK_ELEMENTS and sizes[0] > 1:
+        out = torch.empty(sizes, dtype=TORCH_DTYPES[dtype], device=device)
+        rows = max(1, CHUNK_ELEMENTS // max(1, numel // sizes[0]))
+        for a in range(0, sizes[0], rows):
+            b = min(sizes[0], a + rows)
+            out[a:b] = synthetic_box(param, shape, (offsets[0] + a, *offsets[1:]), (b - a, *sizes[1:]), dtype, seed,
+                                     device)
+        return out
     salt = (zlib.crc32(param.encode()) ^ (seed * 0x9E3779B1)) & 0xFFFFFFFF
-    index = torch.zeros((), dtype=torch.int64)
+    index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for d in reversed(range(len(shape))):
-        axis = torch.arange(offsets[d], offsets[d] + sizes[d], dtype=torch.int64) * stride
+        axis = torch.arange(offsets[d], offsets[d] + sizes[d], dtype=torch.int64, device=device) * stride
         index = index + axis.view([-1] + [1] * (len(shape) - 1 - d))
         stride *= shape[d]
     hashed = (index * _MULT + salt) & 0xFFFFFFFF

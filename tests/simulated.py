@@ -12,14 +12,16 @@ from ray.cluster_utils import Cluster
 
 
 @contextlib.contextmanager
-def simulated_cluster(nodes: int, cpus_per_node: int) -> Iterator[SimpleNamespace]:
+def simulated_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Iterator[SimpleNamespace]:
     """``nodes`` raylets of ``cpus_per_node`` CPU slots each (distinct node ids, one machine), a
-    head without CPUs, and this process connected as the driver; all of it torn down afterwards."""
+    head without CPUs, and this process connected as the driver; all of it torn down afterwards.
+    ``gpus_per_node``: GPUs each raylet announces (on a one-GPU machine every node hands out the
+    same device, so two simulated nodes share it)."""
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False})
     try:
-        added = [c.add_node(num_cpus=cpus_per_node) for _ in range(nodes)]
+        added = [c.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node) for _ in range(nodes)]
         ray.init(address=c.address, log_to_driver=False)
         c.wait_for_nodes()
         yield SimpleNamespace(cluster=c, nodes=added)

@@ -89,6 +89,23 @@ def test_transitions():
         parse_transitions("dp=2->tp=2;dp=4->tp=4")
 
 
+def test_bench_gpu_options_and_transitions(capsys):
+    import torch
+
+    from tools.gpu_bench import GPU_TRANSITIONS, parse_gpu_transitions
+
+    assert parse_gpu_transitions(None) == [(Topology.parse(a), Topology.parse(b)) for a, b in GPU_TRANSITIONS]
+    assert all(Topology.parse(a).world_size == 8 for a, _ in GPU_TRANSITIONS)
+    assert parse_gpu_transitions("fsdp=4->tp=4") == [(Topology(fsdp=4), Topology(tp=4))]
+    assert main(["bench-gpu", "--transitions", "fsdp=8->tp=4"]) == 2
+    assert "same number of ranks" in capsys.readouterr().err
+    assert main(["bench-gpu", "--repeats", "0"]) == 2
+    assert main(["bench-gpu", "--model", "tiny", "--transitions", "tp=8->dp=8"]) == 2  # tiny has 12 heads
+    if not torch.cuda.is_available():
+        assert main(["bench-gpu", "--transitions", "fsdp=8->tp=8"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_tiny_end_to_end():

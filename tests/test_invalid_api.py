@@ -205,6 +205,20 @@ case(C, "strategy FOO", create(strategy="FOO"), r"placement strategy 'FOO' is no
 case(C, "strategy lower case", create(strategy="pack"), r"placement strategy 'pack' is not one of")
 case(C, "use_gpu 'yes'", create(use_gpu="yes"), r"use_gpu must be True or False, got 'yes'")
 case(C, "zero_copy 1", create(zero_copy=1), r"zero_copy must be True or False, got 1")
+for bad in (0, -0.5, 1.5, float("inf"), "1", True):
+    case(C, f"gpus_per_worker={bad!r}", create(use_gpu=True, gpus_per_worker=bad),
+         rf"gpus_per_worker must be a fraction in \(0, 1\] or a whole number of GPUs \(what Ray can assign\), "
+         rf"got {re.escape(repr(bad))}")
+case(C, "gpus_per_worker without use_gpu", create(gpus_per_worker=0.5),
+     r"gpus_per_worker=0\.5 needs use_gpu=True \(CPU workers hold no GPU\)")
+case(C, "transport 'mpi'", create(transport="mpi"), r"transport 'mpi' is not one of \('auto', 'nccl', 'gloo'\)")
+case(C, "nccl for CPU workers", create(transport="nccl"),
+     r"transport='nccl' needs use_gpu=True and gpus_per_worker >= 1 .*got use_gpu=False, gpus_per_worker=1; "
+     r"use 'gloo' or 'auto'")
+case(C, "nccl for workers sharing a GPU", create(use_gpu=True, gpus_per_worker=0.25, transport="nccl"),
+     r"transport='nccl' needs .* refuses two ranks on one GPU\), got use_gpu=True, gpus_per_worker=0\.25")
+case(C, "fractional GPUs on a CPU-only cluster", create(use_gpu=True, gpus_per_worker=0.5),
+     r"the cluster cannot hold 2 workers of 0\.5 GPU each")
 case(C, "bandwidths 3", create(bandwidths=3), r"bandwidths must be a realloc\.Bandwidths, got int")
 case(C, "runtime_env 'x'", create(runtime_env="x"), r"runtime_env must be a dict or None, got str")
 case(C, "unknown setting foo", create(foo=1), r"unknown group settings \['foo'\]; allowed: \[.*'timeout_s'")

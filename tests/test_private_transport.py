@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from actors import communicator
 from actors.communicator import Communicators, private_group
-from actors.transport import Transport
+from actors.transport import HostStaging, Transport
 
 CPU = torch.device("cpu")
 TIMEOUT_S = 10.0
@@ -250,3 +250,49 @@ def _two_worlds_worker(rank: int, port: int, n: int) -> None:
 
 def test_transport_two_worlds_in_one_process_never_touch_the_default_group():
     _spawn(_two_worlds_worker, 2)
+
+
+# -- Transport: device buffers staged through host memory ----------------------------------------
+
+def _staged_worker(rank: int, port: int, n: int) -> None:
+    """The path of GPU workers over gloo (workers sharing one GPU), with host tensors standing in
+    for device ones: every message is copied into a host buffer, every receive lands in one and
+    is copied out when its request is waited on."""
+    staging = HostStaging(always=True)
+    t = Transport("127.0.0.1", port, rank, n, CPU, TIMEOUT_S, prefix="staged", backend="gloo", staging=staging)
+    assert t.wire == CPU and t.backend == "gloo"
+    peer = 1 - rank
+    biggest = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        for k in range(3):  # the host buffers are reused message after message
+            send = _payload(rank, peer, dtype)[k:]
+            expected = _payload(peer, rank, dtype)[k:]
+            into = torch.full_like(expected, -1)
+            works = t.exchange((peer, send), (peer, into))
+            assert not torch.equal(into, expected) or expected.numel() == 0  # lands only on wait()
+            for w in works:
+                w.wait()
+            assert torch.equal(into, expected), f"rank {rank}: staged receive differs ({dtype}, {k})"
+            biggest = max(biggest, send.numel() * send.element_size(), into.numel() * into.element_size())
+    # one way only, and a strided destination's contiguous slice (what the executor receives into)
+    flat = torch.zeros(4096, dtype=torch.float32)
+    if rank == 0:
+        for w in t.exchange((1, torch.arange(1000, dtype=torch.float32)), None):
+            w.wait()
+    else:
+        for w in t.exchange(None, (0, flat[100:1100])):
+            w.wait()
+        assert torch.equal(flat[100:1100], torch.arange(1000, dtype=torch.float32))
+        assert flat[:100].eq(0).all() and flat[1100:].eq(0).all()
+    assert staging.nbytes <= 2 * biggest, "host staging holds more than one message each way"
+    t.barrier()
+    t.close()
+
+
+def test_transport_stages_device_buffers_through_host_memory():
+    _spawn(_staged_worker, 2)
+
+
+def test_transport_refuses_nccl_for_host_buffers():
+    with pytest.raises(ValueError, match="nccl"):
+        Transport("127.0.0.1", 1, 0, 1, CPU, TIMEOUT_S, backend="nccl")

@@ -89,3 +89,14 @@ def test_nccl_timeouts_raise_instead_of_killing_the_survivors():
     assert process_group_environment("nccl")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert process_group_environment("nccl")["TORCH_NCCL_BLOCKING_WAIT"] == "1"
     assert process_group_environment("gloo") == {}
+
+
+def test_group_config_resolves_the_transport_and_the_gpu_share():
+    from actors.config import GroupConfig
+
+    assert GroupConfig().backend == "gloo" and GroupConfig().num_gpus == 0
+    assert GroupConfig(use_gpu=True).backend == "nccl" and GroupConfig(use_gpu=True).bundle()["GPU"] == 1
+    shared = GroupConfig(use_gpu=True, gpus_per_worker=0.125)
+    assert shared.backend == "gloo" and shared.num_gpus == 0.125 and shared.bundle() == {"CPU": 1, "GPU": 0.125}
+    assert GroupConfig(use_gpu=True, transport="gloo").backend == "gloo"
+    assert GroupConfig(use_gpu=True, gpus_per_worker=2).bundle()["GPU"] == 2

@@ -144,6 +144,16 @@ def parse_transitions(text: str | None, src: str | None = None, dst: str | None 
     return out
 
 
+def check_run_args(args: argparse.Namespace) -> None:
+    """The options ``bench`` and ``bench-gpu`` share: ``--repeats``, ``--bucket-mb``, ``--probe-mb``."""
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb * MB >= 1024):
+        raise ValueError(f"--bucket-mb must be at least 1/1024, got {args.bucket_mb}")
+    if not (math.isfinite(args.probe_mb) and args.probe_mb > 0):
+        raise ValueError(f"--probe-mb must be positive, got {args.probe_mb}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from realloc.cli import load_model
 
@@ -154,14 +164,9 @@ def run_bench(args: argparse.Namespace) -> int:
         b.check(spec)
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    check_run_args(args)
     if args.baseline_repeats < 1:
         raise ValueError(f"--baseline-repeats must be at least 1, got {args.baseline_repeats}")
-    if not (math.isfinite(args.bucket_mb) and args.bucket_mb * MB >= 1024):
-        raise ValueError(f"--bucket-mb must be at least 1/1024, got {args.bucket_mb}")
-    if not (math.isfinite(args.probe_mb) and args.probe_mb > 0):
-        raise ValueError(f"--probe-mb must be positive, got {args.probe_mb}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     unknown = skip - set(BASELINES)
     if unknown:

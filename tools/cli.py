@@ -1,5 +1,5 @@
 """The ``realloc`` command line (console script): the pure commands of :mod:`realloc.cli`
-(``plan``, ``presets``) plus the Ray-backed ``demo``, ``bench`` and ``ckpt-demo``.
+(``plan``, ``presets``) plus the Ray-backed ``demo``, ``bench``, ``bench-gpu`` and ``ckpt-demo``.
 
 Importing the Ray-side commands brings in ray, torch and the ``actors`` package (seconds), so
 :func:`main` only does it when the command word is not one of ``realloc.cli.BUILTIN_COMMANDS``
@@ -32,8 +32,9 @@ def ray_commands() -> list[AddParser]:
     from tools.bench import add_bench_parser
     from tools.ckpt_demo import add_ckpt_demo_parser
     from tools.demo import add_demo_parser
+    from tools.gpu_bench import add_bench_gpu_parser
 
-    return [add_demo_parser, add_bench_parser, add_ckpt_demo_parser]
+    return [add_demo_parser, add_bench_parser, add_bench_gpu_parser, add_ckpt_demo_parser]
 
 
 if __name__ == "__main__":

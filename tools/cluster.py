@@ -11,7 +11,7 @@ import ray
 
 @contextlib.contextmanager
 def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int,
-                    object_store_bytes: int | None = None) -> Iterator[str]:
+                    object_store_bytes: int | None = None, gpus_per_node: int = 0) -> Iterator[str]:
     """Attach to ``address``, or start ``num_nodes`` simulated nodes (distinct Ray node ids).
 
     Yields a description of what it started. Simulated nodes share this machine but are real
@@ -29,14 +29,15 @@ def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int,
     from ray.cluster_utils import Cluster
 
     store = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **store})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False, **store})
     try:
         for _ in range(num_nodes):
-            cluster.add_node(num_cpus=cpus_per_node, **store)
+            cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node, **store)
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         stores = f", object stores {object_store_bytes / 2**30:.1f} GiB" if object_store_bytes else ""
-        yield f"local Ray, {num_nodes} simulated nodes x {cpus_per_node} CPU slots{stores}"
+        gpus = f" and {gpus_per_node} GPU" if gpus_per_node else ""
+        yield f"local Ray, {num_nodes} simulated nodes x {cpus_per_node} CPU slots{gpus}{stores}"
     finally:
         ray.shutdown()
         cluster.shutdown()
