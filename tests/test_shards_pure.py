@@ -104,3 +104,59 @@ def test_copy_boxes_moves_exactly_the_bytes_of_per_pair_copies(data):
     for o, i in refs:
         o.copy_(i)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_stacked_runs_copy_exactly_the_layers_boxes(data):
+    """Boxes repeated at a constant step in both buffers (a weight in every layer), shuffled and
+    mixed with odd ones, some runs broken by a different step: stacking them must leave the
+    destination bit-identical to one copy per pair, and must stack a clean run into one pair."""
+    from realloc.shards import copy_boxes, stack_runs
+
+    dtype = data.draw(st.sampled_from([torch.bfloat16, torch.float32, torch.uint8]))
+    layers = data.draw(st.integers(2, 7))
+    rows, cols = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 12))
+    pitch_s, pitch_d = cols + data.draw(st.integers(0, 6)), cols + data.draw(st.integers(0, 6))
+    block_s = rows * pitch_s + data.draw(st.integers(0, 20))
+    block_d = rows * pitch_d + data.draw(st.integers(0, 20))
+    base_s, base_d = data.draw(st.integers(0, 30)), data.draw(st.integers(0, 30))
+    src = torch.arange(8192, dtype=torch.float64).to(dtype)
+    got, want = torch.full((8192,), 7, dtype=dtype), torch.full((8192,), 7, dtype=dtype)
+    skip = data.draw(st.sets(st.integers(0, layers - 1), max_size=layers // 2))  # gaps break the step
+    pairs = [(base_d + L * block_d, base_s + L * block_s) for L in range(layers) if L not in skip]
+    for _ in range(data.draw(st.integers(0, 3))):  # odd boxes elsewhere in the destination
+        pairs.append((4096 + 300 * len(pairs), data.draw(st.integers(0, 2000))))
+    order = data.draw(st.permutations(range(len(pairs))))
+    box = lambda t, off, pitch: t.as_strided((rows, cols), (pitch, 1), off)  # noqa: E731
+    outs = [box(got, pairs[k][0], pitch_d) for k in order]
+    ins = [box(src, pairs[k][1], pitch_s) for k in order]
+    copy_boxes(outs, ins)
+    for d, s_ in pairs:
+        box(want, d, pitch_d).copy_(box(src, s_, pitch_s))
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if not skip and len(pairs) == layers:
+        stacked_o, _ = stack_runs(outs, ins)
+        assert len(stacked_o) == 1 and stacked_o[0].shape == (layers, rows, cols)
+
+
+def test_two_interleaved_weights_stack_into_one_copy_each():
+    """Two weights of one shape in every layer (a decoder's two norms) interleave in the buffer;
+    labelled by weight_kind, each stacks across the layers on its own."""
+    from realloc.shards import copy_boxes, stack_runs, weight_kind
+
+    layers, n, block = 6, 8, 40  # per layer: norm a at +0, norm b at +8, then other weights
+    src = torch.arange(layers * block, dtype=torch.float32)
+    got = torch.zeros(layers * 2 * n)
+    outs, ins, kinds = [], [], []
+    for layer in range(layers):
+        for k, name in enumerate(("input_layernorm", "post_attention_layernorm")):
+            outs.append(got[(2 * layer + k) * n:(2 * layer + k + 1) * n])
+            ins.append(src[layer * block + k * n:layer * block + (k + 1) * n])
+            kinds.append(weight_kind(f"model.layers.{layer}.{name}.weight"))
+    assert kinds[0] == "model.layers.#.input_layernorm.weight"
+    stacked, _ = stack_runs(outs, ins, kinds)
+    assert sorted(tuple(t.shape) for t in stacked) == [(layers, n), (layers, n)]
+    copy_boxes(outs, ins, kinds)
+    want = torch.cat([src[layer * block:layer * block + 2 * n] for layer in range(layers)])
+    assert torch.equal(got, want)
