@@ -88,6 +88,11 @@ def private_group(store: dist.Store, prefix: str, rank: int, size: int, device: 
     pg._set_default_backend(backend_type)
     backend._set_sequence_number_for_group()
     pg._register_backend(torch.device(device.type), backend_type, backend)
+    if device.type == "cpu" and torch.cuda.is_available():
+        # as init_process_group("gloo") does: gloo also serves CUDA tensors (its collectives
+        # stage them through host memory), so user code on workers that share a GPU can
+        # all_reduce its CUDA tensors over ctx.groups
+        pg._register_backend(torch.device("cuda"), backend_type, backend)
     pg._set_group_name(f"realloc:{prefix}")
     if device.type == "cuda":
         # What init_process_group(device_id=...) does: create the communicator now, while every

@@ -8,6 +8,8 @@ Every move is checked element by element against the synthetic weights, on the d
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import ray
 import torch
@@ -17,6 +19,7 @@ from realloc import ModelSpec, Topology
 
 from simulated import simulated_cluster
 
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -143,5 +146,31 @@ def test_moves_leave_no_gpu_memory_behind(cluster):
         for r, n in enumerate(allocated):
             limit = g.layout.rank_bytes(r) + rollback.rank_bytes(r) + 2 * g.config.bucket_bytes + (16 << 20)
             assert n <= limit, f"rank {r}: {n / 2**20:.0f} MiB allocated, at most {limit / 2**20:.0f} MiB expected"
+    finally:
+        g.shutdown()
+
+
+def _tp_all_reduce(ctx) -> list[float]:
+    import torch.distributed as dist
+
+    out = []
+    for device in (ctx.device, torch.device("cpu")):
+        t = torch.full((4,), float(ctx.rank + 1), device=device)
+        dist.all_reduce(t, group=ctx.groups.tp)
+        out.append(float(t[0]))
+    return out
+
+
+def test_user_groups_reduce_cuda_tensors_on_a_shared_gpu(cluster, spec):
+    """Workers sharing a GPU get gloo groups (NCCL cannot pair two ranks of one device); the
+    user's CUDA tensors go through them as through init_process_group('gloo') groups."""
+    g = ModelGroup.create(spec, "dp=2,tp=2", name="gpu-user", use_gpu=True, gpus_per_worker=0.25,
+                          strategy="STRICT_PACK", timeout_s=120)
+    try:
+        got = g.run(_tp_all_reduce, writes=False)
+        topo = g.topology
+        for r, values in enumerate(got):
+            tp_ranks = [topo.rank(topo.coords(r)[0], t, 0) for t in range(topo.tp)]
+            assert values == [float(sum(x + 1 for x in tp_ranks))] * 2, (r, values)
     finally:
         g.shutdown()
