@@ -18,7 +18,7 @@ import torch.distributed as dist
 from actors import ModelGroup, ShardWorker
 from realloc.dtensor import mesh_topology, read_local, write_local
 
-from simulated import free_port, simulated_cluster
+from simulated import simulated_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama  # noqa: E402
@@ -35,12 +35,20 @@ CONFIG = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, 
 class FSDPWorker(ShardWorker):
     """The user's trainer: FSDP2 over its own default group; weights handed to and from the shards."""
 
+    def host_default_store(self) -> int:
+        """Rank 0 hosts the default group's store on a port the OS picks (a port chosen by the
+        driver and bound later can be taken in between: EADDRINUSE)."""
+        self.default_store = dist.TCPStore("127.0.0.1", 0, self.context().topology.world_size, is_master=True,
+                                           wait_for_workers=False)
+        return self.default_store.port
+
     def setup(self, config: dict, port: int, init: dict) -> str:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         n = self.context().topology.world_size
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=n)
+        store = self.default_store if self.rank == 0 else dist.TCPStore("127.0.0.1", port, n, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=n)
         self.mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp_shard",))
         self.model = llama.Llama(llama.LlamaConfig(**config))
         with torch.no_grad():
@@ -85,7 +93,8 @@ def test_fsdp2_shards_reallocate_to_tp_and_back(cluster):
             for p in spec.params}
     group = ModelGroup.create(spec, "fsdp=4", name="fsdp2", worker_cls=FSDPWorker, timeout_s=120)
     try:
-        assert group.call("setup", asdict(CONFIG), free_port(), init) == [str(group.topology)] * 4
+        [port] = group.call("host_default_store", ranks=[0])
+        assert group.call("setup", asdict(CONFIG), port, init) == [str(group.topology)] * 4
         tokens = torch.randint(0, CONFIG.vocab_size, (8, 12), generator=g)
         group.call("train", tokens)
         fsdp_full = group.call("full_tensors")[0]
