@@ -13,7 +13,8 @@ import torch
 
 from realloc.layout import RankLayout
 from realloc.plan import Piece, Plan, bucket_nbytes
-from realloc.shards import ShardStore, copy_local, pack, unpack
+from realloc.copy_program import ProgramCache
+from realloc.shards import ShardStore, local_copies, pack_copies, unpack_copies
 
 
 @dataclass(frozen=True)
@@ -142,10 +143,15 @@ def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
 
 @dataclass
 class Cuts:
-    """One plan's segment lists cut into buckets and messages, filled as a runner needs them."""
+    """One plan's segment lists cut into buckets and messages, and this worker's copies of it
+    compiled (``realloc/copy_program.py``), filled as a runner needs them. Kept with a cached
+    plan, so a worker running the plan again plans no box: program keys name the segment list
+    and the sides (``("local", j)``, ``("read", j, sender, forward)``, ``("pack", j, message,
+    forward)``, ``("unpack", j, message)``), and within one plan each side's layout is fixed."""
 
     buckets: dict[int, list] = field(default_factory=dict)
     messages: dict[int, list] = field(default_factory=dict)
+    programs: ProgramCache = field(default_factory=ProgramCache)
 
 
 class StepRunner:
@@ -200,7 +206,9 @@ class StepRunner:
             if dst == self.me:
                 if self.zero_copy(src, dst, forward):
                     peer = self.peer_store(src, forward)
-                    done.append(("intra", copy_local(peer, self.dst, self.plan.segment_list(j))))
+                    done.append(("intra", self.cuts.programs.run(
+                        ("read", j, src, forward), lambda: local_copies(peer, self.dst, self.plan.segment_list(j)),
+                        self.dst.buffers, peer.buffers)))
                 else:
                     recv = (src, j)
         if send or recv:
@@ -231,7 +239,10 @@ class StepRunner:
             if direct is not None:
                 return direct, None
             end = bucket_nbytes(send_b[i])
-            return pack(source, send_b[i], self.staging.get(slot, end))[send_b[i][0].offset:end], slot
+            staged = self.staging.get(slot, end)
+            self.cuts.programs.run(("pack", send[1], i, forward), lambda: pack_copies(source, send_b[i], staged),
+                                   {"staging": staged}, source.buffers)
+            return staged[send_b[i][0].offset:end], slot
 
         nxt, sending = outgoing(0, "a") if send_b else (None, None)
         for i in range(max(len(send_b), len(recv_b))):
@@ -257,7 +268,9 @@ class StepRunner:
             for r in requests:
                 r.wait()
             if landing is not None:
-                unpack(self.dst, recv_b[i], self.staging.get(landing, bucket_nbytes(recv_b[i])))
+                staged = self.staging.get(landing, bucket_nbytes(recv_b[i]))
+                self.cuts.programs.run(("unpack", recv[1], i), lambda: unpack_copies(self.dst, recv_b[i], staged),
+                                       self.dst.buffers, {"staging": staged})
             if i + 1 < len(send_b) and not packed:  # both slots were in use: now they are free
                 nxt, sending = outgoing(i + 1, "a")
             if self.on_bucket is not None:

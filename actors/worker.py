@@ -47,7 +47,7 @@ from realloc.boxes import box_index
 from realloc.flat import flat_views
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
-from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, zero_padding
+from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, local_copies, zero_padding
 from realloc.spec import ModelSpec
 from realloc.synthetic import synthetic_box
 
@@ -591,8 +591,9 @@ class ShardWorker(CheckpointMixin):
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
         # Local copies write boxes no route writes, and torch copies release the GIL: beside the transfers.
-        local = self._copier.submit(lambda: sum(copy_local(src, dst, b.plan.segment_list(j)) for j in b.local)) \
-            if b.local else None
+        local = self._copier.submit(lambda: sum(
+            b.cuts.programs.run(("local", j), lambda j=j: local_copies(src, dst, b.plan.segment_list(j)),
+                                dst.buffers, src.buffers) for j in b.local)) if b.local else None
         runner = StepRunner(self.transport, self.device, b.plan, me, b.peers, src, dst,
                             lambda view, forward: opened[view.world_rank, forward],
                             on_bucket=self._after_bucket, staging=self.staging, cuts=b.cuts)

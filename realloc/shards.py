@@ -182,23 +182,75 @@ def zero_padding(store: ShardStore) -> None:
                     local.narrow(d, size, full - size).zero_()
 
 
+@dataclass
+class Copies:
+    """Pairs of views to copy, ``outs[k] <- ins[k]``, each labelled with its weight's kind (what
+    :func:`stack_runs` stacks by), and the bytes they carry: what a local copy, a pack and an
+    unpack plan before :func:`copy_boxes` runs them (or ``realloc.copy_program`` compiles them)."""
+
+    outs: list[torch.Tensor]
+    ins: list[torch.Tensor]
+    kinds: list[str]
+    nbytes: int = 0
+
+    def add(self, out: torch.Tensor, value: torch.Tensor, param: str) -> None:
+        self.outs.append(out)
+        self.ins.append(value)
+        self.kinds.append(weight_kind(param))
+
+    def run(self) -> int:
+        """Copy every pair (:func:`copy_boxes`); returns :attr:`nbytes`."""
+        if self.outs:
+            copy_boxes(self.outs, self.ins, self.kinds)
+        return self.nbytes
+
+
+def local_copies(src: ShardStore, dst: ShardStore, segments: Iterable[Segment]) -> Copies:
+    """The copies of boxes a worker holds (or maps: a same-node peer's buffers) from ``src`` into
+    every local copy of each box in ``dst``."""
+    out = Copies([], [], [])
+    for s in segments:
+        value = src.view(s.param, s.offsets, s.sizes)
+        for view in dst.views(s.param, s.offsets, s.sizes):
+            out.add(view, value, s.param)
+        out.nbytes += s.nbytes
+    return out
+
+
+def pack_copies(store: ShardStore, bucket: list[Piece], out: torch.Tensor) -> Copies:
+    """The copies that pack a bucket's boxes from ``store`` into the byte tensor ``out``."""
+    copies = Copies([], [], [], sum(p.nbytes for p in bucket))
+    for p in bucket:
+        copies.add(_piece_view(out, p), store.view(p.param, p.offsets, p.sizes), p.param)
+    return copies
+
+
+def unpack_copies(store: ShardStore, bucket: list[Piece], data: torch.Tensor) -> Copies:
+    """The copies that unpack a received byte tensor's boxes into ``store`` (every local copy of
+    each box)."""
+    copies = Copies([], [], [], sum(p.nbytes for p in bucket))
+    for p in bucket:
+        value = _piece_view(data, p)
+        for view in store.views(p.param, p.offsets, p.sizes):
+            copies.add(view, value, p.param)
+    return copies
+
+
+def copy_local(src: ShardStore, dst: ShardStore, segments: Iterable[Segment]) -> int:
+    """Copy boxes a worker already holds (or maps: a same-node peer's buffers) from ``src`` into
+    ``dst`` (:func:`copy_boxes`); returns the bytes."""
+    return local_copies(src, dst, segments).run()
+
+
 def pack(store: ShardStore, bucket: list[Piece], out: torch.Tensor) -> torch.Tensor:
     """Copy a bucket's boxes from ``store`` into the byte tensor ``out`` (:func:`copy_boxes`)."""
-    copy_boxes([_piece_view(out, p) for p in bucket], [store.view(p.param, p.offsets, p.sizes) for p in bucket],
-               [weight_kind(p.param) for p in bucket])
+    pack_copies(store, bucket, out).run()
     return out
 
 
 def unpack(store: ShardStore, bucket: list[Piece], data: torch.Tensor) -> None:
     """Copy a received byte tensor's boxes into ``store`` (every local copy of each box)."""
-    outs, ins, kinds = [], [], []
-    for p in bucket:
-        value = _piece_view(data, p)
-        for view in store.views(p.param, p.offsets, p.sizes):
-            outs.append(view)
-            ins.append(value)
-            kinds.append(weight_kind(p.param))
-    copy_boxes(outs, ins, kinds)
+    unpack_copies(store, bucket, data).run()
 
 
 #: Dense pairs below this many bytes are copied by multi-tensor kernels (``torch._foreach_copy_``'s
@@ -223,21 +275,27 @@ def copy_boxes(outs: list[torch.Tensor], ins: list[torch.Tensor], kinds: list[st
     The boxes in ``outs`` must not overlap each other (a plan writes each destination cell
     once), so the order of the copies does not matter. Bytes are moved, never converted: the
     pairs must have equal dtypes and shapes."""
-    small_o, small_i, rest_o, rest_i = [], [], [], []
+    small, rest = grouped_copies(outs, ins, kinds)
+    for pairs in (small, rest):
+        if pairs:
+            torch._foreach_copy_([o for o, _ in pairs], [i for _, i in pairs])
+
+
+def grouped_copies(outs: list[torch.Tensor], ins: list[torch.Tensor], kinds: list[str] | None = None
+                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The copies :func:`copy_boxes` makes, as two lists of ``(out, in)`` view pairs: small dense
+    pairs (one ``_foreach_copy_`` together) and the rest (widened to 8-byte words where they
+    allow it), after stacking runs (:func:`stack_runs`). Each list is one ``_foreach_copy_``."""
+    small, rest = [], []
     for o, i in zip(*stack_runs(outs, ins, kinds)):
         if o.numel() * o.element_size() < SMALL_COPY_BYTES and o.is_contiguous() and i.is_contiguous():
-            small_o.append(o)
-            small_i.append(i)
+            small.append((o, i))
         else:
             wo, wi = _as_words(o), _as_words(i)
             if wo.shape == wi.shape:  # else one side could not be widened: copy both as they are
                 o, i = wo, wi
-            rest_o.append(o)
-            rest_i.append(i)
-    if small_o:
-        torch._foreach_copy_(small_o, small_i)
-    if rest_o:
-        torch._foreach_copy_(rest_o, rest_i)
+            rest.append((o, i))
+    return small, rest
 
 
 @functools.lru_cache(maxsize=65536)
@@ -307,23 +365,6 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.int64)
     except RuntimeError:  # storage offset or an outer stride not a multiple of 8 bytes
         return t
-
-
-def copy_local(src: ShardStore, dst: ShardStore, segments: Iterable[Segment]) -> int:
-    """Copy boxes a worker already holds (or maps: a same-node peer's buffers) from ``src`` into
-    ``dst`` (:func:`copy_boxes`); returns the bytes."""
-    total = 0
-    outs, ins, kinds = [], [], []
-    for s in segments:
-        value = src.view(s.param, s.offsets, s.sizes)
-        for view in dst.views(s.param, s.offsets, s.sizes):
-            outs.append(view)
-            ins.append(value)
-            kinds.append(weight_kind(s.param))
-        total += s.nbytes
-    if outs:
-        copy_boxes(outs, ins, kinds)
-    return total
 
 
 def check_eta(eta: object) -> float:

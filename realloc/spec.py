@@ -127,6 +127,10 @@ class ParamSpec:
         raise ValueError(self.tp_problem(tp))
 
 
+#: ModelSpec attributes computed on first use and never pickled.
+_CACHED = ("_by_name", "_hash")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """All parameters of a model, in forward order, plus tied aliases.
@@ -172,7 +176,14 @@ class ModelSpec:
                 raise ValueError(f"model {self.name!r}: alias {alias!r} is also a parameter")
 
     def __hash__(self) -> int:
-        return hash((self.name, self.params, self.num_layers, tuple(sorted(self.aliases.items()))))
+        # Computed once per object (it hashes every parameter): a layout's hash includes its
+        # spec's, and workers hash layouts on every move (kept layouts, mapped peer buffers).
+        # Never pickled (__getstate__): string hashes differ between processes.
+        value = self.__dict__.get("_hash")
+        if value is None:
+            value = hash((self.name, self.params, self.num_layers, tuple(sorted(self.aliases.items()))))
+            object.__setattr__(self, "_hash", value)
+        return value
 
     @property
     def by_name(self) -> dict[str, ParamSpec]:
@@ -184,7 +195,7 @@ class ModelSpec:
         return table
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_by_name"}
+        return {k: v for k, v in self.__dict__.items() if k not in _CACHED}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
