@@ -64,6 +64,31 @@ def test_lower_bound_formula():
     assert lb["lower_bound_seconds"] == max(lb["lower_bound_terms"]["aggregate_seconds"],
                                             lb["lower_bound_terms"]["critical_rank_seconds"])
     assert "bytes_inter_node" in lb["lower_bound_formula"]
+    assert not lb["lower_bound_terms"]["memcpy_capped"]
+    # A concurrent probe above every core copying at the one-core rate measured its barriers'
+    # noise (one run: 68 GB/s from two cores of 20): the bound charges the cores' rate instead.
+    noisy = {**t, "memcpy_cores_gbps": 9.0, "memcpy_aggregate_gbps": 7.0}
+    lb = lower_bound(plan, noisy, cores=2, workers=8)
+    assert lb["lower_bound_terms"]["memcpy_gbps"] == pytest.approx(6.0) and lb["lower_bound_terms"]["memcpy_capped"]
+    assert lb["lower_bound_terms"]["aggregate_seconds"] == pytest.approx(s["bytes_inter_node"] / 2e9 + copied / 6e9)
+
+
+def test_span_rate_charges_each_host_from_its_first_start_to_its_last_end():
+    """Concurrent probes: a host's bytes over the span of its ranks' own clocks (a rank that
+    starts late, e.g. descheduled while the others copied, lengthens it), summed over hosts, the
+    best repetition; ranks that did not take part are not looked at."""
+    from tools.bench import span_rate
+
+    results = [
+        {"memcpy_aggregate_spans": [(0.0, 1.0), (10.0, 10.5)], "memcpy_aggregate_bytes": 4},  # host a
+        {"memcpy_aggregate_spans": [(2.0, 3.0), (10.0, 10.5)], "memcpy_aggregate_bytes": 4},  # host a, late in rep 0
+        {"memcpy_aggregate_spans": [(5.0, 7.0), (20.0, 24.0)], "memcpy_aggregate_bytes": 6},  # host b: other clock
+        {"memcpy_aggregate_spans": [(0.0, 99.0), (0.0, 99.0)], "memcpy_aggregate_bytes": 1},  # not among the ranks
+    ]
+    hosts = ["a", "a", "b", "b"]
+    # rep 0: a moves 8 bytes in 3 s, b 6 in 2 s; rep 1: a 8 in 0.5 s, b 6 in 4 s
+    assert span_rate(results, hosts, "memcpy_aggregate", [0, 1, 2]) == pytest.approx(max(8 / 3 + 6 / 2, 8 / 0.5 + 6 / 4))
+    assert span_rate(results, hosts, "memcpy_aggregate", [0]) == pytest.approx(4 / 0.5)
 
 
 def test_bad_options_are_usage_errors(capsys):
