@@ -107,6 +107,7 @@ def gather(workers: Workers, refs: Sequence, timeout_s: float, what: str, state:
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
     index = {r: i for i, r in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -118,7 +119,7 @@ def gather(workers: Workers, refs: Sequence, timeout_s: float, what: str, state:
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         for r in ready:
             try:
-                ray.get(r)
+                results[index[r]] = ray.get(r)
             except ray.exceptions.RayError as err:
                 found = diagnose(workers)
                 name = workers.names[index[r]]
@@ -126,7 +127,7 @@ def gather(workers: Workers, refs: Sequence, timeout_s: float, what: str, state:
                     _fail(f"{what}: {found.describe()}", found, state, err)
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
                 _fail(f"{what} failed on {name}: {type(cause).__name__}: {cause}", found, state, err)
-    return ray.get(refs)
+    return results
 
 
 def _fail(message: str, found: Diagnosis, state: str, cause: BaseException | None = None):
