@@ -115,6 +115,9 @@ class Staging:
 #: source view and received straight into the destination view wherever that view is contiguous
 #: (no pack or unpack copy); smaller ones are packed together.
 DIRECT_MIN_BYTES = int(os.environ.get("REALLOC_DIRECT_MIN_BYTES", 256 << 10))
+#: Direct messages a worker posts beyond the one it exchanges, where its transport allows
+#: (:meth:`StepRunner._transfer`); 0 posts one message at a time.
+AHEAD_MESSAGES = int(os.environ.get("REALLOC_AHEAD_MESSAGES", 16))
 
 
 def messages(bucket: list[Piece]) -> list[list[Piece]]:
@@ -231,11 +234,20 @@ class StepRunner:
         # that neither bucket i's send nor its receive is using, while bucket i is on the wire;
         # when both slots are taken (a packed send and a packed receive), after it has landed.
 
+        def direct_out(i: int) -> torch.Tensor | None:
+            """Message ``i``'s source view when it is one contiguous box (sent without a copy)."""
+            p = send_b[i][0]
+            return _direct_bytes([source.view(p.param, p.offsets, p.sizes)]) if len(send_b[i]) == 1 else None
+
+        def direct_in(i: int) -> torch.Tensor | None:
+            """Message ``i``'s destination view when it is one contiguous box (received in place)."""
+            p = recv_b[i][0]
+            return _direct_bytes(self.dst.views(p.param, p.offsets, p.sizes)) if len(recv_b[i]) == 1 else None
+
         def outgoing(i: int, slot: str) -> tuple[torch.Tensor, str | None]:
             """Message ``i``'s bytes and the slot they occupy: the source view itself (no slot)
             when it is one contiguous box, else packed into ``slot``."""
-            direct = _direct_bytes([source.view(send_b[i][0].param, send_b[i][0].offsets, send_b[i][0].sizes)]) \
-                if len(send_b[i]) == 1 else None
+            direct = direct_out(i)
             if direct is not None:
                 return direct, None
             end = bucket_nbytes(send_b[i])
@@ -244,22 +256,43 @@ class StepRunner:
                                    {"staging": staged}, source.buffers)
             return staged[send_b[i][0].offset:end], slot
 
+        # Messages posted ahead (index -> requests): on a transport that matches a pair's messages
+        # in posting order and posts asynchronously (gloo with host tensors), the direct messages
+        # that follow the one being exchanged are posted with it, in order on each side, up to
+        # AHEAD_MESSAGES beyond it. They hold no staging slot, so the slot discipline above is
+        # unchanged; they overlap the per-message rendezvous of gloo (the receiver's "ready"
+        # reaches the sender before the bytes go), which a message at a time pays in full.
+        sent_ahead: dict[int, list] = {}
+        received_ahead: dict[int, list] = {}
+
+        def post_ahead(i: int) -> None:
+            for queue, ahead, direct, peer, as_send in ((send_b, sent_ahead, direct_out, send, True),
+                                                         (recv_b, received_ahead, direct_in, recv, False)):
+                for k in range(i + 1, min(i + 1 + AHEAD_MESSAGES, len(queue))):
+                    if k in ahead:
+                        continue
+                    view = direct(k)
+                    if view is None or not self.transport.posts_ahead(view):
+                        break  # a staged message is next in this side's order: it waits for its turn
+                    op = (world(peer[0]), view)
+                    ahead[k] = self.transport.exchange(op, None) if as_send else self.transport.exchange(None, op)
+
         nxt, sending = outgoing(0, "a") if send_b else (None, None)
         for i in range(max(len(send_b), len(recv_b))):
-            out = (world(send[0]), nxt) if i < len(send_b) else None
+            out = (world(send[0]), nxt) if i < len(send_b) and i not in sent_ahead else None
             busy = {sending} if i < len(send_b) and sending else set()
             into, landing = None, None
-            if i < len(recv_b):
-                piece = recv_b[i][0]
-                direct = _direct_bytes(self.dst.views(piece.param, piece.offsets, piece.sizes)) \
-                    if len(recv_b[i]) == 1 else None
+            if i < len(recv_b) and i not in received_ahead:
+                direct = direct_in(i)
                 if direct is None:
                     landing = "b" if "b" not in busy else "a"
                     busy.add(landing)
                     end = bucket_nbytes(recv_b[i])
-                    direct = self.staging.get(landing, end)[piece.offset:end]
+                    direct = self.staging.get(landing, end)[recv_b[i][0].offset:end]
                 into = (world(recv[0]), direct)
-            requests = self.transport.exchange(out, into)
+            requests = self.transport.exchange(out, into) + sent_ahead.pop(i, []) + received_ahead.pop(i, [])
+            if out is not None or into is not None:
+                post_ahead(i)
             packed = False
             free = [slot for slot in ("a", "b") if slot not in busy]
             if i + 1 < len(send_b) and free:  # pack the next bucket while this one is on the wire

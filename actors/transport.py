@@ -171,6 +171,13 @@ class Transport:
             works.append(landing)
         return works
 
+    def posts_ahead(self, t: torch.Tensor) -> bool:
+        """Whether a message of ``t`` may be posted while earlier messages between the same pair
+        are still in flight: gloo posts asynchronously and matches a pair's messages in posting
+        order, and a host tensor needs none of the host staging buffers (one per direction).
+        Not on NCCL: its sends and receives outside one group call can block each other."""
+        return self.wire.type != "cuda" and self.backend == "gloo" and not self.host_staging.needed(t)
+
     def barrier(self) -> None:
         communicator.barrier(self.pg, self.wire)
 

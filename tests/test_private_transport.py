@@ -296,3 +296,67 @@ def test_transport_stages_device_buffers_through_host_memory():
 def test_transport_refuses_nccl_for_host_buffers():
     with pytest.raises(ValueError, match="nccl"):
         Transport("127.0.0.1", 1, 0, 1, CPU, TIMEOUT_S, backend="nccl")
+
+
+# -- a plan's steps over the transport, messages posted ahead ------------------------------------
+
+def _plan_for_steps():
+    """A plan whose routes all go over the transport between 4 workers on 2 nodes: row-parallel
+    boxes that are strided at one end (staged messages) between contiguous ones (direct), fan-out
+    steps, and pairs that send to each other in one step."""
+    from realloc import Layout, Placement, Topology, plan_reallocation
+    from realloc.spec import decoder_spec
+
+    spec = decoder_spec("steps", hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, vocab=128,
+                        norm_dtype="float32")
+    a, b = Layout(spec, Topology(tp=4)), Layout(spec, Topology(dp=2, tp=2))
+    return a, b, plan_reallocation(spec, a, b, Placement.blocks(4, 2), bucket_bytes=4096)
+
+
+def _steps_worker(rank: int, port: int, n: int, ahead: int) -> None:
+    import actors.executor as executor
+    from actors.executor import PeerView, Staging, StepRunner
+    from realloc.local_executor import execute_in_process
+    from realloc.shards import ShardStore, allocate_buffers, copy_local
+
+    executor.DIRECT_MIN_BYTES, executor.AHEAD_MESSAGES = 1024, ahead  # many messages, direct and staged
+    a, b, plan = _plan_for_steps()
+    sources = {r: ShardStore(a.shards(r), allocate_buffers(a, r)) for r in range(n)}
+    for r, store in sources.items():
+        for t in store.buffers.values():
+            t.copy_((torch.arange(t.numel(), dtype=torch.float64) % 251 + 7 * r).to(t.dtype))
+    want = {r: ShardStore(b.shards(r), allocate_buffers(b, r)) for r in range(n)}
+    execute_in_process(plan, sources, want)
+    got = ShardStore(b.shards(rank), allocate_buffers(b, rank))
+    transport = Transport("127.0.0.1", port, rank, n, CPU, TIMEOUT_S, store=_client(port, n), prefix="steps")
+    peers = [PeerView(r, plan.nodes[r], a.at(r), b.at(r)) for r in range(n)]
+    runner = StepRunner(transport, CPU, plan, rank, peers, sources[rank], got, None, staging=Staging(CPU))
+    for w, j in plan.local_copies:
+        if w == rank:
+            copy_local(sources[rank], got, plan.segment_list(j))
+    for s in range(len(plan.steps)):
+        runner.run_step(s)
+    for dtype, buf in want[rank].buffers.items():
+        assert torch.equal(buf.view(torch.uint8), got.buffers[dtype].view(torch.uint8)), (rank, dtype, ahead)
+    assert runner.staging.nbytes <= 2 * 4096  # posting ahead holds no staging slot
+    transport.close()
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 16])
+def test_plan_steps_over_gloo_with_messages_posted_ahead(ahead):
+    """Every route of a plan over the transport, direct messages posted ahead of the one being
+    exchanged (0: one at a time) among staged ones, fan-out steps included: each worker ends with
+    exactly the in-process executor's destination, and nothing waits forever (pairs that send to
+    each other in one step each hold a staged send and a staged receive)."""
+    import actors.executor as executor
+
+    a, b, plan = _plan_for_steps()
+    pairs = {(s, src, dst) for s, src, dst, _ in plan.routes()}
+    assert any((s, dst, src) in pairs for s, src, dst in pairs), "the plan should have a pair swapping in a step"
+    saved, executor.DIRECT_MIN_BYTES = executor.DIRECT_MIN_BYTES, 1024
+    try:
+        cut = [m for _, _, _, j in plan.routes() for bk in plan.buckets(j) for m in executor.messages(bk)]
+    finally:
+        executor.DIRECT_MIN_BYTES = saved
+    assert sum(len(m) == 1 for m in cut) > 20 and any(len(m) > 1 for m in cut)  # runs of one-piece messages
+    _spawn(_steps_worker, 4, ahead)
