@@ -291,8 +291,7 @@ class StepRunner:
                     direct = self.staging.get(landing, end)[recv_b[i][0].offset:end]
                 into = (world(recv[0]), direct)
             requests = self.transport.exchange(out, into) + sent_ahead.pop(i, []) + received_ahead.pop(i, [])
-            if out is not None or into is not None:
-                post_ahead(i)
+            post_ahead(i)  # every message up to i is posted on both sides now
             packed = False
             free = [slot for slot in ("a", "b") if slot not in busy]
             if i + 1 < len(send_b) and free:  # pack the next bucket while this one is on the wire
