@@ -82,6 +82,7 @@ def _side_geometry(views: list[torch.Tensor], buffers: Buffers, side: str
         start = _start(buf)
         by_storage.setdefault(buf.untyped_storage().data_ptr(), []).append(
             (start, start + buf.numel() * buf.element_size(), key))
+    article = "an" if side == "out" else "a"
     out = []
     for v in views:
         first = v.storage_offset() * v.element_size()
@@ -90,16 +91,17 @@ def _side_geometry(views: list[torch.Tensor], buffers: Buffers, side: str
         if key is None and v.numel() == 0:  # an empty view may sit at a buffer's very end
             key = next((k for lo, hi, k in spans if lo <= first <= hi), None)
         if key is None:
-            raise ValueError(f"{'an' if side == 'out' else 'a'} {side} view is on none of the {side} buffers "
-                             f"({', '.join(map(repr, buffers))})")
+            raise ValueError(f"{article} {side} view is on none of the {side} buffers ({', '.join(map(repr, buffers))})")
         if any(s < 0 for s in v.stride()):
-            raise ValueError(f"{'an' if side == 'out' else 'a'} {side} view has a negative stride {v.stride()}")
+            raise ValueError(f"{article} {side} view has a negative stride {v.stride()}")
         out.append(ViewGeometry(key, v.dtype, tuple(v.shape), tuple(v.stride()), first - _start(buffers[key])))
-    needs: dict[str, BufferNeed] = {}
+    by_buffer: dict[str, list[ViewGeometry]] = {}
     for g in out:
-        align = max(g.dtype.itemsize, needs[g.buffer].align if g.buffer in needs else 1)
-        nbytes = max(g.end, needs[g.buffer].nbytes if g.buffer in needs else 0)
-        needs[g.buffer] = BufferNeed(nbytes, align, _start(buffers[g.buffer]) % align)
+        by_buffer.setdefault(g.buffer, []).append(g)
+    needs = {}
+    for key, on in by_buffer.items():
+        align = max(g.dtype.itemsize for g in on)
+        needs[key] = BufferNeed(max(g.end for g in on), align, _start(buffers[key]) % align)
     return out, needs
 
 
