@@ -154,6 +154,7 @@ class Cuts:
 
     buckets: dict[int, list] = field(default_factory=dict)
     messages: dict[int, list] = field(default_factory=dict)
+    nbytes: dict[int, int] = field(default_factory=dict)  # segment list -> its bytes
     programs: ProgramCache = field(default_factory=ProgramCache)
 
 
@@ -217,6 +218,11 @@ class StepRunner:
         if send or recv:
             done += self._transfer(send, recv, forward)
         return done
+
+    def list_bytes(self, j: int) -> int:
+        if j not in self.cuts.nbytes:
+            self.cuts.nbytes[j] = self.plan.list_bytes(j)
+        return self.cuts.nbytes[j]
 
     def messages(self, j: int) -> list[list[Piece]]:
         """Segment list ``j`` as messages: its buckets, each split by :func:`messages`."""
@@ -310,5 +316,5 @@ class StepRunner:
         kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
         result = []
         if recv:
-            result.append((kind(recv[0]), self.plan.list_bytes(recv[1])))
+            result.append((kind(recv[0]), self.list_bytes(recv[1])))
         return result

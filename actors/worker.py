@@ -165,6 +165,7 @@ class ShardWorker(CheckpointMixin):
                  backend: str | None = None):
         torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
         self.group, self.spec = group, spec
+        self._specs_checked = [spec]  # the last spec objects found equal to it (the check is a deep compare)
         if device is None:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
@@ -357,8 +358,11 @@ class ShardWorker(CheckpointMixin):
         self._drop_op()
         buffers, refreshed = None, False
         if dst is not None:
-            if dst.layout.spec != self.spec:
-                raise ValueError(f"worker of {self.group} holds model {self.spec.name!r}, not {dst.layout.spec.name!r}")
+            if not any(dst.layout.spec is s for s in self._specs_checked):
+                if dst.layout.spec != self.spec:
+                    raise ValueError(f"worker of {self.group} holds model {self.spec.name!r}, "
+                                     f"not {dst.layout.spec.name!r}")
+                self._specs_checked = [dst.layout.spec, *self._specs_checked[:BUNDLES_KEPT]]
             kept = self._kept.pop(dst.layout, None)  # stale (a fresh one is adopted instead): refresh it
             if kept is not None and kept.where == "in_place" and kept.held == dst:
                 buffers, refreshed = kept.buffers, True  # same memory: modules bound to it stay valid
@@ -586,21 +590,22 @@ class ShardWorker(CheckpointMixin):
         src = self._store_now() if b.peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
-        opened = self._swap_handles(b, op) if (b.read_from or b.read_by) else {}
-        self.phases.mark("handles")
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
-        # Local copies write boxes no route writes, and torch copies release the GIL: beside the transfers.
+        # Local copies write boxes no route writes, and torch copies release the GIL: beside the
+        # handle exchange (which waits for the peers to arrive) and the transfers.
         local = self._copier.submit(lambda: sum(
             b.cuts.programs.run(("local", j), lambda j=j: local_copies(src, dst, b.plan.segment_list(j)),
                                 dst.buffers, src.buffers) for j in b.local)) if b.local else None
-        runner = StepRunner(self.transport, self.device, b.plan, me, b.peers, src, dst,
-                            lambda view, forward: opened[view.world_rank, forward],
-                            on_bucket=self._after_bucket, staging=self.staging, cuts=b.cuts)
         ready: dict[int, Any] = {}
         sent: list = []
         ok = False
         try:
+            opened = self._swap_handles(b, op) if (b.read_from or b.read_by) else {}
+            self.phases.mark("handles")
+            runner = StepRunner(self.transport, self.device, b.plan, me, b.peers, src, dst,
+                                lambda view, forward: opened[view.world_rank, forward],
+                                on_bucket=self._after_bucket, staging=self.staging, cuts=b.cuts)
             stall = self._take_fault("stall")
             if stall:
                 time.sleep(stall)
@@ -806,9 +811,8 @@ def _handle_message(handles: dict, device: torch.device) -> torch.Tensor:
     raw = pickle.dumps(handles)
     if len(raw) + 8 > HANDLE_BYTES:
         raise RuntimeError(f"zero-copy handles of {len(raw)} bytes exceed the {HANDLE_BYTES}-byte message")
-    out = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
-    out[:8] = torch.frombuffer(bytearray(len(raw).to_bytes(8, "little")), dtype=torch.uint8)
-    out[8:8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = torch.frombuffer(bytearray(len(raw).to_bytes(8, "little") + raw + bytes(HANDLE_BYTES - 8 - len(raw))),
+                           dtype=torch.uint8)
     return out.to(device)
 
 

@@ -79,6 +79,11 @@ class ShardIndex:
             self.by_param.setdefault(s.param, []).append(s)
         self._memo: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[Address, ...]] = {}
 
+    @cached_property
+    def padded(self) -> tuple[Shard, ...]:
+        """The shards whose local tensor is larger than their box (vocabulary padding)."""
+        return tuple(s for shards in self.by_param.values() for s in shards if s.sizes != s.local_shape)
+
     @classmethod
     def of(cls, shards: "Iterable[Shard] | ShardIndex") -> "ShardIndex":
         """The index of ``shards``: itself if it is one, the cached one of a tuple seen before
@@ -172,14 +177,11 @@ class ShardStore:
 
 def zero_padding(store: ShardStore) -> None:
     """Zero every local element outside the shards' boxes (vocabulary padding)."""
-    for shards in store.index.by_param.values():
-        for shard in shards:
-            if shard.sizes == shard.local_shape:
-                continue
-            local = local_tensor(shard, store.buffers)
-            for d, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
-                if full > size:
-                    local.narrow(d, size, full - size).zero_()
+    for shard in store.index.padded:
+        local = local_tensor(shard, store.buffers)
+        for d, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
+            if full > size:
+                local.narrow(d, size, full - size).zero_()
 
 
 @dataclass
