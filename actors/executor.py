@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -240,11 +241,13 @@ class StepRunner:
         # that neither bucket i's send nor its receive is using, while bucket i is on the wire;
         # when both slots are taken (a packed send and a packed receive), after it has landed.
 
+        @functools.cache  # asked again for every message the window passes over (post_ahead)
         def direct_out(i: int) -> torch.Tensor | None:
             """Message ``i``'s source view when it is one contiguous box (sent without a copy)."""
             p = send_b[i][0]
             return _direct_bytes([source.view(p.param, p.offsets, p.sizes)]) if len(send_b[i]) == 1 else None
 
+        @functools.cache
         def direct_in(i: int) -> torch.Tensor | None:
             """Message ``i``'s destination view when it is one contiguous box (received in place)."""
             p = recv_b[i][0]
