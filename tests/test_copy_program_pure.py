@@ -153,26 +153,42 @@ def test_the_cache_recompiles_when_the_buffers_no_longer_fit():
     assert calls == [16, 8]  # compiled once for 16 elements, replayed, compiled again for 8
 
 
+def _inside_a_block(buffers: dict[str, torch.Tensor], lead_bytes: int) -> dict[str, torch.Tensor]:
+    """The same buffers ``lead_bytes`` into a larger storage, zeroed: what a CUDA IPC handle opens
+    (a view into the exporter's allocator block) and a checkpoint file read into memory holds."""
+    out = {}
+    for k, t in buffers.items():
+        lead = lead_bytes // t.element_size()
+        out[k] = torch.zeros(t.numel() + lead + 3, dtype=t.dtype, device=t.device)[lead:lead + t.numel()]
+    return out
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("src,dst", [("fsdp=8", "tp=8"), ("tp=4,pp=2", "dp=2,tp=4"), ("tp=8", "dp=4,tp=2")])
-def test_a_plans_copies_compiled_once_replay_exactly_on_every_move(src, dst):
+def test_a_plans_copies_compiled_once_replay_exactly_on_every_move(src, dst, device):
     """Every worker's local copies and reads of a real plan (a tied GQA model with fp32 norms, kv
     heads replicated at tp=8, vocabulary padding), compiled on the first set of destination
-    buffers, replayed into a second set: bit-identical to ``copy_local`` per segment list;
-    packing and unpacking every bucket through staging too."""
+    buffers, replayed into others that start elsewhere in larger storages (as buffers opened
+    from a peer's handle do): bit-identical to ``copy_local`` per segment list; packing and
+    unpacking every bucket through staging too. On a GPU too, where the workers run them."""
     spec = decoder_spec("gqa8", hidden=64, intermediate=96, layers=3, heads=8, kv_heads=4, vocab=1001, tied=True,
                         norm_dtype="float32")
     a, b = Layout(spec, Topology.parse(src)), Layout(spec, Topology.parse(dst), vocab_pad_multiple=64)
     plan = plan_reallocation(spec, a, b, Placement.blocks(8, per_node=4))
-    sources = {r: ShardStore(a.shards(r), allocate_buffers(a, r)) for r in range(8)}
+    sources = {r: ShardStore(a.shards(r), allocate_buffers(a, r, device)) for r in range(8)}
     for r, store in sources.items():
         for t in store.buffers.values():
             t.copy_((torch.arange(t.numel(), dtype=torch.float64) * 0.37 + r).to(t.dtype))
-    want = {r: ShardStore(b.shards(r), allocate_buffers(b, r)) for r in range(8)}
+    want = {r: ShardStore(b.shards(r), allocate_buffers(b, r, device)) for r in range(8)}
     execute_in_process(plan, sources, want)  # per box, packing every bucket
     cache = ProgramCache()
-    staging = torch.empty(1 << 20, dtype=torch.uint8)
+    staging = torch.empty(1 << 20, dtype=torch.uint8, device=device)
     for move in range(3):  # compiled in the first, replayed on fresh buffers in the others
-        got = {r: ShardStore(b.shards(r), allocate_buffers(b, r)) for r in range(8)}
+        got = {r: ShardStore(b.shards(r), _inside_a_block(allocate_buffers(b, r, device), 512 * move))
+               for r in range(8)}
         for w, j in plan.local_copies:
             cache.run(("local", j, w), lambda: local_copies(sources[w], got[w], plan.segment_list(j)),
                       got[w].buffers, sources[w].buffers)
