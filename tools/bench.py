@@ -322,9 +322,9 @@ def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: 
                       baseline_repeats: int, baselines: list[str], verify: str, seed: int, transport: dict,
                       cores: int, out: list[dict]) -> bool:
     """Both directions of ``src -> dst``: ours (``WARM_UP_ROUND_TRIPS`` untimed round trips, then
-    ``repeats`` timed ones), then every baseline ``baseline_repeats`` times from ``src``, then from ``dst``. Each
-    direction is appended to ``out`` when it is finished (a run stopped in the way back keeps the
-    way there); returns whether ours verified."""
+    ``repeats`` timed ones), then every baseline ``baseline_repeats`` times from ``src``, then
+    from ``dst``. Each direction is appended to ``out`` when it is finished (a run stopped in the
+    way back keeps the way there); returns whether ours verified."""
     ok = True
     if group.topology != src:
         group.reallocate(src)
@@ -814,7 +814,7 @@ def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], copiers: list[in
     if rank == peer:
         out["gloo_p2p_seconds"] = best
     buf = None
-    out["barrier_seconds"] = _together(lambda: None, reps)
+    out["barrier_seconds"] = _barrier_seconds(reps)
     # gloo, every cross-node pair exchanging at once (both directions), as a reallocation does
     partner = {a: b for a, b in pairs} | {b: a for a, b in pairs}
     chunk = max(MB, nbytes // 4)  # per actor, in every probe of several actors at once
@@ -875,16 +875,15 @@ def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], copiers: list[in
     return out
 
 
-def _together(fn, reps: int) -> float:
-    """Seconds of an empty ``fn`` between two barriers, best of ``reps`` (reported as
-    ``barrier_seconds``: what synchronising the actors costs on this machine)."""
+def _barrier_seconds(reps: int) -> float:
+    """Seconds of one barrier after another, best of ``reps``: what synchronising the actors
+    costs on this machine (reported as ``barrier_seconds``)."""
     import torch.distributed as dist
 
     best = math.inf
     for _ in range(reps):
         dist.barrier()
         t = time.perf_counter()
-        fn()
         dist.barrier()
         best = min(best, time.perf_counter() - t)
     return best
