@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,10 @@ BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.
 def _burner() -> subprocess.Popen:
     """A child that spends 0.3 s of CPU, says so, and then waits (alive) for its stdin to close."""
     child = subprocess.Popen([sys.executable, "-c", BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([child.stdout], [], [], 60)
+    if not ready:
+        child.kill()
+        pytest.fail("the CPU-burning child did not finish its 0.3 s of CPU within 60 s")
     assert child.stdout.readline().strip() == "done"
     return child
 
