@@ -18,18 +18,18 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from realloc._checks import check_choice
 from realloc.boxes import box_index
-from realloc.conventions import EXPERT_ORDERS, VOCAB_PAD_RULES, check_choice
+from realloc.conventions import EXPERT_ORDERS
+from realloc.hf_config import load_spec
 from realloc.layout import Layout
 from realloc.placement import Placement
 from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths, plan_reallocation
-from realloc.presets import preset, preset_names
-from realloc.spec import ModelSpec
+from realloc.spec import VOCAB_PAD_RULES, ModelSpec, preset, preset_names
 from realloc.topology import Topology
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def add_plan_parser(subparsers: Any) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``realloc plan``: returns 0, or 1 when ``--verify`` finds a wrong shard."""
-    spec = load_model(args.model)
+    spec = load_spec(args.model)
     src = _topology(args.src, "--src")
     dst = _topology(args.dst, "--dst")
     if src.world_size != dst.world_size:
@@ -190,25 +190,6 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(format_summary(report))
     return 0 if report.get("verified", True) else 1
-
-
-def load_model(text: str) -> ModelSpec:
-    """A preset by name, or the spec of a HF ``config.json`` (file or directory).
-
-    Example:
-        >>> load_model("tiny").num_layers
-        4
-    """
-    if text in preset_names():
-        return preset(text)
-    if os.path.exists(text) or os.sep in text or text.endswith(".json"):
-        from realloc.hf_config import spec_from_hf_config
-
-        return spec_from_hf_config(text)
-    raise ValueError(
-        f"unknown model {text!r}: not a preset (known: {', '.join(preset_names())}) "
-        "and not an existing config.json or directory"
-    )
 
 
 def _topology(text: str, option: str) -> Topology:

@@ -3,8 +3,9 @@
 A :class:`~realloc.layout.Layout` takes three options besides its topology and
 ``vocab_pad_multiple`` (docs/conventions.md, "Engine conventions side by side"):
 
-``vocab_pad_rule`` (:data:`VOCAB_PAD_RULES`): how the vocabulary-parallel embedding and lm head
-are padded and split over tp ranks.
+``vocab_pad_rule`` (:data:`~realloc.spec.VOCAB_PAD_RULES`; the rule itself is
+:func:`~realloc.spec.vocab_units_per_rank`, kept with the spec since a parameter's tp range needs
+it): how the vocabulary-parallel embedding and lm head are padded and split over tp ranks.
 
 * ``"megatron"`` (default): Megatron-LM's ``make_vocab_size_divisible_by``: the vocabulary is
   padded to a multiple of ``vocab_pad_multiple * tp`` and every rank holds ``padded / tp`` rows
@@ -59,12 +60,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from realloc._checks import check_choice
+from realloc.spec import VOCAB_PAD_RULES, ModelSpec, ParamSpec, vocab_units_per_rank
+
 if TYPE_CHECKING:
-    from realloc.spec import ModelSpec, ParamSpec
     from realloc.topology import Topology
 
-#: Names ``Layout(vocab_pad_rule=...)`` accepts; the first is the default.
-VOCAB_PAD_RULES = ("megatron", "vllm")
 #: Names ``Layout(qkv_order=...)`` accepts; the first is the default.
 QKV_ORDERS = ("hf", "megatron")
 #: Names ``Layout(expert_order=...)`` accepts; the first is the default.
@@ -74,33 +75,6 @@ _QKV = re.compile(r"^(?P<prefix>.*)self_attn\.(?P<part>[qkv])_proj\.(?P<suffix>w
 #: A routed expert's projection: 0 gate (``w1``), 1 up (``w3``), 2 down (``w2``).
 _EXPERT_PROJ = re.compile(r"^(?P<prefix>.*)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PROJ_INDEX = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
-
-
-def check_choice(option: str, value: object, allowed: tuple[str, ...]) -> str:
-    """``value`` when it is one of ``allowed``; ``ValueError`` naming the allowed values otherwise."""
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{option} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
-    return value
-
-
-def vocab_units_per_rank(units: int, tp: int, pad_multiple: int, rule: str, name: str = "vocabulary") -> int:
-    """Padded units (vocabulary rows) every tp rank holds under ``rule``.
-
-    Example:
-        >>> vocab_units_per_rank(50257, 8, 64, "megatron"), vocab_units_per_rank(50257, 8, 64, "vllm")
-        (6336, 6288)
-    """
-    if rule == "megatron":
-        step = pad_multiple * tp
-        return -(-units // step) * step // tp
-    check_choice("vocab_pad_rule", rule, VOCAB_PAD_RULES)
-    padded = -(-units // pad_multiple) * pad_multiple
-    if padded % tp:
-        raise ValueError(
-            f"vocab_pad_rule='vllm': {name} of {units} rows padded to a multiple of {pad_multiple} is "
-            f"{padded} rows, which tp={tp} does not divide (vLLM's VocabParallelEmbedding splits the "
-            f"padded vocabulary with divide(), exactly); choose vocab_pad_multiple so that tp divides it")
-    return padded // tp
 
 
 def check_options(spec: "ModelSpec", topology: "Topology", vocab_pad_multiple: int, vocab_pad_rule: str,

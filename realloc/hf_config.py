@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from realloc._hf_fields import flag, head_dim_of, is_positive, kv_heads_of, positive_int, with_biases
 from realloc.moe_spec import MOE_MODEL_TYPES, moe_spec
-from realloc.spec import ModelSpec, ParamSpec, decoder_spec
+from realloc.spec import ModelSpec, decoder_spec, describe_difference, preset, preset_names
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: Weight dtypes a config may ask for (``torch_dtype``, or ``dtype`` in newer configs).
@@ -68,55 +69,46 @@ def spec_from_hf_config(
 
 def _dense_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: str, dtype: str,
                 norm_dtype: str | None) -> ModelSpec:
-    sizes = {key: _positive_int(config, key, source) for key in _REQUIRED}
+    sizes = {key: positive_int(config, key, source) for key in _REQUIRED}
     heads = sizes["num_attention_heads"]
     # Qwen2 always has q/k/v biases; llama and qwen3 put a bias on q/k/v *and* o when asked.
-    attention_bias = _flag(config, "attention_bias", source) and model_type in ("llama", "qwen3")
-    mlp_bias = _flag(config, "mlp_bias", source) and model_type == "llama"
+    attention_bias = flag(config, "attention_bias", source) and model_type in ("llama", "qwen3")
+    mlp_bias = flag(config, "mlp_bias", source) and model_type == "llama"
     spec = decoder_spec(
         name,
         hidden=sizes["hidden_size"],
         intermediate=sizes["intermediate_size"],
         layers=sizes["num_hidden_layers"],
         heads=heads,
-        kv_heads=_kv_heads(config, source, heads, None),
+        kv_heads=kv_heads_of(config, source, heads, None),
         vocab=sizes["vocab_size"],
-        head_dim=_head_dim(config, source, model_type, sizes["hidden_size"], heads),
+        head_dim=head_dim_of(config, source, model_type, sizes["hidden_size"], heads),
         qkv_bias=model_type == "qwen2" or attention_bias,
         qk_norm=model_type == "qwen3",
-        tied=_flag(config, "tie_word_embeddings", source),
+        tied=flag(config, "tie_word_embeddings", source),
         dtype=dtype,
         norm_dtype=norm_dtype,
     )
     if attention_bias or mlp_bias:
-        spec = _with_biases(spec, attention=attention_bias, mlp=mlp_bias)
+        spec = with_biases(spec, attention=attention_bias, mlp=mlp_bias)
     return spec
 
 
-def _kv_heads(config: Mapping[str, Any], source: str, heads: int, default: int | None) -> int:
-    """``num_key_value_heads`` (``default`` when left out; ``None``: multi-head, one per head)."""
-    kv_heads = _optional_positive_int(config, "num_key_value_heads", source) if "num_key_value_heads" in config \
-        else default
-    kv_heads = kv_heads or heads
-    if heads % kv_heads:
-        raise ValueError(
-            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-        )
-    return kv_heads
+def load_spec(text: str) -> ModelSpec:
+    """A preset by name, or the spec of a HF ``config.json`` (file or directory).
 
-
-def _head_dim(config: Mapping[str, Any], source: str, model_type: str, hidden: int, heads: int) -> int:
-    head_dim = _optional_positive_int(config, "head_dim", source)
-    if head_dim is not None:
-        return head_dim
-    # transformers' Qwen3Config defaults head_dim to 128; the others derive it from hidden size.
-    if model_type == "qwen3":
-        return 128
-    if hidden % heads:
-        raise ValueError(
-            f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} and no head_dim is given"
-        )
-    return hidden // heads
+    Example:
+        >>> load_spec("tiny").num_layers
+        4
+    """
+    if text in preset_names():
+        return preset(text)
+    if os.path.exists(text) or os.sep in text or text.endswith(".json"):
+        return spec_from_hf_config(text)
+    raise ValueError(
+        f"unknown model {text!r}: not a preset (known: {', '.join(preset_names())}) "
+        "and not an existing config.json or directory"
+    )
 
 
 # -- writing: the config of a spec ----------------------------------------------------------
@@ -178,8 +170,6 @@ def check_config_fits(config: Mapping[str, Any], spec: ModelSpec) -> dict[str, A
     ours = {p.name: tuple(p.shape) for p in spec.params}
     theirs = {p.name: tuple(p.shape) for p in described.params}
     if ours != theirs or described.aliases != spec.aliases:
-        from realloc.spec import describe_difference
-
         detail = describe_difference(ours, theirs, f"model {spec.name!r}", "the config") or \
             f"tied aliases {spec.aliases} vs {described.aliases}"
         raise ValueError(f"HF config does not describe model {spec.name!r}: {detail}")
@@ -297,7 +287,7 @@ def _model_type(config: Mapping[str, Any], source: str) -> str:
             f"{source}: model_type {model_type!r} is a mixture-of-experts model, which is not supported; "
             f"supported dense decoders: {supported}"
         )
-    experts = [f"{k}={config[k]}" for k in _EXPERT_KEYS if _is_positive(config.get(k))]
+    experts = [f"{k}={config[k]}" for k in _EXPERT_KEYS if is_positive(config.get(k))]
     if experts:
         raise ValueError(
             f"{source}: {', '.join(experts)} makes this a mixture-of-experts model, but model_type {model_type!r} "
@@ -306,34 +296,6 @@ def _model_type(config: Mapping[str, Any], source: str) -> str:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported dense decoders: {supported}")
     return model_type
-
-
-def _is_positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _positive_int(config: Mapping[str, Any], key: str, source: str) -> int:
-    value = _optional_positive_int(config, key, source)
-    if value is None:
-        raise ValueError(f"{source}: missing required field {key!r}")
-    return value
-
-
-def _optional_positive_int(config: Mapping[str, Any], key: str, source: str) -> int | None:
-    value = config.get(key)
-    if value is None:
-        return None
-    if not _is_positive(value):
-        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _flag(config: Mapping[str, Any], key: str, source: str, default: bool = False) -> bool:
-    # Every supported config class defaults these flags to False but Qwen2-MoE's qkv_bias.
-    value = config.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{source}: field {key!r} must be true or false, got {value!r}")
-    return value
 
 
 def _dtype(value: Any, what: str) -> str:
@@ -357,25 +319,3 @@ def _default_name(config: Mapping[str, Any], path: Path | None, model_type: str)
     if path is not None:  # checkpoints are directories named after the model
         return path.resolve().parent.name or model_type
     return model_type
-
-
-# -- biases the shared decoder builder does not emit ----------------------------------------
-
-
-def _with_biases(spec: ModelSpec, *, attention: bool, mlp: bool) -> ModelSpec:
-    """``spec`` plus o_proj bias (attention) and gate/up/down biases (mlp), in forward order.
-
-    Row-parallel biases (o, down) are added once after the all-reduce, so they are replicated;
-    column-parallel ones (gate, up) split with their weight's rows.
-    """
-    params: list[ParamSpec] = []
-    for p in spec.params:
-        params.append(p)
-        if p.role != "layer" or not p.name.endswith(".weight"):
-            continue
-        module = p.name.removesuffix(".weight")
-        kind = module.rsplit(".", 1)[1]
-        split_dim = 0 if kind in ("gate_proj", "up_proj") else None
-        if (attention and kind == "o_proj") or (mlp and kind in ("gate_proj", "up_proj", "down_proj")):
-            params.append(ParamSpec(f"{module}.bias", (p.shape[0],), p.dtype, "layer", layer=p.layer, tp_dim=split_dim))
-    return dataclasses.replace(spec, params=tuple(params))

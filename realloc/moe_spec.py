@@ -25,6 +25,8 @@ import dataclasses
 import re
 from typing import Any, Callable, Mapping, TypeVar
 
+from realloc._checks import check_nonneg, is_int
+from realloc._hf_fields import flag, head_dim_of, kv_heads_of, optional_positive_int, positive_int, with_biases
 from realloc.spec import ModelSpec, ParamSpec, decoder_spec
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
@@ -76,10 +78,8 @@ def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: s
         >>> spec.param("model.layers.1.block_sparse_moe.experts.3.w2.weight").shape
         (64, 96)
     """
-    from realloc.hf_config import _head_dim, _kv_heads, _positive_int
-
     get = _Reader(config, source, DEFAULTS[model_type])
-    sizes = {key: _positive_int(config, key, source) for key in _REQUIRED}
+    sizes = {key: positive_int(config, key, source) for key in _REQUIRED}
     hidden, layers, heads = sizes["hidden_size"], sizes["num_hidden_layers"], sizes["num_attention_heads"]
     norms = norm_dtype or dtype
     experts = get.positive(*EXPERT_KEYS[model_type])
@@ -88,8 +88,8 @@ def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: s
         kv_heads, head_dim = heads, get.positive("v_head_dim")
         qkv_bias = attention_bias = False
     else:
-        kv_heads = _kv_heads(config, source, heads, DEFAULTS[model_type]["num_key_value_heads"])
-        head_dim = _head_dim(config, source, model_type, hidden, heads)
+        kv_heads = kv_heads_of(config, source, heads, DEFAULTS[model_type]["num_key_value_heads"])
+        head_dim = head_dim_of(config, source, model_type, hidden, heads)
         attention_bias = model_type == "qwen3_moe" and get.flag("attention_bias")
         qkv_bias = attention_bias or (model_type == "qwen2_moe" and get.flag("qkv_bias"))
     base = decoder_spec(
@@ -114,9 +114,7 @@ def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: s
     attention = _mla(get, hidden, heads, dtype, norms, get.flag("attention_bias")) if deepseek else None
     spec = _swap_blocks(base, attention, mlp, moe_layers)
     if attention_bias:
-        from realloc.hf_config import _with_biases
-
-        spec = _with_biases(spec, attention=True, mlp=False)
+        spec = with_biases(spec, attention=True, mlp=False)
     return spec
 
 
@@ -308,10 +306,8 @@ class _Reader:
         return keys[0], self.defaults.get(keys[0])
 
     def optional_positive(self, *keys: str) -> int | None:
-        from realloc.hf_config import _optional_positive_int
-
         key, value = self._value(*keys)
-        return _optional_positive_int({key: value}, key, self.source)
+        return optional_positive_int({key: value}, key, self.source)
 
     def positive(self, *keys: str) -> int:
         value = self.optional_positive(*keys)
@@ -321,18 +317,14 @@ class _Reader:
 
     def non_negative(self, key: str) -> int:
         _, value = self._value(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{self.source}: field {key!r} must be a non-negative integer, got {value!r}")
-        return value
+        return check_nonneg(f"{self.source}: field {key!r}", value)
 
     def int_list(self, key: str) -> set[int]:
         _, value = self._value(key)
         value = [] if value is None else value
-        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        if not isinstance(value, list) or any(not is_int(v) for v in value):
             raise ValueError(f"{self.source}: field {key!r} must be a list of layer indices, got {value!r}")
         return set(value)
 
     def flag(self, key: str) -> bool:
-        from realloc.hf_config import _flag
-
-        return _flag(self.config, key, self.source, default=self.defaults.get(key, False))
+        return flag(self.config, key, self.source, default=self.defaults.get(key, False))

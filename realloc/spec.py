@@ -12,12 +12,35 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from realloc.conventions import vocab_units_per_rank
+from realloc._checks import check_choice
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1, "uint8": 1}
 
 #: Where a parameter lives in the pipeline.
 ROLES = ("embed", "layer", "final", "head")
+#: Names ``Layout(vocab_pad_rule=...)`` accepts; the first is the default (docs/conventions.md
+#: and :mod:`realloc.conventions` describe each engine's rule).
+VOCAB_PAD_RULES = ("megatron", "vllm")
+
+
+def vocab_units_per_rank(units: int, tp: int, pad_multiple: int, rule: str, name: str = "vocabulary") -> int:
+    """Padded units (vocabulary rows) every tp rank holds under ``rule``.
+
+    Example:
+        >>> vocab_units_per_rank(50257, 8, 64, "megatron"), vocab_units_per_rank(50257, 8, 64, "vllm")
+        (6336, 6288)
+    """
+    if rule == "megatron":
+        step = pad_multiple * tp
+        return -(-units // step) * step // tp
+    check_choice("vocab_pad_rule", rule, VOCAB_PAD_RULES)
+    padded = -(-units // pad_multiple) * pad_multiple
+    if padded % tp:
+        raise ValueError(
+            f"vocab_pad_rule='vllm': {name} of {units} rows padded to a multiple of {pad_multiple} is "
+            f"{padded} rows, which tp={tp} does not divide (vLLM's VocabParallelEmbedding splits the "
+            f"padded vocabulary with divide(), exactly); choose vocab_pad_multiple so that tp divides it")
+    return padded // tp
 
 
 @dataclass(frozen=True)
@@ -140,9 +163,9 @@ class ModelSpec:
     holds the head but not the embedding keeps its own copy of the storage parameter.
 
     ``hf_config_json`` is the Hugging Face ``config.json`` the spec was made from
-    (:meth:`from_hf_config`), as canonical JSON text (sorted keys, no spaces), or ``None``
-    (presets, :func:`decoder_spec`). HF export writes it back; it takes no part in equality or
-    hashing (two specs with the same parameters are the same model).
+    (:func:`~realloc.hf_config.spec_from_hf_config`), as canonical JSON text (sorted keys, no
+    spaces), or ``None`` (presets, :func:`decoder_spec`). HF export writes it back; it takes no
+    part in equality or hashing (two specs with the same parameters are the same model).
 
     Example:
         >>> spec = ModelSpec.preset("tiny")
@@ -231,24 +254,8 @@ class ModelSpec:
 
     @staticmethod
     def preset(name: str) -> "ModelSpec":
-        from realloc.presets import preset
-
+        """The spec of a named model: :func:`preset`."""
         return preset(name)
-
-    @staticmethod
-    def from_hf_config(path_or_dict: "str | dict", **kwargs) -> "ModelSpec":
-        """Spec of a decoder LLM from a HF ``config.json`` (path, directory or dict).
-
-        Example:
-            >>> spec = ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64,
-            ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            ...     "vocab_size": 100})
-            >>> spec.param("model.layers.0.self_attn.q_proj.weight").shape
-            (64, 64)
-        """
-        from realloc.hf_config import spec_from_hf_config
-
-        return spec_from_hf_config(path_or_dict, **kwargs)
 
 
 def describe_difference(a: dict, b: dict, a_name: str, b_name: str) -> str | None:
@@ -324,3 +331,35 @@ def decoder_spec(
     else:
         params.append(ParamSpec("lm_head.weight", (vocab, hidden), dtype, "head", tp_dim=0, pad_to_tp=True))
     return ModelSpec(name, tuple(params), layers, aliases, num_heads=heads, num_kv_heads=kv_heads)
+
+
+# -- named models -------------------------------------------------------------------------------
+
+_PRESETS = {
+    # tiny: GQA (12 heads, 2 kv heads: tp 4 -> 6 works, tp 4+ replicates kv), tied embeddings, odd vocab, fp32 norms; for tests and demos.
+    "tiny": dict(hidden=96, intermediate=192, layers=4, heads=12, kv_heads=2, vocab=1001, tied=True,
+                 norm_dtype="float32"),
+    # small: ~56M parameters (112 MB bf16), the default model of `realloc demo`.
+    "small": dict(hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=4, vocab=32000),
+    # bench-1gb: ~542M parameters, 1.08 GB bf16, the model of `realloc bench`.
+    "bench-1gb": dict(hidden=2048, intermediate=5632, layers=8, heads=16, kv_heads=8, vocab=32000),
+    "llama-7b": dict(hidden=4096, intermediate=11008, layers=32, heads=32, vocab=32000),
+    "llama-13b": dict(hidden=5120, intermediate=13824, layers=40, heads=40, vocab=32000),
+    "llama-70b": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000),
+    "qwen2.5-7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064,
+                       qkv_bias=True),
+    "qwen2.5-72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8, vocab=152064,
+                        qkv_bias=True),
+}
+
+
+def preset_names() -> list[str]:
+    """The names :func:`preset` knows (shapes as published in the models' HF configs)."""
+    return sorted(_PRESETS)
+
+
+def preset(name: str) -> ModelSpec:
+    """The spec of a named model (:func:`preset_names` lists them)."""
+    if not isinstance(name, str) or name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
+    return decoder_spec(name, **_PRESETS[name])

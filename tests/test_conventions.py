@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from realloc.binding import fused_views, shard_views
 from realloc.ckpt.files import build_rank_file
 from realloc.ckpt.manifest import CheckpointId, Manifest
-from realloc.conventions import QKV_ORDERS, VOCAB_PAD_RULES
+from realloc.conventions import QKV_ORDERS
 from realloc.layout import Layout
 from realloc.local_executor import execute_in_process
 from realloc.placement import Placement
 from realloc.planner import plan_reallocation
 from realloc.shards import ShardStore, allocate_buffers
-from realloc.spec import decoder_spec
+from realloc.spec import VOCAB_PAD_RULES, decoder_spec
 from realloc.topology import Topology
 
 try:

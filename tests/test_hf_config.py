@@ -219,10 +219,13 @@ def test_from_file_and_directory(tmp_path):
     assert spec_from_hf_config(path, name="policy").name == "policy"
 
 
-def test_name_from_config_and_model_spec_entry_point():
-    spec = ModelSpec.from_hf_config({**MISTRAL_7B, "_name_or_path": "mistralai/Mistral-7B-v0.1"})
+def test_name_from_config_and_the_package_entry_point():
+    import realloc
+
+    spec = realloc.spec_from_hf_config({**MISTRAL_7B, "_name_or_path": "mistralai/Mistral-7B-v0.1"})
     assert spec.name == "mistralai/Mistral-7B-v0.1"
     assert spec_from_hf_config(MISTRAL_7B).name == "mistral"
+    assert not hasattr(ModelSpec, "from_hf_config"), "one spelling: spec_from_hf_config"
 
 
 # -- presets against published parameter counts ----------------------------------------------

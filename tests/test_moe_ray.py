@@ -19,10 +19,10 @@ ray = pytest.importorskip("ray")
 from actors.checkpoint import CheckpointManager  # noqa: E402
 from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import Topology  # noqa: E402
-from realloc.cli import load_model  # noqa: E402
+from realloc.hf_config import load_spec  # noqa: E402
 from simulated import lose_node, simulated_cluster  # noqa: E402
 
-SPEC = load_model(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
+SPEC = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
 TRAIN = Topology(dp=2, tp=2, pp=2)
 SEED, OTHER = 3, 77
 

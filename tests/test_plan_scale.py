@@ -149,9 +149,9 @@ def test_expert_process_groups_follow_megatrons_expert_mesh(topology):
     """Written from Megatron-core's RankGenerator(tp=etp, ep, dp=edp, pp, order "tp-ep-dp-pp"):
     inside a stage, rank = etp_rank + etp * (ep_rank + ep * edp_rank)."""
     from actors.parallel import GroupRanks
-    from realloc.cli import load_model
+    from realloc.hf_config import load_spec
 
-    spec = load_model(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
+    spec = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
     t = Topology.parse(topology)
     etp = t.etp or t.tp
     ep, edp, block = t.ep, t.dp * t.tp // (t.ep * etp), t.dp * t.tp

@@ -157,7 +157,7 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from realloc.cli import load_model
+    from realloc.hf_config import load_spec as load_model
 
     spec = load_model(args.model)
     transitions = parse_transitions(args.transitions, args.src, args.dst)

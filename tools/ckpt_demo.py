@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from realloc.ckpt.local_store import default_root
-from realloc.presets import preset_names
+from realloc.spec import preset_names
 from realloc.spec import ModelSpec, decoder_spec
 from realloc.topology import Topology
 

@@ -54,7 +54,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import json
 
     from actors.group import ModelGroup
-    from realloc.cli import load_model
+    from realloc.hf_config import load_spec
     from realloc.synthetic import synthetic_state_dict
 
     layouts = [Topology.parse(t) for t in args.layouts.split(";") if t.strip()]
@@ -65,7 +65,7 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"every layout must have the same number of ranks, got {sorted(sizes)}")
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
-    spec = load_model(args.model)
+    spec = load_spec(args.model)
     for t in layouts:
         t.check(spec)
     workers = layouts[0].world_size

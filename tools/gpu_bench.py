@@ -69,9 +69,9 @@ def parse_gpu_transitions(text: str | None) -> list[tuple[Topology, Topology]]:
 
 
 def run_bench_gpu(args: argparse.Namespace) -> int:
-    from realloc.cli import load_model
+    from realloc.hf_config import load_spec
 
-    spec = load_model(args.model)
+    spec = load_spec(args.model)
     transitions = parse_gpu_transitions(args.transitions)
     for a, b in transitions:
         a.check(spec)
