@@ -7,8 +7,10 @@ hands those tensors out as *views* and makes a module's parameters alias them:
 * :func:`shard_views`: slot name (HF names: ``model.layers.3.self_attn.q_proj.weight``,
   ``lm_head.weight``) -> view of the real box (``padding=False``) or of the padded local tensor
   (``padding=True``, what Megatron's and vLLM's vocab-parallel embeddings hold).
-* :func:`fused_views`: the same plus vLLM's fused ``qkv_proj`` and ``gate_up_proj`` tensors,
-  each ONE view spanning its parts in the buffer (never a copy).
+* :func:`flat_views`: slot name -> the rank's 1-D flat partition of it (DeepSpeed ZeRO-3's
+  ``ds_tensor`` for a ``fsdp_split="zero3"`` layout).
+* :func:`fused_view`: ONE view spanning a fused tensor's parts in the buffer (never a copy), on
+  which :func:`realloc.fused.fused_views` builds vLLM's and Megatron-core's fused tensors.
 * :func:`bind_module`: ``param.data = view`` for every parameter of a module, after checking
   every name, shape, dtype and device first (all or nothing). The Parameter objects stay the same,
   so an optimizer built on the module keeps its state across rebinds, and an optimizer step
@@ -34,12 +36,7 @@ Example:
     >>> from realloc import Layout, ModelSpec, Topology
     >>> from realloc.shards import allocate_buffers
     >>> rank = Layout(ModelSpec.preset("tiny"), Topology(tp=2)).at(0)
-    >>> buffers = allocate_buffers(rank.layout, rank.rank)
-    >>> views = fused_views(rank, buffers)
-    >>> qkv = views["model.layers.0.self_attn.qkv_proj.weight"]
-    >>> q = views["model.layers.0.self_attn.q_proj.weight"]
-    >>> qkv.data_ptr() == q.data_ptr(), qkv.shape[0] > q.shape[0]
-    (True, True)
+    >>> views = shard_views(rank, allocate_buffers(rank.layout, rank.rank))
     >>> norm = torch.nn.Module()
     >>> norm.weight = torch.nn.Parameter(torch.ones(96, dtype=views["model.norm.weight"].dtype))
     >>> report = bind_module(norm, views, name_map=lambda n: "model.norm." + n, strict=False)
@@ -57,26 +54,18 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from realloc.conventions import check_choice
 from realloc.layout import RankLayout, Shard
 from realloc.shards import TORCH_DTYPES, local_tensor
 
-__all__ = ["BindReport", "bind_module", "fused_views", "layer_name_map", "shard_views"]
-
-#: vLLM's fused parameters of a Llama-style layer: fused suffix -> its parts, in order.
-#: (``stacked_params_mapping`` of vllm/model_executor/models/llama.py.)
-FUSED_PARTS: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-#: Names ``fused_views(convention=...)`` accepts; the first is the default.
-FUSED_CONVENTIONS = ("vllm", "megatron")
+__all__ = ["BindReport", "bind_module", "check_buffers", "flat_views", "fused_view", "layer_name_map",
+           "shard_views"]
 
 
 # -- views ---------------------------------------------------------------------------------
 
-def _check_buffers(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
+def check_buffers(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
+    """``ValueError`` unless ``buffers`` are the rank's flat buffers: one per dtype of the layout,
+    of that dtype, 1-D and contiguous, at least as long as the layout needs."""
     if not isinstance(rank_layout, RankLayout):
         raise ValueError(f"expected a realloc RankLayout (layout.at(rank)), got {type(rank_layout).__name__}")
     for dtype, numel in rank_layout.buffer_numels().items():
@@ -112,16 +101,16 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     layout) gets an empty tensor of FSDP2's shape there, 0 rows and the tp box's other dims, so a
     module built from the rank's FSDP2 local tensors binds with ``strict=True``. A ZeRO-3 layout
     (``fsdp_split="zero3"``) holds slots as flat partitions, not tensors of the slot's shape:
-    ``ValueError`` pointing to :func:`realloc.flat.flat_views`.
+    ``ValueError`` pointing to :func:`flat_views`.
 
     ``ValueError`` when a buffer is missing, of another dtype, not flat or too small.
     """
-    _check_buffers(rank_layout, buffers)
+    check_buffers(rank_layout, buffers)
     topology = rank_layout.layout.topology
     if topology.fsdp_split == "zero3":  # (fsdp == 1 always reads "fsdp2")
         raise ValueError(f"{rank_layout}: a zero3 layout holds each slot as a flat partition (up to three boxes "
                          "of it, padded), not as a tensor of the slot's shape; bind the flat partitions "
-                         "(DeepSpeed's ds_tensor) with realloc.flat.flat_views(rank_layout, buffers)")
+                         "(DeepSpeed's ds_tensor) with realloc.binding.flat_views(rank_layout, buffers)")
     views = {}
     pieces = Counter(s.slot for s in rank_layout.shards())
     for shard in rank_layout.shards():
@@ -155,99 +144,37 @@ def _with_empty_chunks(rank_layout: RankLayout, buffers: Mapping[str, torch.Tens
     return out
 
 
-def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
-                padding: bool = False, convention: str = "vllm") -> dict[str, torch.Tensor]:
-    """:func:`shard_views` plus an engine's fused tensors of every layer the rank holds, zero-copy.
+def flat_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Slot name -> the rank's flat partition of that slot: ONE 1-D view of its dtype's buffer
+    spanning the slot's shards, padding included (no copy), in forward order.
 
-    ``convention`` (:data:`FUSED_CONVENTIONS`): ``"vllm"`` (below) or ``"megatron"``:
-    Megatron-core's ``model.layers.N.self_attention.linear_qkv.weight`` (and ``.bias``) and
-    ``model.layers.N.mlp.linear_fc1.weight`` (:func:`realloc.fused_megatron.megatron_fused_views`;
-    ``linear_qkv`` needs a ``Layout(qkv_order="megatron")`` unless the rank holds one query group).
+    For a zero3 layout this is DeepSpeed's ``ds_tensor``: ``partition_size`` elements on every rank,
+    the real ones first (what :func:`shard_views` refuses to give as shaped tensors). For other
+    layouts it is each local tensor flattened (FSDP2's empty chunks absent). ``ValueError`` for
+    buffers :func:`shard_views` refuses too.
 
-    Added per layer ``N`` on the rank (vLLM keeps global layer indices):
-
-    * ``model.layers.N.self_attn.qkv_proj.weight`` = ``[q; k; v]`` of the rank along dim 0, and
-      ``...qkv_proj.bias`` when the model has q/k/v biases. vLLM's ``QKVParallelLinear``
-      (vllm/model_executor/layers/linear.py) holds per tp rank its ``heads / tp`` q heads, then
-      ``kv_heads / tp`` k heads and as many v heads; when ``tp >= kv_heads`` one kv head,
-      ``tp_rank // (tp // kv_heads)``, replicated on ``tp / kv_heads`` ranks. Those are exactly
-      the column-parallel shards of the layout (:func:`realloc.spec.decoder_spec`).
-    * ``model.layers.N.mlp.gate_up_proj.weight`` = ``[gate; up]``: vLLM's
-      ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard.
-
-    * ``model.layers.N.mlp.experts.w13_weight`` ``[local_experts, 2 * inter / etp, hidden]`` and
-      ``...experts.w2_weight`` ``[local_experts, hidden, inter / etp]`` (Mixtral:
-      ``block_sparse_moe.experts.*``): vLLM's ``FusedMoE`` buffers of the rank's routed experts,
-      when the layout was built with ``expert_order="vllm"`` (:mod:`realloc.conventions`); a
-      layout in ``"hf"`` order has no such views (its expert tensors are per expert).
-
-    (Names and part order: ``stacked_params_mapping`` in vllm/model_executor/models/llama.py.)
-    The parts stay in the result too, so one dict serves both conventions.
-
-    Each fused tensor is a single view of the flat buffer spanning its parts, which exists
-    because ``Layout`` places a stage's slots in forward order (q, k, v adjacent; gate, up
-    adjacent) in one buffer per dtype. That is verified from the shard table (same dtype,
-    ``buffer_offset`` contiguous, same trailing dims, no padding); ``ValueError`` if it does not
-    hold (a fused tensor is never silently copied). Layers holding none of a fused tensor's parts
-    (a model that is not Llama-style, no q/k/v bias) get no fused tensor; holding only some of
-    them is a ``ValueError``.
+    Example:
+        >>> from realloc import Layout, ModelSpec, Topology
+        >>> from realloc.shards import allocate_buffers
+        >>> rank = Layout(ModelSpec.preset("tiny"), Topology(fsdp=8, fsdp_split="zero3")).at(7)
+        >>> views = flat_views(rank, allocate_buffers(rank.layout, 7))
+        >>> views["model.embed_tokens.weight"].shape, views["model.norm.weight"].shape
+        (torch.Size([12012]), torch.Size([12]))
     """
-    check_choice("convention", convention, FUSED_CONVENTIONS)
-    if convention == "megatron":
-        from realloc.fused_megatron import megatron_fused_views
-
-        return megatron_fused_views(rank_layout, buffers, padding=padding)
-    views = shard_views(rank_layout, buffers, padding=padding)
-    by_slot = {s.slot: s for s in rank_layout.shards()}
-    several = sorted(slot for slot, n in Counter(s.slot for s in rank_layout.shards()).items() if n > 1)
-    if several:
-        raise ValueError(f"{rank_layout}: vLLM's fused views need one shard per slot, but {several[0]} is held as "
-                         f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'")
-    layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
-    for layer in layers:
-        prefix = f"model.layers.{layer}."
-        for fused, parts in FUSED_PARTS.items():
-            name = prefix + fused
-            shards = [by_slot.get(prefix + part) for part in parts]
-            if all(s is None for s in shards):
-                continue
-            if any(s is None for s in shards):
-                missing = [prefix + p for p, s in zip(parts, shards) if s is None]
-                raise ValueError(f"{rank_layout}: cannot build {name}: "
-                                 f"the rank holds some of its parts but not {missing}")
-            views[name] = _fused_view(name, shards, buffers, rank_layout)
-    if rank_layout.layout.expert_order == "vllm":
-        views.update(_vllm_expert_views(rank_layout, buffers))
-    return views
+    check_buffers(rank_layout, buffers)
+    spans: dict[str, list] = {}
+    for s in rank_layout.shards():
+        span = spans.setdefault(s.slot, [s.dtype, s.buffer_offset, s.buffer_offset])
+        if span[2] != s.buffer_offset or span[0] != s.dtype:
+            raise ValueError(f"{rank_layout}: the shards of {s.slot} are not consecutive in one buffer")
+        span[2] += s.local_numel
+    return {slot: buffers[dtype][start:stop] for slot, (dtype, start, stop) in spans.items()}
 
 
-def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """vLLM's ``w13_weight`` and ``w2_weight`` of every MoE layer of the rank, one view each."""
-    from realloc.conventions import expert_projection
-
-    by_layer: dict[str, tuple[list, list]] = {}
-    for shard in rank_layout.shards():
-        p = rank_layout.layout.spec.by_name[shard.param]
-        if p.expert is None:
-            continue
-        proj = expert_projection(p)
-        w13, w2 = by_layer.setdefault(p.name.split(".experts.")[0] + ".experts.", ([], []))
-        (w2 if proj == 2 else w13).append(((p.expert, proj), shard))
-    views = {}
-    for prefix, (w13, w2) in by_layer.items():
-        experts = len(w2)
-        for name, parts in ((prefix + "w13_weight", w13), (prefix + "w2_weight", w2)):
-            shards = [shard for _, shard in sorted(parts, key=lambda x: x[0])]
-            if len(shards) != experts * (2 if name.endswith("w13_weight") else 1):
-                raise ValueError(f"{rank_layout}: cannot build {name}: the rank holds {len(w13)} gate/up and "
-                                 f"{len(w2)} down expert shards of the layer")
-            flat = _fused_view(name, shards, buffers, rank_layout)
-            views[name] = flat.view((experts, flat.shape[0] // experts) + tuple(flat.shape[1:]))
-    return views
-
-
-def _fused_view(name: str, parts: list[Shard], buffers: Mapping[str, torch.Tensor],
-                rank_layout: RankLayout) -> torch.Tensor:
+def fused_view(name: str, parts: list[Shard], buffers: Mapping[str, torch.Tensor],
+               rank_layout: RankLayout) -> torch.Tensor:
+    """ONE view of ``buffers`` spanning ``parts`` (a fused tensor's shards, in order) along dim 0;
+    ``ValueError`` naming ``name`` when they are not adjacent, alike and unpadded (never a copy)."""
     first = parts[0]
     for prev, shard in zip(parts, parts[1:]):
         problem = None

@@ -297,7 +297,7 @@ def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: i
         >>> verify_plan(a, b, plan_reallocation(spec, a, b, Placement.blocks(2, 1)))["verified"]
         True
     """
-    import torch
+    import torch  # lazily, as the executor below: only --verify needs torch, `realloc plan` starts without it
 
     from realloc.local_executor import execute_in_process
     from realloc.shards import ShardStore, allocate_buffers
@@ -330,7 +330,7 @@ def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: i
 
 
 def _random_weights(spec: ModelSpec, seed: int) -> dict[str, "Any"]:
-    import torch
+    import torch  # lazily: only --verify needs torch (see verify_plan)
 
     from realloc.shards import TORCH_DTYPES
 

@@ -18,7 +18,8 @@ ranks by flattening it (``param.contiguous().view(-1)``) and cutting the flat te
 A layout with ``Topology(fsdp_split="zero3")`` holds a rank's flat range of a tp box as the few
 boxes :func:`flat_range_boxes` cuts it into, consecutive in the rank's buffer, so the buffer
 slice is exactly the ``ds_tensor`` (:func:`zero3_pieces`; see docs/conventions.md, "ZeRO-3 flat
-partitions").
+partitions"). This module is the geometry alone; :func:`realloc.binding.flat_views` gives a
+rank's partitions as tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import math
 
 from realloc.boxes import Box
 
-__all__ = ["flat_range_boxes", "flat_views", "zero3_partition", "zero3_pieces"]
+__all__ = ["flat_range_boxes", "zero3_partition", "zero3_pieces"]
 
 
 def flat_range_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], start: int, stop: int) -> list[Box]:
@@ -137,32 +138,3 @@ def zero3_pieces(offsets: tuple[int, ...], sizes: tuple[int, ...], world: int,
     pieces = [(b, b[1]) for b in boxes]
     pieces.append(((last_offsets, last_sizes), last_sizes[:-1] + (row + pad,)))
     return pieces
-
-
-def flat_views(rank_layout, buffers) -> dict:
-    """Slot name -> the rank's flat partition of that slot: ONE 1-D view of its dtype's buffer
-    spanning the slot's shards, padding included (no copy), in forward order.
-
-    For a zero3 layout this is DeepSpeed's ``ds_tensor``: ``partition_size`` elements on every rank,
-    the real ones first (what :func:`realloc.binding.shard_views` refuses to give as shaped
-    tensors). For other layouts it is each local tensor flattened (FSDP2's empty chunks absent).
-    ``ValueError`` for buffers :func:`realloc.binding.shard_views` refuses too.
-
-    Example:
-        >>> from realloc import Layout, ModelSpec, Topology
-        >>> from realloc.shards import allocate_buffers
-        >>> rank = Layout(ModelSpec.preset("tiny"), Topology(fsdp=8, fsdp_split="zero3")).at(7)
-        >>> views = flat_views(rank, allocate_buffers(rank.layout, 7))
-        >>> views["model.embed_tokens.weight"].shape, views["model.norm.weight"].shape
-        (torch.Size([12012]), torch.Size([12]))
-    """
-    from realloc.binding import _check_buffers
-
-    _check_buffers(rank_layout, buffers)
-    spans: dict[str, list] = {}
-    for s in rank_layout.shards():
-        span = spans.setdefault(s.slot, [s.dtype, s.buffer_offset, s.buffer_offset])
-        if span[2] != s.buffer_offset or span[0] != s.dtype:
-            raise ValueError(f"{rank_layout}: the shards of {s.slot} are not consecutive in one buffer")
-        span[2] += s.local_numel
-    return {slot: buffers[dtype][start:stop] for slot, (dtype, start, stop) in spans.items()}

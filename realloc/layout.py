@@ -38,17 +38,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-from realloc.flat import zero3_pieces
+import numpy as np
+
+from realloc.boxes import Box
 from realloc.conventions import check_options, megatron_qkv_order, vllm_expert_order
+from realloc.flat import zero3_pieces
+from realloc.pieces import Group, PieceTable
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.topology import Topology
-
-if TYPE_CHECKING:
-    from realloc.pieces import PieceTable
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
 @dataclass(frozen=True)
@@ -97,16 +95,6 @@ def expert_range(num_experts: int, ep: int, ep_rank: int) -> range:
     base, extra = divmod(num_experts, ep)
     start = ep_rank * base + min(ep_rank, extra)
     return range(start, start + base + (ep_rank < extra))
-
-
-@dataclass(frozen=True)
-class Group:
-    """Workers that hold (or need) exactly the same boxes of the parameters listed: one shard
-    coordinate over its replicas (with expert parallelism a worker is in a dense group and an
-    expert group, which list different parameters)."""
-
-    workers: tuple[int, ...]
-    pieces: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (param, offsets, sizes)
 
 
 class Layout:
@@ -425,14 +413,10 @@ class Layout:
                     groups.append(Group(members, pieces(self._expert_boxes(ep_rank, etp_rank, pp_rank))))
         return groups
 
-    def _expert_piece_table(self, workers: list[int] | None) -> "PieceTable":
+    def _expert_piece_table(self, workers: list[int] | None) -> PieceTable:
         """:meth:`piece_table` with expert parallelism: the groups of :meth:`_expert_groups`; the
         boxes of a routed expert's tensor are those of every tensor of its shape (one array pair
         per shape, shared), in the groups of its expert-parallel rank."""
-        import numpy as np
-
-        from realloc.pieces import PieceTable
-
         t = self.topology
         if workers is None:
             workers = list(range(t.world_size))
@@ -470,14 +454,10 @@ class Layout:
         tables.update(_row_arrays(rows))
         return PieceTable(groups, tables, boxes_checked=True)
 
-    def piece_table(self, workers: list[int] | None = None) -> "PieceTable":
+    def piece_table(self, workers: list[int] | None = None) -> PieceTable:
         """:meth:`groups` as a :class:`~realloc.pieces.PieceTable` (the same groups in the same
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
-        import numpy as np
-
-        from realloc.pieces import PieceTable
-
         t = self.topology
         if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
             return PieceTable.of_groups(self.groups(workers))
@@ -523,8 +503,6 @@ def _row_arrays(rows: dict[str, tuple[list[int], list, list]]) -> dict[str, tupl
     """Per parameter ``(groups, offsets, sizes)`` lists -> arrays: one array per tensor rank
     for all parameters, then a view of it per parameter (one ``np.array`` call, not three per
     parameter)."""
-    import numpy as np
-
     by_ndim: dict[int, list[str]] = {}
     for name, (_, o, _) in rows.items():
         by_ndim.setdefault(len(o[0]), []).append(name)

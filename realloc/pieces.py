@@ -1,10 +1,10 @@
-"""Planner input as arrays: for every parameter, which group holds (or needs) which box.
+"""Planner input: which group of workers holds (or needs) which box of which parameter.
 
-A :class:`~realloc.layout.Group` lists one coordinate's boxes as Python tuples, which is what a
-caller writes by hand (checkpoint retrieval, tests). A layout of thousands of sharded ranks has
-millions of such boxes; :class:`PieceTable` keeps them per parameter as three integer arrays,
-so the planner handles a parameter's boxes at once and compares whole parameters by value
-(the same kind of tensor in every layer has the same boxes).
+A :class:`Group` lists one coordinate's boxes as Python tuples, which is what a caller writes
+by hand (checkpoint retrieval, tests) and what :meth:`~realloc.layout.Layout.groups` gives. A
+layout of thousands of sharded ranks has millions of such boxes; :class:`PieceTable` keeps them
+per parameter as three integer arrays, so the planner handles a parameter's boxes at once and
+compares whole parameters by value (the same kind of tensor in every layer has the same boxes).
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ from typing import Sequence
 
 import numpy as np
 
-from realloc.layout import Group
+
+@dataclass(frozen=True)
+class Group:
+    """Workers that hold (or need) exactly the same boxes of the parameters listed: one shard
+    coordinate over its replicas (with expert parallelism a worker is in a dense group and an
+    expert group, which list different parameters)."""
+
+    workers: tuple[int, ...]
+    pieces: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (param, offsets, sizes)
 
 
 @dataclass(frozen=True)

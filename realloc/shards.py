@@ -153,7 +153,7 @@ class ShardStore:
         """Slot name -> local tensor (the rank's model as its code sees it, padding included).
 
         A slot held as several shards (``Layout(qkv_order="megatron")``'s q/k/v) is left out: it
-        is no single tensor (``realloc.binding.fused_views(..., convention="megatron")`` has it)."""
+        is no single tensor (``realloc.fused.fused_views(..., convention="megatron")`` has it)."""
         pairs = [(s.slot, t) for entries in self.by_param.values() for s, t in entries]
         count = Counter(slot for slot, _ in pairs)
         return {slot: t for slot, t in pairs if count[slot] == 1}

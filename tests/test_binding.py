@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from realloc.binding import BindReport, bind_module, fused_views, layer_name_map, shard_views
+from realloc.binding import BindReport, bind_module, layer_name_map, shard_views
+from realloc.fused import fused_views
 from realloc.layout import Layout
 from realloc.shards import ShardStore, allocate_buffers
 from realloc.spec import ModelSpec, ParamSpec, decoder_spec

@@ -20,10 +20,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from realloc.binding import fused_views, shard_views
+from realloc.binding import shard_views
 from realloc.ckpt.files import build_rank_file
 from realloc.ckpt.manifest import CheckpointId, Manifest
 from realloc.conventions import QKV_ORDERS
+from realloc.fused import fused_views
 from realloc.layout import Layout
 from realloc.local_executor import execute_in_process
 from realloc.placement import Placement

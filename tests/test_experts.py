@@ -19,9 +19,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from realloc import Layout, Placement, Topology
-from realloc.binding import fused_views
 from realloc.ckpt.manifest import Manifest
 from realloc.cli import main
+from realloc.fused import fused_views
 from realloc.layout import expert_range
 from realloc.local_executor import execute_in_process
 from realloc.pieces import PieceTable

@@ -22,9 +22,9 @@ from hypothesis import given, settings, strategies as st
 from realloc.boxes import box_index
 from realloc.flat import flat_range_boxes, zero3_partition, zero3_pieces
 from realloc.layout import Layout
+from realloc.local_executor import execute_in_process
 from realloc.placement import Placement
 from realloc.planner import plan_reallocation
-from realloc.local_executor import execute_in_process
 from realloc.shards import ShardStore, TORCH_DTYPES, zero_padding
 from realloc.topology import FSDP_SPLIT_RULES, Topology
 
@@ -328,8 +328,8 @@ def test_zero3_manifest_records_the_rule():
 
 
 def test_binding_a_zero3_layout_points_to_the_flat_partitions():
-    from realloc.binding import fused_views, shard_views
-    from realloc.flat import flat_views
+    from realloc.binding import flat_views, shard_views
+    from realloc.fused import fused_views
     from realloc.shards import allocate_buffers
 
     topo = Topology(dp=2, fsdp=3, tp=2, fsdp_split="zero3")

@@ -1,0 +1,187 @@
+"""Engines' fused tensors of a rank as views of its flat buffers: :func:`fused_views`.
+
+Per layer ``N`` of the rank, zero-copy, next to the rank's :func:`~realloc.binding.shard_views`:
+
+* ``convention="vllm"``: vLLM's ``qkv_proj`` (``[q; k; v]``), ``gate_up_proj`` (``[gate; up]``)
+  and, for a layout with ``expert_order="vllm"``, its ``FusedMoE`` buffers ``w13_weight`` and
+  ``w2_weight``.
+* ``convention="megatron"`` (:func:`megatron_fused_views`): Megatron-core's module names, under
+  the global layer prefix ``model.layers.N.`` that :func:`realloc.binding.layer_name_map` maps
+  from local numbering:
+
+  * ``model.layers.N.self_attention.linear_qkv.weight`` (and ``.bias`` with q/k/v biases):
+    Megatron-core's ``SelfAttention.linear_qkv`` local tensor (megatron/core/transformer/attention.py):
+    for each local query group, the q rows of its heads, then its k head, then its v head. One
+    view of the buffer, which exists when the layout was built with ``qkv_order="megatron"``
+    (:mod:`realloc.conventions`), or when the rank holds a single query group (then it is
+    ``[q; k; v]`` in any order).
+  * ``model.layers.N.mlp.linear_fc1.weight``: ``linear_fc1`` with ``gated_linear_unit``
+    (megatron/core/transformer/mlp.py: ``glu`` chunks the local output into gate and up):
+    ``[gate; up]`` of the rank, adjacent in every layout (vLLM's ``gate_up_proj`` is the same rows).
+
+Each fused tensor is one :func:`~realloc.binding.fused_view` of the buffer: nothing is copied,
+and a layout whose shards are not in that order gives a ``ValueError``.
+
+Example:
+    >>> from realloc import Layout, ModelSpec, Topology
+    >>> from realloc.shards import allocate_buffers
+    >>> rank = Layout(ModelSpec.preset("tiny"), Topology(tp=2)).at(0)
+    >>> views = fused_views(rank, allocate_buffers(rank.layout, rank.rank))
+    >>> qkv = views["model.layers.0.self_attn.qkv_proj.weight"]
+    >>> q = views["model.layers.0.self_attn.q_proj.weight"]
+    >>> qkv.data_ptr() == q.data_ptr(), qkv.shape[0] > q.shape[0]
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping
+
+import torch
+
+from realloc._checks import check_choice
+from realloc.binding import fused_view, shard_views
+from realloc.conventions import expert_projection, megatron_qkv_order, qkv_triples
+from realloc.layout import RankLayout
+
+__all__ = ["FUSED_CONVENTIONS", "FUSED_PARTS", "fused_views", "megatron_fused_views"]
+
+#: vLLM's fused parameters of a Llama-style layer: fused suffix -> its parts, in order.
+#: (``stacked_params_mapping`` of vllm/model_executor/models/llama.py.)
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+#: Names ``fused_views(convention=...)`` accepts; the first is the default.
+FUSED_CONVENTIONS = ("vllm", "megatron")
+
+
+def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
+                padding: bool = False, convention: str = "vllm") -> dict[str, torch.Tensor]:
+    """:func:`shard_views` plus an engine's fused tensors of every layer the rank holds, zero-copy.
+
+    ``convention`` (:data:`FUSED_CONVENTIONS`): ``"vllm"`` (below) or ``"megatron"``:
+    Megatron-core's ``model.layers.N.self_attention.linear_qkv.weight`` (and ``.bias``) and
+    ``model.layers.N.mlp.linear_fc1.weight`` (:func:`megatron_fused_views`;
+    ``linear_qkv`` needs a ``Layout(qkv_order="megatron")`` unless the rank holds one query group).
+
+    Added per layer ``N`` on the rank (vLLM keeps global layer indices):
+
+    * ``model.layers.N.self_attn.qkv_proj.weight`` = ``[q; k; v]`` of the rank along dim 0, and
+      ``...qkv_proj.bias`` when the model has q/k/v biases. vLLM's ``QKVParallelLinear``
+      (vllm/model_executor/layers/linear.py) holds per tp rank its ``heads / tp`` q heads, then
+      ``kv_heads / tp`` k heads and as many v heads; when ``tp >= kv_heads`` one kv head,
+      ``tp_rank // (tp // kv_heads)``, replicated on ``tp / kv_heads`` ranks. Those are exactly
+      the column-parallel shards of the layout (:func:`realloc.spec.decoder_spec`).
+    * ``model.layers.N.mlp.gate_up_proj.weight`` = ``[gate; up]``: vLLM's
+      ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard.
+
+    * ``model.layers.N.mlp.experts.w13_weight`` ``[local_experts, 2 * inter / etp, hidden]`` and
+      ``...experts.w2_weight`` ``[local_experts, hidden, inter / etp]`` (Mixtral:
+      ``block_sparse_moe.experts.*``): vLLM's ``FusedMoE`` buffers of the rank's routed experts,
+      when the layout was built with ``expert_order="vllm"`` (:mod:`realloc.conventions`); a
+      layout in ``"hf"`` order has no such views (its expert tensors are per expert).
+
+    (Names and part order: ``stacked_params_mapping`` in vllm/model_executor/models/llama.py.)
+    The parts stay in the result too, so one dict serves both conventions.
+
+    Each fused tensor is a single view of the flat buffer spanning its parts, which exists
+    because ``Layout`` places a stage's slots in forward order (q, k, v adjacent; gate, up
+    adjacent) in one buffer per dtype. That is verified from the shard table (same dtype,
+    ``buffer_offset`` contiguous, same trailing dims, no padding); ``ValueError`` if it does not
+    hold (a fused tensor is never silently copied). Layers holding none of a fused tensor's parts
+    (a model that is not Llama-style, no q/k/v bias) get no fused tensor; holding only some of
+    them is a ``ValueError``.
+    """
+    check_choice("convention", convention, FUSED_CONVENTIONS)
+    if convention == "megatron":
+        return megatron_fused_views(rank_layout, buffers, padding=padding)
+    views = shard_views(rank_layout, buffers, padding=padding)
+    by_slot = {s.slot: s for s in rank_layout.shards()}
+    several = sorted(slot for slot, n in Counter(s.slot for s in rank_layout.shards()).items() if n > 1)
+    if several:
+        raise ValueError(f"{rank_layout}: vLLM's fused views need one shard per slot, but {several[0]} is held as "
+                         f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'")
+    layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
+    for layer in layers:
+        prefix = f"model.layers.{layer}."
+        for fused, parts in FUSED_PARTS.items():
+            name = prefix + fused
+            shards = [by_slot.get(prefix + part) for part in parts]
+            if all(s is None for s in shards):
+                continue
+            if any(s is None for s in shards):
+                missing = [prefix + p for p, s in zip(parts, shards) if s is None]
+                raise ValueError(f"{rank_layout}: cannot build {name}: "
+                                 f"the rank holds some of its parts but not {missing}")
+            views[name] = fused_view(name, shards, buffers, rank_layout)
+    if rank_layout.layout.expert_order == "vllm":
+        views.update(_vllm_expert_views(rank_layout, buffers))
+    return views
+
+
+def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's ``w13_weight`` and ``w2_weight`` of every MoE layer of the rank, one view each."""
+    by_layer: dict[str, tuple[list, list]] = {}
+    for shard in rank_layout.shards():
+        p = rank_layout.layout.spec.by_name[shard.param]
+        if p.expert is None:
+            continue
+        proj = expert_projection(p)
+        w13, w2 = by_layer.setdefault(p.name.split(".experts.")[0] + ".experts.", ([], []))
+        (w2 if proj == 2 else w13).append(((p.expert, proj), shard))
+    views = {}
+    for prefix, (w13, w2) in by_layer.items():
+        experts = len(w2)
+        for name, parts in ((prefix + "w13_weight", w13), (prefix + "w2_weight", w2)):
+            shards = [shard for _, shard in sorted(parts, key=lambda x: x[0])]
+            if len(shards) != experts * (2 if name.endswith("w13_weight") else 1):
+                raise ValueError(f"{rank_layout}: cannot build {name}: the rank holds {len(w13)} gate/up and "
+                                 f"{len(w2)} down expert shards of the layer")
+            flat = fused_view(name, shards, buffers, rank_layout)
+            views[name] = flat.view((experts, flat.shape[0] // experts) + tuple(flat.shape[1:]))
+    return views
+
+
+def megatron_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
+                         padding: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`~realloc.binding.shard_views` plus Megatron-core's ``linear_qkv`` and ``linear_fc1``
+    views of every layer the rank holds."""
+    views = shard_views(rank_layout, buffers, padding=padding)
+    layout = rank_layout.layout
+    spec, tp = layout.spec, layout.topology.tp
+    _, _, tp_rank, pp_rank = layout.topology.coords4(rank_layout.rank)
+    held = rank_layout.shards()
+    by_slot: dict[str, list] = {}
+    for shard in held:
+        by_slot.setdefault(shard.slot, []).append(shard)
+    for q, k, v in qkv_triples(spec):
+        if q.layer is None or q.layer not in layout.stages[pp_rank]:
+            continue
+        boxes = []
+        for p in (q, k, v):
+            start, stop, _ = p.tp_range(tp, tp_rank)
+            offsets, sizes = [0] * len(p.shape), list(p.shape)
+            offsets[0], sizes[0] = start, stop - start
+            boxes.append((p, p.name, p.name, offsets, sizes, list(sizes)))
+        wanted = [(e[2], tuple(e[3]), tuple(e[4])) for e in megatron_qkv_order(boxes, tp)]
+        shards = sorted((s for p in (q, k, v) for s in by_slot.get(p.name, ())), key=lambda s: s.buffer_offset)
+        name = f"model.layers.{q.layer}.self_attention.linear_qkv.{q.name.rsplit('.', 1)[1]}"
+        if [(s.slot, s.offsets, s.sizes) for s in shards] != wanted:
+            raise ValueError(f"{rank_layout}: {name} cannot be one view: the rank's q/k/v shards are not in "
+                             f"Megatron's linear_qkv order (per query group: q heads, k, v); build the layout "
+                             f"with qkv_order='megatron' (it has qkv_order={layout.qkv_order!r})")
+        views[name] = fused_view(name, shards, buffers, rank_layout)
+    for layer in layout.stages[pp_rank]:
+        prefix = f"model.layers.{layer}.mlp."
+        parts = [by_slot.get(prefix + part, []) for part in ("gate_proj.weight", "up_proj.weight")]
+        if not any(parts):
+            continue
+        name = prefix + "linear_fc1.weight"
+        if [len(p) for p in parts] != [1, 1]:
+            raise ValueError(f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
+                             f"{len(parts[1])} up shards, one of each is needed")
+        views[name] = fused_view(name, [parts[0][0], parts[1][0]], buffers, rank_layout)
+    return views

@@ -1,0 +1,212 @@
+"""The import structure of the project's own packages, read from the source with ``ast``.
+
+- No import circles among the modules of ``realloc/``, ``actors/`` and ``tools/``. Every import
+  counts, function-local ones included (a lazy import that only dodges a circle is still a
+  circle); only ``if TYPE_CHECKING:`` blocks are left out, since they never run.
+- No private name (leading ``_``) imported from another module: the underscore means "this file
+  only". A module whose own name starts with ``_`` (``realloc/spec/_hf_fields.py``) is private
+  to its package and its names are public inside it.
+
+Run as a script for the numbers quoted in docs/architecture.md::
+
+    python tests/test_structure_layers.py
+
+prints the number of import circles (and their members) and the installed top-level names.
+(That importing ``realloc.spec``/``layout``/``plan`` pulls in no torch, and that ``realloc``
+never imports Ray, is checked by ``tests/test_cli.py``.)
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The project's top-level packages whose modules make the graph.
+PACKAGES = ("realloc", "actors", "tools")
+
+
+class Import(NamedTuple):
+    """One import statement's target, as found in ``path`` at ``line``."""
+
+    path: Path
+    line: int
+    module: str          # the importing module's target: a module of the graph
+    names: tuple[str, ...]  # for ``from module import a, b``: ("a", "b"); empty for ``import module``
+
+
+def module_name(path: Path) -> str:
+    """``realloc/spec/model.py`` -> ``realloc.spec.model``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of :data:`PACKAGES`, by dotted name."""
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``tree``, functions included, ``if TYPE_CHECKING:`` bodies not."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        children = list(ast.iter_child_nodes(node))
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            children = node.orelse  # the TYPE_CHECKING body never runs
+        stack.extend(children)
+
+
+def imports(path: Path, modules: dict[str, Path]) -> list[Import]:
+    """The imports of project modules in the file at ``path``. ``from pkg import sub`` names the
+    submodule when ``pkg.sub`` is a module, else ``pkg`` itself (a name its ``__init__`` holds)."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = []
+    for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    found.append(Import(path, node.lineno, alias.name, ()))
+            continue
+        base = node.module or ""
+        if node.level:  # relative: resolve against this module's package
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join(anchor + ([base] if base else []))
+        if base not in modules:
+            continue
+        plain = []
+        for alias in node.names:
+            if f"{base}.{alias.name}" in modules:
+                found.append(Import(path, node.lineno, f"{base}.{alias.name}", ()))
+            else:
+                plain.append(alias.name)
+        if plain:
+            found.append(Import(path, node.lineno, base, tuple(plain)))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (self-imports left out)."""
+    modules = project_modules()
+    return {name: {i.module for i in imports(path, modules)} - {name} for name, path in modules.items()}
+
+
+def import_cycles(graph: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """The circles of the import graph: its strongly connected components of two or more
+    modules (Tarjan's algorithm, iterative), each sorted, the list sorted."""
+    graph = import_graph() if graph is None else graph
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    circles = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+    return sorted(circles)
+
+
+def private_imports() -> list[str]:
+    """``path:line: from module import _name`` for every private name imported from another
+    module of the project (a name defined in a ``_``-prefixed module is that package's own)."""
+    modules = project_modules()
+    offenders = []
+    for path in modules.values():
+        for imp in imports(path, modules):
+            if imp.module.rpartition(".")[2].startswith("_"):
+                continue  # a private module's names are its package's
+            for name in imp.names:
+                if name.startswith("_") and not name.startswith("__"):
+                    offenders.append(f"{path.relative_to(ROOT)}:{imp.line}: from {imp.module} import {name}")
+    return sorted(offenders)
+
+
+def installed_top_level_names() -> list[str]:
+    """The top-level packages ``pyproject.toml`` installs (its ``packages.find`` include list)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    for line in text.splitlines():
+        if line.strip().startswith("include") and "[" in line:
+            return sorted(name.strip(' "*') for name in line.split("[", 1)[1].rstrip("]").split(","))
+    return []
+
+
+def test_no_import_circles():
+    circles = import_cycles()
+    assert not circles, f"{len(circles)} import circle(s): " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_no_private_names_imported_across_modules():
+    offenders = private_imports()
+    assert not offenders, "private names imported from another module:\n" + "\n".join(offenders)
+
+
+def test_the_reader_sees_what_it_should():
+    # Function-local imports count, TYPE_CHECKING-only ones do not; a known import is an edge.
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+                     "def f():\n    import c\n")
+    assert sorted(alias.name for node in _import_nodes(tree) for alias in node.names) == ["TYPE_CHECKING", "b", "c"]
+    assert "realloc.boxes" in import_graph()["realloc.cli"]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def main() -> int:
+    circles = import_cycles()
+    print(f"import circles among {', '.join(p + '/' for p in PACKAGES)}: {len(circles)}")
+    for circle in circles:
+        print("  " + " <-> ".join(circle))
+    private = private_imports()
+    print(f"private names imported across modules: {len(private)}")
+    for line in private:
+        print("  " + line)
+    print("installed top-level names: " + ", ".join(installed_top_level_names()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
