@@ -14,6 +14,7 @@ Example (a running group)::
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -25,13 +26,14 @@ import ray
 
 from actors.ckpt_worker import CheckpointFault
 from actors.context import ShardChange
-from actors.errors import ReallocationError
+from actors.errors import HookError, ReallocationError
 from actors.executor import PeerView
 from actors.remote import fire, gather
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
 from realloc.ckpt.hf import (CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, GENERATION_CONFIG_FILE, begin_hf_dir,
-                              check_max_shard_bytes, finish_hf_dir, match_spec, scan_hf_dir)
+                              check_export_dir, check_max_shard_bytes, check_ties, finish_hf_dir, match_spec,
+                              scan_hf_dir)
 from realloc.ckpt.hf_export import assign_writers, check_reported
 from realloc.ckpt.local_store import NodeStore, default_root
 from realloc.ckpt.manifest import Manifest, check_iteration, check_run_id, param_table
@@ -41,6 +43,8 @@ from realloc.ckpt.reshard import assign_readers, reshard_groups
 from realloc.hf_config import canonical_json, check_config_fits, generation_config_of, hf_config_of
 from realloc.plan import Plan
 from realloc.planner import plan_exchange
+
+log = logging.getLogger(__name__)
 
 #: Disk reads and writes of big models outlast the group's collective timeout.
 MIN_IO_TIMEOUT_S = 600.0
@@ -197,12 +201,16 @@ class CheckpointManager:
         if fault is not None and not (isinstance(fault, CheckpointFault) and fault.rank < self.group.num_workers):
             raise ValueError(f"fault must be a CheckpointFault for a rank below {self.group.num_workers}, "
                              f"got {fault!r}")
-        self._finish_pending()
-        if self._last_saved is not None and iteration <= self._last_saved:
-            raise ValueError(f"iteration {iteration} is not after the last saved iteration {self._last_saved}; "
-                             "iterations of a run must increase")
         g = self.group
+        # The order check and the save run under one hold of the group's lock: a save racing in from
+        # another thread sees the iteration this one saved (and its removal of older ones) or waits.
         with g._exclusive(f"save iteration {iteration}"):
+            self._finish_pending()
+            if self._last_saved is not None and iteration <= self._last_saved:
+                raise ValueError(f"iteration {iteration} is not after the last saved iteration {self._last_saved}; "
+                                 "iterations of a run must increase")
+            log.info("checkpoint save of iteration %d (run %s, %s) started", iteration, self.run_id,
+                     "async" if is_async else "sync")
             started = time.perf_counter()
             refs = [a.ckpt_save.remote(str(self.root), self.run_id, iteration, is_async,
                                        fault if fault is not None and fault.rank == r else None)
@@ -257,6 +265,9 @@ class CheckpointManager:
         finally:
             self._pending = None
         self._last_saved = iteration
+        log.info("checkpoint save of iteration %d (run %s) done: %d bytes written, %d replicated, %.3f s", iteration,
+                 self.run_id, sum(file_bytes.values()), moved["inter"] + moved["intra"],
+                 time.perf_counter() - handle._started)
         return SaveStats(
             iteration=iteration, write_seconds=written - handle._started, replicate_seconds=replicated - written,
             total_seconds=time.perf_counter() - handle._started, bytes_written=sum(file_bytes.values()),
@@ -315,12 +326,19 @@ class CheckpointManager:
         if iteration is not None:
             check_iteration(iteration)
         self._finish_pending()
+        log.info("checkpoint load of run %s started (iteration %s)", self.run_id,
+                 "newest" if iteration is None else iteration)
         try:
             with self.group._exclusive("load checkpoint"):
-                return self._load(iteration)
+                stats = self._load(iteration)
+        except HookError:
+            raise  # the load committed; a user hook failed after it, as after any other change
         except ReallocationError as exc:
             fire(self.group.workers, "ckpt_forget")  # dead workers cannot answer
             raise CheckpointError(f"load of run {self.run_id} failed: {exc}") from exc
+        log.info("checkpoint load of iteration %d (run %s) done: %s, %d bytes read, %.3f s", stats.iteration,
+                 self.run_id, stats.method, stats.bytes_read, stats.total_seconds)
+        return stats
 
     def _load(self, iteration: int | None) -> LoadStats:
         g = self.group
@@ -454,8 +472,12 @@ class CheckpointManager:
     def import_hf(self, path: "str | Path") -> dict:
         """Load a HF safetensors directory (visible at ``path`` on every node) into the current layout.
 
-        Headers are checked on the driver first (``ValueError`` on a missing or misshapen tensor);
-        each rank then reads only its own slices.
+        Checked on the driver first, before any traffic (``ValueError``): every tensor present
+        with the model's shape, no change of dtype kind (float dtypes are cast, integers never
+        become floats), and a checkpoint that holds both names of a tied pair holds the same
+        bytes under both (:func:`~realloc.ckpt.hf.check_ties`). Each rank then reads only its own
+        slices, checking that each tensor is still what the driver scanned; a file changed in
+        between fails the import (:class:`~actors.errors.ReallocationError`, the weights as before).
 
         Example:
             >>> manager.import_hf("/models/llama-7b")  # doctest: +SKIP
@@ -463,10 +485,14 @@ class CheckpointManager:
         self._finish_pending()
         tensors = scan_hf_dir(path)
         mapping = match_spec(tensors, self.group.spec)
+        check_ties(path, tensors, self.group.spec)
+        log.info("HF import from %s started", path)
         started = time.perf_counter()
         read = self.group._fill(f"import HF checkpoint {path}", "hf", str(path), tensors, mapping,
                                 timeout_s=self.timeout_s)
-        return {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
+        stats = {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
+        log.info("HF import from %s done: %d bytes read, %.3f s", path, stats["bytes_read"], stats["seconds"])
+        return stats
 
     def export_hf(self, path: "str | Path", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                   config: "dict | None" = None, generation_config: "dict | None" = None, *,
@@ -482,17 +508,24 @@ class CheckpointManager:
 
         Each tensor is assembled whole on one writer worker (``writers`` of them, default: as many
         as the files; :mod:`realloc.ckpt.hf_export`) by one planned exchange from the current
-        layout, and the writers write their files into ``path`` on their own nodes: with workers
-        on several nodes ``path`` must be one shared directory. The driver holds no tensor; it
-        writes the JSON files, the index last. Returns the paths written; what each writer did is
-        in :attr:`last_hf_export`.
+        layout, and the writers write their files on their own nodes: with workers on several
+        nodes ``path`` must be one shared directory. The driver holds no tensor; it writes the
+        JSON files, the index last.
+
+        Nothing at ``path`` changes until the new export is complete: the files go into a staging
+        directory beside it, which is verified (every file there with the size planned, its
+        header naming its tensors, the index naming only those files) and then swapped in whole;
+        other files at ``path`` (a tokenizer) are kept. A failed export (a full disk, a read-only
+        or vanished directory, a dead worker) raises :class:`~realloc.ckpt.errors.CheckpointError`
+        naming the directory and what to do, and leaves what was there as it was; ``ValueError``
+        for bad arguments (``path`` an existing file) before any traffic. Returns the paths
+        written; what each writer did is in :attr:`last_hf_export`.
 
         Example:
             >>> manager.export_hf("/shared/out", max_shard_bytes=2 << 30)  # doctest: +SKIP
         """
         check_max_shard_bytes(max_shard_bytes)
-        if not isinstance(path, (str, Path)):
-            raise ValueError(f"HF export directory must be a path, got {type(path).__name__}")
+        target = check_export_dir(path)
         g = self.group
         config = hf_config_of(g.spec) if config is None else check_config_fits(config, g.spec)
         if generation_config is None:
@@ -502,34 +535,43 @@ class CheckpointManager:
         else:
             generation_config = json.loads(canonical_json(generation_config, "generation_config"))
         self._finish_pending()
+        log.info("HF export to %s started", target)
         started = time.perf_counter()
-        with g._exclusive(f"export HF checkpoint {path}"):
+        with g._exclusive(f"export HF checkpoint {target}"):
             assignment = assign_writers(g.layout, g.placement, max_shard_bytes, writers)
             plan = self._plan(g.layout.groups(), assignment.needs(), param_table(g.spec))
+            arenas = {w: assignment.arena(w) for w in assignment.writers}
             planned = time.perf_counter()
-            root = begin_hf_dir(Path(path).absolute())
-            payloads = [{"root": str(root), "arena": assignment.arena(w) if w in assignment.writers else None}
-                        for w in range(g.num_workers)]
+            staged = begin_hf_dir(target)
             try:
-                results = self._exchange(plan, "export", payloads, f"export HF checkpoint to {root}")
-            except ReallocationError as exc:
-                raise CheckpointError(f"HF export to {root} failed (no index was written): {exc}") from exc
-        exchanged = time.perf_counter()
-        reports = [f for res in results for f in res["written"]]
-        check_reported(assignment, reports)
-        order = [f.name for f in assignment.files]
-        reports.sort(key=lambda f: order.index(f["name"]))
-        extra = {CONFIG_FILE: config, **({GENERATION_CONFIG_FILE: generation_config} if generation_config else {})}
-        written = [root / f["name"] for f in reports]
-        written += finish_hf_dir(root, order, assignment.weight_map(), g.spec.total_bytes(), extra)
+                payloads = [{"root": str(staged.path), "arena": arenas.get(w)} for w in range(g.num_workers)]
+                try:
+                    results = self._exchange(plan, "export", payloads, f"export HF checkpoint to {target}")
+                except ReallocationError as exc:
+                    raise CheckpointError(f"HF export to {str(target)!r} failed; what was there before is unchanged. "
+                                          f"Cause: {exc}") from exc
+                exchanged = time.perf_counter()
+                reports = [f for res in results for f in res["written"]]
+                check_reported(assignment, reports)
+            except BaseException:
+                staged.discard()
+                raise
+            order = [f.name for f in assignment.files]
+            reports.sort(key=lambda f: order.index(f["name"]))
+            expected = {f.name: (f.nbytes, f.tensors) for a in arenas.values() for f in a.files}
+            extra = {CONFIG_FILE: config, **({GENERATION_CONFIG_FILE: generation_config} if generation_config else {})}
+            written = finish_hf_dir(staged, {n: expected[n] for n in order}, assignment.weight_map(),
+                                    g.spec.total_bytes(), extra)
         self.last_hf_export = HFExportStats(
-            path=str(root), files=reports, writers=assignment.writers, plan_seconds=planned - started,
+            path=str(target), files=reports, writers=assignment.writers, plan_seconds=planned - started,
             exchange_seconds=exchanged - planned, write_seconds=max(res["finish_seconds"] for res in results),
             total_seconds=time.perf_counter() - started, bytes_written=sum(f["bytes"] for f in reports),
             bytes_local=sum(r["bytes"]["local"] for r in results),
             bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
             bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
             max_writer_bytes=max(assignment.loads().values()))
+        log.info("HF export to %s done: %d files, %d bytes, %.3f s", target, len(reports),
+                 self.last_hf_export.bytes_written, self.last_hf_export.total_seconds)
         return written
 
     # -- plumbing --------------------------------------------------------------------------

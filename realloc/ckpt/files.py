@@ -8,9 +8,12 @@ whose bytes match the recorded size and sha256 (whole file) or crc32 (one shard)
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import shutil
 import uuid
 import zlib
 from pathlib import Path
@@ -57,6 +60,71 @@ def atomic_write(path: Path, data: "bytes | memoryview | np.ndarray") -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def replace_dir(new: Path, target: Path, keep: Callable[[str], bool] = lambda name: True) -> None:
+    """Put the complete directory ``new`` at ``target`` (a sibling on the same filesystem) in one step.
+
+    Entries of an existing ``target`` for which ``keep(name)`` is true and that ``new`` lacks are
+    carried over first (hard links where the filesystem allows, else copies), so files a user keeps
+    there (a tokenizer, a README) stay. Then the two directories are exchanged atomically
+    (``renameat2(RENAME_EXCHANGE)``: a reader sees the old directory or the new one, never neither)
+    and the old one is removed; where the kernel or filesystem cannot exchange, ``target`` is
+    renamed aside, ``new`` renamed in, and the old one put back if that fails. Until the exchange
+    ``target`` is untouched, so a failure before it leaves what was there as it was.
+    """
+    new, target = Path(new), Path(target)
+    if not (target.exists() or target.is_symlink()):
+        os.rename(new, target)
+        _fsync_dir(target.parent)
+        return
+    if target.is_symlink() or not target.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(target))
+    for entry in sorted(target.iterdir()):
+        if not keep(entry.name) or (new / entry.name).exists() or entry.name.startswith(TEMP_PREFIX):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, new / entry.name)
+    if _exchange(new, target):
+        old = new  # the exchange left the previous directory at ``new``'s path
+    else:
+        old = target.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{target.name}")
+        os.rename(target, old)
+        try:
+            os.rename(new, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src: "str | Path", dst: "str | Path") -> None:
+    if Path(src).is_symlink():
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's ``renameat2(RENAME_EXCHANGE)``; False where that is
+    not available (another OS, an old kernel or libc, a filesystem without it)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -2,11 +2,14 @@
 
 A directory holds ``model.safetensors``, or several files plus ``model.safetensors.index.json``
 (``{"metadata": {"total_size": N}, "weight_map": {tensor: file}}``). Import reads only headers on
-the driver (to fail on a bad directory before any traffic); each rank then reads just its own
-boxes with ``safe_open(...).get_slice(name)[slices]``, which maps the file and touches only those
-bytes. Export writes full tensors cut into files of at most ``max_shard_bytes`` (a larger single
-tensor gets a file of its own); a tied head is not written (HF's ``tie_word_embeddings``
-convention), and on import either name is accepted for it. A file is laid out as an
+the driver (to fail on a bad directory before any traffic: shapes, dtype kinds, tied pairs); each
+rank then reads just its own boxes with ``safe_open(...).get_slice(name)[slices]``, which maps the
+file and touches only those bytes, after checking that the tensor is still what the driver
+scanned. Export writes full tensors cut into files of at most ``max_shard_bytes`` (a larger
+single tensor gets a file of its own) into a staging directory beside the target, verifies it and
+swaps it in whole (:class:`StagedHFDir`): a failed export never destroys the one before. A tied
+head is not written (HF's ``tie_word_embeddings`` convention), and on import either name is
+accepted for it (both only when their bytes are equal: :func:`check_ties`). A file is laid out as an
 :class:`Arena` (its bytes with every tensor at its final place), so the workers of a model group
 receive tensors straight into the file they write (``realloc.ckpt.hf_export`` plans who writes
 what); :func:`save_hf_dir` writes tensors held in one process the same way.
@@ -14,20 +17,25 @@ what); :func:`save_hf_dir` writes tensors held in one process the same way.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import re
+import shutil
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
 
 from realloc.boxes import box_index
-from realloc.ckpt.files import SAFETENSORS_DTYPES, atomic_write
+from realloc.ckpt.errors import CheckpointError
+from realloc.ckpt.files import SAFETENSORS_DTYPES, atomic_write, replace_dir
 from realloc.layout import Shard
 from realloc.shards import TORCH_DTYPES, ShardStore
 from realloc.spec import DTYPE_BYTES, ModelSpec
@@ -100,11 +108,27 @@ def scan_hf_dir(path: "str | Path") -> dict[str, HFTensor]:
     return out
 
 
+def dtype_kind(dtype: str) -> str:
+    """``"float"``, ``"int"``, ``"uint"`` or ``"bool"``: what a value of ``dtype`` means.
+
+    Example:
+        >>> dtype_kind("bfloat16"), dtype_kind("int8"), dtype_kind("uint8")
+        ('float', 'int', 'uint')
+    """
+    for kind in ("uint", "int", "bool"):
+        if dtype.startswith(kind):
+            return kind
+    return "float"
+
+
 def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, str]:
     """Storage parameter -> tensor name to read it from; ``ValueError`` listing every mismatch.
 
     A tied storage parameter may come from its alias (``lm_head.weight``) when the embedding is
-    absent. dtypes may differ (the values are cast to the spec's dtype on import).
+    absent (transformers ties the present one too). Float dtypes may differ (the values are cast
+    to the spec's dtype on import, as ``from_pretrained(dtype=...)`` casts); any other change of
+    dtype kind is refused: integers cast into float parameters are not weights (an int8 export
+    holds quantized values whose scales live elsewhere), nor floats cast into integers.
     """
     mapping, problems = {}, []
     for p in spec.params:
@@ -114,12 +138,61 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
             problems.append(f"{p.name} is missing")
         elif tensors[found].shape != tuple(p.shape):
             problems.append(f"{found} has shape {tensors[found].shape}, the model needs {tuple(p.shape)}")
+        elif dtype_kind(tensors[found].dtype) != dtype_kind(p.dtype):
+            problems.append(f"{found} is {tensors[found].dtype}, the model's {p.name} is {p.dtype}: an import "
+                            f"casts only between float dtypes, never {dtype_kind(tensors[found].dtype)} values into "
+                            f"{dtype_kind(p.dtype)} ones (dequantize the checkpoint first)")
         else:
             mapping[p.name] = found
     if problems:
         raise ValueError(f"HF checkpoint does not fit model {spec.name!r}: {len(problems)} problems, "
                          f"e.g. {problems[:3]}")
     return mapping
+
+
+def check_ties(path: "str | Path", tensors: Mapping[str, HFTensor], spec: ModelSpec,
+               chunk_bytes: int = 64 << 20) -> None:
+    """``ValueError`` when a checkpoint holds both names of a tied pair with different contents.
+
+    transformers disagrees with itself on such a checkpoint: version 5 loads the two untied when
+    both are present and differ, whatever ``tie_word_embeddings`` says
+    (``src/transformers/modeling_utils.py``, ``PreTrainedModel.tie_weights``: "both are present in
+    the checkpoints with different values, so we will NOT tie them"), while 4.x ties the head to
+    the embedding after loading. A tied spec holds one tensor, so neither reading is possible
+    without silently dropping one; the import is refused. Byte-equal copies (a ``.bin``
+    conversion writes both names) are one tensor and import as such. The two tensors are compared
+    in chunks of about ``chunk_bytes``, on the driver, before any traffic.
+    """
+    root = Path(path)
+    for p in spec.params:
+        alias = spec.tied_head_of(p.name)
+        if alias is None or p.name not in tensors or alias not in tensors:
+            continue
+        a, b = tensors[p.name], tensors[alias]
+        same = a.shape == b.shape and a.dtype == b.dtype and _equal_bytes(root, p.name, a, alias, b, chunk_bytes)
+        if not same:
+            raise ValueError(
+                f"HF checkpoint {str(root)!r} holds both {p.name!r} {a.shape} {a.dtype} and {alias!r} {b.shape} "
+                f"{b.dtype}, and they differ: it is untied, but model {spec.name!r} ties them and holds one tensor. "
+                "transformers 5 would load this checkpoint untied (4.x would keep the embedding), so no choice here "
+                f"would match it: import into an untied spec (tie_word_embeddings=False), or drop {alias!r} from "
+                "the checkpoint to tie the head to the embedding")
+
+
+def _equal_bytes(root: Path, name_a: str, a: HFTensor, name_b: str, b: HFTensor, chunk_bytes: int) -> bool:
+    rows = a.shape[0] if a.shape else 1
+    row_bytes = max(1, math.prod(a.shape[1:]) * DTYPE_BYTES[a.dtype]) if a.shape else DTYPE_BYTES[a.dtype]
+    step = max(1, chunk_bytes // row_bytes)
+    with safe_open(str(root / a.file), framework="pt") as fa, safe_open(str(root / b.file), framework="pt") as fb:
+        if not a.shape:
+            return torch.equal(_raw(fa.get_tensor(name_a)), _raw(fb.get_tensor(name_b)))
+        sa, sb = fa.get_slice(name_a), fb.get_slice(name_b)
+        return all(torch.equal(_raw(sa[i:i + step]), _raw(sb[i:i + step])) for i in range(0, rows, step))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (NaNs compare equal, -0.0 differs from 0.0: a copy, not a value match)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def load_shards(path: "str | Path", tensors: Mapping[str, HFTensor], mapping: Mapping[str, str],
@@ -145,12 +218,35 @@ def load_shards(path: "str | Path", tensors: Mapping[str, HFTensor], mapping: Ma
             by_file[tensors[mapping[s.param]].file].append(s)
     read = 0
     for name, file_shards in sorted(by_file.items()):
-        with safe_open(str(Path(path) / name), framework="pt") as f:
+        where = Path(path) / name
+        with _changed_on_error(where):
+            f = safe_open(str(where), framework="pt")
+        with f:
             for s in file_shards:
-                box = f.get_slice(mapping[s.param])[box_index(s.offsets, s.sizes)]
+                tensor = mapping[s.param]
+                with _changed_on_error(where):
+                    sl = f.get_slice(tensor)
+                    found = (tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+                scanned = (tensors[tensor].shape, tensors[tensor].dtype)
+                if found != scanned:
+                    raise CheckpointError(
+                        f"{where}: tensor {tensor!r} is {found[0]} {found[1]} now, but was {scanned[0]} {scanned[1]} "
+                        "when the directory was scanned: the file changed during the import. Nothing was imported; "
+                        "import again once the directory stays as it is")
+                box = sl[box_index(s.offsets, s.sizes)]
                 store.write(s.param, s.offsets, s.sizes, box.to(TORCH_DTYPES[s.dtype]))
                 read += box.numel() * box.element_size()
     return read
+
+
+@contextlib.contextmanager
+def _changed_on_error(where: Path) -> Iterator[None]:
+    """A file the driver scanned that a worker cannot open or find a tensor in has changed since."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error types for a missing or damaged file
+        raise CheckpointError(f"{where} could not be read as scanned ({type(exc).__name__}: {exc}): the directory "
+                              "changed during the import. Nothing was imported") from exc
 
 
 def check_max_shard_bytes(max_shard_bytes: object) -> int:
@@ -259,9 +355,9 @@ class Arena:
         return data[f.start:f.start + f.nbytes]
 
     def write(self, data: torch.Tensor, root: "str | Path") -> list[dict]:
-        """Write every file atomically into ``root``; ``[{name, bytes, sha256, tensors}]``."""
+        """Write every file atomically into the existing directory ``root``; ``[{name, bytes, sha256,
+        tensors}]`` (the sha256 of the bytes sent to the file)."""
         root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
         out = []
         for i, f in enumerate(self.files):
             view = self.file_bytes(data, i).cpu().numpy()
@@ -271,45 +367,139 @@ class Arena:
         return out
 
 
-def begin_hf_dir(path: "str | Path") -> Path:
-    """Create the directory and drop its index: until the new index is written last, no loader
-    pairs it with a mix of old and new files."""
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / INDEX_FILE).unlink(missing_ok=True)
-    return root
+def is_export_file(name: str) -> bool:
+    """Whether ``name`` is a file an HF export writes (weights, index, configs): what a new export
+    replaces in its directory; every other entry there (a tokenizer, a README) is kept."""
+    return name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE) or bool(_SHARD_NAME.match(name))
 
 
-def finish_hf_dir(path: "str | Path", files: Sequence[str], weight_map: Mapping[str, str], total_size: int,
-                  extra: Mapping[str, Mapping] | None = None) -> list[Path]:
-    """Write ``extra`` JSON files (``config.json``...), then the index (several weight files) last;
-    drop the other form and weight files of an earlier export, so the directory holds one checkpoint."""
-    root = Path(path)
-    written = []
-    for name, content in (extra or {}).items():
-        atomic_write(root / name, (json.dumps(content, indent=2, sort_keys=True) + "\n").encode())
-        written.append(root / name)
-    keep = set(files)
-    if list(files) == [SINGLE_FILE]:
-        (root / INDEX_FILE).unlink(missing_ok=True)
-    else:
-        (root / SINGLE_FILE).unlink(missing_ok=True)
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        atomic_write(root / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode())
-        written.append(root / INDEX_FILE)
-    for stale in root.glob("model-*-of-*.safetensors"):
-        if stale.name not in keep and _SHARD_NAME.match(stale.name):
-            stale.unlink(missing_ok=True)
-    return written
+def check_export_dir(path: object) -> Path:
+    """The absolute directory an export goes to; ``ValueError`` for a non-path or an existing non-directory."""
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise ValueError(f"HF export directory must be a non-empty path, got {path!r}")
+    target = Path(path).absolute()
+    if (target.exists() or target.is_symlink()) and not target.is_dir():
+        raise ValueError(f"HF export path {str(target)!r} exists and is not a directory: pass a directory "
+                         "(new or holding an earlier export)")
+    return target
+
+
+@dataclass(frozen=True)
+class StagedHFDir:
+    """A new HF directory written beside ``target`` (``path``, a hidden sibling on the same
+    filesystem) and put in its place whole by :func:`finish_hf_dir` once verified: until then the
+    directory at ``target`` (an earlier export, say) is untouched, and a failed export leaves it as
+    it was."""
+
+    target: Path
+    path: Path
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def begin_hf_dir(path: "str | Path") -> StagedHFDir:
+    """Make the staging directory of an export to ``path`` (:class:`CheckpointError` naming the
+    directory and what to do when it cannot be made)."""
+    target = check_export_dir(path)
+    staged = StagedHFDir(target, target.with_name(f".{target.name}.export-{uuid.uuid4().hex[:8]}"))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged.path.mkdir()
+    except OSError as exc:
+        raise export_io_error(target, exc) from exc
+    return staged
+
+
+def export_io_error(target: Path, exc: OSError) -> CheckpointError:
+    """The project's error for a failed file operation of an export to ``target``: the path, the
+    cause and what to do; the directory's earlier content is untouched (see :class:`StagedHFDir`)."""
+    advice = {errno.ENOSPC: "free space on that filesystem or export elsewhere",
+              errno.EDQUOT: "free space on that filesystem or export elsewhere",
+              errno.EROFS: "choose a writable directory",
+              errno.EACCES: "choose a directory whose parent you may write to",
+              errno.EPERM: "choose a directory whose parent you may write to",
+              errno.ENOENT: "the directory or its parent was removed while the export ran; export again"}
+    what = advice.get(exc.errno, "check the directory and export again")
+    return CheckpointError(f"HF export to {str(target)!r} failed: {exc.strerror or exc} ({exc.filename or target}). "
+                           f"An export is written beside the directory and swapped in whole: {what}. What was there "
+                           "before is unchanged")
+
+
+def finish_hf_dir(staged: StagedHFDir, expected: Mapping[str, tuple[int, Sequence[str]]],
+                  weight_map: Mapping[str, str], total_size: int, extra: Mapping[str, Mapping] | None = None) -> list[Path]:
+    """Complete a staged export and put it in place; the paths written, under the target.
+
+    Writes ``extra`` JSON files (``config.json``...) and the index (several weight files), then
+    verifies the staged directory against ``expected`` (weight file -> its size in bytes and its
+    tensors, as planned): every file there with that size and a safetensors header naming exactly
+    those tensors, the index naming only those files, no other weight file. Only then is the
+    directory swapped in (:func:`~realloc.ckpt.files.replace_dir`; other files of the target,
+    a tokenizer, stay). Any failure discards the staged directory and raises
+    :class:`CheckpointError`, the target untouched.
+    """
+    root, names = staged.path, list(expected)
+    try:
+        written = []
+        for name, content in (extra or {}).items():
+            atomic_write(root / name, (json.dumps(content, indent=2, sort_keys=True) + "\n").encode())
+            written.append(name)
+        if names != [SINGLE_FILE]:
+            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            atomic_write(root / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode())
+            written.append(INDEX_FILE)
+        problems = verify_hf_dir(root, expected, weight_map if names != [SINGLE_FILE] else None)
+        if problems:
+            raise CheckpointError(f"HF export to {str(staged.target)!r} failed verification ({len(problems)} problems, "
+                                  f"e.g. {problems[:3]}). Nothing was put in place: what was there before is unchanged")
+        replace_dir(root, staged.target, keep=lambda name: not is_export_file(name))
+    except OSError as exc:
+        staged.discard()
+        raise export_io_error(staged.target, exc) from exc
+    except BaseException:
+        staged.discard()
+        raise
+    return [staged.target / n for n in names + written]
+
+
+def verify_hf_dir(root: Path, expected: Mapping[str, tuple[int, Sequence[str]]],
+                  weight_map: Mapping[str, str] | None) -> list[str]:
+    """What is wrong with the weight files in ``root`` against ``expected`` (name -> bytes, tensors)."""
+    problems = []
+    present = {p.name for p in root.iterdir() if p.name == SINGLE_FILE or _SHARD_NAME.match(p.name)}
+    problems += [f"unexpected weight file {n}" for n in sorted(present - set(expected))]
+    for name, (nbytes, tensors) in expected.items():
+        where = root / name
+        try:
+            size = where.stat().st_size
+            with open(where, "rb") as f:
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else -1
+                header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        except (OSError, ValueError) as exc:
+            problems.append(f"{name} is unreadable ({exc})")
+            continue
+        if size != nbytes:
+            problems.append(f"{name} has {size} bytes, {nbytes} were written")
+        elif not isinstance(header, dict) or set(header) - {"__metadata__"} != set(tensors):
+            problems.append(f"{name}'s header does not name its tensors {sorted(tensors)[:3]}")
+    if weight_map is not None:
+        problems += [f"the index maps {t} to {n}, not a file of this export"
+                     for t, n in sorted(weight_map.items()) if n not in expected]
+    return problems
 
 
 def save_hf_dir(state: Mapping[str, torch.Tensor], path: "str | Path",
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: Mapping[str, Mapping] | None = None) -> list[Path]:
     """Write full tensors held here as a HF safetensors directory (index json when several files).
 
-    Tensors go in the given order, each file atomically, ``extra`` JSON files (``config.json``)
-    next, the index last. The same file layout and naming as the workers' export
-    (``actors.checkpoint.CheckpointManager.export_hf``).
+    Staged and swapped in like the workers' export (``actors.checkpoint.CheckpointManager.export_hf``,
+    same file layout and naming): tensors go in the given order, each file atomically, ``extra``
+    JSON files (``config.json``) next, the index last, all verified before the directory at
+    ``path`` is replaced (its other files stay).
     """
     check_max_shard_bytes(max_shard_bytes)
     if not state:
@@ -322,19 +512,26 @@ def save_hf_dir(state: Mapping[str, torch.Tensor], path: "str | Path",
         entries[name] = (tuple(t.shape), dtype)
     parts = split_files([(n, math.prod(s) * DTYPE_BYTES[d]) for n, (s, d) in entries.items()], max_shard_bytes)
     names = file_names(len(parts))
-    root = begin_hf_dir(path)
-    written = []
-    for fname, part in zip(names, parts):
-        arena = Arena.plan([(fname, [(n, *entries[n]) for n in part])])
-        data, store = arena.allocate()
-        for n in part:
-            shape = entries[n][0]
-            store.write(n, (0,) * len(shape), shape, state[n].detach().cpu())
-        arena.write(data, root)
-        written.append(root / fname)
+    staged = begin_hf_dir(path)
+    expected = {}
+    try:
+        for fname, part in zip(names, parts):
+            arena = Arena.plan([(fname, [(n, *entries[n]) for n in part])])
+            data, store = arena.allocate()
+            for n in part:
+                shape = entries[n][0]
+                store.write(n, (0,) * len(shape), shape, state[n].detach().cpu())
+            arena.write(data, staged.path)
+            expected[fname] = (arena.files[0].nbytes, part)
+    except OSError as exc:
+        staged.discard()
+        raise export_io_error(staged.target, exc) from exc
+    except BaseException:
+        staged.discard()
+        raise
     weight_map = {n: fname for fname, part in zip(names, parts) for n in part}
     total = sum(math.prod(s) * DTYPE_BYTES[d] for s, d in entries.values())
-    return written + finish_hf_dir(root, names, weight_map, total, extra)
+    return finish_hf_dir(staged, expected, weight_map, total, extra)
 
 
 def export_state(full: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
