@@ -40,9 +40,9 @@ from realloc.ckpt.manifest import Manifest, check_iteration, check_run_id, param
 from realloc.ckpt.replication import (cliques, file_table, files_read_by, rank_of, replication_groups,
                                       retrieval_groups)
 from realloc.ckpt.reshard import assign_readers, reshard_groups
-from realloc.hf_config import canonical_json, check_config_fits, generation_config_of, hf_config_of
-from realloc.plan import Plan
-from realloc.planner import plan_exchange
+from realloc.plan import Plan, plan_exchange
+from realloc.spec import hf_config_of
+from realloc.spec.hf_config import canonical_json, check_config_fits, generation_config_of
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths
+from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 MIN_BUCKET_BYTES = 1024

@@ -14,10 +14,8 @@ from typing import Callable, Mapping
 import torch
 
 from actors.parallel import ParallelGroups
-from realloc.binding import BindReport, bind_module, shard_views
-from realloc.fused import fused_views
-from realloc.layout import Layout, RankLayout
-from realloc.topology import Topology
+from realloc.layout import Layout, RankLayout, Topology
+from realloc.shards import BindReport, bind_module, fused_views, shard_views
 
 #: Kinds of :class:`ShardChange`.
 CHANGES = ("create", "reallocate", "copy", "fill", "load", "replace")
@@ -62,7 +60,7 @@ class ShardContext:
 
     ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
     worker's local shards, padding included; writing into them updates the worker's weights. (A
-    ZeRO-3 layout, ``fsdp_split="zero3"``: each slot's 1-D flat partition, :func:`realloc.binding.flat_views`.)
+    ZeRO-3 layout, ``fsdp_split="zero3"``: each slot's 1-D flat partition, :func:`realloc.shards.views.flat_views`.)
     ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
     ``groups`` the dp/fsdp/tp/pp process groups of this rank of the layout
     (:class:`~actors.parallel.ParallelGroups`). Everything here is valid until the next change.

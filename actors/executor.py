@@ -14,8 +14,8 @@ import torch
 
 from realloc.layout import RankLayout
 from realloc.plan import Piece, Plan, bucket_nbytes
-from realloc.copy_program import ProgramCache
 from realloc.shards import ShardStore, local_copies, pack_copies, unpack_copies
+from realloc.shards.copy_program import ProgramCache
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
 @dataclass
 class Cuts:
     """One plan's segment lists cut into buckets and messages, and this worker's copies of it
-    compiled (``realloc/copy_program.py``), filled as a runner needs them. Kept with a cached
+    compiled (``realloc/shards/copy_program.py``), filled as a runner needs them. Kept with a cached
     plan, so a worker running the plan again plans no box: program keys name the segment list
     and the sides (``("local", j)``, ``("read", j, sender, forward)``, ``("pack", j, message,
     forward)``, ``("unpack", j, message)``), and within one plan each side's layout is fixed."""

@@ -48,13 +48,10 @@ from actors.world import World
 from actors.worker import CONTROL, ShardWorker
 from actors.zero_copy import sweep_stale_buffers
 from realloc.boxes import box_index
-from realloc.layout import Layout
-from realloc.placement import Placement
-from realloc.plan import Plan
-from realloc.planner import Bandwidths, plan_reallocation
+from realloc.layout import Layout, Topology
+from realloc.plan import Bandwidths, Placement, Plan, plan_reallocation
 from realloc.shards import TORCH_DTYPES, check_eta
 from realloc.spec import ModelSpec
-from realloc.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ it. :class:`ParallelGroups` names the groups of one rank of one layout:
 * ``pp``: the stages of this rank's replica and tp coordinate;
 * ``ep``, ``etp``, ``edp``: the expert-parallel, expert-tensor-parallel and expert-data-parallel
   groups of the expert mesh (Megatron's tp-ep-dp-pp order inside a stage, see
-  :meth:`realloc.topology.Topology.expert_coords`); without expert parallelism ``ep`` is this rank
+  :meth:`realloc.layout.topology.Topology.expert_coords`); without expert parallelism ``ep`` is this rank
   alone, ``etp`` is ``tp`` and ``edp`` is ``dp``, as in Megatron-core;
 * ``model``: every worker of the model group.
 

@@ -36,8 +36,7 @@ from actors.executor import PeerView
 from actors.remote import Workers, gather, settle
 from actors.resident import KeepOrder
 from realloc.layout import Layout, RankLayout
-from realloc.placement import Placement
-from realloc.plan import Plan
+from realloc.plan import Placement, Plan
 
 log = logging.getLogger(__name__)
 

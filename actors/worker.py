@@ -43,13 +43,12 @@ from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
 from actors.transport import Transport, backend_for, connect_store, host_store, wire_device
 from actors.zero_copy import BufferAllocator, handle_identity, open_handles
-from realloc.binding import flat_views
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
-from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, local_copies, zero_padding
+from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, flat_views, local_copies, zero_padding
+from realloc.shards.synthetic import synthetic_box
 from realloc.spec import ModelSpec
-from realloc.synthetic import synthetic_box
 
 log = logging.getLogger(__name__)
 

@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from realloc._checks import check_choice
+from realloc._checks import check_choice, check_finite, check_positive
 from realloc.boxes import box_index
-from realloc.conventions import EXPERT_ORDERS
-from realloc.hf_config import load_spec
-from realloc.layout import Layout
-from realloc.placement import Placement
-from realloc.planner import DEFAULT_BUCKET_BYTES, Bandwidths, plan_reallocation
-from realloc.spec import VOCAB_PAD_RULES, ModelSpec, preset, preset_names
-from realloc.topology import Topology
+from realloc.layout import Layout, Topology
+from realloc.layout.conventions import EXPERT_ORDERS
+from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths, Placement, plan_reallocation
+from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
 
 if TYPE_CHECKING:
     from realloc.plan import Plan
@@ -158,10 +154,8 @@ def run_plan(args: argparse.Namespace) -> int:
     bucket_bytes = _bucket_bytes(args.bucket_mb)
     bandwidths = Bandwidths(intra_node=_gbps(args.intra_gbps, "--intra-gbps"),
                             inter_node=_gbps(args.inter_gbps, "--inter-gbps"))
-    if args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
-    if args.vocab_pad_multiple < 1:
-        raise ValueError(f"--vocab-pad-multiple must be a positive integer, got {args.vocab_pad_multiple}")
+    check_positive("--gpus-per-node", args.gpus_per_node)
+    check_positive("--vocab-pad-multiple", args.vocab_pad_multiple)
     check_choice("--vocab-pad-rule", args.vocab_pad_rule, VOCAB_PAD_RULES)
     check_choice("--src-expert-order", args.src_expert_order, EXPERT_ORDERS)
     check_choice("--dst-expert-order", args.dst_expert_order, EXPERT_ORDERS)
@@ -208,15 +202,12 @@ def _layout(spec: ModelSpec, topology: Topology, vocab_pad_multiple: int, option
 
 
 def _bucket_bytes(mib: float) -> int:
-    if not math.isfinite(mib) or mib * 2**20 < 1024:
-        raise ValueError(f"--bucket-mb must be a number of MiB of at least 1/1024 (1 KiB), got {mib}")
+    check_finite("--bucket-mb", mib, minimum=1 / 1024, allowed="a number of MiB of at least 1/1024 (1 KiB)")
     return int(mib * 2**20)
 
 
 def _gbps(value: float, option: str) -> float:
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{option} must be a positive number of GB/s, got {value}")
-    return value * 1e9
+    return check_finite(option, value, positive=True, allowed="a positive number of GB/s") * 1e9
 
 
 def plan_report(spec: ModelSpec, src: Topology, dst: Topology, placement: Placement, plan: "Plan",
@@ -299,8 +290,8 @@ def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: i
     """
     import torch  # lazily, as the executor below: only --verify needs torch, `realloc plan` starts without it
 
-    from realloc.local_executor import execute_in_process
     from realloc.shards import ShardStore, allocate_buffers
+    from realloc.shards.local_executor import execute_in_process
 
     full = _random_weights(src_layout.spec, seed)
     world = src_layout.topology.world_size

@@ -17,7 +17,7 @@ Llama-style decoder:
 * which layers a stage holds, when no explicit split is given: the engines' rule
   (:func:`engine_stage_counts`), written from vLLM's ``get_pp_indices`` description
   (vllm/distributed/utils.py) and Megatron-core's ``get_num_layers_to_build``
-  (megatron/core/transformer/transformer_block.py), not from ``realloc.topology``;
+  (megatron/core/transformer/transformer_block.py), not from ``realloc.layout.topology``;
 * rank order: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``;
 * vLLM's vocabulary rule (``pad_rule="vllm"``), written from
   vllm/model_executor/layers/vocab_parallel_embedding.py: ``pad_vocab_size`` rounds the vocabulary
@@ -53,7 +53,7 @@ Llama-style decoder:
   ``_load_w2``): the local experts stacked, per expert the etp slice of gate then of up.
 
 The only realloc imports are :func:`realloc.spec.decoder_spec` and
-:func:`realloc.hf_config.spec_from_hf_config`, to build the spec under test from the same
+:func:`realloc.spec.hf_config.spec_from_hf_config`, to build the spec under test from the same
 description (:meth:`Decoder.spec`, :meth:`MoeDecoder.spec`).
 """
 
@@ -467,7 +467,7 @@ class MoeDecoder(Decoder):
                 "tie_word_embeddings": self.tied}
 
     def spec(self, name: str = "oracle-moe"):
-        from realloc.hf_config import spec_from_hf_config
+        from realloc.spec import spec_from_hf_config
 
         return spec_from_hf_config(self.config(), dtype=self.dtype, norm_dtype=self.norm_dtype, name=name)
 

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from realloc.layout import Layout
-from realloc.placement import Placement
-from realloc.planner import plan_reallocation
+from realloc.layout import Layout, Topology
+from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
-from realloc.topology import Topology
 from tools.bench import ALL_TRANSITIONS, BASELINES, lower_bound, parse_transitions, source_owners
 from tools.cli import main
 

@@ -1,4 +1,4 @@
-"""realloc.binding: shard views, vLLM's fused views and module binding, all zero-copy.
+"""realloc.shards.bind: shard views, vLLM's fused views and module binding, all zero-copy.
 
 Oracles: a shard view must equal the global tensor sliced with the shard's box (and, padded,
 Megatron's padded vocabulary chunk); a fused view must equal ``torch.cat`` of the slices vLLM's
@@ -15,12 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from realloc.binding import BindReport, bind_module, layer_name_map, shard_views
-from realloc.fused import fused_views
-from realloc.layout import Layout
-from realloc.shards import ShardStore, allocate_buffers
+from realloc.layout import Layout, Topology
+from realloc.shards import (
+    BindReport, ShardStore, allocate_buffers, bind_module, fused_views, layer_name_map, shard_views,
+)
 from realloc.spec import ModelSpec, ParamSpec, decoder_spec
-from realloc.topology import Topology
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -24,12 +24,11 @@ from realloc.ckpt.manifest import CheckpointId, Manifest, ShardRecord, param_tab
 from realloc.ckpt.replication import (cliques, file_table, files_read_by, replication_groups,
                                       retrieval_groups)
 from realloc.ckpt.reshard import assign_readers, box_of_local, reshard_groups, stored_units
-from realloc.local_executor import execute_in_process
-from realloc.shards import ShardStore, allocate_buffers
+from realloc.shards import ShardStore, allocate_buffers, execute_in_process
 from realloc.spec import DTYPE_BYTES
 
 from ckpt_helpers import reader_stores
-from realloc.synthetic import synthetic_box, synthetic_state_dict
+from realloc.shards.synthetic import synthetic_box, synthetic_state_dict
 
 TINY = ModelSpec.preset("tiny")
 RUN = "run-a"

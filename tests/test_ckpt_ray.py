@@ -23,7 +23,7 @@ from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import ModelSpec, Placement, Topology  # noqa: E402
 from realloc.ckpt.errors import CheckpointError, MissingShardsError  # noqa: E402
 from realloc.ckpt.hf import INDEX_FILE, scan_hf_dir  # noqa: E402
-from realloc.synthetic import synthetic_state_dict  # noqa: E402
+from realloc.shards.synthetic import synthetic_state_dict  # noqa: E402
 from simulated import lose_node, simulated_cluster  # noqa: E402
 
 SPEC = ModelSpec.preset("tiny")

@@ -18,9 +18,8 @@ from realloc.ckpt.files import build_rank_file, buffers_from_bytes, read_verifie
 from realloc.ckpt.local_store import NodeStore
 from realloc.ckpt.manifest import CheckpointId, Manifest, param_table
 from realloc.ckpt.reshard import assign_readers, reshard_groups
-from realloc.local_executor import execute_in_process
-from realloc.shards import ShardStore, allocate_buffers
-from realloc.synthetic import synthetic_box
+from realloc.shards import ShardStore, allocate_buffers, execute_in_process
+from realloc.shards.synthetic import synthetic_box
 
 from ckpt_helpers import reader_stores
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 import realloc.cli
-import realloc.local_executor
-from realloc.placement import Placement
-from realloc.planner import plan_reallocation
+import realloc.shards.local_executor
+from realloc.layout import Topology
+from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
-from realloc.topology import Topology
 from tools.cli import main
 
 LLAMA_7B = ["plan", "--model", "llama-7b", "--src", "dp=2,tp=4,pp=2", "--dst", "dp=8,tp=2,pp=1",
@@ -30,6 +29,8 @@ TABLES = {"node_egress_bytes", "node_ingress_bytes", "rank_send_bytes", "rank_re
 ROOT = Path(__file__).resolve().parent.parent
 #: Top-level packages that ``realloc/`` (the pure layer) must never import, not even lazily.
 RAY_LAYER = ("actors", "tools", "ray")
+#: The layers of ``realloc/`` below the executors (docs/architecture.md): no tensors, so no torch.
+TORCH_FREE = ("realloc.spec", "realloc.layout", "realloc.plan")
 
 
 def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
@@ -142,13 +143,13 @@ def test_fsdp_with_vocab_padding_is_refused(capsys):
 
 
 def test_verify_catches_a_broken_execution(capsys, monkeypatch):
-    real = realloc.local_executor.execute_in_process
+    real = realloc.shards.local_executor.execute_in_process
 
     def drop_last_step(plan, src, dst):
         plan.steps = plan.steps[:-1]
         return real(plan, src, dst)
 
-    monkeypatch.setattr(realloc.local_executor, "execute_in_process", drop_last_step)
+    monkeypatch.setattr(realloc.shards.local_executor, "execute_in_process", drop_last_step)
     status, report = run_json(capsys, ["plan", "--model", "tiny", "--src", "dp=2,tp=2", "--dst", "tp=4",
                                        "--gpus-per-node", "2", "--verify"])
     assert status == 1
@@ -256,6 +257,23 @@ with contextlib.redirect_stdout(io.StringIO()) as out:
     assert realloc.cli.main(["--help"]) == 0
 assert "plan" in out.getvalue()
 loaded("realloc.cli.main(['--help'])")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_specs_layouts_and_the_planner_import_no_torch():
+    # Every module of realloc.spec, realloc.layout and realloc.plan, and the package's own face,
+    # in a fresh interpreter: torch (and the Ray layer) must stay out of sys.modules.
+    code = f"""
+import importlib, pkgutil, sys
+import realloc
+for name in {TORCH_FREE!r}:
+    package = importlib.import_module(name)
+    for info in pkgutil.walk_packages(package.__path__, name + "."):
+        importlib.import_module(info.name)
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch",) + {RAY_LAYER!r})
+assert not bad, f"importing {TORCH_FREE} loaded {{len(bad)}} modules of torch or the Ray layer: {{bad[:5]}}"
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Engine conventions as layout options (realloc/conventions.py): vLLM's vocabulary padding rule and
+"""Engine conventions as layout options (realloc/layout/conventions.py): vLLM's vocabulary padding rule and
 Megatron-core's fused linear_qkv order, checked against tests/oracle.py.
 
 * layouts: every rank's local tensors (padding included) are the oracle's, under either vocabulary
@@ -20,18 +20,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from realloc.binding import shard_views
 from realloc.ckpt.files import build_rank_file
 from realloc.ckpt.manifest import CheckpointId, Manifest
-from realloc.conventions import QKV_ORDERS
-from realloc.fused import fused_views
-from realloc.layout import Layout
-from realloc.local_executor import execute_in_process
-from realloc.placement import Placement
-from realloc.planner import plan_reallocation
-from realloc.shards import ShardStore, allocate_buffers
+from realloc.layout import Layout, Topology
+from realloc.layout.conventions import QKV_ORDERS
+from realloc.plan import Placement, plan_reallocation
+from realloc.shards import ShardStore, allocate_buffers, execute_in_process, fused_views, shard_views
 from realloc.spec import VOCAB_PAD_RULES, decoder_spec
-from realloc.topology import Topology
 
 try:
     from tests import oracle
@@ -312,7 +307,7 @@ def test_options_are_part_of_the_layout_value():
 
 def test_hf_checkpoint_loads_straight_into_megatron_linear_qkv(tmp_path):
     from realloc.ckpt.hf import load_shards, match_spec, save_hf_dir, scan_hf_dir
-    from realloc.synthetic import synthetic_state_dict
+    from realloc.shards.synthetic import synthetic_state_dict
 
     spec = GQA.spec()
     state = synthetic_state_dict(spec)

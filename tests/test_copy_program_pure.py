@@ -1,4 +1,4 @@
-"""Compiled copy programs (realloc/copy_program.py): compiled on one set of buffers, replayed on
+"""Compiled copy programs (realloc/shards/copy_program.py): compiled on one set of buffers, replayed on
 another, they must write exactly what one ``copy_`` per box writes on the second set."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from realloc import Layout, Placement, Topology, plan_reallocation
-from realloc.copy_program import CopyProgram, ProgramCache, ProgramMismatch
-from realloc.shards import Copies, ShardStore, allocate_buffers, local_copies, pack_copies, unpack_copies, \
-    weight_kind
-from realloc.local_executor import execute_in_process
+from realloc.shards.copy_program import CopyProgram, ProgramCache, ProgramMismatch
+from realloc.shards import (
+    Copies, ShardStore, allocate_buffers, local_copies, pack_copies, unpack_copies, weight_kind,
+)
 from realloc.plan import bucket_nbytes
+from realloc.shards import execute_in_process
 from realloc.spec import decoder_spec
 
 DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.float64]

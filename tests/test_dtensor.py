@@ -1,7 +1,7 @@
 """DTensor interop against torch itself: FSDP2 (``fully_shard``) and FSDP2 + tensor parallelism
 (torchtitan's composition: ``parallelize_module`` on the tp mesh, then ``fully_shard`` on the
 dp_shard mesh) on 4 CPU processes over gloo. The local tensors torch holds must be exactly the
-boxes of the fsdp layout (``realloc.dtensor.check_boxes``), uneven and empty chunks included,
+boxes of the fsdp layout (``realloc.shards.dtensor.check_boxes``), uneven and empty chunks included,
 and the copies in and out must be exact."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from realloc import Layout, ModelSpec, ParamSpec
-from realloc.dtensor import check_boxes, local_box, mesh_topology, read_local, write_local
 from realloc.shards import ShardStore, allocate_buffers
+from realloc.shards.dtensor import check_boxes, local_box, mesh_topology, read_local, write_local
 
 SPEC = ModelSpec("mlp", (
     ParamSpec("mlp.up_proj.weight", (10, 6), "float32", "layer", layer=0, tp_dim=0),

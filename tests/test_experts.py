@@ -21,12 +21,9 @@ from hypothesis import given, settings, strategies as st
 from realloc import Layout, Placement, Topology
 from realloc.ckpt.manifest import Manifest
 from realloc.cli import main
-from realloc.fused import fused_views
-from realloc.layout import expert_range
-from realloc.local_executor import execute_in_process
-from realloc.pieces import PieceTable
-from realloc.planner import plan_reallocation
-from realloc.shards import ShardStore, allocate_buffers
+from realloc.layout import PieceTable, expert_range
+from realloc.plan import plan_reallocation
+from realloc.shards import ShardStore, allocate_buffers, execute_in_process, fused_views
 from test_layout import check_shards_written_from_full_tensors
 from test_plan_scale import large_form
 from test_planner_properties import POISON, check_plan, placements
@@ -390,7 +387,7 @@ def test_plan_qwen3_moe_ep_to_ep_times_tp(capsys):
 
 
 def test_mixtral_fused_expert_views_use_its_module_names():
-    from realloc.hf_config import spec_from_hf_config
+    from realloc.spec import spec_from_hf_config
 
     spec = spec_from_hf_config({"model_type": "mixtral", "hidden_size": 8, "intermediate_size": 12,
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

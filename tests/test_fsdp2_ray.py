@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from actors import ModelGroup, ShardWorker
-from realloc.dtensor import mesh_topology, read_local, write_local
+from realloc.shards.dtensor import mesh_topology, read_local, write_local
 
 from simulated import simulated_cluster
 

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from realloc.hf_config import spec_from_hf_config
-from realloc.layout import Layout
-from realloc.spec import ModelSpec
-from realloc.topology import Topology
+from realloc.layout import Layout, Topology
+from realloc.spec import ModelSpec, spec_from_hf_config
 
 LLAMA3_8B = {
     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

@@ -13,10 +13,9 @@ import torch
 from realloc import ModelSpec, Placement, Topology
 from realloc.ckpt.hf import INDEX_FILE, SINGLE_FILE, Arena, file_names, save_hf_dir, scan_hf_dir, split_files
 from realloc.ckpt.hf_export import assign_writers
-from realloc.hf_config import (DERIVED_DEFAULTS, check_config_fits, generation_config_of, hf_config_of,
-                               spec_from_hf_config)
 from realloc.layout import Layout
-from realloc.spec import ParamSpec, decoder_spec
+from realloc.spec import ParamSpec, decoder_spec, hf_config_of, spec_from_hf_config
+from realloc.spec.hf_config import DERIVED_DEFAULTS, check_config_fits, generation_config_of
 
 GQA = decoder_spec("gqa", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=100, dtype="float32")
 QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

@@ -19,7 +19,7 @@ from actors.checkpoint import CheckpointManager  # noqa: E402
 from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import Topology  # noqa: E402
 from realloc.ckpt.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
-from realloc.hf_config import hf_config_of, spec_from_hf_config  # noqa: E402
+from realloc.spec import hf_config_of, spec_from_hf_config  # noqa: E402
 from realloc.spec import decoder_spec  # noqa: E402
 
 from simulated import simulated_cluster  # noqa: E402

@@ -32,12 +32,12 @@ from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import ModelSpec, Placement, Topology  # noqa: E402
 from realloc.ckpt.errors import CheckpointError  # noqa: E402
 from realloc.ckpt.hf import save_hf_dir  # noqa: E402
-from realloc.hf_config import hf_config_of  # noqa: E402
+from realloc.spec import hf_config_of  # noqa: E402
 from realloc.layout import Layout  # noqa: E402
 from realloc.plan import Plan  # noqa: E402
-from realloc.planner import plan_reallocation  # noqa: E402
+from realloc.plan import plan_reallocation  # noqa: E402
 from realloc.spec import decoder_spec  # noqa: E402
-from realloc.synthetic import synthetic_state_dict  # noqa: E402
+from realloc.shards.synthetic import synthetic_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -10,13 +10,9 @@ from typing import Callable
 import pytest
 
 from realloc.cli import main
-from realloc.hf_config import spec_from_hf_config
-from realloc.layout import Group, Layout
-from realloc.placement import Placement
-from realloc.plan import Plan
-from realloc.planner import Bandwidths, plan_exchange, plan_reallocation
-from realloc.spec import ModelSpec, ParamSpec
-from realloc.topology import Topology
+from realloc.layout import Group, Layout, Topology
+from realloc.plan import Bandwidths, Placement, Plan, plan_exchange, plan_reallocation
+from realloc.spec import ModelSpec, ParamSpec, spec_from_hf_config
 
 TINY = ModelSpec.preset("tiny")
 LLAMA_7B = ModelSpec.preset("llama-7b")
@@ -163,8 +159,8 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
      r"holdings: a group has no workers"),
     ("planner dtype", lambda: plan_exchange([one((0,))], [one((1,))], Placement.blocks(2, 1), {"w": ((8, 4), "fp8")}),
      r"dtype 'fp8' is not one of"),
-    ("blocks 0 workers", lambda: Placement.blocks(0, 8), r"need positive num_workers and per_node, got 0 and 8"),
-    ("blocks 0 per node", lambda: Placement.blocks(8, 0), r"need positive num_workers and per_node, got 8 and 0"),
+    ("blocks 0 workers", lambda: Placement.blocks(0, 8), r"num_workers must be a positive integer, got 0"),
+    ("blocks 0 per node", lambda: Placement.blocks(8, 0), r"per_node must be a positive integer, got 0"),
     ("empty placement", lambda: Placement(()), r"placement has no workers"),
     ("eta above 1", lambda: blend(1.5), r"blend eta must be a number within \[0, 1\], got 1.5"),
     ("eta below 0", lambda: blend(-0.1), r"blend eta must be a number within \[0, 1\], got -0.1"),

@@ -17,10 +17,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from realloc.layout import Layout
+from realloc.layout import Layout, Topology
+from realloc.layout.topology import PP_SPLIT_RULES, balanced_split, pp_layer_counts
 from realloc.shards import ShardStore, allocate_buffers
 from realloc.spec import ModelSpec, ParamSpec
-from realloc.topology import PP_SPLIT_RULES, Topology, balanced_split, pp_layer_counts
 
 try:
     from tests import oracle

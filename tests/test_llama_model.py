@@ -246,7 +246,7 @@ def test_fused_names_and_tied_head():
 
 
 def test_spec_and_hf_config_agree():
-    from realloc.hf_config import spec_from_hf_config
+    from realloc.spec import spec_from_hf_config
 
     for cfg in (CFG_TP2, CFG_TP4):
         hf = cfg.hf_config()

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 from actors.checkpoint import CheckpointManager  # noqa: E402
 from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import Topology  # noqa: E402
-from realloc.hf_config import load_spec  # noqa: E402
+from realloc.spec import load_spec  # noqa: E402
 from simulated import lose_node, simulated_cluster  # noqa: E402
 
 SPEC = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))

@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 
 from realloc.cli import main
-from realloc.hf_config import spec_from_hf_config
-from realloc.layout import Layout
-from realloc.moe_spec import checkpoint_state_dict
-from realloc.spec import ModelSpec
-from realloc.topology import Topology
+from realloc.layout import Layout, Topology
+from realloc.spec import ModelSpec, spec_from_hf_config
+from realloc.spec.moe import checkpoint_state_dict
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 #: transformers 5.x's parameter counts of the published configs (buffers not included).

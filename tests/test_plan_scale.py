@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import realloc.planner as planner
+import realloc.plan.planner as planner
 from realloc import Layout, Placement, Topology
-from realloc.pieces import PieceTable
+from realloc.layout import PieceTable
 from realloc.plan import Plan, StepTable
 from test_planner_properties import (
     FSDP8, Case, check_reallocation, fsdp_reallocations, fsdp_topologies, make_plan, reallocations, topologies,
@@ -116,7 +116,7 @@ def test_piece_table_of_engine_conventions(options, topology):
 
 def test_an_rl_loop_alternating_two_layouts_plans_each_direction_once():
     from actors.group import _plan
-    from realloc.planner import Bandwidths
+    from realloc.plan import Bandwidths
 
     spec = FSDP8.spec()
     train, generate = Layout(spec, Topology(fsdp=8)), Layout(spec, Topology(dp=2, tp=4))
@@ -149,7 +149,7 @@ def test_expert_process_groups_follow_megatrons_expert_mesh(topology):
     """Written from Megatron-core's RankGenerator(tp=etp, ep, dp=edp, pp, order "tp-ep-dp-pp"):
     inside a stage, rank = etp_rank + etp * (ep_rank + ep * edp_rank)."""
     from actors.parallel import GroupRanks
-    from realloc.hf_config import load_spec
+    from realloc.spec import load_spec
 
     spec = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
     t = Topology.parse(topology)

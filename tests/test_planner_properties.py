@@ -29,14 +29,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from realloc.layout import Group, Layout, Shard
-from realloc.local_executor import execute_in_process
-from realloc.placement import Placement
-from realloc.plan import Plan
-from realloc.planner import plan_exchange, plan_reallocation
-from realloc.shards import ShardStore, TORCH_DTYPES, allocate_buffers
+from realloc.layout import Group, Layout, Shard, Topology
+from realloc.plan import Placement, Plan, plan_exchange, plan_reallocation
+from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers, execute_in_process
 from realloc.spec import DTYPE_BYTES
-from realloc.topology import Topology
 
 try:
     from tests import oracle

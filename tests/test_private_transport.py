@@ -316,8 +316,7 @@ def _plan_for_steps():
 def _steps_worker(rank: int, port: int, n: int, ahead: int) -> None:
     import actors.executor as executor
     from actors.executor import PeerView, Staging, StepRunner
-    from realloc.local_executor import execute_in_process
-    from realloc.shards import ShardStore, allocate_buffers, copy_local
+    from realloc.shards import ShardStore, allocate_buffers, copy_local, execute_in_process
 
     executor.DIRECT_MIN_BYTES, executor.AHEAD_MESSAGES = 1024, ahead  # many messages, direct and staged
     a, b, plan = _plan_for_steps()

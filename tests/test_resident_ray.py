@@ -17,7 +17,7 @@ import torch
 
 from actors import ModelGroup, ReallocationError
 from realloc import ModelSpec, Topology
-from realloc.synthetic import synthetic_state_dict
+from realloc.shards.synthetic import synthetic_state_dict
 
 from simulated import simulated_cluster
 

@@ -1,4 +1,4 @@
-"""Shard stores address boxes by precomputed strides (realloc/shards.py: ShardIndex): every view
+"""Shard stores address boxes by precomputed strides (realloc/shards/store.py: ShardIndex): every view
 checked against numpy slicing of the shard's local tensor, described from the shard record."""
 
 from __future__ import annotations

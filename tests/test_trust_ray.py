@@ -25,7 +25,7 @@ from actors import ModelGroup, ReallocationError
 from actors.errors import StaleOperationError
 from realloc import ModelSpec, Topology
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
-from realloc.synthetic import synthetic_state_dict
+from realloc.shards.synthetic import synthetic_state_dict
 
 from simulated import simulated_cluster
 

@@ -1,6 +1,6 @@
-"""ZeRO-3 flat partitions (``Topology(fsdp_split="zero3")``, realloc/flat.py).
+"""ZeRO-3 flat partitions (``Topology(fsdp_split="zero3")``, realloc/layout/zero3.py).
 
-* :func:`realloc.flat.flat_range_boxes` against a brute force that enumerates elements;
+* :func:`realloc.layout.zero3.flat_range_boxes` against a brute force that enumerates elements;
 * every rank's buffers of a zero3 layout against tests/oracle.py's ZeRO-3 rule (flatten the
   tp-local tensor, pad, cut into ``fsdp`` equal parts: DeepSpeed's ``ds_tensor``), padding included;
 * plans between zero3 and other layouts, both directions, executed in process: destination buffers
@@ -20,13 +20,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from realloc.boxes import box_index
-from realloc.flat import flat_range_boxes, zero3_partition, zero3_pieces
-from realloc.layout import Layout
-from realloc.local_executor import execute_in_process
-from realloc.placement import Placement
-from realloc.planner import plan_reallocation
-from realloc.shards import ShardStore, TORCH_DTYPES, zero_padding
-from realloc.topology import FSDP_SPLIT_RULES, Topology
+from realloc.layout import Layout, Topology
+from realloc.layout.topology import FSDP_SPLIT_RULES
+from realloc.layout.zero3 import flat_range_boxes, zero3_partition, zero3_pieces
+from realloc.plan import Placement, plan_reallocation
+from realloc.shards import TORCH_DTYPES, ShardStore, execute_in_process, zero_padding
 
 try:
     from tests import oracle
@@ -328,9 +326,7 @@ def test_zero3_manifest_records_the_rule():
 
 
 def test_binding_a_zero3_layout_points_to_the_flat_partitions():
-    from realloc.binding import flat_views, shard_views
-    from realloc.fused import fused_views
-    from realloc.shards import allocate_buffers
+    from realloc.shards import allocate_buffers, flat_views, fused_views, shard_views
 
     topo = Topology(dp=2, fsdp=3, tp=2, fsdp_split="zero3")
     lay = Layout(ZERO8.spec(), topo)
@@ -354,8 +350,7 @@ def test_fsdp2_empty_chunks_bind_as_empty_tensors():
     there has 0 rows and the other dims of the tp shard (torch's _get_dim_chunked_size)."""
     from torch import nn
 
-    from realloc.binding import bind_module, shard_views
-    from realloc.shards import allocate_buffers
+    from realloc.shards import allocate_buffers, bind_module, shard_views
 
     d = oracle.Decoder(hidden=6, intermediate=24, layers=2, heads=4, kv_heads=2, head_dim=2, vocab=7,
                        qk_norm=True, dtype="bfloat16", norm_dtype="float32")

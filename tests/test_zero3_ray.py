@@ -7,7 +7,7 @@ import pytest
 
 from actors import ModelGroup
 from realloc import ModelSpec, Topology
-from realloc.flat import zero3_partition
+from realloc.layout.zero3 import zero3_partition
 
 from simulated import simulated_cluster
 

@@ -50,9 +50,8 @@ import torch
 
 from tools.cluster import ray_for_command
 from realloc.boxes import box_index
-from realloc.layout import Layout
+from realloc.layout import Layout, Topology
 from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers
-from realloc.topology import Topology
 
 BASELINES = ("driver", "broadcast", "dcp", "gather")
 DEFAULT_SRC = "dp=2,tp=2,pp=2"
@@ -157,7 +156,7 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from realloc.hf_config import load_spec as load_model
+    from realloc.spec import load_spec as load_model
 
     spec = load_model(args.model)
     transitions = parse_transitions(args.transitions, args.src, args.dst)
@@ -636,7 +635,7 @@ def _verify_state(ctx, how: str, seed: int, reference: list[dict[str, int]]) -> 
         mine = {slot: _crc(t) for slot, t in tensors.items()}
         want = reference[ctx.rank]
         return sorted(s for s in set(mine) | set(want) if mine.get(s) != want.get(s))
-    from realloc.synthetic import synthetic_box
+    from realloc.shards.synthetic import synthetic_box
 
     spec = _STATE["spec"]
     bad = []

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from realloc.ckpt.local_store import default_root
-from realloc.spec import preset_names
-from realloc.spec import ModelSpec, decoder_spec
-from realloc.topology import Topology
+from realloc.layout import Topology
+from realloc.spec import ModelSpec, decoder_spec, preset_names
 
 DEMO_MODEL = "demo-110m"
 

@@ -10,7 +10,7 @@ import torch
 
 from tools.cluster import ray_for_command
 from realloc.boxes import box_index
-from realloc.topology import Topology
+from realloc.layout import Topology
 
 DEFAULT_ROUTE = ["dp=2,tp=2,pp=2", "dp=1,tp=4,pp=2", "dp=2,tp=4,pp=1", "dp=8,tp=1,pp=1", "dp=2,tp=2,pp=2"]
 
@@ -54,8 +54,8 @@ def run_demo(args: argparse.Namespace) -> int:
     import json
 
     from actors.group import ModelGroup
-    from realloc.hf_config import load_spec
-    from realloc.synthetic import synthetic_state_dict
+    from realloc.shards.synthetic import synthetic_state_dict
+    from realloc.spec import load_spec
 
     layouts = [Topology.parse(t) for t in args.layouts.split(";") if t.strip()]
     if len(layouts) < 2:

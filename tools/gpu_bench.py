@@ -34,7 +34,7 @@ import torch
 
 from tools.bench import check_run_args, parse_transitions
 from tools.cluster import ray_for_command
-from realloc.topology import Topology
+from realloc.layout import Topology
 
 MB = 1 << 20
 #: Default transitions for 8 workers: FSDP trainer <-> TP engine, a pp change, a replicated engine.
@@ -69,7 +69,7 @@ def parse_gpu_transitions(text: str | None) -> list[tuple[Topology, Topology]]:
 
 
 def run_bench_gpu(args: argparse.Namespace) -> int:
-    from realloc.hf_config import load_spec
+    from realloc.spec import load_spec
 
     spec = load_spec(args.model)
     transitions = parse_gpu_transitions(args.transitions)

@@ -13,11 +13,9 @@ import time
 from realloc.ckpt.manifest import ShardRecord, param_table
 from realloc.ckpt.replication import cliques, file_table, replication_groups, retrieval_groups
 from realloc.ckpt.reshard import assign_readers, reshard_groups
-from realloc.layout import Layout
-from realloc.placement import Placement
-from realloc.planner import Bandwidths, plan_exchange
+from realloc.layout import Layout, Topology
+from realloc.plan import Bandwidths, Placement, plan_exchange
 from realloc.spec import ModelSpec
-from realloc.topology import Topology
 
 FRESH_NODE = "node-fresh"
 

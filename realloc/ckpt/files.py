@@ -26,8 +26,7 @@ from safetensors import safe_open
 
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.manifest import FORMAT, CheckpointId, Manifest, ShardRecord
-from realloc.layout import Layout
-from realloc.topology import Topology
+from realloc.layout import Layout, Topology
 from realloc.shards import TORCH_DTYPES
 
 TEMP_PREFIX = ".tmp-"

@@ -204,7 +204,7 @@ def load_shards(path: "str | Path", tensors: Mapping[str, HFTensor], mapping: Ma
         >>> from realloc.layout import Layout
         >>> from realloc.shards import allocate_buffers
         >>> from realloc import Topology
-        >>> from realloc.synthetic import synthetic_state_dict
+        >>> from realloc.shards.synthetic import synthetic_state_dict
         >>> spec, d = ModelSpec.preset("tiny"), tempfile.mkdtemp()
         >>> _ = save_hf_dir(synthetic_state_dict(spec), d)
         >>> lay = Layout(spec, Topology(tp=2))

@@ -34,7 +34,7 @@ import numpy as np
 from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.hf import Arena, check_max_shard_bytes, file_names, split_files
 from realloc.layout import Group, Layout
-from realloc.placement import Placement
+from realloc.plan import Placement
 
 
 @dataclass(frozen=True)

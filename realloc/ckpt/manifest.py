@@ -15,10 +15,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from realloc._checks import check_int, check_nonneg
 from realloc.ckpt.errors import CorruptFileError
-from realloc.layout import Layout, Shard
+from realloc.layout import Layout, Shard, Topology
+from realloc.layout.topology import DEFAULT_FSDP_SPLIT
 from realloc.spec import DTYPE_BYTES, ModelSpec, describe_difference
-from realloc.topology import DEFAULT_FSDP_SPLIT, Topology
 
 FORMAT = "realloc-ckpt/1"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -38,10 +39,8 @@ def check_run_id(run_id: object) -> str:
 
 def check_iteration(iteration: object) -> int:
     """``iteration`` if it is an integer in ``0..MAX_ITERATION``, else ``ValueError``."""
-    if not isinstance(iteration, int) or isinstance(iteration, bool) or not 0 <= iteration <= MAX_ITERATION:
-        raise ValueError(f"iteration must be a non-negative integer no larger than MAX_ITERATION = 2**63 - 1 = "
-                         f"{MAX_ITERATION}, got {iteration!r}")
-    return iteration
+    return check_int("iteration", iteration, 0, MAX_ITERATION, allowed="a non-negative integer no larger than "
+                     f"MAX_ITERATION = 2**63 - 1 = {MAX_ITERATION}")
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -88,8 +87,7 @@ class CheckpointId:
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
         check_iteration(self.iteration)
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
-            raise ValueError(f"rank must be a non-negative integer, got {self.rank!r}")
+        check_nonneg("rank", self.rank)
 
     @property
     def iteration_dir(self) -> str:
@@ -157,7 +155,7 @@ class Manifest:
     file_bytes: int
     sha256: str
     written_on: str  # the node the rank ran on when it saved
-    vocab_pad_rule: str = "megatron"  # engine conventions (realloc.conventions); in JSON only when not
+    vocab_pad_rule: str = "megatron"  # engine conventions (realloc.layout.conventions); in JSON only when not
     qkv_order: str = "hf"  # the default, so manifests of default layouts are unchanged
     expert_order: str = "hf"
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping
 
+from realloc._checks import check_positive
 from realloc.layout import Group
-from realloc.placement import Placement
-from realloc.plan import Plan
+from realloc.plan import Placement, Plan
 
 FILE_PREFIX = "ckpt/rank"
 
@@ -34,8 +34,7 @@ def cliques(world_size: int, jump: int, factor: int) -> list[tuple[int, ...]]:
         [(0, 2, 4), (1, 3, 5)]
     """
     for name, value in (("world size", world_size), ("replication jump", jump), ("replication factor", factor)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(name, value)
     block = jump * factor
     if world_size % block:
         raise ValueError(

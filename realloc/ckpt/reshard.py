@@ -26,7 +26,7 @@ import torch
 from realloc.ckpt.errors import MissingShardsError
 from realloc.ckpt.manifest import ShardRecord, param_table
 from realloc.layout import Group, Layout, Shard
-from realloc.placement import Placement
+from realloc.plan import Placement
 from realloc.shards import TORCH_DTYPES, ShardStore
 
 Key = tuple[str, tuple[int, ...], tuple[int, ...]]

@@ -26,8 +26,8 @@ import re
 from typing import Any, Callable, Mapping, TypeVar
 
 from realloc._checks import check_nonneg, is_int
-from realloc._hf_fields import flag, head_dim_of, kv_heads_of, optional_positive_int, positive_int, with_biases
-from realloc.spec import ModelSpec, ParamSpec, decoder_spec
+from realloc.spec._hf_fields import flag, head_dim_of, kv_heads_of, optional_positive_int, positive_int, with_biases
+from realloc.spec.model import ModelSpec, ParamSpec, decoder_spec
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 

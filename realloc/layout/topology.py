@@ -18,7 +18,7 @@ With ``fsdp == 1`` this is the order above. :meth:`Topology.coords` keeps return
 ``(dp_rank, tp_rank, pp_rank)``; :meth:`Topology.coords4` gives ``(dp, fsdp, tp, pp)`` ranks.
 ``Topology.fsdp_split`` names how the fsdp ranks cut a tp shard (:data:`FSDP_SPLIT_RULES`):
 ``"fsdp2"`` (default, FSDP2's ``torch.chunk`` rows) or ``"zero3"`` (DeepSpeed ZeRO-3's flat,
-padded partitions; realloc/flat.py). With ``fsdp == 1`` both are the same and it reads ``"fsdp2"``.
+padded partitions; realloc/layout/zero3.py). With ``fsdp == 1`` both are the same and it reads ``"fsdp2"``.
 
 Which transformer layers a pipeline stage holds must be what the engine holding the weights
 builds, or the shards are the wrong layers. ``Topology.layer_split`` gives the counts per stage
@@ -59,6 +59,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from realloc._checks import check_positive, is_int
+
 if TYPE_CHECKING:
     from realloc.spec import ModelSpec
 
@@ -98,8 +100,7 @@ def pp_layer_counts(num_layers: int, pp: int, rule: str = DEFAULT_PP_SPLIT) -> t
     """
     _check_rule(rule)
     for what, value in (("num_layers", num_layers), ("pp", pp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        check_positive(what, value)
     if pp > num_layers:
         raise ValueError(f"pp={pp} is larger than the {num_layers} layers")
     base, extra = divmod(num_layers, pp)
@@ -173,8 +174,7 @@ class Topology:
             value = getattr(self, dim)
             if dim == "etp" and value is None:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"topology {dim} must be a positive integer, got {value!r}")
+            check_positive(f"topology {dim}", value)
         if self.etp == self.tp:  # the default, spelled out
             object.__setattr__(self, "etp", None)
         block, experts = self.dp * self.tp, self.ep * self.expert_tp
@@ -191,7 +191,7 @@ class Topology:
             object.__setattr__(self, "layer_split", split)
             if len(split) != self.pp:
                 raise ValueError(f"layer_split {split} has {len(split)} stages but pp={self.pp}")
-            if any((not isinstance(n, int)) or isinstance(n, bool) or n < 1 for n in split):
+            if any(not is_int(n) or n < 1 for n in split):
                 raise ValueError(f"layer_split {split}: every stage needs at least one layer")
         _check_rule(self.pp_split)
         _check_rule(self.fsdp_split, "fsdp_split", FSDP_SPLIT_RULES)

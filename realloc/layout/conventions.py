@@ -47,7 +47,7 @@ buffer (docs/conventions.md, "Expert parallelism").
   ``[shard, 2 * shard)`` for ``w3`` (up), each the etp rank's slice), then ``w2_weight``
   ``[local_experts, hidden, inter / etp]`` (``_load_w2``: the down projection's columns of the etp
   rank). Both are one contiguous region of the rank's buffer, at the place of the layer's first
-  expert tensor; :func:`realloc.fused.fused_views` gives them as
+  expert tensor; :func:`realloc.shards.fused.fused_views` gives them as
   ``model.layers.N.mlp.experts.w13_weight`` / ``w2_weight`` views.
 
 The MLP needs no option: Megatron's ``linear_fc1`` with ``gated_linear_unit`` holds
@@ -64,7 +64,7 @@ from realloc._checks import check_choice
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, ParamSpec, vocab_units_per_rank
 
 if TYPE_CHECKING:
-    from realloc.topology import Topology
+    from realloc.layout.topology import Topology
 
 #: Names ``Layout(qkv_order=...)`` accepts; the first is the default.
 QKV_ORDERS = ("hf", "megatron")

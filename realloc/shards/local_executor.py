@@ -7,7 +7,8 @@ from typing import Mapping
 import torch
 
 from realloc.plan import Plan, bucket_nbytes
-from realloc.shards import ShardStore, copy_local, pack, unpack
+from realloc.shards.copies import copy_local, pack, unpack
+from realloc.shards.store import ShardStore
 
 
 def execute_in_process(plan: Plan, src: Mapping[int, ShardStore], dst: Mapping[int, ShardStore]) -> dict:

@@ -1,5 +1,5 @@
 """Typed reads of Hugging Face ``config.json`` fields, shared by the dense and the
-mixture-of-experts spec builders (:mod:`realloc.hf_config`, :mod:`realloc.moe_spec`).
+mixture-of-experts spec builders (:mod:`realloc.spec.hf_config`, :mod:`realloc.spec.moe`).
 
 The module is private to the spec builders; its names are public to them. Every reader takes
 ``source`` (how the config is named in messages) and raises ``ValueError`` naming the field.
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from realloc._checks import check_positive, is_int
-from realloc.spec import ModelSpec, ParamSpec
+from realloc.spec.model import ModelSpec, ParamSpec
 
 __all__ = ["is_positive", "positive_int", "optional_positive_int", "flag", "kv_heads_of", "head_dim_of",
            "with_biases"]

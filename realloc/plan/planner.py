@@ -41,11 +41,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from realloc._checks import check_int, check_number, is_int
 from realloc.boxes import Box, split_rows
-from realloc.layout import Group, Layout
-from realloc.pieces import PieceTable
-from realloc.placement import Placement
-from realloc.plan import BUCKET_ALIGN, IndexChain, Plan, Segment, SegmentTable, StepTable, bucket_count
+from realloc.layout import Group, Layout, PieceTable
+from realloc.plan.placement import Placement
+from realloc.plan.records import BUCKET_ALIGN, Plan, Segment, bucket_count
+from realloc.plan.tables import IndexChain, SegmentTable, StepTable
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,7 @@ class Bandwidths:
 
     def __post_init__(self) -> None:
         for name in ("intra_node", "inter_node", "local_copy"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"bandwidth {name} must be positive, got {getattr(self, name)!r}")
+            check_number(f"bandwidth {name}", getattr(self, name), positive=True, allowed="positive")
 
 
 ParamTable = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
@@ -97,8 +96,7 @@ def plan_exchange(
         (32, 32)
     """
     started = time.perf_counter()
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1024:
-        raise ValueError(f"bucket_bytes must be an integer of at least 1024, got {bucket_bytes!r}")
+    check_int("bucket_bytes", bucket_bytes, 1024)
     holdings, needs = (x if isinstance(x, PieceTable) else PieceTable.of_groups(x) for x in (holdings, needs))
     _validate(holdings, needs, placement, params)
     bundles, lower_bound_parts = _bundles(holdings, needs, params, placement)
@@ -160,7 +158,7 @@ def plan_reallocation(
         if workers is None:
             continue
         if isinstance(workers, (str, bytes)) or not isinstance(workers, Sequence) or any(
-                not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in workers):
+                not is_int(w) or w < 0 for w in workers):
             raise ValueError(f"{name} must be a sequence of non-negative worker ids, got {workers!r}"[:200])
         repeated = sorted({w for w in workers if list(workers).count(w) > 1})
         if repeated:

@@ -1,7 +1,7 @@
 """Model specs from Hugging Face ``config.json`` files, without depending on ``transformers``.
 
 Supported: dense decoder LLMs whose weights follow the Llama naming (``llama``, ``mistral``,
-``qwen2`` and ``qwen3``) and the mixture-of-experts decoders of :mod:`realloc.moe_spec`
+``qwen2`` and ``qwen3``) and the mixture-of-experts decoders of :mod:`realloc.spec.moe`
 (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``deepseek_v2``, ``deepseek_v3``). Defaults for fields
 a config leaves out are the ones the matching ``transformers`` config class uses, so the spec
 matches the checkpoint's tensors.
@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from realloc._hf_fields import flag, head_dim_of, is_positive, kv_heads_of, positive_int, with_biases
-from realloc.moe_spec import MOE_MODEL_TYPES, moe_spec
-from realloc.spec import ModelSpec, decoder_spec, describe_difference, preset, preset_names
+from realloc.spec._hf_fields import flag, head_dim_of, is_positive, kv_heads_of, positive_int, with_biases
+from realloc.spec.model import ModelSpec, decoder_spec, describe_difference, preset, preset_names
+from realloc.spec.moe import MOE_MODEL_TYPES, moe_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: Weight dtypes a config may ask for (``torch_dtype``, or ``dtype`` in newer configs).

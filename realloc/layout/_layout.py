@@ -18,16 +18,16 @@ is empty (the last fsdp ranks when ``n < fsdp`` or chunks do not fill them) has 
 that parameter in its table at all (FSDP2 keeps a zero-size local tensor there). With
 ``fsdp == 1`` nothing changes. See docs/conventions.md, "Sharded data parallelism (FSDP2/HSDP)".
 With ``Topology.fsdp_split == "zero3"`` the tp box is instead flattened and cut as DeepSpeed
-ZeRO-3 does (:func:`realloc.flat.zero3_pieces`): a rank holds up to three shards of a 2-D
+ZeRO-3 does (:func:`realloc.layout.zero3.zero3_pieces`): a rank holds up to three shards of a 2-D
 parameter, consecutive in its buffer, the last padded (or one padding-only shard of empty box).
 
 Expert parallelism (``Topology.ep > 1`` or ``etp != tp``; docs/conventions.md, "Expert
 parallelism"): the dense parameters are laid out as above, by ``(tp_rank, pp_rank)``; a routed
 expert's tensors (``ParamSpec.expert``) are held by the ranks of the expert-parallel rank
-(:meth:`~realloc.topology.Topology.expert_coords`) whose contiguous block of experts contains it
+(:meth:`~realloc.layout.topology.Topology.expert_coords`) whose contiguous block of experts contains it
 (:func:`expert_range`), cut ``etp`` ways along their tp dim. A rank's shards are its dense and
 expert shards in forward order (``expert_order="vllm"``: vLLM's fused expert buffers, see
-:mod:`realloc.conventions`). The planner input then has two kinds of groups per stage: dense
+:mod:`realloc.layout.conventions`). The planner input then has two kinds of groups per stage: dense
 groups (one per tp rank, over dp) and expert groups (one per ``(etp_rank, ep_rank)``, over the
 expert data-parallel replicas); a rank is in one of each, and for every parameter the groups
 holding it are disjoint.
@@ -41,12 +41,13 @@ from functools import cached_property
 
 import numpy as np
 
+from realloc._checks import check_positive
 from realloc.boxes import Box
-from realloc.conventions import check_options, megatron_qkv_order, vllm_expert_order
-from realloc.flat import zero3_pieces
-from realloc.pieces import Group, PieceTable
+from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_expert_order
+from realloc.layout.holdings import Group, PieceTable
+from realloc.layout.topology import Topology
+from realloc.layout.zero3 import zero3_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
-from realloc.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Layout:
     every element identically: same spec, same dp/tp/pp, same *effective* layers per stage
     (an explicit ``layer_split`` equal to the default rule's split is the same layout) and the
     same padding and engine conventions (``vocab_pad_rule``, ``qkv_order``, ``expert_order``:
-    see :mod:`realloc.conventions`; ``layout.options`` holds all four). Layouts are hashable and
+    see :mod:`realloc.layout.conventions`; ``layout.options`` holds all four). Layouts are hashable and
     pickle without their cached shard tables.
 
     Example:
@@ -126,8 +127,7 @@ class Layout:
             raise ValueError(f"a layout needs a realloc.ModelSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
             raise ValueError(f"a layout needs a realloc.Topology, got {type(topology).__name__}")
-        if not isinstance(vocab_pad_multiple, int) or isinstance(vocab_pad_multiple, bool) or vocab_pad_multiple < 1:
-            raise ValueError(f"vocab_pad_multiple must be a positive integer, got {vocab_pad_multiple!r}")
+        check_positive("vocab_pad_multiple", vocab_pad_multiple)
         topology.check(spec)
         check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order, expert_order)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
@@ -137,7 +137,7 @@ class Layout:
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple
-        self.vocab_pad_rule = vocab_pad_rule  # realloc.conventions: engine conventions
+        self.vocab_pad_rule = vocab_pad_rule  # realloc.layout.conventions: engine conventions
         self.qkv_order = qkv_order
         self.expert_order = expert_order
         self.stages = topology.stage_layers(spec)
@@ -259,7 +259,7 @@ class Layout:
 
     def _ordered(self, entries: list[tuple]) -> list[tuple]:
         """Entries in forward order -> in the buffer order of the engine conventions."""
-        if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.conventions)
+        if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.layout.conventions)
             entries = megatron_qkv_order(entries, self.topology.tp)
         if self.expert_order == "vllm":  # vLLM's w13_weight / w2_weight per layer
             entries = vllm_expert_order(entries)
@@ -455,7 +455,7 @@ class Layout:
         return PieceTable(groups, tables, boxes_checked=True)
 
     def piece_table(self, workers: list[int] | None = None) -> PieceTable:
-        """:meth:`groups` as a :class:`~realloc.pieces.PieceTable` (the same groups in the same
+        """:meth:`groups` as a :class:`~realloc.layout.holdings.PieceTable` (the same groups in the same
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
         t = self.topology

@@ -18,7 +18,7 @@ ranks by flattening it (``param.contiguous().view(-1)``) and cutting the flat te
 A layout with ``Topology(fsdp_split="zero3")`` holds a rank's flat range of a tp box as the few
 boxes :func:`flat_range_boxes` cuts it into, consecutive in the rank's buffer, so the buffer
 slice is exactly the ``ds_tensor`` (:func:`zero3_pieces`; see docs/conventions.md, "ZeRO-3 flat
-partitions"). This module is the geometry alone; :func:`realloc.binding.flat_views` gives a
+partitions"). This module is the geometry alone; :func:`realloc.shards.views.flat_views` gives a
 rank's partitions as tensors.
 """
 

@@ -23,8 +23,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from realloc.layout import RankLayout
-from realloc.topology import Topology
+from realloc.layout import RankLayout, Topology
 
 #: Mesh dimension names and the topology field each one sets.
 MESH_NAMES = {"dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp", "fsdp": "fsdp", "tp": "tp"}

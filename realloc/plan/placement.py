@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from realloc._checks import check_positive
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -35,9 +37,8 @@ class Placement:
     @staticmethod
     def blocks(num_workers: int, per_node: int) -> "Placement":
         """Workers filled into nodes in order, ``per_node`` each (the usual GPU-cluster packing)."""
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (num_workers, per_node)) \
-                or num_workers < 1 or per_node < 1:
-            raise ValueError(f"need positive num_workers and per_node, got {num_workers} and {per_node}")
+        check_positive("num_workers", num_workers)
+        check_positive("per_node", per_node)
         return Placement(tuple(f"node-{w // per_node}" for w in range(num_workers)))
 
     @property

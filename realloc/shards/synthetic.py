@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from realloc.shards import TORCH_DTYPES
+from realloc.shards.store import TORCH_DTYPES
 
 _MULT = 2654435761  # Knuth's multiplicative hash constant
 

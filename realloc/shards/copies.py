@@ -1,194 +1,34 @@
-"""Shard stores: a rank's flat per-dtype buffers, addressed by global boxes.
+"""Copies between a rank's shards and bucket bytes: what local copies, packing and unpacking do.
 
-Executors never see ranks or layouts, only stores: ``store.view(param, offsets, sizes)`` is the
-tensor view of that box inside whichever local shard contains it. Packing a bucket copies such
-views into a byte buffer; unpacking copies (or blends) them back. The in-process executor and
-the Ray actors use exactly these functions, on CPU tensors or CUDA tensors alike.
+Packing a bucket copies the views of its boxes (:meth:`~realloc.shards.store.ShardStore.view`)
+into a byte buffer; unpacking copies (or blends) them back. A copy list is planned as
+:class:`Copies` and run by :func:`copy_boxes`, which batches boxes of one kind of weight
+(:func:`stack_runs`) so a move costs a few kernel launches, not one per box. The in-process
+executor and the Ray actors use exactly these functions, on CPU tensors or CUDA tensors alike.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import threading
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Iterable, Mapping
 
 import torch
 
-from realloc.boxes import contains
-from realloc.layout import Layout, Shard
+from realloc._checks import check_number
 from realloc.plan import Piece, Segment
+from realloc.shards.store import TORCH_DTYPES, ShardStore
 
-TORCH_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
-}
-
-
-def allocate_buffers(layout: Layout, rank: int, device: "str | torch.device" = "cpu") -> dict[str, torch.Tensor]:
-    """Zeroed flat buffers (one per dtype) for ``rank`` of ``layout``."""
-    return {d: torch.zeros(n, dtype=TORCH_DTYPES[d], device=device) for d, n in layout.buffer_numels(rank).items()}
-
-
-def buffers_nbytes(buffers: Iterable[torch.Tensor]) -> int:
-    """Bytes held by ``buffers`` (flat buffers, kept layouts, spares)."""
-    return sum(t.numel() * t.element_size() for t in buffers)
-
-
-def local_tensor(shard: Shard, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The shard's local tensor (padding included): a view of its dtype's flat buffer."""
-    return buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.local_numel].view(shard.local_shape)
-
-
-@dataclass(frozen=True)
-class Address:
-    """Where a box lives in a rank's flat buffers: ``buffers[dtype]``'s elements from ``offset``
-    with ``strides`` (row-major inside its shard's local tensor, padding included)."""
-
-    dtype: str
-    offset: int
-    strides: tuple[int, ...]
-
-
-class ShardIndex:
-    """A rank's shards by param, and the :class:`Address` of every box asked for: pure numbers,
-    computed once per box. A worker's stores change buffers every move but not their shards, so
-    one index serves every store over the same shards (:meth:`of`).
-
-    Example:
-        >>> from realloc import ModelSpec, Topology
-        >>> index = ShardIndex(Layout(ModelSpec.preset("tiny"), Topology(tp=2)).shards(1))
-        >>> index.by_param["model.layers.0.mlp.down_proj.weight"][0].offsets  # columns 96.. of 192
-        (0, 96)
-        >>> index.addresses("model.layers.0.mlp.down_proj.weight", (0, 100), (96, 4))
-        (Address(dtype='bfloat16', offset=77284, strides=(96, 1)),)
-    """
-
-    #: ``of``'s memo: id of a shards tuple -> (the tuple, its index). Layouts hand out the same
-    #: tuple for a rank every time; holding it keeps its id from being reused while cached.
-    _by_tuple: "OrderedDict[int, tuple[tuple[Shard, ...], ShardIndex]]" = OrderedDict()
-    _KEPT = 64
-    _lock = threading.Lock()  # stores are built in a worker's threads too (local copies, saves)
-
-    def __init__(self, shards: Iterable[Shard]):
-        self.by_param: dict[str, list[Shard]] = {}
-        for s in shards:
-            self.by_param.setdefault(s.param, []).append(s)
-        self._memo: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[Address, ...]] = {}
-
-    @cached_property
-    def padded(self) -> tuple[Shard, ...]:
-        """The shards whose local tensor is larger than their box (vocabulary padding)."""
-        return tuple(s for shards in self.by_param.values() for s in shards if s.sizes != s.local_shape)
-
-    @classmethod
-    def of(cls, shards: "Iterable[Shard] | ShardIndex") -> "ShardIndex":
-        """The index of ``shards``: itself if it is one, the cached one of a tuple seen before
-        (the last 64), else a new one."""
-        if isinstance(shards, ShardIndex):
-            return shards
-        if not isinstance(shards, tuple):
-            return cls(shards)
-        with cls._lock:
-            entry = cls._by_tuple.get(id(shards))
-            if entry is not None and entry[0] is shards:
-                cls._by_tuple.move_to_end(id(shards))
-                return entry[1]
-            index = cls(shards)
-            cls._by_tuple[id(shards)] = (shards, index)
-            while len(cls._by_tuple) > cls._KEPT:
-                cls._by_tuple.popitem(last=False)
-            return index
-
-    def addresses(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Address, ...]:
-        """Every local copy of the box (several when the rank holds the param twice); ``KeyError``
-        naming the box when no shard contains it."""
-        key = (param, tuple(offsets), tuple(sizes))
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = tuple(
-                _address(shard, key[1]) for shard in self.by_param.get(param, ()) if contains(shard.box, key[1:]))
-            if not found:
-                raise KeyError(f"this rank holds no shard of {param!r} containing offsets={key[1]} sizes={key[2]}")
-        return found
-
-
-def _address(shard: Shard, offsets: tuple[int, ...]) -> Address:
-    """The address of the box at ``offsets`` (global) inside ``shard``'s local tensor."""
-    strides = [1] * len(shard.local_shape)
-    for d in range(len(strides) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shard.local_shape[d + 1]
-    offset = shard.buffer_offset + sum((o - so) * st for o, so, st in zip(offsets, shard.offsets, strides))
-    return Address(shard.dtype, offset, tuple(strides))
-
-
-class ShardStore:
-    """Boxes of global tensors backed by one rank's flat buffers.
-
-    ``shards``: the rank's shards, or their :class:`ShardIndex` (a tuple of shards seen before
-    reuses its index: building a store is then a dict copy).
-
-    Example:
-        >>> from realloc import ModelSpec, Topology
-        >>> lay = Layout(ModelSpec.preset("tiny"), Topology(tp=2))
-        >>> store = ShardStore(lay.shards(0), allocate_buffers(lay, 0))
-        >>> store.view("model.norm.weight", (0,), (64,)).shape
-        torch.Size([64])
-    """
-
-    def __init__(self, shards: "Iterable[Shard] | ShardIndex", buffers: Mapping[str, torch.Tensor]):
-        self.buffers = dict(buffers)
-        self.index = ShardIndex.of(shards)
-
-    @cached_property
-    def by_param(self) -> dict[str, list[tuple[Shard, torch.Tensor]]]:
-        """Param -> ``(shard, local tensor)`` of each of its shards here (built when first asked)."""
-        return {param: [(s, local_tensor(s, self.buffers)) for s in shards]
-                for param, shards in self.index.by_param.items()}
-
-    def shard_tensors(self) -> dict[str, torch.Tensor]:
-        """Slot name -> local tensor (the rank's model as its code sees it, padding included).
-
-        A slot held as several shards (``Layout(qkv_order="megatron")``'s q/k/v) is left out: it
-        is no single tensor (``realloc.fused.fused_views(..., convention="megatron")`` has it)."""
-        pairs = [(s.slot, t) for entries in self.by_param.values() for s, t in entries]
-        count = Counter(slot for slot, _ in pairs)
-        return {slot: t for slot, t in pairs if count[slot] == 1}
-
-    def views(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[torch.Tensor]:
-        """Every local view of the box (several when the rank holds the param twice)."""
-        out = []
-        for a in self.index.addresses(param, offsets, sizes):
-            buf = self.buffers[a.dtype]
-            out.append(buf.as_strided(sizes, a.strides, buf.storage_offset() + a.offset))
-        return out
-
-    def view(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        return self.views(param, offsets, sizes)[0]
-
-    def write(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...], value: torch.Tensor) -> None:
-        """Write a box into every local copy of it."""
-        for view in self.views(param, offsets, sizes):
-            view.copy_(value)
-
-
-def zero_padding(store: ShardStore) -> None:
-    """Zero every local element outside the shards' boxes (vocabulary padding)."""
-    for shard in store.index.padded:
-        local = local_tensor(shard, store.buffers)
-        for d, (size, full) in enumerate(zip(shard.sizes, shard.local_shape)):
-            if full > size:
-                local.narrow(d, size, full - size).zero_()
+__all__ = ["SMALL_COPY_BYTES", "Copies", "blend_into", "check_eta", "copy_boxes", "copy_local", "grouped_copies",
+           "local_copies", "pack", "pack_copies", "stack_runs", "unpack", "unpack_copies", "weight_kind"]
 
 
 @dataclass
 class Copies:
     """Pairs of views to copy, ``outs[k] <- ins[k]``, each labelled with its weight's kind (what
     :func:`stack_runs` stacks by), and the bytes they carry: what a local copy, a pack and an
-    unpack plan before :func:`copy_boxes` runs them (or ``realloc.copy_program`` compiles them)."""
+    unpack plan before :func:`copy_boxes` runs them (or ``realloc.shards.copy_program`` compiles them)."""
 
     outs: list[torch.Tensor]
     ins: list[torch.Tensor]
@@ -371,9 +211,7 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
 
 def check_eta(eta: object) -> float:
     """``eta`` as a float in [0, 1]; ``ValueError`` for anything else (bools and strings included)."""
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0.0 <= eta <= 1.0:
-        raise ValueError(f"blend eta must be a number within [0, 1], got {eta!r}")
-    return float(eta)
+    return float(check_number("blend eta", eta, minimum=0.0, maximum=1.0, allowed="a number within [0, 1]"))
 
 
 def blend_into(new: Mapping[str, torch.Tensor], old: Mapping[str, torch.Tensor], eta: float) -> None:

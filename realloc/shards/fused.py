@@ -1,25 +1,25 @@
 """Engines' fused tensors of a rank as views of its flat buffers: :func:`fused_views`.
 
-Per layer ``N`` of the rank, zero-copy, next to the rank's :func:`~realloc.binding.shard_views`:
+Per layer ``N`` of the rank, zero-copy, next to the rank's :func:`~realloc.shards.views.shard_views`:
 
 * ``convention="vllm"``: vLLM's ``qkv_proj`` (``[q; k; v]``), ``gate_up_proj`` (``[gate; up]``)
   and, for a layout with ``expert_order="vllm"``, its ``FusedMoE`` buffers ``w13_weight`` and
   ``w2_weight``.
 * ``convention="megatron"`` (:func:`megatron_fused_views`): Megatron-core's module names, under
-  the global layer prefix ``model.layers.N.`` that :func:`realloc.binding.layer_name_map` maps
+  the global layer prefix ``model.layers.N.`` that :func:`realloc.shards.bind.layer_name_map` maps
   from local numbering:
 
   * ``model.layers.N.self_attention.linear_qkv.weight`` (and ``.bias`` with q/k/v biases):
     Megatron-core's ``SelfAttention.linear_qkv`` local tensor (megatron/core/transformer/attention.py):
     for each local query group, the q rows of its heads, then its k head, then its v head. One
     view of the buffer, which exists when the layout was built with ``qkv_order="megatron"``
-    (:mod:`realloc.conventions`), or when the rank holds a single query group (then it is
+    (:mod:`realloc.layout.conventions`), or when the rank holds a single query group (then it is
     ``[q; k; v]`` in any order).
   * ``model.layers.N.mlp.linear_fc1.weight``: ``linear_fc1`` with ``gated_linear_unit``
     (megatron/core/transformer/mlp.py: ``glu`` chunks the local output into gate and up):
     ``[gate; up]`` of the rank, adjacent in every layout (vLLM's ``gate_up_proj`` is the same rows).
 
-Each fused tensor is one :func:`~realloc.binding.fused_view` of the buffer: nothing is copied,
+Each fused tensor is one :func:`~realloc.shards.views.fused_view` of the buffer: nothing is copied,
 and a layout whose shards are not in that order gives a ``ValueError``.
 
 Example:
@@ -41,9 +41,9 @@ from typing import Mapping
 import torch
 
 from realloc._checks import check_choice
-from realloc.binding import fused_view, shard_views
-from realloc.conventions import expert_projection, megatron_qkv_order, qkv_triples
 from realloc.layout import RankLayout
+from realloc.layout.conventions import expert_projection, megatron_qkv_order, qkv_triples
+from realloc.shards.views import fused_view, shard_views
 
 __all__ = ["FUSED_CONVENTIONS", "FUSED_PARTS", "fused_views", "megatron_fused_views"]
 
@@ -81,7 +81,7 @@ def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     * ``model.layers.N.mlp.experts.w13_weight`` ``[local_experts, 2 * inter / etp, hidden]`` and
       ``...experts.w2_weight`` ``[local_experts, hidden, inter / etp]`` (Mixtral:
       ``block_sparse_moe.experts.*``): vLLM's ``FusedMoE`` buffers of the rank's routed experts,
-      when the layout was built with ``expert_order="vllm"`` (:mod:`realloc.conventions`); a
+      when the layout was built with ``expert_order="vllm"`` (:mod:`realloc.layout.conventions`); a
       layout in ``"hf"`` order has no such views (its expert tensors are per expert).
 
     (Names and part order: ``stacked_params_mapping`` in vllm/model_executor/models/llama.py.)
@@ -147,7 +147,7 @@ def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tens
 
 def megatron_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
                          padding: bool = False) -> dict[str, torch.Tensor]:
-    """:func:`~realloc.binding.shard_views` plus Megatron-core's ``linear_qkv`` and ``linear_fc1``
+    """:func:`~realloc.shards.views.shard_views` plus Megatron-core's ``linear_qkv`` and ``linear_fc1``
     views of every layer the rank holds."""
     views = shard_views(rank_layout, buffers, padding=padding)
     layout = rank_layout.layout

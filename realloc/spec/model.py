@@ -12,14 +12,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from realloc._checks import check_choice
+from realloc._checks import check_choice, is_int
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1, "uint8": 1}
 
 #: Where a parameter lives in the pipeline.
 ROLES = ("embed", "layer", "final", "head")
 #: Names ``Layout(vocab_pad_rule=...)`` accepts; the first is the default (docs/conventions.md
-#: and :mod:`realloc.conventions` describe each engine's rule).
+#: and :mod:`realloc.layout.conventions` describe each engine's rule).
 VOCAB_PAD_RULES = ("megatron", "vllm")
 
 
@@ -75,8 +75,7 @@ class ParamSpec:
     expert: int | None = None
 
     def __post_init__(self) -> None:
-        if self.expert is not None and (isinstance(self.expert, bool) or not isinstance(self.expert, int)
-                                        or self.expert < 0 or self.role != "layer"):
+        if self.expert is not None and (not is_int(self.expert) or self.expert < 0 or self.role != "layer"):
             raise ValueError(f"parameter {self.name!r}: expert {self.expert!r} must be a non-negative integer "
                              "on a layer parameter")
         if self.dtype not in DTYPE_BYTES:
@@ -131,7 +130,7 @@ class ParamSpec:
         ``stop - start`` is the global extent held; ``local_size`` can be larger (vocab padding to
         a multiple of ``pad_multiple * tp`` units, as Megatron's ``make_vocab_size_divisible_by``;
         ``pad_rule="vllm"``: to a multiple of ``pad_multiple``, then split over tp, see
-        :mod:`realloc.conventions`).
+        :mod:`realloc.layout.conventions`).
         """
         if self.tp_dim is None:
             raise ValueError(f"parameter {self.name!r} is replicated; it has no tp range")
@@ -163,7 +162,7 @@ class ModelSpec:
     holds the head but not the embedding keeps its own copy of the storage parameter.
 
     ``hf_config_json`` is the Hugging Face ``config.json`` the spec was made from
-    (:func:`~realloc.hf_config.spec_from_hf_config`), as canonical JSON text (sorted keys, no
+    (:func:`~realloc.spec.hf_config.spec_from_hf_config`), as canonical JSON text (sorted keys, no
     spaces), or ``None`` (presets, :func:`decoder_spec`). HF export writes it back; it takes no
     part in equality or hashing (two specs with the same parameters are the same model).
 

@@ -2,7 +2,7 @@
 
 Every copy a move makes inside a worker (a local copy, a zero-copy read of a same-node peer's
 buffers, packing a message into staging, unpacking one) is planned box by box
-(``realloc/shards.py``): a view per box and side, the same weight's boxes in every layer stacked
+(``realloc/shards/copies.py``): a view per box and side, the same weight's boxes in every layer stacked
 into one view, small dense pairs grouped into one ``_foreach_copy_``, the rest widened to 8-byte
 words. That planning is Python per box. An RL loop runs the same plans again and again on
 buffers of the same sizes, so a worker plans each copy list once: a :class:`CopyProgram` holds
@@ -26,7 +26,7 @@ from typing import Callable, Hashable, Mapping
 
 import torch
 
-from realloc.shards import Copies, grouped_copies
+from realloc.shards.copies import Copies, grouped_copies
 
 Buffers = Mapping[str, torch.Tensor]
 
