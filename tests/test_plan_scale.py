@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import realloc.plan.planner as planner
+import realloc.plan.schedule as schedule
 from realloc import Layout, Placement, Topology
 from realloc.layout import PieceTable
 from realloc.plan import Plan, StepTable
@@ -52,8 +52,8 @@ class large_form:
     """Every plan planned inside takes the large-plan form: arrays and the cyclic schedule."""
 
     def __enter__(self):
-        self.patches = [mock.patch.object(planner, "LARGE_PLAN_ROUTES", 0),
-                        mock.patch.object(planner, "_cyclic_suits", lambda src, dst: True)]
+        self.patches = [mock.patch.object(schedule, "LARGE_PLAN_ROUTES", 0),
+                        mock.patch.object(schedule, "cyclic_suits", lambda src, dst: True)]
         for p in self.patches:
             p.start()
 
@@ -135,13 +135,13 @@ def test_cyclic_schedule_only_where_it_costs_few_steps():
     width = 512
     src = np.repeat(np.arange(width), width - 1)  # everyone to everyone else: dense
     dst = (src + np.tile(np.arange(1, width), width)) % width
-    assert planner._cyclic_suits(src, dst)
+    assert schedule.cyclic_suits(src, dst)
     many = 50_000  # each of 50,000 workers sends to the same 4 offsets: degree 4
     sparse_src = np.repeat(np.arange(many), 4)
     sparse_dst = (sparse_src + np.tile(rng.choice(np.arange(1, 1000), 4, replace=False), many)) % many
-    assert planner._cyclic_suits(sparse_src, sparse_dst)  # the same 4 offsets everywhere: 4 colours
+    assert schedule.cyclic_suits(sparse_src, sparse_dst)  # the same 4 offsets everywhere: 4 colours
     scattered = (sparse_src + rng.integers(1, many, sparse_src.size)) % many  # 4 random peers each
-    assert not planner._cyclic_suits(sparse_src, scattered)
+    assert not schedule.cyclic_suits(sparse_src, scattered)
 
 
 @pytest.mark.parametrize("topology", ["dp=4,tp=2,pp=2,ep=4,etp=1", "dp=4,tp=2,ep=2", "dp=2,tp=4,ep=8,etp=1", "dp=2,tp=2,pp=2"])
