@@ -19,11 +19,10 @@ from realloc import Topology
 from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.hf import (INDEX_FILE, check_ties, export_state, load_shards, match_spec, save_hf_dir,
                              scan_hf_dir)
-from realloc.hf_config import hf_config_of
 from realloc.layout import Layout
 from realloc.shards import ShardStore, allocate_buffers
-from realloc.spec import decoder_spec
-from realloc.synthetic import synthetic_state_dict
+from realloc.shards.synthetic import synthetic_state_dict
+from realloc.spec import decoder_spec, hf_config_of
 
 TIED = decoder_spec("tied-llama", hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2, vocab=64, tied=True,
                     dtype="float32")

@@ -28,9 +28,9 @@ from actors.zero_copy import sweep_stale_buffers  # noqa: E402
 from realloc import Topology  # noqa: E402
 from realloc.ckpt.errors import CheckpointError  # noqa: E402
 from realloc.ckpt.hf import INDEX_FILE, export_state, save_hf_dir  # noqa: E402
-from realloc.hf_config import hf_config_of  # noqa: E402
+from realloc.spec import hf_config_of  # noqa: E402
 from realloc.spec import decoder_spec  # noqa: E402
-from realloc.synthetic import synthetic_state_dict  # noqa: E402
+from realloc.shards.synthetic import synthetic_state_dict  # noqa: E402
 
 from simulated import simulated_cluster  # noqa: E402
 
