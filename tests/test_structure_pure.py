@@ -100,3 +100,27 @@ def test_group_config_resolves_the_transport_and_the_gpu_share():
     assert shared.backend == "gloo" and shared.num_gpus == 0.125 and shared.bundle() == {"CPU": 1, "GPU": 0.125}
     assert GroupConfig(use_gpu=True, transport="gloo").backend == "gloo"
     assert GroupConfig(use_gpu=True, gpus_per_worker=2).bundle()["GPU"] == 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda j: j["steps"][0].__setitem__(0, [0, 5, j["steps"][0][0][2]]),
+     "uses worker 5 as a destination, but only workers \\[0, 1\\]"),
+    (lambda j: j["local_copies"].__setitem__(0, [7, 0]), "uses worker 7 as a source"),
+    (lambda j: j["segments"][0].__setitem__(0, "bogus"), "does not fit worker 0's .*no shard of 'bogus'"),
+    (lambda j: j["segments"][0].__setitem__(1, [400, 0]), "does not fit worker 0's .*offsets=\\(400, 0\\)"),
+    (lambda j: j["segments"][0].__setitem__(3, "float32"), "as float32, but worker 0's source store holds it as bfloat16"),
+])
+def test_the_in_process_executor_refuses_an_edited_plan_before_writing(edit, message):
+    """A plan read back from JSON after someone edited it fails with a ValueError naming what does
+    not fit, and nothing is written (it used to raise a bare KeyError mid-copy, or run a wrong dtype)."""
+    from realloc.shards import ShardStore, allocate_buffers, execute_in_process
+
+    spec = ModelSpec.preset("tiny")
+    a, b = Layout(spec, Topology(tp=2)), Layout(spec, Topology(dp=2))
+    data = plan_reallocation(spec, a, b, Placement.blocks(2, 1)).to_json()
+    edit(data)
+    src = {r: ShardStore(a.shards(r), {d: t.fill_(1) for d, t in allocate_buffers(a, r).items()}) for r in range(2)}
+    dst = {r: ShardStore(b.shards(r), allocate_buffers(b, r)) for r in range(2)}
+    with pytest.raises(ValueError, match=message):
+        execute_in_process(Plan.from_json(data), src, dst)
+    assert all(not t.any() for store in dst.values() for t in store.buffers.values())
