@@ -29,6 +29,7 @@ from actors.context import ShardChange
 from actors.errors import HookError, ReallocationError
 from actors.executor import PeerView
 from actors.remote import fire, gather
+from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
 from realloc.ckpt.hf import (CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, GENERATION_CONFIG_FILE, begin_hf_dir,
@@ -165,9 +166,8 @@ class CheckpointManager:
         if root is not None and (not str(root).strip() or not Path(root).is_absolute()):
             raise ValueError(f"root must be an absolute directory path (each worker resolves it on its own node), "
                              f"got {str(root)!r}")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not 0 < timeout_s < float("inf")):
-            raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
+        if timeout_s is not None:
+            check_finite("timeout_s", timeout_s, positive=True, allowed="a finite positive number of seconds")
         self.group = group
         self.root = Path(root) if root is not None else default_root()
         self.run_id = check_run_id(run_id) if run_id is not None else uuid.uuid4().hex[:12]

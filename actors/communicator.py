@@ -28,20 +28,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup
 
+from realloc._checks import check_int, check_number, check_positive, is_int
+
 log = logging.getLogger(__name__)
 
 _TAG = 0
 
 
 def _check_group_args(rank: int, size: int, device: torch.device, timeout_s: float) -> None:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"size must be an int >= 1, got {size!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
-        raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
+    check_positive("size", size)
+    check_int("rank", rank, 0, size - 1)
     if not isinstance(device, torch.device) or device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be a torch.device of type cpu or cuda, got {device!r}")
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    check_number("timeout_s", timeout_s, positive=True)
 
 
 def private_group(store: dist.Store, prefix: str, rank: int, size: int, device: torch.device,
@@ -205,7 +204,7 @@ class Communicators:
     def _key(self, ranks) -> tuple[int, ...]:
         if not isinstance(ranks, (tuple, list)) or not ranks:
             raise ValueError(f"ranks must be a non-empty tuple of ints, got {ranks!r}")
-        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world_size]
+        bad = [r for r in ranks if not is_int(r) or not 0 <= r < self.world_size]
         if bad:
             raise ValueError(f"ranks must be ints in [0, {self.world_size}), got {bad} in {tuple(ranks)}")
         key = tuple(sorted(ranks))

@@ -33,6 +33,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import torch
 from safetensors import safe_open
 
+from realloc._checks import check_positive
 from realloc.boxes import box_index
 from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.files import SAFETENSORS_DTYPES, atomic_write, replace_dir
@@ -250,9 +251,7 @@ def _changed_on_error(where: Path) -> Iterator[None]:
 
 
 def check_max_shard_bytes(max_shard_bytes: object) -> int:
-    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    return max_shard_bytes
+    return check_positive("max_shard_bytes", max_shard_bytes)
 
 
 def split_files(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from realloc._checks import check_positive
 from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.hf import Arena, check_max_shard_bytes, file_names, split_files
 from realloc.layout import Group, Layout
@@ -103,8 +104,8 @@ def assign_writers(layout: Layout, placement: Placement, max_shard_bytes: int,
     world = layout.topology.world_size
     if placement.num_workers < world:
         raise ValueError(f"placement has {placement.num_workers} workers, layout {layout.topology} needs {world}")
-    if writers is not None and (not isinstance(writers, int) or isinstance(writers, bool) or writers < 1):
-        raise ValueError(f"writers must be a positive integer, got {writers!r}")
+    if writers is not None:
+        check_positive("writers", writers)
     spec = layout.spec
     total = spec.total_bytes()
     count = min(world, writers if writers is not None else max(1, math.ceil(total / max_shard_bytes)))
