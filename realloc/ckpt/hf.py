@@ -374,8 +374,10 @@ def is_export_file(name: str) -> bool:
 
 def check_export_dir(path: object) -> Path:
     """The absolute directory an export goes to; ``ValueError`` for a non-path or an existing non-directory."""
-    if not isinstance(path, (str, Path)) or not str(path).strip():
-        raise ValueError(f"HF export directory must be a non-empty path, got {path!r}")
+    if not isinstance(path, (str, Path)):
+        raise ValueError(f"HF export directory must be a path, got {type(path).__name__}")
+    if not str(path).strip():
+        raise ValueError(f"HF export directory must be a non-empty path, got {str(path)!r}")
     target = Path(path).absolute()
     if (target.exists() or target.is_symlink()) and not target.is_dir():
         raise ValueError(f"HF export path {str(target)!r} exists and is not a directory: pass a directory "
