@@ -501,7 +501,7 @@ class CheckpointManager:
 
         Written: the weight files (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
         of at most ``max_shard_bytes`` tensor bytes each plus ``model.safetensors.index.json``),
-        ``config.json`` (``config``, default :func:`~realloc.hf_config.hf_config_of` of the spec:
+        ``config.json`` (``config``, default :func:`~realloc.spec.hf_config.hf_config_of` of the spec:
         the HF config it was made from, or one derived from its parameters) and
         ``generation_config.json`` (``generation_config``, default the config's bos/eos/pad ids;
         none when it has none). The tied head is not written.

@@ -2,7 +2,7 @@
 
 Every storage parameter (a tied head is not written: HF ties it to the embedding) is assembled
 once, whole, on one *writer* worker, which writes it into its own safetensors files; the driver
-never holds a tensor. The driver then runs one :func:`~realloc.planner.plan_exchange` with the
+never holds a tensor. The driver then runs one :func:`~realloc.plan.plan_exchange` with the
 group's current layout as holdings and the writers' whole tensors as needs, so the bytes a writer
 lacks move node-aware and balanced like any other plan (a part a writer holds is a local copy).
 
