@@ -70,29 +70,31 @@ class _CheckpointState:
 
 
 class CheckpointMixin:
-    """Runs inside a ShardWorker: uses ``spec, layout, rank, buffers, device, transport, allocator, node_id``."""
+    """Runs inside a ShardWorker: uses ``spec, layout, rank, buffers, device, transport, allocator, node_id``
+    of the worker's state (``self._realloc``, never the subclass's own attributes)."""
 
     def _ckpt(self) -> _CheckpointState:
-        state = getattr(self, "_ckpt_state", None)
+        state = getattr(self._realloc, "ckpt_state", None)
         if state is None:
-            state = self._ckpt_state = _CheckpointState()
+            state = self._realloc.ckpt_state = _CheckpointState()
         return state
 
     def _node_store(self, root: str, run_id: str) -> NodeStore:
-        return NodeStore(root, run_id, self.node_id)
+        return NodeStore(root, run_id, self._realloc.node_id)
 
     # -- save --------------------------------------------------------------------------------
     def ckpt_save(self, root: str, run_id: str, iteration: int, is_async: bool,
                   fault: CheckpointFault | None = None) -> dict:
         """Write this rank's file; with ``is_async`` snapshot the buffers and write in a thread."""
-        if self.layout is None or self.buffers is None:
+        if self._realloc.layout is None or self._realloc.buffers is None:
             raise RuntimeError("worker has no layout yet")
-        layout, rank, node = self.layout, self.rank, self.node_id
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        layout, rank, node = self._realloc.layout, self._realloc.rank, self._realloc.node_id
+        if self._realloc.device.type == "cuda":
+            torch.cuda.synchronize(self._realloc.device)
         # A synchronous save serialises straight from the buffers (that is the copy); an async one
         # must copy first, because training writes into the buffers while the thread serialises.
-        snapshot = {d: t.detach().to("cpu", copy=True) for d, t in self.buffers.items()} if is_async else self.buffers
+        buffers = self._realloc.buffers
+        snapshot = {d: t.detach().to("cpu", copy=True) for d, t in buffers.items()} if is_async else buffers
         job = _SaveJob()
         self._ckpt().saves[iteration] = job
         directory = self._node_store(root, run_id).iteration_dir(iteration)
@@ -128,7 +130,8 @@ class CheckpointMixin:
         if job.error is not None:
             self._ckpt().saves.pop(iteration, None)
             raise job.error
-        return {"rank": self.rank, "manifest": job.manifest, "seconds": job.seconds, "node": self.node_id}
+        return {"rank": self._realloc.rank, "manifest": job.manifest, "seconds": job.seconds,
+                "node": self._realloc.node_id}
 
     # -- listing and clean-up ----------------------------------------------------------------
     def ckpt_list(self, root: str, run_id: str, iterations: list[int] | None = None) -> Listing:
@@ -201,7 +204,7 @@ class CheckpointMixin:
         try:
             if mode == "replicate":
                 job = state.saves[payload["iteration"]]
-                src = boxes_store({(file_param(self.rank), (0,), (job.data.numel(),)): job.data})
+                src = boxes_store({(file_param(self._realloc.rank), (0,), (job.data.numel(),)): job.data})
             elif mode == "export":
                 src = self._store_now()
             else:
@@ -211,7 +214,7 @@ class CheckpointMixin:
             if mode == "reshard":
                 dst = op.store()
             elif mode == "export":
-                data, dst = arena.allocate(self.device) if arena is not None else (None, None)
+                data, dst = arena.allocate(self._realloc.device) if arena is not None else (None, None)
             else:
                 dst = boxes_store({(file_param(r), (0,), (m.file_bytes,)): torch.zeros(m.file_bytes, dtype=torch.uint8)
                                    for r, m in incoming.items()}) if incoming else None
@@ -219,16 +222,17 @@ class CheckpointMixin:
             for worker, j in plan.local_copies:
                 if worker == me:
                     moved["local"] += copy_local(src, dst, plan.segment_list(j))
-            runner = StepRunner(self.transport, self.device, plan, me, peers, src, dst, None)
+            runner = StepRunner(self._realloc.transport, self._realloc.device, plan, me, peers, src, dst, None)
             for s in range(len(plan.steps)):
                 for kind, nbytes in runner.run_step(s):
                     moved[kind] += nbytes
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if self._realloc.device.type == "cuda":
+                torch.cuda.synchronize(self._realloc.device)
             exchanged = time.perf_counter()
             local = any(worker == me for worker, _ in plan.local_copies)
             if mode == "export":
-                written = [] if arena is None else [{**f, "writer": self.rank, "node": self.node_id}
+                written = [] if arena is None else [{**f, "writer": self._realloc.rank,
+                                                     "node": self._realloc.node_id}
                                                     for f in arena.write(data, payload["root"])]
             else:
                 written = self._finish_exchange(mode, payload, incoming, dst, op, local)
@@ -247,14 +251,14 @@ class CheckpointMixin:
         if mode == "replicate":
             store = self._node_store(payload["root"], payload["run_id"])
             for r, m in files.items():
-                check_bytes(m, incoming[r], f"replica of rank {r} on {self.node_id}")
+                check_bytes(m, incoming[r], f"replica of rank {r} on {self._realloc.node_id}")
                 write_rank_file(store.iteration_dir(payload["iteration"]), m.numpy(), incoming[r])
             return len(files)
         if mode == "restore":
-            manifest = incoming[self.rank]
-            data = files[self.rank]
+            manifest = incoming[self._realloc.rank]
+            data = files[self._realloc.rank]
             if not local:  # bytes from a peer: verify end to end (a local copy was verified as it was read)
-                check_bytes(data, manifest, f"rank {self.rank} file received on {self.node_id}")
+                check_bytes(data, manifest, f"rank {self._realloc.rank} file received on {self._realloc.node_id}")
             loaded = buffers_from_bytes(data, manifest)
             expected = op.dst.buffer_numels()
             if {d: t.numel() for d, t in loaded.items()} != expected:

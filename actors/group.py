@@ -21,8 +21,10 @@ raise ``ValueError`` before any worker is contacted.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
+import pickle
 import threading
 import time
 import uuid
@@ -42,10 +44,10 @@ from actors.config import GroupConfig
 from actors.context import ShardChange
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
-from actors.remote import Workers, call_all, diagnose, gather, settle
+from actors.remote import Deadline, Workers, call_all, diagnose, gather, settle
 from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.world import World
-from actors.worker import CONTROL, ShardWorker
+from actors.worker import CONTROL, RESERVED_METHODS, ShardWorker
 from actors.zero_copy import sweep_stale_buffers
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
@@ -150,7 +152,7 @@ class ModelGroup:
 
         ``topology`` is a :class:`Topology`, its string (``"dp=2,tp=4"``) or a full
         :class:`Layout`; ``vocab_pad_multiple``, ``vocab_pad_rule`` and ``qkv_order`` (engine
-        conventions, :mod:`realloc.conventions`) build the layout from a topology (a Layout carries
+        conventions, :mod:`realloc.layout.conventions`) build the layout from a topology (a Layout carries
         its own: give one or the other). ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``gpus_per_worker``,
         ``transport``, ``strategy``, ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``zero_copy``, ``bandwidths``,
         ``runtime_env``), or pass ``config=``. Every argument is checked, and the cluster's
@@ -247,16 +249,19 @@ class ModelGroup:
 
     # -- one operation at a time ---------------------------------------------------------
     @contextlib.contextmanager
-    def _exclusive(self, what: str, *others: "ModelGroup") -> Iterator[None]:
+    def _exclusive(self, what: str, *others: "ModelGroup", deadline: Deadline | None = None) -> Iterator[None]:
+        """Hold the groups' locks; wait for each up to its timeout, or up to ``deadline`` (the
+        call's, which the operation run under the locks then shares)."""
         groups = sorted({id(g): g for g in (self, *others)}.values(), key=id)  # one global order: no deadlock
         taken = []
         try:
             for g in groups:
                 if g._closed:
                     raise ValueError(f"{what}: group {g.name!r} was shut down")
-                if not g._lock.acquire(timeout=g.timeout_s):
+                waited = time.monotonic()
+                if not g._lock.acquire(timeout=g.timeout_s if deadline is None else deadline.remaining()):
                     raise GroupBusyError(f"{what}: group {g.name!r} stayed busy with another operation for "
-                                         f"{g.timeout_s:.0f}s; nothing was done")
+                                         f"{time.monotonic() - waited:.0f}s; nothing was done", layout=str(g.layout))
                 taken.append(g)
                 if g._closed:
                     raise ValueError(f"{what}: group {g.name!r} was shut down")
@@ -266,13 +271,15 @@ class ModelGroup:
                 g._lock.release()
 
     def _call(self, method: str, what: str, *args: Any) -> list[Any]:
-        return call_all(self.workers, method, *args, timeout_s=self.timeout_s, what=f"{what} ({self.name})")
+        return call_all(self.workers, method, *args, timeout_s=self.timeout_s, what=f"{what} ({self.name})",
+                        layout=str(self.layout))
 
-    def _operation(self, dst: Layout, what: str, keeps: str, timeout_s: float | None = None) -> Operation:
-        return Operation(self.workers, [dst.at(r) for r in range(self.num_workers)], timeout_s or self.timeout_s,
-                         what, keeps)
+    def _operation(self, dst: Layout, what: str, keeps: str, timeout_s: "float | Deadline | None" = None) -> Operation:
+        """An operation of this group's workers into ``dst``; on failure they keep ``self.layout``."""
+        return Operation(self.workers, [dst.at(r) for r in range(self.num_workers)],
+                         self.timeout_s if timeout_s is None else timeout_s, what, keeps, str(self.layout))
 
-    def _weights_operation(self, what: str, timeout_s: float | None = None) -> Operation:
+    def _weights_operation(self, what: str, timeout_s: "float | Deadline | None" = None) -> Operation:
         """An operation that replaces this group's weights and keeps its layout."""
         return self._operation(self.layout, f"{what} ({self.name})",
                                f"group {self.name!r} keeps its previous weights in layout {self.layout}", timeout_s)
@@ -324,10 +331,12 @@ class ModelGroup:
         return out
 
     def _fill(self, what: str, how: str, *args: Any, timeout_s: float | None = None) -> list[int]:
-        """New weights from each worker's local data (``ShardWorker.op_fill``), as one operation;
-        returns the bytes each worker wrote."""
-        with self._exclusive(what):
-            op = self._weights_operation(what, timeout_s)
+        """New weights from each worker's local data (``ShardWorker.op_fill``), as one operation
+        under one deadline (``timeout_s``, default the group's; the lock wait included); returns
+        the bytes each worker wrote."""
+        deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
+        with self._exclusive(what, deadline=deadline):
+            op = self._weights_operation(what, deadline)
             op.prepare()
             written = op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
             op.commit()
@@ -383,11 +392,13 @@ class ModelGroup:
         """
         if not callable(fn):
             raise ValueError(f"run needs a callable fn(ctx, ...), got {type(fn).__name__}")
+        _check_arguments(fn, 1, args, kwargs, f"run: {getattr(fn, '__name__', type(fn).__name__)}")
         _check_writes(writes)
+        shipped = _shipped("run", fn, args, kwargs)
         with self._exclusive("run user function"):
             if writes:
                 self.version += 1
-            return self._call("run", "run user function", fn, args, kwargs)
+            return self._call("run", "run user function", *shipped)
 
     def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, writes: bool = True,
              **kwargs: Any) -> list[Any]:
@@ -405,8 +416,14 @@ class ModelGroup:
         if not isinstance(method, str) or method not in allowed:
             raise ValueError(f"{method!r} is not a method of worker class {self.worker_cls.__name__}; "
                              f"callable: {allowed or 'none (pass worker_cls= to ModelGroup.create)'}")
+        own = inspect.isfunction(inspect.getattr_static(self.worker_cls, method))  # takes self first
+        _check_arguments(getattr(self.worker_cls, method), int(own), args, kwargs,
+                         f"{self.worker_cls.__name__}.{method}")
         ranks = self._check_ranks(ranks)
         _check_writes(writes)
+        if not ranks:
+            return []  # no worker runs it: nothing is sent, the weights stay as they are
+        args, kwargs = _shipped(f"call({method!r})", args, kwargs)
         with self._exclusive(f"call {method}"):
             if writes:
                 self.version += 1
@@ -475,7 +492,14 @@ class ModelGroup:
         ``src`` (optional) must name the current layout; RL loops write
         ``group.reallocate(dst, src=train_topo)`` to get an error if they lost track. On any
         failure every live worker keeps the old layout and weights, ``group.layout`` is unchanged
-        and :class:`ReallocationError` says so, naming dead and unresponsive workers.
+        and :class:`ReallocationError` says so, naming dead, unresponsive and waiting workers
+        (``.layout == str(group.layout)``).
+
+        Deadline: the whole call (the wait for the group's lock, forming the world, the move) has
+        the group's ``timeout_s``; a failure raises within ``timeout_s + FAILURE_GRACE_S`` (5 s,
+        :mod:`actors.remote`) of the call, rollback included: the diagnosis' pings and the aborts
+        share that grace, and a worker that does not answer (stopped, hung) gets its abort queued,
+        not awaited. An ``on_shards_changed`` hook after a successful move has its own ``timeout_s``.
 
         ``keep="in_place"`` or ``"host"`` keeps the layout left behind resident (on the device,
         or copied to host memory), tagged with the weight version (actors/resident.py). Moving
@@ -485,7 +509,8 @@ class ModelGroup:
         started = time.perf_counter()
         keep = check_keep(keep)
         target = self.target(dst)
-        with self._exclusive("reallocate"):
+        deadline = Deadline(self.timeout_s)
+        with self._exclusive("reallocate", deadline=deadline):
             if src is not None:
                 claimed = self.target(src)
                 if claimed != self.layout:
@@ -493,7 +518,7 @@ class ModelGroup:
             before = self.layout
             order = KeepOrder(keep, self.version) if keep is not None and target != before else None
             op = self._operation(target, f"reallocate {self.name} {before} -> {target}",
-                                 f"group {self.name!r} stays in layout {before}")
+                                 f"group {self.name!r} stays in layout {before}", deadline)
             record = self._resident.get(target)
             try:
                 if record is not None and record.version == self.version:
@@ -502,9 +527,9 @@ class ModelGroup:
                     stats = _move([self], op, lambda: self._plan_to(target),
                                   [before.at(r) for r in range(self.num_workers)], self.placement, self.name,
                                   f"{before} -> {target}", started, keep=order)
-            except ReallocationError:
+            except ReallocationError as err:
                 self._resident.pop(target, None)  # no longer kept (the workers' aborts freed or restored it)
-                self._sync_resident()  # ... and freed everywhere
+                self._sync_resident(deadline.grace(), err.dead + err.unresponsive + err.waiting)  # ... and everywhere
                 raise
             self._resident.pop(target, None)  # adopted, or refreshed in place: the current layout now
             if order is not None:
@@ -530,14 +555,26 @@ class ModelGroup:
         with self._exclusive("list kept layouts"):
             return [replace(r, fresh=r.version == self.version) for r in self._resident.values()]
 
-    def release_resident(self, layouts: "Sequence[Topology | str | Layout] | None" = None) -> None:
-        """Free kept layouts (all of them by default) on every worker."""
+    def release_resident(self, layouts: "Sequence[Topology | str | Layout] | Topology | str | Layout | None" = None
+                         ) -> None:
+        """Free kept layouts on every worker: all of them (``None``), one (a :class:`Topology`, a
+        topology string or a :class:`Layout`) or a sequence of them. Every layout is checked
+        before anything is sent: one the group does not keep is a ``ValueError``."""
+        if isinstance(layouts, (str, Topology, Layout)):
+            layouts = [layouts]
+        elif layouts is not None and (isinstance(layouts, (bytes, Mapping)) or
+                                      not isinstance(layouts, (Sequence, set, frozenset))):
+            raise ValueError(f"layouts must be None (every kept layout), one layout (a realloc.Topology, a topology "
+                             f"string like 'dp=2,tp=4' or a realloc.Layout) or a sequence of them, "
+                             f"got {type(layouts).__name__} {layouts!r}"[:300])
         with self._exclusive("release kept layouts"):
             drop = list(self._resident) if layouts is None else list(dict.fromkeys(self.target(x) for x in layouts))
             unknown = [str(x) for x in drop if x not in self._resident]
             if unknown:
                 raise ValueError(f"group {self.name!r} keeps no layout {unknown}; kept: "
                                  f"{[str(x) for x in self._resident] or 'none'}")
+            if not drop:
+                return
             for layout in drop:
                 del self._resident[layout]
             self._call("resident_sync", "release kept layouts", self._resident_known())
@@ -545,10 +582,14 @@ class ModelGroup:
     def _resident_known(self) -> list[tuple[Layout, int]]:
         return [(layout, r.version) for layout, r in self._resident.items()]
 
-    def _sync_resident(self) -> None:
-        """After a failure: every live worker frees the kept layouts the driver does not list (best effort)."""
+    def _sync_resident(self, seconds: float = 30.0, busy: Sequence[str] = ()) -> None:
+        """After a failure: every live worker frees the kept layouts the driver does not list (best
+        effort). Waits up to ``seconds``, not for the workers named in ``busy`` (dead, silent, or
+        still in a failed call): theirs is queued behind what they run."""
         known = self._resident_known()
-        found = settle(self.workers, [a.resident_sync.remote(known) for a in self.workers.actors], 30.0)
+        refs = [a.resident_sync.remote(known) for a in self.workers.actors]
+        idle = [i for i, n in enumerate(self.workers.names) if n not in busy]
+        found = settle(self.workers.subset(idle), [refs[i] for i in idle], seconds)
         if found.dead or found.unresponsive or found.failed:
             log.warning("group %s: kept layouts not synchronised on %s", self.name,
                         list(found.dead + found.unresponsive + found.failed))
@@ -557,7 +598,9 @@ class ModelGroup:
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
 
         With ``eta``, ``other = eta * self + (1 - eta) * other`` (EMA-style blending). On failure
-        ``other`` keeps its old weights and this group is untouched.
+        ``other`` keeps its old weights and this group is untouched (the error's ``layout`` is
+        ``other``'s). One deadline, the larger ``timeout_s`` of the two, bounds the call as in
+        :meth:`reallocate` (a failure raises within it plus ``FAILURE_GRACE_S``).
         """
         if not isinstance(other, ModelGroup):
             raise ValueError(f"copy_to needs another ModelGroup, got {type(other).__name__}")
@@ -567,13 +610,15 @@ class ModelGroup:
             eta = check_eta(eta)
         self.spec.check_same_as(other.spec)
         started = time.perf_counter()
-        with self._exclusive("copy_to", other):
+        deadline = Deadline(max(self.timeout_s, other.timeout_s))
+        with self._exclusive("copy_to", other, deadline=deadline):
             n, m = self.num_workers, other.num_workers
             placement = Placement(self.placement.nodes + other.placement.nodes)
             label = f"{self.name}[{self.layout}] -> {other.name}[{other.layout}]"
             op = Operation(self.workers + other.workers, [None] * n + [other.layout.at(r) for r in range(m)],
-                           max(self.timeout_s, other.timeout_s), f"copy {label}",
-                           f"{other.name!r} keeps its previous weights and {self.name!r} is untouched")
+                           deadline, f"copy {label}",
+                           f"{other.name!r} keeps its previous weights and {self.name!r} is untouched",
+                           str(other.layout))
             stats = _move([self, other], op,
                           lambda: _plan(self.layout, other.layout, placement, tuple(range(n)), tuple(range(n, n + m)),
                                         self.config.bucket_bytes, self.config.bandwidths),
@@ -632,13 +677,13 @@ class ModelGroup:
             self._announce(ShardChange("replace", self.layout, self.layout), dead)
             return dead
 
-    def _ensure_world(self, groups: list["ModelGroup"]) -> World:
+    def _ensure_world(self, groups: list["ModelGroup"], deadline: Deadline | None = None) -> World:
         actors = [a for g in groups for a in g.workers.actors]
         current = groups[0].world
         if current is not None and current.alive and all(g.world is current for g in groups) and current.covers(actors):
             return current
         workers = Workers(tuple(actors), tuple(n for g in groups for n in g.workers.names))
-        world = World.form(workers, max(g.timeout_s for g in groups))
+        world = World.form(workers, max(g.timeout_s for g in groups), deadline)
         for g in groups:
             g.world = world
         return world
@@ -672,12 +717,16 @@ def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan]
           keep: KeepOrder | None = None) -> ReallocStats:
     """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
 
-    The caller holds the groups' locks and changes its state only after this returns.
+    The caller holds the groups' locks and changes its state only after this returns. Every wait,
+    forming the world included, shares ``op.deadline``; any failure aborts ``op``.
     """
     t0 = time.perf_counter()
     plan = make_plan()
     plan_seconds = time.perf_counter() - t0
-    world = groups[0]._ensure_world(groups)
+    try:
+        world = groups[0]._ensure_world(groups, op.deadline)
+    except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
+        op.abort(err)
     if blend is None:
         shared = [info["zero_copy"] for g in groups for info in g.infos]
         result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep)
@@ -698,9 +747,15 @@ def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan]
 
 def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, config: GroupConfig):
     """One worker actor, named, in bundle ``bundle`` of the group's placement group."""
+    args, kwargs = _worker_args(group, spec, config.zero_copy, config.backend)
     return remote_cls.options(
         name=actor_name, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-    ).remote(group, spec, config.zero_copy, backend=config.backend)
+    ).remote(*args, **kwargs)
+
+
+def _worker_args(group: str, spec: ModelSpec | None, zero_copy: bool, backend: str | None) -> tuple[tuple, dict]:
+    """What every worker class is started with: ``worker_cls(group, spec, zero_copy, backend=...)``."""
+    return (group, spec, zero_copy), {"backend": backend}
 
 
 def _placement_of(infos: list[dict]) -> Placement:
@@ -722,20 +777,69 @@ def _check_worker_cls(worker_cls: object) -> None:
     if not isinstance(worker_cls, type) or not issubclass(worker_cls, ShardWorker):
         raise ValueError(f"worker_cls must be a subclass of actors.ShardWorker, got {worker_cls!r}"[:200])
     own = [c for c in worker_cls.__mro__ if c is not object and not issubclass(ShardWorker, c)]  # the user's classes
-    clashes = sorted({n for c in own for n in vars(c) if n in _RESERVED and n != "on_shards_changed"})
+    clashes = sorted({n for c in own for n in vars(c)
+                      if (n in _RESERVED and n != "on_shards_changed") or n == "_realloc"})
     if clashes:
         raise ValueError(f"worker_cls {worker_cls.__name__} redefines methods the protocol relies on: {clashes}; "
-                         "rename them (only on_shards_changed is meant to be overridden)")
+                         "rename them (only on_shards_changed is meant to be overridden; _realloc holds the "
+                         "library's state; the reserved names are actors.worker.RESERVED_METHODS)")
+    if worker_cls.__init__ is ShardWorker.__init__:
+        return
+    signature = _signature(worker_cls.__init__)
+    if signature is None:
+        return  # no signature to check (not Python code): starting the workers tells
+    args, kwargs = _worker_args("group", None, True, None)
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"worker_cls {worker_cls.__name__}.__init__{signature} cannot take what every worker is "
+                         f"started with, {worker_cls.__name__}(group, spec, zero_copy, backend=...): {err}; allowed: "
+                         "no __init__ of your own, or def __init__(self, *args, **kwargs) that calls "
+                         "super().__init__(*args, **kwargs) (parameters of your own need defaults)") from None
 
 
-#: Names of ShardWorker's own attributes: a subclass must not redefine them, and ``call`` refuses them.
-_RESERVED = frozenset(n for n in dir(ShardWorker) if not n.startswith("__"))
+#: Names of ShardWorker's methods (the driver and the worker call them): a subclass must not
+#: redefine them, and ``call`` refuses them. Attributes are free: the library's state is ``_realloc``.
+_RESERVED = RESERVED_METHODS
 
 
 def _user_methods(worker_cls: type) -> list[str]:
     """Public methods the user's subclass adds (what ``ModelGroup.call`` may call)."""
     return sorted(n for n in dir(worker_cls) if not n.startswith("_") and n not in _RESERVED
                   and callable(getattr(worker_cls, n)))
+
+
+def _check_arguments(fn: Callable, leading: int, args: tuple, kwargs: dict, what: str) -> None:
+    """``ValueError`` when ``fn`` cannot take ``leading`` arguments (self, ctx) then ``args`` and
+    ``kwargs``: on the driver, before any traffic (not a ``TypeError`` from every worker)."""
+    signature = _signature(fn)
+    if signature is None:
+        return  # no signature to check (not Python code): the call itself tells
+    try:
+        signature.bind(*[None] * leading, *args, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"{what}{signature} cannot take these arguments: {err}") from None
+
+
+def _signature(fn: Callable) -> inspect.Signature | None:
+    """``fn``'s signature as its author wrote it (without the ``_ray_trace_ctx`` parameter Ray adds
+    to the methods of an actor class), or ``None`` when it has none."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"])
+
+
+def _shipped(what: str, *values: Any) -> list:
+    """``values`` put into Ray's object store (serialised once for all workers), or ``ValueError``
+    when one does not pickle: before any traffic and before the group's state changes."""
+    try:
+        return [ray.put(v) for v in values]
+    except (TypeError, AttributeError, pickle.PicklingError) as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(f"the arguments of {what} cannot be sent to the workers, they must pickle: "
+                         f"{type(err).__name__}: {first}"[:400]) from err
 
 
 def _as_layout(spec: ModelSpec, value: object, options: dict, current: Layout | None = None) -> Layout:

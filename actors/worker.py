@@ -19,6 +19,7 @@ Commands carry the operation id; a command for an operation this worker is not r
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -148,23 +149,18 @@ class _Background(threading.Thread):
         return self.result
 
 
-class ShardWorker(CheckpointMixin):
-    """One worker of a model group: its flat buffers, its process-group membership, its operations.
+class WorkerState:
+    """The library's own state of one worker, kept under ONE attribute of it (``self._realloc``).
 
-    Subclass it to run your own code in the workers (``ModelGroup.create(..., worker_cls=Mine)``):
-    the driver calls your public methods with ``group.call("method", ...)``; your state (a model,
-    an optimizer) lives across reallocations; ``self.context()`` is the current
-    :class:`~actors.context.ShardContext` (shards, views, ``bind``, dp/tp/pp groups); and
-    :meth:`on_shards_changed` runs after every committed change of the shards (rebind there).
-    Keep ``__init__``'s signature (call ``super().__init__(*args, **kwargs)`` first if you
-    override it) and do not name methods like the ones defined here.
+    A subclass of :class:`ShardWorker` is the user's code: it may name its own state anything
+    (``self.group``, ``self.device``, ``self.spec``, ``self.layout``, ``self.rank``,
+    ``self.buffers``, ``self.transport``...) without touching what moves, verifies and fills rely on.
     """
 
     def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None,
                  backend: str | None = None):
-        torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
         self.group, self.spec = group, spec
-        self._specs_checked = [spec]  # the last spec objects found equal to it (the check is a deep compare)
+        self.specs_checked = [spec]  # the last spec objects found equal to it (the check is a deep compare)
         if device is None:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
@@ -182,18 +178,93 @@ class ShardWorker(CheckpointMixin):
         self.op: Operation | None = None
         self.transport: Transport | None = None
         self.world_id: str | None = None
-        self._store = None
-        self._fault: tuple[str, float] | None = None
+        self.store = None
+        self.fault: tuple[str, float] | None = None
         self.staging = Staging(self.device)
         self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
         self.communicators: Communicators | None = None
-        self._group_store = None
-        self._bundles: OrderedDict[str, Bundle] = OrderedDict()
-        self._mapped: dict[tuple, tuple[int, Any]] = {}  # peer buffers kept mapped: key -> (last op, value)
-        self._runs = 0
-        self._copier: ThreadPoolExecutor | None = None
-        self._kept: dict[Layout, Resident] = {}  # kept layouts (actors/resident.py)
+        self.group_store = None
+        self.bundles: OrderedDict[str, Bundle] = OrderedDict()
+        self.mapped: dict[tuple, tuple[int, Any]] = {}  # peer buffers kept mapped: key -> (last op, value)
+        self.runs = 0
+        self.copier: ThreadPoolExecutor | None = None
+        self.kept: dict[Layout, Resident] = {}  # kept layouts (actors/resident.py)
         self.phases = Phases()
+        self.ckpt_state = None  # actors/ckpt_worker.py
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.held.layout if self.held is not None else None
+
+    @property
+    def rank(self) -> int | None:
+        return self.held.rank if self.held is not None else None
+
+
+class _Unset:
+    """``ShardWorker._realloc`` before ``ShardWorker.__init__`` ran: a clear error instead of a bare
+    ``AttributeError`` deep inside the library."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        raise _not_initialised(obj)
+
+
+def _not_initialised(worker: Any) -> ValueError:
+    return ValueError(f"worker class {type(worker).__name__}: ShardWorker.__init__ did not run; an __init__ of your "
+                      "own must call super().__init__(*args, **kwargs) and pass it every argument it got")
+
+
+class _ReadOnly:
+    """``self.<name>`` of a worker reads ``self._realloc.<name>`` (conveniences for user code)
+    until the subclass assigns the name: from then on the name is the subclass's own (the
+    library never reads it)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj._realloc, self.name)
+
+
+class ShardWorker(CheckpointMixin):
+    """One worker of a model group: its flat buffers, its process-group membership, its operations.
+
+    Subclass it to run your own code in the workers (``ModelGroup.create(..., worker_cls=Mine)``):
+    the driver calls your public methods with ``group.call("method", ...)``; your state (a model,
+    an optimizer) lives across reallocations; ``self.context()`` is the current
+    :class:`~actors.context.ShardContext` (shards, views, ``bind``, dp/tp/pp groups); and
+    :meth:`on_shards_changed` runs after every committed change of the shards (rebind there).
+
+    Attributes are yours: the library keeps its state under ``self._realloc`` alone
+    (:class:`WorkerState`), so ``self.group``, ``self.device``, ``self.spec``, ``self.layout``,
+    ``self.rank``, ``self.buffers``, ``self.transport``, ``self.node_id``... may hold your own
+    values. ``self.rank``, ``self.layout``, ``self.device``, ``self.spec`` and
+    ``self.communicators`` read the worker's current ones until your class assigns them.
+
+    Reserved: ``_realloc``, and the names of the methods defined here and in
+    :class:`~actors.ckpt_worker.CheckpointMixin` (:data:`RESERVED_METHODS`: ``activity``,
+    ``after_change``, ``context``, ``get_boxes``, ``info``, ``inject_fault``, ``join``,
+    ``join_groups``, ``last_phases``, ``open_group_store``, ``open_store``, ``ping``, ``run``,
+    ``set_layout``, ``shutdown``, ``source_digest``, ``trim_memory``, ``user_call``,
+    ``verify_synthetic``, the ``op_*``, ``ckpt_*`` and ``resident_*`` ones, and private helpers
+    such as ``_run``, ``_keep``, ``_bundle``, ``_ckpt``): the driver and the worker call them.
+    ``ModelGroup.create`` refuses a class that redefines one (only :meth:`on_shards_changed` is
+    meant to be overridden), and a worker whose code assigns one as an attribute gets a
+    ``ValueError`` naming it (the attribute is removed). ``__init__`` must accept the arguments
+    every worker is started with: define none, or ``def __init__(self, *args, **kwargs)`` that
+    calls ``super().__init__(*args, **kwargs)`` (extra parameters of your own need defaults);
+    ``create`` checks the signature before anything starts.
+    """
+
+    _realloc = _Unset()
+    rank, layout, device, spec, communicators = _ReadOnly(), _ReadOnly(), _ReadOnly(), _ReadOnly(), _ReadOnly()
+
+    def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None,
+                 backend: str | None = None):
+        torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
+        self._realloc = WorkerState(group, spec, zero_copy, device, backend)
 
     # -- user code ----------------------------------------------------------------------------
     def on_shards_changed(self, ctx: ShardContext, change: ShardChange) -> None:
@@ -205,102 +276,105 @@ class ShardWorker(CheckpointMixin):
     def context(self) -> ShardContext:
         """The current layout's :class:`~actors.context.ShardContext` of this worker."""
         store = self._store_now()
-        layout = self.held.layout
-        dp_rank, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(self.rank)
-        groups = ParallelGroups(layout, self.rank, self.communicators)
+        st = self._realloc
+        layout = st.held.layout
+        dp_rank, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(st.rank)
+        groups = ParallelGroups(layout, st.rank, st.communicators)
         # ZeRO-3: a slot's tensor is its flat partition (DeepSpeed's ds_tensor), not one of its shards
         zero3 = layout.topology.fsdp_split == "zero3"
-        tensors = flat_views(self.held, self.buffers) if zero3 else store.shard_tensors()
-        return ShardContext(self.rank, layout.topology, dp_rank, tp_rank, pp_rank, self.device,
-                            tensors, self.held.shards(), layout, groups, self.held, self.buffers, fsdp_rank)
+        tensors = flat_views(st.held, st.buffers) if zero3 else store.shard_tensors()
+        return ShardContext(st.rank, layout.topology, dp_rank, tp_rank, pp_rank, st.device,
+                            tensors, st.held.shards(), layout, groups, st.held, st.buffers, fsdp_rank)
 
     def after_change(self, change: ShardChange) -> None:
         """Driver entry point of the hook (after the commit of ``change``)."""
-        self.on_shards_changed(self.context(), change)
+        try:
+            self.on_shards_changed(self.context(), change)
+        finally:
+            _check_names(self, f"{type(self).__name__}.on_shards_changed")
 
     def user_call(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Driver entry point of ``group.call``: run a method of the user's subclass."""
-        return detach_result(getattr(self, method)(*args, **kwargs))
+        try:
+            return detach_result(getattr(self, method)(*args, **kwargs))
+        finally:
+            _check_names(self, f"{type(self).__name__}.{method}")
 
     def open_group_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         """Host the rendezvous store of the process groups for user code (rank 0 of the group)."""
         addr = ray.util.get_node_ip_address()
-        self._group_store = host_store(addr, world_size, timeout_s)
-        return addr, self._group_store.port
+        self._realloc.group_store = host_store(addr, world_size, timeout_s)
+        return addr, self._realloc.group_store.port
 
     def join_groups(self, addr: str, port: int, rank: int, world_size: int, generation: str, timeout_s: float) -> None:
         """Start a fresh cache of user process groups (at creation and after a replacement)."""
-        if self.communicators is not None:
-            self.communicators.close()
-        store = self._group_store if self._group_store is not None else connect_store(addr, port, world_size, timeout_s)
-        self.communicators = Communicators(store, rank, world_size, self.wire, timeout_s, generation)
+        if self._realloc.communicators is not None:
+            self._realloc.communicators.close()
+        store = self._realloc.group_store
+        if store is None:
+            store = connect_store(addr, port, world_size, timeout_s)
+        self._realloc.communicators = Communicators(store, rank, world_size, self._realloc.wire, timeout_s, generation)
 
     # -- identity, liveness and collective set-up --------------------------------------------
-    @property
-    def layout(self) -> Layout | None:
-        return self.held.layout if self.held is not None else None
-
-    @property
-    def rank(self) -> int | None:
-        return self.held.rank if self.held is not None else None
-
     def info(self) -> dict:
+        """Where this worker runs (the driver's first call to a new worker)."""
+        _check_names(self, f"{type(self).__name__}.__init__")
         return {
-            "node_id": self.node_id, "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-            "device": str(self.device), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "zero_copy": self.allocator.shared,
+            "node_id": self._realloc.node_id, "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "device": str(self._realloc.device), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "zero_copy": self._realloc.allocator.shared,
         }
 
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> dict:
         """Answered on the control thread, even while a transfer blocks the main one."""
-        return {"pid": os.getpid(), "op": self.op.id if self.op else None,
-                "layout": str(self.held) if self.held else None}
+        return {"pid": os.getpid(), "op": self._realloc.op.id if self._realloc.op else None,
+                "layout": str(self._realloc.held) if self._realloc.held else None}
 
     def activity(self) -> dict:
         """Operation counters (tests: invalid input must cause no traffic and no state change)."""
-        return dict(self.counters)
+        return dict(self._realloc.counters)
 
     def open_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         addr = ray.util.get_node_ip_address()
-        self._store = host_store(addr, world_size, timeout_s)
-        return addr, self._store.port
+        self._realloc.store = host_store(addr, world_size, timeout_s)
+        return addr, self._realloc.store.port
 
     def join(self, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float) -> str:
-        store, self._store = self._store, None
-        if self.transport is not None:
-            self.transport.close()
-            self.transport, self.world_id = None, None
-        self.transport = Transport(addr, port, world_rank, world_size, self.device, timeout_s, store=store,
-                                   prefix=f"realloc/{world_id}", backend=self.backend)
-        self.world_id = world_id
-        return self.transport.backend
+        store, self._realloc.store = self._realloc.store, None
+        if self._realloc.transport is not None:
+            self._realloc.transport.close()
+            self._realloc.transport, self._realloc.world_id = None, None
+        self._realloc.transport = Transport(addr, port, world_rank, world_size, self._realloc.device, timeout_s,
+                                            store=store, prefix=f"realloc/{world_id}", backend=self._realloc.backend)
+        self._realloc.world_id = world_id
+        return self._realloc.transport.backend
 
     def _check_world(self, world_id: str) -> None:
-        if self.transport is None or self.world_id != world_id:
-            raise StaleOperationError(f"worker of {self.group} is in world {self.world_id}, not {world_id}: "
-                                      "it joined another world since (re-form the world)")
+        if self._realloc.transport is None or self._realloc.world_id != world_id:
+            raise StaleOperationError(f"worker of {self._realloc.group} is in world {self._realloc.world_id}, "
+                                      f"not {world_id}: it joined another world since (re-form the world)")
 
     # -- weights -------------------------------------------------------------------------
     def set_layout(self, target: RankLayout) -> int:
         """Adopt an (empty, zeroed) layout outside any operation (a new or replaced worker)."""
         self._drop_op()
-        old = self.buffers
-        self.buffers = self.allocator.allocate(target.buffer_numels())
-        self.held = target
-        self.allocator.release(old)
-        return self.held.layout.rank_bytes(target.rank)
+        old = self._realloc.buffers
+        self._realloc.buffers = self._realloc.allocator.allocate(target.buffer_numels())
+        self._realloc.held = target
+        self._realloc.allocator.release(old)
+        return self._realloc.held.layout.rank_bytes(target.rank)
 
     def _store_now(self) -> ShardStore:
-        if self.held is None or self.buffers is None:
-            raise RuntimeError(f"worker of {self.group} has no layout yet")
-        return ShardStore(self.held.shards(), self.buffers)
+        if self._realloc.held is None or self._realloc.buffers is None:
+            raise RuntimeError(f"worker of {self._realloc.group} has no layout yet")
+        return ShardStore(self._realloc.held.shards(), self._realloc.buffers)
 
     def get_boxes(self) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
         """``(param, offsets, sizes, tensor)`` of every held box, on CPU (padding excluded)."""
         store = self._store_now()
         return [(s.param, s.offsets, s.sizes, store.view(s.param, s.offsets, s.sizes).cpu().clone())
-                for s in self.held.shards() if s.numel]
+                for s in self._realloc.held.shards() if s.numel]
 
     def verify_synthetic(self, seed: int) -> list[str]:
         """Names of slots whose values differ from the synthetic weights (padding must be zero)."""
@@ -310,7 +384,7 @@ class ShardWorker(CheckpointMixin):
             expected = torch.zeros(s.local_shape, dtype=local.dtype, device=local.device)
             if s.numel:
                 index = tuple(slice(0, n) for n in s.sizes)
-                expected[index] = synthetic_box(s.param, self.spec.param(s.param).shape, s.offsets, s.sizes,
+                expected[index] = synthetic_box(s.param, self._realloc.spec.param(s.param).shape, s.offsets, s.sizes,
                                                 s.dtype, seed, local.device)
             if not torch.equal(local, expected):
                 bad.append(s.slot)
@@ -321,7 +395,8 @@ class ShardWorker(CheckpointMixin):
 
     def source_digest(self) -> dict[str, float]:
         """A cheap fingerprint of the current buffers (tests: sources untouched after a failure)."""
-        return {d: float(t.double().sum()) + float((t.double() ** 2).sum()) for d, t in (self.buffers or {}).items()}
+        return {d: float(t.double().sum()) + float((t.double() ** 2).sum())
+                for d, t in (self._realloc.buffers or {}).items()}
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Fault injection for tests of the failure paths: ``("stall", seconds)`` sleeps at the start
@@ -331,18 +406,18 @@ class ShardWorker(CheckpointMixin):
         adopted the new buffers, before it answers."""
         if kind not in FAULTS:
             raise ValueError(f"unknown fault {kind!r}; allowed: {', '.join(FAULTS)}")
-        self._fault = (kind, value)
+        self._realloc.fault = (kind, value)
 
     def _take_fault(self, kind: str) -> float | None:
-        if self._fault and self._fault[0] == kind:
-            value, self._fault = self._fault[1], None
+        if self._realloc.fault and self._realloc.fault[0] == kind:
+            value, self._realloc.fault = self._realloc.fault[1], None
             return value
         return None
 
     def _after_bucket(self) -> None:
-        if self._fault and self._fault[0] == "exit_after_buckets":
-            remaining = self._fault[1] - 1
-            self._fault = ("exit_after_buckets", remaining)
+        if self._realloc.fault and self._realloc.fault[0] == "exit_after_buckets":
+            remaining = self._realloc.fault[1] - 1
+            self._realloc.fault = ("exit_after_buckets", remaining)
             if remaining <= 0:
                 os._exit(1)
 
@@ -353,58 +428,60 @@ class ShardWorker(CheckpointMixin):
         Returns the zero-copy handles of the destination and the current (source) buffers
         (``export=False``: nothing, ``op_run`` sends them to the peers that need them).
         """
-        self.counters["prepare"] += 1
+        self._realloc.counters["prepare"] += 1
         self._drop_op()
         buffers, refreshed = None, False
         if dst is not None:
-            if not any(dst.layout.spec is s for s in self._specs_checked):
-                if dst.layout.spec != self.spec:
-                    raise ValueError(f"worker of {self.group} holds model {self.spec.name!r}, "
+            if not any(dst.layout.spec is s for s in self._realloc.specs_checked):
+                if dst.layout.spec != self._realloc.spec:
+                    raise ValueError(f"worker of {self._realloc.group} holds model {self._realloc.spec.name!r}, "
                                      f"not {dst.layout.spec.name!r}")
-                self._specs_checked = [dst.layout.spec, *self._specs_checked[:BUNDLES_KEPT]]
-            kept = self._kept.pop(dst.layout, None)  # stale (a fresh one is adopted instead): refresh it
+                self._realloc.specs_checked = [dst.layout.spec, *self._realloc.specs_checked[:BUNDLES_KEPT]]
+            kept = self._realloc.kept.pop(dst.layout, None)  # stale (a fresh one is adopted instead): refresh it
             if kept is not None and kept.where == "in_place" and kept.held == dst:
                 buffers, refreshed = kept.buffers, True  # same memory: modules bound to it stay valid
             else:
                 # Every real element is written by the operation: only padding needs zeros in a reused buffer.
-                buffers = self.allocator.allocate(dst.buffer_numels(), zero=False)
+                buffers = self._realloc.allocator.allocate(dst.buffer_numels(), zero=False)
             zero_padding(ShardStore(dst.shards(), buffers))
-        self.op = Operation(op_id, dst, buffers, refreshed=refreshed)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # peers read these bytes from other processes
+        self._realloc.op = Operation(op_id, dst, buffers, refreshed=refreshed)
+        if self._realloc.device.type == "cuda":
+            torch.cuda.synchronize(self._realloc.device)  # peers read these bytes from other processes
             # CUDA IPC handles are made per reader and opened once each (_swap_handles): never
             # broadcast through the driver. Without them the driver-run phases (op_execute)
             # carry every route over the transport.
             return {"dst": None, "src": None} if export else None
         if not export:
             return None
-        return {"dst": self.allocator.export(buffers) if buffers is not None else None,
-                "src": self.allocator.export(self.buffers) if self.buffers is not None else None}
+        current, allocator = self._realloc.buffers, self._realloc.allocator
+        return {"dst": allocator.export(buffers) if buffers is not None else None,
+                "src": allocator.export(current) if current is not None else None}
 
     def _current_op(self, op_id: str) -> Operation:
-        if self.op is None or self.op.id != op_id:
-            running = self.op.id if self.op else None
-            raise StaleOperationError(f"worker of {self.group} runs operation {running}, not {op_id}")
-        if self.op.committed:
+        if self._realloc.op is None or self._realloc.op.id != op_id:
+            running = self._realloc.op.id if self._realloc.op else None
+            raise StaleOperationError(f"worker of {self._realloc.group} runs operation {running}, not {op_id}")
+        if self._realloc.op.committed:
             raise StaleOperationError(f"operation {op_id} is already committed on this worker")
-        return self.op
+        return self._realloc.op
 
     def _drop_op(self) -> None:
         """End the previous operation for good: its rollback becomes the spare set."""
-        op, self.op = self.op, None
+        op, self._realloc.op = self._realloc.op, None
         if op is None:
             return
         if op.committed:
-            if op.rollback is not None and op.kept is None:  # a kept rollback belongs to self._kept
-                self.allocator.release(op.rollback[1])
+            if op.rollback is not None and op.kept is None:  # a kept rollback belongs to the kept layouts
+                self._realloc.allocator.release(op.rollback[1])
         elif op.buffers is not None:
-            log.warning("worker of %s: operation %s was never committed or aborted; dropping it", self.group, op.id)
-            self.allocator.release(op.buffers)
+            log.warning("worker of %s: operation %s was never committed or aborted; dropping it", self._realloc.group,
+                        op.id)
+            self._realloc.allocator.release(op.buffers)
 
     def op_execute(self, op_id: str, world_id: str, plan: Plan, me: int, peers: list[PeerView], phase: int,
                    tags: dict) -> dict:
         """Run phase ``phase`` of ``plan`` (0: local copies and routes from holders, 1: fan-out)."""
-        self.counters["execute"] += 1
+        self._realloc.counters["execute"] += 1
         self._check_world(world_id)
         op = self._current_op(op_id)
         return self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
@@ -424,7 +501,7 @@ class ShardWorker(CheckpointMixin):
         op.seconds += seconds
         op.tags = tags
         metrics.record_phase(tags, phase, result["bytes"], seconds)
-        log.debug("%s op %s phase %s: %s in %.3fs", self.group, op.id, phase, result["bytes"], seconds)
+        log.debug("%s op %s phase %s: %s in %.3fs", self._realloc.group, op.id, phase, result["bytes"], seconds)
         result["seconds"] = seconds
         return result
 
@@ -441,8 +518,8 @@ class ShardWorker(CheckpointMixin):
         stall = self._take_fault("stall")
         if stall:
             time.sleep(stall)
-        runner = StepRunner(self.transport, self.device, plan, me, peers, src, dst, self._peer_store,
-                            on_bucket=self._after_bucket, staging=self.staging)
+        runner = StepRunner(self._realloc.transport, self._realloc.device, plan, me, peers, src, dst, self._peer_store,
+                            on_bucket=self._after_bucket, staging=self._realloc.staging)
         steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
         try:
             for s in steps:
@@ -455,10 +532,10 @@ class ShardWorker(CheckpointMixin):
 
     def _finished(self, op: Operation, moved: dict[str, int]) -> dict:
         """An execute phase's report, once its writes are complete (on a GPU: synchronised)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._realloc.device.type == "cuda":
+            torch.cuda.synchronize(self._realloc.device)
         dst_bytes = buffers_nbytes(op.buffers.values()) if op.buffers else 0
-        return {"bytes": moved, "staging_bytes": self.staging.nbytes, "dst_bytes": dst_bytes}
+        return {"bytes": moved, "staging_bytes": self._realloc.staging.nbytes, "dst_bytes": dst_bytes}
 
     def _peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
         held = peer.dst if forward else peer.src
@@ -479,14 +556,14 @@ class ShardWorker(CheckpointMixin):
         layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
         """
         self._check_world(world_id)
-        self.phases = Phases()
+        self._realloc.phases = Phases()
         bundle = self._bundle(key, plan_box, me)
         self.op_prepare(op_id, bundle.peers[me].dst, export=False)
-        self.counters["execute"] += 1
-        op = self.op
-        self._runs += 1
+        self._realloc.counters["execute"] += 1
+        op = self._realloc.op
+        self._realloc.runs += 1
         self._evict_mappings()
-        self.phases.mark("prepare")
+        self._realloc.phases.mark("prepare")
         result = self._timed(op, tags, "all", lambda: self._run(op, bundle, me))
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
@@ -494,13 +571,13 @@ class ShardWorker(CheckpointMixin):
         self._unmap_device_sources()
         result["refreshed"] = op.refreshed
         result["resident"] = self.resident_bytes()
-        self.phases.mark("commit")
+        self._realloc.phases.mark("commit")
         return result
 
     def last_phases(self) -> dict[str, float]:
         """Seconds by phase of the last ``op_run`` on this worker (prepare, handles, transfers,
         fan-out, local copies, device sync, commit): where a move's time went."""
-        return dict(self.phases.seconds)
+        return dict(self._realloc.phases.seconds)
 
     # -- resident layouts (actors/resident.py) ----------------------------------------------
     def _keep(self, op: Operation, order: KeepOrder) -> None:
@@ -510,10 +587,10 @@ class ShardWorker(CheckpointMixin):
         held, buffers = op.rollback
         if order.where == "host":
             host = to_host(buffers)
-            self.allocator.release(buffers, keep=False)  # the device memory goes back (generation needs it)
+            self._realloc.allocator.release(buffers, keep=False)  # the device memory goes back (generation needs it)
             buffers = host
             op.rollback = (held, host)
-        self._kept[held.layout] = Resident(held, buffers, order.version, order.where)
+        self._realloc.kept[held.layout] = Resident(held, buffers, order.version, order.where)
         op.kept = held.layout
 
     def op_adopt(self, op_id: str, layout: Layout, version: int, keep: KeepOrder | None = None) -> dict:
@@ -523,17 +600,17 @@ class ShardWorker(CheckpointMixin):
         The kept layout must hold weight ``version`` (the driver's current one); otherwise
         :class:`~actors.errors.StaleOperationError` and nothing changes. ``op_abort`` undoes it
         (the adopted buffers become resident again)."""
-        self.counters["prepare"] += 1
+        self._realloc.counters["prepare"] += 1
         started = time.perf_counter()
         self._drop_op()
-        kept = self._kept.get(layout)
+        kept = self._realloc.kept.get(layout)
         if kept is None or kept.version != version:
             have = f"version {kept.version}" if kept is not None else "nothing"
-            raise StaleOperationError(f"worker of {self.group} keeps {have} of layout {layout}, not weight version "
-                                      f"{version}: nothing was adopted")
+            raise StaleOperationError(f"worker of {self._realloc.group} keeps {have} of layout {layout}, not weight "
+                                      f"version {version}: nothing was adopted")
         buffers = self._on_device(kept)
-        del self._kept[layout]
-        op = self.op = Operation(op_id, kept.held, buffers, adopted=kept)
+        del self._realloc.kept[layout]
+        op = self._realloc.op = Operation(op_id, kept.held, buffers, adopted=kept)
         op.moved["local"] = buffers_nbytes(buffers.values()) if kept.where == "host" else 0
         self.op_commit(op_id)
         if keep is not None:
@@ -546,7 +623,7 @@ class ShardWorker(CheckpointMixin):
         """A kept layout's buffers on the device: themselves, or a copy of the host copy."""
         if kept.where != "host":
             return kept.buffers
-        buffers = self.allocator.allocate(kept.held.buffer_numels(), zero=False)
+        buffers = self._realloc.allocator.allocate(kept.held.buffer_numels(), zero=False)
         copy_into(buffers, kept.buffers)
         return buffers
 
@@ -554,12 +631,12 @@ class ShardWorker(CheckpointMixin):
         """Free what a finished operation left: its rollback and the spare buffer set (kept to
         reuse touched pages). Kept layouts stay. Returns the bytes freed. Outside any operation."""
         self._drop_op()
-        return self.allocator.drop_spares()
+        return self._realloc.allocator.drop_spares()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the kept layouts, by where they are (``in_place``, ``host``)."""
         out = {"in_place": 0, "host": 0}
-        for r in self._kept.values():
+        for r in self._realloc.kept.values():
             out[r.where] += r.nbytes
         return out
 
@@ -568,32 +645,32 @@ class ShardWorker(CheckpointMixin):
         failure, a replacement, or ``release_resident``). Outside any operation."""
         self._drop_op()
         wanted = set(known)
-        for layout in [k for k, r in self._kept.items() if (k, r.version) not in wanted]:
-            r = self._kept.pop(layout)
+        for layout in [k for k, r in self._realloc.kept.items() if (k, r.version) not in wanted]:
+            r = self._realloc.kept.pop(layout)
             if r.where == "in_place":
-                self.allocator.release(r.buffers, keep=False)
+                self._realloc.allocator.release(r.buffers, keep=False)
         return self.resident_bytes()
 
     def _bundle(self, key: str, plan_box: list, me: int) -> Bundle:
-        bundle = self._bundles.get(key)
+        bundle = self._realloc.bundles.get(key)
         if bundle is None:
             plan, peers = ray.get(plan_box[0])
             plan.validate(len(peers))
-            bundle = self._bundles[key] = Bundle.make(plan, peers, me)
-            while len(self._bundles) > BUNDLES_KEPT:
-                self._bundles.popitem(last=False)
-        self._bundles.move_to_end(key)
+            bundle = self._realloc.bundles[key] = Bundle.make(plan, peers, me)
+            while len(self._realloc.bundles) > BUNDLES_KEPT:
+                self._realloc.bundles.popitem(last=False)
+        self._realloc.bundles.move_to_end(key)
         return bundle
 
     def _run(self, op: Operation, b: Bundle, me: int) -> dict:
         src = self._store_now() if b.peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
+        if self._realloc.copier is None:
+            self._realloc.copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
         # Local copies write boxes no route writes, and torch copies release the GIL: beside the
         # handle exchange (which waits for the peers to arrive) and the transfers.
-        local = self._copier.submit(lambda: sum(
+        local = self._realloc.copier.submit(lambda: sum(
             b.cuts.programs.run(("local", j), lambda j=j: local_copies(src, dst, b.plan.segment_list(j)),
                                 dst.buffers, src.buffers) for j in b.local)) if b.local else None
         ready: dict[int, Any] = {}
@@ -601,10 +678,10 @@ class ShardWorker(CheckpointMixin):
         ok = False
         try:
             opened = self._swap_handles(b, op) if (b.read_from or b.read_by) else {}
-            self.phases.mark("handles")
-            runner = StepRunner(self.transport, self.device, b.plan, me, b.peers, src, dst,
+            self._realloc.phases.mark("handles")
+            runner = StepRunner(self._realloc.transport, self._realloc.device, b.plan, me, b.peers, src, dst,
                                 lambda view, forward: opened[view.world_rank, forward],
-                                on_bucket=self._after_bucket, staging=self.staging, cuts=b.cuts)
+                                on_bucket=self._after_bucket, staging=self._realloc.staging, cuts=b.cuts)
             stall = self._take_fault("stall")
             if stall:
                 time.sleep(stall)
@@ -613,11 +690,11 @@ class ShardWorker(CheckpointMixin):
             for s in (s for s in steps if s < forward_from):
                 for kind, nbytes in runner.run_step(s, b.routes[s]):
                     moved[kind] += nbytes
-            self.phases.mark("transfers")
+            self._realloc.phases.mark("transfers")
             # Phase 0 is done here: tell the peers that read my destination buffers (fan-out reads
             # forward only cells received over routes, never local copies: planner, step 2).
             sent, ready = self._post_ready(b, b.peers)
-            self.phases.mark("ready")
+            self._realloc.phases.mark("ready")
             for s in (s for s in steps if s >= forward_from):
                 for peer in b.wait_ready.get(s, ()):
                     work = ready.pop(peer, None)
@@ -627,7 +704,7 @@ class ShardWorker(CheckpointMixin):
                     moved[kind] += nbytes
             for work in sent + list(ready.values()):
                 work.wait()
-            self.phases.mark("fan-out")
+            self._realloc.phases.mark("fan-out")
             ok = True
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local is not None:
@@ -635,9 +712,9 @@ class ShardWorker(CheckpointMixin):
                     moved["local"] += local.result()
                 else:
                     local.exception()
-        self.phases.mark("local copies")
+        self._realloc.phases.mark("local copies")
         result = self._finished(op, moved)
-        self.phases.mark("device sync")
+        self._realloc.phases.mark("device sync")
         return result
 
     def _swap_handles(self, b: Bundle, op: Operation) -> dict[tuple[int, bool], ShardStore]:
@@ -652,11 +729,11 @@ class ShardWorker(CheckpointMixin):
         opened by two readers drops it twice and frees the block under the second."""
         outs = []
         for p, sides in b.read_by.items():
-            mine = {"src": self.allocator.export(self.buffers) if False in sides else None,
-                    "dst": self.allocator.export(op.buffers) if True in sides else None}
-            outs.append((b.peers[p].world_rank, _handle_message(mine, self.wire)))
-        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self.wire) for p in b.read_from}
-        for work in communicator.post(self.transport.pg, self.wire, outs,
+            mine = {"src": self._realloc.allocator.export(self._realloc.buffers) if False in sides else None,
+                    "dst": self._realloc.allocator.export(op.buffers) if True in sides else None}
+            outs.append((b.peers[p].world_rank, _handle_message(mine, self._realloc.wire)))
+        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self._realloc.wire) for p in b.read_from}
+        for work in communicator.post(self._realloc.transport.pg, self._realloc.wire, outs,
                                       [(b.peers[p].world_rank, t) for p, t in ins.items()], HANDLES_TAG):
             work.wait()
         opened = {}
@@ -673,11 +750,12 @@ class ShardWorker(CheckpointMixin):
         senders = sorted({p for ps in b.wait_ready.values() for p in ps})
         if not senders and not b.notify:
             return [], {}
-        if b.notify and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # my phase-0 writes land before a reader in another process starts
-        one = torch.ones(1, dtype=torch.uint8, device=self.wire)
-        works = communicator.post(self.transport.pg, self.wire, [(peers[p].world_rank, one) for p in b.notify],
-                                  [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=self.wire))
+        if b.notify and self._realloc.device.type == "cuda":
+            torch.cuda.synchronize(self._realloc.device)  # my phase-0 writes land before a reader in another process
+        wire = self._realloc.wire
+        one = torch.ones(1, dtype=torch.uint8, device=wire)
+        works = communicator.post(self._realloc.transport.pg, wire, [(peers[p].world_rank, one) for p in b.notify],
+                                  [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=wire))
                                    for p in senders], READY_TAG)
         if len(works) == len(b.notify) + len(senders):  # one Work per message (gloo)
             return works[:len(b.notify)], dict(zip(senders, works[len(b.notify):]))
@@ -694,17 +772,18 @@ class ShardWorker(CheckpointMixin):
         held = peer.dst if forward else peer.src
         handles = peer.dst_handles if forward else peer.src_handles
         key = (held, tuple(sorted((d, *handle_identity(h)) for d, h in handles.items())))
-        entry = self._mapped.get(key)
+        entry = self._realloc.mapped.get(key)
         if entry is not None and all(h[0] == "shm" for h in handles.values()):
             store = entry[1]
         else:
             store = ShardStore(held.shards(), open_handles(handles))
-        self._mapped[key] = (self._runs, store, forward)
+        self._realloc.mapped[key] = (self._realloc.runs, store, forward)
         return store
 
     def _evict_mappings(self) -> None:
-        for key in [k for k, (last, _, _) in self._mapped.items() if last < self._runs - MAPPINGS_KEPT_OPS]:
-            del self._mapped[key]
+        mapped, runs = self._realloc.mapped, self._realloc.runs
+        for key in [k for k, (last, _, _) in mapped.items() if last < runs - MAPPINGS_KEPT_OPS]:
+            del mapped[key]
 
     def _unmap_device_sources(self) -> None:
         """After a move on a GPU, let go of the peers' source buffers it read: they are those
@@ -712,10 +791,11 @@ class ShardWorker(CheckpointMixin):
         maps stays allocated (torch keeps it in its IPC limbo) instead of serving the next
         allocation. Their destination buffers, which they hold now, stay mapped: the next move
         reads them as sources without opening them again."""
-        if self.device.type != "cuda":
+        if self._realloc.device.type != "cuda":
             return
-        for key in [k for k, (last, _, forward) in self._mapped.items() if not (forward and last == self._runs)]:
-            del self._mapped[key]
+        mapped, runs = self._realloc.mapped, self._realloc.runs
+        for key in [k for k, (last, _, forward) in mapped.items() if not (forward and last == runs)]:
+            del mapped[key]
 
     def op_fill(self, op_id: str, how: str, *args: Any) -> int:
         """Write the destination buffers of ``op_id`` from local data: ``("synthetic", seed)``,
@@ -729,8 +809,8 @@ class ShardWorker(CheckpointMixin):
             return load_shards(args[0], args[1], args[2], shards, store)
         if how == "synthetic":
             def box(s):
-                return synthetic_box(s.param, self.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype, args[0],
-                                     self.device)
+                return synthetic_box(s.param, self._realloc.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype,
+                                     args[0], self._realloc.device)
         elif how == "full":  # the driver keys the state dict by storage parameter (aliases resolved)
             def box(s):
                 return args[0][s.param][box_index(s.offsets, s.sizes)]
@@ -738,71 +818,93 @@ class ShardWorker(CheckpointMixin):
             raise ValueError(f"unknown fill {how!r}; allowed: synthetic, full, hf")
         for s in shards:
             if s.numel:
-                store.write(s.param, s.offsets, s.sizes, box(s).to(self.device))
+                store.write(s.param, s.offsets, s.sizes, box(s).to(self._realloc.device))
         return sum(s.nbytes for s in shards)
 
     def op_commit(self, op_id: str, blend: float | None = None) -> str:
         """Adopt the destination buffers of ``op_id`` (blended with the current ones when ``blend``
         is given: ``eta * new + (1 - eta) * old``); the old buffers become the rollback."""
-        self.counters["commit"] += 1
+        self._realloc.counters["commit"] += 1
         op = self._current_op(op_id)
         if self._take_fault("exit_in_commit") is not None:
             os._exit(1)
         if op.dst is not None:
             if blend is not None:
-                blend_into(op.buffers, self.buffers, blend)
-            self.allocator.drop_spares()  # memory: the rollback takes the spares' place
-            op.rollback = (self.held, self.buffers)
-            self.held, self.buffers = op.dst, op.buffers
+                blend_into(op.buffers, self._realloc.buffers, blend)
+            self._realloc.allocator.drop_spares()  # memory: the rollback takes the spares' place
+            op.rollback = (self._realloc.held, self._realloc.buffers)
+            self._realloc.held, self._realloc.buffers = op.dst, op.buffers
         op.committed = True
         total = sum(op.moved.values())
         if total:
             metrics.record_operation(op.tags, total, op.seconds)
         if self._take_fault("exit_after_commit") is not None:
             os._exit(1)
-        return str(self.held)
+        return str(self._realloc.held)
 
     def op_abort(self, op_id: str) -> str | None:
         """Undo ``op_id`` on this worker (drop its buffers, or roll a commit back); idempotent.
 
         Returns the layout this worker holds afterwards."""
-        self.counters["abort"] += 1
-        op = self.op
+        self._realloc.counters["abort"] += 1
+        op = self._realloc.op
         if op is None or op.id != op_id:
-            return str(self.held) if self.held else None  # nothing of that operation is here
-        self.op = None
+            return str(self._realloc.held) if self._realloc.held else None  # nothing of that operation is here
+        self._realloc.op = None
         if op.committed and op.rollback is not None:
-            new = self.buffers
+            new = self._realloc.buffers
             held, old = op.rollback
             if op.kept is not None:  # the old buffers were kept resident: take them back
-                old = self._on_device(self._kept.pop(op.kept))
-            self.held, self.buffers = held, old
+                old = self._on_device(self._realloc.kept.pop(op.kept))
+            self._realloc.held, self._realloc.buffers = held, old
             if op.adopted is not None:  # the adopted layout is kept again, as it was
-                self._kept[op.adopted.held.layout] = op.adopted
+                self._realloc.kept[op.adopted.held.layout] = op.adopted
                 if op.adopted.where == "host":
-                    self.allocator.release(new, keep=False)
+                    self._realloc.allocator.release(new, keep=False)
             else:
-                self.allocator.release(new)
+                self._realloc.allocator.release(new)
         elif not op.committed and op.buffers is not None:
-            self.allocator.release(op.buffers)  # a refreshed kept layout is half written: freed too
+            self._realloc.allocator.release(op.buffers)  # a refreshed kept layout is half written: freed too
         self._ckpt_forget_sources()
-        return str(self.held) if self.held else None
+        return str(self._realloc.held) if self._realloc.held else None
 
     def shutdown(self) -> None:
         self._drop_op()
-        self._kept.clear()
-        self._mapped.clear()
-        self._bundles.clear()
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
-        self.allocator.release_all()
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-        if self.communicators is not None:
-            self.communicators.close()
-            self.communicators = None
+        self._realloc.kept.clear()
+        self._realloc.mapped.clear()
+        self._realloc.bundles.clear()
+        if self._realloc.copier is not None:
+            self._realloc.copier.shutdown(wait=True)
+            self._realloc.copier = None
+        self._realloc.allocator.release_all()
+        if self._realloc.transport is not None:
+            self._realloc.transport.close()
+            self._realloc.transport = None
+        if self._realloc.communicators is not None:
+            self._realloc.communicators.close()
+            self._realloc.communicators = None
+
+
+#: Names of the methods the driver and the worker itself call on a worker: a subclass must not
+#: redefine them (``ModelGroup.create`` refuses it) nor assign them as attributes.
+RESERVED_METHODS = frozenset(n for n in dir(ShardWorker) if not n.startswith("__")
+                             and inspect.isfunction(inspect.getattr_static(ShardWorker, n)))
+
+
+def _check_names(worker: ShardWorker, where: str) -> None:
+    """``ValueError`` if user code (``where``) replaced the library's state or assigned a reserved
+    method name as an attribute of ``worker`` (such attributes are removed: the worker stays usable)."""
+    if not isinstance(vars(worker).get("_realloc"), WorkerState):
+        if "_realloc" not in vars(worker):
+            raise _not_initialised(worker)
+        raise ValueError(f"{where} assigned self._realloc, the worker's library state (the one reserved attribute "
+                         "name of a worker class); this worker cannot go on: rename the attribute")
+    shadowing = sorted(RESERVED_METHODS.intersection(vars(worker)))
+    if shadowing:
+        for name in shadowing:
+            del worker.__dict__[name]
+        raise ValueError(f"{where} assigned attribute(s) {shadowing} of the worker: those names are methods the "
+                         "library calls (ShardWorker's reserved names); the attributes were removed, rename them")
 
 
 def _handle_message(handles: dict, device: torch.device) -> torch.Tensor:
