@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from actors.group import ModelGroup  # noqa: E402
 from realloc import ModelSpec, Topology  # noqa: E402
-from tools.cluster import ray_for_command  # noqa: E402
+from realloc_tools.cluster import ray_for_command  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

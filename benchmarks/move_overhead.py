@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from actors.group import ModelGroup  # noqa: E402
 from realloc import Topology  # noqa: E402
 from realloc.spec import decoder_spec  # noqa: E402
-from tools.cluster import ray_for_command  # noqa: E402
+from realloc_tools.cluster import ray_for_command  # noqa: E402
 
 ONE_NODE = "fsdp=8->tp=8;pp=2,tp=4->tp=8;tp=8->dp=4,tp=2"
 TWO_NODES = "dp=2,tp=2,pp=2->dp=4,tp=2;dp=4,tp=2->tp=8;fsdp=8->dp=4,tp=2"

@@ -12,10 +12,10 @@ import pytest
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
-from tools.bench import ALL_TRANSITIONS, BASELINES, lower_bound, parse_transitions, source_owners
-from tools.cli import main
+from realloc_tools.bench import ALL_TRANSITIONS, BASELINES, lower_bound, parse_transitions, source_owners
+from realloc_tools.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent  # run the checkout's tools.cli, not an installed one
+ROOT = Path(__file__).resolve().parent.parent  # run the checkout's realloc_tools.cli, not an installed one
 REQUIRED = {"ours_seconds", "baselines", "speedup_vs", "lower_bound_seconds", "ratio_to_lower_bound",
             "peak_extra_bytes_per_actor", "bucket_bytes", "lower_bound_formula", "transport", "verified", "plan"}
 
@@ -75,7 +75,7 @@ def test_span_rate_charges_each_host_from_its_first_start_to_its_last_end():
     """Concurrent probes: a host's bytes over the span of its ranks' own clocks (a rank that
     starts late, e.g. descheduled while the others copied, lengthens it), summed over hosts, the
     best repetition; ranks that did not take part are not looked at."""
-    from tools.bench import span_rate
+    from realloc_tools.bench import span_rate
 
     results = [
         {"memcpy_aggregate_spans": [(0.0, 1.0), (10.0, 10.5)], "memcpy_aggregate_bytes": 4},  # host a
@@ -115,7 +115,7 @@ def test_transitions():
 def test_bench_gpu_options_and_transitions(capsys):
     import torch
 
-    from tools.gpu_bench import GPU_TRANSITIONS, parse_gpu_transitions
+    from realloc_tools.gpu_bench import GPU_TRANSITIONS, parse_gpu_transitions
 
     assert parse_gpu_transitions(None) == [(Topology.parse(a), Topology.parse(b)) for a, b in GPU_TRANSITIONS]
     assert all(Topology.parse(a).world_size == 8 for a, _ in GPU_TRANSITIONS)
@@ -133,7 +133,7 @@ def test_bench_gpu_options_and_transitions(capsys):
 @pytest.mark.timeout(240)
 def test_bench_tiny_end_to_end():
     """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly."""
-    cmd = [sys.executable, "-m", "tools.cli", "bench", "--model", "tiny", "--json", "--verify", "exact",
+    cmd = [sys.executable, "-m", "realloc_tools.cli", "bench", "--model", "tiny", "--json", "--verify", "exact",
            "--transitions", "dp=2,tp=2,pp=2->dp=4,tp=2;fsdp=8->dp=1,tp=2,pp=4",
            "--repeats", "2", "--baseline-repeats", "1", "--probe-mb", "4", "--bucket-mb", "0.0625"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
@@ -173,7 +173,7 @@ def test_memory_estimate_and_fit_skip_gather_when_it_does_not_fit():
     """Issue 22: before each baseline runs, its peak is estimated from its memory model and
     compared to what the node can take before Ray's memory monitor kills a worker; one that does
     not fit is skipped with a reason (pure: a fake available-memory figure, no Ray)."""
-    from tools.bench import baseline_memory_estimate, decide_run, memory_fit
+    from realloc_tools.bench import baseline_memory_estimate, decide_run, memory_fit
 
     spec = ModelSpec.preset("bench-1gb")
     src, dst = Layout(spec, Topology(dp=2, tp=2, pp=2)), Layout(spec, Topology(dp=4, tp=2))
@@ -190,7 +190,7 @@ def test_memory_estimate_and_fit_skip_gather_when_it_does_not_fit():
     assert 8.93e9 <= est["gather"]["bytes"] <= 1.15 * 8.93e9
     assert est["broadcast"]["bytes"] < est["gather"]["bytes"]
     # driver: the object-store pages its first run touched stay; a later run adds only the rest
-    from tools.bench import driver_store_bytes
+    from realloc_tools.bench import driver_store_bytes
 
     again = baseline_memory_estimate("driver", src, dst, nodes=2, store_resident=driver_store_bytes(spec.total_bytes(), 2))
     assert again["bytes"] == dst_bytes + spec.total_bytes() < est["driver"]["bytes"]
@@ -215,7 +215,7 @@ def test_memory_estimate_and_fit_skip_gather_when_it_does_not_fit():
 
 
 def test_exit_status_is_strict_about_baselines_only_when_asked():
-    from tools.bench import exit_status
+    from realloc_tools.bench import exit_status
 
     ok = {"verified": {"ours": True, "driver": True}, "baselines_complete": True}
     incomplete = {**ok, "baselines_complete": False}  # a baseline failed or was skipped for memory somewhere
@@ -226,7 +226,7 @@ def test_exit_status_is_strict_about_baselines_only_when_asked():
 
 
 def test_injected_faults_hook():
-    from tools.bench import injected_faults
+    from realloc_tools.bench import injected_faults
 
     assert injected_faults("") == {}
     assert injected_faults("broadcast:raise@0, driver:kill") == {("broadcast", 0): "raise", ("driver", None): "kill"}
@@ -244,7 +244,7 @@ def test_bench_failing_baselines_keep_ours_results():
     figures and the other baselines land in the JSON, and only --strict turns it into exit 1."""
     import os
 
-    cmd = [sys.executable, "-m", "tools.cli", "bench", "--model", "tiny", "--json", "--transitions", "default",
+    cmd = [sys.executable, "-m", "realloc_tools.cli", "bench", "--model", "tiny", "--json", "--transitions", "default",
            "--skip", "dcp,gather", "--repeats", "1", "--baseline-repeats", "1", "--probe-mb", "4",
            "--bucket-mb", "0.0625", "--no-resident", "--strict"]
     env = {**os.environ, "REALLOC_BENCH_FAULT": "broadcast:raise@0,driver:kill@1"}

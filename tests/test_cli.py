@@ -1,5 +1,5 @@
-"""The ``realloc`` command line (``tools.cli``, on top of the pure ``realloc.cli``), in-process through
-``main`` and as a real subprocess; and that ``realloc/`` never imports the Ray layer."""
+"""The ``realloc`` command line (``realloc_tools.cli``, on top of the pure ``realloc_tools.plan_cli``), in-process
+through ``main`` and as a real subprocess; and that ``realloc/`` never imports the Ray layer."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import realloc.cli
+import realloc_tools.plan_cli
 import realloc.shards.local_executor
 from realloc.layout import Topology
 from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
-from tools.cli import main
+from realloc_tools.cli import main
 
 LLAMA_7B = ["plan", "--model", "llama-7b", "--src", "dp=2,tp=4,pp=2", "--dst", "dp=8,tp=2,pp=1",
             "--gpus-per-node", "8"]
@@ -28,7 +28,7 @@ REQUIRED_KEYS = {
 TABLES = {"node_egress_bytes", "node_ingress_bytes", "rank_send_bytes", "rank_recv_bytes"}
 ROOT = Path(__file__).resolve().parent.parent
 #: Top-level packages that ``realloc/`` (the pure layer) must never import, not even lazily.
-RAY_LAYER = ("actors", "tools", "ray")
+RAY_LAYER = ("actors", "realloc_tools", "ray")
 #: The layers of ``realloc/`` below the executors (docs/architecture.md): no tensors, so no torch.
 TORCH_FREE = ("realloc.spec", "realloc.layout", "realloc.plan")
 
@@ -187,20 +187,21 @@ def test_exit_codes_of_usage(capsys):
 
 
 def test_pure_cli_has_only_the_pure_commands(capsys):
-    # realloc.cli (python -m realloc.cli) knows plan and presets; the Ray commands come from tools.cli.
-    assert realloc.cli.main(["--help"]) == 0
+    # realloc_tools.plan_cli (python -m realloc_tools.plan_cli) knows plan and presets; the Ray
+    # commands come from realloc_tools.cli.
+    assert realloc_tools.plan_cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "plan" in out and "presets" in out and "demo" not in out and "bench" not in out
-    assert realloc.cli.main(["demo"]) == 2
+    assert realloc_tools.plan_cli.main(["demo"]) == 2
     assert "invalid choice: 'demo'" in capsys.readouterr().err
-    assert realloc.cli.main(["presets", "--json"]) == 0
+    assert realloc_tools.plan_cli.main(["presets", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["presets"]
 
 
 def test_subprocess():
     # The console script's module, run from this checkout. -X importtime lists every module
     # imported on stderr: planning must not pull in torch, ray or the actors package.
-    ok = subprocess.run([sys.executable, "-X", "importtime", "-m", "tools.cli", "plan", "--model", "llama-70b",
+    ok = subprocess.run([sys.executable, "-X", "importtime", "-m", "realloc_tools.cli", "plan", "--model", "llama-70b",
                          "--src", "dp=4,tp=8,pp=8", "--dst", "dp=32,tp=8", "--json"],
                         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr[-2000:]
@@ -209,7 +210,7 @@ def test_subprocess():
     assert "realloc" in imported and "numpy" in imported
     assert not {"torch", "ray", "actors"} & imported, "realloc plan must not import torch, ray or actors"
 
-    bad = subprocess.run([sys.executable, "-m", "tools.cli", "plan", "--model", "tiny", "--src", "dp=2,,tp=2",
+    bad = subprocess.run([sys.executable, "-m", "realloc_tools.cli", "plan", "--model", "tiny", "--src", "dp=2,,tp=2",
                           "--dst", "tp=4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("realloc: error: --src: bad topology part ''") and bad.stderr.count("\n") == 1
@@ -242,21 +243,22 @@ def test_realloc_never_imports_the_ray_layer_in_its_source():
 
 def test_realloc_never_imports_the_ray_layer_when_run():
     # Every realloc module, plus the pure CLI's top-level help (the old code loaded the Ray
-    # commands there): nothing of actors/, tools/ or ray may end up in sys.modules.
+    # commands there): nothing of actors/, realloc_tools/ or ray may end up in sys.modules.
     code = f"""
 import contextlib, importlib, io, pkgutil, sys
-import realloc, realloc.cli
+import realloc
 assert realloc.__file__.startswith({str(ROOT)!r}), realloc.__file__
-def loaded(when):
-    bad = sorted(m for m in sys.modules if m.split(".")[0] in {RAY_LAYER!r})
+def loaded(when, allowed=()):
+    bad = sorted(m for m in sys.modules if m.split(".")[0] in {RAY_LAYER!r} and m not in allowed)
     assert not bad, f"{{when}} loaded {{len(bad)}} modules of the Ray layer: {{bad[:5]}}"
 for info in pkgutil.walk_packages(realloc.__path__, "realloc."):
     importlib.import_module(info.name)
 loaded("importing every realloc module")
+import realloc_tools.plan_cli
 with contextlib.redirect_stdout(io.StringIO()) as out:
-    assert realloc.cli.main(["--help"]) == 0
+    assert realloc_tools.plan_cli.main(["--help"]) == 0
 assert "plan" in out.getvalue()
-loaded("realloc.cli.main(['--help'])")
+loaded("realloc_tools.plan_cli.main(['--help'])", ("realloc_tools", "realloc_tools.plan_cli"))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

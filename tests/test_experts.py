@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 from realloc import Layout, Placement, Topology
 from realloc.ckpt.manifest import Manifest
-from realloc.cli import main
+from realloc_tools.plan_cli import main
 from realloc.layout import PieceTable, expert_range
 from realloc.plan import plan_reallocation
 from realloc.shards import ShardStore, allocate_buffers, execute_in_process, fused_views

@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from realloc.cli import main
+from realloc_tools.plan_cli import main
 from realloc.layout import Group, Layout, Topology
 from realloc.plan import Bandwidths, Placement, Plan, plan_exchange, plan_reallocation
 from realloc.spec import ModelSpec, ParamSpec, spec_from_hf_config

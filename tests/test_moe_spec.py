@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from realloc.cli import main
+from realloc_tools.plan_cli import main
 from realloc.layout import Layout, Topology
 from realloc.spec import ModelSpec, spec_from_hf_config
 from realloc.spec.moe import checkpoint_state_dict

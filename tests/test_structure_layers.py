@@ -1,6 +1,6 @@
 """The import structure of the project's own packages, read from the source with ``ast``.
 
-- No import circles among the modules of ``realloc/``, ``actors/`` and ``tools/``. Every import
+- No import circles among the modules of ``realloc/``, ``actors/`` and ``realloc_tools/``. Every import
   counts, function-local ones included (a lazy import that only dodges a circle is still a
   circle); only ``if TYPE_CHECKING:`` blocks are left out, since they never run.
 - No private name (leading ``_``) imported from another module: the underscore means "this file
@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The project's top-level packages whose modules make the graph.
-PACKAGES = ("realloc", "actors", "tools")
+PACKAGES = ("realloc", "actors", "realloc_tools")
 
 
 class Import(NamedTuple):
@@ -168,12 +168,18 @@ def private_imports() -> list[str]:
 
 
 def installed_top_level_names() -> list[str]:
-    """The top-level packages ``pyproject.toml`` installs (its ``packages.find`` include list)."""
+    """The top-level packages ``pip install`` of this checkout installs: setuptools' own package
+    finder run with ``pyproject.toml``'s ``packages.find`` include list."""
+    from setuptools import find_packages
+
     text = (ROOT / "pyproject.toml").read_text()
-    for line in text.splitlines():
-        if line.strip().startswith("include") and "[" in line:
-            return sorted(name.strip(' "*') for name in line.split("[", 1)[1].rstrip("]").split(","))
-    return []
+    line = next(line for line in text.splitlines() if line.strip().startswith("include") and "[" in line)
+    include = [name.strip(' "') for name in line.split("[", 1)[1].rstrip("]").split(",")]
+    return sorted({name.split(".")[0] for name in find_packages(str(ROOT), include=include)})
+
+
+def test_one_namespace_besides_actors_is_installed():
+    assert installed_top_level_names() == ["actors", "realloc", "realloc_tools"]
 
 
 def test_no_import_circles():
@@ -191,7 +197,7 @@ def test_the_reader_sees_what_it_should():
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
                      "def f():\n    import c\n")
     assert sorted(alias.name for node in _import_nodes(tree) for alias in node.names) == ["TYPE_CHECKING", "b", "c"]
-    assert "realloc.boxes" in import_graph()["realloc.cli"]
+    assert "realloc.boxes" in import_graph()["realloc_tools.plan_cli"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

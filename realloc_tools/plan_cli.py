@@ -2,10 +2,10 @@
 
 Each subcommand is registered by an ``add_<name>_parser(subparsers)`` function that sets
 ``func`` (called with the parsed arguments, returns the exit status). This module never imports
-Ray or the ``actors`` package: the ``realloc`` console script is ``tools.cli``, which builds the
+Ray or the ``actors`` package: the ``realloc`` console script is ``realloc_tools.cli``, which builds the
 parser here with its Ray-backed commands (``demo``, ``bench``, ``ckpt-demo``) as
 ``build_parser(extra=[...])`` and runs it with :func:`run`, importing them only for commands
-other than ``plan`` and ``presets``. ``python -m realloc.cli`` has the pure commands only.
+other than ``plan`` and ``presets``. ``python -m realloc_tools.plan_cli`` has the pure commands only.
 ``realloc plan`` has to start fast: it imports torch only for ``--verify``.
 
 Exit status: 0 success, 1 ``--verify`` found a mismatch, 2 invalid input (one line
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from realloc.plan import Plan
 
 PROG = "realloc"
-#: Subcommands defined in this module; ``tools.cli`` loads its Ray-side commands for any other word.
+#: Subcommands defined in this module; ``realloc_tools.cli`` loads its Ray-side commands for any other word.
 BUILTIN_COMMANDS = ("plan", "presets")
 #: ``--verify`` materialises the model about once per rank (full tensors, source and destination
 #: shards); beyond this it would swap rather than check anything.
