@@ -33,8 +33,12 @@ class GroupConfig:
     staged through pinned host memory), ``"auto"`` (the default: ``nccl`` when every worker has a
     whole GPU, else ``gloo``).
     ``bucket_bytes``: transfer bucket size (the memory cap of staging). ``timeout_s``: bounds
-    every collective and every driver wait (finite). ``zero_copy``: same-node workers copy from
-    each other's buffers directly. ``bandwidths``: link speeds for the planner's time estimate.
+    every collective and every driver wait (finite); a state change (``reallocate``, ``copy_to``,
+    ``init_synthetic``, ``load_state_dict``) has one deadline of ``timeout_s`` for the whole call,
+    the wait for the group's lock included, and a failed one raises within ``timeout_s`` plus
+    ``actors.remote.FAILURE_GRACE_S`` (5 s: the diagnosis and the rollback share it).
+    ``zero_copy``: same-node workers copy from each other's buffers directly. ``bandwidths``:
+    link speeds for the planner's time estimate.
     ``runtime_env``: Ray runtime environment of the worker actors.
 
     Example:

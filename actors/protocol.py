@@ -13,8 +13,13 @@ HF import), in the spirit of torch.distributed.checkpoint's storage-writer call 
    group's state (its layout).
 4. ``abort`` (after a failure at any step, on every live participant): a worker drops the
    operation's buffers, or, if it had committed, puts its rollback back. So after any failure
-   every live worker holds the old layout and the old weights, and the error says so, naming
-   the dead and the unresponsive workers.
+   every live worker holds the old layout and the old weights (or will, once the call it is
+   still stuck in returns: its abort is queued behind it), and the error says so, naming the
+   dead, the unresponsive and the waiting workers.
+
+One :class:`~actors.remote.Deadline` bounds the whole operation: every step waits only for what
+is left of it, and the failure path (diagnosis, aborts) shares the deadline's fixed grace
+(``FAILURE_GRACE_S``), so a failed operation raises within ``timeout_s + FAILURE_GRACE_S``.
 
 The failure table in docs/architecture.md lists each step, what can fail there, and the state
 that follows. Worker-side counterparts: ``op_prepare``, ``op_execute``/``op_fill``/
@@ -33,15 +38,12 @@ import ray
 
 from actors.errors import ReallocationError
 from actors.executor import PeerView
-from actors.remote import Workers, gather, settle
+from actors.remote import Deadline, Workers, as_deadline, fire, gather, settle
 from actors.resident import KeepOrder
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 
 log = logging.getLogger(__name__)
-
-#: Longest wait for the workers' answers to an abort (they only free or swap buffers).
-ABORT_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -61,17 +63,20 @@ class PhaseResult:
 class Operation:
     """One state change over ``workers``; ``dsts[i]`` is what worker ``i`` will hold (or None).
 
-    ``what`` names the operation in errors; ``keeps`` says what stays true when it fails
-    (e.g. "group 'policy' stays in layout dp=2,tp=2,pp=1").
+    ``timeout_s``: seconds, or the :class:`~actors.remote.Deadline` of the call (started before
+    it waited for the group's lock); every step waits only for what is left of it. ``what`` names
+    the operation in errors; ``keeps`` says what stays true when it fails (e.g. "group 'policy'
+    stays in layout dp=2,tp=2,pp=1"); ``layout`` is the error's ``layout``: ``str`` of the layout
+    the surviving workers of the changed group hold afterwards (its current one).
     """
 
-    def __init__(self, workers: Workers, dsts: Sequence[RankLayout | None], timeout_s: float, what: str,
-                 keeps: str):
+    def __init__(self, workers: Workers, dsts: Sequence[RankLayout | None], timeout_s: "float | Deadline", what: str,
+                 keeps: str, layout: str):
         if len(dsts) != len(workers):
             raise ValueError(f"{len(dsts)} destinations for {len(workers)} workers")
         self.id = uuid.uuid4().hex[:12]
         self.workers, self.dsts = workers, list(dsts)
-        self.timeout_s, self.what, self.keeps = timeout_s, what, keeps
+        self.deadline, self.what, self.keeps, self.layout = as_deadline(timeout_s), what, keeps, layout
         self.handles: list[dict] | None = None
         log.debug("operation %s: %s", self.id, what)
 
@@ -82,11 +87,10 @@ class Operation:
         self.handles = self.call(refs, "prepare")
         return self.handles
 
-    def call(self, refs: Sequence, step: str, indices: Sequence[int] | None = None) -> list[Any]:
-        """Wait for one step's calls (on ``indices``, default all workers); abort all on failure."""
-        workers = self.workers if indices is None else self.workers.subset(indices)
+    def call(self, refs: Sequence, step: str) -> list[Any]:
+        """Wait for one step's calls (one per worker); abort all on failure."""
         try:
-            return gather(workers, refs, self.timeout_s, f"{self.what}: {step}")
+            return gather(self.workers, refs, self.deadline, f"{self.what}: {step}")
         except ReallocationError as err:
             self.abort(err)
 
@@ -105,7 +109,7 @@ class Operation:
             for phase in (0, 1):
                 refs = [a.op_execute.remote(self.id, world.id, plan_ref, i, peers, phase, {**tags, "rank": str(i)})
                         for i, a in enumerate(self.workers.actors)]
-                results = _merge(results, gather(self.workers, refs, self.timeout_s, f"{self.what}: transfer"))
+                results = _merge(results, gather(self.workers, refs, self.deadline, f"{self.what}: transfer"))
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
@@ -130,7 +134,7 @@ class Operation:
         try:
             refs = [a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep)
                     for i, a in enumerate(self.workers.actors)]
-            results = gather(self.workers, refs, self.timeout_s, f"{self.what}: prepare, transfer and commit")
+            results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
@@ -152,14 +156,26 @@ class Operation:
 
     # -- failure -----------------------------------------------------------------------------
     def abort(self, cause: ReallocationError) -> NoReturn:
-        """Step 4: undo the operation on every live worker, then raise what is true."""
-        dead = set(cause.dead)
-        live = [i for i, n in enumerate(self.workers.names) if n not in dead]
-        found = settle(self.workers.subset(live), [self.workers.actors[i].op_abort.remote(self.id) for i in live],
-                       min(ABORT_WAIT_S, self.timeout_s))
+        """Step 4: undo the operation on every live worker, then raise what is true.
+
+        Waits only within the deadline's grace, and only for the workers that answered the
+        diagnosis' pings (``cause``: every worker but the dead and the unresponsive); a silent
+        worker's abort is sent and queued (it runs when the worker resumes; it never adopted
+        anything without a commit). A worker that answers pings but is still in the failed call
+        (blocked on a peer until its collective times out) and whose abort has not run by then is
+        ``waiting``: its abort is queued behind that call. Nobody is pinged again.
+        """
+        dead, silent = set(cause.dead), set(cause.unresponsive)
+        answering = [i for i, n in enumerate(self.workers.names) if n not in dead | silent]
+        fire(self.workers.subset([i for i, n in enumerate(self.workers.names) if n in silent]), "op_abort", self.id)
+        found = settle(self.workers.subset(answering),
+                       [self.workers.actors[i].op_abort.remote(self.id) for i in answering], self.deadline.grace())
         all_dead = sorted(dead | set(found.dead))
-        unresponsive = sorted(set(cause.unresponsive) | set(found.unresponsive))
-        state = f"Rolled back: {self.keeps}; every live worker whose abort succeeded holds its old shards and weights"
+        unresponsive, waiting = sorted(silent), sorted(found.unresponsive)  # ``waiting``: they answered pings
+        state = f"Rolled back: {self.keeps}; every live worker whose abort ran holds its old shards and weights"
+        if waiting:
+            state += (f"; {waiting} answer pings but are still in the failed call (e.g. blocked on a peer until "
+                      "their collective times out): their abort is queued and runs when that call returns")
         if unresponsive:
             state += (f"; {unresponsive} did not answer: their abort is queued and runs when they resume "
                       "(they never adopted anything without a commit)")
@@ -169,7 +185,8 @@ class Operation:
             state += (f"; dead: {all_dead} (call replace_dead_workers(), then restore their weights from a "
                       "checkpoint)")
         log.warning("operation %s (%s) aborted: %s", self.id, self.what, cause.message)
-        raise ReallocationError(f"{cause.message}. {state}.", all_dead, unresponsive, self.keeps) from cause
+        raise ReallocationError(f"{cause.message}. {state}.", all_dead, unresponsive, self.layout,
+                                waiting) from cause
 
 
 #: (plan, world, peers) -> (key, ObjectRef of (plan, peers), plan): a loop alternating layouts

@@ -6,6 +6,13 @@ before raising it *diagnoses* the workers: each one is pinged on its control thr
 concurrency group that answers even while the worker's main thread is busy in a transfer), so
 the error can tell apart workers that died, workers that are alive but do not answer (a stopped
 or hung process: the one the others are waiting for) and workers that are merely waiting.
+
+Deadlines: a call's deadline (:class:`Deadline`, ``timeout_s`` of the group) bounds the wait for
+the answers; its failure path (the diagnosis here, then the operation's aborts and clean-up in
+:mod:`actors.protocol` and :mod:`actors.group`) shares one fixed window of
+:data:`FAILURE_GRACE_S` opened by the first failure, and waits for nothing beyond it: a silent
+worker's abort is sent and queued, not awaited. So a failed call raises within its deadline plus
+``FAILURE_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -21,8 +28,39 @@ from actors.errors import ReallocationError
 
 log = logging.getLogger(__name__)
 
-#: How long a diagnosis waits for the pings of all workers.
-PING_SECONDS = 5.0
+#: What the failure path of a call may add to its deadline, all steps together: the diagnosis
+#: (pings), the rollback (aborts) and the clean-up after it (docs/architecture.md, failure table).
+FAILURE_GRACE_S = 5.0
+#: The longest a diagnosis waits for the pings (out of FAILURE_GRACE_S; the aborts get the rest).
+#: A ping is answered on the control thread in milliseconds, even during a transfer.
+PING_SECONDS = 3.0
+
+
+class Deadline:
+    """One deadline for a whole call (lock wait, world formation, every step of the operation),
+    and one window of :data:`FAILURE_GRACE_S` for its failure path, opened by the first failure
+    and shared by everything that runs after it (diagnosis, aborts, clean-up)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = float(seconds)
+        self.at = time.monotonic() + self.seconds
+        self._grace_ends: float | None = None
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (0 once it passed)."""
+        return max(0.0, self.at - time.monotonic())
+
+    def grace(self) -> float:
+        """Seconds left of the failure path's window (the first call opens it)."""
+        now = time.monotonic()
+        if self._grace_ends is None:
+            self._grace_ends = now + FAILURE_GRACE_S
+        return max(0.0, self._grace_ends - now)
+
+
+def as_deadline(timeout: "float | Deadline") -> Deadline:
+    """``timeout`` if it is a :class:`Deadline` (a step of a larger call), else a new one of that many seconds."""
+    return timeout if isinstance(timeout, Deadline) else Deadline(timeout)
 
 
 @dataclass(frozen=True)
@@ -56,6 +94,7 @@ class Diagnosis:
     dead: tuple[str, ...] = ()
     unresponsive: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
+    seconds: float = 0.0  # how long it waited for the answers
 
     def __bool__(self) -> bool:
         return bool(self.dead or self.unresponsive)
@@ -65,8 +104,8 @@ class Diagnosis:
         if self.dead:
             parts.append(f"worker(s) {list(self.dead)} died")
         if self.unresponsive:
-            parts.append(f"worker(s) {list(self.unresponsive)} are alive but did not answer within "
-                         f"{PING_SECONDS:.0f}s (stopped, hung, or stuck in native code)")
+            parts.append(f"worker(s) {list(self.unresponsive)} are alive but did not answer a ping within "
+                         f"{self.seconds:.1f}s (stopped, hung, or stuck in native code)")
         return "; ".join(parts)
 
 
@@ -86,7 +125,7 @@ def settle(workers: Workers, refs: Sequence, seconds: float) -> Diagnosis:
             dead.append(name)
         except ray.exceptions.RayError:
             failed.append(name)
-    return Diagnosis(tuple(dead), tuple(silent), tuple(failed))
+    return Diagnosis(tuple(dead), tuple(silent), tuple(failed), seconds)
 
 
 def diagnose(workers: Workers, seconds: float = PING_SECONDS) -> Diagnosis:
@@ -94,54 +133,64 @@ def diagnose(workers: Workers, seconds: float = PING_SECONDS) -> Diagnosis:
     return settle(workers, [a.ping.remote() for a in workers.actors], seconds)
 
 
-def gather(workers: Workers, refs: Sequence, timeout_s: float, what: str, state: str = "") -> list[Any]:
+def gather(workers: Workers, refs: Sequence, timeout_s: "float | Deadline", what: str, state: str = "",
+           layout: str | None = None) -> list[Any]:
     """``ray.get`` of ``refs`` (one per worker of ``workers``) with one deadline, failing fast.
 
-    On the first failed call or at the deadline, raises :class:`ReallocationError` naming the
-    dead and the unresponsive workers (and, if none, the worker whose call failed, with its
-    exception), followed by ``state``: what is true of the group afterwards.
+    ``timeout_s``: seconds, or the :class:`Deadline` of the call this wait is a step of. On the
+    first failed call or at the deadline, pings the workers (within the deadline's grace, at most
+    :data:`PING_SECONDS`) and raises :class:`ReallocationError` naming the dead, the unresponsive
+    and the waiting workers (and, if none died or went silent, the worker whose call failed, with
+    its exception), followed by ``state``: what is true of the group afterwards; ``layout``: the
+    error's ``layout``.
     """
     refs = list(refs)
     if len(refs) != len(workers):
         raise ValueError(f"{what}: {len(refs)} calls for {len(workers)} workers")
-    deadline = time.monotonic() + timeout_s
+    deadline = as_deadline(timeout_s)
     pending = list(refs)
     index = {r: i for i, r in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=deadline.remaining())
+        if not ready:
             late = [workers.names[index[r]] for r in pending]
-            found = diagnose(workers)
+            found = diagnose(workers, min(PING_SECONDS, deadline.grace()))
             cause = found.describe() if found else f"workers {late} are alive and answer pings but their call is " \
                                                    "still running (a peer may be stuck)"
-            _fail(f"{what}: timed out after {timeout_s:.0f}s waiting for {late}; {cause}", found, state)
-        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            _fail(f"{what}: timed out after {deadline.seconds:.0f}s waiting for {late}; {cause}", found, late, state,
+                  layout)
         for r in ready:
             try:
                 results[index[r]] = ray.get(r)
             except ray.exceptions.RayError as err:
-                found = diagnose(workers)
+                found = diagnose(workers, min(PING_SECONDS, deadline.grace()))
                 name = workers.names[index[r]]
+                late = [workers.names[index[p]] for p in pending]
                 if found:
-                    _fail(f"{what}: {found.describe()}", found, state, err)
+                    _fail(f"{what}: {found.describe()}", found, late, state, layout, err)
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
-                _fail(f"{what} failed on {name}: {type(cause).__name__}: {cause}", found, state, err)
+                _fail(f"{what} failed on {name}: {type(cause).__name__}: {cause}", found, late, state, layout, err)
     return results
 
 
-def _fail(message: str, found: Diagnosis, state: str, cause: BaseException | None = None):
+def _fail(message: str, found: Diagnosis, late: Sequence[str], state: str, layout: str | None,
+          cause: BaseException | None = None):
+    """Raise the error of a failed :func:`gather`: ``late`` workers that answered pings are waiting."""
     text = f"{message}. {state}" if state else message
     log.warning("%s", text)
-    err = ReallocationError(text, found.dead, found.unresponsive)
+    waiting = [n for n in late if n not in found.dead and n not in found.unresponsive]
+    err = ReallocationError(text, found.dead, found.unresponsive, layout, waiting)
     if cause is not None:
         raise err from cause
     raise err
 
 
-def call_all(workers: Workers, method: str, *args: Any, timeout_s: float, what: str, state: str = "") -> list[Any]:
+def call_all(workers: Workers, method: str, *args: Any, timeout_s: "float | Deadline", what: str, state: str = "",
+             layout: str | None = None) -> list[Any]:
     """Call ``method(*args)`` on every worker and :func:`gather` the results."""
-    return gather(workers, [getattr(a, method).remote(*args) for a in workers.actors], timeout_s, what, state)
+    return gather(workers, [getattr(a, method).remote(*args) for a in workers.actors], timeout_s, what, state,
+                  layout)
 
 
 def fire(workers: Workers, method: str, *args: Any) -> list:

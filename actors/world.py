@@ -17,7 +17,7 @@ import logging
 import uuid
 import weakref
 
-from actors.remote import Workers, call_all, gather
+from actors.remote import Deadline, Workers, call_all, gather
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,10 @@ class World:
         self.alive = True
 
     @staticmethod
-    def form(workers: Workers, timeout_s: float) -> "World":
+    def form(workers: Workers, timeout_s: float, deadline: Deadline | None = None) -> "World":
+        """A world over ``workers``; its collectives time out after ``timeout_s``. The driver waits
+        up to ``deadline`` (that of the operation forming it), or ``timeout_s`` for the store and
+        ``timeout_s + 30`` for the joins (the workers' own rendezvous timeout comes first)."""
         n = len(workers)
         world_id = uuid.uuid4().hex[:12]
         ids = {a._actor_id for a in workers.actors}
@@ -39,9 +42,9 @@ class World:
             if other.alive and ids & set(other._rank):
                 other.mark_broken()  # its actors are about to leave it
         head = workers.subset([0])
-        addr, port = call_all(head, "open_store", n, timeout_s, timeout_s=timeout_s, what="form world")[0]
+        addr, port = call_all(head, "open_store", n, timeout_s, timeout_s=deadline or timeout_s, what="form world")[0]
         refs = [a.join.remote(world_id, addr, port, r, n, timeout_s) for r, a in enumerate(workers.actors)]
-        backends = gather(workers, refs, timeout_s + 30, "form world")
+        backends = gather(workers, refs, deadline or timeout_s + 30, "form world")
         if len(set(backends)) != 1:
             raise ValueError(f"workers disagree on the backend ({sorted(set(backends))}): mixing GPU and CPU "
                              "workers in one world is not supported")
