@@ -143,7 +143,6 @@ class Peer:
             group_name: str = "default"):
         """Time `reps` transfers rank0 -> rank1. Each rep starts after a
         barrier; per-rep time is recorded on each side (driver takes max)."""
-        import torch
         import torch.distributed as dist
 
         if backend == "B":

@@ -86,7 +86,7 @@ def _worker(rank: int, port: int, n: int, reps: int, nbytes: int) -> None:
         init_times.append(time.perf_counter() - t0)
         if i < reps - 1:
             dist.destroy_process_group()
-    for i in range(reps):
+    for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         group = dist.new_group(list(range(n)))
@@ -96,7 +96,7 @@ def _worker(rank: int, port: int, n: int, reps: int, nbytes: int) -> None:
     p2p: dict[str, list[float]] = {m: [] for m in runs}
     for run in runs.values():
         run(nbytes)  # warm-up: first use of the pair
-    for i in range(reps):
+    for _ in range(reps):
         for m, run in runs.items():
             dist.barrier()
             t0 = time.perf_counter()

@@ -224,7 +224,7 @@ def _assemble(outputs, prompts: torch.Tensor, dp: int):
     """Tokens and logits of all prompts from the tp-rank-0 worker of every dp replica (every tp
     rank of a replica must agree)."""
     by_replica = {}
-    for dp_rank, tp_rank, tokens, logits in outputs:
+    for dp_rank, _tp_rank, tokens, logits in outputs:
         if dp_rank in by_replica and not torch.equal(by_replica[dp_rank][0], tokens):
             raise AssertionError(f"tp ranks of replica {dp_rank} generated different tokens")
         by_replica.setdefault(dp_rank, (tokens, logits))

@@ -51,7 +51,7 @@ import sys
 import time
 import uuid
 import zlib
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -265,7 +265,7 @@ class _Layouts:
 
 def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | None = None, nodes: int = 2,
           bucket_bytes: int = 64 * MB, repeats: int = 3, baseline_repeats: int = 3,
-          baselines: list[str] = list(BASELINES), verify: str = "digest", probe_bytes: int = 256 * MB,
+          baselines: Sequence[str] = BASELINES, verify: str = "digest", probe_bytes: int = 256 * MB,
           seed: int = 0, resident: bool = True, memory_check: bool = True) -> dict:
     """Run the whole benchmark (both directions of every transition, one set of actors);
     returns the report (see ``docs/benchmarks.md``). ``memory_check``: skip a baseline whose
@@ -1675,7 +1675,7 @@ def _dcp_fn(ctx, spec, owners: dict, dst_owners: dict, dst: Topology, vpm: int, 
             target[name] = _sharded(local, boxes, p.shape, TORCH_DTYPES[p.dtype], rank)
     dcp.load(target, checkpoint_id=path)
     for entries in store.by_param.values():  # a param held twice on a rank (tied head) gets both copies
-        for s, local in entries[1:]:
+        for s, _ in entries[1:]:
             if s.numel:
                 store.write(s.param, s.offsets, s.sizes, entries[0][1][tuple(slice(0, n) for n in s.sizes)])
     t2 = time.perf_counter()

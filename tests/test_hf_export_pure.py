@@ -184,7 +184,7 @@ def test_arena_files_are_safetensors_with_tensors_in_place():
     data, store = arena.allocate()
     for name, t in tensors.items():
         store.write(name, (0,) * t.dim(), tuple(t.shape), t)
-    for i, (fname, entries) in enumerate(files):
+    for i, (_fname, entries) in enumerate(files):
         raw = arena.file_bytes(data, i).numpy().tobytes()
         assert arena.files[i].start % 8 == 0
         loaded = safetensors.torch.load(raw)

@@ -108,7 +108,7 @@ def check_senders_hold_what_they_send(plan: Plan, shapes, hold: Masks) -> None:
             mark(worker, seg)
     assert 0 <= plan.forward_from <= len(plan.steps)
     for s, step in enumerate(plan.steps):
-        for src, dst, j in step:
+        for src, _dst, j in step:
             for seg in plan.segment_list(j):
                 if s < plan.forward_from:
                     assert covers(hold, src, seg.param, seg.offsets, seg.sizes), \

@@ -51,7 +51,7 @@ def is_box(elements: list[tuple[int, ...]]) -> bool:
     """Do these elements, in this order, form a box listed row-major?"""
     lo = [min(e[d] for e in elements) for d in range(len(elements[0]))]
     hi = [max(e[d] for e in elements) for d in range(len(elements[0]))]
-    return elements == box_elements(lo, [h - l + 1 for l, h in zip(lo, hi)])
+    return elements == box_elements(lo, [high - low + 1 for low, high in zip(lo, hi)])
 
 
 def fewest_runs(elements: list[tuple[int, ...]]) -> int:
@@ -341,7 +341,7 @@ def test_binding_a_zero3_layout_points_to_the_flat_partitions():
         assert list(flat) == list(want), "every slot, in forward order"
         for slot, value in want.items():
             flat[slot].copy_(value)
-        for dt, buf in buffers.items():  # the views are the buffers: concatenated, they are all of it
+        for _dt, buf in buffers.items():  # the views are the buffers: concatenated, they are all of it
             assert torch.equal(buf, torch.cat([want[s].reshape(-1) for s in want if want[s].dtype == buf.dtype]))
 
 

@@ -164,7 +164,7 @@ def plan_reallocation(
 
 
 def _validate(holdings: PieceTable, needs: PieceTable, placement: Placement, params: ParamTable) -> None:
-    for name, (shape, dtype) in params.items():
+    for name, (_shape, dtype) in params.items():
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"parameter {name!r}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     for what, table in (("holdings", holdings), ("needs", needs)):
