@@ -109,6 +109,11 @@ class Diagnosis:
         return "; ".join(parts)
 
 
+#: What a call to a dead actor raises: the actor died, or Ray's memory monitor killed its process
+#: (Ray then answers every later call to it with ``OutOfMemoryError``, not ``ActorDiedError``).
+DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.OutOfMemoryError)
+
+
 def settle(workers: Workers, refs: Sequence, seconds: float) -> Diagnosis:
     """Wait up to ``seconds`` for one call per worker and classify the workers by its outcome:
     no answer (unresponsive), the actor died (dead), the call raised otherwise (failed)."""
@@ -121,7 +126,7 @@ def settle(workers: Workers, refs: Sequence, seconds: float) -> Diagnosis:
             continue
         try:
             ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+        except DEATHS:
             dead.append(name)
         except ray.exceptions.RayError:
             failed.append(name)

@@ -1218,10 +1218,9 @@ def recover_group(group, layouts: _Layouts, seed: int) -> dict:
             lost.append(r)
     for r in lost:
         ray.kill(group.actors[r])
-    # Ray answers every call to an actor its memory monitor killed with OutOfMemoryError (not
-    # ActorDiedError, even after ray.kill), which ModelGroup.dead_workers (actors.remote.settle)
-    # counts as a failed call of a live worker, so replace_dead_workers would leave it. Wait until
-    # each lost worker fails a ping with a Ray error, then have the group replace those ranks.
+    # Wait until each lost worker fails a ping with a Ray error (an actor Ray's memory monitor
+    # killed answers OutOfMemoryError, which actors.remote.DEATHS counts as dead), then have the
+    # group replace the dead ranks.
     deadline = time.monotonic() + 60
     for r in lost:
         while True:
@@ -1234,13 +1233,7 @@ def recover_group(group, layouts: _Layouts, seed: int) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker {r} was killed but still answers after 60s")
             time.sleep(0.5)
-    replaced = []
-    if lost:
-        group.dead_workers = lambda: list(lost)  # this instance only, for the call below
-        try:
-            replaced = group.replace_dead_workers()
-        finally:
-            del group.dead_workers
+    replaced = group.replace_dead_workers() if lost else []
     if replaced:
         group.init_synthetic(seed)
         if not layouts.check():

@@ -124,3 +124,26 @@ def test_the_in_process_executor_refuses_an_edited_plan_before_writing(edit, mes
     with pytest.raises(ValueError, match=message):
         execute_in_process(Plan.from_json(data), src, dst)
     assert all(not t.any() for store in dst.values() for t in store.buffers.values())
+
+
+def test_an_actor_killed_for_memory_counts_as_dead(monkeypatch):
+    """Ray answers every call to an actor its memory monitor killed with ``OutOfMemoryError``:
+    the diagnosis must call it dead (so ``replace_dead_workers`` replaces it), not a live worker
+    whose call failed."""
+    import ray
+
+    from actors import remote
+
+    errors = {"oom": ray.exceptions.OutOfMemoryError("killed by the memory monitor"),
+              "died": ray.exceptions.ActorDiedError(), "raised": ray.exceptions.RayTaskError("f", "tb", ValueError())}
+
+    def get(ref, **_):
+        if ref in errors:
+            raise errors[ref]
+        return ref
+
+    monkeypatch.setattr(remote.ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(remote.ray, "get", get)
+    workers = remote.Workers(("a0", "a1", "a2", "a3"), ("w0", "w1", "w2", "w3"))
+    found = remote.settle(workers, ["oom", "died", "raised", "fine"], 1.0)
+    assert (found.dead, found.failed, found.unresponsive) == (("w0", "w1"), ("w2",), ())
