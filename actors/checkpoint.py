@@ -284,7 +284,7 @@ class CheckpointManager:
         try:
             self._on_nodes("ckpt_cleanup", f"clean up failed save {iteration}", only=iteration, ranks=live)
             gather(g.workers.subset(live), [g.actors[r].ckpt_forget.remote() for r in live], g.timeout_s,
-                   "clean up failed save")
+                   "clean up failed save", layout=str(g.layout))
         except ReallocationError:
             pass  # best effort: a later successful save removes older leftovers
         self._pending = None
@@ -613,7 +613,7 @@ class CheckpointManager:
     def _get(self, refs: list, what: str, ranks: list[int] | None = None) -> list[Any]:
         g = self.group
         workers = g.workers if ranks is None else g.workers.subset(ranks)
-        return gather(workers, refs, self.timeout_s, what)
+        return gather(workers, refs, self.timeout_s, what, layout=str(g.layout))
 
     def _call_all(self, method: str, what: str, *args: Any) -> list[Any]:
         return self._get([getattr(a, method).remote(*args) for a in self.group.actors], what)
