@@ -451,7 +451,7 @@ class ModelGroup:
     def _form_user_groups(self) -> None:
         """A fresh rendezvous store (on rank 0) and process-group cache on every worker."""
         n, timeout = self.num_workers, self.timeout_s
-        addr, port = call_all(self.workers.subset([0]), "open_group_store", n, timeout, timeout_s=timeout,
+        addr, port = call_all(self.workers.subset([0]), "open_group_rendezvous", n, timeout, timeout_s=timeout,
                               what=f"host the process-group store ({self.name})")[0]
         generation = uuid.uuid4().hex[:8]
         gather(self.workers, [a.join_groups.remote(addr, port, r, n, generation, timeout)

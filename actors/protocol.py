@@ -130,7 +130,7 @@ class Operation:
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
-        key, ref = _bundle_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
+        key, ref = _worker_plan_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
             refs = [a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep)
                     for i, a in enumerate(self.workers.actors)]
@@ -190,24 +190,24 @@ class Operation:
 
 
 #: (plan, world, peers) -> (key, ObjectRef of (plan, peers), plan): a loop alternating layouts
-#: ships each plan to the workers once; they cache it by key (``ShardWorker._bundle``).
-_BUNDLES: "OrderedDict[tuple, tuple[str, Any, Plan]]" = OrderedDict()
-_BUNDLES_KEPT = 16
+#: ships each plan to the workers once; they cache it by key (``ShardWorker._worker_plan``).
+_WORKER_PLANS: "OrderedDict[tuple, tuple[str, Any, Plan]]" = OrderedDict()
+_WORKER_PLANS_KEPT = 16
 
 
-def _bundle_ref(plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement,
-                shared: Sequence[bool]) -> tuple[str, Any]:
+def _worker_plan_ref(plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement,
+                     shared: Sequence[bool]) -> tuple[str, Any]:
     ranks = tuple(world.rank_of(a) for a in actors)
     key = (id(plan), world.id, ranks, tuple(srcs), tuple(dsts), tuple(placement.nodes), tuple(shared))
-    hit = _BUNDLES.get(key)
+    hit = _WORKER_PLANS.get(key)
     if hit is not None and hit[2] is plan:
-        _BUNDLES.move_to_end(key)
+        _WORKER_PLANS.move_to_end(key)
         return hit[0], hit[1]
     plan.validate(len(actors))
     peers = [PeerView(r, placement.nodes[i], srcs[i], dsts[i], shared=bool(shared[i])) for i, r in enumerate(ranks)]
-    entry = _BUNDLES[key] = (uuid.uuid4().hex, ray.put((plan, peers)), plan)
-    while len(_BUNDLES) > _BUNDLES_KEPT:
-        _BUNDLES.popitem(last=False)
+    entry = _WORKER_PLANS[key] = (uuid.uuid4().hex, ray.put((plan, peers)), plan)
+    while len(_WORKER_PLANS) > _WORKER_PLANS_KEPT:
+        _WORKER_PLANS.popitem(last=False)
     return entry[0], entry[1]
 
 

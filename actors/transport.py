@@ -32,7 +32,7 @@ import torch.distributed as dist
 from actors import communicator
 
 
-def host_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+def host_rendezvous(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store, created by rank 0 on a port the OS picks (no port race)."""
     return dist.TCPStore(addr, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
@@ -47,8 +47,8 @@ def host_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
 NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
-def connect_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """A client of a store :func:`host_store` opened (every member but the host)."""
+def connect_rendezvous(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A client of a store :func:`host_rendezvous` opened (every member but the host)."""
     return dist.TCPStore(addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -142,7 +142,7 @@ class Transport:
         self.wire = wire_device(self.backend, device)
         self.host_staging = staging if staging is not None else HostStaging()
         if store is None:
-            store = connect_store(store_addr, store_port, world_size, timeout_s)
+            store = connect_rendezvous(store_addr, store_port, world_size, timeout_s)
         # gloo binds its data sockets to the interface of the hostname unless told otherwise; on
         # hosts whose name resolves to 127.0.0.1 that breaks multi-node, so pin the node's NIC.
         ip = ray_node_ip()

@@ -42,7 +42,7 @@ from actors.errors import StaleOperationError
 from actors.executor import Cuts, PeerView, Phases, Staging, StepRunner, collector_paused, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
-from actors.transport import Transport, backend_for, connect_store, host_store, wire_device
+from actors.transport import Transport, backend_for, connect_rendezvous, host_rendezvous, wire_device
 from actors.zero_copy import BufferAllocator, handle_identity, open_handles
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
@@ -62,11 +62,11 @@ HANDLE_BYTES = 1 << 14
 HANDLES_TAG, READY_TAG = 1, 2
 #: Plans (with their peers and this worker's routes) kept per worker, and how many operations a
 #: peer's mapped buffer stays mapped without being read.
-BUNDLES_KEPT, MAPPINGS_KEPT_OPS = 8, 2
+PLANS_KEPT, MAPPINGS_KEPT_OPS = 8, 2
 
 
 @dataclass
-class Bundle:
+class WorkerPlan:
     """A plan as one worker runs it in ``op_run``, computed once per plan and world and cached:
     its routes by step, its local copies, and whom it exchanges zero-copy handles and readiness
     with (decided from the peers' ``shared`` flags, identically at both ends)."""
@@ -85,7 +85,7 @@ class Bundle:
     cuts: Cuts = field(default_factory=Cuts)  # its buckets and messages, cut on the first run
 
     @staticmethod
-    def make(plan: Plan, peers: list[PeerView], me: int) -> "Bundle":
+    def make(plan: Plan, peers: list[PeerView], me: int) -> "WorkerPlan":
         routes = worker_routes(plan, me)
         read_from: dict[int, set[bool]] = {}
         read_by: dict[int, set[bool]] = {}
@@ -103,13 +103,13 @@ class Bundle:
                     read_by.setdefault(b, set()).add(forward)
                     if forward:
                         notify.add(b)
-        return Bundle(plan, peers, routes, [j for w, j in plan.local_copies if w == me],
+        return WorkerPlan(plan, peers, routes, [j for w, j in plan.local_copies if w == me],
                       {p: tuple(sorted(f)) for p, f in sorted(read_from.items())},
                       {p: tuple(sorted(f)) for p, f in sorted(read_by.items())}, wait_ready, sorted(notify))
 
 
 @dataclass
-class Operation:
+class PendingOp:
     """This worker's part of one driver operation (named record of the pending state)."""
 
     id: str
@@ -175,16 +175,16 @@ class WorkerState:
         self.allocator = BufferAllocator(self.device, zero_copy, group)
         self.held: RankLayout | None = None
         self.buffers: dict[str, torch.Tensor] | None = None
-        self.op: Operation | None = None
+        self.op: PendingOp | None = None
         self.transport: Transport | None = None
         self.world_id: str | None = None
-        self.store = None
+        self.rendezvous = None
         self.fault: tuple[str, float] | None = None
         self.staging = Staging(self.device)
         self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
         self.communicators: Communicators | None = None
-        self.group_store = None
-        self.bundles: OrderedDict[str, Bundle] = OrderedDict()
+        self.group_rendezvous = None
+        self.plans: OrderedDict[str, WorkerPlan] = OrderedDict()
         self.mapped: dict[tuple, tuple[int, Any]] = {}  # peer buffers kept mapped: key -> (last op, value)
         self.runs = 0
         self.copier: ThreadPoolExecutor | None = None
@@ -246,10 +246,10 @@ class ShardWorker(CheckpointMixin):
     Reserved: ``_realloc``, and the names of the methods defined here and in
     :class:`~actors.ckpt_worker.CheckpointMixin` (:data:`RESERVED_METHODS`: ``activity``,
     ``after_change``, ``context``, ``get_boxes``, ``info``, ``inject_fault``, ``join``,
-    ``join_groups``, ``last_phases``, ``open_group_store``, ``open_store``, ``ping``, ``run``,
+    ``join_groups``, ``last_phases``, ``open_group_rendezvous``, ``open_rendezvous``, ``ping``, ``run``,
     ``set_layout``, ``shutdown``, ``source_digest``, ``trim_memory``, ``user_call``,
     ``verify_synthetic``, the ``op_*``, ``ckpt_*`` and ``resident_*`` ones, and private helpers
-    such as ``_run``, ``_keep``, ``_bundle``, ``_ckpt``): the driver and the worker call them.
+    such as ``_run``, ``_keep``, ``_worker_plan``, ``_ckpt``): the driver and the worker call them.
     ``ModelGroup.create`` refuses a class that redefines one (only :meth:`on_shards_changed` is
     meant to be overridden), and a worker whose code assigns one as an attribute gets a
     ``ValueError`` naming it (the attribute is removed). ``__init__`` must accept the arguments
@@ -300,19 +300,19 @@ class ShardWorker(CheckpointMixin):
         finally:
             _check_names(self, f"{type(self).__name__}.{method}")
 
-    def open_group_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+    def open_group_rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         """Host the rendezvous store of the process groups for user code (rank 0 of the group)."""
         addr = ray.util.get_node_ip_address()
-        self._realloc.group_store = host_store(addr, world_size, timeout_s)
-        return addr, self._realloc.group_store.port
+        self._realloc.group_rendezvous = host_rendezvous(addr, world_size, timeout_s)
+        return addr, self._realloc.group_rendezvous.port
 
     def join_groups(self, addr: str, port: int, rank: int, world_size: int, generation: str, timeout_s: float) -> None:
         """Start a fresh cache of user process groups (at creation and after a replacement)."""
         if self._realloc.communicators is not None:
             self._realloc.communicators.close()
-        store = self._realloc.group_store
+        store = self._realloc.group_rendezvous
         if store is None:
-            store = connect_store(addr, port, world_size, timeout_s)
+            store = connect_rendezvous(addr, port, world_size, timeout_s)
         self._realloc.communicators = Communicators(store, rank, world_size, self._realloc.wire, timeout_s, generation)
 
     # -- identity, liveness and collective set-up --------------------------------------------
@@ -335,13 +335,13 @@ class ShardWorker(CheckpointMixin):
         """Operation counters (tests: invalid input must cause no traffic and no state change)."""
         return dict(self._realloc.counters)
 
-    def open_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+    def open_rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         addr = ray.util.get_node_ip_address()
-        self._realloc.store = host_store(addr, world_size, timeout_s)
-        return addr, self._realloc.store.port
+        self._realloc.rendezvous = host_rendezvous(addr, world_size, timeout_s)
+        return addr, self._realloc.rendezvous.port
 
     def join(self, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float) -> str:
-        store, self._realloc.store = self._realloc.store, None
+        store, self._realloc.rendezvous = self._realloc.rendezvous, None
         if self._realloc.transport is not None:
             self._realloc.transport.close()
             self._realloc.transport, self._realloc.world_id = None, None
@@ -436,7 +436,7 @@ class ShardWorker(CheckpointMixin):
                 if dst.layout.spec != self._realloc.spec:
                     raise ValueError(f"worker of {self._realloc.group} holds model {self._realloc.spec.name!r}, "
                                      f"not {dst.layout.spec.name!r}")
-                self._realloc.specs_checked = [dst.layout.spec, *self._realloc.specs_checked[:BUNDLES_KEPT]]
+                self._realloc.specs_checked = [dst.layout.spec, *self._realloc.specs_checked[:PLANS_KEPT]]
             kept = self._realloc.kept.pop(dst.layout, None)  # stale (a fresh one is adopted instead): refresh it
             if kept is not None and kept.where == "in_place" and kept.held == dst:
                 buffers, refreshed = kept.buffers, True  # same memory: modules bound to it stay valid
@@ -444,7 +444,7 @@ class ShardWorker(CheckpointMixin):
                 # Every real element is written by the operation: only padding needs zeros in a reused buffer.
                 buffers = self._realloc.allocator.allocate(dst.buffer_numels(), zero=False)
             zero_padding(ShardStore(dst.shards(), buffers))
-        self._realloc.op = Operation(op_id, dst, buffers, refreshed=refreshed)
+        self._realloc.op = PendingOp(op_id, dst, buffers, refreshed=refreshed)
         if self._realloc.device.type == "cuda":
             torch.cuda.synchronize(self._realloc.device)  # peers read these bytes from other processes
             # CUDA IPC handles are made per reader and opened once each (_swap_handles): never
@@ -457,7 +457,7 @@ class ShardWorker(CheckpointMixin):
         return {"dst": allocator.export(buffers) if buffers is not None else None,
                 "src": allocator.export(current) if current is not None else None}
 
-    def _current_op(self, op_id: str) -> Operation:
+    def _current_op(self, op_id: str) -> PendingOp:
         if self._realloc.op is None or self._realloc.op.id != op_id:
             running = self._realloc.op.id if self._realloc.op else None
             raise StaleOperationError(f"worker of {self._realloc.group} runs operation {running}, not {op_id}")
@@ -486,7 +486,7 @@ class ShardWorker(CheckpointMixin):
         op = self._current_op(op_id)
         return self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
 
-    def _timed(self, op: Operation, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
+    def _timed(self, op: PendingOp, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
         """``run()`` (an execute phase of ``op``), timed and counted into ``op`` and the metrics."""
         started = time.perf_counter()
         metrics.in_flight(tags, +1)
@@ -505,7 +505,7 @@ class ShardWorker(CheckpointMixin):
         result["seconds"] = seconds
         return result
 
-    def _execute(self, op: Operation, plan: Plan, me: int, peers: list[PeerView], phase: int) -> dict:
+    def _execute(self, op: PendingOp, plan: Plan, me: int, peers: list[PeerView], phase: int) -> dict:
         src = self._store_now() if peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -530,7 +530,7 @@ class ShardWorker(CheckpointMixin):
                 moved["local"] += local_copies.join()
         return self._finished(op, moved)
 
-    def _finished(self, op: Operation, moved: dict[str, int]) -> dict:
+    def _finished(self, op: PendingOp, moved: dict[str, int]) -> dict:
         """An execute phase's report, once its writes are complete (on a GPU: synchronised)."""
         if self._realloc.device.type == "cuda":
             torch.cuda.synchronize(self._realloc.device)
@@ -547,7 +547,7 @@ class ShardWorker(CheckpointMixin):
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
         ``plan_box`` is ``[ObjectRef of (plan, peers)]``, fetched only the first time this worker
-        sees ``key`` (the bundle is cached). Zero-copy handles travel between the workers that need
+        sees ``key`` (its WorkerPlan is cached). Zero-copy handles travel between the workers that need
         them (point to point, on the world's process group) instead of through the driver, and a
         fan-out read of a peer's destination buffers waits for that peer's "phase 0 done" message
         instead of a driver barrier. The commit at the end is the protocol's: if any worker fails,
@@ -557,14 +557,14 @@ class ShardWorker(CheckpointMixin):
         """
         self._check_world(world_id)
         self._realloc.phases = Phases()
-        bundle = self._bundle(key, plan_box, me)
-        self.op_prepare(op_id, bundle.peers[me].dst, export=False)
+        worker_plan = self._worker_plan(key, plan_box, me)
+        self.op_prepare(op_id, worker_plan.peers[me].dst, export=False)
         self._realloc.counters["execute"] += 1
         op = self._realloc.op
         self._realloc.runs += 1
         self._evict_mappings()
         self._realloc.phases.mark("prepare")
-        result = self._timed(op, tags, "all", lambda: self._run(op, bundle, me))
+        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me))
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
@@ -580,7 +580,7 @@ class ShardWorker(CheckpointMixin):
         return dict(self._realloc.phases.seconds)
 
     # -- resident layouts (actors/resident.py) ----------------------------------------------
-    def _keep(self, op: Operation, order: KeepOrder) -> None:
+    def _keep(self, op: PendingOp, order: KeepOrder) -> None:
         """Keep the layout ``op`` committed away from (its rollback) resident, as ``order`` says."""
         if op.rollback is None:
             return
@@ -610,7 +610,7 @@ class ShardWorker(CheckpointMixin):
                                       f"version {version}: nothing was adopted")
         buffers = self._on_device(kept)
         del self._realloc.kept[layout]
-        op = self._realloc.op = Operation(op_id, kept.held, buffers, adopted=kept)
+        op = self._realloc.op = PendingOp(op_id, kept.held, buffers, adopted=kept)
         op.moved["local"] = buffers_nbytes(buffers.values()) if kept.where == "host" else 0
         self.op_commit(op_id)
         if keep is not None:
@@ -651,19 +651,19 @@ class ShardWorker(CheckpointMixin):
                 self._realloc.allocator.release(r.buffers, keep=False)
         return self.resident_bytes()
 
-    def _bundle(self, key: str, plan_box: list, me: int) -> Bundle:
-        bundle = self._realloc.bundles.get(key)
-        if bundle is None:
+    def _worker_plan(self, key: str, plan_box: list, me: int) -> WorkerPlan:
+        worker_plan = self._realloc.plans.get(key)
+        if worker_plan is None:
             plan, peers = ray.get(plan_box[0])
             plan.validate(len(peers))
-            bundle = self._realloc.bundles[key] = Bundle.make(plan, peers, me)
-            while len(self._realloc.bundles) > BUNDLES_KEPT:
-                self._realloc.bundles.popitem(last=False)
-        self._realloc.bundles.move_to_end(key)
-        return bundle
+            worker_plan = self._realloc.plans[key] = WorkerPlan.make(plan, peers, me)
+            while len(self._realloc.plans) > PLANS_KEPT:
+                self._realloc.plans.popitem(last=False)
+        self._realloc.plans.move_to_end(key)
+        return worker_plan
 
-    def _run(self, op: Operation, b: Bundle, me: int) -> dict:
-        src = self._store_now() if b.peers[me].src is not None else None
+    def _run(self, op: PendingOp, wp: WorkerPlan, me: int) -> dict:
+        src = self._store_now() if wp.peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
         if self._realloc.copier is None:
@@ -671,36 +671,36 @@ class ShardWorker(CheckpointMixin):
         # Local copies write boxes no route writes, and torch copies release the GIL: beside the
         # handle exchange (which waits for the peers to arrive) and the transfers.
         local = self._realloc.copier.submit(lambda: sum(
-            b.cuts.programs.run(("local", j), lambda j=j: local_copies(src, dst, b.plan.segment_list(j)),
-                                dst.buffers, src.buffers) for j in b.local)) if b.local else None
+            wp.cuts.programs.run(("local", j), lambda j=j: local_copies(src, dst, wp.plan.segment_list(j)),
+                                dst.buffers, src.buffers) for j in wp.local)) if wp.local else None
         ready: dict[int, Any] = {}
         sent: list = []
         ok = False
         try:
-            opened = self._swap_handles(b, op) if (b.read_from or b.read_by) else {}
+            opened = self._swap_handles(wp, op) if (wp.read_from or wp.read_by) else {}
             self._realloc.phases.mark("handles")
-            runner = StepRunner(self._realloc.transport, self._realloc.device, b.plan, me, b.peers, src, dst,
+            runner = StepRunner(self._realloc.transport, self._realloc.device, wp.plan, me, wp.peers, src, dst,
                                 lambda view, forward: opened[view.world_rank, forward],
-                                on_bucket=self._after_bucket, staging=self._realloc.staging, cuts=b.cuts)
+                                on_bucket=self._after_bucket, staging=self._realloc.staging, cuts=wp.cuts)
             stall = self._take_fault("stall")
             if stall:
                 time.sleep(stall)
-            steps = sorted(b.routes)
-            forward_from = b.plan.forward_from
+            steps = sorted(wp.routes)
+            forward_from = wp.plan.forward_from
             for s in (s for s in steps if s < forward_from):
-                for kind, nbytes in runner.run_step(s, b.routes[s]):
+                for kind, nbytes in runner.run_step(s, wp.routes[s]):
                     moved[kind] += nbytes
             self._realloc.phases.mark("transfers")
             # Phase 0 is done here: tell the peers that read my destination buffers (fan-out reads
             # forward only cells received over routes, never local copies: planner, step 2).
-            sent, ready = self._post_ready(b, b.peers)
+            sent, ready = self._post_ready(wp, wp.peers)
             self._realloc.phases.mark("ready")
             for s in (s for s in steps if s >= forward_from):
-                for peer in b.wait_ready.get(s, ()):
+                for peer in wp.wait_ready.get(s, ()):
                     work = ready.pop(peer, None)
                     if work is not None:
                         work.wait()
-                for kind, nbytes in runner.run_step(s, b.routes[s]):
+                for kind, nbytes in runner.run_step(s, wp.routes[s]):
                     moved[kind] += nbytes
             for work in sent + list(ready.values()):
                 work.wait()
@@ -717,7 +717,7 @@ class ShardWorker(CheckpointMixin):
         self._realloc.phases.mark("device sync")
         return result
 
-    def _swap_handles(self, b: Bundle, op: Operation) -> dict[tuple[int, bool], ShardStore]:
+    def _swap_handles(self, wp: WorkerPlan, op: PendingOp) -> dict[tuple[int, bool], ShardStore]:
         """Send each peer that maps my buffers the handles of exactly the buffers it reads, made
         for it alone; receive mine and open each once. Returns the opened stores by (the peer's
         world rank, forward).
@@ -728,37 +728,37 @@ class ShardWorker(CheckpointMixin):
         freed layout leaked: bench-gpu ran out of memory on llama-7b after a few moves); one
         opened by two readers drops it twice and frees the block under the second."""
         outs = []
-        for p, sides in b.read_by.items():
+        for p, sides in wp.read_by.items():
             mine = {"src": self._realloc.allocator.export(self._realloc.buffers) if False in sides else None,
                     "dst": self._realloc.allocator.export(op.buffers) if True in sides else None}
-            outs.append((b.peers[p].world_rank, _handle_message(mine, self._realloc.wire)))
-        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self._realloc.wire) for p in b.read_from}
+            outs.append((wp.peers[p].world_rank, _handle_message(mine, self._realloc.wire)))
+        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self._realloc.wire) for p in wp.read_from}
         for work in communicator.post(self._realloc.transport.pg, self._realloc.wire, outs,
-                                      [(b.peers[p].world_rank, t) for p, t in ins.items()], HANDLES_TAG):
+                                      [(wp.peers[p].world_rank, t) for p, t in ins.items()], HANDLES_TAG):
             work.wait()
         opened = {}
         for p, t in ins.items():
             raw = t.cpu().numpy().tobytes()
             h = pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
-            view = replace(b.peers[p], src_handles=h["src"], dst_handles=h["dst"])
-            for forward in b.read_from[p]:
+            view = replace(wp.peers[p], src_handles=h["src"], dst_handles=h["dst"])
+            for forward in wp.read_from[p]:
                 opened[view.world_rank, forward] = self._mapped_peer_store(view, forward)
         return opened
 
-    def _post_ready(self, b: Bundle, peers: list[PeerView]) -> tuple[list, dict[int, Any]]:
+    def _post_ready(self, wp: WorkerPlan, peers: list[PeerView]) -> tuple[list, dict[int, Any]]:
         """Post "phase 0 done" to my fan-out readers and the receives of my fan-out senders' ones."""
-        senders = sorted({p for ps in b.wait_ready.values() for p in ps})
-        if not senders and not b.notify:
+        senders = sorted({p for ps in wp.wait_ready.values() for p in ps})
+        if not senders and not wp.notify:
             return [], {}
-        if b.notify and self._realloc.device.type == "cuda":
+        if wp.notify and self._realloc.device.type == "cuda":
             torch.cuda.synchronize(self._realloc.device)  # my phase-0 writes land before a reader in another process
         wire = self._realloc.wire
         one = torch.ones(1, dtype=torch.uint8, device=wire)
-        works = communicator.post(self._realloc.transport.pg, wire, [(peers[p].world_rank, one) for p in b.notify],
+        works = communicator.post(self._realloc.transport.pg, wire, [(peers[p].world_rank, one) for p in wp.notify],
                                   [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=wire))
                                    for p in senders], READY_TAG)
-        if len(works) == len(b.notify) + len(senders):  # one Work per message (gloo)
-            return works[:len(b.notify)], dict(zip(senders, works[len(b.notify):]))
+        if len(works) == len(wp.notify) + len(senders):  # one Work per message (gloo)
+            return works[:len(wp.notify)], dict(zip(senders, works[len(wp.notify):]))
         # one coalesced Work for all (NCCL): the first fan-out read waits for every message
         return list(works), {p: works[0] for p in senders} if works else {}
 
@@ -872,7 +872,7 @@ class ShardWorker(CheckpointMixin):
         self._drop_op()
         self._realloc.kept.clear()
         self._realloc.mapped.clear()
-        self._realloc.bundles.clear()
+        self._realloc.plans.clear()
         if self._realloc.copier is not None:
             self._realloc.copier.shutdown(wait=True)
             self._realloc.copier = None
