@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from actors.executor import PeerView, StepRunner
+from realloc._checks import check_nonneg
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.files import (build_rank_file, buffers_from_bytes, check_bytes, read_shard, read_verified,
                                 write_rank_file)
@@ -45,8 +46,7 @@ class CheckpointFault:
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
             raise ValueError(f"fault mode {self.mode!r} is not one of {FAULT_MODES}")
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"fault rank must be a non-negative integer, got {self.rank!r}")
+        check_nonneg("fault rank", self.rank)
 
     def trigger(self) -> None:
         if self.mode == "exit":

@@ -6,18 +6,14 @@ exists: a bad value is a ``ValueError`` naming the field, the value and what is 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from realloc._checks import check_finite, check_int
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 MIN_BUCKET_BYTES = 1024
 TRANSPORTS = ("auto", "nccl", "gloo")
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -65,8 +61,9 @@ class GroupConfig:
         for name in ("use_gpu", "zero_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        g = self.gpus_per_worker
-        if not _number(g) or not math.isfinite(g) or g <= 0 or (g > 1 and g != int(g)):
+        g = check_finite("gpus_per_worker", self.gpus_per_worker, positive=True,
+                         allowed="a fraction in (0, 1] or a whole number of GPUs (what Ray can assign)")
+        if g > 1 and g != int(g):
             raise ValueError(f"gpus_per_worker must be a fraction in (0, 1] or a whole number of GPUs (what Ray "
                              f"can assign), got {g!r}")
         if g != 1 and not self.use_gpu:
@@ -79,16 +76,12 @@ class GroupConfig:
                              "use 'gloo' or 'auto'")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"placement strategy {self.strategy!r} is not one of {STRATEGIES}")
-        if not _number(self.cpus_per_worker) or not math.isfinite(self.cpus_per_worker) or self.cpus_per_worker < 0:
-            raise ValueError(f"cpus_per_worker must be a finite number >= 0, got {self.cpus_per_worker!r}")
+        check_finite("cpus_per_worker", self.cpus_per_worker, minimum=0, allowed="a finite number >= 0")
         if self.cpus_per_worker == 0 and not self.use_gpu:
             raise ValueError(f"cpus_per_worker must be > 0 unless use_gpu=True (a worker's placement bundle needs "
                              f"some resource), got {self.cpus_per_worker!r}")
-        if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) \
-                or self.bucket_bytes < MIN_BUCKET_BYTES:
-            raise ValueError(f"bucket_bytes must be an integer of at least {MIN_BUCKET_BYTES}, got {self.bucket_bytes!r}")
-        if not _number(self.timeout_s) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a finite positive number of seconds, got {self.timeout_s!r}")
+        check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES)
+        check_finite("timeout_s", self.timeout_s, positive=True, allowed="a finite positive number of seconds")
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
         if not isinstance(self.bandwidths, Bandwidths):
             raise ValueError(f"bandwidths must be a realloc.Bandwidths, got {type(self.bandwidths).__name__}")

@@ -49,6 +49,7 @@ from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.world import World
 from actors.worker import CONTROL, RESERVED_METHODS, ShardWorker
 from actors.zero_copy import sweep_stale_buffers
+from realloc._checks import check_nonneg, is_int
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
 from realloc.plan import Bandwidths, Placement, Plan, plan_reallocation
@@ -356,7 +357,7 @@ class ModelGroup:
             return list(range(self.num_workers))
         if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
             raise ValueError(f"ranks must be a sequence of integers, got {type(ranks).__name__}")
-        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.num_workers]
+        bad = [r for r in ranks if not is_int(r) or not 0 <= r < self.num_workers]
         if bad:
             raise ValueError(f"ranks {bad[:5]} are not ranks of group {self.name!r} (0..{self.num_workers - 1})")
         if len(set(ranks)) != len(ranks):
@@ -862,8 +863,7 @@ def _check_writes(writes: object) -> None:
 
 
 def _check_seed(seed: object) -> None:
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    check_nonneg("seed", seed)
 
 
 def _check_capacity(n: int, config: GroupConfig) -> None:
