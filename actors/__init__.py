@@ -13,7 +13,21 @@ from actors.resident import ResidentLayout
 from actors.worker import ShardWorker
 
 __all__ = [
-    "CheckpointFault", "CheckpointManager", "GroupBusyError", "GroupConfig", "HFExportStats", "HookError", "LoadStats",
-    "ModelGroup", "ReallocStats", "ReallocationError", "ResidentLayout", "SaveHandle", "SaveStats", "ShardChange",
-    "ShardContext", "ShardWorker", "StaleOperationError",
+    "CheckpointFault",
+    "CheckpointManager",
+    "GroupBusyError",
+    "GroupConfig",
+    "HFExportStats",
+    "HookError",
+    "LoadStats",
+    "ModelGroup",
+    "ReallocStats",
+    "ReallocationError",
+    "ResidentLayout",
+    "SaveHandle",
+    "SaveStats",
+    "ShardChange",
+    "ShardContext",
+    "ShardWorker",
+    "StaleOperationError",
 ]

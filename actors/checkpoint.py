@@ -32,14 +32,22 @@ from actors.remote import fire, gather
 from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
-from realloc.ckpt.hf import (CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, GENERATION_CONFIG_FILE, begin_hf_dir,
-                              check_export_dir, check_max_shard_bytes, check_ties, finish_hf_dir, match_spec,
-                              scan_hf_dir)
+from realloc.ckpt.hf import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    GENERATION_CONFIG_FILE,
+    begin_hf_dir,
+    check_export_dir,
+    check_max_shard_bytes,
+    check_ties,
+    finish_hf_dir,
+    match_spec,
+    scan_hf_dir,
+)
 from realloc.ckpt.hf_export import assign_writers, check_reported
 from realloc.ckpt.local_store import NodeStore, default_root
 from realloc.ckpt.manifest import Manifest, check_iteration, check_run_id, param_table
-from realloc.ckpt.replication import (cliques, file_table, files_read_by, rank_of, replication_groups,
-                                      retrieval_groups)
+from realloc.ckpt.replication import cliques, file_table, files_read_by, rank_of, replication_groups, retrieval_groups
 from realloc.ckpt.reshard import assign_readers, reshard_groups
 from realloc.plan import Plan, plan_exchange
 from realloc.spec import hf_config_of
@@ -159,13 +167,21 @@ class CheckpointManager:
         True
     """
 
-    def __init__(self, group, root: "str | Path | None" = None, run_id: str | None = None,
-                 jump: int | None = None, factor: int = 2, timeout_s: float | None = None):
+    def __init__(
+        self,
+        group,
+        root: "str | Path | None" = None,
+        run_id: str | None = None,
+        jump: int | None = None,
+        factor: int = 2,
+        timeout_s: float | None = None,
+    ):
         if root is not None and not isinstance(root, (str, Path)):
             raise ValueError(f"root must be a path, got {type(root).__name__}")
         if root is not None and (not str(root).strip() or not Path(root).is_absolute()):
-            raise ValueError(f"root must be an absolute directory path (each worker resolves it on its own node), "
-                             f"got {str(root)!r}")
+            raise ValueError(
+                f"root must be an absolute directory path (each worker resolves it on its own node), got {str(root)!r}"
+            )
         if timeout_s is not None:
             check_finite("timeout_s", timeout_s, positive=True, allowed="a finite positive number of seconds")
         self.group = group
@@ -199,22 +215,36 @@ class CheckpointManager:
         if not isinstance(is_async, bool):
             raise ValueError(f"is_async must be True or False, got {is_async!r}")
         if fault is not None and not (isinstance(fault, CheckpointFault) and fault.rank < self.group.num_workers):
-            raise ValueError(f"fault must be a CheckpointFault for a rank below {self.group.num_workers}, "
-                             f"got {fault!r}")
+            raise ValueError(
+                f"fault must be a CheckpointFault for a rank below {self.group.num_workers}, got {fault!r}"
+            )
         g = self.group
         # The order check and the save run under one hold of the group's lock: a save racing in from
         # another thread sees the iteration this one saved (and its removal of older ones) or waits.
         with g._exclusive(f"save iteration {iteration}"):
             self._finish_pending()
             if self._last_saved is not None and iteration <= self._last_saved:
-                raise ValueError(f"iteration {iteration} is not after the last saved iteration {self._last_saved}; "
-                                 "iterations of a run must increase")
-            log.info("checkpoint save of iteration %d (run %s, %s) started", iteration, self.run_id,
-                     "async" if is_async else "sync")
+                raise ValueError(
+                    f"iteration {iteration} is not after the last saved iteration {self._last_saved}; "
+                    "iterations of a run must increase"
+                )
+            log.info(
+                "checkpoint save of iteration %d (run %s, %s) started",
+                iteration,
+                self.run_id,
+                "async" if is_async else "sync",
+            )
             started = time.perf_counter()
-            refs = [a.ckpt_save.remote(str(self.root), self.run_id, iteration, is_async,
-                                       fault if fault is not None and fault.rank == r else None)
-                    for r, a in enumerate(g.actors)]
+            refs = [
+                a.ckpt_save.remote(
+                    str(self.root),
+                    self.run_id,
+                    iteration,
+                    is_async,
+                    fault if fault is not None and fault.rank == r else None,
+                )
+                for r, a in enumerate(g.actors)
+            ]
             handle = SaveHandle(self, iteration, refs, started, is_async)
             if is_async:
                 try:  # the acknowledgements: every snapshot is taken
@@ -249,8 +279,15 @@ class CheckpointManager:
                 for need in needs:
                     for param, _, _ in need.pieces:
                         incoming[need.workers[0]][rank_of(param)] = manifests[rank_of(param)]
-                payloads = [{"iteration": iteration, "root": str(self.root), "run_id": self.run_id,
-                             "incoming": incoming.get(w, {})} for w in range(g.num_workers)]
+                payloads = [
+                    {
+                        "iteration": iteration,
+                        "root": str(self.root),
+                        "run_id": self.run_id,
+                        "incoming": incoming.get(w, {}),
+                    }
+                    for w in range(g.num_workers)
+                ]
                 exchanged = self._exchange(plan, "replicate", payloads, f"save iteration {iteration}: replicate")
                 finish = max(res["finish_seconds"] for res in exchanged)
                 for res in exchanged:
@@ -265,15 +302,27 @@ class CheckpointManager:
         finally:
             self._pending = None
         self._last_saved = iteration
-        log.info("checkpoint save of iteration %d (run %s) done: %d bytes written, %d replicated, %.3f s", iteration,
-                 self.run_id, sum(file_bytes.values()), moved["inter"] + moved["intra"],
-                 time.perf_counter() - handle._started)
+        log.info(
+            "checkpoint save of iteration %d (run %s) done: %d bytes written, %d replicated, %.3f s",
+            iteration,
+            self.run_id,
+            sum(file_bytes.values()),
+            moved["inter"] + moved["intra"],
+            time.perf_counter() - handle._started,
+        )
         return SaveStats(
-            iteration=iteration, write_seconds=written - handle._started, replicate_seconds=replicated - written,
-            total_seconds=time.perf_counter() - handle._started, bytes_written=sum(file_bytes.values()),
-            bytes_replicated_inter_node=moved["inter"], bytes_replicated_intra_node=moved["intra"],
-            replica_files=len(needs), removed_iterations=sorted({i for r in removed for i in r}),
-            worker_write_seconds=max(res["seconds"] for res in results), replica_check_write_seconds=finish)
+            iteration=iteration,
+            write_seconds=written - handle._started,
+            replicate_seconds=replicated - written,
+            total_seconds=time.perf_counter() - handle._started,
+            bytes_written=sum(file_bytes.values()),
+            bytes_replicated_inter_node=moved["inter"],
+            bytes_replicated_intra_node=moved["intra"],
+            replica_files=len(needs),
+            removed_iterations=sorted({i for r in removed for i in r}),
+            worker_write_seconds=max(res["seconds"] for res in results),
+            replica_check_write_seconds=finish,
+        )
 
     def _abort_save(self, iteration: int, cause: Exception, refs: list) -> None:
         """Let in-flight writes settle, delete the iteration on every live node, raise."""
@@ -283,15 +332,25 @@ class CheckpointManager:
         live = [r for r in range(g.num_workers) if r not in dead]
         try:
             self._on_nodes("ckpt_cleanup", f"clean up failed save {iteration}", only=iteration, ranks=live)
-            gather(g.workers.subset(live), [g.actors[r].ckpt_forget.remote() for r in live], g.timeout_s,
-                   "clean up failed save", layout=str(g.layout))
+            gather(
+                g.workers.subset(live),
+                [g.actors[r].ckpt_forget.remote() for r in live],
+                g.timeout_s,
+                "clean up failed save",
+                layout=str(g.layout),
+            )
         except ReallocationError:
             pass  # best effort: a later successful save removes older leftovers
         self._pending = None
-        previous = f"iteration {self._last_saved} stays loadable" if self._last_saved is not None else \
-            "earlier iterations are untouched"
-        raise CheckpointError(f"save of iteration {iteration} (run {self.run_id}) failed and was removed from the "
-                              f"live nodes; {previous}. Cause: {cause}") from cause
+        previous = (
+            f"iteration {self._last_saved} stays loadable"
+            if self._last_saved is not None
+            else "earlier iterations are untouched"
+        )
+        raise CheckpointError(
+            f"save of iteration {iteration} (run {self.run_id}) failed and was removed from the "
+            f"live nodes; {previous}. Cause: {cause}"
+        ) from cause
 
     def _finish_pending(self) -> None:
         if self._pending is not None:
@@ -326,8 +385,11 @@ class CheckpointManager:
         if iteration is not None:
             check_iteration(iteration)
         self._finish_pending()
-        log.info("checkpoint load of run %s started (iteration %s)", self.run_id,
-                 "newest" if iteration is None else iteration)
+        log.info(
+            "checkpoint load of run %s started (iteration %s)",
+            self.run_id,
+            "newest" if iteration is None else iteration,
+        )
         try:
             with self.group._exclusive("load checkpoint"):
                 stats = self._load(iteration)
@@ -336,8 +398,14 @@ class CheckpointManager:
         except ReallocationError as exc:
             fire(self.group.workers, "ckpt_forget")  # dead workers cannot answer
             raise CheckpointError(f"load of run {self.run_id} failed: {exc}") from exc
-        log.info("checkpoint load of iteration %d (run %s) done: %s, %d bytes read, %.3f s", stats.iteration,
-                 self.run_id, stats.method, stats.bytes_read, stats.total_seconds)
+        log.info(
+            "checkpoint load of iteration %d (run %s) done: %s, %d bytes read, %.3f s",
+            stats.iteration,
+            self.run_id,
+            stats.method,
+            stats.bytes_read,
+            stats.total_seconds,
+        )
         return stats
 
     def _load(self, iteration: int | None) -> LoadStats:
@@ -351,14 +419,17 @@ class CheckpointManager:
                 newest = catalog.iterations()[-1] if catalog.iterations() else None
                 missing = catalog.missing(newest, g.spec) if newest is not None else []
                 detail = f"; newest partial iteration {newest} lacks {missing[:3]}" if newest is not None else ""
-                raise MissingShardsError(f"no complete checkpoint of run {self.run_id} under {self.root} on the live "
-                                         f"nodes {nodes}{detail}", missing)
+                raise MissingShardsError(
+                    f"no complete checkpoint of run {self.run_id} under {self.root} on the live nodes {nodes}{detail}",
+                    missing,
+                )
         missing = catalog.missing(iteration, g.spec)
         if missing:
             raise MissingShardsError(
                 f"iteration {iteration} of run {self.run_id} cannot be loaded: {len(missing)} stored shards have no "
                 f"usable copy on the live nodes {nodes}, e.g. {missing[:3]} (unusable files: {catalog.problems[:3]})",
-                missing)
+                missing,
+            )
         scanned = time.perf_counter()
         reference = catalog.any_manifest(iteration)
         if reference.layout(g.spec) == g.layout and len(catalog.usable(iteration)) == g.num_workers:
@@ -385,37 +456,57 @@ class CheckpointManager:
             manifests = {r: c.manifest for r, c in usable.items()}
             file_bytes = {r: m.file_bytes for r, m in manifests.items()}
             t0 = time.perf_counter()
-            holdings, needs = retrieval_groups({r: c.nodes for r, c in usable.items()}, file_bytes, g.placement,
-                                               range(g.num_workers))
+            holdings, needs = retrieval_groups(
+                {r: c.nodes for r, c in usable.items()}, file_bytes, g.placement, range(g.num_workers)
+            )
             plan = self._plan(holdings, needs, file_table(file_bytes))
             t1 = time.perf_counter()
             reads = files_read_by(plan)
             workers = sorted(reads)
-            results = self._get([g.actors[w].ckpt_read_files.remote(str(self.root), self.run_id,
-                                                                    {r: manifests[r] for r in reads[w]})
-                                 for w in workers], "load: read rank files", ranks=workers)
+            results = self._get(
+                [
+                    g.actors[w].ckpt_read_files.remote(str(self.root), self.run_id, {r: manifests[r] for r in reads[w]})
+                    for w in workers
+                ],
+                "load: read rank files",
+                ranks=workers,
+            )
             plan_seconds += t1 - t0
             read_seconds += time.perf_counter() - t1
             read_bytes += sum(res["bytes"] for res in results)
-            bad = [(g.placement.nodes[w], r, reason) for w, res in zip(workers, results)
-                   for r, reason in res["bad"].items()]
+            bad = [
+                (g.placement.nodes[w], r, reason)
+                for w, res in zip(workers, results)
+                for r, reason in res["bad"].items()
+            ]
             if not bad:
                 break
             fire(g.workers, "ckpt_forget")  # the next round reads other copies, maybe of other candidates
             excluded |= {(n, r) for n, r, _ in bad}
             corrupt += [f"{n}: rank {r} file: {reason}" for n, r, reason in bad]
         else:
-            raise CheckpointError(f"load of iteration {iteration}: still finding corrupt copies after "
-                                  f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}")
+            raise CheckpointError(
+                f"load of iteration {iteration}: still finding corrupt copies after "
+                f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}"
+            )
         payloads = [{"incoming": {w: manifests[w]}} for w in range(g.num_workers)]
         t0 = time.perf_counter()
         results = self._exchange(plan, "restore", payloads, f"load iteration {iteration}")
-        return self._load_stats(iteration, "restore", results, time.perf_counter() - t0, read_bytes, read_seconds,
-                                plan_seconds, corrupt, max((sum(file_bytes[r] for r in rs) for rs in reads.values()),
-                                                           default=0))
+        return self._load_stats(
+            iteration,
+            "restore",
+            results,
+            time.perf_counter() - t0,
+            read_bytes,
+            read_seconds,
+            plan_seconds,
+            corrupt,
+            max((sum(file_bytes[r] for r in rs) for rs in reads.values()), default=0),
+        )
 
-    def _reshard(self, iteration: int, catalog: Catalog, excluded: set[tuple[str, int]],
-                 corrupt: list[str]) -> LoadStats:
+    def _reshard(
+        self, iteration: int, catalog: Catalog, excluded: set[tuple[str, int]], corrupt: list[str]
+    ) -> LoadStats:
         """Each stored box is read once (crc-checked) by a balanced reader, then planned into the
         current layout. Every candidate of a rank stores the same boxes (the catalog checked each
         manifest against its layout), so boxes already read stay valid when a copy is excluded."""
@@ -426,15 +517,24 @@ class CheckpointManager:
             t0 = time.perf_counter()
             usable = catalog.usable(iteration, excluded)
             manifests = {r: c.manifest for r, c in usable.items()}
-            assignment = assign_readers({r: m.shards for r, m in manifests.items()},
-                                        {r: c.nodes for r, c in usable.items()}, g.placement, exclude=excluded,
-                                        keep=keep)
+            assignment = assign_readers(
+                {r: m.shards for r, m in manifests.items()},
+                {r: c.nodes for r, c in usable.items()},
+                g.placement,
+                exclude=excluded,
+                keep=keep,
+            )
             plan_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             workers = sorted(w for w, ts in assignment.tasks.items() if ts)
-            results = self._get([g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id,
-                                                                    assignment.tasks[w], manifests)
-                                 for w in workers], "load: read stored shards", ranks=workers)
+            results = self._get(
+                [
+                    g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id, assignment.tasks[w], manifests)
+                    for w in workers
+                ],
+                "load: read stored shards",
+                ranks=workers,
+            )
             read_seconds += time.perf_counter() - t0
             read_bytes += sum(res["bytes"] for res in results)
             bad = [task for res in results for task, _ in res["bad"]]
@@ -445,28 +545,56 @@ class CheckpointManager:
             failed = set(bad)
             keep = [t for t in assignment.all() if t not in failed]
         else:
-            raise CheckpointError(f"load of iteration {iteration}: still finding corrupt copies after "
-                                  f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}")
+            raise CheckpointError(
+                f"load of iteration {iteration}: still finding corrupt copies after "
+                f"{MAX_READ_ROUNDS} rounds: {corrupt[:5]}"
+            )
         t0 = time.perf_counter()
         holdings, needs = reshard_groups(assignment, g.layout)
         plan = self._plan(holdings, needs, param_table(g.spec))
         plan_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         results = self._exchange(plan, "reshard", [{} for _ in range(g.num_workers)], f"load iteration {iteration}")
-        return self._load_stats(iteration, "reshard", results, time.perf_counter() - t0, read_bytes, read_seconds,
-                                plan_seconds, corrupt, max(assignment.loads().values(), default=0))
+        return self._load_stats(
+            iteration,
+            "reshard",
+            results,
+            time.perf_counter() - t0,
+            read_bytes,
+            read_seconds,
+            plan_seconds,
+            corrupt,
+            max(assignment.loads().values(), default=0),
+        )
 
     @staticmethod
-    def _load_stats(iteration: int, method: str, results: list[dict], exchange_seconds: float, read_bytes: int,
-                    read_seconds: float, plan_seconds: float, corrupt: list[str], max_reader: int) -> LoadStats:
+    def _load_stats(
+        iteration: int,
+        method: str,
+        results: list[dict],
+        exchange_seconds: float,
+        read_bytes: int,
+        read_seconds: float,
+        plan_seconds: float,
+        corrupt: list[str],
+        max_reader: int,
+    ) -> LoadStats:
         return LoadStats(
-            iteration=iteration, method=method, scan_seconds=0.0, read_seconds=read_seconds, plan_seconds=plan_seconds,
-            exchange_seconds=exchange_seconds, total_seconds=0.0, bytes_read=read_bytes,
+            iteration=iteration,
+            method=method,
+            scan_seconds=0.0,
+            read_seconds=read_seconds,
+            plan_seconds=plan_seconds,
+            exchange_seconds=exchange_seconds,
+            total_seconds=0.0,
+            bytes_read=read_bytes,
             bytes_local=sum(r["bytes"]["local"] for r in results),
             bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
             bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-            corrupt_copies=corrupt, max_reader_bytes=max_reader,
-            install_seconds=max(r["finish_seconds"] for r in results))
+            corrupt_copies=corrupt,
+            max_reader_bytes=max_reader,
+            install_seconds=max(r["finish_seconds"] for r in results),
+        )
 
     # -- Hugging Face ----------------------------------------------------------------------
     def import_hf(self, path: "str | Path") -> dict:
@@ -488,15 +616,22 @@ class CheckpointManager:
         check_ties(path, tensors, self.group.spec)
         log.info("HF import from %s started", path)
         started = time.perf_counter()
-        read = self.group._fill(f"import HF checkpoint {path}", "hf", str(path), tensors, mapping,
-                                timeout_s=self.timeout_s)
+        read = self.group._fill(
+            f"import HF checkpoint {path}", "hf", str(path), tensors, mapping, timeout_s=self.timeout_s
+        )
         stats = {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
         log.info("HF import from %s done: %d bytes read, %.3f s", path, stats["bytes_read"], stats["seconds"])
         return stats
 
-    def export_hf(self, path: "str | Path", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                  config: "dict | None" = None, generation_config: "dict | None" = None, *,
-                  writers: int | None = None) -> list[Path]:
+    def export_hf(
+        self,
+        path: "str | Path",
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        config: "dict | None" = None,
+        generation_config: "dict | None" = None,
+        *,
+        writers: int | None = None,
+    ) -> list[Path]:
         """Write the model as a HF directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
         Written: the weight files (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
@@ -548,8 +683,9 @@ class CheckpointManager:
                 try:
                     results = self._exchange(plan, "export", payloads, f"export HF checkpoint to {target}")
                 except ReallocationError as exc:
-                    raise CheckpointError(f"HF export to {str(target)!r} failed; what was there before is unchanged. "
-                                          f"Cause: {exc}") from exc
+                    raise CheckpointError(
+                        f"HF export to {str(target)!r} failed; what was there before is unchanged. Cause: {exc}"
+                    ) from exc
                 exchanged = time.perf_counter()
                 reports = [f for res in results for f in res["written"]]
                 check_reported(assignment, reports)
@@ -560,25 +696,43 @@ class CheckpointManager:
             reports.sort(key=lambda f: order.index(f["name"]))
             expected = {f.name: (f.nbytes, f.tensors) for a in arenas.values() for f in a.files}
             extra = {CONFIG_FILE: config, **({GENERATION_CONFIG_FILE: generation_config} if generation_config else {})}
-            written = finish_hf_dir(staged, {n: expected[n] for n in order}, assignment.weight_map(),
-                                    g.spec.total_bytes(), extra)
+            written = finish_hf_dir(
+                staged, {n: expected[n] for n in order}, assignment.weight_map(), g.spec.total_bytes(), extra
+            )
         self.last_hf_export = HFExportStats(
-            path=str(target), files=reports, writers=assignment.writers, plan_seconds=planned - started,
-            exchange_seconds=exchanged - planned, write_seconds=max(res["finish_seconds"] for res in results),
-            total_seconds=time.perf_counter() - started, bytes_written=sum(f["bytes"] for f in reports),
+            path=str(target),
+            files=reports,
+            writers=assignment.writers,
+            plan_seconds=planned - started,
+            exchange_seconds=exchanged - planned,
+            write_seconds=max(res["finish_seconds"] for res in results),
+            total_seconds=time.perf_counter() - started,
+            bytes_written=sum(f["bytes"] for f in reports),
             bytes_local=sum(r["bytes"]["local"] for r in results),
             bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
             bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-            max_writer_bytes=max(assignment.loads().values()))
-        log.info("HF export to %s done: %d files, %d bytes, %.3f s", target, len(reports),
-                 self.last_hf_export.bytes_written, self.last_hf_export.total_seconds)
+            max_writer_bytes=max(assignment.loads().values()),
+        )
+        log.info(
+            "HF export to %s done: %d files, %d bytes, %.3f s",
+            target,
+            len(reports),
+            self.last_hf_export.bytes_written,
+            self.last_hf_export.total_seconds,
+        )
         return written
 
     # -- plumbing --------------------------------------------------------------------------
     def _plan(self, holdings, needs, params) -> Plan:
         config = self.group.config
-        return plan_exchange(holdings, needs, self.group.placement, params, bucket_bytes=config.bucket_bytes,
-                             bandwidths=config.bandwidths)
+        return plan_exchange(
+            holdings,
+            needs,
+            self.group.placement,
+            params,
+            bucket_bytes=config.bucket_bytes,
+            bandwidths=config.bandwidths,
+        )
 
     def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str) -> list[dict]:
         """Run a checkpoint plan on every worker. ``restore``/``reshard`` write new weights, so they
@@ -590,8 +744,10 @@ class CheckpointManager:
         plan.validate(g.num_workers)
         plan_ref = ray.put(plan)
         if mode in ("replicate", "export"):  # no weights change: no operation
-            refs = [a.ckpt_exchange.remote(None, world.id, plan_ref, i, peers, mode, payloads[i])
-                    for i, a in enumerate(g.actors)]
+            refs = [
+                a.ckpt_exchange.remote(None, world.id, plan_ref, i, peers, mode, payloads[i])
+                for i, a in enumerate(g.actors)
+            ]
             try:
                 return self._get(refs, what)
             except ReallocationError:
@@ -601,8 +757,13 @@ class CheckpointManager:
         op = g._weights_operation(f"{what} (run {self.run_id})", self.timeout_s)
         op.prepare()
         try:
-            results = op.call([a.ckpt_exchange.remote(op.id, world.id, plan_ref, i, peers, mode, payloads[i])
-                               for i, a in enumerate(g.actors)], "exchange")
+            results = op.call(
+                [
+                    a.ckpt_exchange.remote(op.id, world.id, plan_ref, i, peers, mode, payloads[i])
+                    for i, a in enumerate(g.actors)
+                ],
+                "exchange",
+            )
         except ReallocationError:
             world.mark_broken()
             raise
@@ -622,7 +783,7 @@ class CheckpointManager:
         """Call ``method`` once per node that hosts one of ``ranks`` (default: all workers)."""
         g = self.group
         first: dict[str, int] = {}
-        for r in (range(g.num_workers) if ranks is None else ranks):
+        for r in range(g.num_workers) if ranks is None else ranks:
             first.setdefault(g.placement.nodes[r], r)
         chosen = sorted(first.values())
         refs = [getattr(g.actors[r], method).remote(str(self.root), self.run_id, **kwargs) for r in chosen]

@@ -20,8 +20,14 @@ import torch
 from actors.executor import PeerView, StepRunner
 from realloc._checks import check_nonneg
 from realloc.ckpt.errors import CorruptFileError
-from realloc.ckpt.files import (build_rank_file, buffers_from_bytes, check_bytes, read_shard, read_verified,
-                                write_rank_file)
+from realloc.ckpt.files import (
+    buffers_from_bytes,
+    build_rank_file,
+    check_bytes,
+    read_shard,
+    read_verified,
+    write_rank_file,
+)
 from realloc.ckpt.local_store import Listing, NodeStore
 from realloc.ckpt.manifest import CheckpointId, Manifest
 from realloc.ckpt.replication import file_param
@@ -83,8 +89,9 @@ class CheckpointMixin:
         return NodeStore(root, run_id, self._realloc.node_id)
 
     # -- save --------------------------------------------------------------------------------
-    def ckpt_save(self, root: str, run_id: str, iteration: int, is_async: bool,
-                  fault: CheckpointFault | None = None) -> dict:
+    def ckpt_save(
+        self, root: str, run_id: str, iteration: int, is_async: bool, fault: CheckpointFault | None = None
+    ) -> dict:
         """Write this rank's file; with ``is_async`` snapshot the buffers and write in a thread."""
         if self._realloc.layout is None or self._realloc.buffers is None:
             raise RuntimeError("worker has no layout yet")
@@ -130,8 +137,12 @@ class CheckpointMixin:
         if job.error is not None:
             self._ckpt().saves.pop(iteration, None)
             raise job.error
-        return {"rank": self._realloc.rank, "manifest": job.manifest, "seconds": job.seconds,
-                "node": self._realloc.node_id}
+        return {
+            "rank": self._realloc.rank,
+            "manifest": job.manifest,
+            "seconds": job.seconds,
+            "node": self._realloc.node_id,
+        }
 
     # -- listing and clean-up ----------------------------------------------------------------
     def ckpt_list(self, root: str, run_id: str, iterations: list[int] | None = None) -> Listing:
@@ -184,8 +195,16 @@ class CheckpointMixin:
         return {"bad": bad, "bytes": read, "seconds": time.perf_counter() - started}
 
     # -- exchange ----------------------------------------------------------------------------
-    def ckpt_exchange(self, op_id: str | None, world_id: str, plan: Plan, me: int, peers: list[PeerView], mode: str,
-                      payload: dict[str, Any]) -> dict:
+    def ckpt_exchange(
+        self,
+        op_id: str | None,
+        world_id: str,
+        plan: Plan,
+        me: int,
+        peers: list[PeerView],
+        mode: str,
+        payload: dict[str, Any],
+    ) -> dict:
         """Run my part of a checkpoint plan, then finish it.
 
         ``mode``: ``"replicate"`` (send my new file, write the files I receive to my node; no
@@ -216,8 +235,16 @@ class CheckpointMixin:
             elif mode == "export":
                 data, dst = arena.allocate(self._realloc.device) if arena is not None else (None, None)
             else:
-                dst = boxes_store({(file_param(r), (0,), (m.file_bytes,)): torch.zeros(m.file_bytes, dtype=torch.uint8)
-                                   for r, m in incoming.items()}) if incoming else None
+                dst = (
+                    boxes_store(
+                        {
+                            (file_param(r), (0,), (m.file_bytes,)): torch.zeros(m.file_bytes, dtype=torch.uint8)
+                            for r, m in incoming.items()
+                        }
+                    )
+                    if incoming
+                    else None
+                )
             moved = {"local": 0, "intra": 0, "inter": 0}
             for worker, j in plan.local_copies:
                 if worker == me:
@@ -231,20 +258,30 @@ class CheckpointMixin:
             exchanged = time.perf_counter()
             local = any(worker == me for worker, _ in plan.local_copies)
             if mode == "export":
-                written = [] if arena is None else [{**f, "writer": self._realloc.rank,
-                                                     "node": self._realloc.node_id}
-                                                    for f in arena.write(data, payload["root"])]
+                written = (
+                    []
+                    if arena is None
+                    else [
+                        {**f, "writer": self._realloc.rank, "node": self._realloc.node_id}
+                        for f in arena.write(data, payload["root"])
+                    ]
+                )
             else:
                 written = self._finish_exchange(mode, payload, incoming, dst, op, local)
         finally:
             state.sources.clear()
             if mode == "replicate":
                 state.saves.pop(payload["iteration"], None)
-        return {"bytes": moved, "seconds": exchanged - started, "finish_seconds": time.perf_counter() - exchanged,
-                "written": written}
+        return {
+            "bytes": moved,
+            "seconds": exchanged - started,
+            "finish_seconds": time.perf_counter() - exchanged,
+            "written": written,
+        }
 
-    def _finish_exchange(self, mode: str, payload: dict, incoming: dict[int, Manifest], dst: ShardStore | None,
-                         op, local: bool) -> int:
+    def _finish_exchange(
+        self, mode: str, payload: dict, incoming: dict[int, Manifest], dst: ShardStore | None, op, local: bool
+    ) -> int:
         if mode == "reshard":
             return 0
         files = {r: dst.view(file_param(r), (0,), (m.file_bytes,)) for r, m in incoming.items()}

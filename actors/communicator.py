@@ -43,8 +43,9 @@ def _check_group_args(rank: int, size: int, device: torch.device, timeout_s: flo
     check_number("timeout_s", timeout_s, positive=True)
 
 
-def private_group(store: dist.Store, prefix: str, rank: int, size: int, device: torch.device,
-                  timeout_s: float) -> ProcessGroup:
+def private_group(
+    store: dist.Store, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float
+) -> ProcessGroup:
     """A process group over ``size`` ranks that torch's global state does not know about.
 
     Collective: every one of the ``size`` ranks must call it with the same ``store`` (or stores
@@ -101,8 +102,9 @@ def private_group(store: dist.Store, prefix: str, rank: int, size: int, device: 
     return pg
 
 
-def exchange(pg: ProcessGroup, device: torch.device, send: tuple[int, torch.Tensor] | None,
-             recv: tuple[int, torch.Tensor] | None) -> list:
+def exchange(
+    pg: ProcessGroup, device: torch.device, send: tuple[int, torch.Tensor] | None, recv: tuple[int, torch.Tensor] | None
+) -> list:
     """Post one send and/or one receive (group ranks, tensors) together; returns the Works to wait on.
 
     Coalesced where the backend supports it (NCCL: one group call, so a pair that sends to each
@@ -134,8 +136,13 @@ def exchange(pg: ProcessGroup, device: torch.device, send: tuple[int, torch.Tens
     return [work] if work is not None else []
 
 
-def post(pg: ProcessGroup, device: torch.device, sends: list[tuple[int, torch.Tensor]],
-         recvs: list[tuple[int, torch.Tensor]], tag: int) -> list:
+def post(
+    pg: ProcessGroup,
+    device: torch.device,
+    sends: list[tuple[int, torch.Tensor]],
+    recvs: list[tuple[int, torch.Tensor]],
+    tag: int,
+) -> list:
     """Post several sends and receives (group ranks, tensors) at once on ``tag``; returns the
     Works to wait on. Small control messages (handles, readiness) outside a plan's steps; one
     coalesced group call where the backend supports it (NCCL), all asynchronous on gloo."""
@@ -188,8 +195,9 @@ class Communicators:
     Not thread-safe: use it from one thread per worker.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float,
-                 generation: str):
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float, generation: str
+    ):
         if not isinstance(store, dist.Store):
             raise ValueError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         _check_group_args(rank, world_size, device, timeout_s)

@@ -61,25 +61,35 @@ class GroupConfig:
         for name in ("use_gpu", "zero_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        g = check_finite("gpus_per_worker", self.gpus_per_worker, positive=True,
-                         allowed="a fraction in (0, 1] or a whole number of GPUs (what Ray can assign)")
+        g = check_finite(
+            "gpus_per_worker",
+            self.gpus_per_worker,
+            positive=True,
+            allowed="a fraction in (0, 1] or a whole number of GPUs (what Ray can assign)",
+        )
         if g > 1 and g != int(g):
-            raise ValueError(f"gpus_per_worker must be a fraction in (0, 1] or a whole number of GPUs (what Ray "
-                             f"can assign), got {g!r}")
+            raise ValueError(
+                f"gpus_per_worker must be a fraction in (0, 1] or a whole number of GPUs (what Ray "
+                f"can assign), got {g!r}"
+            )
         if g != 1 and not self.use_gpu:
             raise ValueError(f"gpus_per_worker={g!r} needs use_gpu=True (CPU workers hold no GPU)")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport {self.transport!r} is not one of {TRANSPORTS}")
         if self.transport == "nccl" and not (self.use_gpu and g >= 1):
-            raise ValueError("transport='nccl' needs use_gpu=True and gpus_per_worker >= 1 (NCCL moves GPU buffers "
-                             f"and refuses two ranks on one GPU), got use_gpu={self.use_gpu}, gpus_per_worker={g!r}; "
-                             "use 'gloo' or 'auto'")
+            raise ValueError(
+                "transport='nccl' needs use_gpu=True and gpus_per_worker >= 1 (NCCL moves GPU buffers "
+                f"and refuses two ranks on one GPU), got use_gpu={self.use_gpu}, gpus_per_worker={g!r}; "
+                "use 'gloo' or 'auto'"
+            )
         if self.strategy not in STRATEGIES:
             raise ValueError(f"placement strategy {self.strategy!r} is not one of {STRATEGIES}")
         check_finite("cpus_per_worker", self.cpus_per_worker, minimum=0, allowed="a finite number >= 0")
         if self.cpus_per_worker == 0 and not self.use_gpu:
-            raise ValueError(f"cpus_per_worker must be > 0 unless use_gpu=True (a worker's placement bundle needs "
-                             f"some resource), got {self.cpus_per_worker!r}")
+            raise ValueError(
+                f"cpus_per_worker must be > 0 unless use_gpu=True (a worker's placement bundle needs "
+                f"some resource), got {self.cpus_per_worker!r}"
+            )
         check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES)
         check_finite("timeout_s", self.timeout_s, positive=True, allowed="a finite positive number of seconds")
         object.__setattr__(self, "timeout_s", float(self.timeout_s))

@@ -91,9 +91,14 @@ class ShardContext:
         spanning the parts (no copies)."""
         return fused_views(self.rank_layout, self.buffers, convention=convention)
 
-    def bind(self, module: torch.nn.Module, *, fused: bool = False,
-             name_map: "Mapping[str, str] | Callable[[str], str | None] | None" = None,
-             strict: bool = True) -> BindReport:
+    def bind(
+        self,
+        module: torch.nn.Module,
+        *,
+        fused: bool = False,
+        name_map: "Mapping[str, str] | Callable[[str], str | None] | None" = None,
+        strict: bool = True,
+    ) -> BindReport:
         """Make ``module``'s parameters the rank's shard tensors (no copies; same Parameter
         objects, so an optimizer keeps its state). Names are HF slot names unless ``name_map``
         says otherwise; ``fused=True`` offers vLLM's fused views too."""

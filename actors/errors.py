@@ -24,8 +24,14 @@ class ReallocationError(RuntimeError):
     the group. The message states the same facts in words.
     """
 
-    def __init__(self, message: str, dead: Sequence[str] = (), unresponsive: Sequence[str] = (),
-                 layout: str | None = None, waiting: Sequence[str] = ()):
+    def __init__(
+        self,
+        message: str,
+        dead: Sequence[str] = (),
+        unresponsive: Sequence[str] = (),
+        layout: str | None = None,
+        waiting: Sequence[str] = (),
+    ):
         super().__init__(message, list(dead), list(unresponsive), layout, list(waiting))
         self.message = message
         self.dead = list(dead)

@@ -56,7 +56,6 @@ def worker_routes(plan: Plan, me: int) -> dict[int, list[tuple[int, int, int]]]:
     return out
 
 
-
 class Phases:
     """Where one worker's time in one operation went: seconds by phase, in the order marked
     (``mark(name)`` charges the time since the previous mark to ``name``). Two clock reads a
@@ -168,11 +167,20 @@ class StepRunner:
     pure functions of it: a worker running one plan again does not cut them again).
     """
 
-    def __init__(self, transport, device: torch.device, plan: Plan, me: int, peers: list[PeerView],
-                 src: ShardStore | None, dst: ShardStore | None,
-                 open_peer: Callable[[PeerView, bool], ShardStore] | None = None,
-                 on_bucket: Callable[[], None] | None = None, staging: "Staging | None" = None,
-                 cuts: "Cuts | None" = None):
+    def __init__(
+        self,
+        transport,
+        device: torch.device,
+        plan: Plan,
+        me: int,
+        peers: list[PeerView],
+        src: ShardStore | None,
+        dst: ShardStore | None,
+        open_peer: Callable[[PeerView, bool], ShardStore] | None = None,
+        on_bucket: Callable[[], None] | None = None,
+        staging: "Staging | None" = None,
+        cuts: "Cuts | None" = None,
+    ):
         self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
         self.open_peer = open_peer
         self.on_bucket = on_bucket
@@ -205,15 +213,23 @@ class StepRunner:
         forward = self.plan.reads_destination(s)
         send = recv = None
         done = []
-        for src, dst, j in (self.plan.steps[s] if routes is None else routes):
+        for src, dst, j in self.plan.steps[s] if routes is None else routes:
             if src == self.me and not self.zero_copy(src, dst, forward):
                 send = (dst, j)
             if dst == self.me:
                 if self.zero_copy(src, dst, forward):
                     peer = self.peer_store(src, forward)
-                    done.append(("intra", self.cuts.programs.run(
-                        ("read", j, src, forward), lambda: local_copies(peer, self.dst, self.plan.segment_list(j)),
-                        self.dst.buffers, peer.buffers)))
+                    done.append(
+                        (
+                            "intra",
+                            self.cuts.programs.run(
+                                ("read", j, src, forward),
+                                lambda: local_copies(peer, self.dst, self.plan.segment_list(j)),
+                                self.dst.buffers,
+                                peer.buffers,
+                            ),
+                        )
+                    )
                 else:
                     recv = (src, j)
         if send or recv:
@@ -261,9 +277,13 @@ class StepRunner:
                 return direct, None
             end = bucket_nbytes(send_b[i])
             staged = self.staging.get(slot, end)
-            self.cuts.programs.run(("pack", send[1], i, forward), lambda: pack_copies(source, send_b[i], staged),
-                                   {"staging": staged}, source.buffers)
-            return staged[send_b[i][0].offset:end], slot
+            self.cuts.programs.run(
+                ("pack", send[1], i, forward),
+                lambda: pack_copies(source, send_b[i], staged),
+                {"staging": staged},
+                source.buffers,
+            )
+            return staged[send_b[i][0].offset : end], slot
 
         # Messages posted ahead (index -> requests): on a transport that matches a pair's messages
         # in posting order and posts asynchronously (gloo with host tensors), the direct messages
@@ -275,8 +295,10 @@ class StepRunner:
         received_ahead: dict[int, list] = {}
 
         def post_ahead(i: int) -> None:
-            for queue, ahead, direct, peer, as_send in ((send_b, sent_ahead, direct_out, send, True),
-                                                         (recv_b, received_ahead, direct_in, recv, False)):
+            for queue, ahead, direct, peer, as_send in (
+                (send_b, sent_ahead, direct_out, send, True),
+                (recv_b, received_ahead, direct_in, recv, False),
+            ):
                 for k in range(i + 1, min(i + 1 + AHEAD_MESSAGES, len(queue))):
                     if k in ahead:
                         continue
@@ -297,7 +319,7 @@ class StepRunner:
                     landing = "b" if "b" not in busy else "a"
                     busy.add(landing)
                     end = bucket_nbytes(recv_b[i])
-                    direct = self.staging.get(landing, end)[recv_b[i][0].offset:end]
+                    direct = self.staging.get(landing, end)[recv_b[i][0].offset : end]
                 into = (world(recv[0]), direct)
             requests = self.transport.exchange(out, into) + sent_ahead.pop(i, []) + received_ahead.pop(i, [])
             post_ahead(i)  # every message up to i is posted on both sides now
@@ -310,8 +332,12 @@ class StepRunner:
                 r.wait()
             if landing is not None:
                 staged = self.staging.get(landing, bucket_nbytes(recv_b[i]))
-                self.cuts.programs.run(("unpack", recv[1], i), lambda: unpack_copies(self.dst, recv_b[i], staged),
-                                       self.dst.buffers, {"staging": staged})
+                self.cuts.programs.run(
+                    ("unpack", recv[1], i),
+                    lambda: unpack_copies(self.dst, recv_b[i], staged),
+                    self.dst.buffers,
+                    {"staging": staged},
+                )
             if i + 1 < len(send_b) and not packed:  # both slots were in use: now they are free
                 nxt, sending = outgoing(i + 1, "a")
             if self.on_bucket is not None:

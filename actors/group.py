@@ -46,8 +46,8 @@ from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
 from actors.remote import Deadline, Workers, call_all, diagnose, gather, settle
 from actors.resident import KeepOrder, ResidentLayout, check_keep
-from actors.world import World
 from actors.worker import CONTROL, RESERVED_METHODS, ShardWorker
+from actors.world import World
 from actors.zero_copy import sweep_stale_buffers
 from realloc._checks import check_nonneg, is_int
 from realloc.boxes import box_index
@@ -93,10 +93,15 @@ class ReallocStats:
 
     def as_dict(self) -> dict:
         return {
-            "transition": self.transition, "bytes_intra_node": self.bytes_intra_node,
-            "bytes_inter_node": self.bytes_inter_node, "bytes_local": self.bytes_local,
-            "seconds": self.seconds, "plan_seconds": self.plan_seconds, "gbps": self.gbps,
-            "peak_extra_bytes_per_actor": self.peak_extra_bytes_per_actor, "pause_seconds": self.pause_seconds,
+            "transition": self.transition,
+            "bytes_intra_node": self.bytes_intra_node,
+            "bytes_inter_node": self.bytes_inter_node,
+            "bytes_local": self.bytes_local,
+            "seconds": self.seconds,
+            "plan_seconds": self.plan_seconds,
+            "gbps": self.gbps,
+            "peak_extra_bytes_per_actor": self.peak_extra_bytes_per_actor,
+            "pause_seconds": self.pause_seconds,
             "resident_use": self.resident_use,
             "resident_in_place_bytes_per_actor": self.resident_in_place_bytes_per_actor,
             "resident_host_bytes_per_actor": self.resident_host_bytes_per_actor,
@@ -104,11 +109,26 @@ class ReallocStats:
 
 
 @lru_cache(maxsize=64)
-def _plan(src: Layout, dst: Layout, placement: Placement, src_workers: tuple | None, dst_workers: tuple | None,
-          bucket_bytes: int, bandwidths: Bandwidths) -> Plan:
+def _plan(
+    src: Layout,
+    dst: Layout,
+    placement: Placement,
+    src_workers: tuple | None,
+    dst_workers: tuple | None,
+    bucket_bytes: int,
+    bandwidths: Bandwidths,
+) -> Plan:
     """Plans are pure functions of their inputs: an RL loop alternating two layouts plans twice."""
-    return plan_reallocation(src.spec, src, dst, placement, src_workers=src_workers, dst_workers=dst_workers,
-                             bucket_bytes=bucket_bytes, bandwidths=bandwidths)
+    return plan_reallocation(
+        src.spec,
+        src,
+        dst,
+        placement,
+        src_workers=src_workers,
+        dst_workers=dst_workers,
+        bucket_bytes=bucket_bytes,
+        bandwidths=bandwidths,
+    )
 
 
 class ModelGroup:
@@ -120,8 +140,17 @@ class ModelGroup:
     (``reallocate(..., keep=)``) are tagged with it.
     """
 
-    def __init__(self, name: str, layout: Layout, config: GroupConfig, workers: Workers, placement: Placement,
-                 pg, infos: list[dict], worker_cls: type = ShardWorker):
+    def __init__(
+        self,
+        name: str,
+        layout: Layout,
+        config: GroupConfig,
+        workers: Workers,
+        placement: Placement,
+        pg,
+        infos: list[dict],
+        worker_cls: type = ShardWorker,
+    ):
         self.name, self.layout, self.config, self.worker_cls = name, layout, config, worker_cls
         self.workers, self.placement, self._pg, self.infos = workers, placement, pg, infos
         self.world: World | None = None
@@ -164,16 +193,21 @@ class ModelGroup:
             >>> group = ModelGroup.create(ModelSpec.preset("tiny"), Topology(dp=2, tp=2))  # doctest: +SKIP
         """
         if not isinstance(spec, ModelSpec):
-            raise ValueError(f"spec must be a realloc.ModelSpec (e.g. ModelSpec.preset('tiny')), "
-                             f"got {type(spec).__name__} {spec!r}"[:200])
+            raise ValueError(
+                f"spec must be a realloc.ModelSpec (e.g. ModelSpec.preset('tiny')), got {type(spec).__name__} {spec!r}"[
+                    :200
+                ]
+            )
         options = {"vocab_pad_multiple": vocab_pad_multiple, "vocab_pad_rule": vocab_pad_rule, "qkv_order": qkv_order}
         if isinstance(topology, Layout):
             for option, default in (("vocab_pad_multiple", 1), ("vocab_pad_rule", "megatron"), ("qkv_order", "hf")):
                 given, own = options[option], topology.options[option]
                 if given != default and given != own:
                     what = "padding" if option == "vocab_pad_multiple" else option
-                    raise ValueError(f"{option}={given!r} contradicts the layout's own {what} ({own}); "
-                                     f"a Layout carries its {what}, give one or the other")
+                    raise ValueError(
+                        f"{option}={given!r} contradicts the layout's own {what} ({own}); "
+                        f"a Layout carries its {what}, give one or the other"
+                    )
         layout = _as_layout(spec, topology, options)
         _check_worker_cls(worker_cls)
         if config is not None and settings:
@@ -181,13 +215,16 @@ class ModelGroup:
         if config is None:
             unknown = sorted(set(settings) - set(GroupConfig.__dataclass_fields__))
             if unknown:
-                raise ValueError(f"unknown group settings {unknown}; allowed: {sorted(GroupConfig.__dataclass_fields__)}")
+                raise ValueError(
+                    f"unknown group settings {unknown}; allowed: {sorted(GroupConfig.__dataclass_fields__)}"
+                )
             config = GroupConfig(**settings)
         elif not isinstance(config, GroupConfig):
             raise ValueError(f"config must be an actors.config.GroupConfig, got {type(config).__name__}")
         if not isinstance(name, str) or not name or any(c in name for c in "/:") or name != name.strip():
-            raise ValueError(f"group name must be a non-empty string without '/', ':' or surrounding spaces, "
-                             f"got {name!r}")
+            raise ValueError(
+                f"group name must be a non-empty string without '/', ':' or surrounding spaces, got {name!r}"
+            )
         n = layout.topology.world_size
         _check_capacity(n, config)
         _check_name_free(name)
@@ -198,7 +235,8 @@ class ModelGroup:
             if not ready:
                 raise ReallocationError(
                     f"placement group for {n} workers ({config.bundle()} each) not ready after {config.timeout_s:.0f}s "
-                    f"(available now: {_summary(ray.available_resources())}); nothing was started")
+                    f"(available now: {_summary(ray.available_resources())}); nothing was started"
+                )
             remote_cls = _remote_class(config, worker_cls)
             names = [f"realloc:{name}:rank{r}" for r in range(n)]
             for r in range(n):
@@ -207,8 +245,12 @@ class ModelGroup:
             infos = call_all(workers, "info", timeout_s=config.timeout_s + 60, what=f"start workers of {name!r}")
             placement = _placement_of(infos)
             group = cls(name, layout, config, workers, placement, pg, infos, worker_cls)
-            gather(workers, [a.set_layout.remote(layout.at(r)) for r, a in enumerate(actors)], config.timeout_s,
-                   "allocate shards")
+            gather(
+                workers,
+                [a.set_layout.remote(layout.at(r)) for r, a in enumerate(actors)],
+                config.timeout_s,
+                "allocate shards",
+            )
             group._form_user_groups()
             group._announce(ShardChange("create", layout))
         except BaseException:
@@ -261,8 +303,11 @@ class ModelGroup:
                     raise ValueError(f"{what}: group {g.name!r} was shut down")
                 waited = time.monotonic()
                 if not g._lock.acquire(timeout=g.timeout_s if deadline is None else deadline.remaining()):
-                    raise GroupBusyError(f"{what}: group {g.name!r} stayed busy with another operation for "
-                                         f"{time.monotonic() - waited:.0f}s; nothing was done", layout=str(g.layout))
+                    raise GroupBusyError(
+                        f"{what}: group {g.name!r} stayed busy with another operation for "
+                        f"{time.monotonic() - waited:.0f}s; nothing was done",
+                        layout=str(g.layout),
+                    )
                 taken.append(g)
                 if g._closed:
                     raise ValueError(f"{what}: group {g.name!r} was shut down")
@@ -272,18 +317,29 @@ class ModelGroup:
                 g._lock.release()
 
     def _call(self, method: str, what: str, *args: Any) -> list[Any]:
-        return call_all(self.workers, method, *args, timeout_s=self.timeout_s, what=f"{what} ({self.name})",
-                        layout=str(self.layout))
+        return call_all(
+            self.workers, method, *args, timeout_s=self.timeout_s, what=f"{what} ({self.name})", layout=str(self.layout)
+        )
 
     def _operation(self, dst: Layout, what: str, keeps: str, timeout_s: "float | Deadline | None" = None) -> Operation:
         """An operation of this group's workers into ``dst``; on failure they keep ``self.layout``."""
-        return Operation(self.workers, [dst.at(r) for r in range(self.num_workers)],
-                         self.timeout_s if timeout_s is None else timeout_s, what, keeps, str(self.layout))
+        return Operation(
+            self.workers,
+            [dst.at(r) for r in range(self.num_workers)],
+            self.timeout_s if timeout_s is None else timeout_s,
+            what,
+            keeps,
+            str(self.layout),
+        )
 
     def _weights_operation(self, what: str, timeout_s: "float | Deadline | None" = None) -> Operation:
         """An operation that replaces this group's weights and keeps its layout."""
-        return self._operation(self.layout, f"{what} ({self.name})",
-                               f"group {self.name!r} keeps its previous weights in layout {self.layout}", timeout_s)
+        return self._operation(
+            self.layout,
+            f"{what} ({self.name})",
+            f"group {self.name!r} keeps its previous weights in layout {self.layout}",
+            timeout_s,
+        )
 
     # -- weights -------------------------------------------------------------------------
     def init_synthetic(self, seed: int = 0) -> None:
@@ -322,8 +378,10 @@ class ModelGroup:
                 if tensor.device.type == "meta":
                     raise ValueError(f"parameter {key!r} is a meta tensor (no data); materialise it first")
                 if not tensor.is_floating_point():
-                    raise ValueError(f"parameter {key!r} has dtype {tensor.dtype}; expected a floating-point tensor "
-                                     f"(the model holds {p.dtype})")
+                    raise ValueError(
+                        f"parameter {key!r} has dtype {tensor.dtype}; expected a floating-point tensor "
+                        f"(the model holds {p.dtype})"
+                    )
                 if tuple(tensor.shape) != tuple(p.shape):
                     raise ValueError(f"parameter {key!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if len(keys) == 2 and not torch.equal(state[alias].cpu(), state[p.name].cpu()):
@@ -344,12 +402,15 @@ class ModelGroup:
             self._announce(ShardChange("fill", self.layout, self.layout))
         return written
 
-    def shard_boxes(self, ranks: Sequence[int] | None = None) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
+    def shard_boxes(
+        self, ranks: Sequence[int] | None = None
+    ) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
         """Per rank, ``(param, offsets, sizes, tensor)`` of every box it holds, fetched to the driver."""
         ranks = self._check_ranks(ranks)
         with self._exclusive("read shards"):
-            boxes = call_all(self.workers.subset(ranks), "get_boxes", timeout_s=self.timeout_s,
-                             what=f"read shards ({self.name})")
+            boxes = call_all(
+                self.workers.subset(ranks), "get_boxes", timeout_s=self.timeout_s, what=f"read shards ({self.name})"
+            )
         return dict(zip(ranks, boxes))
 
     def _check_ranks(self, ranks: object) -> list[int]:
@@ -401,8 +462,9 @@ class ModelGroup:
                 self.version += 1
             return self._call("run", "run user function", *shipped)
 
-    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, writes: bool = True,
-             **kwargs: Any) -> list[Any]:
+    def call(
+        self, method: str, *args: Any, ranks: Sequence[int] | None = None, writes: bool = True, **kwargs: Any
+    ) -> list[Any]:
         """Call ``method(*args, **kwargs)`` of your worker class on every worker (or on ``ranks``),
         all at once, and return the results in rank order.
 
@@ -415,11 +477,14 @@ class ModelGroup:
         """
         allowed = _user_methods(self.worker_cls)
         if not isinstance(method, str) or method not in allowed:
-            raise ValueError(f"{method!r} is not a method of worker class {self.worker_cls.__name__}; "
-                             f"callable: {allowed or 'none (pass worker_cls= to ModelGroup.create)'}")
+            raise ValueError(
+                f"{method!r} is not a method of worker class {self.worker_cls.__name__}; "
+                f"callable: {allowed or 'none (pass worker_cls= to ModelGroup.create)'}"
+            )
         own = inspect.isfunction(inspect.getattr_static(self.worker_cls, method))  # takes self first
-        _check_arguments(getattr(self.worker_cls, method), int(own), args, kwargs,
-                         f"{self.worker_cls.__name__}.{method}")
+        _check_arguments(
+            getattr(self.worker_cls, method), int(own), args, kwargs, f"{self.worker_cls.__name__}.{method}"
+        )
         ranks = self._check_ranks(ranks)
         _check_writes(writes)
         if not ranks:
@@ -429,8 +494,12 @@ class ModelGroup:
             if writes:
                 self.version += 1
             workers = self.workers.subset(ranks)
-            return gather(workers, [a.user_call.remote(method, args, kwargs) for a in workers.actors],
-                          self.timeout_s, f"{self.worker_cls.__name__}.{method} ({self.name})")
+            return gather(
+                workers,
+                [a.user_call.remote(method, args, kwargs) for a in workers.actors],
+                self.timeout_s,
+                f"{self.worker_cls.__name__}.{method} ({self.name})",
+            )
 
     def _announce(self, change: ShardChange, ranks: Sequence[int] | None = None) -> None:
         """Run the workers' ``on_shards_changed`` hook after ``change`` was committed (and
@@ -442,22 +511,39 @@ class ModelGroup:
             return  # nothing to run: save the round trip
         workers = self.workers if ranks is None else self.workers.subset(ranks)
         try:
-            gather(workers, [a.after_change.remote(change) for a in workers.actors], self.timeout_s,
-                   f"{self.worker_cls.__name__}.on_shards_changed after {change.kind} ({self.name})")
+            gather(
+                workers,
+                [a.after_change.remote(change) for a in workers.actors],
+                self.timeout_s,
+                f"{self.worker_cls.__name__}.on_shards_changed after {change.kind} ({self.name})",
+            )
         except ReallocationError as err:
-            raise HookError(f"{err.message}. The {change.kind} itself is committed: every live worker of "
-                            f"{self.name!r} holds layout {self.layout} with the new weights",
-                            err.dead, err.unresponsive, str(self.layout)) from err
+            raise HookError(
+                f"{err.message}. The {change.kind} itself is committed: every live worker of "
+                f"{self.name!r} holds layout {self.layout} with the new weights",
+                err.dead,
+                err.unresponsive,
+                str(self.layout),
+            ) from err
 
     def _form_user_groups(self) -> None:
         """A fresh rendezvous store (on rank 0) and process-group cache on every worker."""
         n, timeout = self.num_workers, self.timeout_s
-        addr, port = call_all(self.workers.subset([0]), "open_group_rendezvous", n, timeout, timeout_s=timeout,
-                              what=f"host the process-group store ({self.name})")[0]
+        addr, port = call_all(
+            self.workers.subset([0]),
+            "open_group_rendezvous",
+            n,
+            timeout,
+            timeout_s=timeout,
+            what=f"host the process-group store ({self.name})",
+        )[0]
         generation = uuid.uuid4().hex[:8]
-        gather(self.workers, [a.join_groups.remote(addr, port, r, n, generation, timeout)
-                              for r, a in enumerate(self.workers.actors)], timeout + 30,
-               f"join the process-group store ({self.name})")
+        gather(
+            self.workers,
+            [a.join_groups.remote(addr, port, r, n, generation, timeout) for r, a in enumerate(self.workers.actors)],
+            timeout + 30,
+            f"join the process-group store ({self.name})",
+        )
 
     def trim_memory(self) -> int:
         """Free, on every worker, the buffers the last operation left behind (its rollback, which
@@ -475,8 +561,10 @@ class ModelGroup:
         """The layout ``dst`` names for this group (a topology keeps the group's padding and conventions)."""
         layout = _as_layout(self.spec, dst, self.layout.options, self.layout)
         if layout.topology.world_size != self.num_workers:
-            raise ValueError(f"destination {layout} needs {layout.topology.world_size} workers but group "
-                             f"{self.name!r} has {self.num_workers}; dp*tp*pp must stay {self.num_workers}")
+            raise ValueError(
+                f"destination {layout} needs {layout.topology.world_size} workers but group "
+                f"{self.name!r} has {self.num_workers}; dp*tp*pp must stay {self.num_workers}"
+            )
         return layout
 
     def plan_to(self, dst: "Topology | str | Layout") -> Plan:
@@ -486,8 +574,9 @@ class ModelGroup:
     def _plan_to(self, target: Layout) -> Plan:
         return _plan(self.layout, target, self.placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
 
-    def reallocate(self, dst: "Topology | str | Layout", src: "Topology | str | Layout | None" = None, *,
-                   keep: str | None = None) -> ReallocStats:
+    def reallocate(
+        self, dst: "Topology | str | Layout", src: "Topology | str | Layout | None" = None, *, keep: str | None = None
+    ) -> ReallocStats:
         """Move the weights into layout ``dst`` (planned on the driver, executed on the actors).
 
         ``src`` (optional) must name the current layout; RL loops write
@@ -518,37 +607,68 @@ class ModelGroup:
                     raise ValueError(f"group {self.name!r} holds layout {self.layout}, but src says {claimed}")
             before = self.layout
             order = KeepOrder(keep, self.version) if keep is not None and target != before else None
-            op = self._operation(target, f"reallocate {self.name} {before} -> {target}",
-                                 f"group {self.name!r} stays in layout {before}", deadline)
+            op = self._operation(
+                target,
+                f"reallocate {self.name} {before} -> {target}",
+                f"group {self.name!r} stays in layout {before}",
+                deadline,
+            )
             record = self._resident.get(target)
             try:
                 if record is not None and record.version == self.version:
                     stats = self._adopt(op, target, order, f"{before} -> {target}", started)
                 else:
-                    stats = _move([self], op, lambda: self._plan_to(target),
-                                  [before.at(r) for r in range(self.num_workers)], self.placement, self.name,
-                                  f"{before} -> {target}", started, keep=order)
+                    stats = _move(
+                        [self],
+                        op,
+                        lambda: self._plan_to(target),
+                        [before.at(r) for r in range(self.num_workers)],
+                        self.placement,
+                        self.name,
+                        f"{before} -> {target}",
+                        started,
+                        keep=order,
+                    )
             except ReallocationError as err:
                 self._resident.pop(target, None)  # no longer kept (the workers' aborts freed or restored it)
                 self._sync_resident(deadline.grace(), err.dead + err.unresponsive + err.waiting)  # ... and everywhere
                 raise
             self._resident.pop(target, None)  # adopted, or refreshed in place: the current layout now
             if order is not None:
-                self._resident[before] = ResidentLayout(before, order.version, keep,
-                                                        max(before.rank_bytes(r) for r in range(self.num_workers)))
+                self._resident[before] = ResidentLayout(
+                    before, order.version, keep, max(before.rank_bytes(r) for r in range(self.num_workers))
+                )
             self.layout = target
-            self._announce(ShardChange("reallocate", target, before,
-                                       same_storage=stats.resident_use == "refreshed"
-                                       or (stats.resident_use == "adopted" and record.where == "in_place")))
+            self._announce(
+                ShardChange(
+                    "reallocate",
+                    target,
+                    before,
+                    same_storage=stats.resident_use == "refreshed"
+                    or (stats.resident_use == "adopted" and record.where == "in_place"),
+                )
+            )
         metrics.record_pause(self.name, "reallocate", stats.pause_seconds)
         return stats
 
-    def _adopt(self, op: Operation, target: Layout, order: KeepOrder | None, label: str,
-               started: float) -> ReallocStats:
+    def _adopt(
+        self, op: Operation, target: Layout, order: KeepOrder | None, label: str, started: float
+    ) -> ReallocStats:
         result = op.adopt(target, self.version, order)
-        return ReallocStats(label, 0, 0, result.bytes_local, result.seconds, 0.0, 0, {"adopted": True},
-                            time.perf_counter() - started, "adopted", result.resident_in_place_bytes,
-                            result.resident_host_bytes)
+        return ReallocStats(
+            label,
+            0,
+            0,
+            result.bytes_local,
+            result.seconds,
+            0.0,
+            0,
+            {"adopted": True},
+            time.perf_counter() - started,
+            "adopted",
+            result.resident_in_place_bytes,
+            result.resident_host_bytes,
+        )
 
     def resident_layouts(self) -> list[ResidentLayout]:
         """The layouts kept by ``reallocate(..., keep=)``, with their versions (``fresh``: moving
@@ -556,24 +676,29 @@ class ModelGroup:
         with self._exclusive("list kept layouts"):
             return [replace(r, fresh=r.version == self.version) for r in self._resident.values()]
 
-    def release_resident(self, layouts: "Sequence[Topology | str | Layout] | Topology | str | Layout | None" = None
-                         ) -> None:
+    def release_resident(
+        self, layouts: "Sequence[Topology | str | Layout] | Topology | str | Layout | None" = None
+    ) -> None:
         """Free kept layouts on every worker: all of them (``None``), one (a :class:`Topology`, a
         topology string or a :class:`Layout`) or a sequence of them. Every layout is checked
         before anything is sent: one the group does not keep is a ``ValueError``."""
         if isinstance(layouts, (str, Topology, Layout)):
             layouts = [layouts]
-        elif layouts is not None and (isinstance(layouts, (bytes, Mapping)) or
-                                      not isinstance(layouts, (Sequence, set, frozenset))):
-            raise ValueError(f"layouts must be None (every kept layout), one layout (a realloc.Topology, a topology "
-                             f"string like 'dp=2,tp=4' or a realloc.Layout) or a sequence of them, "
-                             f"got {type(layouts).__name__} {layouts!r}"[:300])
+        elif layouts is not None and (
+            isinstance(layouts, (bytes, Mapping)) or not isinstance(layouts, (Sequence, set, frozenset))
+        ):
+            raise ValueError(
+                f"layouts must be None (every kept layout), one layout (a realloc.Topology, a topology "
+                f"string like 'dp=2,tp=4' or a realloc.Layout) or a sequence of them, "
+                f"got {type(layouts).__name__} {layouts!r}"[:300]
+            )
         with self._exclusive("release kept layouts"):
             drop = list(self._resident) if layouts is None else list(dict.fromkeys(self.target(x) for x in layouts))
             unknown = [str(x) for x in drop if x not in self._resident]
             if unknown:
-                raise ValueError(f"group {self.name!r} keeps no layout {unknown}; kept: "
-                                 f"{[str(x) for x in self._resident] or 'none'}")
+                raise ValueError(
+                    f"group {self.name!r} keeps no layout {unknown}; kept: {[str(x) for x in self._resident] or 'none'}"
+                )
             if not drop:
                 return
             for layout in drop:
@@ -592,8 +717,11 @@ class ModelGroup:
         idle = [i for i, n in enumerate(self.workers.names) if n not in busy]
         found = settle(self.workers.subset(idle), [refs[i] for i in idle], seconds)
         if found.dead or found.unresponsive or found.failed:
-            log.warning("group %s: kept layouts not synchronised on %s", self.name,
-                        list(found.dead + found.unresponsive + found.failed))
+            log.warning(
+                "group %s: kept layouts not synchronised on %s",
+                self.name,
+                list(found.dead + found.unresponsive + found.failed),
+            )
 
     def copy_to(self, other: "ModelGroup", eta: float | None = None) -> ReallocStats:
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
@@ -616,21 +744,46 @@ class ModelGroup:
             n, m = self.num_workers, other.num_workers
             placement = Placement(self.placement.nodes + other.placement.nodes)
             label = f"{self.name}[{self.layout}] -> {other.name}[{other.layout}]"
-            op = Operation(self.workers + other.workers, [None] * n + [other.layout.at(r) for r in range(m)],
-                           deadline, f"copy {label}",
-                           f"{other.name!r} keeps its previous weights and {self.name!r} is untouched",
-                           str(other.layout))
-            stats = _move([self, other], op,
-                          lambda: _plan(self.layout, other.layout, placement, tuple(range(n)), tuple(range(n, n + m)),
-                                        self.config.bucket_bytes, self.config.bandwidths),
-                          [self.layout.at(r) for r in range(n)] + [None] * m, placement,
-                          f"{self.name}->{other.name}", label, started, blend=eta)
+            op = Operation(
+                self.workers + other.workers,
+                [None] * n + [other.layout.at(r) for r in range(m)],
+                deadline,
+                f"copy {label}",
+                f"{other.name!r} keeps its previous weights and {self.name!r} is untouched",
+                str(other.layout),
+            )
+            stats = _move(
+                [self, other],
+                op,
+                lambda: _plan(
+                    self.layout,
+                    other.layout,
+                    placement,
+                    tuple(range(n)),
+                    tuple(range(n, n + m)),
+                    self.config.bucket_bytes,
+                    self.config.bandwidths,
+                ),
+                [self.layout.at(r) for r in range(n)] + [None] * m,
+                placement,
+                f"{self.name}->{other.name}",
+                label,
+                started,
+                blend=eta,
+            )
             other._announce(ShardChange("copy", other.layout, other.layout))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
         return stats
 
-    def checkpoint_manager(self, *, root: str | None = None, run_id: str | None = None, jump: int | None = None,
-                           factor: int = 2, timeout_s: float | None = None):
+    def checkpoint_manager(
+        self,
+        *,
+        root: str | None = None,
+        run_id: str | None = None,
+        jump: int | None = None,
+        factor: int = 2,
+        timeout_s: float | None = None,
+    ):
         """Node-local checkpoints of this group with clique replication (docs/checkpoints.md).
 
         Example:
@@ -660,8 +813,15 @@ class ModelGroup:
             actors, names = list(self.workers.actors), list(self.workers.names)
             for r in dead:
                 ray.kill(actors[r])
-                actors[r] = _start_worker(remote_cls, f"{names[r]}:gen{int(time.time() * 1000)}", self._pg, r,
-                                          self.name, self.spec, self.config)
+                actors[r] = _start_worker(
+                    remote_cls,
+                    f"{names[r]}:gen{int(time.time() * 1000)}",
+                    self._pg,
+                    r,
+                    self.name,
+                    self.spec,
+                    self.config,
+                )
             self.workers = Workers(tuple(actors), tuple(names))
             self._resident.clear()  # the fresh workers keep nothing: no kept layout is whole any more
             self._sync_resident()
@@ -670,8 +830,12 @@ class ModelGroup:
             for r, info in zip(dead, fresh):
                 self.infos[r] = info
             self.placement = _placement_of(self.infos)
-            gather(fresh_workers, [actors[r].set_layout.remote(self.layout.at(r)) for r in dead], self.timeout_s,
-                   "allocate shards of replacement workers")
+            gather(
+                fresh_workers,
+                [actors[r].set_layout.remote(self.layout.at(r)) for r in dead],
+                self.timeout_s,
+                "allocate shards of replacement workers",
+            )
             if self.world is not None:
                 self.world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
@@ -713,9 +877,18 @@ class ModelGroup:
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan], srcs: list, placement: Placement,
-          model: str, label: str, started: float, blend: float | None = None,
-          keep: KeepOrder | None = None) -> ReallocStats:
+def _move(
+    groups: list[ModelGroup],
+    op: Operation,
+    make_plan: Callable[[], Plan],
+    srcs: list,
+    placement: Placement,
+    model: str,
+    label: str,
+    started: float,
+    blend: float | None = None,
+    keep: KeepOrder | None = None,
+) -> ReallocStats:
     """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
 
     The caller holds the groups' locks and changes its state only after this returns. Every wait,
@@ -740,17 +913,28 @@ def _move(groups: list[ModelGroup], op: Operation, make_plan: Callable[[], Plan]
         op.commit(blend=blend)
     pause = time.perf_counter() - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)
-    return ReallocStats(label, result.bytes_intra_node, result.bytes_inter_node, result.bytes_local, seconds,
-                        plan_seconds, result.peak_extra_bytes_per_actor, plan.stats, pause,
-                        "refreshed" if result.refreshed else None, result.resident_in_place_bytes,
-                        result.resident_host_bytes)
+    return ReallocStats(
+        label,
+        result.bytes_intra_node,
+        result.bytes_inter_node,
+        result.bytes_local,
+        seconds,
+        plan_seconds,
+        result.peak_extra_bytes_per_actor,
+        plan.stats,
+        pause,
+        "refreshed" if result.refreshed else None,
+        result.resident_in_place_bytes,
+        result.resident_host_bytes,
+    )
 
 
 def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, config: GroupConfig):
     """One worker actor, named, in bundle ``bundle`` of the group's placement group."""
     args, kwargs = _worker_args(group, spec, config.zero_copy, config.backend)
     return remote_cls.options(
-        name=actor_name, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+        name=actor_name,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
     ).remote(*args, **kwargs)
 
 
@@ -769,21 +953,28 @@ def _remote_class(config: GroupConfig, worker_cls: type = ShardWorker):
 
     The control concurrency group answers pings while the default group is busy in a transfer.
     """
-    return ray.remote(num_cpus=config.cpus_per_worker, num_gpus=config.num_gpus,
-                      runtime_env=config.runtime_env, max_restarts=0,
-                      concurrency_groups={CONTROL: 1})(worker_cls)
+    return ray.remote(
+        num_cpus=config.cpus_per_worker,
+        num_gpus=config.num_gpus,
+        runtime_env=config.runtime_env,
+        max_restarts=0,
+        concurrency_groups={CONTROL: 1},
+    )(worker_cls)
 
 
 def _check_worker_cls(worker_cls: object) -> None:
     if not isinstance(worker_cls, type) or not issubclass(worker_cls, ShardWorker):
         raise ValueError(f"worker_cls must be a subclass of actors.ShardWorker, got {worker_cls!r}"[:200])
     own = [c for c in worker_cls.__mro__ if c is not object and not issubclass(ShardWorker, c)]  # the user's classes
-    clashes = sorted({n for c in own for n in vars(c)
-                      if (n in _RESERVED and n != "on_shards_changed") or n == "_realloc"})
+    clashes = sorted(
+        {n for c in own for n in vars(c) if (n in _RESERVED and n != "on_shards_changed") or n == "_realloc"}
+    )
     if clashes:
-        raise ValueError(f"worker_cls {worker_cls.__name__} redefines methods the protocol relies on: {clashes}; "
-                         "rename them (only on_shards_changed is meant to be overridden; _realloc holds the "
-                         "library's state; the reserved names are actors.worker.RESERVED_METHODS)")
+        raise ValueError(
+            f"worker_cls {worker_cls.__name__} redefines methods the protocol relies on: {clashes}; "
+            "rename them (only on_shards_changed is meant to be overridden; _realloc holds the "
+            "library's state; the reserved names are actors.worker.RESERVED_METHODS)"
+        )
     if worker_cls.__init__ is ShardWorker.__init__:
         return
     signature = _signature(worker_cls.__init__)
@@ -793,10 +984,12 @@ def _check_worker_cls(worker_cls: object) -> None:
     try:
         signature.bind(None, *args, **kwargs)
     except TypeError as err:
-        raise ValueError(f"worker_cls {worker_cls.__name__}.__init__{signature} cannot take what every worker is "
-                         f"started with, {worker_cls.__name__}(group, spec, zero_copy, backend=...): {err}; allowed: "
-                         "no __init__ of your own, or def __init__(self, *args, **kwargs) that calls "
-                         "super().__init__(*args, **kwargs) (parameters of your own need defaults)") from None
+        raise ValueError(
+            f"worker_cls {worker_cls.__name__}.__init__{signature} cannot take what every worker is "
+            f"started with, {worker_cls.__name__}(group, spec, zero_copy, backend=...): {err}; allowed: "
+            "no __init__ of your own, or def __init__(self, *args, **kwargs) that calls "
+            "super().__init__(*args, **kwargs) (parameters of your own need defaults)"
+        ) from None
 
 
 #: Names of ShardWorker's methods (the driver and the worker call them): a subclass must not
@@ -806,8 +999,9 @@ _RESERVED = RESERVED_METHODS
 
 def _user_methods(worker_cls: type) -> list[str]:
     """Public methods the user's subclass adds (what ``ModelGroup.call`` may call)."""
-    return sorted(n for n in dir(worker_cls) if not n.startswith("_") and n not in _RESERVED
-                  and callable(getattr(worker_cls, n)))
+    return sorted(
+        n for n in dir(worker_cls) if not n.startswith("_") and n not in _RESERVED and callable(getattr(worker_cls, n))
+    )
 
 
 def _check_arguments(fn: Callable, leading: int, args: tuple, kwargs: dict, what: str) -> None:
@@ -839,8 +1033,11 @@ def _shipped(what: str, *values: Any) -> list:
         return [ray.put(v) for v in values]
     except (TypeError, AttributeError, pickle.PicklingError) as err:
         first = (str(err).strip().splitlines() or [""])[0]
-        raise ValueError(f"the arguments of {what} cannot be sent to the workers, they must pickle: "
-                         f"{type(err).__name__}: {first}"[:400]) from err
+        raise ValueError(
+            f"the arguments of {what} cannot be sent to the workers, they must pickle: {type(err).__name__}: {first}"[
+                :400
+            ]
+        ) from err
 
 
 def _as_layout(spec: ModelSpec, value: object, options: dict, current: Layout | None = None) -> Layout:
@@ -852,8 +1049,10 @@ def _as_layout(spec: ModelSpec, value: object, options: dict, current: Layout | 
     if isinstance(value, str):
         value = Topology.parse(value)
     if not isinstance(value, Topology):
-        raise ValueError(f"a layout is a realloc.Topology, a topology string like 'dp=2,tp=4' or a realloc.Layout, "
-                         f"got {type(value).__name__}")
+        raise ValueError(
+            f"a layout is a realloc.Topology, a topology string like 'dp=2,tp=4' or a realloc.Layout, "
+            f"got {type(value).__name__}"
+        )
     return current.with_topology(value) if current is not None else Layout(spec, value, **options)
 
 
@@ -885,7 +1084,8 @@ def _check_capacity(n: int, config: GroupConfig) -> None:
             raise ValueError(
                 f"the cluster cannot hold {n} workers of {amount:g} {resource} each with strategy "
                 f"{config.strategy}: its {len(nodes)} live nodes have {total:g} {resource} in all and fit {fits} "
-                "(add nodes, or lower cpus_per_worker)")
+                "(add nodes, or lower cpus_per_worker)"
+            )
 
 
 def _check_name_free(name: str) -> None:
@@ -893,8 +1093,10 @@ def _check_name_free(name: str) -> None:
         ray.get_actor(f"realloc:{name}:rank0")
     except ValueError:
         return
-    raise ValueError(f"a group named {name!r} is already running (its actors hold the names realloc:{name}:rank*); "
-                     "shut it down or choose another name")
+    raise ValueError(
+        f"a group named {name!r} is already running (its actors hold the names realloc:{name}:rank*); "
+        "shut it down or choose another name"
+    )
 
 
 def _summary(resources: dict) -> dict:

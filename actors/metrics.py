@@ -28,17 +28,24 @@ SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120]
 def _instruments():
     return {
         "bytes": ray_metrics.Counter(
-            "realloc_bytes", description="Bytes a worker received during reallocations, by link kind",
-            tag_keys=TAG_KEYS + ("kind",)),
+            "realloc_bytes",
+            description="Bytes a worker received during reallocations, by link kind",
+            tag_keys=TAG_KEYS + ("kind",),
+        ),
         "seconds": ray_metrics.Histogram(
-            "realloc_seconds", description="Seconds a worker spent executing a reallocation phase",
-            boundaries=SECONDS_BOUNDARIES, tag_keys=TAG_KEYS + ("phase",)),
+            "realloc_seconds",
+            description="Seconds a worker spent executing a reallocation phase",
+            boundaries=SECONDS_BOUNDARIES,
+            tag_keys=TAG_KEYS + ("phase",),
+        ),
         "bandwidth": ray_metrics.Gauge(
             "realloc_bandwidth_gbps",
             description="Bytes received per second over the worker's last operation that received bytes, in GB/s",
-            tag_keys=TAG_KEYS),
+            tag_keys=TAG_KEYS,
+        ),
         "in_flight": ray_metrics.Gauge(
-            "realloc_in_flight", description="Reallocation phases running on this worker", tag_keys=TAG_KEYS),
+            "realloc_in_flight", description="Reallocation phases running on this worker", tag_keys=TAG_KEYS
+        ),
     }
 
 
@@ -46,8 +53,11 @@ def _instruments():
 def _driver_instruments():
     return {
         "pause": ray_metrics.Histogram(
-            "realloc_pause_seconds", description="Seconds the driver was blocked in one reallocate/copy_to",
-            boundaries=SECONDS_BOUNDARIES, tag_keys=("model", "op")),
+            "realloc_pause_seconds",
+            description="Seconds the driver was blocked in one reallocate/copy_to",
+            boundaries=SECONDS_BOUNDARIES,
+            tag_keys=("model", "op"),
+        ),
     }
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from realloc.layout import Layout
 
+
 @dataclass(frozen=True)
 class GroupRanks:
     """The member ranks of each group of one rank of a layout (pure: no process groups)."""
@@ -45,11 +46,11 @@ class GroupRanks:
     @staticmethod
     def of(layout: Layout, rank: int) -> "GroupRanks":
         """Example:
-            >>> from realloc import ModelSpec, Topology
-            >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, tp=2, pp=2)), 5)
-            GroupRanks(dp=(5, 7), fsdp=(5,), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7), ep=(5,), etp=(4, 5), edp=(5, 7))
-            >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, fsdp=2, tp=2)), 5).fsdp
-            (5, 7)
+        >>> from realloc import ModelSpec, Topology
+        >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, tp=2, pp=2)), 5)
+        GroupRanks(dp=(5, 7), fsdp=(5,), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7), ep=(5,), etp=(4, 5), edp=(5, 7))
+        >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, fsdp=2, tp=2)), 5).fsdp
+        (5, 7)
         """
         t = layout.topology
         dp_rank, fsdp_rank, tp_rank, pp_rank = t.coords4(rank)

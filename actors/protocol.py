@@ -70,8 +70,15 @@ class Operation:
     the surviving workers of the changed group hold afterwards (its current one).
     """
 
-    def __init__(self, workers: Workers, dsts: Sequence[RankLayout | None], timeout_s: "float | Deadline", what: str,
-                 keeps: str, layout: str):
+    def __init__(
+        self,
+        workers: Workers,
+        dsts: Sequence[RankLayout | None],
+        timeout_s: "float | Deadline",
+        what: str,
+        keeps: str,
+        layout: str,
+    ):
         if len(dsts) != len(workers):
             raise ValueError(f"{len(dsts)} destinations for {len(workers)} workers")
         self.id = uuid.uuid4().hex[:12]
@@ -94,29 +101,48 @@ class Operation:
         except ReallocationError as err:
             self.abort(err)
 
-    def execute_plan(self, world, plan: Plan, srcs: Sequence[RankLayout | None], placement: Placement,
-                     tags: dict) -> PhaseResult:
+    def execute_plan(
+        self, world, plan: Plan, srcs: Sequence[RankLayout | None], placement: Placement, tags: dict
+    ) -> PhaseResult:
         """Step 2 for a plan: both phases on every worker (plan worker ``i`` = ``workers[i]``)."""
         if self.handles is None:
             raise RuntimeError("execute before prepare")
         plan.validate(len(self.workers))
-        peers = [PeerView(world.rank_of(a), placement.nodes[i], srcs[i], self.dsts[i],
-                          self.handles[i]["src"] if srcs[i] is not None else None, self.handles[i]["dst"])
-                 for i, a in enumerate(self.workers.actors)]
+        peers = [
+            PeerView(
+                world.rank_of(a),
+                placement.nodes[i],
+                srcs[i],
+                self.dsts[i],
+                self.handles[i]["src"] if srcs[i] is not None else None,
+                self.handles[i]["dst"],
+            )
+            for i, a in enumerate(self.workers.actors)
+        ]
         plan_ref = ray.put(plan)
         results: list[dict] | None = None
         try:
             for phase in (0, 1):
-                refs = [a.op_execute.remote(self.id, world.id, plan_ref, i, peers, phase, {**tags, "rank": str(i)})
-                        for i, a in enumerate(self.workers.actors)]
+                refs = [
+                    a.op_execute.remote(self.id, world.id, plan_ref, i, peers, phase, {**tags, "rank": str(i)})
+                    for i, a in enumerate(self.workers.actors)
+                ]
                 results = _merge(results, gather(self.workers, refs, self.deadline, f"{self.what}: transfer"))
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
         return _phase_result(results)
 
-    def run_plan(self, world, plan: Plan, srcs: Sequence[RankLayout | None], placement: Placement, shared: Sequence[bool],
-                 tags: dict, keep: KeepOrder | None = None) -> PhaseResult:
+    def run_plan(
+        self,
+        world,
+        plan: Plan,
+        srcs: Sequence[RankLayout | None],
+        placement: Placement,
+        shared: Sequence[bool],
+        tags: dict,
+        keep: KeepOrder | None = None,
+    ) -> PhaseResult:
         """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
         and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
         zero-copy handles (its ``info()["zero_copy"]``).
@@ -132,8 +158,10 @@ class Operation:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
         key, ref = _worker_plan_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
-            refs = [a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep)
-                    for i, a in enumerate(self.workers.actors)]
+            refs = [
+                a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep)
+                for i, a in enumerate(self.workers.actors)
+            ]
             results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
@@ -150,8 +178,10 @@ class Operation:
 
     def commit(self, blend: float | None = None) -> None:
         """Step 3: every worker adopts; any failure rolls every live worker back."""
-        refs = [a.op_commit.remote(self.id, blend if d is not None else None)
-                for a, d in zip(self.workers.actors, self.dsts)]
+        refs = [
+            a.op_commit.remote(self.id, blend if d is not None else None)
+            for a, d in zip(self.workers.actors, self.dsts)
+        ]
         self.call(refs, "commit")
 
     # -- failure -----------------------------------------------------------------------------
@@ -168,25 +198,30 @@ class Operation:
         dead, silent = set(cause.dead), set(cause.unresponsive)
         answering = [i for i, n in enumerate(self.workers.names) if n not in dead | silent]
         fire(self.workers.subset([i for i, n in enumerate(self.workers.names) if n in silent]), "op_abort", self.id)
-        found = settle(self.workers.subset(answering),
-                       [self.workers.actors[i].op_abort.remote(self.id) for i in answering], self.deadline.grace())
+        found = settle(
+            self.workers.subset(answering),
+            [self.workers.actors[i].op_abort.remote(self.id) for i in answering],
+            self.deadline.grace(),
+        )
         all_dead = sorted(dead | set(found.dead))
         unresponsive, waiting = sorted(silent), sorted(found.unresponsive)  # ``waiting``: they answered pings
         state = f"Rolled back: {self.keeps}; every live worker whose abort ran holds its old shards and weights"
         if waiting:
-            state += (f"; {waiting} answer pings but are still in the failed call (e.g. blocked on a peer until "
-                      "their collective times out): their abort is queued and runs when that call returns")
+            state += (
+                f"; {waiting} answer pings but are still in the failed call (e.g. blocked on a peer until "
+                "their collective times out): their abort is queued and runs when that call returns"
+            )
         if unresponsive:
-            state += (f"; {unresponsive} did not answer: their abort is queued and runs when they resume "
-                      "(they never adopted anything without a commit)")
+            state += (
+                f"; {unresponsive} did not answer: their abort is queued and runs when they resume "
+                "(they never adopted anything without a commit)"
+            )
         if found.failed:
             state += f"; the abort raised on {list(found.failed)}: their state is unknown"
         if all_dead:
-            state += (f"; dead: {all_dead} (call replace_dead_workers(), then restore their weights from a "
-                      "checkpoint)")
+            state += f"; dead: {all_dead} (call replace_dead_workers(), then restore their weights from a checkpoint)"
         log.warning("operation %s (%s) aborted: %s", self.id, self.what, cause.message)
-        raise ReallocationError(f"{cause.message}. {state}.", all_dead, unresponsive, self.layout,
-                                waiting) from cause
+        raise ReallocationError(f"{cause.message}. {state}.", all_dead, unresponsive, self.layout, waiting) from cause
 
 
 #: (plan, world, peers) -> (key, ObjectRef of (plan, peers), plan): a loop alternating layouts
@@ -195,8 +230,9 @@ _WORKER_PLANS: "OrderedDict[tuple, tuple[str, Any, Plan]]" = OrderedDict()
 _WORKER_PLANS_KEPT = 16
 
 
-def _worker_plan_ref(plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement,
-                     shared: Sequence[bool]) -> tuple[str, Any]:
+def _worker_plan_ref(
+    plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement, shared: Sequence[bool]
+) -> tuple[str, Any]:
     ranks = tuple(world.rank_of(a) for a in actors)
     key = (id(plan), world.id, ranks, tuple(srcs), tuple(dsts), tuple(placement.nodes), tuple(shared))
     hit = _WORKER_PLANS.get(key)
@@ -232,5 +268,3 @@ def _merge(acc: list | None, new: list[dict]) -> list[dict]:
             a["bytes"][k] += b["bytes"][k]
         a["staging_bytes"] = max(a["staging_bytes"], b["staging_bytes"])
     return acc
-
-

@@ -104,8 +104,10 @@ class Diagnosis:
         if self.dead:
             parts.append(f"worker(s) {list(self.dead)} died")
         if self.unresponsive:
-            parts.append(f"worker(s) {list(self.unresponsive)} are alive but did not answer a ping within "
-                         f"{self.seconds:.1f}s (stopped, hung, or stuck in native code)")
+            parts.append(
+                f"worker(s) {list(self.unresponsive)} are alive but did not answer a ping within "
+                f"{self.seconds:.1f}s (stopped, hung, or stuck in native code)"
+            )
         return "; ".join(parts)
 
 
@@ -138,8 +140,14 @@ def diagnose(workers: Workers, seconds: float = PING_SECONDS) -> Diagnosis:
     return settle(workers, [a.ping.remote() for a in workers.actors], seconds)
 
 
-def gather(workers: Workers, refs: Sequence, timeout_s: "float | Deadline", what: str, state: str = "",
-           layout: str | None = None) -> list[Any]:
+def gather(
+    workers: Workers,
+    refs: Sequence,
+    timeout_s: "float | Deadline",
+    what: str,
+    state: str = "",
+    layout: str | None = None,
+) -> list[Any]:
     """``ray.get`` of ``refs`` (one per worker of ``workers``) with one deadline, failing fast.
 
     ``timeout_s``: seconds, or the :class:`Deadline` of the call this wait is a step of. On the
@@ -161,10 +169,18 @@ def gather(workers: Workers, refs: Sequence, timeout_s: "float | Deadline", what
         if not ready:
             late = [workers.names[index[r]] for r in pending]
             found = diagnose(workers, min(PING_SECONDS, deadline.grace()))
-            cause = found.describe() if found else f"workers {late} are alive and answer pings but their call is " \
-                                                   "still running (a peer may be stuck)"
-            _fail(f"{what}: timed out after {deadline.seconds:.0f}s waiting for {late}; {cause}", found, late, state,
-                  layout)
+            cause = (
+                found.describe()
+                if found
+                else f"workers {late} are alive and answer pings but their call is still running (a peer may be stuck)"
+            )
+            _fail(
+                f"{what}: timed out after {deadline.seconds:.0f}s waiting for {late}; {cause}",
+                found,
+                late,
+                state,
+                layout,
+            )
         for r in ready:
             try:
                 results[index[r]] = ray.get(r)
@@ -179,8 +195,14 @@ def gather(workers: Workers, refs: Sequence, timeout_s: "float | Deadline", what
     return results
 
 
-def _fail(message: str, found: Diagnosis, late: Sequence[str], state: str, layout: str | None,
-          cause: BaseException | None = None):
+def _fail(
+    message: str,
+    found: Diagnosis,
+    late: Sequence[str],
+    state: str,
+    layout: str | None,
+    cause: BaseException | None = None,
+):
     """Raise the error of a failed :func:`gather`: ``late`` workers that answered pings are waiting."""
     text = f"{message}. {state}" if state else message
     log.warning("%s", text)
@@ -191,11 +213,17 @@ def _fail(message: str, found: Diagnosis, late: Sequence[str], state: str, layou
     raise err
 
 
-def call_all(workers: Workers, method: str, *args: Any, timeout_s: "float | Deadline", what: str, state: str = "",
-             layout: str | None = None) -> list[Any]:
+def call_all(
+    workers: Workers,
+    method: str,
+    *args: Any,
+    timeout_s: "float | Deadline",
+    what: str,
+    state: str = "",
+    layout: str | None = None,
+) -> list[Any]:
     """Call ``method(*args)`` on every worker and :func:`gather` the results."""
-    return gather(workers, [getattr(a, method).remote(*args) for a in workers.actors], timeout_s, what, state,
-                  layout)
+    return gather(workers, [getattr(a, method).remote(*args) for a in workers.actors], timeout_s, what, state, layout)
 
 
 def fire(workers: Workers, method: str, *args: Any) -> list:

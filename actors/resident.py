@@ -36,8 +36,10 @@ def check_keep(keep: object) -> str | None:
     """``keep`` itself, or ``ValueError`` naming the allowed values."""
     if keep is None or keep in KEEP_MODES:
         return keep
-    raise ValueError(f"keep={keep!r} is not a resident mode; allowed: None (free the old layout), "
-                     f"{', '.join(repr(m) for m in KEEP_MODES)}")
+    raise ValueError(
+        f"keep={keep!r} is not a resident mode; allowed: None (free the old layout), "
+        f"{', '.join(repr(m) for m in KEEP_MODES)}"
+    )
 
 
 @dataclass(frozen=True)

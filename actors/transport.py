@@ -34,8 +34,9 @@ from actors import communicator
 
 def host_rendezvous(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store, created by rank 0 on a port the OS picks (no port race)."""
-    return dist.TCPStore(addr, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        addr, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 #: NCCL error handling for the transport's process groups. torch's default (3, SkipCleanUp) tears
@@ -131,14 +132,27 @@ class Transport:
     gloo and device buffers, messages are staged through host memory (:class:`HostStaging`).
     """
 
-    def __init__(self, store_addr: str, store_port: int, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float, store: dist.TCPStore | None = None, *, prefix: str = "realloc",
-                 backend: str | None = None, staging: HostStaging | None = None):
+    def __init__(
+        self,
+        store_addr: str,
+        store_port: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+        store: dist.TCPStore | None = None,
+        *,
+        prefix: str = "realloc",
+        backend: str | None = None,
+        staging: HostStaging | None = None,
+    ):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend = backend if backend is not None else backend_for(device)
         if self.backend not in ("nccl", "gloo") or (self.backend == "nccl" and device.type != "cuda"):
-            raise ValueError(f"backend {self.backend!r} cannot carry buffers on {device}; allowed: 'gloo', or "
-                             "'nccl' for CUDA buffers")
+            raise ValueError(
+                f"backend {self.backend!r} cannot carry buffers on {device}; allowed: 'gloo', or "
+                "'nccl' for CUDA buffers"
+            )
         self.wire = wire_device(self.backend, device)
         self.host_staging = staging if staging is not None else HostStaging()
         if store is None:

@@ -33,11 +33,10 @@ from typing import Any, Callable
 import ray
 import torch
 
-from actors import metrics
-from actors import communicator
+from actors import communicator, metrics
+from actors.ckpt_worker import CheckpointMixin
 from actors.communicator import Communicators
 from actors.context import ShardChange, ShardContext
-from actors.ckpt_worker import CheckpointMixin
 from actors.errors import StaleOperationError
 from actors.executor import Cuts, PeerView, Phases, Staging, StepRunner, collector_paused, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
@@ -103,9 +102,16 @@ class WorkerPlan:
                     read_by.setdefault(b, set()).add(forward)
                     if forward:
                         notify.add(b)
-        return WorkerPlan(plan, peers, routes, [j for w, j in plan.local_copies if w == me],
-                      {p: tuple(sorted(f)) for p, f in sorted(read_from.items())},
-                      {p: tuple(sorted(f)) for p, f in sorted(read_by.items())}, wait_ready, sorted(notify))
+        return WorkerPlan(
+            plan,
+            peers,
+            routes,
+            [j for w, j in plan.local_copies if w == me],
+            {p: tuple(sorted(f)) for p, f in sorted(read_from.items())},
+            {p: tuple(sorted(f)) for p, f in sorted(read_by.items())},
+            wait_ready,
+            sorted(notify),
+        )
 
 
 @dataclass
@@ -157,8 +163,9 @@ class WorkerState:
     ``self.buffers``, ``self.transport``...) without touching what moves, verifies and fills rely on.
     """
 
-    def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None,
-                 backend: str | None = None):
+    def __init__(
+        self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None, backend: str | None = None
+    ):
         self.group, self.spec = group, spec
         self.specs_checked = [spec]  # the last spec objects found equal to it (the check is a deep compare)
         if device is None:
@@ -168,8 +175,10 @@ class WorkerState:
         #: the buffers' device for NCCL, host memory for gloo (GPU buffers are staged through it).
         self.backend = backend if backend is not None else backend_for(self.device)
         if self.backend not in ("nccl", "gloo") or (self.backend == "nccl" and self.device.type != "cuda"):
-            raise ValueError(f"backend {self.backend!r} cannot serve buffers on {self.device}; allowed: 'gloo', "
-                             "or 'nccl' for CUDA buffers")
+            raise ValueError(
+                f"backend {self.backend!r} cannot serve buffers on {self.device}; allowed: 'gloo', "
+                "or 'nccl' for CUDA buffers"
+            )
         self.wire = wire_device(self.backend, self.device)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.allocator = BufferAllocator(self.device, zero_copy, group)
@@ -212,8 +221,10 @@ class _Unset:
 
 
 def _not_initialised(worker: Any) -> ValueError:
-    return ValueError(f"worker class {type(worker).__name__}: ShardWorker.__init__ did not run; an __init__ of your "
-                      "own must call super().__init__(*args, **kwargs) and pass it every argument it got")
+    return ValueError(
+        f"worker class {type(worker).__name__}: ShardWorker.__init__ did not run; an __init__ of your "
+        "own must call super().__init__(*args, **kwargs) and pass it every argument it got"
+    )
 
 
 class _ReadOnly:
@@ -261,8 +272,9 @@ class ShardWorker(CheckpointMixin):
     _realloc = _Unset()
     rank, layout, device, spec, communicators = _ReadOnly(), _ReadOnly(), _ReadOnly(), _ReadOnly(), _ReadOnly()
 
-    def __init__(self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None,
-                 backend: str | None = None):
+    def __init__(
+        self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None, backend: str | None = None
+    ):
         torch.set_num_threads(max(1, int(os.environ.get("REALLOC_TORCH_THREADS", "1"))))
         self._realloc = WorkerState(group, spec, zero_copy, device, backend)
 
@@ -283,8 +295,21 @@ class ShardWorker(CheckpointMixin):
         # ZeRO-3: a slot's tensor is its flat partition (DeepSpeed's ds_tensor), not one of its shards
         zero3 = layout.topology.fsdp_split == "zero3"
         tensors = flat_views(st.held, st.buffers) if zero3 else store.shard_tensors()
-        return ShardContext(st.rank, layout.topology, dp_rank, tp_rank, pp_rank, st.device,
-                            tensors, st.held.shards(), layout, groups, st.held, st.buffers, fsdp_rank)
+        return ShardContext(
+            st.rank,
+            layout.topology,
+            dp_rank,
+            tp_rank,
+            pp_rank,
+            st.device,
+            tensors,
+            st.held.shards(),
+            layout,
+            groups,
+            st.held,
+            st.buffers,
+            fsdp_rank,
+        )
 
     def after_change(self, change: ShardChange) -> None:
         """Driver entry point of the hook (after the commit of ``change``)."""
@@ -320,16 +345,22 @@ class ShardWorker(CheckpointMixin):
         """Where this worker runs (the driver's first call to a new worker)."""
         _check_names(self, f"{type(self).__name__}.__init__")
         return {
-            "node_id": self._realloc.node_id, "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-            "device": str(self._realloc.device), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "node_id": self._realloc.node_id,
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "device": str(self._realloc.device),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "zero_copy": self._realloc.allocator.shared,
         }
 
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> dict:
         """Answered on the control thread, even while a transfer blocks the main one."""
-        return {"pid": os.getpid(), "op": self._realloc.op.id if self._realloc.op else None,
-                "layout": str(self._realloc.held) if self._realloc.held else None}
+        return {
+            "pid": os.getpid(),
+            "op": self._realloc.op.id if self._realloc.op else None,
+            "layout": str(self._realloc.held) if self._realloc.held else None,
+        }
 
     def activity(self) -> dict:
         """Operation counters (tests: invalid input must cause no traffic and no state change)."""
@@ -345,15 +376,26 @@ class ShardWorker(CheckpointMixin):
         if self._realloc.transport is not None:
             self._realloc.transport.close()
             self._realloc.transport, self._realloc.world_id = None, None
-        self._realloc.transport = Transport(addr, port, world_rank, world_size, self._realloc.device, timeout_s,
-                                            store=store, prefix=f"realloc/{world_id}", backend=self._realloc.backend)
+        self._realloc.transport = Transport(
+            addr,
+            port,
+            world_rank,
+            world_size,
+            self._realloc.device,
+            timeout_s,
+            store=store,
+            prefix=f"realloc/{world_id}",
+            backend=self._realloc.backend,
+        )
         self._realloc.world_id = world_id
         return self._realloc.transport.backend
 
     def _check_world(self, world_id: str) -> None:
         if self._realloc.transport is None or self._realloc.world_id != world_id:
-            raise StaleOperationError(f"worker of {self._realloc.group} is in world {self._realloc.world_id}, "
-                                      f"not {world_id}: it joined another world since (re-form the world)")
+            raise StaleOperationError(
+                f"worker of {self._realloc.group} is in world {self._realloc.world_id}, "
+                f"not {world_id}: it joined another world since (re-form the world)"
+            )
 
     # -- weights -------------------------------------------------------------------------
     def set_layout(self, target: RankLayout) -> int:
@@ -373,8 +415,11 @@ class ShardWorker(CheckpointMixin):
     def get_boxes(self) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
         """``(param, offsets, sizes, tensor)`` of every held box, on CPU (padding excluded)."""
         store = self._store_now()
-        return [(s.param, s.offsets, s.sizes, store.view(s.param, s.offsets, s.sizes).cpu().clone())
-                for s in self._realloc.held.shards() if s.numel]
+        return [
+            (s.param, s.offsets, s.sizes, store.view(s.param, s.offsets, s.sizes).cpu().clone())
+            for s in self._realloc.held.shards()
+            if s.numel
+        ]
 
     def verify_synthetic(self, seed: int) -> list[str]:
         """Names of slots whose values differ from the synthetic weights (padding must be zero)."""
@@ -384,8 +429,9 @@ class ShardWorker(CheckpointMixin):
             expected = torch.zeros(s.local_shape, dtype=local.dtype, device=local.device)
             if s.numel:
                 index = tuple(slice(0, n) for n in s.sizes)
-                expected[index] = synthetic_box(s.param, self._realloc.spec.param(s.param).shape, s.offsets, s.sizes,
-                                                s.dtype, seed, local.device)
+                expected[index] = synthetic_box(
+                    s.param, self._realloc.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype, seed, local.device
+                )
             if not torch.equal(local, expected):
                 bad.append(s.slot)
         return bad
@@ -395,8 +441,10 @@ class ShardWorker(CheckpointMixin):
 
     def source_digest(self) -> dict[str, float]:
         """A cheap fingerprint of the current buffers (tests: sources untouched after a failure)."""
-        return {d: float(t.double().sum()) + float((t.double() ** 2).sum())
-                for d, t in (self._realloc.buffers or {}).items()}
+        return {
+            d: float(t.double().sum()) + float((t.double() ** 2).sum())
+            for d, t in (self._realloc.buffers or {}).items()
+        }
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Fault injection for tests of the failure paths: ``("stall", seconds)`` sleeps at the start
@@ -434,8 +482,10 @@ class ShardWorker(CheckpointMixin):
         if dst is not None:
             if not any(dst.layout.spec is s for s in self._realloc.specs_checked):
                 if dst.layout.spec != self._realloc.spec:
-                    raise ValueError(f"worker of {self._realloc.group} holds model {self._realloc.spec.name!r}, "
-                                     f"not {dst.layout.spec.name!r}")
+                    raise ValueError(
+                        f"worker of {self._realloc.group} holds model {self._realloc.spec.name!r}, "
+                        f"not {dst.layout.spec.name!r}"
+                    )
                 self._realloc.specs_checked = [dst.layout.spec, *self._realloc.specs_checked[:PLANS_KEPT]]
             kept = self._realloc.kept.pop(dst.layout, None)  # stale (a fresh one is adopted instead): refresh it
             if kept is not None and kept.where == "in_place" and kept.held == dst:
@@ -454,8 +504,10 @@ class ShardWorker(CheckpointMixin):
         if not export:
             return None
         current, allocator = self._realloc.buffers, self._realloc.allocator
-        return {"dst": allocator.export(buffers) if buffers is not None else None,
-                "src": allocator.export(current) if current is not None else None}
+        return {
+            "dst": allocator.export(buffers) if buffers is not None else None,
+            "src": allocator.export(current) if current is not None else None,
+        }
 
     def _current_op(self, op_id: str) -> PendingOp:
         if self._realloc.op is None or self._realloc.op.id != op_id:
@@ -474,12 +526,14 @@ class ShardWorker(CheckpointMixin):
             if op.rollback is not None and op.kept is None:  # a kept rollback belongs to the kept layouts
                 self._realloc.allocator.release(op.rollback[1])
         elif op.buffers is not None:
-            log.warning("worker of %s: operation %s was never committed or aborted; dropping it", self._realloc.group,
-                        op.id)
+            log.warning(
+                "worker of %s: operation %s was never committed or aborted; dropping it", self._realloc.group, op.id
+            )
             self._realloc.allocator.release(op.buffers)
 
-    def op_execute(self, op_id: str, world_id: str, plan: Plan, me: int, peers: list[PeerView], phase: int,
-                   tags: dict) -> dict:
+    def op_execute(
+        self, op_id: str, world_id: str, plan: Plan, me: int, peers: list[PeerView], phase: int, tags: dict
+    ) -> dict:
         """Run phase ``phase`` of ``plan`` (0: local copies and routes from holders, 1: fan-out)."""
         self._realloc.counters["execute"] += 1
         self._check_world(world_id)
@@ -518,8 +572,18 @@ class ShardWorker(CheckpointMixin):
         stall = self._take_fault("stall")
         if stall:
             time.sleep(stall)
-        runner = StepRunner(self._realloc.transport, self._realloc.device, plan, me, peers, src, dst, self._peer_store,
-                            on_bucket=self._after_bucket, staging=self._realloc.staging)
+        runner = StepRunner(
+            self._realloc.transport,
+            self._realloc.device,
+            plan,
+            me,
+            peers,
+            src,
+            dst,
+            self._peer_store,
+            on_bucket=self._after_bucket,
+            staging=self._realloc.staging,
+        )
         steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
         try:
             for s in steps:
@@ -542,8 +606,9 @@ class ShardWorker(CheckpointMixin):
         handles = peer.dst_handles if forward else peer.src_handles
         return ShardStore(held.shards(), open_handles(handles))
 
-    def op_run(self, op_id: str, world_id: str, key: str, plan_box: list, me: int, tags: dict,
-               keep: KeepOrder | None = None) -> dict:
+    def op_run(
+        self, op_id: str, world_id: str, key: str, plan_box: list, me: int, tags: dict, keep: KeepOrder | None = None
+    ) -> dict:
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
         ``plan_box`` is ``[ObjectRef of (plan, peers)]``, fetched only the first time this worker
@@ -606,8 +671,10 @@ class ShardWorker(CheckpointMixin):
         kept = self._realloc.kept.get(layout)
         if kept is None or kept.version != version:
             have = f"version {kept.version}" if kept is not None else "nothing"
-            raise StaleOperationError(f"worker of {self._realloc.group} keeps {have} of layout {layout}, not weight "
-                                      f"version {version}: nothing was adopted")
+            raise StaleOperationError(
+                f"worker of {self._realloc.group} keeps {have} of layout {layout}, not weight "
+                f"version {version}: nothing was adopted"
+            )
         buffers = self._on_device(kept)
         del self._realloc.kept[layout]
         op = self._realloc.op = PendingOp(op_id, kept.held, buffers, adopted=kept)
@@ -616,8 +683,13 @@ class ShardWorker(CheckpointMixin):
         if keep is not None:
             self._keep(op, keep)
         seconds = time.perf_counter() - started
-        return {"bytes": dict(op.moved), "staging_bytes": 0, "dst_bytes": 0, "seconds": seconds,
-                "resident": self.resident_bytes()}
+        return {
+            "bytes": dict(op.moved),
+            "staging_bytes": 0,
+            "dst_bytes": 0,
+            "seconds": seconds,
+            "resident": self.resident_bytes(),
+        }
 
     def _on_device(self, kept: Resident) -> dict[str, torch.Tensor]:
         """A kept layout's buffers on the device: themselves, or a copy of the host copy."""
@@ -670,18 +742,40 @@ class ShardWorker(CheckpointMixin):
             self._realloc.copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
         # Local copies write boxes no route writes, and torch copies release the GIL: beside the
         # handle exchange (which waits for the peers to arrive) and the transfers.
-        local = self._realloc.copier.submit(lambda: sum(
-            wp.cuts.programs.run(("local", j), lambda j=j: local_copies(src, dst, wp.plan.segment_list(j)),
-                                dst.buffers, src.buffers) for j in wp.local)) if wp.local else None
+        local = (
+            self._realloc.copier.submit(
+                lambda: sum(
+                    wp.cuts.programs.run(
+                        ("local", j),
+                        lambda j=j: local_copies(src, dst, wp.plan.segment_list(j)),
+                        dst.buffers,
+                        src.buffers,
+                    )
+                    for j in wp.local
+                )
+            )
+            if wp.local
+            else None
+        )
         ready: dict[int, Any] = {}
         sent: list = []
         ok = False
         try:
             opened = self._swap_handles(wp, op) if (wp.read_from or wp.read_by) else {}
             self._realloc.phases.mark("handles")
-            runner = StepRunner(self._realloc.transport, self._realloc.device, wp.plan, me, wp.peers, src, dst,
-                                lambda view, forward: opened[view.world_rank, forward],
-                                on_bucket=self._after_bucket, staging=self._realloc.staging, cuts=wp.cuts)
+            runner = StepRunner(
+                self._realloc.transport,
+                self._realloc.device,
+                wp.plan,
+                me,
+                wp.peers,
+                src,
+                dst,
+                lambda view, forward: opened[view.world_rank, forward],
+                on_bucket=self._after_bucket,
+                staging=self._realloc.staging,
+                cuts=wp.cuts,
+            )
             stall = self._take_fault("stall")
             if stall:
                 time.sleep(stall)
@@ -729,17 +823,24 @@ class ShardWorker(CheckpointMixin):
         opened by two readers drops it twice and frees the block under the second."""
         outs = []
         for p, sides in wp.read_by.items():
-            mine = {"src": self._realloc.allocator.export(self._realloc.buffers) if False in sides else None,
-                    "dst": self._realloc.allocator.export(op.buffers) if True in sides else None}
+            mine = {
+                "src": self._realloc.allocator.export(self._realloc.buffers) if False in sides else None,
+                "dst": self._realloc.allocator.export(op.buffers) if True in sides else None,
+            }
             outs.append((wp.peers[p].world_rank, _handle_message(mine, self._realloc.wire)))
         ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self._realloc.wire) for p in wp.read_from}
-        for work in communicator.post(self._realloc.transport.pg, self._realloc.wire, outs,
-                                      [(wp.peers[p].world_rank, t) for p, t in ins.items()], HANDLES_TAG):
+        for work in communicator.post(
+            self._realloc.transport.pg,
+            self._realloc.wire,
+            outs,
+            [(wp.peers[p].world_rank, t) for p, t in ins.items()],
+            HANDLES_TAG,
+        ):
             work.wait()
         opened = {}
         for p, t in ins.items():
             raw = t.cpu().numpy().tobytes()
-            h = pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+            h = pickle.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
             view = replace(wp.peers[p], src_handles=h["src"], dst_handles=h["dst"])
             for forward in wp.read_from[p]:
                 opened[view.world_rank, forward] = self._mapped_peer_store(view, forward)
@@ -754,11 +855,15 @@ class ShardWorker(CheckpointMixin):
             torch.cuda.synchronize(self._realloc.device)  # my phase-0 writes land before a reader in another process
         wire = self._realloc.wire
         one = torch.ones(1, dtype=torch.uint8, device=wire)
-        works = communicator.post(self._realloc.transport.pg, wire, [(peers[p].world_rank, one) for p in wp.notify],
-                                  [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=wire))
-                                   for p in senders], READY_TAG)
+        works = communicator.post(
+            self._realloc.transport.pg,
+            wire,
+            [(peers[p].world_rank, one) for p in wp.notify],
+            [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=wire)) for p in senders],
+            READY_TAG,
+        )
         if len(works) == len(wp.notify) + len(senders):  # one Work per message (gloo)
-            return works[:len(wp.notify)], dict(zip(senders, works[len(wp.notify):]))
+            return works[: len(wp.notify)], dict(zip(senders, works[len(wp.notify) :]))
         # one coalesced Work for all (NCCL): the first fan-out read waits for every message
         return list(works), {p: works[0] for p in senders} if works else {}
 
@@ -808,10 +913,19 @@ class ShardWorker(CheckpointMixin):
 
             return load_shards(args[0], args[1], args[2], shards, store)
         if how == "synthetic":
+
             def box(s):
-                return synthetic_box(s.param, self._realloc.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype,
-                                     args[0], self._realloc.device)
+                return synthetic_box(
+                    s.param,
+                    self._realloc.spec.param(s.param).shape,
+                    s.offsets,
+                    s.sizes,
+                    s.dtype,
+                    args[0],
+                    self._realloc.device,
+                )
         elif how == "full":  # the driver keys the state dict by storage parameter (aliases resolved)
+
             def box(s):
                 return args[0][s.param][box_index(s.offsets, s.sizes)]
         else:
@@ -887,8 +1001,9 @@ class ShardWorker(CheckpointMixin):
 
 #: Names of the methods the driver and the worker itself call on a worker: a subclass must not
 #: redefine them (``ModelGroup.create`` refuses it) nor assign them as attributes.
-RESERVED_METHODS = frozenset(n for n in dir(ShardWorker) if not n.startswith("__")
-                             and inspect.isfunction(inspect.getattr_static(ShardWorker, n)))
+RESERVED_METHODS = frozenset(
+    n for n in dir(ShardWorker) if not n.startswith("__") and inspect.isfunction(inspect.getattr_static(ShardWorker, n))
+)
 
 
 def _check_names(worker: ShardWorker, where: str) -> None:
@@ -897,14 +1012,18 @@ def _check_names(worker: ShardWorker, where: str) -> None:
     if not isinstance(vars(worker).get("_realloc"), WorkerState):
         if "_realloc" not in vars(worker):
             raise _not_initialised(worker)
-        raise ValueError(f"{where} assigned self._realloc, the worker's library state (the one reserved attribute "
-                         "name of a worker class); this worker cannot go on: rename the attribute")
+        raise ValueError(
+            f"{where} assigned self._realloc, the worker's library state (the one reserved attribute "
+            "name of a worker class); this worker cannot go on: rename the attribute"
+        )
     shadowing = sorted(RESERVED_METHODS.intersection(vars(worker)))
     if shadowing:
         for name in shadowing:
             del worker.__dict__[name]
-        raise ValueError(f"{where} assigned attribute(s) {shadowing} of the worker: those names are methods the "
-                         "library calls (ShardWorker's reserved names); the attributes were removed, rename them")
+        raise ValueError(
+            f"{where} assigned attribute(s) {shadowing} of the worker: those names are methods the "
+            "library calls (ShardWorker's reserved names); the attributes were removed, rename them"
+        )
 
 
 def _handle_message(handles: dict, device: torch.device) -> torch.Tensor:
@@ -912,8 +1031,9 @@ def _handle_message(handles: dict, device: torch.device) -> torch.Tensor:
     raw = pickle.dumps(handles)
     if len(raw) + 8 > HANDLE_BYTES:
         raise RuntimeError(f"zero-copy handles of {len(raw)} bytes exceed the {HANDLE_BYTES}-byte message")
-    out = torch.frombuffer(bytearray(len(raw).to_bytes(8, "little") + raw + bytes(HANDLE_BYTES - 8 - len(raw))),
-                           dtype=torch.uint8)
+    out = torch.frombuffer(
+        bytearray(len(raw).to_bytes(8, "little") + raw + bytes(HANDLE_BYTES - 8 - len(raw))), dtype=torch.uint8
+    )
     return out.to(device)
 
 

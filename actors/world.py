@@ -42,13 +42,16 @@ class World:
             if other.alive and ids & set(other._rank):
                 other.mark_broken()  # its actors are about to leave it
         head = workers.subset([0])
-        addr, port = call_all(head, "open_rendezvous", n, timeout_s, timeout_s=deadline or timeout_s,
-                              what="form world")[0]
+        addr, port = call_all(
+            head, "open_rendezvous", n, timeout_s, timeout_s=deadline or timeout_s, what="form world"
+        )[0]
         refs = [a.join.remote(world_id, addr, port, r, n, timeout_s) for r, a in enumerate(workers.actors)]
         backends = gather(workers, refs, deadline or timeout_s + 30, "form world")
         if len(set(backends)) != 1:
-            raise ValueError(f"workers disagree on the backend ({sorted(set(backends))}): mixing GPU and CPU "
-                             "workers in one world is not supported")
+            raise ValueError(
+                f"workers disagree on the backend ({sorted(set(backends))}): mixing GPU and CPU "
+                "workers in one world is not supported"
+            )
         world = World(workers, backends[0], world_id)
         _LIVE.add(world)
         log.debug("formed world %s over %d workers (%s)", world_id, n, backends[0])

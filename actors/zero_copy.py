@@ -116,7 +116,7 @@ def sweep_stale_buffers() -> int:
     for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else ():
         if not name.startswith("realloc-p"):
             continue
-        pid_text = name[len("realloc-p"):].split("-", 1)[0]
+        pid_text = name[len("realloc-p") :].split("-", 1)[0]
         if not pid_text.isdigit() or _alive(int(pid_text)):
             continue
         try:

@@ -139,8 +139,7 @@ class Peer:
         # with the actor.
         return out
 
-    def p2p(self, backend: str, size_mb: int, dtype: str, mode: str, reps: int,
-            group_name: str = "default"):
+    def p2p(self, backend: str, size_mb: int, dtype: str, mode: str, reps: int, group_name: str = "default"):
         """Time `reps` transfers rank0 -> rank1. Each rep starts after a
         barrier; per-rep time is recorded on each side (driver takes max)."""
         import torch.distributed as dist
@@ -214,8 +213,8 @@ class Peer:
     def lazy_collective_first_op(self, group_name: str):
         """B2: group declared by create_collective_group on the driver; it is
         built on the first call in each actor."""
-        import torch
         import ray.util.collective as col
+        import torch
 
         x = torch.zeros(1)
         t0 = time.perf_counter()
@@ -297,9 +296,7 @@ def _run_p2p(actors, backend, modes, group_name="default"):
     for mode in modes:
         for size in SIZES_MB:
             for dt in DTYPES:
-                res = ray.get(
-                    [a.p2p.remote(backend, size, dt, mode, REPS, group_name) for a in actors]
-                )
+                res = ray.get([a.p2p.remote(backend, size, dt, mode, REPS, group_name) for a in actors])
                 per_rep = [max(a, b) for a, b in zip(res[0]["times"], res[1]["times"])]
                 st = _stats(size, per_rep)
                 st["data_ok"] = res[1]["ok"]
@@ -331,9 +328,7 @@ def bench_a(result):
     try:
         t0 = time.perf_counter()
         addr, port = ray.get(actors[0].pick_master.remote())
-        inits = ray.get(
-            [a.init_torch_pg.remote(addr, port, PG_TIMEOUT_S) for a in actors]
-        )
+        inits = ray.get([a.init_torch_pg.remote(addr, port, PG_TIMEOUT_S) for a in actors])
         r["setup_total_s"] = round(time.perf_counter() - t0, 4)
         r["master"] = f"{addr}:{port}"
         r["init_process_group_s"] = [round(i["init_s"], 4) for i in inits]
@@ -342,9 +337,7 @@ def bench_a(result):
         # Reference: memcpy and object store, done in the same actors.
         mc = ray.get(actors[0].memcpy.remote(256, REPS))
         result["memcpy_1core_256MB"] = _stats(256, mc)
-        result["memcpy_1core_256MB"]["note"] = (
-            "GB/s of bytes copied (memory traffic is ~2x: read+write)"
-        )
+        result["memcpy_1core_256MB"]["note"] = "GB/s of bytes copied (memory traffic is ~2x: read+write)"
         ray.get([a.free_bufs.remote() for a in actors])
         ob = []
         for size in SIZES_MB:
@@ -371,9 +364,7 @@ def bench_a(result):
             "elapsed_s": round(p["elapsed_s"], 3),
             "error": p["error"],
         }
-        r["destroy_errors"] = [
-            e for e in ray.get([a.destroy.remote("A") for a in actors]) if e
-        ]
+        r["destroy_errors"] = [e for e in ray.get([a.destroy.remote("A") for a in actors]) if e]
     except Exception as e:  # noqa: BLE001
         r["error"] = _err(e)
         r["traceback"] = traceback.format_exc()[-3000:]
@@ -397,17 +388,13 @@ def bench_b(result):
     r["actor_start_s"] = round(t_start, 3)
     try:
         t0 = time.perf_counter()
-        inits = ray.get(
-            [a.init_ray_collective.remote("bench_b", PG_TIMEOUT_S * 1000) for a in actors]
-        )
+        inits = ray.get([a.init_ray_collective.remote("bench_b", PG_TIMEOUT_S * 1000) for a in actors])
         r["setup_total_s"] = round(time.perf_counter() - t0, 4)
         r["init_collective_group_s"] = [round(i["init_s"], 4) for i in inits]
         r["first_op_s"] = [round(i["first_op_s"], 4) for i in inits]
         r["group_class"] = inits[0]["group_class"]
         r["p2p"] = _run_p2p(actors, "B", ("sendrecv",), "bench_b")
-        r["destroy_errors"] = [
-            e for e in ray.get([a.destroy.remote("B", "bench_b") for a in actors]) if e
-        ]
+        r["destroy_errors"] = [e for e in ray.get([a.destroy.remote("B", "bench_b") for a in actors]) if e]
     except Exception as e:  # noqa: BLE001
         r["error"] = _err(e)
         r["traceback"] = traceback.format_exc()[-3000:]
@@ -423,7 +410,11 @@ def bench_b(result):
 
         t0 = time.perf_counter()
         col.create_collective_group(
-            actors, 2, [0, 1], backend="gloo", group_name=name,
+            actors,
+            2,
+            [0, 1],
+            backend="gloo",
+            group_name=name,
             gloo_timeout=PG_TIMEOUT_S * 1000,
         )
         t1 = time.perf_counter()
@@ -431,9 +422,7 @@ def bench_b(result):
         r2["declare_s"] = round(t1 - t0, 4)
         r2["first_op_incl_init_s"] = [round(x["first_op_incl_init_s"], 4) for x in fo]
         r2["setup_total_s"] = round(time.perf_counter() - t0, 4)
-        r2["destroy_errors"] = [
-            e for e in ray.get([a.destroy.remote("B", name) for a in actors]) if e
-        ]
+        r2["destroy_errors"] = [e for e in ray.get([a.destroy.remote("B", name) for a in actors]) if e]
     except Exception as e:  # noqa: BLE001
         r2["error"] = _err(e)
         r2["traceback"] = traceback.format_exc()[-3000:]
@@ -450,22 +439,34 @@ def bench_b(result):
 def print_table(res):
     w = sys.stdout.write
     env = res["env"]
-    w(f"ray {env['ray']}  torch {env['torch']}  cpus={env['os_cpus']}  "
-      f"node_ip={env.get('node_ip')}  total {res['total_runtime_s']} s\n\n")
-    for key, title in (("A_torch_dist", "A: torch.distributed gloo in actors"),
-                       ("B_ray_util_collective", "B: ray.util.collective gloo")):
+    w(
+        f"ray {env['ray']}  torch {env['torch']}  cpus={env['os_cpus']}  "
+        f"node_ip={env.get('node_ip')}  total {res['total_runtime_s']} s\n\n"
+    )
+    for key, title in (
+        ("A_torch_dist", "A: torch.distributed gloo in actors"),
+        ("B_ray_util_collective", "B: ray.util.collective gloo"),
+    ):
         r = res.get(key, {})
         w(f"== {title}\n")
-        for k in ("group_class", "master", "actor_start_s", "setup_total_s",
-                  "init_process_group_s", "init_collective_group_s", "first_op_s"):
+        for k in (
+            "group_class",
+            "master",
+            "actor_start_s",
+            "setup_total_s",
+            "init_process_group_s",
+            "init_collective_group_s",
+            "first_op_s",
+        ):
             if k in r:
                 w(f"  {k:<24} {r[k]}\n")
         if "p2p" in r:
-            w(f"  {'transfer':<28}{'best GB/s':>10}{'median GB/s':>13}"
-              f"{'best s':>9}{'ok':>5}\n")
+            w(f"  {'transfer':<28}{'best GB/s':>10}{'median GB/s':>13}{'best s':>9}{'ok':>5}\n")
             for name, st in r["p2p"].items():
-                w(f"  {name:<28}{st['best_gbps']:>10.3f}{st['median_gbps']:>13.3f}"
-                  f"{st['best_s']:>9.4f}{str(st['data_ok']):>5}\n")
+                w(
+                    f"  {name:<28}{st['best_gbps']:>10.3f}{st['median_gbps']:>13.3f}"
+                    f"{st['best_s']:>9.4f}{str(st['data_ok']):>5}\n"
+                )
         for k in ("timeout_probe", "error", "destroy_errors"):
             if r.get(k):
                 v = r[k]
@@ -481,12 +482,13 @@ def print_table(res):
     w("\n== reference\n")
     mc = res.get("memcpy_1core_256MB")
     if mc:
-        w(f"  memcpy 1 core 256MB         best {mc['best_gbps']:.3f} GB/s  "
-          f"median {mc['median_gbps']:.3f} GB/s\n")
+        w(f"  memcpy 1 core 256MB         best {mc['best_gbps']:.3f} GB/s  median {mc['median_gbps']:.3f} GB/s\n")
     for size, st in res.get("ray_object_store_put_get_copy", {}).items():
-        w(f"  object store put+get+copy {size:<6} best {st['best_gbps']:.3f} GB/s  "
-          f"median {st['median_gbps']:.3f} GB/s  (put {st['put_s_best']} s, "
-          f"get {st['get_s_best']} s, copy {st['copy_s_best']} s, ok {st['data_ok']})\n")
+        w(
+            f"  object store put+get+copy {size:<6} best {st['best_gbps']:.3f} GB/s  "
+            f"median {st['median_gbps']:.3f} GB/s  (put {st['put_s_best']} s, "
+            f"get {st['get_s_best']} s, copy {st['copy_s_best']} s, ok {st['data_ok']})\n"
+        )
 
 
 def main():
@@ -497,17 +499,22 @@ def main():
 
     t_all = time.perf_counter()
     if args.address:
-        ray.init(address=args.address, include_dashboard=False,
-                 log_to_driver=False, namespace="collective_choice")
+        ray.init(address=args.address, include_dashboard=False, log_to_driver=False, namespace="collective_choice")
     else:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 namespace="collective_choice")
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="collective_choice")
     import torch
 
-    res = {"env": {"ray": ray.__version__, "torch": torch.__version__,
-                   "python": sys.version.split()[0], "os_cpus": os.cpu_count(),
-                   "node_ip": ray.util.get_node_ip_address(),
-                   "sizes_mb": list(SIZES_MB), "reps": REPS}}
+    res = {
+        "env": {
+            "ray": ray.__version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "os_cpus": os.cpu_count(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "sizes_mb": list(SIZES_MB),
+            "reps": REPS,
+        }
+    }
     try:
         bench_a(res)
         bench_b(res)

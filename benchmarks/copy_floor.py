@@ -28,13 +28,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from realloc import Layout, ModelSpec, Placement, Topology, plan_reallocation  # noqa: E402
-from realloc.shards import ShardStore, allocate_buffers, copy_local  # noqa: E402
+from realloc import Layout, ModelSpec, Placement, Topology, plan_reallocation
+from realloc.shards import ShardStore, allocate_buffers, copy_local
 
-TRANSITIONS = ("dp=2,tp=2,pp=2->dp=4,tp=2;dp=4,tp=2->dp=2,tp=2,pp=2;dp=4,tp=2->tp=8;tp=8->dp=4,tp=2;"
-               "dp=2,tp=2,pp=2->tp=2,pp=4;tp=2,pp=4->dp=2,tp=2,pp=2;fsdp=8->dp=4,tp=2;dp=4,tp=2->fsdp=8")
+TRANSITIONS = (
+    "dp=2,tp=2,pp=2->dp=4,tp=2;dp=4,tp=2->dp=2,tp=2,pp=2;dp=4,tp=2->tp=8;tp=8->dp=4,tp=2;"
+    "dp=2,tp=2,pp=2->tp=2,pp=4;tp=2,pp=4->dp=2,tp=2,pp=2;fsdp=8->dp=4,tp=2;dp=4,tp=2->fsdp=8"
+)
 
 
 def strided_bytes(plan, src: dict, dst: dict) -> int:
@@ -67,8 +69,14 @@ def floor(spec: ModelSpec, a: Topology, b: Topology, placement: Placement, repea
 
     moved = run()  # warm-up: pages touched, plans of the copies
     best = min(_timed(run) for _ in range(repeats))
-    return {"src": str(a), "dst": str(b), "bytes": moved, "one_core_seconds": best,
-            "one_core_gbps": moved / best / 1e9, "strided_share": strided_bytes(plan, src, dst) / moved}
+    return {
+        "src": str(a),
+        "dst": str(b),
+        "bytes": moved,
+        "one_core_seconds": best,
+        "one_core_gbps": moved / best / 1e9,
+        "strided_share": strided_bytes(plan, src, dst) / moved,
+    }
 
 
 def _timed(fn) -> float:
@@ -88,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="bench-1gb", help="preset (default bench-1gb)")
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes the plan is made for (default 2)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--transitions", default=TRANSITIONS, help="'a->b;c->d' (default: realloc bench's 8 "
-                                                                   "directions)")
+    parser.add_argument(
+        "--transitions", default=TRANSITIONS, help="'a->b;c->d' (default: realloc bench's 8 directions)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -98,16 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     workers = pairs[0][0].world_size
     placement = Placement.blocks(workers, -(-workers // args.nodes))
     rows = [floor(spec, a, b, placement, args.repeats) for a, b in pairs]
-    report = {"model": args.model, "nodes": args.nodes, "workers": workers,
-              "memcpy_1core_gbps": memcpy_gbps(256 << 20, args.repeats), "rows": rows}
+    report = {
+        "model": args.model,
+        "nodes": args.nodes,
+        "workers": workers,
+        "memcpy_1core_gbps": memcpy_gbps(256 << 20, args.repeats),
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.model}, {workers} workers planned on {args.nodes} node(s); contiguous memcpy, one core: "
-          f"{report['memcpy_1core_gbps']:.1f} GB/s")
+    print(
+        f"{args.model}, {workers} workers planned on {args.nodes} node(s); contiguous memcpy, one core: "
+        f"{report['memcpy_1core_gbps']:.1f} GB/s"
+    )
     for r in rows:
-        print(f"  {r['src']:>24} -> {r['dst']:<24} {r['bytes'] / 1e9:5.2f} GB  one core {1e3 * r['one_core_seconds']:6.1f} ms "
-              f"({r['one_core_gbps']:4.1f} GB/s)  strided {100 * r['strided_share']:3.0f}% of bytes")
+        print(
+            f"  {r['src']:>24} -> {r['dst']:<24} {r['bytes'] / 1e9:5.2f} GB  one core {1e3 * r['one_core_seconds']:6.1f} ms "
+            f"({r['one_core_gbps']:4.1f} GB/s)  strided {100 * r['strided_share']:3.0f}% of bytes"
+        )
     return 0
 
 

@@ -26,9 +26,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.group import ModelGroup  # noqa: E402
-from realloc import ModelSpec, Topology  # noqa: E402
-from realloc_tools.cluster import ray_for_command  # noqa: E402
+from actors.group import ModelGroup
+from realloc import ModelSpec, Topology
+from realloc_tools.cluster import ray_for_command
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -64,7 +64,7 @@ def cpu_by_process(workers: set[int]) -> dict[int, tuple[str, float]]:
                 text = f.read()
         except OSError:  # exited meanwhile
             continue
-        name = text[text.index("(") + 1:text.rindex(")")]
+        name = text[text.index("(") + 1 : text.rindex(")")]
         fields = text.rsplit(")", 1)[1].split()
         pid = int(entry)
         # ppid, utime, stime (after the command name)
@@ -119,8 +119,16 @@ def main(argv: list[str] | None = None) -> int:
                     # this process's own figure from around the call alone: the snapshots' reading
                     # of /proc (about a millisecond each) would otherwise count as the driver's
                     by_kind["driver"] = driver
-                    rows.append({"way": way, "wall_seconds": wall, "workers_cpu_seconds": by_kind["workers"],
-                                 "cpu_seconds_by_kind": by_kind, "machine_busy_seconds": busy, "cores": cores})
+                    rows.append(
+                        {
+                            "way": way,
+                            "wall_seconds": wall,
+                            "workers_cpu_seconds": by_kind["workers"],
+                            "cpu_seconds_by_kind": by_kind,
+                            "machine_busy_seconds": busy,
+                            "cores": cores,
+                        }
+                    )
             bad = group.verify_synthetic(0)
         finally:
             group.shutdown()
@@ -129,14 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in rows:
             kinds = "  ".join(f"{k} {v * 1e3:.0f}" for k, v in r["cpu_seconds_by_kind"].items())
-            print(f"{r['way']:<6} wall {r['wall_seconds'] * 1e3:.0f} ms  CPU ms: {kinds}  "
-                  f"machine busy {r['machine_busy_seconds'] * 1e3:.0f} of {cores * r['wall_seconds'] * 1e3:.0f}")
+            print(
+                f"{r['way']:<6} wall {r['wall_seconds'] * 1e3:.0f} ms  CPU ms: {kinds}  "
+                f"machine busy {r['machine_busy_seconds'] * 1e3:.0f} of {cores * r['wall_seconds'] * 1e3:.0f}"
+            )
         for way in ("there", "back"):
             mine = [r for r in rows if r["way"] == way]
             mean = {k: statistics.fmean(r["cpu_seconds_by_kind"][k] for r in mine) * 1e3 for k in KINDS}
-            print(f"mean {way:<6} wall {statistics.fmean(r['wall_seconds'] for r in mine) * 1e3:.1f} ms  "
-                  f"machine busy {statistics.fmean(r['machine_busy_seconds'] for r in mine) * 1e3:.1f} ms  CPU ms: "
-                  + "  ".join(f"{k} {v:.1f}" for k, v in mean.items()))
+            print(
+                f"mean {way:<6} wall {statistics.fmean(r['wall_seconds'] for r in mine) * 1e3:.1f} ms  "
+                f"machine busy {statistics.fmean(r['machine_busy_seconds'] for r in mine) * 1e3:.1f} ms  CPU ms: "
+                + "  ".join(f"{k} {v:.1f}" for k, v in mean.items())
+            )
     return 0 if not bad else 1
 
 

@@ -35,7 +35,7 @@ def _run(rank: int, port: int, total: int, sizes: list[int]) -> None:
                 start = time.perf_counter()
                 pending = []
                 for i in range(count):
-                    part = buf[i * size:(i + 1) * size]
+                    part = buf[i * size : (i + 1) * size]
                     op = dist.isend if rank == 0 else dist.irecv
                     pending.append(op(part, 1 - rank))
                     if len(pending) >= window:
@@ -45,8 +45,10 @@ def _run(rank: int, port: int, total: int, sizes: list[int]) -> None:
                 if rep:
                     best = min(best, time.perf_counter() - start)
             if rank == 1:
-                print(f"messages of {size / 1e6:7.2f} MB x {count:4d}  {mode:8s} {total / best / 1e9:5.2f} GB/s",
-                      flush=True)
+                print(
+                    f"messages of {size / 1e6:7.2f} MB x {count:4d}  {mode:8s} {total / best / 1e9:5.2f} GB/s",
+                    flush=True,
+                )
     dist.destroy_process_group()
 
 

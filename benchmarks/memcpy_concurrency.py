@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             p.join()
         wall = max(t for t, _ in results)
         own = sorted(r for _, r in results)
-        print(f"{n} process(es) copying {args.mb:g} MiB each at once: {n * nbytes / wall / 1e9:.1f} GB/s together "
-              f"(each one's own copy: {', '.join(f'{r:.1f}' for r in own)} GB/s; best of {args.repeats})")
+        print(
+            f"{n} process(es) copying {args.mb:g} MiB each at once: {n * nbytes / wall / 1e9:.1f} GB/s together "
+            f"(each one's own copy: {', '.join(f'{r:.1f}' for r in own)} GB/s; best of {args.repeats})"
+        )
     return 0
 
 

@@ -26,10 +26,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.group import ModelGroup  # noqa: E402
-from realloc import Topology  # noqa: E402
-from realloc.spec import decoder_spec  # noqa: E402
-from realloc_tools.cluster import ray_for_command  # noqa: E402
+from actors.group import ModelGroup
+from realloc import Topology
+from realloc.spec import decoder_spec
+from realloc_tools.cluster import ray_for_command
 
 ONE_NODE = "fsdp=8->tp=8;pp=2,tp=4->tp=8;tp=8->dp=4,tp=2"
 TWO_NODES = "dp=2,tp=2,pp=2->dp=4,tp=2;dp=4,tp=2->tp=8;fsdp=8->dp=4,tp=2"
@@ -40,13 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="simulated nodes (default 1: every route zero-copy)")
     parser.add_argument("--moves", type=int, default=10, help="timed round trips per transition (default 10)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256; intermediate twice it)")
-    parser.add_argument("--transitions", help=f"'a->b;c->d' (default: {ONE_NODE!r} on one node, "
-                                              f"{TWO_NODES!r} on more)")
+    parser.add_argument("--transitions", help=f"'a->b;c->d' (default: {ONE_NODE!r} on one node, {TWO_NODES!r} on more)")
     parser.add_argument("--keep", choices=("in_place", "host"), help="reallocate(..., keep=) both ways")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    spec = decoder_spec("overhead", hidden=args.hidden, intermediate=2 * args.hidden, layers=32, heads=32,
-                        vocab=1024)
+    spec = decoder_spec("overhead", hidden=args.hidden, intermediate=2 * args.hidden, layers=32, heads=32, vocab=1024)
     text = args.transitions or (ONE_NODE if args.nodes == 1 else TWO_NODES)
     pairs = [tuple(Topology.parse(x) for x in t.split("->")) for t in text.split(";")]
     rows = []
@@ -67,18 +65,33 @@ def main(argv: list[str] | None = None) -> int:
                         stats = group.reallocate(target, keep=args.keep)
                         times[way].append((time.perf_counter() - t, stats.seconds))
                 for way, (a, b) in (("there", (src, dst)), ("back", (dst, src))):
-                    rows.append({"src": str(a), "dst": str(b), "wall_ms": 1e3 * statistics.median(w for w, _ in times[way]),
-                                 "execute_ms": 1e3 * statistics.median(e for _, e in times[way])})
+                    rows.append(
+                        {
+                            "src": str(a),
+                            "dst": str(b),
+                            "wall_ms": 1e3 * statistics.median(w for w, _ in times[way]),
+                            "execute_ms": 1e3 * statistics.median(e for _, e in times[way]),
+                        }
+                    )
             bad = group.verify_synthetic(0)
         finally:
             group.shutdown()
-    report = {"tensors": len(spec.params), "model_bytes": spec.total_bytes(), "nodes": args.nodes,
-              "moves": args.moves, "keep": args.keep, "rows": rows, "verified": not bad}
+    report = {
+        "tensors": len(spec.params),
+        "model_bytes": spec.total_bytes(),
+        "nodes": args.nodes,
+        "moves": args.moves,
+        "keep": args.keep,
+        "rows": rows,
+        "verified": not bad,
+    }
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"{report['tensors']} tensors, {spec.total_bytes() / 1e6:.1f} MB, {args.nodes} node(s), medians of "
-              f"{args.moves}")
+        print(
+            f"{report['tensors']} tensors, {spec.total_bytes() / 1e6:.1f} MB, {args.nodes} node(s), medians of "
+            f"{args.moves}"
+        )
         for r in rows:
             print(f"  {r['src']:>24} -> {r['dst']:<24} wall {r['wall_ms']:6.1f} ms   execute {r['execute_ms']:6.1f} ms")
         print("verified" if not bad else f"MISMATCH: {bad}")

@@ -59,6 +59,7 @@ def _worker(rank: int, port: int, n: int, reps: int, nbytes: int) -> None:
         def run(nb):
             for w in communicator.exchange(pg, CPU, (peer, send[:nb]), (peer, recv[:nb])):
                 w.wait()
+
         return run
 
     def p2p_registered(group):
@@ -66,6 +67,7 @@ def _worker(rank: int, port: int, n: int, reps: int, nbytes: int) -> None:
             ops = [dist.P2POp(dist.isend, send[:nb], peer, group), dist.P2POp(dist.irecv, recv[:nb], peer, group)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
+
         return run
 
     # (a) private groups
@@ -81,8 +83,9 @@ def _worker(rank: int, port: int, n: int, reps: int, nbytes: int) -> None:
     for i in range(reps):
         _sync(store, f"sync/init/{i}", n)
         t0 = time.perf_counter()
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"bench/init/{i}", store), rank=rank, world_size=n,
-                                timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(f"bench/init/{i}", store), rank=rank, world_size=n, timeout=timeout
+        )
         init_times.append(time.perf_counter() - t0)
         if i < reps - 1:
             dist.destroy_process_group()
@@ -114,17 +117,21 @@ def _worker(rank: int, port: int, n: int, reps: int, nbytes: int) -> None:
 
 
 def measure(n: int, reps: int, nbytes: int) -> dict:
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
     mp.start_processes(_worker, args=(store.port, n, reps, nbytes), nprocs=n, join=True, start_method="spawn")
     per_rank = [json.loads(store.get(f"result/{r}")) for r in range(n)]
     out = {}
     for method in ("private", "new_group", "init_pg"):
         slowest = [max(per_rank[r][method]["construct"][i] for r in range(n)) for i in range(reps)]
         p2p = [max(per_rank[r][method]["p2p"][i] for r in range(n)) for i in range(reps)]
-        out[method] = {"construct_ms": 1e3 * statistics.median(slowest),
-                       "construct_ms_range": [1e3 * min(slowest), 1e3 * max(slowest)],
-                       "p2p_seconds": statistics.median(p2p), "p2p_gbps": nbytes / statistics.median(p2p) / 1e9}
+        out[method] = {
+            "construct_ms": 1e3 * statistics.median(slowest),
+            "construct_ms_range": [1e3 * min(slowest), 1e3 * max(slowest)],
+            "p2p_seconds": statistics.median(p2p),
+            "p2p_gbps": nbytes / statistics.median(p2p) / 1e9,
+        }
     return out
 
 
@@ -143,14 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"env": env, "results": results}, indent=1))
         return 0
-    print(f"torch {env['torch']}, {env['cores']} cores, gloo; load average {env['loadavg_before'][0]:.1f} before, "
-          f"{env['loadavg_after'][0]:.1f} after; median of {args.reps}")
+    print(
+        f"torch {env['torch']}, {env['cores']} cores, gloo; load average {env['loadavg_before'][0]:.1f} before, "
+        f"{env['loadavg_after'][0]:.1f} after; median of {args.reps}"
+    )
     print(f"{'procs':>5}  {'method':<10} {'construct ms (min-max)':>24}  {args.mib} MiB exchange s   GB/s")
     for n, res in results.items():
         for method, r in res.items():
             lo, hi = r["construct_ms_range"]
-            print(f"{n:>5}  {method:<10} {r['construct_ms']:>8.1f} ({lo:6.1f}-{hi:6.1f})  "
-                  f"{r['p2p_seconds']:>17.3f}  {r['p2p_gbps']:5.2f}")
+            print(
+                f"{n:>5}  {method:<10} {r['construct_ms']:>8.1f} ({lo:6.1f}-{hi:6.1f})  "
+                f"{r['p2p_seconds']:>17.3f}  {r['p2p_gbps']:5.2f}"
+            )
     return 0
 
 

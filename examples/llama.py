@@ -45,13 +45,29 @@ from realloc import ModelSpec
 from realloc.spec import decoder_spec
 
 __all__ = [
-    "LlamaConfig", "Llama", "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear",
-    "ParallelLMHead", "RMSNorm", "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
-    "local_state", "next_token_loss", "greedy_generate", "train_step", "pipeline_train_step",
+    "LlamaConfig",
+    "Llama",
+    "VocabParallelEmbedding",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelLMHead",
+    "RMSNorm",
+    "copy_to_tp_region",
+    "reduce_from_tp_region",
+    "gather_from_tp_region",
+    "local_state",
+    "next_token_loss",
+    "greedy_generate",
+    "train_step",
+    "pipeline_train_step",
 ]
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float64": torch.float64}
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
@@ -98,10 +114,18 @@ class LlamaConfig:
 
     def spec(self, dtype: str = "float32", name: str = "llama") -> ModelSpec:
         """The :class:`realloc.ModelSpec` of this model (same names and tp rules as the model)."""
-        return decoder_spec(name, hidden=self.hidden_size, intermediate=self.intermediate_size,
-                            layers=self.num_layers, heads=self.num_heads, kv_heads=self.num_kv_heads,
-                            vocab=self.vocab_size, head_dim=self.head_dim, tied=self.tie_word_embeddings,
-                            dtype=_dtype_name(dtype))
+        return decoder_spec(
+            name,
+            hidden=self.hidden_size,
+            intermediate=self.intermediate_size,
+            layers=self.num_layers,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            vocab=self.vocab_size,
+            head_dim=self.head_dim,
+            tied=self.tie_word_embeddings,
+            dtype=_dtype_name(dtype),
+        )
 
     def hf_config(self, dtype: str = "float32", max_position_embeddings: int = 2048) -> dict:
         """A ``transformers.LlamaConfig`` dict (what ``config.json`` of the checkpoint holds)."""
@@ -184,8 +208,8 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        start = sum(ctx.sizes[:ctx.rank])
-        return grad[..., start:start + ctx.sizes[ctx.rank]].contiguous(), None, None, None
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad[..., start : start + ctx.sizes[ctx.rank]].contiguous(), None, None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -258,8 +282,17 @@ class RowParallelLinear(nn.Module):
 class ParallelLMHead(nn.Module):
     """Vocabulary-parallel output layer: local logits of rows ``[start, stop)``, gathered to the full vocab."""
 
-    def __init__(self, sizes: Sequence[int], rank: int, hidden: int, group=None, *, weight: nn.Parameter | None = None,
-                 dtype=torch.float32, device="cpu"):
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        rank: int,
+        hidden: int,
+        group=None,
+        *,
+        weight: nn.Parameter | None = None,
+        dtype=torch.float32,
+        device="cpu",
+    ):
         super().__init__()
         self.group, self.sizes, self.rank = group, tuple(sizes), rank
         self.weight = weight if weight is not None else _empty((self.sizes[rank], hidden), dtype, device)
@@ -335,7 +368,7 @@ class Attention(nn.Module):
         if rep > 1:  # HF repeat_kv: kv head j serves q heads j*rep .. (j+1)*rep-1
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5
+        scores = torch.matmul(q, k.transpose(2, 3)) * d**-0.5
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -405,9 +438,20 @@ class Llama(nn.Module):
     k/v gradients would need a reduction over the replicas.
     """
 
-    def __init__(self, config: LlamaConfig, *, tp_group=None, tp_size: int = 1, tp_rank: int = 0,
-                 layers: range | Sequence[int] | None = None, first: bool = True, last: bool = True,
-                 fused: bool = False, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        tp_group=None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        layers: range | Sequence[int] | None = None,
+        first: bool = True,
+        last: bool = True,
+        fused: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+    ):
         super().__init__()
         _check_tp(config, tp_size, tp_rank, tp_group)
         layers = range(config.num_layers) if layers is None else layers
@@ -427,13 +471,15 @@ class Llama(nn.Module):
         self.model = nn.Module()
         if first:
             self.model.embed_tokens = VocabParallelEmbedding(start, stop, h, tp_group, dtype=dtype, device=device)
-        self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(config, tp_group, tp_size, tp_rank, fused, dtype, device) for i in layers})
+        self.model.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config, tp_group, tp_size, tp_rank, fused, dtype, device) for i in layers}
+        )
         if last:
             self.model.norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
             shared = self.model.embed_tokens.weight if (first and config.tie_word_embeddings) else None
-            self.lm_head = ParallelLMHead([b - a for a, b in vocab_ranges], tp_rank, h, tp_group, weight=shared,
-                                          dtype=dtype, device=device)
+            self.lm_head = ParallelLMHead(
+                [b - a for a, b in vocab_ranges], tp_rank, h, tp_group, weight=shared, dtype=dtype, device=device
+            )
 
     @property
     def tied_on_stage(self) -> bool:
@@ -441,11 +487,15 @@ class Llama(nn.Module):
         return self.first and self.last and self.config.tie_word_embeddings
 
     def _check_trainable(self) -> None:
-        if self.kv_replicated and torch.is_grad_enabled() and any(
-                p.requires_grad for n, p in self.named_parameters() if "k_proj" in n or "v_proj" in n or "qkv" in n):
+        if (
+            self.kv_replicated
+            and torch.is_grad_enabled()
+            and any(p.requires_grad for n, p in self.named_parameters() if "k_proj" in n or "v_proj" in n or "qkv" in n)
+        ):
             raise ValueError(
                 f"tp_size {self.tp_size} > num_kv_heads {self.config.num_kv_heads}: k/v heads are replicated "
-                "over tp ranks, which this model supports for inference only (run under torch.no_grad())")
+                "over tp ranks, which this model supports for inference only (run under torch.no_grad())"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_trainable()
@@ -463,9 +513,16 @@ class Llama(nn.Module):
 
 
 # -- shards of full tensors -----------------------------------------------------------------------
-def local_state(config: LlamaConfig, full: dict[str, torch.Tensor], tp_size: int, tp_rank: int,
-                layers: range | Sequence[int] | None = None, first: bool = True, last: bool = True,
-                fused: bool = False) -> dict[str, torch.Tensor]:
+def local_state(
+    config: LlamaConfig,
+    full: dict[str, torch.Tensor],
+    tp_size: int,
+    tp_rank: int,
+    layers: range | Sequence[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+    fused: bool = False,
+) -> dict[str, torch.Tensor]:
     """The local tensors of a rank, sliced from full HF tensors by the spec's tp rules.
 
     Keys are the rank model's ``named_parameters()`` names; ``full`` needs no ``lm_head.weight``
@@ -494,8 +551,13 @@ def local_state(config: LlamaConfig, full: dict[str, torch.Tensor], tp_size: int
         if fused:
             out[pre + "self_attn.qkv_proj.weight"] = torch.cat([q, k, v])
         else:
-            out.update({pre + "self_attn.q_proj.weight": q, pre + "self_attn.k_proj.weight": k,
-                        pre + "self_attn.v_proj.weight": v})
+            out.update(
+                {
+                    pre + "self_attn.q_proj.weight": q,
+                    pre + "self_attn.k_proj.weight": k,
+                    pre + "self_attn.v_proj.weight": v,
+                }
+            )
         out[pre + "self_attn.o_proj.weight"] = piece(pre + "self_attn.o_proj.weight")
         out[pre + "post_attention_layernorm.weight"] = piece(pre + "post_attention_layernorm.weight")
         gate, up = piece(pre + "mlp.gate_proj.weight"), piece(pre + "mlp.up_proj.weight")
@@ -509,8 +571,9 @@ def local_state(config: LlamaConfig, full: dict[str, torch.Tensor], tp_size: int
         if not config.tie_word_embeddings:
             out["lm_head.weight"] = piece("lm_head.weight")
         elif not first:  # a tied head on its own stage keeps a copy of the embedding's rows
-            out["lm_head.weight"] = piece("model.embed_tokens.weight",
-                                          "lm_head.weight" if "lm_head.weight" in full else None)
+            out["lm_head.weight"] = piece(
+                "model.embed_tokens.weight", "lm_head.weight" if "lm_head.weight" in full else None
+            )
     return out
 
 
@@ -543,7 +606,8 @@ def _refuse_replicated_kv(model: Llama) -> None:
     if model.kv_replicated:
         raise ValueError(
             f"cannot train with tp_size {model.tp_size} > num_kv_heads {model.config.num_kv_heads}: "
-            "k/v heads are replicated over tp ranks (inference only)")
+            "k/v heads are replicated over tp ranks (inference only)"
+        )
 
 
 def _reduce_grads(model: Llama, dp_group, dp_size: int) -> None:
@@ -556,8 +620,9 @@ def _reduce_grads(model: Llama, dp_group, dp_size: int) -> None:
         p.grad.div_(dp_size)
 
 
-def train_step(model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, *, dp_group=None,
-               dp_size: int = 1) -> float:
+def train_step(
+    model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, *, dp_group=None, dp_size: int = 1
+) -> float:
     """One step on a single-stage model: loss on the local batch, backward, dp gradient mean, optimizer step.
 
     Replicated parameters (norms) get identical gradients on every tp rank (their inputs are the
@@ -575,8 +640,17 @@ def train_step(model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Ten
     return float(loss.detach())
 
 
-def pipeline_train_step(model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, *, pp_group,
-                        pp_rank: int, pp_size: int, dp_group=None, dp_size: int = 1) -> float | None:
+def pipeline_train_step(
+    model: Llama,
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    *,
+    pp_group,
+    pp_rank: int,
+    pp_size: int,
+    dp_group=None,
+    dp_size: int = 1,
+) -> float | None:
     """One GPipe step with a single microbatch over ``pp_size`` stages.
 
     Every stage gets the token batch (the last one needs the labels). Activations go forward to

@@ -44,8 +44,9 @@ ray.cloudpickle.register_pickle_by_value(llama)
 if __name__ != "__main__":
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CONFIG = llama.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-                           num_heads=8, num_kv_heads=4)
+CONFIG = llama.LlamaConfig(
+    vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8, num_kv_heads=4
+)
 LR = 1e-3
 
 
@@ -69,8 +70,9 @@ class LlamaWorker(ShardWorker):
         stage = dict(layers=ctx.layout.stages[ctx.pp_rank], first=ctx.pp_rank == 0, last=ctx.pp_rank == t.pp - 1)
         if ctx.layout == ctx.layout.with_topology(self.train_layout):
             if self.train_model is None:
-                self.train_model = llama.Llama(self.config, tp_group=ctx.groups.tp, tp_size=t.tp,
-                                               tp_rank=ctx.tp_rank, **stage)
+                self.train_model = llama.Llama(
+                    self.config, tp_group=ctx.groups.tp, tp_size=t.tp, tp_rank=ctx.tp_rank, **stage
+                )
                 ctx.bind(self.train_model)
                 self.optimizer = torch.optim.AdamW(self.train_model.parameters(), lr=self.lr)
             else:
@@ -79,8 +81,9 @@ class LlamaWorker(ShardWorker):
             if t.pp != 1:
                 raise ValueError(f"generation runs on one pipeline stage, not {t}")
             if self.gen_model is None:
-                self.gen_model = llama.Llama(self.config, tp_group=ctx.groups.tp, tp_size=t.tp,
-                                             tp_rank=ctx.tp_rank, fused=True, **stage)
+                self.gen_model = llama.Llama(
+                    self.config, tp_group=ctx.groups.tp, tp_size=t.tp, tp_rank=ctx.tp_rank, fused=True, **stage
+                )
             ctx.bind(self.gen_model, fused=True)
 
     def train(self, tokens: torch.Tensor, steps: int) -> list[float | None]:
@@ -90,12 +93,20 @@ class LlamaWorker(ShardWorker):
         losses = []
         for _ in range(steps):
             if ctx.topology.pp == 1:
-                loss = llama.train_step(self.train_model, self.optimizer, mine, dp_group=ctx.groups.dp,
-                                        dp_size=ctx.topology.dp)
+                loss = llama.train_step(
+                    self.train_model, self.optimizer, mine, dp_group=ctx.groups.dp, dp_size=ctx.topology.dp
+                )
             else:
-                loss = llama.pipeline_train_step(self.train_model, self.optimizer, mine, pp_group=ctx.groups.pp,
-                                                 pp_rank=ctx.pp_rank, pp_size=ctx.topology.pp,
-                                                 dp_group=ctx.groups.dp, dp_size=ctx.topology.dp)
+                loss = llama.pipeline_train_step(
+                    self.train_model,
+                    self.optimizer,
+                    mine,
+                    pp_group=ctx.groups.pp,
+                    pp_rank=ctx.pp_rank,
+                    pp_size=ctx.topology.pp,
+                    dp_group=ctx.groups.dp,
+                    dp_size=ctx.topology.dp,
+                )
             losses.append(loss)
         return losses
 
@@ -154,9 +165,19 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
 
 
-def run_loop(train: str = "dp=2,tp=2", generate: str = "dp=1,tp=4", iterations: int = 2, steps: int = 2,
-             prompts: int = 4, new_tokens: int = 6, name: str = "rlhf-policy", timeout_s: float = 120,
-             log=print, worker_cls: type = LlamaWorker, keep: str | None = None) -> LoopReport:
+def run_loop(
+    train: str = "dp=2,tp=2",
+    generate: str = "dp=1,tp=4",
+    iterations: int = 2,
+    steps: int = 2,
+    prompts: int = 4,
+    new_tokens: int = 6,
+    name: str = "rlhf-policy",
+    timeout_s: float = 120,
+    log=print,
+    worker_cls: type = LlamaWorker,
+    keep: str | None = None,
+) -> LoopReport:
     """The loop on a running Ray; returns what it measured (``report.ok``: every check passed).
 
     ``keep``: keep the layout each move leaves (``reallocate(..., keep=)``); generation is
@@ -203,13 +224,14 @@ def run_loop(train: str = "dp=2,tp=2", generate: str = "dp=1,tp=4", iterations: 
                 report.failures.append(f"iteration {it}: generated tokens differ from the reference")
             report.max_logit_diff = max(report.max_logit_diff, float((logits - want_logits).abs().max()))
             ref_state = {n: p.detach() for n, p in reference.named_parameters()}
-            report.max_weight_diff_vs_reference = max(report.max_weight_diff_vs_reference,
-                                                      max_diff(trained, ref_state))
+            report.max_weight_diff_vs_reference = max(report.max_weight_diff_vs_reference, max_diff(trained, ref_state))
             report.iterations += 1
-            log(f"iteration {it}: loss {report.losses[-1][0]:.4f} (reference {ref_loss:.4f}); "
+            log(
+                f"iteration {it}: loss {report.losses[-1][0]:.4f} (reference {ref_loss:.4f}); "
                 f"{train} -> {generate} {to_gen.pause_seconds:.3f}s, back {back.pause_seconds:.3f}s; "
                 f"cycle {report.cycle_seconds[-1]:.2f}s; tokens {'identical' if report.tokens_identical else 'DIFFER'}; "
-                f"max |logit diff| {report.max_logit_diff:.2e}")
+                f"max |logit diff| {report.max_logit_diff:.2e}"
+            )
     finally:
         policy.shutdown()
     report.weights_bit_exact_after_moves = not any("weights changed" in f for f in report.failures)
@@ -237,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", default="dp=1,tp=4", help="generation layout, pp=1 (default tp=4)")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps per iteration")
-    parser.add_argument("--keep", choices=("in_place", "host"), default=None,
-                        help="keep the layout each move leaves (resident layouts: the way back moves nothing)")
+    parser.add_argument(
+        "--keep",
+        choices=("in_place", "host"),
+        default=None,
+        help="keep the layout each move leaves (resident layouts: the way back moves nothing)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     workers = Topology.parse(args.train).world_size
@@ -254,9 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {failure}", file=sys.stderr)
     if not report.ok:
         return 1
-    print(f"rlhf loop finished: {report.iterations} iterations verified; weights bit-exact after every move; "
-          f"tokens identical to the reference; max |logit diff| {report.max_logit_diff:.2e}; "
-          f"max |weight diff| vs reference {report.max_weight_diff_vs_reference:.2e}")
+    print(
+        f"rlhf loop finished: {report.iterations} iterations verified; weights bit-exact after every move; "
+        f"tokens identical to the reference; max |logit diff| {report.max_logit_diff:.2e}; "
+        f"max |weight diff| vs reference {report.max_weight_diff_vs_reference:.2e}"
+    )
     return 0
 
 

@@ -12,6 +12,20 @@ from realloc.plan import Bandwidths, Placement, Plan, Segment, plan_exchange, pl
 from realloc.spec import ModelSpec, ParamSpec, preset, spec_from_hf_config
 
 __all__ = [
-    "Bandwidths", "Group", "Layout", "ModelSpec", "ParamSpec", "PieceTable", "Placement", "Plan", "RankLayout",
-    "Segment", "Shard", "Topology", "plan_exchange", "plan_reallocation", "preset", "spec_from_hf_config",
+    "Bandwidths",
+    "Group",
+    "Layout",
+    "ModelSpec",
+    "ParamSpec",
+    "PieceTable",
+    "Placement",
+    "Plan",
+    "RankLayout",
+    "Segment",
+    "Shard",
+    "Topology",
+    "plan_exchange",
+    "plan_reallocation",
+    "preset",
+    "spec_from_hf_config",
 ]

@@ -38,8 +38,9 @@ def _integers(minimum: int | None, maximum: int | None) -> str:
     return f"an integer in {minimum}..{maximum}"
 
 
-def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None, *,
-              allowed: str | None = None) -> int:
+def check_int(
+    name: str, value: object, minimum: int | None = None, maximum: int | None = None, *, allowed: str | None = None
+) -> int:
     """``value`` if it is an integer in ``[minimum, maximum]`` (either bound may be left out).
 
     ``allowed`` replaces the description of the allowed values in the message.
@@ -65,8 +66,16 @@ def check_nonneg(name: str, value: object) -> int:
     return check_int(name, value, 0)
 
 
-def check_number(name: str, value: object, *, minimum: float | None = None, maximum: float | None = None,
-                 positive: bool = False, finite: bool = False, allowed: str | None = None) -> float:
+def check_number(
+    name: str,
+    value: object,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+    finite: bool = False,
+    allowed: str | None = None,
+) -> float:
     """``value`` (an ``int`` or a ``float``, as given) if it lies in ``[minimum, maximum]``, is
     above 0 when ``positive`` and finite when ``finite``. NaN is never accepted with a bound.
 
@@ -76,8 +85,13 @@ def check_number(name: str, value: object, *, minimum: float | None = None, maxi
         ...
         ValueError: blend eta must be a number within [0, 1], got 1.5
     """
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _within(value, minimum, maximum) \
-        and (not positive or value > 0) and (not finite or math.isfinite(value))
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and _within(value, minimum, maximum)
+        and (not positive or value > 0)
+        and (not finite or math.isfinite(value))
+    )
     if ok:
         return value  # type: ignore[return-value]
     if allowed is None:
@@ -87,11 +101,17 @@ def check_number(name: str, value: object, *, minimum: float | None = None, maxi
     raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def check_finite(name: str, value: object, *, minimum: float | None = None, maximum: float | None = None,
-                 positive: bool = False, allowed: str | None = None) -> float:
+def check_finite(
+    name: str,
+    value: object,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+    allowed: str | None = None,
+) -> float:
     """:func:`check_number` with ``finite=True``: infinities and NaN refused."""
-    return check_number(name, value, minimum=minimum, maximum=maximum, positive=positive, finite=True,
-                        allowed=allowed)
+    return check_number(name, value, minimum=minimum, maximum=maximum, positive=positive, finite=True, allowed=allowed)
 
 
 def check_choice(option: str, value: object, allowed: tuple[str, ...]) -> str:

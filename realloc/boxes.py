@@ -30,9 +30,8 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 def inside_shape(box: Box, shape: tuple[int, ...]) -> bool:
     offsets, sizes = box
-    return (
-        len(offsets) == len(sizes) == len(shape)
-        and all(s > 0 and o >= 0 and o + s <= d for o, s, d in zip(offsets, sizes, shape))
+    return len(offsets) == len(sizes) == len(shape) and all(
+        s > 0 and o >= 0 and o + s <= d for o, s, d in zip(offsets, sizes, shape)
     )
 
 

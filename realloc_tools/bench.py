@@ -55,10 +55,10 @@ from typing import Any, Sequence
 
 import torch
 
-from realloc_tools.cluster import ray_for_command
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
 from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers
+from realloc_tools.cluster import ray_for_command
 
 BASELINES = ("driver", "broadcast", "dcp", "gather")
 DEFAULT_SRC = "dp=2,tp=2,pp=2"
@@ -92,46 +92,72 @@ _STATE: dict[str, Any] = {}
 
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench", help="time reallocate against driver / broadcast / gather / DCP baselines on Ray actors",
+        "bench",
+        help="time reallocate against driver / broadcast / gather / DCP baselines on Ray actors",
         description="Time ModelGroup.reallocate against what a user would otherwise write (gather "
         "through the driver; OpenRLHF-style per-parameter broadcast; veRL-style full-tensor all-gather; "
         "torch.distributed.checkpoint save + resharding load through /dev/shm) on the same actors, both "
         "directions of several transitions, verify every result, and measure gloo bandwidth and memcpy "
-        "for a lower bound per direction.")
+        "for a lower bound per direction.",
+    )
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray with simulated nodes)")
     p.add_argument("--model", default="bench-1gb", help="preset or HF config.json (default: bench-1gb, 1.02 GB bf16)")
     p.add_argument("--src", help=f"one transition's source layout (default with --dst: {DEFAULT_SRC})")
     p.add_argument("--dst", help=f"one transition's destination layout (default with --src: {DEFAULT_DST})")
-    p.add_argument("--transitions",
-                   help="'all' (the default without --src/--dst: "
-                   + "; ".join(f"{a}->{b}" for a, b in ALL_TRANSITIONS)
-                   + f"), 'default' ({DEFAULT_SRC}->{DEFAULT_DST}) or 'a->b;c->d'; each is timed both ways")
+    p.add_argument(
+        "--transitions",
+        help="'all' (the default without --src/--dst: "
+        + "; ".join(f"{a}->{b}" for a, b in ALL_TRANSITIONS)
+        + f"), 'default' ({DEFAULT_SRC}->{DEFAULT_DST}) or 'a->b;c->d'; each is timed both ways",
+    )
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes when starting Ray locally (default 2)")
     p.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MiB (default 64)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed round trips src->dst->src of ours per transition after two warm-up ones "
-                        "(default 3)")
-    p.add_argument("--baseline-repeats", type=int, default=3,
-                   help="runs of each baseline per direction; the median is reported (default 3)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed round trips src->dst->src of ours per transition after two warm-up ones (default 3)",
+    )
+    p.add_argument(
+        "--baseline-repeats",
+        type=int,
+        default=3,
+        help="runs of each baseline per direction; the median is reported (default 3)",
+    )
     p.add_argument("--skip", default="", help=f"comma-separated baselines to skip ({', '.join(BASELINES)})")
-    p.add_argument("--verify", choices=("digest", "exact"), default="digest",
-                   help="how baselines are checked: CRC32 of every destination shard against ours' verified "
-                   "shards (default), or element-wise against synthetic_box (slow on big models)")
+    p.add_argument(
+        "--verify",
+        choices=("digest", "exact"),
+        default="digest",
+        help="how baselines are checked: CRC32 of every destination shard against ours' verified "
+        "shards (default), or element-wise against synthetic_box (slow on big models)",
+    )
     p.add_argument("--probe-mb", type=float, default=256, help="bytes of the gloo/memcpy probes in MiB (default 256)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-resident", action="store_true",
-                   help="skip the resident-layout loop (reallocate(..., keep=) on the first transition)")
-    p.add_argument("--no-memory-check", action="store_true",
-                   help="run every baseline even where its estimated peak memory does not fit the node (by "
-                   "default such a baseline is skipped in that direction, with the reason in the output)")
-    p.add_argument("--strict", action="store_true",
-                   help="exit 1 when a baseline failed or was skipped for memory in some direction (by default "
-                   "that is reported and the exit status only says whether every result that ran verified)")
+    p.add_argument(
+        "--no-resident",
+        action="store_true",
+        help="skip the resident-layout loop (reallocate(..., keep=) on the first transition)",
+    )
+    p.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="run every baseline even where its estimated peak memory does not fit the node (by "
+        "default such a baseline is skipped in that direction, with the reason in the output)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a baseline failed or was skipped for memory in some direction (by default "
+        "that is reported and the exit status only says whether every result that ran verified)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench)
 
 
-def parse_transitions(text: str | None, src: str | None = None, dst: str | None = None) -> list[tuple[Topology, Topology]]:
+def parse_transitions(
+    text: str | None, src: str | None = None, dst: str | None = None
+) -> list[tuple[Topology, Topology]]:
     """The transitions to time: ``--src/--dst`` (one), or ``--transitions`` (``all`` when neither)."""
     if text is not None and (src or dst):
         raise ValueError("give either --transitions or --src/--dst, not both")
@@ -151,8 +177,10 @@ def parse_transitions(text: str | None, src: str | None = None, dst: str | None 
     out = [(Topology.parse(a), Topology.parse(b)) for a, b in pairs]
     for a, b in out:
         if a.world_size != b.world_size or a.world_size != out[0][0].world_size:
-            raise ValueError(f"every layout needs the same number of ranks (one set of actors): {a} has "
-                             f"{a.world_size}, {b} has {b.world_size}, {out[0][0]} has {out[0][0].world_size}")
+            raise ValueError(
+                f"every layout needs the same number of ranks (one set of actors): {a} has "
+                f"{a.world_size}, {b} has {b.world_size}, {out[0][0]} has {out[0][0].world_size}"
+            )
         if a == b:
             raise ValueError(f"transition {a} -> {b}: source and destination are the same layout")
     return out
@@ -189,11 +217,21 @@ def run_bench(args: argparse.Namespace) -> int:
     # With --json, stdout is the report alone: what Ray prints there meanwhile (e.g. "(raylet) A
     # worker died or was killed ..." when its memory monitor kills one) goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        report = bench(spec, transitions, address=args.address, nodes=args.nodes,
-                       bucket_bytes=int(args.bucket_mb * MB), repeats=args.repeats,
-                       baseline_repeats=args.baseline_repeats, baselines=[b for b in BASELINES if b not in skip],
-                       verify=args.verify, probe_bytes=int(args.probe_mb * MB), seed=args.seed,
-                       resident=not args.no_resident, memory_check=not args.no_memory_check)
+        report = bench(
+            spec,
+            transitions,
+            address=args.address,
+            nodes=args.nodes,
+            bucket_bytes=int(args.bucket_mb * MB),
+            repeats=args.repeats,
+            baseline_repeats=args.baseline_repeats,
+            baselines=[b for b in BASELINES if b not in skip],
+            verify=args.verify,
+            probe_bytes=int(args.probe_mb * MB),
+            seed=args.seed,
+            resident=not args.no_resident,
+            memory_check=not args.no_memory_check,
+        )
     if args.json:
         print(json.dumps(report))
     else:
@@ -250,7 +288,9 @@ class _Layouts:
         t = time.perf_counter()
         topo, workers = layout.topology, group.num_workers
         ranks = range(workers) if self.verify == "exact" else [r for r in range(workers) if topo.coords(r)[0] == 0]
-        bad = {r: b for r, b in zip(ranks, _batched(group, ranks, "verify_synthetic", self.seed, batch=self.batch)) if b}
+        bad = {
+            r: b for r, b in zip(ranks, _batched(group, ranks, "verify_synthetic", self.seed, batch=self.batch)) if b
+        }
         for r in range(workers):  # other dp replicas: byte-identical to their verified replica-0 twin
             _, fsdp_rank, tp_rank, pp_rank = topo.coords4(r)
             if digests[r] != digests[topo.rank(0, tp_rank, pp_rank, fsdp_rank)]:
@@ -263,10 +303,22 @@ class _Layouts:
         return True
 
 
-def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | None = None, nodes: int = 2,
-          bucket_bytes: int = 64 * MB, repeats: int = 3, baseline_repeats: int = 3,
-          baselines: Sequence[str] = BASELINES, verify: str = "digest", probe_bytes: int = 256 * MB,
-          seed: int = 0, resident: bool = True, memory_check: bool = True) -> dict:
+def bench(
+    spec,
+    transitions: list[tuple[Topology, Topology]],
+    *,
+    address: str | None = None,
+    nodes: int = 2,
+    bucket_bytes: int = 64 * MB,
+    repeats: int = 3,
+    baseline_repeats: int = 3,
+    baselines: Sequence[str] = BASELINES,
+    verify: str = "digest",
+    probe_bytes: int = 256 * MB,
+    seed: int = 0,
+    resident: bool = True,
+    memory_check: bool = True,
+) -> dict:
     """Run the whole benchmark (both directions of every transition, one set of actors);
     returns the report (see ``docs/benchmarks.md``). ``memory_check``: skip a baseline whose
     estimated peak the node cannot take (on a local Ray only: a cluster's nodes are not this
@@ -279,20 +331,33 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
     store_bytes = max(512 * MB, 3 * spec.total_bytes() + 256 * MB)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     report: dict[str, Any] = {
-        "model": spec.name, "model_bytes": spec.total_bytes(), "workers": workers,
-        "transitions": [f"{a} -> {b}" for a, b in transitions], "bucket_bytes": bucket_bytes, "repeats": repeats,
-        "baseline_repeats": baseline_repeats, "verify_mode": verify,
+        "model": spec.name,
+        "model_bytes": spec.total_bytes(),
+        "workers": workers,
+        "transitions": [f"{a} -> {b}" for a, b in transitions],
+        "bucket_bytes": bucket_bytes,
+        "repeats": repeats,
+        "baseline_repeats": baseline_repeats,
+        "verify_mode": verify,
     }
     with ray_for_command(address, nodes, per_node, store_bytes) as where:
-        _log(f"{spec.name} ({spec.total_bytes() / 1e9:.2f} GB), {len(transitions)} transitions on {workers} actors; "
-             f"{where}")
+        _log(
+            f"{spec.name} ({spec.total_bytes() / 1e9:.2f} GB), {len(transitions)} transitions on {workers} actors; "
+            f"{where}"
+        )
         group = ModelGroup.create(spec, transitions[0][0], name="bench", bucket_bytes=bucket_bytes, timeout_s=900)
         _log("actors started")
         try:
             report["nodes"] = group.placement.num_nodes
-            report["machine"] = {"cores": cores, "cpu": _cpu_model(), "ram_bytes": _ram_bytes(),
-                                 "load_average_at_start": _loadavg(),
-                                 "torch": torch.__version__, "ray": __import__("ray").__version__, "where": where}
+            report["machine"] = {
+                "cores": cores,
+                "cpu": _cpu_model(),
+                "ram_bytes": _ram_bytes(),
+                "load_average_at_start": _loadavg(),
+                "torch": torch.__version__,
+                "ray": __import__("ray").__version__,
+                "where": where,
+            }
             batch = max(1, min(cores, workers))  # synthetic_box needs ~3x a slot in temporaries
             t = time.perf_counter()
             group.init_synthetic(seed)
@@ -311,8 +376,11 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
             group.run(_warm_imports, writes=False)  # the baselines' imports (DCP: seconds per actor) are not their cost
             open_default_group(group)  # the baselines run on the trainer's own default group, as users' do
             report["transport"] = measure_transport(group, probe_bytes, cores)
-            _log("transport: " + ", ".join(f"{k} {v:.3f}" for k, v in report["transport"].items()
-                                           if k.endswith("gbps")) + " GB/s")
+            _log(
+                "transport: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in report["transport"].items() if k.endswith("gbps"))
+                + " GB/s"
+            )
 
             directions: list[dict] = []
             sampler = _MemorySampler([info["pid"] for info in group.infos] if address is None else None)
@@ -321,9 +389,22 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
             try:
                 with sampler:
                     for i, (src, dst) in enumerate(transitions):
-                        ours_ok &= _bench_transition(group, layouts, i, src, dst, repeats, baseline_repeats,
-                                                     baselines, verify, seed, report["transport"], cores, directions,
-                                                     memory)
+                        ours_ok &= _bench_transition(
+                            group,
+                            layouts,
+                            i,
+                            src,
+                            dst,
+                            repeats,
+                            baseline_repeats,
+                            baselines,
+                            verify,
+                            seed,
+                            report["transport"],
+                            cores,
+                            directions,
+                            memory,
+                        )
             except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed an actor: keep what finished
                 report["error"] = f"{type(err).__name__}: {err}"[:2000]
                 layouts.failures.append(f"stopped after {len(directions)} directions: {report['error'][:200]}")
@@ -350,8 +431,9 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
             if deferred and directions and "error" not in report:
                 try:
                     with sampler:
-                        ours_ok &= _run_deferred(group, layouts, transitions, directions, deferred, baseline_repeats,
-                                                 verify, seed, memory)
+                        ours_ok &= _run_deferred(
+                            group, layouts, transitions, directions, deferred, baseline_repeats, verify, seed, memory
+                        )
                 except Exception as err:  # noqa: BLE001 - keep what finished
                     report["error"] = f"{type(err).__name__}: {err}"[:2000]
                     layouts.failures.append(f"stopped in the deferred baselines: {report['error'][:200]}")
@@ -379,9 +461,22 @@ def bench(spec, transitions: list[tuple[Topology, Topology]], *, address: str | 
 WARM_UP_ROUND_TRIPS = 2
 
 
-def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: Topology, repeats: int,
-                      baseline_repeats: int, baselines: list[str], verify: str, seed: int, transport: dict,
-                      cores: int, out: list[dict], memory: _MemoryGuard) -> bool:
+def _bench_transition(
+    group,
+    layouts: _Layouts,
+    index: int,
+    src: Topology,
+    dst: Topology,
+    repeats: int,
+    baseline_repeats: int,
+    baselines: list[str],
+    verify: str,
+    seed: int,
+    transport: dict,
+    cores: int,
+    out: list[dict],
+    memory: _MemoryGuard,
+) -> bool:
     """Both directions of ``src -> dst``: ours (``WARM_UP_ROUND_TRIPS`` untimed round trips, then
     ``repeats`` timed ones), then every baseline ``baseline_repeats`` times from ``src``, then
     from ``dst``. Each direction is appended to ``out`` when it is finished (a run stopped in the
@@ -406,16 +501,34 @@ def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: 
             last[way] = stats
             if i == repeats - 1:
                 ok &= layouts.check()
-        _log(f"ours {src} <-> {dst} round trip {i + 1}/{repeats}: "
-             f"{times['forward'][-1][0]:.3f}s there (execute {times['forward'][-1][1]:.3f}s), "
-             f"{times['back'][-1][0]:.3f}s back (execute {times['back'][-1][1]:.3f}s)")
+        _log(
+            f"ours {src} <-> {dst} round trip {i + 1}/{repeats}: "
+            f"{times['forward'][-1][0]:.3f}s there (execute {times['forward'][-1][1]:.3f}s), "
+            f"{times['back'][-1][0]:.3f}s back (execute {times['back'][-1][1]:.3f}s)"
+        )
     for way, a, b in (("forward", src, dst), ("back", dst, src)):
         if way == "back":
             group.reallocate(dst)  # untimed: the baselines of the way back start from dst
             ok &= layouts.check()
             plans["back"] = group.plan_to(src)
-        d = _direction(group, layouts, index, way, a, b, times[way], last[way], plans[way], baselines,
-                       baseline_repeats, verify, seed, transport, cores, memory)
+        d = _direction(
+            group,
+            layouts,
+            index,
+            way,
+            a,
+            b,
+            times[way],
+            last[way],
+            plans[way],
+            baselines,
+            baseline_repeats,
+            verify,
+            seed,
+            transport,
+            cores,
+            memory,
+        )
         d["verified"]["ours"] = ok
         out.append(d)
         if "group_broken" in d:
@@ -423,8 +536,9 @@ def _bench_transition(group, layouts: _Layouts, index: int, src: Topology, dst: 
     return ok
 
 
-def _bench_resident(group, layouts: _Layouts, src: Topology, dst: Topology, repeats: int,
-                    without: list[dict]) -> tuple[dict, bool]:
+def _bench_resident(
+    group, layouts: _Layouts, src: Topology, dst: Topology, repeats: int, without: list[dict]
+) -> tuple[dict, bool]:
     """The RL loop with kept layouts (``reallocate(..., keep=)``, actors/resident.py): per
     iteration a 'training step' that counts as a change of the weights (it writes nothing, so the
     digests still verify), the move to ``dst``, the move back. ``in_place``: both layouts kept
@@ -452,16 +566,24 @@ def _bench_resident(group, layouts: _Layouts, src: Topology, dst: Topology, repe
             if i == repeats - 1:
                 ok &= layouts.check()
         ok &= s1.resident_use == there_use and s2.resident_use == "adopted"
-        kept = max(s1.resident_in_place_bytes_per_actor + s1.resident_host_bytes_per_actor,
-                   s2.resident_in_place_bytes_per_actor + s2.resident_host_bytes_per_actor)
+        kept = max(
+            s1.resident_in_place_bytes_per_actor + s1.resident_host_bytes_per_actor,
+            s2.resident_in_place_bytes_per_actor + s2.resident_host_bytes_per_actor,
+        )
         out[mode] = {
-            "there_median_seconds": statistics.median(there), "back_median_seconds": statistics.median(back),
+            "there_median_seconds": statistics.median(there),
+            "back_median_seconds": statistics.median(back),
             "round_trip_median_seconds": statistics.median(there) + statistics.median(back),
-            "there_seconds": there, "back_seconds": back, "there": s1.as_dict(), "back": s2.as_dict(),
+            "there_seconds": there,
+            "back_seconds": back,
+            "there": s1.as_dict(),
+            "back": s2.as_dict(),
             "kept_bytes_per_actor": kept,
         }
-        _log(f"resident ({mode}) {src} <-> {dst}: there {out[mode]['there_median_seconds']:.3f}s, "
-             f"back {out[mode]['back_median_seconds']:.3f}s (adopted); kept {kept / 1e6:.1f} MB per actor")
+        _log(
+            f"resident ({mode}) {src} <-> {dst}: there {out[mode]['there_median_seconds']:.3f}s, "
+            f"back {out[mode]['back_median_seconds']:.3f}s (adopted); kept {kept / 1e6:.1f} MB per actor"
+        )
         group.release_resident()
     out["without_keep_round_trip_median_seconds"] = sum(d["ours_seconds"] for d in without)
     return out, ok
@@ -472,35 +594,89 @@ def _training_step(ctx) -> None:
     change of the weights); it writes nothing, so the verified digests still hold."""
 
 
-def _direction(group, layouts: _Layouts, index: int, way: str, src: Topology, dst: Topology, times: list,
-               last, plan, baselines: list[str], baseline_repeats: int, verify: str, seed: int, transport: dict,
-               cores: int, memory: _MemoryGuard) -> dict:
+def _direction(
+    group,
+    layouts: _Layouts,
+    index: int,
+    way: str,
+    src: Topology,
+    dst: Topology,
+    times: list,
+    last,
+    plan,
+    baselines: list[str],
+    baseline_repeats: int,
+    verify: str,
+    seed: int,
+    transport: dict,
+    cores: int,
+    memory: _MemoryGuard,
+) -> dict:
     """One direction's figures; runs its baselines but ``DEFERRED_BASELINES`` (the group holds
     ``src``; :func:`_run_baselines`)."""
     walls = [w for w, _ in times]
     ours = {
-        "seconds": walls, "best_seconds": min(walls), "median_seconds": statistics.median(walls),
-        "execute_seconds": [e for _, e in times], "execute_median_seconds": statistics.median(e for _, e in times),
+        "seconds": walls,
+        "best_seconds": min(walls),
+        "median_seconds": statistics.median(walls),
+        "execute_seconds": [e for _, e in times],
+        "execute_median_seconds": statistics.median(e for _, e in times),
         "outside_execute_median_seconds": statistics.median(w - e for w, e in times),
         "stats": last.as_dict(),
     }
-    d: dict[str, Any] = {"transition": index, "way": way, "src": str(src), "dst": str(dst),
-                         "ours": ours, "ours_seconds": ours["median_seconds"],
-                         "peak_extra_bytes_per_actor": last.peak_extra_bytes_per_actor}
-    d["plan"] = {k: plan.stats[k] for k in (
-        "bytes_total", "bytes_intra_node", "bytes_inter_node", "bytes_local_copy", "num_steps",
-        "num_routes", "num_buckets", "max_node_egress_bytes", "max_node_ingress_bytes")}
+    d: dict[str, Any] = {
+        "transition": index,
+        "way": way,
+        "src": str(src),
+        "dst": str(dst),
+        "ours": ours,
+        "ours_seconds": ours["median_seconds"],
+        "peak_extra_bytes_per_actor": last.peak_extra_bytes_per_actor,
+    }
+    d["plan"] = {
+        k: plan.stats[k]
+        for k in (
+            "bytes_total",
+            "bytes_intra_node",
+            "bytes_inter_node",
+            "bytes_local_copy",
+            "num_steps",
+            "num_routes",
+            "num_buckets",
+            "max_node_egress_bytes",
+            "max_node_ingress_bytes",
+        )
+    }
     d.update(lower_bound(plan, transport, cores, group.num_workers))
     d["ratio_to_lower_bound"] = d["ours_seconds"] / d["lower_bound_seconds"]
     d["ratio_to_linear_copy_bound"] = d["ours_seconds"] / d["lower_bound_linear_copy_seconds"]
-    for key in ("baselines", "baseline_runs", "baseline_details", "verified", "baselines_skipped",
-                "baselines_failed", "baseline_memory"):
+    for key in (
+        "baselines",
+        "baseline_runs",
+        "baseline_details",
+        "verified",
+        "baselines_skipped",
+        "baselines_failed",
+        "baseline_memory",
+    ):
         d[key] = {}
-    _run_baselines(group, layouts, d, [n for n in baselines if n not in DEFERRED_BASELINES], 2 * index + (way == "back"),
-                   dst, baseline_repeats, verify, seed, memory)
-    _log(f"{src} -> {dst}: ours {d['ours_seconds']:.3f}s, bound {d['lower_bound_seconds']:.3f}s "
-         f"({d['ratio_to_lower_bound']:.2f}x; {d['ratio_to_linear_copy_bound']:.2f}x the bound with copies "
-         f"at cores x one core)")
+    _run_baselines(
+        group,
+        layouts,
+        d,
+        [n for n in baselines if n not in DEFERRED_BASELINES],
+        2 * index + (way == "back"),
+        dst,
+        baseline_repeats,
+        verify,
+        seed,
+        memory,
+    )
+    _log(
+        f"{src} -> {dst}: ours {d['ours_seconds']:.3f}s, bound {d['lower_bound_seconds']:.3f}s "
+        f"({d['ratio_to_lower_bound']:.2f}x; {d['ratio_to_linear_copy_bound']:.2f}x the bound with copies "
+        f"at cores x one core)"
+    )
     return d
 
 
@@ -512,8 +688,18 @@ def _direction(group, layouts: _Layouts, index: int, way: str, src: Topology, ds
 DEFERRED_BASELINES = ("driver",)
 
 
-def _run_baselines(group, layouts: _Layouts, d: dict, names: list[str], direction: int, dst: Topology,
-                   baseline_repeats: int, verify: str, seed: int, memory: _MemoryGuard) -> None:
+def _run_baselines(
+    group,
+    layouts: _Layouts,
+    d: dict,
+    names: list[str],
+    direction: int,
+    dst: Topology,
+    baseline_repeats: int,
+    verify: str,
+    seed: int,
+    memory: _MemoryGuard,
+) -> None:
     """Run ``names`` from the group's layout (``d``'s source) to ``dst``, ``baseline_repeats``
     times each, into ``d`` (``baselines``, ``baseline_runs``, ``baseline_details``,
     ``verified``, ``baselines_skipped``, ``baselines_failed``, ``baseline_memory``,
@@ -563,8 +749,7 @@ def _run_baselines(group, layouts: _Layouts, d: dict, names: list[str], directio
             except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed a worker: record it, go on
                 text = f"{type(err).__name__}: {err}"[:2000]
                 _log(f"baseline {name} {src} -> {dst} FAILED in run {i + 1}: {text[:300]}")
-                failed = d["baselines_failed"][name] = {"error": text, "runs_before": runs,
-                                                        "memory": _window_json(w)}
+                failed = d["baselines_failed"][name] = {"error": text, "runs_before": runs, "memory": _window_json(w)}
                 try:
                     failed["recovery"] = recover_group(group, layouts, seed)
                     if memory.sampler.local:
@@ -573,11 +758,16 @@ def _run_baselines(group, layouts: _Layouts, d: dict, names: list[str], directio
                     d["group_broken"] = failed["recovery_error"] = f"{type(err2).__name__}: {err2}"[:2000]
                     _log(f"group could not be restored: {d['group_broken'][:300]}")
                 break
-            mem["runs"].append({**_window_json(w), "store_growth_bytes": estimate["terms"].get("object_store_bytes", 0)})
+            mem["runs"].append(
+                {**_window_json(w), "store_growth_bytes": estimate["terms"].get("object_store_bytes", 0)}
+            )
             if name == "driver":
                 memory.store_resident = max(memory.store_resident, driver_store_bytes(group.spec.total_bytes(), nodes))
-            bad = _verify_baseline(group, verify, seed, reference) if reference is not None or verify == "exact" \
+            bad = (
+                _verify_baseline(group, verify, seed, reference)
+                if reference is not None or verify == "exact"
                 else ["<no verified reference digests>"]
+            )
             group.run(_drop_state, writes=False)
             _malloc_trim()  # the driver baseline's full tensors
             runs.append(seconds)
@@ -593,15 +783,26 @@ def _run_baselines(group, layouts: _Layouts, d: dict, names: list[str], directio
         d["baseline_details"][name], d["verified"][name] = info, not bad_any
         d["baselines"][name] = statistics.median(runs)
         d["baseline_runs"][name] = runs
-        _log(f"baseline {name} {src} -> {dst}: median {d['baselines'][name]:.2f}s of "
-             f"{', '.join(f'{s:.2f}' for s in runs)}; verified {'ok' if not bad_any else bad_any[:3]}; "
-             f"peak +{mem['peak_extra_bytes'] / 1e9:.2f} GB (node {mem['peak_used_bytes'] / 1e9:.1f} GB; "
-             f"estimated +{mem['estimate_bytes'] / 1e9:.2f})")
+        _log(
+            f"baseline {name} {src} -> {dst}: median {d['baselines'][name]:.2f}s of "
+            f"{', '.join(f'{s:.2f}' for s in runs)}; verified {'ok' if not bad_any else bad_any[:3]}; "
+            f"peak +{mem['peak_extra_bytes'] / 1e9:.2f} GB (node {mem['peak_used_bytes'] / 1e9:.1f} GB; "
+            f"estimated +{mem['estimate_bytes'] / 1e9:.2f})"
+        )
     d["speedup_vs"] = {k: v / d["ours_seconds"] for k, v in d["baselines"].items()}
 
 
-def _run_deferred(group, layouts: _Layouts, transitions: list[tuple[Topology, Topology]], directions: list[dict],
-                  names: list[str], baseline_repeats: int, verify: str, seed: int, memory: _MemoryGuard) -> bool:
+def _run_deferred(
+    group,
+    layouts: _Layouts,
+    transitions: list[tuple[Topology, Topology]],
+    directions: list[dict],
+    names: list[str],
+    baseline_repeats: int,
+    verify: str,
+    seed: int,
+    memory: _MemoryGuard,
+) -> bool:
     """``DEFERRED_BASELINES`` of every direction, in order, each from its source layout again
     (an untimed, verified move there); returns whether ours verified on those moves."""
     ok = True
@@ -624,8 +825,16 @@ def _summarise(report: dict, directions: list[dict], ours_ok: bool, failures: li
     worst = max(range(len(directions)), key=lambda i: directions[i]["ratio_to_lower_bound"])
     w = directions[worst]
     report["worst_direction"] = worst
-    for key in ("ours_seconds", "ours", "lower_bound_seconds", "lower_bound_terms", "lower_bound_fresh_buffers_seconds",
-                "lower_bound_formula", "plan", "baselines"):
+    for key in (
+        "ours_seconds",
+        "ours",
+        "lower_bound_seconds",
+        "lower_bound_terms",
+        "lower_bound_fresh_buffers_seconds",
+        "lower_bound_formula",
+        "plan",
+        "baselines",
+    ):
         report[key] = w[key]
     report["ratio_to_lower_bound"] = w["ratio_to_lower_bound"]
     report["ratio_to_linear_copy_bound"] = max(d["ratio_to_linear_copy_bound"] for d in directions)
@@ -636,21 +845,40 @@ def _summarise(report: dict, directions: list[dict], ours_ok: bool, failures: li
     report["speedup_vs"] = {n: min(directions[i]["speedup_vs"][n] for i in ran[n]) for n in names}
     report["speedup_vs_direction"] = {n: min(ran[n], key=lambda i: directions[i]["speedup_vs"][n]) for n in names}
     report["peak_extra_bytes_per_actor"] = max(d["peak_extra_bytes_per_actor"] for d in directions)
-    report["verified"] = {"ours": ours_ok and not failures,
-                          **{n: all(directions[i]["verified"][n] for i in ran[n]) for n in names}}
-    report["baseline_failures"] = [{"direction": i, "baseline": n, "error": f["error"]}
-                                   for i, d in enumerate(directions) for n, f in d.get("baselines_failed", {}).items()]
-    report["baseline_skips"] = [{"direction": i, "baseline": n, "reason": why}
-                                for i, d in enumerate(directions) for n, why in d.get("baselines_skipped", {}).items()]
-    report["baseline_skips"] += [{"direction": i, "baseline": n, "reason": m["shrunk"]}
-                                 for i, d in enumerate(directions) for n, m in d.get("baseline_memory", {}).items()
-                                 if "shrunk" in m]
+    report["verified"] = {
+        "ours": ours_ok and not failures,
+        **{n: all(directions[i]["verified"][n] for i in ran[n]) for n in names},
+    }
+    report["baseline_failures"] = [
+        {"direction": i, "baseline": n, "error": f["error"]}
+        for i, d in enumerate(directions)
+        for n, f in d.get("baselines_failed", {}).items()
+    ]
+    report["baseline_skips"] = [
+        {"direction": i, "baseline": n, "reason": why}
+        for i, d in enumerate(directions)
+        for n, why in d.get("baselines_skipped", {}).items()
+    ]
+    report["baseline_skips"] += [
+        {"direction": i, "baseline": n, "reason": m["shrunk"]}
+        for i, d in enumerate(directions)
+        for n, m in d.get("baseline_memory", {}).items()
+        if "shrunk" in m
+    ]
     report["baselines_complete"] = not report["baseline_failures"] and not report["baseline_skips"]
     peaks: dict[str, dict] = {}
     for d in directions:
         for n, m in d.get("baseline_memory", {}).items():
-            p = peaks.setdefault(n, {"estimate_bytes": 0, "peak_extra_bytes": 0, "peak_used_bytes": 0,
-                                     "workers_private_peak_bytes": 0, "worker_rss_max_bytes": 0})
+            p = peaks.setdefault(
+                n,
+                {
+                    "estimate_bytes": 0,
+                    "peak_extra_bytes": 0,
+                    "peak_used_bytes": 0,
+                    "workers_private_peak_bytes": 0,
+                    "worker_rss_max_bytes": 0,
+                },
+            )
             p["estimate_bytes"] = max(p["estimate_bytes"], m.get("estimate_bytes", 0))
             for key in ("peak_extra_bytes", "peak_used_bytes", "workers_private_peak_bytes", "worker_rss_max_bytes"):
                 p[key] = max(p[key], m.get(key, 0))
@@ -690,16 +918,20 @@ def lower_bound(plan, transport: dict, cores: int, workers: int) -> dict:
             copies[b] = copies.get(b, 0) + n
     for w, j in plan.local_copies:
         copies[w] = copies.get(w, 0) + plan.list_bytes(j)
-    critical = max((inter.get(r, 0) / pair + copies.get(r, 0) / one_core for r in set(inter) | set(copies)),
-                   default=0.0)
+    critical = max(
+        (inter.get(r, 0) / pair + copies.get(r, 0) / one_core for r in set(inter) | set(copies)), default=0.0
+    )
     return {
         "lower_bound_seconds": max(aggregate, critical),
         "lower_bound_formula": LOWER_BOUND_FORMULA,
         "lower_bound_terms": {
-            "aggregate_seconds": aggregate, "critical_rank_seconds": critical,
+            "aggregate_seconds": aggregate,
+            "critical_rank_seconds": critical,
             "inter_node_seconds": s["bytes_inter_node"] / gloo,
             "copy_seconds": copied / memcpy,
-            "gloo_gbps": gloo / 1e9, "memcpy_gbps": memcpy / 1e9, "memcpy_capped": measured > ceiling,
+            "gloo_gbps": gloo / 1e9,
+            "memcpy_gbps": memcpy / 1e9,
+            "memcpy_capped": measured > ceiling,
             "cores": cores,
         },
         "lower_bound_linear_copy_seconds": max(s["bytes_inter_node"] / gloo + copied / linear, critical),
@@ -712,49 +944,74 @@ def lower_bound(plan, transport: dict, cores: int, workers: int) -> dict:
 
 def format_report(r: dict) -> str:
     names = list(r["baselines"])
-    lines = [f"{r['model']} ({r['model_bytes'] / 1e9:.2f} GB) on {r['workers']} actors, {r['nodes']} nodes, "
-             f"{r['machine']['cores']} cores; medians of {r['repeats']} (ours) and {r['baseline_repeats']} "
-             "(baselines) runs, seconds",
-             f"{'direction':<44}{'ours':>8}{'bound':>8}{'ratio':>9}" + "".join(f"{n:>17}" for n in names)]
+    lines = [
+        f"{r['model']} ({r['model_bytes'] / 1e9:.2f} GB) on {r['workers']} actors, {r['nodes']} nodes, "
+        f"{r['machine']['cores']} cores; medians of {r['repeats']} (ours) and {r['baseline_repeats']} "
+        "(baselines) runs, seconds",
+        f"{'direction':<44}{'ours':>8}{'bound':>8}{'ratio':>9}" + "".join(f"{n:>17}" for n in names),
+    ]
     for d in r["directions"]:
         ok = all(d["verified"].values())
-        lines.append(f"{d['src'] + ' -> ' + d['dst']:<44}{d['ours_seconds']:>8.3f}{d['lower_bound_seconds']:>8.3f}"
-                     f"{d['ratio_to_lower_bound']:>8.2f}x"
-                     + "".join(f"{d['baselines'][n]:>9.2f} ({d['speedup_vs'][n]:>4.1f}x)" if n in d["baselines"]
-                               else f"{'failed' if n in d.get('baselines_failed', {}) else 'skipped':>17}"
-                               for n in names)
-                     + ("" if ok else "  NOT VERIFIED"))
+        lines.append(
+            f"{d['src'] + ' -> ' + d['dst']:<44}{d['ours_seconds']:>8.3f}{d['lower_bound_seconds']:>8.3f}"
+            f"{d['ratio_to_lower_bound']:>8.2f}x"
+            + "".join(
+                f"{d['baselines'][n]:>9.2f} ({d['speedup_vs'][n]:>4.1f}x)"
+                if n in d["baselines"]
+                else f"{'failed' if n in d.get('baselines_failed', {}) else 'skipped':>17}"
+                for n in names
+            )
+            + ("" if ok else "  NOT VERIFIED")
+        )
     t = r["transport"]
-    lines.append(f"transport: gloo p2p {t['gloo_p2p_gbps']:.2f} GB/s, aggregate {t['gloo_aggregate_gbps']:.2f} GB/s; "
-                 f"memcpy 1 core {t['memcpy_1core_gbps']:.2f} GB/s, {t['memcpy_copiers']} at once "
-                 f"{t['memcpy_cores_gbps']:.2f} GB/s, all actors {t['memcpy_aggregate_gbps']:.2f} GB/s, "
-                 f"first touch {t['memcpy_shm_cold_gbps']:.2f} GB/s")
+    lines.append(
+        f"transport: gloo p2p {t['gloo_p2p_gbps']:.2f} GB/s, aggregate {t['gloo_aggregate_gbps']:.2f} GB/s; "
+        f"memcpy 1 core {t['memcpy_1core_gbps']:.2f} GB/s, {t['memcpy_copiers']} at once "
+        f"{t['memcpy_cores_gbps']:.2f} GB/s, all actors {t['memcpy_aggregate_gbps']:.2f} GB/s, "
+        f"first touch {t['memcpy_shm_cold_gbps']:.2f} GB/s"
+    )
     g = r["goals"]
     w = r["directions"][r["worst_direction"]]
-    lines.append(f"worst direction {w['src']} -> {w['dst']}: {r['ratio_to_lower_bound']:.2f}x its lower bound; "
-                 f"goals: 5x faster than every baseline in every direction "
-                 f"{'met' if g['speedup_5x_vs_every_baseline'] else 'NOT met'}"
-                 + (f" (least: {min(r['speedup_vs'].values()):.1f}x)" if r["speedup_vs"] else "")
-                 + f"; within 1.5x of the lower bound {'met' if g['within_1_5x_of_lower_bound'] else 'NOT met'}")
+    lines.append(
+        f"worst direction {w['src']} -> {w['dst']}: {r['ratio_to_lower_bound']:.2f}x its lower bound; "
+        f"goals: 5x faster than every baseline in every direction "
+        f"{'met' if g['speedup_5x_vs_every_baseline'] else 'NOT met'}"
+        + (f" (least: {min(r['speedup_vs'].values()):.1f}x)" if r["speedup_vs"] else "")
+        + f"; within 1.5x of the lower bound {'met' if g['within_1_5x_of_lower_bound'] else 'NOT met'}"
+    )
     verified = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["verified"].items())
-    lines.append(f"verified: {verified}; "
-                 f"peak extra bytes per actor {r['peak_extra_bytes_per_actor'] / 1e6:.1f} MB; "
-                 f"bucket {r['bucket_bytes'] / MB:g} MiB; total {r['total_seconds']:.1f}s")
+    lines.append(
+        f"verified: {verified}; "
+        f"peak extra bytes per actor {r['peak_extra_bytes_per_actor'] / 1e6:.1f} MB; "
+        f"bucket {r['bucket_bytes'] / MB:g} MiB; total {r['total_seconds']:.1f}s"
+    )
     if r.get("resident"):
         res = r["resident"]
-        lines.append(f"resident layouts (keep=, RL loop on the first transition): round trip "
-                     f"{res['without_keep_round_trip_median_seconds']:.3f}s without keep; "
-                     + "; ".join(f"{m} {res[m]['round_trip_median_seconds']:.3f}s (there {res[m]['there_median_seconds']:.3f}"
-                                 f", back {res[m]['back_median_seconds']:.3f}), kept "
-                                 f"{res[m]['kept_bytes_per_actor'] / 1e6:.1f} MB/actor" for m in ("in_place", "host")))
+        lines.append(
+            f"resident layouts (keep=, RL loop on the first transition): round trip "
+            f"{res['without_keep_round_trip_median_seconds']:.3f}s without keep; "
+            + "; ".join(
+                f"{m} {res[m]['round_trip_median_seconds']:.3f}s (there {res[m]['there_median_seconds']:.3f}"
+                f", back {res[m]['back_median_seconds']:.3f}), kept "
+                f"{res[m]['kept_bytes_per_actor'] / 1e6:.1f} MB/actor"
+                for m in ("in_place", "host")
+            )
+        )
     mem = r.get("memory", {})
     if mem.get("baselines"):
-        lines.append("baseline memory added to the node at its peak (largest over the directions; the largest "
-                     "estimate in parentheses): "
-                     + ", ".join(f"{n} +{m['peak_extra_bytes'] / 1e9:.2f} GB (+{m['estimate_bytes'] / 1e9:.2f})"
-                                 for n, m in mem["baselines"].items())
-                     + (f"; node peak {mem['peak_used_bytes'] / 1e9:.1f} of {mem['total_bytes'] / 1e9:.1f} GB"
-                        if "peak_used_bytes" in mem else ""))
+        lines.append(
+            "baseline memory added to the node at its peak (largest over the directions; the largest "
+            "estimate in parentheses): "
+            + ", ".join(
+                f"{n} +{m['peak_extra_bytes'] / 1e9:.2f} GB (+{m['estimate_bytes'] / 1e9:.2f})"
+                for n, m in mem["baselines"].items()
+            )
+            + (
+                f"; node peak {mem['peak_used_bytes'] / 1e9:.1f} of {mem['total_bytes'] / 1e9:.1f} GB"
+                if "peak_used_bytes" in mem
+                else ""
+            )
+        )
     for f in r.get("baseline_failures", []):
         d = r["directions"][f["direction"]]
         lines.append(f"baseline {f['baseline']} FAILED on {d['src']} -> {d['dst']}: {f['error'][:300]}")
@@ -810,7 +1067,7 @@ def _batched(group, ranks, method: str, *args, batch: int) -> list:
 
     ranks, out = list(ranks), []
     for i in range(0, len(ranks), batch):
-        out += ray.get([getattr(group.actors[r], method).remote(*args) for r in ranks[i:i + batch]])
+        out += ray.get([getattr(group.actors[r], method).remote(*args) for r in ranks[i : i + batch]])
     return out
 
 
@@ -819,7 +1076,11 @@ def _digests_of_group(group) -> list[dict[str, int]]:
 
 
 def _verify_baseline(group, how: str, seed: int, reference: list[dict[str, int]]) -> list[str]:
-    return [f"rank {r} {slot}" for r, bad in enumerate(group.run(_verify_state, how, seed, reference, writes=False)) for slot in bad]
+    return [
+        f"rank {r} {slot}"
+        for r, bad in enumerate(group.run(_verify_state, how, seed, reference, writes=False))
+        for slot in bad
+    ]
 
 
 def _verify_state(ctx, how: str, seed: int, reference: list[dict[str, int]]) -> list[str]:
@@ -883,8 +1144,9 @@ def _new_dst_store(spec, dst: Topology, rank: int, vocab_pad_multiple: int) -> S
 
 def _local_view(ctx, param: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
     for s in ctx.shards:
-        if s.param == param and all(so <= o and o + n <= so + sn
-                                    for o, n, so, sn in zip(offsets, sizes, s.offsets, s.sizes)):
+        if s.param == param and all(
+            so <= o and o + n <= so + sn for o, n, so, sn in zip(offsets, sizes, s.offsets, s.sizes)
+        ):
             local = ctx.tensors[s.slot]
             return local[tuple(slice(o - so, o - so + n) for o, so, n in zip(offsets, s.offsets, sizes))]
     raise KeyError(f"rank {ctx.rank} holds no box {offsets}+{sizes} of {param}")
@@ -998,8 +1260,9 @@ def _gather_temporaries(src: Layout, rank: int) -> int:
     return worst
 
 
-def memory_fit(estimate: int, available: int, total: int, threshold: float | None = None,
-               margin: int = MEMORY_MARGIN_BYTES) -> tuple[bool, int, str]:
+def memory_fit(
+    estimate: int, available: int, total: int, threshold: float | None = None, margin: int = MEMORY_MARGIN_BYTES
+) -> tuple[bool, int, str]:
     """Whether a baseline needing ``estimate`` more bytes fits: ``(fits, budget, reason)``.
 
     The budget is what the node can still take before Ray's memory monitor kills a worker (used
@@ -1011,14 +1274,27 @@ def memory_fit(estimate: int, available: int, total: int, threshold: float | Non
     budget = int(available - (1 - threshold) * total - margin)
     if estimate <= budget:
         return True, budget, ""
-    return False, budget, (f"needs ~{estimate / 1e9:.1f} GB more at its peak, the node can take "
-                           f"{max(budget, 0) / 1e9:.1f} GB ({available / 1e9:.1f} GB available of "
-                           f"{total / 1e9:.1f}; Ray's memory monitor kills at {threshold:.0%} used; "
-                           f"{margin / 1e9:.1f} GB margin)")
+    return (
+        False,
+        budget,
+        (
+            f"needs ~{estimate / 1e9:.1f} GB more at its peak, the node can take "
+            f"{max(budget, 0) / 1e9:.1f} GB ({available / 1e9:.1f} GB available of "
+            f"{total / 1e9:.1f}; Ray's memory monitor kills at {threshold:.0%} used; "
+            f"{margin / 1e9:.1f} GB margin)"
+        ),
+    )
 
 
-def decide_run(estimate: int, measured: list[int], repeats: int, available: int, total: int,
-               threshold: float | None = None, margin: int = MEMORY_MARGIN_BYTES) -> tuple[bool, int, str]:
+def decide_run(
+    estimate: int,
+    measured: list[int],
+    repeats: int,
+    available: int,
+    total: int,
+    threshold: float | None = None,
+    margin: int = MEMORY_MARGIN_BYTES,
+) -> tuple[bool, int, str]:
     """Whether the next run of a baseline goes ahead: ``(run, budget, reason)``.
 
     It needs ``estimate`` (:func:`baseline_memory_estimate`) or what its earlier runs in this
@@ -1126,8 +1402,14 @@ class _MemoryGuard:
     sampler, whether the check applies (a local Ray: the node is this machine; ``check`` off or
     a cluster at ``--address``: every baseline runs), and the injected faults (``FAULT_ENV``)."""
 
-    def __init__(self, sampler: _MemorySampler, checked: bool, faults: dict | None = None,
-                 threshold: float | None = None, margin: int = MEMORY_MARGIN_BYTES):
+    def __init__(
+        self,
+        sampler: _MemorySampler,
+        checked: bool,
+        faults: dict | None = None,
+        threshold: float | None = None,
+        margin: int = MEMORY_MARGIN_BYTES,
+    ):
         self.sampler, self.checked, self.faults = sampler, checked, faults or {}
         self.store_resident = 0  # object-store pages the driver baseline has touched so far
         self.threshold = ray_memory_threshold() if threshold is None else threshold
@@ -1144,17 +1426,25 @@ class _MemoryGuard:
         return self.faults.get((name, direction), self.faults.get((name, None)))
 
     def describe(self) -> dict:
-        return {"checked": self.checked, "total_bytes": self.sampler.total,
-                "ray_memory_usage_threshold": self.threshold, "margin_bytes": self.margin,
-                "sample_seconds": MEMORY_SAMPLE_SECONDS}
+        return {
+            "checked": self.checked,
+            "total_bytes": self.sampler.total,
+            "ray_memory_usage_threshold": self.threshold,
+            "margin_bytes": self.margin,
+            "sample_seconds": MEMORY_SAMPLE_SECONDS,
+        }
 
 
 def _window_json(w: dict | None) -> dict:
     if not w or "peak_extra" not in w:
         return {}
-    return {"before_used_bytes": w["before_used"], "peak_used_bytes": w["peak_used"],
-            "peak_extra_bytes": w["peak_extra"], "workers_private_peak_bytes": w["workers_private_peak"],
-            "worker_rss_max_bytes": w["worker_rss_max"]}
+    return {
+        "before_used_bytes": w["before_used"],
+        "peak_used_bytes": w["peak_used"],
+        "peak_extra_bytes": w["peak_extra"],
+        "workers_private_peak_bytes": w["workers_private_peak"],
+        "worker_rss_max_bytes": w["worker_rss_max"],
+    }
 
 
 # -- a failing baseline: recorded, the group restored, the bench goes on ---------------------------
@@ -1270,8 +1560,12 @@ def _init_default_group(ctx, addr: str, port: int, world_size: int) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
-                                rank=ctx.rank, world_size=world_size)
+        dist.init_process_group(
+            "nccl" if ctx.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{addr}:{port}",
+            rank=ctx.rank,
+            world_size=world_size,
+        )
 
 
 # -- transport and memcpy probes ----------------------------------------------------------------
@@ -1292,7 +1586,9 @@ def measure_transport(group, nbytes: int, cores: int, reps: int = 3) -> dict:
     p2p = results[peer]["gloo_p2p_seconds"] if peer is not None else None
     partners = sorted({r for pair in pairs for r in pair})
     return {
-        "gloo_p2p_pair": [0, peer], "gloo_p2p_cross_node": bool(other), "probe_bytes": nbytes,
+        "gloo_p2p_pair": [0, peer],
+        "gloo_p2p_cross_node": bool(other),
+        "probe_bytes": nbytes,
         "gloo_p2p_gbps": nbytes / p2p / 1e9 if p2p else 0.0,
         "gloo_aggregate_pairs": len(pairs),
         "gloo_aggregate_gbps": span_rate(results, hosts, "gloo_aggregate", partners) / 1e9,
@@ -1322,14 +1618,15 @@ def span_rate(results: list[dict], hosts: list[str], probe: str, ranks: list[int
         for r in ranks:
             start, end = results[r][f"{probe}_spans"][k]
             by_host.setdefault(hosts[r], []).append((start, end, results[r][f"{probe}_bytes"]))
-        rate = sum(sum(n for _, _, n in spans) / max(max(e for _, e, _ in spans) - min(s for s, _, _ in spans), 1e-9)
-                   for spans in by_host.values())
+        rate = sum(
+            sum(n for _, _, n in spans) / max(max(e for _, e, _ in spans) - min(s for s, _, _ in spans), 1e-9)
+            for spans in by_host.values()
+        )
         best = max(best, rate)
     return best
 
 
-def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], copiers: list[int], nbytes: int,
-           reps: int) -> dict:
+def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], copiers: list[int], nbytes: int, reps: int) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -1362,8 +1659,9 @@ def _probe(ctx, peer: int | None, pairs: list[tuple[int, int]], copiers: list[in
 
     def exchange() -> None:
         if rank in partner:
-            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner[rank]),
-                                               dist.P2POp(dist.irecv, recv, partner[rank])]):
+            for req in dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, send, partner[rank]), dist.P2POp(dist.irecv, recv, partner[rank])]
+            ):
                 req.wait()
 
     out["gloo_aggregate_spans"] = _spans(exchange, reps)
@@ -1476,17 +1774,27 @@ def baseline_driver(group, dst: Topology) -> tuple[float, dict]:
     refs = {}
     for fsdp_rank, tp_rank, pp_rank in itertools.product(range(dst.fsdp), range(dst.tp), range(dst.pp)):
         shards = dst_layout.shards_at(tp_rank, pp_rank, fsdp_rank)
-        refs[fsdp_rank, tp_rank, pp_rank] = ray.put([
-            (s.param, s.offsets, s.sizes, _to_numpy(full[s.param][box_index(s.offsets, s.sizes)]))
-            for s in shards if s.numel])
+        refs[fsdp_rank, tp_rank, pp_rank] = ray.put(
+            [
+                (s.param, s.offsets, s.sizes, _to_numpy(full[s.param][box_index(s.offsets, s.sizes)]))
+                for s in shards
+                if s.numel
+            ]
+        )
     full = None
     t_put = time.perf_counter()
     group.run(_receive_boxes, [refs], spec, dst, vpm)
     done = time.perf_counter()
     refs = None
-    return done - started, {"phases": {"fetch": t_fetch - started, "assemble": t_assemble - t_fetch,
-                                       "slice_and_put": t_put - t_assemble, "actors_get_and_write": done - t_put},
-                            "objects_put": dst.fsdp * dst.tp * dst.pp}
+    return done - started, {
+        "phases": {
+            "fetch": t_fetch - started,
+            "assemble": t_assemble - t_fetch,
+            "slice_and_put": t_put - t_assemble,
+            "actors_get_and_write": done - t_put,
+        },
+        "objects_put": dst.fsdp * dst.tp * dst.pp,
+    }
 
 
 def _to_numpy(t: torch.Tensor):
@@ -1503,8 +1811,11 @@ def _from_numpy(array, dtype: str, sizes) -> torch.Tensor:
 
 
 def _export_boxes(ctx) -> list:
-    return [(s.param, s.offsets, s.sizes, _to_numpy(_local_view(ctx, s.param, s.offsets, s.sizes)))
-            for s in ctx.shards if s.numel]
+    return [
+        (s.param, s.offsets, s.sizes, _to_numpy(_local_view(ctx, s.param, s.offsets, s.sizes)))
+        for s in ctx.shards
+        if s.numel
+    ]
 
 
 def _receive_boxes(ctx, refs: list[dict], spec, dst: Topology, vpm: int) -> None:
@@ -1556,8 +1867,11 @@ def _broadcast_fn(ctx, spec, owners: dict, dst: Topology, vpm: int) -> None:
             for target, into in pending:
                 target.copy_(into)
         else:
-            sends = [dist.isend(_local_view(ctx, p.name, offsets, sizes).contiguous(), root)
-                     for r, offsets, sizes in boxes if r == rank]
+            sends = [
+                dist.isend(_local_view(ctx, p.name, offsets, sizes).contiguous(), root)
+                for r, offsets, sizes in boxes
+                if r == rank
+            ]
             for req in sends:
                 req.wait()
         dist.broadcast(full, root)
@@ -1593,14 +1907,14 @@ def _gather_fn(ctx, src: Layout, dst: Topology) -> None:
         send = torch.zeros(width, dtype=dtype)
         if p.name in boxes[ctx.rank]:
             s = boxes[ctx.rank][p.name]
-            send[:s.numel].copy_(_local_view(ctx, p.name, s.offsets, s.sizes).reshape(-1))
+            send[: s.numel].copy_(_local_view(ctx, p.name, s.offsets, s.sizes).reshape(-1))
         parts = [torch.empty(width, dtype=dtype) for _ in ranks]
         dist.all_gather(parts, send, group=pg)
         full = torch.empty(p.shape, dtype=dtype)
         for r, part in zip(ranks, parts):
             if p.name in boxes[r]:
                 s = boxes[r][p.name]
-                full[box_index(s.offsets, s.sizes)] = part[:s.numel].view(s.sizes)
+                full[box_index(s.offsets, s.sizes)] = part[: s.numel].view(s.sizes)
         for shard, _ in store.by_param.get(p.name, ()):
             if shard.numel:
                 store.write(p.name, shard.offsets, shard.sizes, full[box_index(shard.offsets, shard.sizes)])
@@ -1615,8 +1929,15 @@ def baseline_dcp(group, dst: Topology) -> tuple[float, dict]:
     path = os.path.join(base, f"realloc-bench-dcp-{uuid.uuid4().hex[:12]}")
     started = time.perf_counter()
     try:
-        phases = group.run(_dcp_fn, group.spec, owners, source_owners(Layout(group.spec, dst, group.vocab_pad_multiple)),
-                           dst, group.vocab_pad_multiple, path)
+        phases = group.run(
+            _dcp_fn,
+            group.spec,
+            owners,
+            source_owners(Layout(group.spec, dst, group.vocab_pad_multiple)),
+            dst,
+            group.vocab_pad_multiple,
+            path,
+        )
     finally:
         shutil.rmtree(path, ignore_errors=True)  # the timed run removes it; this is for failures
     return time.perf_counter() - started, {"checkpoint_dir": base, "phases": phases[0]}
@@ -1639,7 +1960,8 @@ def _sharded(local: list[torch.Tensor], boxes: list[tuple[int, tuple, tuple]], s
     mine = [m for (r, _, _), m in zip(boxes, metas) if r == rank]
     meta = ShardedTensorMetadata(metas, torch.Size(shape), TensorProperties(dtype=dtype))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        [Shard(t, m) for t, m in zip(local, mine)], meta, sharding_spec=EnumerableShardingSpec(metas))
+        [Shard(t, m) for t, m in zip(local, mine)], meta, sharding_spec=EnumerableShardingSpec(metas)
+    )
 
 
 def _dcp_fn(ctx, spec, owners: dict, dst_owners: dict, dst: Topology, vpm: int, path: str) -> dict:
@@ -1678,5 +2000,9 @@ def _dcp_fn(ctx, spec, owners: dict, dst_owners: dict, dst: Topology, vpm: int, 
     return {"save": t1 - t0, "load": t2 - t1, "rm": time.perf_counter() - t2}
 
 
-BASELINE_FNS = {"driver": baseline_driver, "broadcast": baseline_broadcast, "dcp": baseline_dcp,
-                "gather": baseline_gather}
+BASELINE_FNS = {
+    "driver": baseline_driver,
+    "broadcast": baseline_broadcast,
+    "dcp": baseline_dcp,
+    "gather": baseline_gather,
+}

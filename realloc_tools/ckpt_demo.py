@@ -32,30 +32,44 @@ DEMO_MODEL = "demo-110m"
 def add_ckpt_demo_parser(subparsers: Any) -> None:
     """Register ``ckpt-demo`` on an argparse subparsers object (``func(args) -> exit status``)."""
     p = subparsers.add_parser(
-        "ckpt-demo", help="save, lose a node, restore: local checkpoints with replication, timed",
+        "ckpt-demo",
+        help="save, lose a node, restore: local checkpoints with replication, timed",
         description="Save a model group's shards to node-local storage with clique replication, remove "
         "a node, start replacement workers on a fresh node and restore every shard from the replicas; "
-        "then load the checkpoint into another layout. Prints the timings.")
+        "then load the checkpoint into another layout. Prints the timings.",
+    )
     _add_arguments(p)
     p.set_defaults(func=run_ckpt_demo)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEMO_MODEL,
-                   help=f"{DEMO_MODEL} (default: hidden 768, 8 layers, vocab 32000, bf16) or a preset: "
-                   f"{', '.join(preset_names())}")
+    p.add_argument(
+        "--model",
+        default=DEMO_MODEL,
+        help=f"{DEMO_MODEL} (default: hidden 768, 8 layers, vocab 32000, bf16) or a preset: "
+        f"{', '.join(preset_names())}",
+    )
     p.add_argument("--topology", default="dp=2,tp=2,pp=2", help="training layout (default %(default)s)")
-    p.add_argument("--reshard-to", default="dp=4,tp=2,pp=1",
-                   help="layout the checkpoint is finally loaded into (default %(default)s)")
+    p.add_argument(
+        "--reshard-to",
+        default="dp=4,tp=2,pp=1",
+        help="layout the checkpoint is finally loaded into (default %(default)s)",
+    )
     p.add_argument("--factor", type=int, default=2, help="replication factor (default 2)")
     p.add_argument("--nodes", type=int, default=3, help="simulated worker nodes (default 3, one left empty)")
     p.add_argument("--address", default=None, help="attach to this Ray cluster instead of simulating one")
-    p.add_argument("--root", default=None,
-                   help="checkpoint root (default: a fresh directory under /dev/shm/realloc-ckpt, removed after)")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="checkpoint root (default: a fresh directory under /dev/shm/realloc-ckpt, removed after)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plan-only", action="store_true",
-                   help="no Ray: print the replication, retrieval and resharding plans for --gpus-per-node "
-                   "workers per node (any model size)")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="no Ray: print the replication, retrieval and resharding plans for --gpus-per-node "
+        "workers per node (any model size)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="workers per node with --plan-only (default 8)")
 
 
@@ -90,8 +104,9 @@ def run_ckpt_demo(args: argparse.Namespace) -> int:
     if args.plan_only:
         return _plan_only(spec, train, generate, args)
     if args.address is None and args.nodes < 2:
-        raise ValueError(f"--nodes must be at least 2 (workers on at least one, one left for replacements), "
-                         f"got {args.nodes}")
+        raise ValueError(
+            f"--nodes must be at least 2 (workers on at least one, one left for replacements), got {args.nodes}"
+        )
     import ray
 
     from actors.checkpoint import CheckpointManager
@@ -118,43 +133,79 @@ def run_ckpt_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         group = ModelGroup.create(spec, train, name="ckpt-demo", timeout_s=120)
         group.init_synthetic(seed=1)
-        rows.append(("start workers + init", time.perf_counter() - t0, spec.total_bytes(),
-                     f"{world} workers on {group.placement.num_nodes} nodes"))
+        rows.append(
+            (
+                "start workers + init",
+                time.perf_counter() - t0,
+                spec.total_bytes(),
+                f"{world} workers on {group.placement.num_nodes} nodes",
+            )
+        )
         manager = CheckpointManager(group, root=root, run_id="ckpt-demo", factor=args.factor)
 
         stats = manager.save(1).wait()
-        rows.append(("save (sync)", stats.total_seconds, stats.bytes_written,
-                     f"write {stats.write_seconds:.2f}s + replicate {stats.replicate_seconds:.2f}s "
-                     f"({_mb(stats.bytes_replicated_inter_node)} inter-node)"))
+        rows.append(
+            (
+                "save (sync)",
+                stats.total_seconds,
+                stats.bytes_written,
+                f"write {stats.write_seconds:.2f}s + replicate {stats.replicate_seconds:.2f}s "
+                f"({_mb(stats.bytes_replicated_inter_node)} inter-node)",
+            )
+        )
         t0 = time.perf_counter()
         handle = manager.save(2, is_async=True)
         returned = time.perf_counter() - t0
         group.init_synthetic(seed=2)  # "training" goes on: the save holds its snapshot
         stats = handle.wait()
-        rows.append(("save (async)", returned, stats.bytes_written,
-                     f"returned after the snapshot; background writes {stats.worker_write_seconds:.2f}s; "
-                     f"wait(): replicate {stats.replicate_seconds:.2f}s"))
+        rows.append(
+            (
+                "save (async)",
+                returned,
+                stats.bytes_written,
+                f"returned after the snapshot; background writes {stats.worker_write_seconds:.2f}s; "
+                f"wait(): replicate {stats.replicate_seconds:.2f}s",
+            )
+        )
 
         lost = group.placement.nodes[0]
         t0 = time.perf_counter()
         _lose_node(group, manager, lost, cluster, sim_nodes)
         replaced = group.replace_dead_workers()
-        rows.append(("lose node + replace", time.perf_counter() - t0, None,
-                     f"ranks {replaced} -> node {group.placement.nodes[replaced[0]][:8]} (empty storage)"))
+        rows.append(
+            (
+                "lose node + replace",
+                time.perf_counter() - t0,
+                None,
+                f"ranks {replaced} -> node {group.placement.nodes[replaced[0]][:8]} (empty storage)",
+            )
+        )
 
         load = manager.load()
         ok = group.verify_synthetic(seed=1) == {}
-        rows.append(("restore (after loss)", load.total_seconds, load.bytes_inter_node + load.bytes_local,
-                     f"{_mb(load.bytes_local)} local + {_mb(load.bytes_inter_node)} from replicas; "
-                     f"exchange {load.exchange_seconds:.2f}s; bit-exact: {ok}"))
+        rows.append(
+            (
+                "restore (after loss)",
+                load.total_seconds,
+                load.bytes_inter_node + load.bytes_local,
+                f"{_mb(load.bytes_local)} local + {_mb(load.bytes_inter_node)} from replicas; "
+                f"exchange {load.exchange_seconds:.2f}s; bit-exact: {ok}",
+            )
+        )
 
         group.reallocate(generate)
         group.init_synthetic(seed=3)
         load = manager.load()
         ok_reshard = group.verify_synthetic(seed=1) == {}
-        rows.append((f"reshard load -> {generate}", load.total_seconds, load.bytes_read,
-                     f"read once, max {_mb(load.max_reader_bytes)}/reader; "
-                     f"{_mb(load.bytes_inter_node)} inter-node; bit-exact: {ok_reshard}"))
+        rows.append(
+            (
+                f"reshard load -> {generate}",
+                load.total_seconds,
+                load.bytes_read,
+                f"read once, max {_mb(load.max_reader_bytes)}/reader; "
+                f"{_mb(load.bytes_inter_node)} inter-node; bit-exact: {ok_reshard}",
+            )
+        )
         group.shutdown()
     finally:
         if ray.is_initialized():
@@ -179,19 +230,27 @@ def _plan_only(spec: ModelSpec, train: Topology, generate: Topology, args: argpa
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"model {spec.name}: {_gb(report['model_files_bytes'])} of rank files, {report['workers']} workers on "
-          f"{report['nodes']} nodes, cliques jump={report['jump']} factor={report['factor']}")
-    print(f"{'plan':<34} {'inter-node':>11} {'local':>10} {'max node out':>13} {'senders (min-max)':>24} "
-          f"{'est. s':>7} {'plan s':>7}")
+    print(
+        f"model {spec.name}: {_gb(report['model_files_bytes'])} of rank files, {report['workers']} workers on "
+        f"{report['nodes']} nodes, cliques jump={report['jump']} factor={report['factor']}"
+    )
+    print(
+        f"{'plan':<34} {'inter-node':>11} {'local':>10} {'max node out':>13} {'senders (min-max)':>24} "
+        f"{'est. s':>7} {'plan s':>7}"
+    )
     for name in ("replication", "retrieval_after_losing_one_node", "reshard_load"):
         r = report[name]
         senders = f"{r['senders']} ({_gb(r['min_sender_bytes'])}-{_gb(r['max_sender_bytes'])})"
-        print(f"{name:<34} {_gb(r['bytes_inter_node']):>11} {_gb(r['bytes_local_copy']):>10} "
-              f"{_gb(r['max_node_egress_bytes']):>13} {senders:>24} {r['estimated_seconds']:>7.2f} "
-              f"{r['plan_seconds']:>7.2f}")
+        print(
+            f"{name:<34} {_gb(r['bytes_inter_node']):>11} {_gb(r['bytes_local_copy']):>10} "
+            f"{_gb(r['max_node_egress_bytes']):>13} {senders:>24} {r['estimated_seconds']:>7.2f} "
+            f"{r['plan_seconds']:>7.2f}"
+        )
     r = report["reshard_load"]
-    print(f"reshard reads: {_gb(r['bytes_read'])} read once; max {_gb(r['max_reader_bytes'])} per reader "
-          f"(mean {_gb(r['mean_reader_bytes'])})")
+    print(
+        f"reshard reads: {_gb(r['bytes_read'])} read once; max {_gb(r['max_reader_bytes'])} per reader "
+        f"(mean {_gb(r['mean_reader_bytes'])})"
+    )
     return 0
 
 
@@ -227,9 +286,17 @@ def _mb(n: int | None) -> str:
 
 def _report(rows: list, spec: ModelSpec, train: Topology, as_json: bool, ok: bool) -> None:
     if as_json:
-        print(json.dumps({"model": spec.name, "model_bytes": spec.total_bytes(), "topology": str(train), "ok": ok,
-                          "steps": [{"step": s, "seconds": round(t, 3), "bytes": b, "detail": d}
-                                    for s, t, b, d in rows]}))
+        print(
+            json.dumps(
+                {
+                    "model": spec.name,
+                    "model_bytes": spec.total_bytes(),
+                    "topology": str(train),
+                    "ok": ok,
+                    "steps": [{"step": s, "seconds": round(t, 3), "bytes": b, "detail": d} for s, t, b, d in rows],
+                }
+            )
+        )
         return
     print(f"model {spec.name} ({_mb(spec.total_bytes())}), layout {train}")
     print(f"{'step':<30} {'seconds':>8} {'bytes':>11}  detail")

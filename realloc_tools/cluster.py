@@ -10,8 +10,13 @@ import ray
 
 
 @contextlib.contextmanager
-def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int,
-                    object_store_bytes: int | None = None, gpus_per_node: int = 0) -> Iterator[str]:
+def ray_for_command(
+    address: str | None,
+    num_nodes: int,
+    cpus_per_node: int,
+    object_store_bytes: int | None = None,
+    gpus_per_node: int = 0,
+) -> Iterator[str]:
     """Attach to ``address``, or start ``num_nodes`` simulated nodes (distinct Ray node ids).
 
     Yields a description of what it started. Simulated nodes share this machine but are real
@@ -29,7 +34,9 @@ def ray_for_command(address: str | None, num_nodes: int, cpus_per_node: int,
     from ray.cluster_utils import Cluster
 
     store = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False, **store})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False, **store}
+    )
     try:
         for _ in range(num_nodes):
             cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node, **store)

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from realloc_tools.cluster import ray_for_command
 from realloc.boxes import box_index
 from realloc.layout import Topology
+from realloc_tools.cluster import ray_for_command
 
 DEFAULT_ROUTE = ["dp=2,tp=2,pp=2", "dp=1,tp=4,pp=2", "dp=2,tp=4,pp=1", "dp=8,tp=1,pp=1", "dp=2,tp=2,pp=2"]
 
@@ -19,8 +19,11 @@ def add_demo_parser(subparsers) -> None:
     p = subparsers.add_parser("demo", help="reallocate a model through several layouts on Ray actors and verify it")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray with simulated nodes)")
     p.add_argument("--model", default="small", help="preset or HF config.json (default: small, 112 MB bf16)")
-    p.add_argument("--layouts", default=";".join(DEFAULT_ROUTE),
-                   help="';'-separated layouts to visit in order (default: %(default)s)")
+    p.add_argument(
+        "--layouts",
+        default=";".join(DEFAULT_ROUTE),
+        help="';'-separated layouts to visit in order (default: %(default)s)",
+    )
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes when starting Ray locally")
     p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL)")
     p.add_argument("--bucket-mb", type=float, default=16, help="bucket size in MiB")
@@ -73,13 +76,18 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     rows = []
     with ray_for_command(args.address, args.nodes, per_node) as where:
-        print(f"realloc demo: {spec.name} ({spec.total_bytes() / 1e6:.0f} MB) on {workers} actors, {where}",
-              file=sys.stderr)
-        group = ModelGroup.create(spec, layouts[0], name="demo", use_gpu=args.gpu,
-                                  bucket_bytes=int(args.bucket_mb * (1 << 20)))
+        print(
+            f"realloc demo: {spec.name} ({spec.total_bytes() / 1e6:.0f} MB) on {workers} actors, {where}",
+            file=sys.stderr,
+        )
+        group = ModelGroup.create(
+            spec, layouts[0], name="demo", use_gpu=args.gpu, bucket_bytes=int(args.bucket_mb * (1 << 20))
+        )
         try:
-            print(f"workers on {group.placement.num_nodes} nodes; ready in {time.perf_counter() - started:.1f}s",
-                  file=sys.stderr)
+            print(
+                f"workers on {group.placement.num_nodes} nodes; ready in {time.perf_counter() - started:.1f}s",
+                file=sys.stderr,
+            )
             reference = synthetic_state_dict(spec, args.seed)
             group.init_synthetic(args.seed)
             verify_against_reference(group, reference)
@@ -97,11 +105,15 @@ def run_demo(args: argparse.Namespace) -> int:
         print(json.dumps({"model": spec.name, "workers": workers, "transitions": rows, "total_seconds": total}))
         return 0
     width = max(len("transition"), *(len(r["transition"]) for r in rows))
-    header = f"{'transition':<{width}} {'intra MB':>9} {'inter MB':>9} {'local MB':>9} {'seconds':>8} {'GB/s':>6}  verified"
+    header = (
+        f"{'transition':<{width}} {'intra MB':>9} {'inter MB':>9} {'local MB':>9} {'seconds':>8} {'GB/s':>6}  verified"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['transition']:<{width}} {r['bytes_intra_node'] / 1e6:>9.1f} {r['bytes_inter_node'] / 1e6:>9.1f} "
-              f"{r['bytes_local'] / 1e6:>9.1f} {r['seconds']:>8.3f} {r['gbps']:>6.2f}  {r['verified_boxes']} boxes")
+        print(
+            f"{r['transition']:<{width}} {r['bytes_intra_node'] / 1e6:>9.1f} {r['bytes_inter_node'] / 1e6:>9.1f} "
+            f"{r['bytes_local'] / 1e6:>9.1f} {r['seconds']:>8.3f} {r['gbps']:>6.2f}  {r['verified_boxes']} boxes"
+        )
     print(f"all {len(rows)} transitions bit-exact; total {total:.1f}s")
     return 0

@@ -116,27 +116,51 @@ def add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--src", required=True, help="source layout, e.g. dp=2,tp=4,pp=2 or ep=8,tp=1 (expert parallelism)")
     p.add_argument("--dst", required=True, help="destination layout, e.g. dp=8,tp=2,pp=1")
     p.add_argument("--gpus-per-node", type=int, default=8, help="workers per node (default 8)")
-    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
-                   help=f"bucket size in MiB (default {DEFAULT_BUCKET_BYTES >> 20})")
-    p.add_argument("--intra-gbps", type=float, default=Bandwidths().intra_node / 1e9,
-                   help="intra-node bandwidth in GB/s for the time estimate (default %(default)g)")
-    p.add_argument("--inter-gbps", type=float, default=Bandwidths().inter_node / 1e9,
-                   help="inter-node bandwidth in GB/s per worker for the time estimate (default %(default)g)")
-    p.add_argument("--vocab-pad-multiple", type=int, default=1,
-                   help="pad vocabulary shards to a multiple of this times tp (default 1)")
-    p.add_argument("--vocab-pad-rule", default=VOCAB_PAD_RULES[0],
-                   help=f"how the padded vocabulary is split: {' or '.join(VOCAB_PAD_RULES)} (default "
-                   "%(default)s: pad to a multiple of --vocab-pad-multiple times tp; vllm: pad to a multiple "
-                   "of --vocab-pad-multiple, e.g. 64, then split over tp)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        help=f"bucket size in MiB (default {DEFAULT_BUCKET_BYTES >> 20})",
+    )
+    p.add_argument(
+        "--intra-gbps",
+        type=float,
+        default=Bandwidths().intra_node / 1e9,
+        help="intra-node bandwidth in GB/s for the time estimate (default %(default)g)",
+    )
+    p.add_argument(
+        "--inter-gbps",
+        type=float,
+        default=Bandwidths().inter_node / 1e9,
+        help="inter-node bandwidth in GB/s per worker for the time estimate (default %(default)g)",
+    )
+    p.add_argument(
+        "--vocab-pad-multiple",
+        type=int,
+        default=1,
+        help="pad vocabulary shards to a multiple of this times tp (default 1)",
+    )
+    p.add_argument(
+        "--vocab-pad-rule",
+        default=VOCAB_PAD_RULES[0],
+        help=f"how the padded vocabulary is split: {' or '.join(VOCAB_PAD_RULES)} (default "
+        "%(default)s: pad to a multiple of --vocab-pad-multiple times tp; vllm: pad to a multiple "
+        "of --vocab-pad-multiple, e.g. 64, then split over tp)",
+    )
     for side in ("src", "dst"):
-        p.add_argument(f"--{side}-expert-order", default=EXPERT_ORDERS[0],
-                       help=f"buffer order of the {side} layout's routed experts: {' or '.join(EXPERT_ORDERS)} "
-                       "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight)")
+        p.add_argument(
+            f"--{side}-expert-order",
+            default=EXPERT_ORDERS[0],
+            help=f"buffer order of the {side} layout's routed experts: {' or '.join(EXPERT_ORDERS)} "
+            "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight)",
+        )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
-    p.add_argument("--verify", action="store_true",
-                   help="execute the plan in-process on random weights and check every destination shard "
-                   "(small models only)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="execute the plan in-process on random weights and check every destination shard (small models only)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of --verify's weights (default 0)")
     p.set_defaults(func=run_plan)
 
@@ -152,8 +176,9 @@ def run_plan(args: argparse.Namespace) -> int:
             "a reallocation keeps the same workers, so both must have the same dp*tp*pp"
         )
     bucket_bytes = _bucket_bytes(args.bucket_mb)
-    bandwidths = Bandwidths(intra_node=_gbps(args.intra_gbps, "--intra-gbps"),
-                            inter_node=_gbps(args.inter_gbps, "--inter-gbps"))
+    bandwidths = Bandwidths(
+        intra_node=_gbps(args.intra_gbps, "--intra-gbps"), inter_node=_gbps(args.inter_gbps, "--inter-gbps")
+    )
     check_positive("--gpus-per-node", args.gpus_per_node)
     check_positive("--vocab-pad-multiple", args.vocab_pad_multiple)
     check_choice("--vocab-pad-rule", args.vocab_pad_rule, VOCAB_PAD_RULES)
@@ -170,8 +195,9 @@ def run_plan(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         src_layout = _layout(spec, src, args.vocab_pad_multiple, "--src", args.vocab_pad_rule, args.src_expert_order)
         dst_layout = _layout(spec, dst, args.vocab_pad_multiple, "--dst", args.vocab_pad_rule, args.dst_expert_order)
-        plan = plan_reallocation(spec, src_layout, dst_layout, placement,
-                                 bucket_bytes=bucket_bytes, bandwidths=bandwidths)
+        plan = plan_reallocation(
+            spec, src_layout, dst_layout, placement, bucket_bytes=bucket_bytes, bandwidths=bandwidths
+        )
         plan_seconds = time.perf_counter() - started
     finally:
         gc.enable()
@@ -193,8 +219,14 @@ def _topology(text: str, option: str) -> Topology:
         raise ValueError(f"{option}: {exc}") from None
 
 
-def _layout(spec: ModelSpec, topology: Topology, vocab_pad_multiple: int, option: str,
-            vocab_pad_rule: str = VOCAB_PAD_RULES[0], expert_order: str = EXPERT_ORDERS[0]) -> Layout:
+def _layout(
+    spec: ModelSpec,
+    topology: Topology,
+    vocab_pad_multiple: int,
+    option: str,
+    vocab_pad_rule: str = VOCAB_PAD_RULES[0],
+    expert_order: str = EXPERT_ORDERS[0],
+) -> Layout:
     try:
         return Layout(spec, topology, vocab_pad_multiple, vocab_pad_rule, expert_order=expert_order)
     except ValueError as exc:
@@ -210,8 +242,16 @@ def _gbps(value: float, option: str) -> float:
     return check_finite(option, value, positive=True, allowed="a positive number of GB/s") * 1e9
 
 
-def plan_report(spec: ModelSpec, src: Topology, dst: Topology, placement: Placement, plan: "Plan",
-                plan_seconds: float, *, full: bool = False) -> dict[str, Any]:
+def plan_report(
+    spec: ModelSpec,
+    src: Topology,
+    dst: Topology,
+    placement: Placement,
+    plan: "Plan",
+    plan_seconds: float,
+    *,
+    full: bool = False,
+) -> dict[str, Any]:
     """The JSON-ready statistics of a plan (per-node/per-rank tables only when ``full``)."""
     stats = {k: v for k, v in plan.stats.items() if full or k not in _TABLE_STATS}
     return {
@@ -237,21 +277,36 @@ def format_summary(report: dict[str, Any]) -> str:
         ("source", report["src"]),
         ("destination", report["dst"]),
         ("ranks", f"{report['world_size']} on {report['num_nodes']} nodes ({report['gpus_per_node']} per node)"),
-        ("bytes moved", f"{_size(report['bytes_total'])} (intra-node {_size(report['bytes_intra_node'])}, "
-                        f"inter-node {_size(report['bytes_inter_node'])})"),
+        (
+            "bytes moved",
+            f"{_size(report['bytes_total'])} (intra-node {_size(report['bytes_intra_node'])}, "
+            f"inter-node {_size(report['bytes_inter_node'])})",
+        ),
         ("inter-node lower bound", _size(report["lower_bound_inter_node_bytes"])),
         ("local copies", _size(report["bytes_local_copy"])),
         ("max node egress", _size(report["max_node_egress_bytes"])),
         ("max node ingress", _size(report["max_node_ingress_bytes"])),
-        ("steps", f"{report['num_steps']} ({report['num_routes']} routes, {report['num_buckets']} buckets "
-                  f"of at most {report['bucket_bytes'] / 2**20:g} MiB)"),
-        ("estimated time", f"{report['estimated_seconds']:.3g} s at {bw['intra_node'] / 1e9:g} GB/s intra-node, "
-                           f"{bw['inter_node'] / 1e9:g} GB/s inter-node"),
+        (
+            "steps",
+            f"{report['num_steps']} ({report['num_routes']} routes, {report['num_buckets']} buckets "
+            f"of at most {report['bucket_bytes'] / 2**20:g} MiB)",
+        ),
+        (
+            "estimated time",
+            f"{report['estimated_seconds']:.3g} s at {bw['intra_node'] / 1e9:g} GB/s intra-node, "
+            f"{bw['inter_node'] / 1e9:g} GB/s inter-node",
+        ),
         ("plan time", f"{report['plan_seconds']:.3f} s"),
     ]
     if "verified" in report:
-        lines.append(("verified", "yes" if report["verified"] else
-                      f"NO: {report['mismatched_shards']} shards differ, e.g. {report['mismatches']}"))
+        lines.append(
+            (
+                "verified",
+                "yes"
+                if report["verified"]
+                else f"NO: {report['mismatched_shards']} shards differ, e.g. {report['mismatches']}",
+            )
+        )
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
 
@@ -345,8 +400,9 @@ def _slices(sizes: Sequence[int]) -> tuple[slice, ...]:
 
 
 def add_presets_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("presets", help="list the named model presets",
-                              description="List the named model presets with their sizes.")
+    p = subparsers.add_parser(
+        "presets", help="list the named model presets", description="List the named model presets with their sizes."
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_presets)
 
@@ -356,18 +412,26 @@ def run_presets(args: argparse.Namespace) -> int:
     rows = []
     for name in preset_names():
         spec = preset(name)
-        rows.append({
-            "name": name, "parameters": sum(p.numel for p in spec.params), "bytes": spec.total_bytes(),
-            "layers": spec.num_layers, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
-            "dtypes": spec.dtypes(),
-        })
+        rows.append(
+            {
+                "name": name,
+                "parameters": sum(p.numel for p in spec.params),
+                "bytes": spec.total_bytes(),
+                "layers": spec.num_layers,
+                "heads": spec.num_heads,
+                "kv_heads": spec.num_kv_heads,
+                "dtypes": spec.dtypes(),
+            }
+        )
     if args.json:
         print(json.dumps({"presets": rows}))
         return 0
     print(f"{'preset':<14}{'parameters':>16}{'bytes':>18}{'layers':>8}{'heads':>7}{'kv':>5}  dtypes")
     for r in rows:
-        print(f"{r['name']:<14}{r['parameters']:>16,}{r['bytes']:>18,}{r['layers']:>8}{r['heads']:>7}"
-              f"{r['kv_heads']:>5}  {','.join(r['dtypes'])}")
+        print(
+            f"{r['name']:<14}{r['parameters']:>16,}{r['bytes']:>18,}{r['layers']:>8}{r['heads']:>7}"
+            f"{r['kv_heads']:>5}  {','.join(r['dtypes'])}"
+        )
     return 0
 
 

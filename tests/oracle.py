@@ -65,7 +65,10 @@ from dataclasses import dataclass
 import torch
 
 TORCH_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -95,9 +98,19 @@ class Decoder:
         from realloc.spec import decoder_spec
 
         return decoder_spec(
-            name, hidden=self.hidden, intermediate=self.intermediate, layers=self.layers, heads=self.heads,
-            kv_heads=self.kv_heads, head_dim=self.head_dim, vocab=self.vocab, tied=self.tied,
-            qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, dtype=self.dtype, norm_dtype=self.norm_dtype,
+            name,
+            hidden=self.hidden,
+            intermediate=self.intermediate,
+            layers=self.layers,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            vocab=self.vocab,
+            tied=self.tied,
+            qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
+            dtype=self.dtype,
+            norm_dtype=self.norm_dtype,
         )
 
 
@@ -238,8 +251,16 @@ def vllm_padded_vocab(vocab: int, tp: int, pad_to: int) -> int:
     return padded
 
 
-def tp_slice(d: Decoder, p: Param, full: torch.Tensor, tp: int, tp_rank: int, pad_multiple: int = 1,
-             pad_value=0, pad_rule: str = "megatron") -> torch.Tensor:
+def tp_slice(
+    d: Decoder,
+    p: Param,
+    full: torch.Tensor,
+    tp: int,
+    tp_rank: int,
+    pad_multiple: int = 1,
+    pad_value=0,
+    pad_rule: str = "megatron",
+) -> torch.Tensor:
     """The local tensor of ``p`` on tp rank ``tp_rank`` (padding rows filled with ``pad_value``)."""
     assert tp_fits(d, tp), f"tp={tp} does not fit {d}"
     hd = d.head_dim
@@ -268,8 +289,9 @@ def tp_slice(d: Decoder, p: Param, full: torch.Tensor, tp: int, tp_rank: int, pa
     raise AssertionError(p.rule)
 
 
-def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int, plist: "list[Param] | None" = None
-                ) -> list[tuple[str, Param]]:
+def stage_slots(
+    d: Decoder, stages: list[list[int]], pp_rank: int, plist: "list[Param] | None" = None
+) -> list[tuple[str, Param]]:
     """``(slot name, storage param)`` of pipeline stage ``pp_rank``, forward order (of ``plist``,
     default ``params(d)``)."""
     plist = params(d) if plist is None else plist
@@ -290,16 +312,29 @@ def stage_slots(d: Decoder, stages: list[list[int]], pp_rank: int, plist: "list[
     return slots
 
 
-def local_tensors(d: Decoder, full: dict[str, torch.Tensor], dp: int, tp: int, pp: int,
-                  stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0,
-                  fsdp: int = 1, split: str = "fsdp2", pad_rule: str = "megatron") -> dict[str, torch.Tensor]:
+def local_tensors(
+    d: Decoder,
+    full: dict[str, torch.Tensor],
+    dp: int,
+    tp: int,
+    pp: int,
+    stages: list[list[int]],
+    rank: int,
+    pad_multiple: int = 1,
+    pad_value=0,
+    fsdp: int = 1,
+    split: str = "fsdp2",
+    pad_rule: str = "megatron",
+) -> dict[str, torch.Tensor]:
     """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors);
     ``split="zero3"``: the 1-D ZeRO-3 partition of every slot, padding filled with ``pad_value``."""
     assert len(stages) == pp and sorted(i for s in stages for i in s) == list(range(d.layers))
     if fsdp == 1:
         _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
-        return {slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
-                for slot, p in stage_slots(d, stages, pp_rank)}
+        return {
+            slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
+            for slot, p in stage_slots(d, stages, pp_rank)
+        }
     assert pad_multiple == 1, "FSDP shards carry no vocabulary padding"
     _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
     out = {}
@@ -338,12 +373,33 @@ def index_tensors(d: Decoder) -> dict[str, torch.Tensor]:
     return {p.name: torch.arange(p.numel, dtype=torch.int64).reshape(p.shape) for p in params(d)}
 
 
-def held_indices(d: Decoder, dp: int, tp: int, pp: int, stages: list[list[int]], rank: int,
-                 pad_multiple: int = 1, fsdp: int = 1, split: str = "fsdp2",
-                 pad_rule: str = "megatron") -> dict[str, torch.Tensor]:
+def held_indices(
+    d: Decoder,
+    dp: int,
+    tp: int,
+    pp: int,
+    stages: list[list[int]],
+    rank: int,
+    pad_multiple: int = 1,
+    fsdp: int = 1,
+    split: str = "fsdp2",
+    pad_rule: str = "megatron",
+) -> dict[str, torch.Tensor]:
     """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded)."""
-    local = local_tensors(d, index_tensors(d), dp, tp, pp, stages, rank, pad_multiple, pad_value=-1, fsdp=fsdp,
-                          split=split, pad_rule=pad_rule)
+    local = local_tensors(
+        d,
+        index_tensors(d),
+        dp,
+        tp,
+        pp,
+        stages,
+        rank,
+        pad_multiple,
+        pad_value=-1,
+        fsdp=fsdp,
+        split=split,
+        pad_rule=pad_rule,
+    )
     out: dict[str, list[torch.Tensor]] = {}
     for slot, t in local.items():
         flat = t.reshape(-1)
@@ -351,8 +407,9 @@ def held_indices(d: Decoder, dp: int, tp: int, pp: int, stages: list[list[int]],
     return {name: torch.cat(parts) for name, parts in out.items()}
 
 
-def megatron_linear_qkv(d: Decoder, full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int,
-                        suffix: str = "weight") -> torch.Tensor:
+def megatron_linear_qkv(
+    d: Decoder, full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int, suffix: str = "weight"
+) -> torch.Tensor:
     """Megatron-core's local ``linear_qkv.{suffix}`` of tp rank ``tp_rank``, from the full HF q/k/v.
 
     The full fused tensor is ``[groups, (q_per_group + 2) * head_dim, ...]``: per group its q heads,
@@ -363,24 +420,43 @@ def megatron_linear_qkv(d: Decoder, full: dict[str, torch.Tensor], layer: int, t
     q, k, v = (full[f"{pre}{x}_proj.{suffix}"] for x in "qkv")
     groups, per_group, hd = d.kv_heads, d.heads // d.kv_heads, d.head_dim
     rest = tuple(q.shape[1:])
-    fused = torch.cat([q.reshape((groups, per_group * hd) + rest), k.reshape((groups, hd) + rest),
-                       v.reshape((groups, hd) + rest)], dim=1)
+    fused = torch.cat(
+        [q.reshape((groups, per_group * hd) + rest), k.reshape((groups, hd) + rest), v.reshape((groups, hd) + rest)],
+        dim=1,
+    )
     return fused.reshape((groups * (per_group + 2) * hd,) + rest).chunk(tp, dim=0)[tp_rank].clone()
 
 
 def megatron_linear_fc1(full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int) -> torch.Tensor:
     """Megatron-core's local ``linear_fc1.weight`` with a gated linear unit: the rank's gate rows, then its up rows."""
     pre = f"model.layers.{layer}.mlp."
-    return torch.cat([full[pre + "gate_proj.weight"].chunk(tp, dim=0)[tp_rank],
-                      full[pre + "up_proj.weight"].chunk(tp, dim=0)[tp_rank]])
+    return torch.cat(
+        [
+            full[pre + "gate_proj.weight"].chunk(tp, dim=0)[tp_rank],
+            full[pre + "up_proj.weight"].chunk(tp, dim=0)[tp_rank],
+        ]
+    )
 
 
 # -- hypothesis strategies for model descriptions and topologies --------------------------------
 
 #: (heads, kv_heads) pairs: MHA, GQA, MQA, and head counts where tp 4 -> 6 is legal.
 #: Richest first: hypothesis favours early choices.
-HEAD_CHOICES = [(12, 2), (48, 12), (8, 2), (12, 4), (6, 2), (4, 1), (6, 3), (4, 2), (12, 12), (2, 1), (4, 4),
-                (2, 2), (1, 1)]
+HEAD_CHOICES = [
+    (12, 2),
+    (48, 12),
+    (8, 2),
+    (12, 4),
+    (6, 2),
+    (4, 1),
+    (6, 3),
+    (4, 2),
+    (12, 12),
+    (2, 1),
+    (4, 4),
+    (2, 2),
+    (1, 1),
+]
 
 
 def decoders(st, max_layers: int = 5):
@@ -434,7 +510,8 @@ def layer_splits(st, layers: int, pp: int):
     if pp == 1:
         return st.just(None)
     explicit = st.lists(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True).map(
-        lambda cuts: tuple(b - a for a, b in zip([0] + sorted(cuts), sorted(cuts) + [layers])))
+        lambda cuts: tuple(b - a for a, b in zip([0] + sorted(cuts), sorted(cuts) + [layers]))
+    )
     return st.one_of(st.just(None), explicit)
 
 
@@ -459,12 +536,22 @@ class MoeDecoder(Decoder):
     dense_layers: int = 1
 
     def config(self) -> dict:
-        return {"model_type": "qwen2_moe", "hidden_size": self.hidden, "intermediate_size": self.intermediate,
-                "num_hidden_layers": self.layers, "num_attention_heads": self.heads, "head_dim": self.head_dim,
-                "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab, "num_experts": self.experts,
-                "moe_intermediate_size": self.moe_inter, "shared_expert_intermediate_size": self.shared_inter,
-                "mlp_only_layers": list(range(self.dense_layers)), "qkv_bias": self.qkv_bias,
-                "tie_word_embeddings": self.tied}
+        return {
+            "model_type": "qwen2_moe",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "head_dim": self.head_dim,
+            "num_key_value_heads": self.kv_heads,
+            "vocab_size": self.vocab,
+            "num_experts": self.experts,
+            "moe_intermediate_size": self.moe_inter,
+            "shared_expert_intermediate_size": self.shared_inter,
+            "mlp_only_layers": list(range(self.dense_layers)),
+            "qkv_bias": self.qkv_bias,
+            "tie_word_embeddings": self.tied,
+        }
 
     def spec(self, name: str = "oracle-moe"):
         from realloc.spec import spec_from_hf_config
@@ -486,13 +573,17 @@ def moe_params(m: MoeDecoder) -> list[Param]:
         pre = f"model.layers.{layer}.mlp."
         out.append(Param(pre + "gate.weight", (m.experts, m.hidden), m.dtype, "whole", layer))
         for e in range(m.experts):
-            for proj, shape, rule in (("gate_proj", (m.moe_inter, m.hidden), "rows"),
-                                      ("up_proj", (m.moe_inter, m.hidden), "rows"),
-                                      ("down_proj", (m.hidden, m.moe_inter), "cols")):
+            for proj, shape, rule in (
+                ("gate_proj", (m.moe_inter, m.hidden), "rows"),
+                ("up_proj", (m.moe_inter, m.hidden), "rows"),
+                ("down_proj", (m.hidden, m.moe_inter), "cols"),
+            ):
                 out.append(Param(f"{pre}experts.{e}.{proj}.weight", shape, m.dtype, rule, layer, expert=e))
-        for proj, shape, rule in (("gate_proj", (m.shared_inter, m.hidden), "rows"),
-                                  ("up_proj", (m.shared_inter, m.hidden), "rows"),
-                                  ("down_proj", (m.hidden, m.shared_inter), "cols")):
+        for proj, shape, rule in (
+            ("gate_proj", (m.shared_inter, m.hidden), "rows"),
+            ("up_proj", (m.shared_inter, m.hidden), "rows"),
+            ("down_proj", (m.hidden, m.shared_inter), "cols"),
+        ):
             out.append(Param(f"{pre}shared_expert.{proj}.weight", shape, m.dtype, rule, layer))
         out.append(Param(pre + "shared_expert_gate.weight", (1, m.hidden), m.dtype, "whole", layer))
     return out
@@ -527,9 +618,19 @@ def expert_mesh_coords(rank: int, dp: int, tp: int, pp: int, ep: int, etp: int) 
     return tuple(digits)  # type: ignore[return-value]
 
 
-def moe_local_tensors(m: MoeDecoder, full: dict[str, torch.Tensor], dp: int, tp: int, pp: int, ep: int, etp: int,
-                      stages: list[list[int]], rank: int, pad_multiple: int = 1, pad_value=0
-                      ) -> dict[str, torch.Tensor]:
+def moe_local_tensors(
+    m: MoeDecoder,
+    full: dict[str, torch.Tensor],
+    dp: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    stages: list[list[int]],
+    rank: int,
+    pad_multiple: int = 1,
+    pad_value=0,
+) -> dict[str, torch.Tensor]:
     """Slot name -> local tensor of ``rank`` with expert parallelism ``ep``/``etp``."""
     etp_rank, ep_rank, _, pp_rank = expert_mesh_coords(rank, dp, tp, pp, ep, etp)
     _, tp_rank, pp_dense = coords(rank, dp, tp, pp)
@@ -562,8 +663,17 @@ def vllm_w13(full: dict[str, torch.Tensor], layer: int, experts: list[int], etp:
     """vLLM's ``w13_weight`` of an ep/etp rank: ``[len(experts), 2 * inter / etp, hidden]``, per
     local expert its gate rows' etp slice (``w1``) then its up rows' (``w3``)."""
     pre = f"model.layers.{layer}.mlp.experts."
-    return torch.stack([torch.cat([full[f"{pre}{e}.gate_proj.weight"].chunk(etp, 0)[etp_rank],
-                                   full[f"{pre}{e}.up_proj.weight"].chunk(etp, 0)[etp_rank]]) for e in experts])
+    return torch.stack(
+        [
+            torch.cat(
+                [
+                    full[f"{pre}{e}.gate_proj.weight"].chunk(etp, 0)[etp_rank],
+                    full[f"{pre}{e}.up_proj.weight"].chunk(etp, 0)[etp_rank],
+                ]
+            )
+            for e in experts
+        ]
+    )
 
 
 def vllm_w2(full: dict[str, torch.Tensor], layer: int, experts: list[int], etp: int, etp_rank: int) -> torch.Tensor:
@@ -582,11 +692,22 @@ def moe_decoders(st, max_layers: int = 4):
         dtype = draw(st.sampled_from(["bfloat16", "float32"]))
         layers = draw(st.integers(2, max_layers))
         return MoeDecoder(
-            hidden=heads * head_dim, intermediate=draw(st.sampled_from([8, 16])), layers=layers, heads=heads,
-            kv_heads=kv, head_dim=head_dim, vocab=draw(st.integers(5, 40)), tied=draw(st.booleans()),
-            qkv_bias=draw(st.booleans()), dtype=dtype, norm_dtype=draw(st.sampled_from(["float32", dtype])),
-            experts=draw(st.integers(1, 9)), moe_inter=draw(st.sampled_from([4, 8])),
-            shared_inter=draw(st.sampled_from([4, 8])), dense_layers=draw(st.integers(0, 1)))
+            hidden=heads * head_dim,
+            intermediate=draw(st.sampled_from([8, 16])),
+            layers=layers,
+            heads=heads,
+            kv_heads=kv,
+            head_dim=head_dim,
+            vocab=draw(st.integers(5, 40)),
+            tied=draw(st.booleans()),
+            qkv_bias=draw(st.booleans()),
+            dtype=dtype,
+            norm_dtype=draw(st.sampled_from(["float32", dtype])),
+            experts=draw(st.integers(1, 9)),
+            moe_inter=draw(st.sampled_from([4, 8])),
+            shared_inter=draw(st.sampled_from([4, 8])),
+            dense_layers=draw(st.integers(0, 1)),
+        )
 
     return build()
 

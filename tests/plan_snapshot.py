@@ -30,13 +30,14 @@ from hypothesis.internal.conjecture import providers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import oracle  # noqa: E402
-import test_conventions  # noqa: E402
-import test_experts  # noqa: E402
-import test_planner_properties as props  # noqa: E402
-from test_plan_scale import large_form  # noqa: E402
-import test_zero3  # noqa: E402
-from realloc import Layout, ModelSpec, Placement, Topology, plan_exchange, plan_reallocation  # noqa: E402
+import oracle
+import test_conventions
+import test_experts
+import test_planner_properties as props
+import test_zero3
+from test_plan_scale import large_form
+
+from realloc import Layout, ModelSpec, Placement, Topology, plan_exchange, plan_reallocation
 
 
 def drawn(strategy, n: int) -> list:
@@ -49,8 +50,14 @@ def drawn(strategy, n: int) -> list:
     providers._get_local_constants = lambda: providers.Constants()
     out = []
 
-    @settings(derandomize=True, database=None, max_examples=n, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        derandomize=True,
+        database=None,
+        max_examples=n,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def collect(case):
         out.append(case)
@@ -64,8 +71,9 @@ def zero3_reallocations(draw):
     d = draw(oracle.decoders(st))
     world = draw(st.sampled_from([8, 6, 4, 2]))
     zero3 = draw(test_zero3.zero3_topologies(d, world))
-    other = draw(st.one_of(props.topologies(d, world), props.fsdp_topologies(d, world),
-                           test_zero3.zero3_topologies(d, world)))
+    other = draw(
+        st.one_of(props.topologies(d, world), props.fsdp_topologies(d, world), test_zero3.zero3_topologies(d, world))
+    )
     src, dst = (zero3, other) if draw(st.booleans()) else (other, zero3)
     return d.spec(), src, dst, draw(props.placements(world)), draw(st.integers(1024, 4096))
 
@@ -86,64 +94,134 @@ def case_plan(case: props.Case):
 def cases():
     """``(kind, description, thunk)`` of every case, in a fixed order."""
     out = []
-    for kind, strategy, n in (("reallocation", props.reallocations(), 80),
-                              ("cross-model", props.cross_model_copies(), 25),
-                              ("fsdp", props.fsdp_reallocations(), 40)):
+    for kind, strategy, n in (
+        ("reallocation", props.reallocations(), 80),
+        ("cross-model", props.cross_model_copies(), 25),
+        ("fsdp", props.fsdp_reallocations(), 40),
+    ):
         for case in drawn(strategy, n):
-            out.append((kind, f"{case.d} {case.src} -> {case.dst} pad={case.pad} bucket={case.bucket_bytes} "
-                              f"src_workers={case.src_workers} dst_workers={case.dst_workers}",
-                        lambda case=case: case_plan(case), nullcontext))
+            out.append(
+                (
+                    kind,
+                    f"{case.d} {case.src} -> {case.dst} pad={case.pad} bucket={case.bucket_bytes} "
+                    f"src_workers={case.src_workers} dst_workers={case.dst_workers}",
+                    lambda case=case: case_plan(case),
+                    nullcontext,
+                )
+            )
     for case in drawn(props.reallocations(), 20):
         out.append(("large-form", f"{case.d} {case.src} -> {case.dst}", lambda case=case: case_plan(case), large_form))
     for case in drawn(test_experts.ep_reallocations(), 30):
         m, src, dst, placement, pad, bucket = case
-        out.append(("experts", f"{src} -> {dst} bucket={bucket}",
-                    lambda src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
-                        src.spec, src, dst, placement, bucket_bytes=bucket), nullcontext))
+        out.append(
+            (
+                "experts",
+                f"{src} -> {dst} bucket={bucket}",
+                lambda src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
+                    src.spec, src, dst, placement, bucket_bytes=bucket
+                ),
+                nullcontext,
+            )
+        )
     for case in drawn(test_experts.ep_reallocations(), 10):
         m, src, dst, placement, pad, bucket = case
-        out.append(("experts-large-form", f"{src} -> {dst} bucket={bucket}",
-                    lambda src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
-                        src.spec, src, dst, placement, bucket_bytes=bucket), large_form))
+        out.append(
+            (
+                "experts-large-form",
+                f"{src} -> {dst} bucket={bucket}",
+                lambda src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
+                    src.spec, src, dst, placement, bucket_bytes=bucket
+                ),
+                large_form,
+            )
+        )
     for spec, src, dst, placement, bucket in drawn(zero3_reallocations(), 20):
-        out.append(("zero3", f"{src} -> {dst} bucket={bucket}",
-                    lambda spec=spec, src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
-                        spec, src, dst, placement, bucket_bytes=bucket), nullcontext))
+        out.append(
+            (
+                "zero3",
+                f"{src} -> {dst} bucket={bucket}",
+                lambda spec=spec, src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
+                    spec, src, dst, placement, bucket_bytes=bucket
+                ),
+                nullcontext,
+            )
+        )
     for src, dst, placement, bucket in drawn(convention_reallocations(), 20):
-        out.append(("conventions", f"{src} -> {dst} bucket={bucket}",
-                    lambda src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
-                        src.spec, src, dst, placement, bucket_bytes=bucket), nullcontext))
-    for (holdings, needs, placement, table), bucket in drawn(st.tuples(props.random_exchanges(),
-                                                                        st.integers(1024, 1536)), 30):
-        out.append(("exchange", f"{holdings} -> {needs} on {placement.nodes} bucket={bucket}",
-                    lambda h=holdings, n=needs, p=placement, t=table, b=bucket: plan_exchange(
-                        h, n, p, t, bucket_bytes=b), nullcontext))
+        out.append(
+            (
+                "conventions",
+                f"{src} -> {dst} bucket={bucket}",
+                lambda src=src, dst=dst, placement=placement, bucket=bucket: plan_reallocation(
+                    src.spec, src, dst, placement, bucket_bytes=bucket
+                ),
+                nullcontext,
+            )
+        )
+    for (holdings, needs, placement, table), bucket in drawn(
+        st.tuples(props.random_exchanges(), st.integers(1024, 1536)), 30
+    ):
+        out.append(
+            (
+                "exchange",
+                f"{holdings} -> {needs} on {placement.nodes} bucket={bucket}",
+                lambda h=holdings, n=needs, p=placement, t=table, b=bucket: plan_exchange(h, n, p, t, bucket_bytes=b),
+                nullcontext,
+            )
+        )
     chosen = [
         props.Case(props.GQA12, Topology(dp=3, tp=4), Topology(dp=2, tp=6), Placement.blocks(12, 4), bucket_bytes=1024),
-        props.Case(props.GQA12, Topology(tp=4, pp=3), Topology(dp=1, tp=6, pp=2, layer_split=(2, 1)),
-                   props.SCATTERED12, pad=2),
-        props.Case(props.HEADS48, Topology(tp=4, pp=3, layer_split=(1, 2, 2)), Topology(tp=6, pp=2, layer_split=(4, 1)),
-                   props.SCATTERED12, pad=3, bucket_bytes=1500),
+        props.Case(
+            props.GQA12, Topology(tp=4, pp=3), Topology(dp=1, tp=6, pp=2, layer_split=(2, 1)), props.SCATTERED12, pad=2
+        ),
+        props.Case(
+            props.HEADS48,
+            Topology(tp=4, pp=3, layer_split=(1, 2, 2)),
+            Topology(tp=6, pp=2, layer_split=(4, 1)),
+            props.SCATTERED12,
+            pad=3,
+            bucket_bytes=1500,
+        ),
         props.Case(props.GQA8, Topology(tp=8), Topology(tp=4, pp=2, layer_split=(3, 1)), Placement.blocks(8, 1)),
         props.Case(props.FSDP8, Topology(fsdp=8), Topology(dp=2, tp=4), Placement.blocks(8, 4)),
-        props.Case(props.FSDP8, Topology(dp=2, fsdp=3, tp=2), Topology(tp=4, pp=3, layer_split=(1, 2, 1)),
-                   Placement.blocks(12, 4)),
-        props.Case(props.GQA12, Topology(tp=2, pp=3), Topology(dp=2, tp=6, pp=1), Placement.blocks(18, 4),
-                   src_workers=list(range(12, 18)), dst_workers=list(range(12)), bucket_bytes=2048),
+        props.Case(
+            props.FSDP8,
+            Topology(dp=2, fsdp=3, tp=2),
+            Topology(tp=4, pp=3, layer_split=(1, 2, 1)),
+            Placement.blocks(12, 4),
+        ),
+        props.Case(
+            props.GQA12,
+            Topology(tp=2, pp=3),
+            Topology(dp=2, tp=6, pp=1),
+            Placement.blocks(18, 4),
+            src_workers=list(range(12, 18)),
+            dst_workers=list(range(12)),
+            bucket_bytes=2048,
+        ),
     ]
     for case in chosen:
         out.append(("chosen", f"{case.src} -> {case.dst}", lambda case=case: case_plan(case), nullcontext))
     for model, src, dst, n, options in (
-            ("llama-70b", "dp=4,tp=8,pp=8", "dp=32,tp=8", 256, {}),
-            ("qwen2.5-7b", "dp=2,tp=4,pp=2", "dp=8,tp=2", 16, dict(vocab_pad_multiple=64, vocab_pad_rule="vllm")),
-            ("llama-7b", "fsdp=256", "dp=32,tp=8", 256, {}),
-            ("llama-7b", "fsdp=512", "dp=64,tp=8", 512, {}),  # past LARGE_PLAN_ROUTES: StepTable, cyclic steps
-            ("tiny", "dp=4", "dp=2,tp=2", 4, dict(qkv_order="megatron"))):
+        ("llama-70b", "dp=4,tp=8,pp=8", "dp=32,tp=8", 256, {}),
+        ("qwen2.5-7b", "dp=2,tp=4,pp=2", "dp=8,tp=2", 16, dict(vocab_pad_multiple=64, vocab_pad_rule="vllm")),
+        ("llama-7b", "fsdp=256", "dp=32,tp=8", 256, {}),
+        ("llama-7b", "fsdp=512", "dp=64,tp=8", 512, {}),  # past LARGE_PLAN_ROUTES: StepTable, cyclic steps
+        ("tiny", "dp=4", "dp=2,tp=2", 4, dict(qkv_order="megatron")),
+    ):
         spec = ModelSpec.preset(model)
-        out.append(("preset", f"{model} {src} -> {dst}",
-                    lambda spec=spec, src=src, dst=dst, n=n, options=options: plan_reallocation(
-                        spec, Layout(spec, Topology.parse(src), **options), Layout(spec, Topology.parse(dst), **options),
-                        Placement.blocks(n, 8)), nullcontext))
+        out.append(
+            (
+                "preset",
+                f"{model} {src} -> {dst}",
+                lambda spec=spec, src=src, dst=dst, n=n, options=options: plan_reallocation(
+                    spec,
+                    Layout(spec, Topology.parse(src), **options),
+                    Layout(spec, Topology.parse(dst), **options),
+                    Placement.blocks(n, 8),
+                ),
+                nullcontext,
+            )
+        )
     return out
 
 

@@ -16,8 +16,19 @@ from realloc_tools.bench import ALL_TRANSITIONS, BASELINES, lower_bound, parse_t
 from realloc_tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent  # run the checkout's realloc_tools.cli, not an installed one
-REQUIRED = {"ours_seconds", "baselines", "speedup_vs", "lower_bound_seconds", "ratio_to_lower_bound",
-            "peak_extra_bytes_per_actor", "bucket_bytes", "lower_bound_formula", "transport", "verified", "plan"}
+REQUIRED = {
+    "ours_seconds",
+    "baselines",
+    "speedup_vs",
+    "lower_bound_seconds",
+    "ratio_to_lower_bound",
+    "peak_extra_bytes_per_actor",
+    "bucket_bytes",
+    "lower_bound_formula",
+    "transport",
+    "verified",
+    "plan",
+}
 
 
 def test_source_owners_tile_every_parameter_once():
@@ -30,8 +41,9 @@ def test_source_owners_tile_every_parameter_once():
             assert len({(o, s) for _, o, s in boxes}) == len(boxes)
             for rank, o, s in boxes:  # the owner holds it, in dp replica 0
                 assert topo.coords(rank)[0] == 0
-                assert any(sh.param == p.name and sh.offsets == o and sh.sizes == s
-                           for sh in Layout(spec, topo).shards(rank))
+                assert any(
+                    sh.param == p.name and sh.offsets == o and sh.sizes == s for sh in Layout(spec, topo).shards(rank)
+                )
 
 
 def _numel(sizes) -> int:
@@ -47,8 +59,14 @@ def test_lower_bound_formula():
     plan = plan_reallocation(spec, Layout(spec, src), Layout(spec, dst), Placement.blocks(8, 4))
     # Two cores copying at once measured 4 GB/s, not 2 x 3: copies are charged at what was
     # measured (the larger of the two concurrent probes), never at cores x the one-core rate.
-    t = {"gloo_p2p_gbps": 1.0, "gloo_aggregate_gbps": 2.0, "memcpy_1core_gbps": 3.0, "memcpy_cores_gbps": 4.0,
-         "memcpy_aggregate_gbps": 3.5, "memcpy_shm_cold_gbps": 1.0}
+    t = {
+        "gloo_p2p_gbps": 1.0,
+        "gloo_aggregate_gbps": 2.0,
+        "memcpy_1core_gbps": 3.0,
+        "memcpy_cores_gbps": 4.0,
+        "memcpy_aggregate_gbps": 3.5,
+        "memcpy_shm_cold_gbps": 1.0,
+    }
     lb = lower_bound(plan, t, cores=2, workers=8)
     s = plan.stats
     copied = s["bytes_intra_node"] + s["bytes_local_copy"]
@@ -56,11 +74,14 @@ def test_lower_bound_formula():
     assert lb["lower_bound_terms"]["memcpy_gbps"] == pytest.approx(4.0)
     assert lb["lower_bound_terms"]["aggregate_seconds"] == pytest.approx(aggregate)
     linear = s["bytes_inter_node"] / 2e9 + copied / 6e9
-    assert lb["lower_bound_linear_copy_seconds"] == pytest.approx(max(linear, lb["lower_bound_terms"]["critical_rank_seconds"]))
+    assert lb["lower_bound_linear_copy_seconds"] == pytest.approx(
+        max(linear, lb["lower_bound_terms"]["critical_rank_seconds"])
+    )
     assert lb["lower_bound_linear_copy_seconds"] < lb["lower_bound_seconds"]
     assert lb["lower_bound_seconds"] >= aggregate > 0
-    assert lb["lower_bound_seconds"] == max(lb["lower_bound_terms"]["aggregate_seconds"],
-                                            lb["lower_bound_terms"]["critical_rank_seconds"])
+    assert lb["lower_bound_seconds"] == max(
+        lb["lower_bound_terms"]["aggregate_seconds"], lb["lower_bound_terms"]["critical_rank_seconds"]
+    )
     assert "bytes_inter_node" in lb["lower_bound_formula"]
     assert not lb["lower_bound_terms"]["memcpy_capped"]
     # A concurrent probe above every core copying at the one-core rate measured its barriers'
@@ -85,7 +106,9 @@ def test_span_rate_charges_each_host_from_its_first_start_to_its_last_end():
     ]
     hosts = ["a", "a", "b", "b"]
     # rep 0: a moves 8 bytes in 3 s, b 6 in 2 s; rep 1: a 8 in 0.5 s, b 6 in 4 s
-    assert span_rate(results, hosts, "memcpy_aggregate", [0, 1, 2]) == pytest.approx(max(8 / 3 + 6 / 2, 8 / 0.5 + 6 / 4))
+    assert span_rate(results, hosts, "memcpy_aggregate", [0, 1, 2]) == pytest.approx(
+        max(8 / 3 + 6 / 2, 8 / 0.5 + 6 / 4)
+    )
     assert span_rate(results, hosts, "memcpy_aggregate", [0]) == pytest.approx(4 / 0.5)
 
 
@@ -102,12 +125,15 @@ def test_bad_options_are_usage_errors(capsys):
 
 def test_transitions():
     assert [(str(a), str(b)) for a, b in parse_transitions(None)] == [
-        (str(Topology.parse(a)), str(Topology.parse(b))) for a, b in ALL_TRANSITIONS]
+        (str(Topology.parse(a)), str(Topology.parse(b))) for a, b in ALL_TRANSITIONS
+    ]
     assert len(ALL_TRANSITIONS) >= 4
     assert parse_transitions("default") == [(Topology(dp=2, tp=2, pp=2), Topology(dp=4, tp=2))]
     assert parse_transitions(None, "fsdp=8") == [(Topology(fsdp=8), Topology(dp=4, tp=2))]
     assert parse_transitions(" dp=4,tp=2 -> tp=8 ; fsdp=8->dp=8 ") == [
-        (Topology(dp=4, tp=2), Topology(tp=8)), (Topology(fsdp=8), Topology(dp=8))]
+        (Topology(dp=4, tp=2), Topology(tp=8)),
+        (Topology(fsdp=8), Topology(dp=8)),
+    ]
     with pytest.raises(ValueError, match="same number of ranks"):
         parse_transitions("dp=2->tp=2;dp=4->tp=4")
 
@@ -133,9 +159,27 @@ def test_bench_gpu_options_and_transitions(capsys):
 @pytest.mark.timeout(240)
 def test_bench_tiny_end_to_end():
     """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly."""
-    cmd = [sys.executable, "-m", "realloc_tools.cli", "bench", "--model", "tiny", "--json", "--verify", "exact",
-           "--transitions", "dp=2,tp=2,pp=2->dp=4,tp=2;fsdp=8->dp=1,tp=2,pp=4",
-           "--repeats", "2", "--baseline-repeats", "1", "--probe-mb", "4", "--bucket-mb", "0.0625"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "realloc_tools.cli",
+        "bench",
+        "--model",
+        "tiny",
+        "--json",
+        "--verify",
+        "exact",
+        "--transitions",
+        "dp=2,tp=2,pp=2->dp=4,tp=2;fsdp=8->dp=1,tp=2,pp=4",
+        "--repeats",
+        "2",
+        "--baseline-repeats",
+        "1",
+        "--probe-mb",
+        "4",
+        "--bucket-mb",
+        "0.0625",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -155,7 +199,13 @@ def test_bench_tiny_end_to_end():
             assert d[key] > 0, key
         assert all(v > 0 for v in d["baselines"].values())
         assert all(report["speedup_vs"][b] <= d["speedup_vs"][b] for b in BASELINES)
-    for key in ("gloo_p2p_gbps", "gloo_aggregate_gbps", "memcpy_1core_gbps", "memcpy_cores_gbps", "memcpy_aggregate_gbps"):
+    for key in (
+        "gloo_p2p_gbps",
+        "gloo_aggregate_gbps",
+        "memcpy_1core_gbps",
+        "memcpy_cores_gbps",
+        "memcpy_aggregate_gbps",
+    ):
         assert report["transport"][key] > 0, key
     assert report["transport"]["gloo_p2p_cross_node"]
     assert 1 <= report["transport"]["memcpy_copiers"] <= 8
@@ -192,7 +242,9 @@ def test_memory_estimate_and_fit_skip_gather_when_it_does_not_fit():
     # driver: the object-store pages its first run touched stay; a later run adds only the rest
     from realloc_tools.bench import driver_store_bytes
 
-    again = baseline_memory_estimate("driver", src, dst, nodes=2, store_resident=driver_store_bytes(spec.total_bytes(), 2))
+    again = baseline_memory_estimate(
+        "driver", src, dst, nodes=2, store_resident=driver_store_bytes(spec.total_bytes(), 2)
+    )
     assert again["bytes"] == dst_bytes + spec.total_bytes() < est["driver"]["bytes"]
 
     gb, total = 10**9, 24 * 10**9
@@ -244,9 +296,29 @@ def test_bench_failing_baselines_keep_ours_results():
     figures and the other baselines land in the JSON, and only --strict turns it into exit 1."""
     import os
 
-    cmd = [sys.executable, "-m", "realloc_tools.cli", "bench", "--model", "tiny", "--json", "--transitions", "default",
-           "--skip", "dcp,gather", "--repeats", "1", "--baseline-repeats", "1", "--probe-mb", "4",
-           "--bucket-mb", "0.0625", "--no-resident", "--strict"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "realloc_tools.cli",
+        "bench",
+        "--model",
+        "tiny",
+        "--json",
+        "--transitions",
+        "default",
+        "--skip",
+        "dcp,gather",
+        "--repeats",
+        "1",
+        "--baseline-repeats",
+        "1",
+        "--probe-mb",
+        "4",
+        "--bucket-mb",
+        "0.0625",
+        "--no-resident",
+        "--strict",
+    ]
     env = {**os.environ, "REALLOC_BENCH_FAULT": "broadcast:raise@0,driver:kill@1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]  # --strict: a baseline failed

@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from realloc.layout import Layout, Topology
 from realloc.shards import (
-    BindReport, ShardStore, allocate_buffers, bind_module, fused_views, layer_name_map, shard_views,
+    BindReport,
+    ShardStore,
+    allocate_buffers,
+    bind_module,
+    fused_views,
+    layer_name_map,
+    shard_views,
 )
 from realloc.spec import ModelSpec, ParamSpec, decoder_spec
 
@@ -28,10 +35,12 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 # -- helpers -------------------------------------------------------------------------------
 
+
 def full_tensors(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {p.name: (torch.randn(p.shape, generator=gen, dtype=torch.float64) + 3.0).to(TORCH[p.dtype])
-            for p in spec.params}
+    return {
+        p.name: (torch.randn(p.shape, generator=gen, dtype=torch.float64) + 3.0).to(TORCH[p.dtype]) for p in spec.params
+    }
 
 
 def filled_buffers(layout: Layout, rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -78,8 +87,9 @@ def snapshot(module: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
 
 
 def unchanged(module: nn.Module, before: dict[str, tuple[int, torch.Tensor]]) -> bool:
-    return all(p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1])
-               for n, p in module.named_parameters())
+    return all(
+        p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]) for n, p in module.named_parameters()
+    )
 
 
 def vllm_qkv_rows(heads: int, kv_heads: int, head_dim: int, tp: int, tp_rank: int):
@@ -97,19 +107,30 @@ def vllm_qkv_rows(heads: int, kv_heads: int, head_dim: int, tp: int, tp_rank: in
 def vllm_fused(full, layer: int, d: dict, tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
     pre = f"model.layers.{layer}."
     (q0, qn), (k0, kn) = vllm_qkv_rows(d["heads"], d["kv_heads"], d["head_dim"], tp, tp_rank)
-    out = {pre + "self_attn.qkv_proj.weight": torch.cat([
-        full[pre + "self_attn.q_proj.weight"][q0:q0 + qn],
-        full[pre + "self_attn.k_proj.weight"][k0:k0 + kn],
-        full[pre + "self_attn.v_proj.weight"][k0:k0 + kn]])}
+    out = {
+        pre + "self_attn.qkv_proj.weight": torch.cat(
+            [
+                full[pre + "self_attn.q_proj.weight"][q0 : q0 + qn],
+                full[pre + "self_attn.k_proj.weight"][k0 : k0 + kn],
+                full[pre + "self_attn.v_proj.weight"][k0 : k0 + kn],
+            ]
+        )
+    }
     if d["qkv_bias"]:
-        out[pre + "self_attn.qkv_proj.bias"] = torch.cat([
-            full[pre + "self_attn.q_proj.bias"][q0:q0 + qn],
-            full[pre + "self_attn.k_proj.bias"][k0:k0 + kn],
-            full[pre + "self_attn.v_proj.bias"][k0:k0 + kn]])
+        out[pre + "self_attn.qkv_proj.bias"] = torch.cat(
+            [
+                full[pre + "self_attn.q_proj.bias"][q0 : q0 + qn],
+                full[pre + "self_attn.k_proj.bias"][k0 : k0 + kn],
+                full[pre + "self_attn.v_proj.bias"][k0 : k0 + kn],
+            ]
+        )
     shard = d["intermediate"] // tp  # MergedColumnParallelLinear: [gate shard; up shard]
-    out[pre + "mlp.gate_up_proj.weight"] = torch.cat([
-        full[pre + "mlp.gate_proj.weight"][tp_rank * shard:(tp_rank + 1) * shard],
-        full[pre + "mlp.up_proj.weight"][tp_rank * shard:(tp_rank + 1) * shard]])
+    out[pre + "mlp.gate_up_proj.weight"] = torch.cat(
+        [
+            full[pre + "mlp.gate_proj.weight"][tp_rank * shard : (tp_rank + 1) * shard],
+            full[pre + "mlp.up_proj.weight"][tp_rank * shard : (tp_rank + 1) * shard],
+        ]
+    )
     return out
 
 
@@ -140,6 +161,7 @@ def cases(draw):
 
 # -- properties ----------------------------------------------------------------------------
 
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_views_fused_and_binding_alias_the_buffers(case):
@@ -167,7 +189,7 @@ def test_views_fused_and_binding_alias_the_buffers(case):
                 rows = -(-d["vocab"] // (pad * tp)) * pad * tp
                 zeros = torch.zeros((rows - d["vocab"], d["hidden"]), dtype=local.dtype)
                 assert torch.equal(local, torch.cat([full[s.param], zeros]).chunk(tp)[tp_rank])
-                assert not local[s.sizes[0]:].any()
+                assert not local[s.sizes[0] :].any()
             else:
                 assert view.shape == local.shape
         if d["tied"] and pp_rank == layout.topology.pp - 1 and pp_rank > 0:
@@ -182,8 +204,9 @@ def test_views_fused_and_binding_alias_the_buffers(case):
         for name, want in expected.items():
             got = fused[name]
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
-            assert got.is_contiguous() and inside(got, buffers[spec.param(name.replace("qkv_proj", "q_proj").replace(
-                "gate_up_proj", "gate_proj")).dtype])
+            assert got.is_contiguous() and inside(
+                got, buffers[spec.param(name.replace("qkv_proj", "q_proj").replace("gate_up_proj", "gate_proj")).dtype]
+            )
         for name in views:
             assert fused[name].data_ptr() == views[name].data_ptr() and fused[name].shape == views[name].shape
 
@@ -200,7 +223,7 @@ def test_views_fused_and_binding_alias_the_buffers(case):
             at = 0
             for part in parts:
                 n = views[part].shape[0]
-                assert torch.equal(views[part], new[at:at + n]), part
+                assert torch.equal(views[part], new[at : at + n]), part
                 at += n
             assert at == new.shape[0]
 
@@ -233,9 +256,20 @@ def test_views_fused_and_binding_alias_the_buffers(case):
 
 # -- binding: rebinds, name maps, errors ---------------------------------------------------
 
+
 def small_layout(**topology) -> Layout:
-    spec = decoder_spec("small", hidden=8, intermediate=8, layers=4, heads=4, kv_heads=2, vocab=13,
-                        qkv_bias=True, dtype="float32", norm_dtype="float64")
+    spec = decoder_spec(
+        "small",
+        hidden=8,
+        intermediate=8,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        vocab=13,
+        qkv_bias=True,
+        dtype="float32",
+        norm_dtype="float64",
+    )
     return Layout(spec, Topology(**topology), 2)
 
 
@@ -278,15 +312,17 @@ def test_layer_name_map_binds_megatron_local_numbering():
     local = {}
     for slot, shape in shapes_of(views).items():
         if slot.startswith("model.layers."):
-            i, rest = slot[len("model.layers."):].split(".", 1)
+            i, rest = slot[len("model.layers.") :].split(".", 1)
             slot = f"model.layers.{int(i) - 1}.{rest}"
         local[slot] = shape
     assert "model.layers.0.mlp.up_proj.weight" in local and "model.layers.3.mlp.up_proj.weight" not in local
     module = module_from(local)
     report = bind_module(module, views, name_map=name_map)
     assert len(report.bound) == len(views) and report.unused_slots == ()
-    assert module.model.layers._modules["0"].mlp.up_proj.weight.data_ptr() == \
-        views["model.layers.1.mlp.up_proj.weight"].data_ptr()
+    assert (
+        module.model.layers._modules["0"].mlp.up_proj.weight.data_ptr()
+        == views["model.layers.1.mlp.up_proj.weight"].data_ptr()
+    )
     assert name_map("model.layers.2.self_attn.o_proj.weight") == "model.layers.3.self_attn.o_proj.weight"
     assert name_map("model.norm.weight") == "model.norm.weight"
     megatron = layer_name_map(rank, "decoder.layers.")
@@ -312,8 +348,10 @@ def test_shape_dtype_device_mismatch_change_nothing(bound_case):
     views = bound_case
     last = list(views)[-1]
     for bad, match in (
-        ((tuple(s + 1 for s in views[last].shape), views[last].dtype),
-         r"lm_head\.weight: module shape \(9, 9\), shard shape \(8, 8\)"),
+        (
+            (tuple(s + 1 for s in views[last].shape), views[last].dtype),
+            r"lm_head\.weight: module shape \(9, 9\), shard shape \(8, 8\)",
+        ),
         ((tuple(views[last].shape), torch.float16), "module dtype torch.float16, shard dtype torch.float32"),
     ):
         module = module_from({**shapes_of(views), last: bad})
@@ -325,8 +363,9 @@ def test_shape_dtype_device_mismatch_change_nothing(bound_case):
             bind_module(module, views, strict=False)  # a mismatch is never skipped
         assert unchanged(module, before)
     meta = module_from(shapes_of(views))
-    meta.model.norm.weight = nn.Parameter(torch.empty(views["model.norm.weight"].shape, dtype=torch.float64,
-                                                      device="meta"))
+    meta.model.norm.weight = nn.Parameter(
+        torch.empty(views["model.norm.weight"].shape, dtype=torch.float64, device="meta")
+    )
     with pytest.raises(ValueError, match="model.norm.weight: module device meta, shard device cpu"):
         bind_module(meta, views)
 
@@ -374,14 +413,24 @@ def test_unknown_missing_and_excluded_names(bound_case):
 def test_fused_views_refuse_what_is_not_one_view():
     def spec_of(order, k_dtype="float32"):
         shapes = {"q": (4, 2), "k": (2, 2), "v": (2, 2), "o": (2, 4)}
-        params = [ParamSpec(f"model.layers.0.self_attn.{p}_proj.weight", shapes[p],
-                            k_dtype if p == "k" else "float32", "layer", layer=0, tp_dim=0 if p != "o" else 1)
-                  for p in order]
+        params = [
+            ParamSpec(
+                f"model.layers.0.self_attn.{p}_proj.weight",
+                shapes[p],
+                k_dtype if p == "k" else "float32",
+                "layer",
+                layer=0,
+                tp_dim=0 if p != "o" else 1,
+            )
+            for p in order
+        ]
         return ModelSpec("custom", tuple(params), 1)
 
-    for spec, match in ((spec_of("qokv"), "not right after model.layers.0.self_attn.q_proj.weight"),
-                        (spec_of("qkvo", "float64"), "k_proj.weight is float64"),
-                        (spec_of("qko"), r"not \['model.layers.0.self_attn.v_proj.weight'\]")):
+    for spec, match in (
+        (spec_of("qokv"), "not right after model.layers.0.self_attn.q_proj.weight"),
+        (spec_of("qkvo", "float64"), "k_proj.weight is float64"),
+        (spec_of("qko"), r"not \['model.layers.0.self_attn.v_proj.weight'\]"),
+    ):
         layout = Layout(spec, Topology(tp=2))
         with pytest.raises(ValueError, match=match):
             fused_views(layout.at(0), allocate_buffers(layout, 0))

@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from realloc.boxes import contains, intersect, split_rows, take_prefix
 from realloc.plan import BUCKET_ALIGN, Segment, bucket_count, bucket_nbytes, buckets
@@ -148,8 +149,9 @@ def test_buckets_respect_the_cap_alignment_and_tile_segments_in_order(case, cap)
         assert end <= cap or single_big, f"bucket of {end} bytes over the cap {cap}"
     assert order == sorted(order), "segments must be packed in order"
     for seg in segments:
-        assert np.array_equal(covered[seg.param], mask(shapes[seg.param], seg.box).astype(int)), \
+        assert np.array_equal(covered[seg.param], mask(shapes[seg.param], seg.box).astype(int)), (
             f"pieces of {seg.param} must tile its box exactly once"
+        )
     # within a segment pieces come in row-major order
     for seg in segments:
         starts = [flat_start(shapes[seg.param], p.box) for b in out for p in b if p.param == seg.param]
@@ -168,7 +170,6 @@ def test_buckets_fill_a_bucket_before_opening_the_next():
     # 'a' takes 12 bytes; 'b' starts at the aligned offset 16, leaving room for 3 rows of 16 bytes
     assert [(p.param, p.offset, p.sizes) for p in out[0]] == [("a", 0, (3,)), ("b", 16, (3, 4))]
     assert all(bucket_nbytes(b) <= 64 for b in out)
-
 
 
 @settings(max_examples=300, deadline=None)

@@ -10,25 +10,31 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import reader_stores
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from realloc import Layout, ModelSpec, Placement, Topology, plan_exchange
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CorruptFileError, MissingShardsError
-from realloc.ckpt.files import (atomic_write, build_rank_file, buffers_from_bytes, read_manifest, read_shard,
-                                read_verified, tensor_name, write_rank_file)
+from realloc.ckpt.files import (
+    atomic_write,
+    buffers_from_bytes,
+    build_rank_file,
+    read_manifest,
+    read_shard,
+    read_verified,
+    tensor_name,
+    write_rank_file,
+)
 from realloc.ckpt.hf import INDEX_FILE, SINGLE_FILE, export_state, load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.ckpt.local_store import NodeStore
 from realloc.ckpt.manifest import CheckpointId, Manifest, ShardRecord, param_table
-from realloc.ckpt.replication import (cliques, file_table, files_read_by, replication_groups,
-                                      retrieval_groups)
+from realloc.ckpt.replication import cliques, file_table, files_read_by, replication_groups, retrieval_groups
 from realloc.ckpt.reshard import assign_readers, box_of_local, reshard_groups, stored_units
 from realloc.shards import ShardStore, allocate_buffers, execute_in_process
-from realloc.spec import DTYPE_BYTES
-
-from ckpt_helpers import reader_stores
 from realloc.shards.synthetic import synthetic_box, synthetic_state_dict
+from realloc.spec import DTYPE_BYTES
 
 TINY = ModelSpec.preset("tiny")
 RUN = "run-a"
@@ -44,14 +50,22 @@ def synthetic_buffers(layout: Layout, rank: int, seed: int) -> dict[str, torch.T
     return buffers
 
 
-def save_everywhere(root: Path, layout: Layout, placement: Placement, iteration: int = 1, seed: int = 3,
-                    run_id: str = RUN, extra_nodes: dict[int, list[str]] | None = None) -> dict[int, Manifest]:
+def save_everywhere(
+    root: Path,
+    layout: Layout,
+    placement: Placement,
+    iteration: int = 1,
+    seed: int = 3,
+    run_id: str = RUN,
+    extra_nodes: dict[int, list[str]] | None = None,
+) -> dict[int, Manifest]:
     """Write every rank's file into its node's directory (and into ``extra_nodes[rank]``)."""
     manifests = {}
     for rank in range(layout.topology.world_size):
         node = placement.nodes[rank]
-        data, manifest = build_rank_file(CheckpointId(run_id, iteration, rank), layout,
-                                         synthetic_buffers(layout, rank, seed), node)
+        data, manifest = build_rank_file(
+            CheckpointId(run_id, iteration, rank), layout, synthetic_buffers(layout, rank, seed), node
+        )
         for holder in [node] + (extra_nodes or {}).get(rank, []):
             write_rank_file(NodeStore(root, run_id, holder).iteration_dir(iteration), data, manifest)
         manifests[rank] = manifest
@@ -66,7 +80,7 @@ def file_offset(path: Path, tensor: str) -> int:
     """Byte offset of ``tensor``'s data in a safetensors file (from its JSON header)."""
     raw = path.read_bytes()
     length = int.from_bytes(raw[:8], "little")
-    return 8 + length + json.loads(raw[8:8 + length])[tensor]["data_offsets"][0]
+    return 8 + length + json.loads(raw[8 : 8 + length])[tensor]["data_offsets"][0]
 
 
 def catalog_of(root: Path, nodes, run_id: str = RUN, spec: ModelSpec = TINY) -> Catalog:
@@ -151,8 +165,9 @@ def test_flipped_byte_fails_sha256_and_only_that_shards_crc(tmp_path):
     other = next(r for r in m.shards if r.numel and (r.dtype, r.buffer_offset) != (victim.dtype, victim.buffer_offset))
     local = read_shard(path, m, other)
     p = TINY.param(other.param)
-    assert torch.equal(box_of_local(local, other), synthetic_box(other.param, p.shape, other.offsets, other.sizes,
-                                                                 other.dtype, 3))
+    assert torch.equal(
+        box_of_local(local, other), synthetic_box(other.param, p.shape, other.offsets, other.sizes, other.dtype, 3)
+    )
 
 
 def test_truncated_or_missing_file_is_listed_as_unusable(tmp_path):
@@ -199,10 +214,17 @@ def test_remove_iterations_keeps_the_saved_one_and_removes_a_failed_one(tmp_path
         store.remove_iterations()
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(run_id="../x"), "run id"), (dict(run_id=""), "run id"), (dict(iteration=-1), "iteration"),
-    (dict(iteration=True), "iteration"), (dict(iteration=2**63), "iteration"), (dict(rank=-2), "rank"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(run_id="../x"), "run id"),
+        (dict(run_id=""), "run id"),
+        (dict(iteration=-1), "iteration"),
+        (dict(iteration=True), "iteration"),
+        (dict(iteration=2**63), "iteration"),
+        (dict(rank=-2), "rank"),
+    ],
+)
 def test_checkpoint_id_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
         CheckpointId(**{**dict(run_id="r", iteration=1, rank=0), **bad})
@@ -321,13 +343,16 @@ def test_retrieval_names_ranks_without_copies():
 # -- resharding -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("src, dst", [
-    (Topology(dp=2, tp=2, pp=2), Topology(dp=1, tp=4, pp=2)),
-    (Topology(dp=2, tp=2, pp=2), Topology(dp=8)),
-    (Topology(tp=4, pp=2), Topology(dp=2, tp=2, pp=2)),
-    (Topology(fsdp=4, pp=2, fsdp_split="zero3"), Topology(dp=2, tp=2, pp=2)),
-    (Topology(tp=4, pp=2), Topology(dp=2, fsdp=4, fsdp_split="zero3")),
-])
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (Topology(dp=2, tp=2, pp=2), Topology(dp=1, tp=4, pp=2)),
+        (Topology(dp=2, tp=2, pp=2), Topology(dp=8)),
+        (Topology(tp=4, pp=2), Topology(dp=2, tp=2, pp=2)),
+        (Topology(fsdp=4, pp=2, fsdp_split="zero3"), Topology(dp=2, tp=2, pp=2)),
+        (Topology(tp=4, pp=2), Topology(dp=2, fsdp=4, fsdp_split="zero3")),
+    ],
+)
 def test_reshard_load_reads_each_stored_box_once_and_is_bit_exact(tmp_path, src, dst):
     placement = Placement.blocks(8, 4)
     a, b = Layout(TINY, src), Layout(TINY, dst)
@@ -366,8 +391,13 @@ def test_reshard_assignment_avoids_excluded_copies_and_names_missing_shards(tmp_
 
 
 @settings(max_examples=25, deadline=None)
-@given(dp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]),
-       per_node=st.sampled_from([1, 2, 4]), spread=st.booleans())
+@given(
+    dp=st.sampled_from([1, 2]),
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2]),
+    per_node=st.sampled_from([1, 2, 4]),
+    spread=st.booleans(),
+)
 def test_reader_assignment_reads_once_within_the_greedy_bound(dp, tp, pp, per_node, spread):
     topo = Topology(dp=dp, tp=tp, pp=pp)
     world = topo.world_size

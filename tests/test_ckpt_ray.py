@@ -17,14 +17,15 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from actors.checkpoint import CheckpointManager  # noqa: E402
-from actors.ckpt_worker import CheckpointFault  # noqa: E402
-from actors.zero_copy import sweep_stale_buffers  # noqa: E402
-from realloc import ModelSpec, Placement, Topology  # noqa: E402
-from realloc.ckpt.errors import CheckpointError, MissingShardsError  # noqa: E402
-from realloc.ckpt.hf import INDEX_FILE, scan_hf_dir  # noqa: E402
-from realloc.shards.synthetic import synthetic_state_dict  # noqa: E402
-from simulated import lose_node, simulated_cluster  # noqa: E402
+from simulated import lose_node, simulated_cluster
+
+from actors.checkpoint import CheckpointManager
+from actors.ckpt_worker import CheckpointFault
+from actors.zero_copy import sweep_stale_buffers
+from realloc import ModelSpec, Placement, Topology
+from realloc.ckpt.errors import CheckpointError, MissingShardsError
+from realloc.ckpt.hf import INDEX_FILE, scan_hf_dir
+from realloc.shards.synthetic import synthetic_state_dict
 
 SPEC = ModelSpec.preset("tiny")
 TRAIN = Topology(dp=2, tp=2, pp=2)

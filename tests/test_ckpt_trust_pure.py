@@ -10,18 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import reader_stores
 
 from realloc import Layout, ModelSpec, Placement, Topology, plan_exchange
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
-from realloc.ckpt.files import build_rank_file, buffers_from_bytes, read_verified, write_rank_file
+from realloc.ckpt.files import buffers_from_bytes, build_rank_file, read_verified, write_rank_file
 from realloc.ckpt.local_store import NodeStore
 from realloc.ckpt.manifest import CheckpointId, Manifest, param_table
 from realloc.ckpt.reshard import assign_readers, reshard_groups
 from realloc.shards import ShardStore, allocate_buffers, execute_in_process
 from realloc.shards.synthetic import synthetic_box
-
-from ckpt_helpers import reader_stores
 
 TINY = ModelSpec.preset("tiny")
 RUN = "run-t"
@@ -42,8 +41,9 @@ def save(root: Path, layout: Layout, nodes: list[str], iteration: int = 1) -> di
     """Every rank's file of ``layout``, written by node ``nodes[0]`` and copied verbatim to the others."""
     files = {}
     for rank in range(layout.topology.world_size):
-        data, manifest = build_rank_file(CheckpointId(RUN, iteration, rank), layout,
-                                         synthetic_buffers(layout, rank), nodes[0])
+        data, manifest = build_rank_file(
+            CheckpointId(RUN, iteration, rank), layout, synthetic_buffers(layout, rank), nodes[0]
+        )
         for node in nodes:
             write_rank_file(NodeStore(root, RUN, node).iteration_dir(iteration), data, manifest)
         files[rank] = data, manifest
@@ -65,11 +65,15 @@ def edit_manifest(root: Path, node: str, rank: int, edit, iteration: int = 1) ->
 # -- 1. errors cross process boundaries ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("error", [
-    CheckpointError("save of iteration 3 failed"),
-    MissingShardsError("2 stored shards have no usable copy", ["w offsets=(0,) sizes=(4,) (stored by ranks [1])"]),
-    CorruptFileError("/ckpt/run/n0/iter_00000001/rank_00000.safetensors", "sha256 mismatch"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        CheckpointError("save of iteration 3 failed"),
+        MissingShardsError("2 stored shards have no usable copy", ["w offsets=(0,) sizes=(4,) (stored by ranks [1])"]),
+        CorruptFileError("/ckpt/run/n0/iter_00000001/rank_00000.safetensors", "sha256 mismatch"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_every_checkpoint_error_round_trips_through_pickle(error):
     error.add_note("raised on worker 3")
     copy = pickle.loads(pickle.dumps(error))
@@ -131,8 +135,18 @@ def test_rank_files_past_five_digits_are_listed(tmp_path):
 # -- 3. shard tables are checked against the layout ---------------------------------------------
 
 
-@pytest.mark.parametrize("topology", [Topology(), Topology(dp=2, tp=2, pp=2), Topology(tp=4), Topology(dp=4),
-                                      Topology(tp=2, pp=4), Topology(pp=2, layer_split=(1, 3))], ids=str)
+@pytest.mark.parametrize(
+    "topology",
+    [
+        Topology(),
+        Topology(dp=2, tp=2, pp=2),
+        Topology(tp=4),
+        Topology(dp=4),
+        Topology(tp=2, pp=4),
+        Topology(pp=2, layer_split=(1, 3)),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("vocab_pad_multiple", [1, 64])
 def test_check_layout_accepts_every_manifest_a_save_writes(topology, vocab_pad_multiple):
     layout = Layout(TINY, topology, vocab_pad_multiple)
@@ -150,18 +164,21 @@ Q = "model.layers.0.self_attn.q_proj.weight"
 E = "model.embed_tokens.weight"
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda d: _record(d, Q).__setitem__(2, [48, 0]), r"field offsets: recorded \(48, 0\), layout says \(0, 0\)"),
-    (lambda d: _record(d, Q).__setitem__(3, [47, 96]), "field sizes"),
-    (lambda d: _record(d, Q).__setitem__(6, _record(d, Q)[6] + 96), "field buffer_offset"),
-    (lambda d: _record(d, Q).__setitem__(4, [96, 48]), "field local_shape"),
-    (lambda d: _record(d, Q).__setitem__(1, "lm_head.weight"), "field slot"),
-    (lambda d: _record(d, Q).__setitem__(2, [0.0, 0]), r"field offsets: recorded \(0.0, 0\)"),
-    (lambda d: d["shards"].pop(), "shard records, layout says"),
-    (lambda d: d["buffers"].update(bfloat16=d["buffers"]["bfloat16"] + 1), "buffers: recorded"),
-    (lambda d: d["topology"].update(pp=2, tp=1), "buffers|shard record"),  # same world size, another layout
-    (lambda d: d["topology"].update(tp=5, dp=1, pp=1) or d.update(world_size=5), "cannot be laid out"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: _record(d, Q).__setitem__(2, [48, 0]), r"field offsets: recorded \(48, 0\), layout says \(0, 0\)"),
+        (lambda d: _record(d, Q).__setitem__(3, [47, 96]), "field sizes"),
+        (lambda d: _record(d, Q).__setitem__(6, _record(d, Q)[6] + 96), "field buffer_offset"),
+        (lambda d: _record(d, Q).__setitem__(4, [96, 48]), "field local_shape"),
+        (lambda d: _record(d, Q).__setitem__(1, "lm_head.weight"), "field slot"),
+        (lambda d: _record(d, Q).__setitem__(2, [0.0, 0]), r"field offsets: recorded \(0.0, 0\)"),
+        (lambda d: d["shards"].pop(), "shard records, layout says"),
+        (lambda d: d["buffers"].update(bfloat16=d["buffers"]["bfloat16"] + 1), "buffers: recorded"),
+        (lambda d: d["topology"].update(pp=2, tp=1), "buffers|shard record"),  # same world size, another layout
+        (lambda d: d["topology"].update(tp=5, dp=1, pp=1) or d.update(world_size=5), "cannot be laid out"),
+    ],
+)
 def test_check_layout_names_the_edited_field(tmp_path, edit, match):
     save(tmp_path, TP2, ["a"])
     edit_manifest(tmp_path, "a", 0, edit)
@@ -205,12 +222,14 @@ def test_a_shifted_box_no_longer_gives_a_resharding_load_wrong_rows(tmp_path):
     # claiming rows 500..1000 still passes its crc32 (same bytes), and used to be read as such:
     # every row of the second half came out shifted by one, without an error.
     save(tmp_path, TP2, ["a", "b"])
-    edit_manifest(tmp_path, "a", 1, lambda d: _record(d, E).__setitem__(2, [500, 0]) or
-                  _record(d, E).__setitem__(3, [501, 96]))
+    edit_manifest(
+        tmp_path, "a", 1, lambda d: _record(d, E).__setitem__(2, [500, 0]) or _record(d, E).__setitem__(3, [501, 96])
+    )
     catalog = catalog_of(tmp_path, ["a", "b"])
     assert catalog.copies(1) == {0: {"a", "b"}, 1: {"b"}}
-    assert catalog.problems == [f"a: {RUN}/iter_1/rank_1: shard record 0 ({E}) field offsets: recorded (500, 0), "
-                                "layout says (501, 0)"]
+    assert catalog.problems == [
+        f"a: {RUN}/iter_1/rank_1: shard record 0 ({E}) field offsets: recorded (500, 0), layout says (501, 0)"
+    ]
     assert_reshard_is_exact(tmp_path, catalog, Layout(TINY, Topology(dp=2)), Placement(("a", "b")))
 
 
@@ -254,11 +273,13 @@ def test_a_stray_file_of_another_layout_is_not_a_copy(tmp_path):
 
 def _sha_edit(order: str):
     """Edit one hex digit of the recorded sha256 so that it sorts before or after the true one."""
+
     def edit(data: dict) -> None:
         sha = data["file"]["sha256"]
         extreme = "0" if order == "edited sorts first" else "f"
         at = next(i for i, c in enumerate(sha) if c != extreme)
-        data["file"]["sha256"] = sha[:at] + extreme + sha[at + 1:]
+        data["file"]["sha256"] = sha[:at] + extreme + sha[at + 1 :]
+
     return edit
 
 
@@ -271,8 +292,11 @@ def read_usable(root: Path, catalog: Catalog, rank: int) -> tuple[str, torch.Ten
         candidate = usable[rank]
         node = min(candidate.nodes)
         try:
-            return node, read_verified(NodeStore(root, RUN, node).paths(candidate.manifest.id)[0],
-                                       candidate.manifest), excluded
+            return (
+                node,
+                read_verified(NodeStore(root, RUN, node).paths(candidate.manifest.id)[0], candidate.manifest),
+                excluded,
+            )
         except CorruptFileError:
             excluded.add((node, rank))
 
@@ -316,8 +340,10 @@ def test_a_majority_of_bad_manifests_falls_back_to_the_intact_minority(tmp_path)
 def test_identical_copies_are_one_candidate(tmp_path):
     save(tmp_path, TP2, ["a", "b"])
     catalog = catalog_of(tmp_path, ["a", "b"])
-    assert {r: [c.nodes for c in cs] for r, cs in catalog.candidates(1).items()} == \
-        {0: [frozenset("ab")], 1: [frozenset("ab")]}
+    assert {r: [c.nodes for c in cs] for r, cs in catalog.candidates(1).items()} == {
+        0: [frozenset("ab")],
+        1: [frozenset("ab")],
+    }
     assert catalog.usable(1, {("a", 1)})[1].nodes == frozenset("b")
     assert catalog.any_manifest(1).id.rank == 0 and catalog.any_manifest(2) is None
     assert catalog.candidates(2) == {} and catalog.usable(2) == {}

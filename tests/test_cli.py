@@ -11,19 +11,29 @@ from pathlib import Path
 
 import pytest
 
-import realloc_tools.plan_cli
 import realloc.shards.local_executor
+import realloc_tools.plan_cli
 from realloc.layout import Topology
 from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
 from realloc_tools.cli import main
 
-LLAMA_7B = ["plan", "--model", "llama-7b", "--src", "dp=2,tp=4,pp=2", "--dst", "dp=8,tp=2,pp=1",
-            "--gpus-per-node", "8"]
+LLAMA_7B = ["plan", "--model", "llama-7b", "--src", "dp=2,tp=4,pp=2", "--dst", "dp=8,tp=2,pp=1", "--gpus-per-node", "8"]
 REQUIRED_KEYS = {
-    "plan_seconds", "bytes_total", "bytes_intra_node", "bytes_inter_node", "lower_bound_inter_node_bytes",
-    "max_node_egress_bytes", "max_node_ingress_bytes", "num_steps", "estimated_seconds", "model", "src",
-    "dst", "world_size", "num_nodes",
+    "plan_seconds",
+    "bytes_total",
+    "bytes_intra_node",
+    "bytes_inter_node",
+    "lower_bound_inter_node_bytes",
+    "max_node_egress_bytes",
+    "max_node_ingress_bytes",
+    "num_steps",
+    "estimated_seconds",
+    "model",
+    "src",
+    "dst",
+    "world_size",
+    "num_nodes",
 }
 TABLES = {"node_egress_bytes", "node_ingress_bytes", "rank_send_bytes", "rank_recv_bytes"}
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +53,19 @@ def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
 def test_plan_summary(capsys):
     assert main(LLAMA_7B) == 0
     out = capsys.readouterr().out
-    for label in ("model", "source", "destination", "ranks", "bytes moved", "inter-node lower bound",
-                  "max node egress", "max node ingress", "steps", "estimated time", "plan time"):
+    for label in (
+        "model",
+        "source",
+        "destination",
+        "ranks",
+        "bytes moved",
+        "inter-node lower bound",
+        "max node egress",
+        "max node ingress",
+        "steps",
+        "estimated time",
+        "plan time",
+    ):
         assert any(line.startswith(label) for line in out.splitlines()), label
     assert "llama-7b" in out and "dp=2,tp=4,pp=2" in out and "dp=8,tp=2,pp=1" in out
     assert "16 on 2 nodes (8 per node)" in out
@@ -87,24 +108,48 @@ def test_bandwidth_and_bucket_options(capsys):
 
 
 def test_hf_config_directory_as_model(capsys, tmp_path):
-    config = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48, "vocab_size": 999,
-              "tie_word_embeddings": True}
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 48,
+        "vocab_size": 999,
+        "tie_word_embeddings": True,
+    }
     (tmp_path / "my-qwen3").mkdir()
     (tmp_path / "my-qwen3" / "config.json").write_text(json.dumps(config))
-    status, report = run_json(capsys, ["plan", "--model", str(tmp_path / "my-qwen3"), "--src", "tp=2,dp=2",
-                                       "--dst", "tp=4", "--gpus-per-node", "2", "--verify"])
+    status, report = run_json(
+        capsys,
+        [
+            "plan",
+            "--model",
+            str(tmp_path / "my-qwen3"),
+            "--src",
+            "tp=2,dp=2",
+            "--dst",
+            "tp=4",
+            "--gpus-per-node",
+            "2",
+            "--verify",
+        ],
+    )
     assert status == 0 and report["verified"] is True
     assert report["model"] == "my-qwen3" and report["num_nodes"] == 2
 
 
-@pytest.mark.parametrize("src, dst, extra", [
-    ("dp=3,tp=4", "dp=2,tp=6", []),                      # 12 heads / 2 kv heads: tp 4 -> 6
-    ("dp=2,tp=4,pp=2", "dp=8,tp=2,pp=1", []),
-    ("tp=2,pp=4", "dp=4,tp=2", ["--gpus-per-node", "4"]),  # tied head on a separate last stage
-    ("tp=12", "dp=3,tp=4", ["--gpus-per-node", "4"]),      # kv heads replicated 6 ways
-    ("dp=2,tp=2", "tp=4", ["--vocab-pad-multiple", "8", "--bucket-mb", "0.01", "--gpus-per-node", "1"]),
-])
+@pytest.mark.parametrize(
+    "src, dst, extra",
+    [
+        ("dp=3,tp=4", "dp=2,tp=6", []),  # 12 heads / 2 kv heads: tp 4 -> 6
+        ("dp=2,tp=4,pp=2", "dp=8,tp=2,pp=1", []),
+        ("tp=2,pp=4", "dp=4,tp=2", ["--gpus-per-node", "4"]),  # tied head on a separate last stage
+        ("tp=12", "dp=3,tp=4", ["--gpus-per-node", "4"]),  # kv heads replicated 6 ways
+        ("dp=2,tp=2", "tp=4", ["--vocab-pad-multiple", "8", "--bucket-mb", "0.01", "--gpus-per-node", "1"]),
+    ],
+)
 def test_verify_tiny(capsys, src, dst, extra):
     status, report = run_json(capsys, ["plan", "--model", "tiny", "--src", src, "--dst", dst, "--verify", *extra])
     assert status == 0
@@ -113,12 +158,15 @@ def test_verify_tiny(capsys, src, dst, extra):
     assert report["executed_bytes_moved"] == report["bytes_total"]
 
 
-@pytest.mark.parametrize("src, dst, extra", [
-    ("fsdp=8", "dp=2,tp=4", ["--gpus-per-node", "4"]),                    # FSDP2 -> vLLM-style tp
-    ("dp=2,fsdp=2,tp=2", "tp=4,pp=2", ["--gpus-per-node", "2"]),          # HSDP x tp -> tp x pp
-    ("tp=2,pp=2", "dp=2,fsdp=2", ["--gpus-per-node", "4", "--bucket-mb", "0.01"]),  # back to HSDP
-    ("fsdp=3,pp=2", "dp=3,tp=2", ["--gpus-per-node", "3"]),                # uneven chunks, 3 nodes
-])
+@pytest.mark.parametrize(
+    "src, dst, extra",
+    [
+        ("fsdp=8", "dp=2,tp=4", ["--gpus-per-node", "4"]),  # FSDP2 -> vLLM-style tp
+        ("dp=2,fsdp=2,tp=2", "tp=4,pp=2", ["--gpus-per-node", "2"]),  # HSDP x tp -> tp x pp
+        ("tp=2,pp=2", "dp=2,fsdp=2", ["--gpus-per-node", "4", "--bucket-mb", "0.01"]),  # back to HSDP
+        ("fsdp=3,pp=2", "dp=3,tp=2", ["--gpus-per-node", "3"]),  # uneven chunks, 3 nodes
+    ],
+)
 def test_verify_fsdp_and_hsdp(capsys, src, dst, extra):
     status, report = run_json(capsys, ["plan", "--model", "tiny", "--src", src, "--dst", dst, "--verify", *extra])
     assert status == 0, report
@@ -130,8 +178,20 @@ def test_verify_fsdp_and_hsdp(capsys, src, dst, extra):
 
 @pytest.mark.parametrize("rule", ["vllm", "megatron"])
 def test_verify_vocab_pad_rules(capsys, rule):
-    argv = ["plan", "--model", "tiny", "--src", "dp=2,tp=2,pp=2", "--dst", "dp=2,tp=4", "--verify",
-            "--vocab-pad-multiple", "64", "--vocab-pad-rule", rule]
+    argv = [
+        "plan",
+        "--model",
+        "tiny",
+        "--src",
+        "dp=2,tp=2,pp=2",
+        "--dst",
+        "dp=2,tp=4",
+        "--verify",
+        "--vocab-pad-multiple",
+        "64",
+        "--vocab-pad-rule",
+        rule,
+    ]
     status, report = run_json(capsys, argv)
     assert status == 0 and report["verified"] is True and report["mismatched_shards"] == 0
 
@@ -150,8 +210,9 @@ def test_verify_catches_a_broken_execution(capsys, monkeypatch):
         return real(plan, src, dst)
 
     monkeypatch.setattr(realloc.shards.local_executor, "execute_in_process", drop_last_step)
-    status, report = run_json(capsys, ["plan", "--model", "tiny", "--src", "dp=2,tp=2", "--dst", "tp=4",
-                                       "--gpus-per-node", "2", "--verify"])
+    status, report = run_json(
+        capsys, ["plan", "--model", "tiny", "--src", "dp=2,tp=2", "--dst", "tp=4", "--gpus-per-node", "2", "--verify"]
+    )
     assert status == 1
     assert report["verified"] is False and report["mismatched_shards"] > 0 and report["mismatches"]
     assert main(["plan", "--model", "tiny", "--src", "dp=2,tp=2", "--dst", "tp=4", "--verify"]) == 1
@@ -201,17 +262,40 @@ def test_pure_cli_has_only_the_pure_commands(capsys):
 def test_subprocess():
     # The console script's module, run from this checkout. -X importtime lists every module
     # imported on stderr: planning must not pull in torch, ray or the actors package.
-    ok = subprocess.run([sys.executable, "-X", "importtime", "-m", "realloc_tools.cli", "plan", "--model", "llama-70b",
-                         "--src", "dp=4,tp=8,pp=8", "--dst", "dp=32,tp=8", "--json"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "realloc_tools.cli",
+            "plan",
+            "--model",
+            "llama-70b",
+            "--src",
+            "dp=4,tp=8,pp=8",
+            "--dst",
+            "dp=32,tp=8",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads(ok.stdout)["world_size"] == 256
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in ok.stderr.splitlines()}
     assert "realloc" in imported and "numpy" in imported
     assert not {"torch", "ray", "actors"} & imported, "realloc plan must not import torch, ray or actors"
 
-    bad = subprocess.run([sys.executable, "-m", "realloc_tools.cli", "plan", "--model", "tiny", "--src", "dp=2,,tp=2",
-                          "--dst", "tp=4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "realloc_tools.cli", "plan", "--model", "tiny", "--src", "dp=2,,tp=2", "--dst", "tp=4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("realloc: error: --src: bad topology part ''") and bad.stderr.count("\n") == 1
     assert "Traceback" not in bad.stderr
@@ -225,9 +309,13 @@ def _imported_modules(tree: ast.AST):
             yield from ((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.lineno, node.module
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in ("import_module", "__import__")):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in ("import_module", "__import__")
+        ):
             yield node.lineno, node.args[0].value
 
 
@@ -238,7 +326,9 @@ def test_realloc_never_imports_the_ray_layer_in_its_source():
         for line, module in _imported_modules(ast.parse(path.read_text(), filename=str(path)))
         if module.split(".")[0] in RAY_LAYER
     ]
-    assert not offenders, "realloc/ is the pure layer; it must not import actors, tools or ray:\n" + "\n".join(offenders)
+    assert not offenders, "realloc/ is the pure layer; it must not import actors, tools or ray:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_realloc_never_imports_the_ray_layer_when_run():

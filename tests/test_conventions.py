@@ -18,7 +18,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from realloc.ckpt.files import build_rank_file
 from realloc.ckpt.manifest import CheckpointId, Manifest
@@ -40,6 +41,7 @@ EMBED = "model.embed_tokens.weight"
 
 # -- the oracle's view of a layout ---------------------------------------------------------
 
+
 def side_ok(d: oracle.Decoder, topo: Topology, pad: int, rule: str, qkv: str) -> bool:
     """The oracle's own word on whether the engines can take these options."""
     if rule == "vllm":
@@ -54,8 +56,18 @@ def expected(d: oracle.Decoder, full, layout: Layout, rank: int, pad_value=0) ->
     """Name -> the engine's local tensor on ``rank`` (HF slots, and Megatron's linear_qkv in place of
     q/k/v under qkv_order="megatron"), from the oracle alone."""
     t = layout.topology
-    out = oracle.local_tensors(d, full, t.dp, t.tp, t.pp, stages_of(d, t), rank, layout.vocab_pad_multiple,
-                               pad_value=pad_value, pad_rule=layout.vocab_pad_rule)
+    out = oracle.local_tensors(
+        d,
+        full,
+        t.dp,
+        t.tp,
+        t.pp,
+        stages_of(d, t),
+        rank,
+        layout.vocab_pad_multiple,
+        pad_value=pad_value,
+        pad_rule=layout.vocab_pad_rule,
+    )
     if layout.qkv_order == "megatron":
         _, tp_rank, pp_rank = t.coords(rank)
         for layer in stages_of(d, t)[pp_rank]:
@@ -63,8 +75,9 @@ def expected(d: oracle.Decoder, full, layout: Layout, rank: int, pad_value=0) ->
             for suffix in ("weight", "bias") if d.qkv_bias else ("weight",):
                 for x in "qkv":
                     del out[f"{pre}self_attn.{x}_proj.{suffix}"]
-                out[f"{pre}self_attn.linear_qkv.{suffix}"] = oracle.megatron_linear_qkv(d, full, layer, t.tp, tp_rank,
-                                                                                        suffix)
+                out[f"{pre}self_attn.linear_qkv.{suffix}"] = oracle.megatron_linear_qkv(
+                    d, full, layer, t.tp, tp_rank, suffix
+                )
     return out
 
 
@@ -95,6 +108,7 @@ def filled(d, full, layout: Layout, rank: int, pad_value=0) -> dict[str, torch.T
 
 
 # -- layouts vs the oracle -----------------------------------------------------------------
+
 
 @st.composite
 def conventional_layouts(draw, d: oracle.Decoder, world: int, unlike: Topology | None = None):
@@ -150,6 +164,7 @@ def test_layouts_refuse_exactly_what_the_engines_refuse(d, tp, pad):
 
 # -- execution between conventions -----------------------------------------------------------
 
+
 @st.composite
 def conventional_reallocations(draw):
     d = draw(oracle.decoders(st))
@@ -165,8 +180,9 @@ def masks_of(d: oracle.Decoder, layout: Layout) -> dict:
     shapes = {p.name: p.shape for p in oracle.params(d)}
     out = {}
     for rank in range(t.world_size):
-        held = oracle.held_indices(d, t.dp, t.tp, t.pp, stages_of(d, t), rank, layout.vocab_pad_multiple,
-                                   pad_rule=layout.vocab_pad_rule)
+        held = oracle.held_indices(
+            d, t.dp, t.tp, t.pp, stages_of(d, t), rank, layout.vocab_pad_multiple, pad_rule=layout.vocab_pad_rule
+        )
         masks = {}
         for param, idx in held.items():
             m = np.zeros(int(np.prod(shapes[param])), dtype=bool)
@@ -189,8 +205,14 @@ def run_and_check(d, src: Layout, dst: Layout, placement: Placement, bucket_byte
     for rank in range(world):
         check_rank(d, full, dst, rank, targets[rank].buffers)
     params = {p.name: p for p in oracle.params(d)}
-    check_plan(plan, {n: p.shape for n, p in params.items()}, {n: p.dtype for n, p in params.items()}, placement,
-               masks_of(d, src), masks_of(d, dst))
+    check_plan(
+        plan,
+        {n: p.shape for n, p in params.items()},
+        {n: p.dtype for n, p in params.items()},
+        placement,
+        masks_of(d, src),
+        masks_of(d, dst),
+    )
     return plan
 
 
@@ -201,17 +223,31 @@ def test_reallocations_between_conventions_are_bit_exact(case):
     run_and_check(d, src, dst, placement, bucket_bytes)
 
 
-GQA = oracle.Decoder(hidden=8, intermediate=24, layers=3, heads=12, kv_heads=4, head_dim=2, vocab=100,
-                     qkv_bias=True, dtype="float32", norm_dtype="float32")
+GQA = oracle.Decoder(
+    hidden=8,
+    intermediate=24,
+    layers=3,
+    heads=12,
+    kv_heads=4,
+    head_dim=2,
+    vocab=100,
+    qkv_bias=True,
+    dtype="float32",
+    norm_dtype="float32",
+)
 
 
-@pytest.mark.parametrize("src_opts, dst_opts", [
-    ((64, "vllm", "hf"), (64, "megatron", "hf")),        # vLLM's padding -> Megatron's
-    ((2, "megatron", "megatron"), (64, "vllm", "hf")),   # Megatron trainer -> vLLM engine
-    ((64, "vllm", "hf"), (1, "megatron", "megatron")),   # and back
-])
-@pytest.mark.parametrize("src_topo, dst_topo", [("tp=4,pp=2", "dp=2,tp=4"), ("dp=2,tp=2,pp=2", "tp=4,pp=2"),
-                                                ("tp=2,pp=2,dp=2", "dp=4,tp=2")])
+@pytest.mark.parametrize(
+    "src_opts, dst_opts",
+    [
+        ((64, "vllm", "hf"), (64, "megatron", "hf")),  # vLLM's padding -> Megatron's
+        ((2, "megatron", "megatron"), (64, "vllm", "hf")),  # Megatron trainer -> vLLM engine
+        ((64, "vllm", "hf"), (1, "megatron", "megatron")),  # and back
+    ],
+)
+@pytest.mark.parametrize(
+    "src_topo, dst_topo", [("tp=4,pp=2", "dp=2,tp=4"), ("dp=2,tp=2,pp=2", "tp=4,pp=2"), ("tp=2,pp=2,dp=2", "dp=4,tp=2")]
+)
 def test_trainer_and_engine_layouts_exchange_bit_exact(src_opts, dst_opts, src_topo, dst_topo):
     spec = GQA.spec()
     src = Layout(spec, Topology.parse(src_topo), *src_opts)
@@ -239,10 +275,12 @@ def test_a_rank_holds_several_boxes_of_one_parameter():
         fused_views(hf.at(0), allocate_buffers(hf, 0), convention="megatron")
     one_group = Layout(GQA.spec(), Topology(tp=4))  # one query group per rank: [q; k; v] is linear_qkv
     assert "model.layers.0.self_attention.linear_qkv.weight" in fused_views(
-        one_group.at(0), allocate_buffers(one_group, 0), convention="megatron")
+        one_group.at(0), allocate_buffers(one_group, 0), convention="megatron"
+    )
 
 
 # -- worked examples (docs/conventions.md) and the option as one value -----------------------
+
 
 def embed_rows(vocab: int, tp: int, pad: int, rule: str) -> list[tuple[int, int]]:
     """(padded rows, real rows) of every tp rank's embedding shard."""
@@ -251,10 +289,17 @@ def embed_rows(vocab: int, tp: int, pad: int, rule: str) -> list[tuple[int, int]
     return [(s.local_shape[0], s.sizes[0]) for r in range(tp) for s in lay.shards(r) if s.param == EMBED]
 
 
-@pytest.mark.parametrize("vocab, pad, rule, per, last_real", [
-    (32000, 64, "vllm", 4000, 4000), (32000, 64, "megatron", 4032, 3776), (32000, 128, "megatron", 4096, 3328),
-    (50257, 64, "vllm", 6288, 6241), (50257, 64, "megatron", 6336, 5905), (50257, 128, "megatron", 6400, 5457),
-])
+@pytest.mark.parametrize(
+    "vocab, pad, rule, per, last_real",
+    [
+        (32000, 64, "vllm", 4000, 4000),
+        (32000, 64, "megatron", 4032, 3776),
+        (32000, 128, "megatron", 4096, 3328),
+        (50257, 64, "vllm", 6288, 6241),
+        (50257, 64, "megatron", 6336, 5905),
+        (50257, 128, "megatron", 6400, 5457),
+    ],
+)
 def test_worked_examples(vocab, pad, rule, per, last_real):
     rows = embed_rows(vocab, 8, pad, rule)
     assert rows == [(per, per)] * 7 + [(per, last_real)]
@@ -266,11 +311,14 @@ def test_vllm_rule_leaves_the_last_ranks_without_real_rows():
         embed_rows(100, 3, 64, "vllm")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(vocab_pad_rule="sglang"), r"vocab_pad_rule must be one of 'megatron', 'vllm', got 'sglang'"),
-    (dict(vocab_pad_rule=None), r"vocab_pad_rule must be one of 'megatron', 'vllm', got None"),
-    (dict(qkv_order="vllm"), r"qkv_order must be one of 'hf', 'megatron', got 'vllm'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(vocab_pad_rule="sglang"), r"vocab_pad_rule must be one of 'megatron', 'vllm', got 'sglang'"),
+        (dict(vocab_pad_rule=None), r"vocab_pad_rule must be one of 'megatron', 'vllm', got None"),
+        (dict(qkv_order="vllm"), r"qkv_order must be one of 'hf', 'megatron', got 'vllm'"),
+    ],
+)
 def test_bad_option_names(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Layout(GQA.spec(), Topology(tp=2), **kwargs)

@@ -8,11 +8,10 @@ import sys
 
 import pytest
 import ray
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ShardWorker
 from realloc import Layout, ModelSpec, Topology
-
-from simulated import simulated_cluster
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
@@ -34,8 +33,16 @@ def cluster():
 
 
 def test_group_keeps_its_conventions_across_reallocations_and_copies(cluster):
-    group = ModelGroup.create(TINY, Topology.parse("dp=2,pp=2"), name="conv", vocab_pad_multiple=64,
-                              vocab_pad_rule="vllm", qkv_order="megatron", worker_cls=FusedWorker, timeout_s=30)
+    group = ModelGroup.create(
+        TINY,
+        Topology.parse("dp=2,pp=2"),
+        name="conv",
+        vocab_pad_multiple=64,
+        vocab_pad_rule="vllm",
+        qkv_order="megatron",
+        worker_cls=FusedWorker,
+        timeout_s=30,
+    )
     plain = ModelGroup.create(TINY, Topology.parse("tp=2,pp=2"), name="plain", timeout_s=30)
     try:
         group.init_synthetic(1)
@@ -43,11 +50,16 @@ def test_group_keeps_its_conventions_across_reallocations_and_copies(cluster):
         # one rank holds both query groups: linear_qkv is (2 * (6 + 2) * 8, 96), fc1 [gate; up]
         assert group.call("fused_shapes", "megatron", ranks=[0])[0] == {
             "model.layers.0.self_attention.linear_qkv.weight": (128, 96),
-            "model.layers.0.mlp.linear_fc1.weight": (384, 96)}
+            "model.layers.0.mlp.linear_fc1.weight": (384, 96),
+        }
         group.reallocate(Topology(tp=2, pp=2))
         assert group.verify_synthetic(1) == {}
-        assert group.layout.options == {"vocab_pad_multiple": 64, "vocab_pad_rule": "vllm", "qkv_order": "megatron",
-                                        "expert_order": "hf"}
+        assert group.layout.options == {
+            "vocab_pad_multiple": 64,
+            "vocab_pad_rule": "vllm",
+            "qkv_order": "megatron",
+            "expert_order": "hf",
+        }
         group.reallocate("dp=4")
         assert group.verify_synthetic(1) == {} and group.layout.qkv_order == "megatron"
         group.copy_to(plain)  # Megatron order, vLLM padding -> HF order, Megatron padding

@@ -9,12 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from realloc import Layout, Placement, Topology, plan_reallocation
-from realloc.shards.copy_program import CopyProgram, ProgramCache, ProgramMismatch
-from realloc.shards import (
-    Copies, ShardStore, allocate_buffers, local_copies, pack_copies, unpack_copies, weight_kind,
-)
 from realloc.plan import bucket_nbytes
-from realloc.shards import execute_in_process
+from realloc.shards import (
+    Copies,
+    ShardStore,
+    allocate_buffers,
+    execute_in_process,
+    local_copies,
+    pack_copies,
+    unpack_copies,
+    weight_kind,
+)
+from realloc.shards.copy_program import CopyProgram, ProgramCache, ProgramMismatch
 from realloc.spec import decoder_spec
 
 DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.float64]
@@ -22,8 +28,11 @@ DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.float64]
 
 def _buffer(n: int, dtype: torch.dtype, lead: int, fill: float | None) -> torch.Tensor:
     """A flat buffer of ``n`` elements starting ``lead`` elements into its storage."""
-    base = torch.arange(n + lead, dtype=torch.float64).to(dtype) if fill is None \
+    base = (
+        torch.arange(n + lead, dtype=torch.float64).to(dtype)
+        if fill is None
         else torch.full((n + lead,), fill, dtype=torch.float64).to(dtype)
+    )
     return base[lead:]
 
 
@@ -51,8 +60,11 @@ def _copies(boxes, outs: dict, ins: dict, keys_o: list[str], keys_i: list[str]) 
     c = Copies([], [], [])
     for k, (off_o, off_i, rows, cols, pitch_o, pitch_i) in enumerate(boxes):
         o, i = outs[keys_o[k]], ins[keys_i[k]]
-        c.add(o.as_strided((rows, cols), (pitch_o, 1), o.storage_offset() + off_o),
-              i.as_strided((rows, cols), (pitch_i, 1), i.storage_offset() + off_i), f"w{k % 3}")
+        c.add(
+            o.as_strided((rows, cols), (pitch_o, 1), o.storage_offset() + off_o),
+            i.as_strided((rows, cols), (pitch_i, 1), i.storage_offset() + off_i),
+            f"w{k % 3}",
+        )
         c.nbytes += rows * cols * o.element_size()
     return c
 
@@ -74,7 +86,11 @@ def test_a_program_replayed_on_other_buffers_writes_what_per_box_copies_write(da
     compile_outs, compile_ins = sides(0.0, [0, 0]), sides(None, [0, 0])
     program = CopyProgram.compile(_copies(boxes, compile_outs, compile_ins, keys, keys), compile_outs, compile_ins)
 
-    outs, want, ins = sides(-1.0, lead_o), sides(-1.0, lead_o), {k: v.flip(0).contiguous() for k, v in sides(None, [0, 0]).items()}
+    outs, want, ins = (
+        sides(-1.0, lead_o),
+        sides(-1.0, lead_o),
+        {k: v.flip(0).contiguous() for k, v in sides(None, [0, 0]).items()},
+    )
     assert program.run(outs, ins) == sum(r * c * outs[k].element_size() for k, (_, _, r, c, _, _) in zip(keys, boxes))
     reference = _copies(boxes, want, ins, keys, keys)
     for o, i in zip(reference.outs, reference.ins):
@@ -144,6 +160,7 @@ def test_the_cache_recompiles_when_the_buffers_no_longer_fit():
         def plan():
             calls.append(n)
             return Copies([outs["a"][:n]], [ins["b"][:n]], ["w"], 4 * n)
+
         return plan
 
     cache = ProgramCache()
@@ -160,7 +177,7 @@ def _inside_a_block(buffers: dict[str, torch.Tensor], lead_bytes: int) -> dict[s
     out = {}
     for k, t in buffers.items():
         lead = lead_bytes // t.element_size()
-        out[k] = torch.zeros(t.numel() + lead + 3, dtype=t.dtype, device=t.device)[lead:lead + t.numel()]
+        out[k] = torch.zeros(t.numel() + lead + 3, dtype=t.dtype, device=t.device)[lead : lead + t.numel()]
     return out
 
 
@@ -175,8 +192,9 @@ def test_a_plans_copies_compiled_once_replay_exactly_on_every_move(src, dst, dev
     buffers, replayed into others that start elsewhere in larger storages (as buffers opened
     from a peer's handle do): bit-identical to ``copy_local`` per segment list; packing and
     unpacking every bucket through staging too. On a GPU too, where the workers run them."""
-    spec = decoder_spec("gqa8", hidden=64, intermediate=96, layers=3, heads=8, kv_heads=4, vocab=1001, tied=True,
-                        norm_dtype="float32")
+    spec = decoder_spec(
+        "gqa8", hidden=64, intermediate=96, layers=3, heads=8, kv_heads=4, vocab=1001, tied=True, norm_dtype="float32"
+    )
     a, b = Layout(spec, Topology.parse(src)), Layout(spec, Topology.parse(dst), vocab_pad_multiple=64)
     plan = plan_reallocation(spec, a, b, Placement.blocks(8, per_node=4))
     sources = {r: ShardStore(a.shards(r), allocate_buffers(a, r, device)) for r in range(8)}
@@ -189,24 +207,41 @@ def test_a_plans_copies_compiled_once_replay_exactly_on_every_move(src, dst, dev
     staging = torch.empty(1 << 20, dtype=torch.uint8, device=device)
     compiled_after_two = None
     for move in range(3):  # compiled in the first, replayed on fresh buffers in the others
-        got = {r: ShardStore(b.shards(r), _inside_a_block(allocate_buffers(b, r, device), 512 * move))
-               for r in range(8)}
+        got = {
+            r: ShardStore(b.shards(r), _inside_a_block(allocate_buffers(b, r, device), 512 * move)) for r in range(8)
+        }
         for w, j in plan.local_copies:
-            cache.run(("local", j, w), lambda: local_copies(sources[w], got[w], plan.segment_list(j)),
-                      got[w].buffers, sources[w].buffers)
+            cache.run(
+                ("local", j, w),
+                lambda: local_copies(sources[w], got[w], plan.segment_list(j)),
+                got[w].buffers,
+                sources[w].buffers,
+            )
         for step, snd, rcv, j in plan.routes():
             sender = got[snd] if plan.reads_destination(step) else sources[snd]
             if move == 1:  # a zero-copy read of the sender's buffers
-                n = cache.run(("read", j, snd, step), lambda: local_copies(sender, got[rcv], plan.segment_list(j)),
-                              got[rcv].buffers, sender.buffers)
+                n = cache.run(
+                    ("read", j, snd, step),
+                    lambda: local_copies(sender, got[rcv], plan.segment_list(j)),
+                    got[rcv].buffers,
+                    sender.buffers,
+                )
                 assert n == plan.list_bytes(j)
                 continue
             for i, bucket in enumerate(plan.buckets(j)):  # through staging
-                staged = staging[:bucket_nbytes(bucket)]
-                cache.run(("pack", j, i, snd, step), lambda: pack_copies(sender, bucket, staged),
-                          {"staging": staged}, sender.buffers)
-                cache.run(("unpack", j, i, rcv), lambda: unpack_copies(got[rcv], bucket, staged), got[rcv].buffers,
-                          {"staging": staged})
+                staged = staging[: bucket_nbytes(bucket)]
+                cache.run(
+                    ("pack", j, i, snd, step),
+                    lambda: pack_copies(sender, bucket, staged),
+                    {"staging": staged},
+                    sender.buffers,
+                )
+                cache.run(
+                    ("unpack", j, i, rcv),
+                    lambda: unpack_copies(got[rcv], bucket, staged),
+                    got[rcv].buffers,
+                    {"staging": staged},
+                )
         for r in range(8):
             for k in want[r].buffers:
                 assert torch.equal(want[r].buffers[k].view(torch.uint8), got[r].buffers[k].view(torch.uint8))

@@ -23,8 +23,10 @@ _spec = importlib.util.spec_from_file_location("cpu_during_move", _PATH)
 cpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cpu)
 
-BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\n" \
-       "import sys; sys.stdin.read()"
+BURN = (
+    "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\n"
+    "import sys; sys.stdin.read()"
+)
 
 
 def _burner() -> subprocess.Popen:
@@ -78,7 +80,12 @@ def test_delta_counts_new_processes_from_zero_and_sorts_by_kind():
 
 def test_delta_by_kind_is_the_sum_over_processes():
     before = {1: ("other", 1.0), 2: ("kernel", 5.0), 10: ("workers", 2.0), 11: ("workers", 3.0)}
-    after = {1: ("other", 1.5), 2: ("kernel", 5.25), 10: ("workers", 2.5), 11: ("workers", 4.0),
-             12: ("ray", 0.75), 13: ("driver", 0.125)}  # 12, 13 started in between
-    assert cpu.cpu_delta(before, after) == {"workers": 1.5, "driver": 0.125, "ray": 0.75, "kernel": 0.25,
-                                             "other": 0.5}
+    after = {
+        1: ("other", 1.5),
+        2: ("kernel", 5.25),
+        10: ("workers", 2.5),
+        11: ("workers", 4.0),
+        12: ("ray", 0.75),
+        13: ("driver", 0.125),
+    }  # 12, 13 started in between
+    assert cpu.cpu_delta(before, after) == {"workers": 1.5, "driver": 0.125, "ray": 0.75, "kernel": 0.25, "other": 0.5}

@@ -13,13 +13,12 @@ import time
 
 import pytest
 import ray
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ReallocationError
 from actors.errors import GroupBusyError
 from actors.remote import FAILURE_GRACE_S
 from realloc import ModelSpec, Topology
-
-from simulated import simulated_cluster
 
 TINY = ModelSpec.preset("tiny")
 TIMEOUT_S = 8.0
@@ -45,8 +44,9 @@ def check_ranks(group: ModelGroup, ranks, layout) -> None:
     weights. The main-thread call queues behind any abort still pending there; the ping after it
     reads what the worker holds."""
     assert ray.get([group.actors[r].verify_synthetic.remote(1) for r in ranks], timeout=60) == [[] for _ in ranks]
-    assert [ray.get(group.actors[r].ping.remote(), timeout=30)["layout"] for r in ranks] == \
-        [str(layout.at(r)) for r in ranks]
+    assert [ray.get(group.actors[r].ping.remote(), timeout=30)["layout"] for r in ranks] == [
+        str(layout.at(r)) for r in ranks
+    ]
 
 
 # -- issue 22, defect 9: a stopped worker fails a move within the deadline and its grace ---------

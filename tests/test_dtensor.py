@@ -17,11 +17,15 @@ from realloc import Layout, ModelSpec, ParamSpec
 from realloc.shards import ShardStore, allocate_buffers
 from realloc.shards.dtensor import check_boxes, local_box, mesh_topology, read_local, write_local
 
-SPEC = ModelSpec("mlp", (
-    ParamSpec("mlp.up_proj.weight", (10, 6), "float32", "layer", layer=0, tp_dim=0),
-    ParamSpec("mlp.down_proj.weight", (6, 10), "float32", "layer", layer=0, tp_dim=1),
-    ParamSpec("norm.weight", (3,), "float32", "final"),
-), num_layers=1)
+SPEC = ModelSpec(
+    "mlp",
+    (
+        ParamSpec("mlp.up_proj.weight", (10, 6), "float32", "layer", layer=0, tp_dim=0),
+        ParamSpec("mlp.down_proj.weight", (6, 10), "float32", "layer", layer=0, tp_dim=1),
+        ParamSpec("norm.weight", (3,), "float32", "final"),
+    ),
+    num_layers=1,
+)
 
 
 class MLP(torch.nn.Module):

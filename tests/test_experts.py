@@ -14,26 +14,40 @@ import math
 import pickle
 
 import numpy as np
+import oracle
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
-from realloc import Layout, Placement, Topology
-from realloc.ckpt.manifest import Manifest
-from realloc_tools.plan_cli import main
-from realloc.layout import PieceTable, expert_range
-from realloc.plan import plan_reallocation
-from realloc.shards import ShardStore, allocate_buffers, execute_in_process, fused_views
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_layout import check_shards_written_from_full_tensors
 from test_plan_scale import large_form
 from test_planner_properties import POISON, check_plan, placements
 
-import oracle
+from realloc import Layout, Placement, Topology
+from realloc.ckpt.manifest import Manifest
+from realloc.layout import PieceTable, expert_range
+from realloc.plan import plan_reallocation
+from realloc.shards import ShardStore, allocate_buffers, execute_in_process, fused_views
+from realloc_tools.plan_cli import main
 
 #: A Qwen2-MoE-style model: dense first layer, 6 routed experts, a shared expert.
-TINY = oracle.MoeDecoder(hidden=8, intermediate=16, layers=4, heads=4, kv_heads=2, head_dim=2, vocab=23,
-                         tied=False, qkv_bias=True, dtype="bfloat16", norm_dtype="float32",
-                         experts=6, moe_inter=8, shared_inter=8, dense_layers=1)
+TINY = oracle.MoeDecoder(
+    hidden=8,
+    intermediate=16,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    head_dim=2,
+    vocab=23,
+    tied=False,
+    qkv_bias=True,
+    dtype="bfloat16",
+    norm_dtype="float32",
+    experts=6,
+    moe_inter=8,
+    shared_inter=8,
+    dense_layers=1,
+)
 
 
 def topology_of(dp, tp, pp, ep, etp, layer_split=None) -> Topology:
@@ -45,8 +59,9 @@ def stages_of(m: oracle.MoeDecoder, topo: Topology) -> list[list[int]]:
 
 
 def oracle_tensors(m, full, topo: Topology, rank: int, pad: int, pad_value=0) -> dict[str, torch.Tensor]:
-    return oracle.moe_local_tensors(m, full, topo.dp, topo.tp, topo.pp, topo.ep, topo.expert_tp,
-                                    stages_of(m, topo), rank, pad, pad_value)
+    return oracle.moe_local_tensors(
+        m, full, topo.dp, topo.tp, topo.pp, topo.ep, topo.expert_tp, stages_of(m, topo), rank, pad, pad_value
+    )
 
 
 def masks(m, topo: Topology, workers, pad: int) -> dict:
@@ -80,8 +95,16 @@ def fill(layout: Layout, rank: int, m, full, pad: int, poison: bool) -> ShardSto
     return store
 
 
-def check_moe_reallocation(m, src: Layout, dst: Layout, placement: Placement, pad: int = 1,
-                           bucket_bytes: int = 4096, src_workers=None, dst_workers=None):
+def check_moe_reallocation(
+    m,
+    src: Layout,
+    dst: Layout,
+    placement: Placement,
+    pad: int = 1,
+    bucket_bytes: int = 4096,
+    src_workers=None,
+    dst_workers=None,
+):
     kwargs = {} if src_workers is None else dict(src_workers=src_workers, dst_workers=dst_workers)
     plan = plan_reallocation(src.spec, src, dst, placement, bucket_bytes=bucket_bytes, **kwargs)
     src_workers = src_workers or list(range(src.topology.world_size))
@@ -99,8 +122,14 @@ def check_moe_reallocation(m, src: Layout, dst: Layout, placement: Placement, pa
             assert torch.equal(got[slot], value), f"dst rank {rank} {slot} differs from the oracle ({dst})"
     shapes = {p.name: p.shape for p in oracle.moe_params(m)}
     dtypes = {p.name: p.dtype for p in oracle.moe_params(m)}
-    check_plan(plan, shapes, dtypes, placement, masks(m, src.topology, src_workers, pad),
-               masks(m, dst.topology, dst_workers, pad))
+    check_plan(
+        plan,
+        shapes,
+        dtypes,
+        placement,
+        masks(m, src.topology, src_workers, pad),
+        masks(m, dst.topology, dst_workers, pad),
+    )
     return plan
 
 
@@ -137,8 +166,14 @@ def ep_reallocations(draw):
         src, dst = dst, src
     spec = m.spec()
     orders = draw(st.sampled_from([("hf", "vllm"), ("vllm", "hf"), ("vllm", "vllm"), ("hf", "hf")]))
-    return (m, Layout(spec, src, pad, expert_order=orders[0]), Layout(spec, dst, pad, expert_order=orders[1]),
-            draw(placements(world)), pad, draw(st.integers(1024, 4096)))
+    return (
+        m,
+        Layout(spec, src, pad, expert_order=orders[0]),
+        Layout(spec, dst, pad, expert_order=orders[1]),
+        draw(placements(world)),
+        pad,
+        draw(st.integers(1024, 4096)),
+    )
 
 
 # -- the layout against the oracle --------------------------------------------------------------
@@ -149,8 +184,9 @@ def ep_reallocations(draw):
 def test_every_ranks_tensors_are_the_oracles(case):
     m, layout, pad = case
     full = oracle.moe_full_tensors(m, seed=3)
-    check_shards_written_from_full_tensors(layout, full,
-                                           lambda rank: oracle_tensors(m, full, layout.topology, rank, pad))
+    check_shards_written_from_full_tensors(
+        layout, full, lambda rank: oracle_tensors(m, full, layout.topology, rank, pad)
+    )
     for rank in range(layout.topology.world_size):
         # one flat buffer per dtype, shards packed without gaps or overlaps
         ends: dict[str, int] = {}
@@ -177,8 +213,10 @@ def test_piece_table_is_the_layouts_groups(case, data):
         ranks = [workers.index(w) for w in group.workers]
         for param, offsets, sizes in group.pieces:
             for r in ranks:
-                assert any(s.param == param and s.offsets == offsets and s.sizes == sizes
-                           for s in layout.shards(r)), (param, r)
+                assert any(s.param == param and s.offsets == offsets and s.sizes == sizes for s in layout.shards(r)), (
+                    param,
+                    r,
+                )
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -208,18 +246,22 @@ def test_random_ep_copies_between_disjoint_worker_sets(data):
     spec = m.spec()
     src = Layout(spec, data.draw(ep_topologies(m, ws, True)))
     dst = Layout(spec, data.draw(ep_topologies(m, wd)), expert_order=data.draw(st.sampled_from(["hf", "vllm"])))
-    check_moe_reallocation(m, src, dst, data.draw(placements(ws + wd)), src_workers=list(workers[:ws]),
-                           dst_workers=list(workers[ws:]))
+    check_moe_reallocation(
+        m, src, dst, data.draw(placements(ws + wd)), src_workers=list(workers[:ws]), dst_workers=list(workers[ws:])
+    )
 
 
-@pytest.mark.parametrize("src, dst, orders", [
-    ("dp=8,tp=1,ep=4,etp=1", "dp=8,tp=1,ep=2,etp=2", ("hf", "hf")),  # ep -> ep'
-    ("dp=8,ep=4", "dp=4,tp=2,ep=4", ("hf", "vllm")),  # ep x tp change, to vLLM's buffers
-    ("dp=4,tp=2,ep=4,etp=1", "dp=2,tp=4", ("vllm", "hf")),  # ep -> no ep
-    ("dp=2,tp=2,pp=2", "dp=4,tp=1,pp=2,ep=4", ("hf", "vllm")),  # no ep -> ep, with pp
-    ("dp=2,tp=2,pp=2,ep=4,etp=1", "dp=2,tp=2,pp=2,ep=2", ("vllm", "vllm")),
-    ("dp=5,ep=5", "dp=5", ("vllm", "hf")),  # uneven expert blocks (6 experts over 5 ranks)
-])
+@pytest.mark.parametrize(
+    "src, dst, orders",
+    [
+        ("dp=8,tp=1,ep=4,etp=1", "dp=8,tp=1,ep=2,etp=2", ("hf", "hf")),  # ep -> ep'
+        ("dp=8,ep=4", "dp=4,tp=2,ep=4", ("hf", "vllm")),  # ep x tp change, to vLLM's buffers
+        ("dp=4,tp=2,ep=4,etp=1", "dp=2,tp=4", ("vllm", "hf")),  # ep -> no ep
+        ("dp=2,tp=2,pp=2", "dp=4,tp=1,pp=2,ep=4", ("hf", "vllm")),  # no ep -> ep, with pp
+        ("dp=2,tp=2,pp=2,ep=4,etp=1", "dp=2,tp=2,pp=2,ep=2", ("vllm", "vllm")),
+        ("dp=5,ep=5", "dp=5", ("vllm", "hf")),  # uneven expert blocks (6 experts over 5 ranks)
+    ],
+)
 def test_chosen_ep_reallocations(src, dst, orders):
     spec = TINY.spec()
     a = Layout(spec, Topology.parse(src), expert_order=orders[0])
@@ -240,8 +282,17 @@ def test_uneven_expert_blocks_follow_vllm():
 # -- vLLM's fused expert buffers -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("topology", ["dp=4,tp=2,ep=4,etp=2", "dp=6,ep=6,etp=1", "dp=4,tp=2,ep=2,etp=2",
-                                      "dp=2,tp=2,pp=2,ep=4,etp=1", "tp=2", "dp=4,tp=2,ep=2,etp=1"])
+@pytest.mark.parametrize(
+    "topology",
+    [
+        "dp=4,tp=2,ep=4,etp=2",
+        "dp=6,ep=6,etp=1",
+        "dp=4,tp=2,ep=2,etp=2",
+        "dp=2,tp=2,pp=2,ep=4,etp=1",
+        "tp=2",
+        "dp=4,tp=2,ep=2,etp=1",
+    ],
+)
 def test_vllm_fused_buffers_are_the_oracles(topology):
     topo = Topology.parse(topology)
     layout = Layout(TINY.spec(), topo, expert_order="vllm")
@@ -249,8 +300,9 @@ def test_vllm_fused_buffers_are_the_oracles(topology):
     for rank in range(topo.world_size):
         store = fill(layout, rank, TINY, full, 1, poison=False)
         views = fused_views(layout.at(rank), store.buffers)
-        etp_rank, ep_rank, _, pp_rank = oracle.expert_mesh_coords(rank, topo.dp, topo.tp, topo.pp, topo.ep,
-                                                                   topo.expert_tp)
+        etp_rank, ep_rank, _, pp_rank = oracle.expert_mesh_coords(
+            rank, topo.dp, topo.tp, topo.pp, topo.ep, topo.expert_tp
+        )
         experts = oracle.local_experts(TINY.experts, topo.ep, ep_rank)
         layers = [layer for layer in stages_of(TINY, topo)[pp_rank] if layer >= TINY.dense_layers]
         for layer in layers:
@@ -263,7 +315,8 @@ def test_vllm_fused_buffers_are_the_oracles(topology):
                 assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                 assert view.is_contiguous()
         assert sorted(k for k in views if k.endswith("w13_weight")) == sorted(
-            f"model.layers.{layer}.mlp.experts.w13_weight" for layer in layers)
+            f"model.layers.{layer}.mlp.experts.w13_weight" for layer in layers
+        )
 
 
 def test_hf_expert_order_has_no_fused_expert_views():
@@ -283,8 +336,17 @@ def test_vllm_expert_order_needs_routed_experts():
 # -- topology, layout values, manifests, refusals ------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["dp=8,ep=8", "dp=4,tp=2,ep=4", "dp=4,tp=2,ep=8,etp=1", "dp=2,tp=4,pp=2,ep=2,etp=2",
-                                  "dp=2,tp=2,etp=1", "dp=4,tp=2,pp=3,layer_split=1/1/2,ep=2,pp_split=megatron"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "dp=8,ep=8",
+        "dp=4,tp=2,ep=4",
+        "dp=4,tp=2,ep=8,etp=1",
+        "dp=2,tp=4,pp=2,ep=2,etp=2",
+        "dp=2,tp=2,etp=1",
+        "dp=4,tp=2,pp=3,layer_split=1/1/2,ep=2,pp_split=megatron",
+    ],
+)
 def test_topology_round_trip(text):
     t = Topology.parse(text)
     assert Topology.parse(str(t)) == t and hash(Topology.parse(str(t))) == hash(t)
@@ -312,12 +374,15 @@ def test_expert_mesh_matches_vllm_with_etp_1():
         assert oracle.expert_mesh_coords(rank, 4, 2, 2, 8, 1) == (0, dp_rank * 2 + tp_rank, 0, pp_rank)
 
 
-@pytest.mark.parametrize("text, kwargs, match", [
-    ("dp=3,ep=2", {}, "ep=2 x etp=1 = 2 must divide dp x tp = 3"),
-    ("dp=2,tp=2,ep=4", {}, "must divide dp x tp = 4"),
-    ("dp=2,fsdp=2,ep=2", {}, "fsdp=2 with ep=2"),
-    ("dp=2,fsdp=2,tp=2,etp=1", {}, "fsdp=2 with ep=1, etp=1"),
-])
+@pytest.mark.parametrize(
+    "text, kwargs, match",
+    [
+        ("dp=3,ep=2", {}, "ep=2 x etp=1 = 2 must divide dp x tp = 3"),
+        ("dp=2,tp=2,ep=4", {}, "must divide dp x tp = 4"),
+        ("dp=2,fsdp=2,ep=2", {}, "fsdp=2 with ep=2"),
+        ("dp=2,fsdp=2,tp=2,etp=1", {}, "fsdp=2 with ep=1, etp=1"),
+    ],
+)
 def test_refused_topologies(text, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Topology.parse(text)
@@ -346,14 +411,25 @@ def test_layout_pickles_and_manifests_keep_expert_options():
     from realloc.ckpt.manifest import CheckpointId, ShardRecord
 
     def manifest_of(layout):
-        return Manifest(id=CheckpointId("run", 1, 0), world_size=layout.topology.world_size,
-                        topology=saved_topology(layout), vocab_pad_multiple=layout.vocab_pad_multiple,
-                        spec_name=spec.name, params={p.name: (p.shape, p.dtype) for p in spec.params},
-                        buffers=layout.buffer_numels(0),
-                        shards=tuple(ShardRecord(s.param, s.slot, s.offsets, s.sizes, s.local_shape, s.dtype,
-                                                 s.buffer_offset, 0) for s in layout.shards(0)),
-                        file_bytes=0, sha256="0" * 64, written_on="node", vocab_pad_rule=layout.vocab_pad_rule,
-                        qkv_order=layout.qkv_order, expert_order=layout.expert_order)
+        return Manifest(
+            id=CheckpointId("run", 1, 0),
+            world_size=layout.topology.world_size,
+            topology=saved_topology(layout),
+            vocab_pad_multiple=layout.vocab_pad_multiple,
+            spec_name=spec.name,
+            params={p.name: (p.shape, p.dtype) for p in spec.params},
+            buffers=layout.buffer_numels(0),
+            shards=tuple(
+                ShardRecord(s.param, s.slot, s.offsets, s.sizes, s.local_shape, s.dtype, s.buffer_offset, 0)
+                for s in layout.shards(0)
+            ),
+            file_bytes=0,
+            sha256="0" * 64,
+            written_on="node",
+            vocab_pad_rule=layout.vocab_pad_rule,
+            qkv_order=layout.qkv_order,
+            expert_order=layout.expert_order,
+        )
 
     data = manifest_of(lay).to_json()
     assert data["topology"]["ep"] == 4 and data["topology"]["etp"] == 1 and data["expert_order"] == "vllm"
@@ -366,22 +442,45 @@ def test_layout_pickles_and_manifests_keep_expert_options():
 # -- the command line -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("src, dst, extra", [
-    ("ep=4,tp=2", "dp=2,tp=4", ["--src-expert-order", "vllm"]),
-    ("dp=4,tp=2,pp=2,ep=4,etp=1", "dp=2,tp=4,pp=2,ep=2", ["--dst-expert-order", "vllm"]),
-    ("dp=8,ep=4,etp=2", "ep=2,tp=4", []),
-])
+@pytest.mark.parametrize(
+    "src, dst, extra",
+    [
+        ("ep=4,tp=2", "dp=2,tp=4", ["--src-expert-order", "vllm"]),
+        ("dp=4,tp=2,pp=2,ep=4,etp=1", "dp=2,tp=4,pp=2,ep=2", ["--dst-expert-order", "vllm"]),
+        ("dp=8,ep=4,etp=2", "ep=2,tp=4", []),
+    ],
+)
 def test_plan_verify_on_a_tiny_moe(capsys, tmp_path, src, dst, extra):
     (tmp_path / "config.json").write_text(json.dumps(TINY.config()))
-    assert main(["plan", "--model", str(tmp_path), "--src", src, "--dst", dst, "--gpus-per-node", "4",
-                 "--verify", "--json"] + extra) == 0
+    assert (
+        main(
+            ["plan", "--model", str(tmp_path), "--src", src, "--dst", dst, "--gpus-per-node", "4", "--verify", "--json"]
+            + extra
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["verified"] and report["bytes_inter_node"] == report["lower_bound_inter_node_bytes"]
 
 
 def test_plan_qwen3_moe_ep_to_ep_times_tp(capsys):
-    assert main(["plan", "--model", "tests/data/configs/Qwen3-30B-A3B.json", "--src", "ep=8,tp=1",
-                 "--dst", "ep=4,tp=2", "--gpus-per-node", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "tests/data/configs/Qwen3-30B-A3B.json",
+                "--src",
+                "ep=8,tp=1",
+                "--dst",
+                "ep=4,tp=2",
+                "--gpus-per-node",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["bytes_inter_node"] == report["lower_bound_inter_node_bytes"] > 0
 
@@ -389,9 +488,18 @@ def test_plan_qwen3_moe_ep_to_ep_times_tp(capsys):
 def test_mixtral_fused_expert_views_use_its_module_names():
     from realloc.spec import spec_from_hf_config
 
-    spec = spec_from_hf_config({"model_type": "mixtral", "hidden_size": 8, "intermediate_size": 12,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "vocab_size": 20, "num_local_experts": 6})
+    spec = spec_from_hf_config(
+        {
+            "model_type": "mixtral",
+            "hidden_size": 8,
+            "intermediate_size": 12,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 20,
+            "num_local_experts": 6,
+        }
+    )
     layout = Layout(spec, Topology.parse("dp=2,tp=2,ep=2"), expert_order="vllm")  # etp=2: 3 experts, half rows
     views = fused_views(layout.at(3), allocate_buffers(layout, 3))
     assert tuple(views["model.layers.1.block_sparse_moe.experts.w13_weight"].shape) == (3, 12, 8)

@@ -14,22 +14,22 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ShardWorker
 from realloc.shards.dtensor import mesh_topology, read_local, write_local
 
-from simulated import simulated_cluster
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import llama  # noqa: E402
+import llama
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray.cloudpickle.register_pickle_by_value(llama)
 
 pytestmark = pytest.mark.slow
 
-CONFIG = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                           num_kv_heads=2)
+CONFIG = llama.LlamaConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2
+)
 
 
 class FSDPWorker(ShardWorker):
@@ -38,8 +38,9 @@ class FSDPWorker(ShardWorker):
     def host_default_store(self) -> int:
         """Rank 0 hosts the default group's store on a port the OS picks (a port chosen by the
         driver and bound later can be taken in between: EADDRINUSE)."""
-        self.default_store = dist.TCPStore("127.0.0.1", 0, self.context().topology.world_size, is_master=True,
-                                           wait_for_workers=False)
+        self.default_store = dist.TCPStore(
+            "127.0.0.1", 0, self.context().topology.world_size, is_master=True, wait_for_workers=False
+        )
         return self.default_store.port
 
     def setup(self, config: dict, port: int, init: dict) -> str:
@@ -89,8 +90,10 @@ def same(a: dict, b: dict) -> bool:
 def test_fsdp2_shards_reallocate_to_tp_and_back(cluster):
     spec = CONFIG.spec()
     g = torch.Generator().manual_seed(0)
-    init = {p.name: (torch.ones(p.shape) if p.name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02)
-            for p in spec.params}
+    init = {
+        p.name: (torch.ones(p.shape) if p.name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02)
+        for p in spec.params
+    }
     group = ModelGroup.create(spec, "fsdp=4", name="fsdp2", worker_cls=FSDPWorker, timeout_s=120)
     try:
         [port] = group.call("host_default_store", ranks=[0])

@@ -13,15 +13,13 @@ import sys
 import pytest
 import ray
 import torch
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ReallocationError
 from realloc import ModelSpec, Topology
 
-from simulated import simulated_cluster
-
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 NODES, CPUS_PER_NODE = 2, 4
 WALK = ["tp=4", "pp=2,tp=2", "fsdp=4", "dp=4", "dp=2,tp=2"]
@@ -52,8 +50,16 @@ def _walk(group: ModelGroup, seed: int, expect_inter: bool) -> list:
 
 
 def test_workers_share_the_gpu_and_read_each_other_through_cuda_ipc(cluster, spec):
-    g = ModelGroup.create(spec, "dp=2,tp=2", name="gpu-ipc", use_gpu=True, gpus_per_worker=0.25,
-                          strategy="STRICT_PACK", timeout_s=120, bucket_bytes=64 << 10)
+    g = ModelGroup.create(
+        spec,
+        "dp=2,tp=2",
+        name="gpu-ipc",
+        use_gpu=True,
+        gpus_per_worker=0.25,
+        strategy="STRICT_PACK",
+        timeout_s=120,
+        bucket_bytes=64 << 10,
+    )
     try:
         infos = [ray.get(a.info.remote()) for a in g.actors]
         assert all(i["device"] == "cuda:0" and i["zero_copy"] for i in infos), infos
@@ -70,8 +76,17 @@ def test_workers_share_the_gpu_and_read_each_other_through_cuda_ipc(cluster, spe
 
 
 def test_host_staged_gloo_between_workers_of_one_gpu(cluster, spec):
-    g = ModelGroup.create(spec, "tp=4", name="gpu-staged", use_gpu=True, gpus_per_worker=0.25,
-                          strategy="STRICT_PACK", timeout_s=120, bucket_bytes=16 << 10, zero_copy=False)
+    g = ModelGroup.create(
+        spec,
+        "tp=4",
+        name="gpu-staged",
+        use_gpu=True,
+        gpus_per_worker=0.25,
+        strategy="STRICT_PACK",
+        timeout_s=120,
+        bucket_bytes=16 << 10,
+        zero_copy=False,
+    )
     try:
         g.init_synthetic(seed=2)
         stats = _walk(g, 2, expect_inter=False)
@@ -81,8 +96,16 @@ def test_host_staged_gloo_between_workers_of_one_gpu(cluster, spec):
 
 
 def test_two_nodes_sharing_the_gpu(cluster, spec):
-    g = ModelGroup.create(spec, "dp=2,tp=2", name="gpu-nodes", use_gpu=True, gpus_per_worker=0.5,
-                          strategy="SPREAD", timeout_s=120, bucket_bytes=32 << 10)
+    g = ModelGroup.create(
+        spec,
+        "dp=2,tp=2",
+        name="gpu-nodes",
+        use_gpu=True,
+        gpus_per_worker=0.5,
+        strategy="SPREAD",
+        timeout_s=120,
+        bucket_bytes=32 << 10,
+    )
     try:
         assert g.placement.num_nodes == 2
         g.init_synthetic(seed=3)
@@ -94,8 +117,9 @@ def test_two_nodes_sharing_the_gpu(cluster, spec):
 
 
 def test_resident_layouts_on_the_gpu(cluster, spec):
-    g = ModelGroup.create(spec, "fsdp=4", name="gpu-keep", use_gpu=True, gpus_per_worker=0.25,
-                          strategy="STRICT_PACK", timeout_s=120)
+    g = ModelGroup.create(
+        spec, "fsdp=4", name="gpu-keep", use_gpu=True, gpus_per_worker=0.25, strategy="STRICT_PACK", timeout_s=120
+    )
     try:
         g.init_synthetic(seed=4)
         for mode in ("in_place", "host"):
@@ -111,8 +135,17 @@ def test_resident_layouts_on_the_gpu(cluster, spec):
 
 
 def test_worker_exit_mid_transfer_on_the_gpu(cluster, spec):
-    g = ModelGroup.create(spec, "tp=4", name="gpu-crash", use_gpu=True, gpus_per_worker=0.25,
-                          strategy="STRICT_PACK", timeout_s=30, bucket_bytes=4096, zero_copy=False)
+    g = ModelGroup.create(
+        spec,
+        "tp=4",
+        name="gpu-crash",
+        use_gpu=True,
+        gpus_per_worker=0.25,
+        strategy="STRICT_PACK",
+        timeout_s=30,
+        bucket_bytes=4096,
+        zero_copy=False,
+    )
     try:
         g.init_synthetic(seed=5)
         g.reallocate("dp=2,tp=2")
@@ -133,8 +166,16 @@ def test_moves_leave_no_gpu_memory_behind(cluster):
     allocated after its owner frees it (torch's IPC limbo), so exporting a buffer to a peer
     that does not read it leaked one layout per move (bench-gpu ran out of memory)."""
     spec = ModelSpec.preset("small")  # 28-56 MB per worker: a leak of one buffer per move shows
-    g = ModelGroup.create(spec, "fsdp=4", name="gpu-leak", use_gpu=True, gpus_per_worker=0.25,
-                          strategy="STRICT_PACK", timeout_s=120, bucket_bytes=1 << 20)
+    g = ModelGroup.create(
+        spec,
+        "fsdp=4",
+        name="gpu-leak",
+        use_gpu=True,
+        gpus_per_worker=0.25,
+        strategy="STRICT_PACK",
+        timeout_s=120,
+        bucket_bytes=1 << 20,
+    )
     try:
         g.init_synthetic(seed=6)
         for _ in range(4):
@@ -164,8 +205,9 @@ def _tp_all_reduce(ctx) -> list[float]:
 def test_user_groups_reduce_cuda_tensors_on_a_shared_gpu(cluster, spec):
     """Workers sharing a GPU get gloo groups (NCCL cannot pair two ranks of one device); the
     user's CUDA tensors go through them as through init_process_group('gloo') groups."""
-    g = ModelGroup.create(spec, "dp=2,tp=2", name="gpu-user", use_gpu=True, gpus_per_worker=0.25,
-                          strategy="STRICT_PACK", timeout_s=120)
+    g = ModelGroup.create(
+        spec, "dp=2,tp=2", name="gpu-user", use_gpu=True, gpus_per_worker=0.25, strategy="STRICT_PACK", timeout_s=120
+    )
     try:
         got = g.run(_tp_all_reduce, writes=False)
         topo = g.topology

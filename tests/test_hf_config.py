@@ -17,23 +17,50 @@ from realloc.layout import Layout, Topology
 from realloc.spec import ModelSpec, spec_from_hf_config
 
 LLAMA3_8B = {
-    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
 }
 MISTRAL_7B = {
-    "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "torch_dtype": "bfloat16",
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "torch_dtype": "bfloat16",
 }
 QWEN25_05B = {
-    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
 }
 QWEN3_06B = {
-    "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-    "tie_word_embeddings": True, "attention_bias": False, "torch_dtype": "bfloat16",
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -43,7 +70,7 @@ def count(spec: ModelSpec) -> int:
 
 def layer_shapes(spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, ...]]:
     prefix = f"model.layers.{layer}."
-    return {p.name[len(prefix):]: p.shape for p in spec.params if p.name.startswith(prefix)}
+    return {p.name[len(prefix) :]: p.shape for p in spec.params if p.name.startswith(prefix)}
 
 
 def write_config(directory: Path, config: dict) -> Path:
@@ -100,7 +127,9 @@ def test_llama_attention_and_mlp_bias():
     assert spec.param("model.layers.0.mlp.down_proj.bias").tp_dim is None
     assert spec.param("model.layers.0.mlp.up_proj.bias").tp_dim == 0
     names = [p.name for p in spec.params]
-    assert names.index("model.layers.0.self_attn.o_proj.bias") == names.index("model.layers.0.self_attn.o_proj.weight") + 1
+    assert (
+        names.index("model.layers.0.self_attn.o_proj.bias") == names.index("model.layers.0.self_attn.o_proj.weight") + 1
+    )
     lay = Layout(spec, Topology(tp=4))
     up = [s for s in lay.shards(3) if s.param == "model.layers.0.mlp.up_proj.bias"]
     assert [(s.offsets, s.sizes) for s in up] == [((3 * 3584,), (3584,))]
@@ -147,8 +176,15 @@ def test_qwen2_bias_and_tied_embeddings():
 
 
 def test_qwen2_kv_bias_replicates_with_kv_heads():
-    config = {**QWEN25_05B, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
-              "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000}
+    config = {
+        **QWEN25_05B,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 1000,
+    }
     lay = Layout(spec_from_hf_config(config), Topology(tp=8, pp=2))
     # tp=8 > 2 kv heads of 32: ranks 0..3 hold kv head 0, ranks 4..7 kv head 1 (bias included).
     bias = {tp: [s for s in lay.shards_at(tp, 0) if s.param.endswith("0.self_attn.k_proj.bias")][0] for tp in (3, 4)}
@@ -246,9 +282,15 @@ def test_preset_parameter_counts(name):
 
 def test_preset_matches_equivalent_hf_config():
     config = {
-        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
     assert spec_from_hf_config(config).params == ModelSpec.preset("qwen2.5-7b").params
 
@@ -261,25 +303,41 @@ MIXTRAL_TINY = {**MISTRAL_7B, "model_type": "mixtral", "num_hidden_layers": 1, "
 
 def test_supported_moe_model_types_are_accepted():
     spec = spec_from_hf_config(MIXTRAL_TINY)
-    moe = {k: v for k, v in layer_shapes(spec).items()
-           if k.startswith(("block_sparse_moe.gate.", "block_sparse_moe.experts.7."))}
-    assert moe == {"block_sparse_moe.gate.weight": (8, 4096), "block_sparse_moe.experts.7.w1.weight": (14336, 4096),
-                   "block_sparse_moe.experts.7.w3.weight": (14336, 4096),
-                   "block_sparse_moe.experts.7.w2.weight": (4096, 14336)}
+    moe = {
+        k: v
+        for k, v in layer_shapes(spec).items()
+        if k.startswith(("block_sparse_moe.gate.", "block_sparse_moe.experts.7."))
+    }
+    assert moe == {
+        "block_sparse_moe.gate.weight": (8, 4096),
+        "block_sparse_moe.experts.7.w1.weight": (14336, 4096),
+        "block_sparse_moe.experts.7.w3.weight": (14336, 4096),
+        "block_sparse_moe.experts.7.w2.weight": (4096, 14336),
+    }
     assert not any(name.startswith("mlp.") for name in layer_shapes(spec))
-    assert count(spec) == 32000 * 4096 * 2 + 4096 + (2 * 4096 * 4096 + 2 * 1024 * 4096 + 2 * 4096
-                                                      + 8 * 4096 + 8 * 3 * 14336 * 4096)
+    assert count(spec) == 32000 * 4096 * 2 + 4096 + (
+        2 * 4096 * 4096 + 2 * 1024 * 4096 + 2 * 4096 + 8 * 4096 + 8 * 3 * 14336 * 4096
+    )
 
 
-@pytest.mark.parametrize("config, message", [
-    ({**LLAMA3_8B, "model_type": "olmoe"}, r"model_type 'olmoe' is a mixture-of-experts model, which is not supported; "
-     r"supported dense decoders: llama, mistral, qwen2, qwen3; supported mixture-of-experts: mixtral, qwen2_moe, "
-     r"qwen3_moe, deepseek_v2, deepseek_v3"),
-    ({**LLAMA3_8B, "model_type": "dbrx"}, r"'dbrx' is a mixture-of-experts model, which is not supported"),
-    ({**LLAMA3_8B, "num_local_experts": 8}, r"num_local_experts=8 makes this a mixture-of-experts model, but "
-     r"model_type 'llama' has no experts"),
-    ({**QWEN3_06B, "num_experts": 128}, r"num_experts=128 makes this a mixture-of-experts model"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {**LLAMA3_8B, "model_type": "olmoe"},
+            r"model_type 'olmoe' is a mixture-of-experts model, which is not supported; "
+            r"supported dense decoders: llama, mistral, qwen2, qwen3; supported mixture-of-experts: mixtral, qwen2_moe, "
+            r"qwen3_moe, deepseek_v2, deepseek_v3",
+        ),
+        ({**LLAMA3_8B, "model_type": "dbrx"}, r"'dbrx' is a mixture-of-experts model, which is not supported"),
+        (
+            {**LLAMA3_8B, "num_local_experts": 8},
+            r"num_local_experts=8 makes this a mixture-of-experts model, but "
+            r"model_type 'llama' has no experts",
+        ),
+        ({**QWEN3_06B, "num_experts": 128}, r"num_experts=128 makes this a mixture-of-experts model"),
+    ],
+)
 def test_unsupported_moe_is_refused(config, message):
     with pytest.raises(ValueError, match=message):
         spec_from_hf_config(config)

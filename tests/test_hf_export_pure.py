@@ -18,10 +18,22 @@ from realloc.spec import ParamSpec, decoder_spec, hf_config_of, spec_from_hf_con
 from realloc.spec.hf_config import DERIVED_DEFAULTS, check_config_fits, generation_config_of
 
 GQA = decoder_spec("gqa", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=100, dtype="float32")
-QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 120, "tie_word_embeddings": True,
-         "torch_dtype": "bfloat16", "bos_token_id": 7, "eos_token_id": [8, 9], "rope_theta": 1e6,
-         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+QWEN2 = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 120,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 7,
+    "eos_token_id": [8, 9],
+    "rope_theta": 1e6,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+}
 
 
 # -- config.json ------------------------------------------------------------------------------
@@ -51,23 +63,37 @@ def test_derived_config_of_presets_round_trips(name):
 
 
 def test_derived_config_of_qwen3_and_biases():
-    qwen3 = decoder_spec("q3", hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, vocab=50, head_dim=32,
-                         qk_norm=True, tied=True)
+    qwen3 = decoder_spec(
+        "q3", hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, vocab=50, head_dim=32, qk_norm=True, tied=True
+    )
     c = hf_config_of(qwen3)
-    assert (c["model_type"], c["head_dim"], c["tie_word_embeddings"], c["max_position_embeddings"]) == \
-        ("qwen3", 32, True, 32768)
+    assert (c["model_type"], c["head_dim"], c["tie_word_embeddings"], c["max_position_embeddings"]) == (
+        "qwen3",
+        32,
+        True,
+        32768,
+    )
     assert spec_from_hf_config(c).params == qwen3.params
     llama_bias = spec_from_hf_config({**hf_config_of(GQA), "attention_bias": True, "mlp_bias": True})
-    derived = hf_config_of(llama_bias.__class__(llama_bias.name, llama_bias.params, llama_bias.num_layers,
-                                                dict(llama_bias.aliases), num_heads=4, num_kv_heads=2))
+    derived = hf_config_of(
+        llama_bias.__class__(
+            llama_bias.name,
+            llama_bias.params,
+            llama_bias.num_layers,
+            dict(llama_bias.aliases),
+            num_heads=4,
+            num_kv_heads=2,
+        )
+    )
     assert (derived["model_type"], derived["attention_bias"], derived["mlp_bias"]) == ("llama", True, True)
 
 
 def test_spec_remembers_its_hf_config_outside_equality():
     spec = spec_from_hf_config(QWEN2)
     assert spec.hf_config_json == json.dumps(QWEN2, sort_keys=True, separators=(",", ":"))
-    plain = decoder_spec(spec.name, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, vocab=120,
-                         qkv_bias=True, tied=True)
+    plain = decoder_spec(
+        spec.name, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, vocab=120, qkv_bias=True, tied=True
+    )
     assert plain.hf_config_json is None and plain == spec and hash(plain) == hash(spec)
     assert len(pickle.dumps(spec)) - len(pickle.dumps(plain)) < 2 * len(spec.hf_config_json)
     assert pickle.loads(pickle.dumps(spec)).hf_config_json == spec.hf_config_json
@@ -95,7 +121,11 @@ def test_explicit_configs_are_checked_against_the_spec():
 
 def test_configs_are_valid_for_transformers():
     transformers = pytest.importorskip("transformers")
-    for c in (hf_config_of(GQA), hf_config_of(ModelSpec.preset("qwen2.5-7b")), hf_config_of(spec_from_hf_config(QWEN2))):
+    for c in (
+        hf_config_of(GQA),
+        hf_config_of(ModelSpec.preset("qwen2.5-7b")),
+        hf_config_of(spec_from_hf_config(QWEN2)),
+    ):
         config = transformers.AutoConfig.for_model(**c)
         assert config.num_key_value_heads == c["num_key_value_heads"]
         assert config.tie_word_embeddings == c["tie_word_embeddings"]
@@ -177,8 +207,10 @@ def test_bad_assignment_arguments():
 
 def test_arena_files_are_safetensors_with_tensors_in_place():
     g = torch.Generator().manual_seed(0)
-    files = [("a.safetensors", [("x", (3, 5), "bfloat16"), ("y", (7,), "float32"), ("z", (1, 3), "float16")]),
-             ("b.safetensors", [("u", (5,), "bfloat16"), ("v", (2, 2), "float64")])]
+    files = [
+        ("a.safetensors", [("x", (3, 5), "bfloat16"), ("y", (7,), "float32"), ("z", (1, 3), "float16")]),
+        ("b.safetensors", [("u", (5,), "bfloat16"), ("v", (2, 2), "float64")]),
+    ]
     tensors = {n: torch.randn(shape, generator=g).to(getattr(torch, d)) for _, es in files for n, shape, d in es}
     arena = Arena.plan(files, {"format": "pt", "k": "v"})
     data, store = arena.allocate()

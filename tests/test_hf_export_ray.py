@@ -14,15 +14,14 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from actors import ModelGroup  # noqa: E402
-from actors.checkpoint import CheckpointManager  # noqa: E402
-from actors.zero_copy import sweep_stale_buffers  # noqa: E402
-from realloc import Topology  # noqa: E402
-from realloc.ckpt.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
-from realloc.spec import hf_config_of, spec_from_hf_config  # noqa: E402
-from realloc.spec import decoder_spec  # noqa: E402
+from simulated import simulated_cluster
 
-from simulated import simulated_cluster  # noqa: E402
+from actors import ModelGroup
+from actors.checkpoint import CheckpointManager
+from actors.zero_copy import sweep_stale_buffers
+from realloc import Topology
+from realloc.ckpt.hf import INDEX_FILE, SINGLE_FILE
+from realloc.spec import decoder_spec, hf_config_of, spec_from_hf_config
 
 TOKENS = torch.tensor([[1, 5, 9, 42, 77, 3, 0, 64]])
 
@@ -35,8 +34,17 @@ def local_ray():
 
 
 def llama(tied: bool):
-    return decoder_spec(f"llama-gqa-{'tied' if tied else 'untied'}", hidden=64, intermediate=128, layers=2, heads=4,
-                        kv_heads=2, vocab=100, tied=tied, dtype="float32")
+    return decoder_spec(
+        f"llama-gqa-{'tied' if tied else 'untied'}",
+        hidden=64,
+        intermediate=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        vocab=100,
+        tied=tied,
+        dtype="float32",
+    )
 
 
 def group_of(spec, topology, name, tmp_path):
@@ -72,7 +80,8 @@ def check_loads(out, group):
     transformers = pytest.importorskip("transformers")
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        out, output_loading_info=True, **{dtype_kw: torch.float32})
+        out, output_loading_info=True, **{dtype_kw: torch.float32}
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info.get("mismatched_keys"), info
     expected = group.state_dict()  # test only: the driver assembles the model to compare
     loaded = model.state_dict()
@@ -82,7 +91,8 @@ def check_loads(out, group):
     if group.spec.aliases:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     reference = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.from_pretrained(out), **{dtype_kw: torch.float32})
+        transformers.AutoConfig.from_pretrained(out), **{dtype_kw: torch.float32}
+    )
     reference.load_state_dict({k: v.to(torch.float32) for k, v in expected.items()})
     model.eval(), reference.eval()
     with torch.no_grad():
@@ -124,10 +134,23 @@ def test_untied_llama_from_two_layouts(tmp_path):
 
 
 def test_tied_qwen2_from_its_config(tmp_path):
-    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
-              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 120, "tie_word_embeddings": True, "torch_dtype": "float32", "bos_token_id": 7,
-              "eos_token_id": 8, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 512}
+    config = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 120,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "bos_token_id": 7,
+        "eos_token_id": 8,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+    }
     spec = spec_from_hf_config(config, name="qwen2-mini")
     assert "model.layers.0.self_attn.q_proj.bias" in spec.by_name and spec.aliases
     group, manager = group_of(spec, Topology(dp=2, tp=2), "hfx-qwen2", tmp_path)
@@ -149,8 +172,11 @@ def test_tied_qwen2_from_its_config(tmp_path):
         # Again into the same directory: two writers, then one file; the old shards and index go.
         group.init_synthetic(9)
         manager.export_hf(out, writers=2, generation_config={"eos_token_id": 8, "max_new_tokens": 5})
-        assert sorted(p.name for p in out.glob("model*")) == \
-            ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX_FILE]
+        assert sorted(p.name for p in out.glob("model*")) == [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            INDEX_FILE,
+        ]
         assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 5
         manager.export_hf(out)
         assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", SINGLE_FILE]

@@ -17,17 +17,16 @@ from safetensors.torch import save_file
 
 from realloc import Topology
 from realloc.ckpt.errors import CheckpointError
-from realloc.ckpt.hf import (INDEX_FILE, check_ties, export_state, load_shards, match_spec, save_hf_dir,
-                             scan_hf_dir)
+from realloc.ckpt.hf import INDEX_FILE, check_ties, export_state, load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.layout import Layout
 from realloc.shards import ShardStore, allocate_buffers
 from realloc.shards.synthetic import synthetic_state_dict
 from realloc.spec import decoder_spec, hf_config_of
 
-TIED = decoder_spec("tied-llama", hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2, vocab=64, tied=True,
-                    dtype="float32")
-BF16 = decoder_spec("bf16-llama", hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2, vocab=64,
-                    dtype="bfloat16")
+TIED = decoder_spec(
+    "tied-llama", hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2, vocab=64, tied=True, dtype="float32"
+)
+BF16 = decoder_spec("bf16-llama", hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2, vocab=64, dtype="bfloat16")
 
 
 def test_integer_tensors_are_refused_for_float_parameters(tmp_path):

@@ -20,24 +20,24 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-import actors.checkpoint as checkpoint_module  # noqa: E402
-from actors import HookError, ModelGroup, ShardWorker  # noqa: E402
-from actors.checkpoint import CheckpointManager  # noqa: E402
-from actors.errors import ReallocationError  # noqa: E402
-from actors.zero_copy import sweep_stale_buffers  # noqa: E402
-from realloc import Topology  # noqa: E402
-from realloc.ckpt.errors import CheckpointError  # noqa: E402
-from realloc.ckpt.hf import INDEX_FILE, export_state, save_hf_dir  # noqa: E402
-from realloc.spec import hf_config_of  # noqa: E402
-from realloc.spec import decoder_spec  # noqa: E402
-from realloc.shards.synthetic import synthetic_state_dict  # noqa: E402
+from simulated import simulated_cluster
 
-from simulated import simulated_cluster  # noqa: E402
+import actors.checkpoint as checkpoint_module
+from actors import HookError, ModelGroup, ShardWorker
+from actors.checkpoint import CheckpointManager
+from actors.errors import ReallocationError
+from actors.zero_copy import sweep_stale_buffers
+from realloc import Topology
+from realloc.ckpt.errors import CheckpointError
+from realloc.ckpt.hf import INDEX_FILE, export_state, save_hf_dir
+from realloc.shards.synthetic import synthetic_state_dict
+from realloc.spec import decoder_spec, hf_config_of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
-SPEC = decoder_spec("trust-llama", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=100, tied=True,
-                    dtype="float32")
+SPEC = decoder_spec(
+    "trust-llama", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=100, tied=True, dtype="float32"
+)
 
 
 class FailsAfterLoads(ShardWorker):
@@ -83,7 +83,9 @@ def test_import_of_an_untied_checkpoint_into_a_tied_spec_is_refused(env, tmp_pat
     with pytest.raises(ValueError, match="they differ: it is untied"):
         manager.import_hf(tmp_path / "untied")
     assert group.verify_synthetic(3) == {}
-    _checkpoint(tmp_path / "same", **{"lm_head.weight": embedding.clone()})  # the same bytes under both names: one tensor
+    _checkpoint(
+        tmp_path / "same", **{"lm_head.weight": embedding.clone()}
+    )  # the same bytes under both names: one tensor
     manager.import_hf(tmp_path / "same")
     assert group.verify_synthetic(5) == {}
     group.init_synthetic(3)
@@ -111,8 +113,9 @@ def test_a_file_replaced_between_the_scan_and_the_reads_fails_the_import(env, tm
 def _loads(out: Path) -> dict[str, torch.Tensor]:
     transformers = pytest.importorskip("transformers")
     kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
-                                                                    **{kw: torch.float32})
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True, **{kw: torch.float32}
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.state_dict()
 

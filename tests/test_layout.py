@@ -15,7 +15,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from realloc.layout import Layout, Topology
 from realloc.layout.topology import PP_SPLIT_RULES, balanced_split, pp_layer_counts
@@ -55,8 +56,19 @@ def oracle_locals(d, layout, rank, full, pad):
 
 
 def test_decoder_spec_has_the_parameters_of_the_description():
-    d = oracle.Decoder(hidden=6, intermediate=12, layers=2, heads=4, kv_heads=2, head_dim=2, vocab=11,
-                       tied=False, qkv_bias=True, dtype="bfloat16", norm_dtype="float32")
+    d = oracle.Decoder(
+        hidden=6,
+        intermediate=12,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=2,
+        vocab=11,
+        tied=False,
+        qkv_bias=True,
+        dtype="bfloat16",
+        norm_dtype="float32",
+    )
     for tied, qk_norm in ((False, False), (True, True)):
         desc = oracle.Decoder(**{**d.__dict__, "tied": tied, "qk_norm": qk_norm})
         spec = desc.spec()
@@ -131,8 +143,9 @@ def test_rank_order_is_tp_fastest_then_dp_then_pp(dp, tp, pp):
 
 
 def test_tied_head_on_its_own_last_stage_is_a_copy_of_the_embedding_shard():
-    d = oracle.Decoder(hidden=4, intermediate=12, layers=3, heads=2, kv_heads=1, head_dim=2, vocab=7,
-                       tied=True, dtype="float32")
+    d = oracle.Decoder(
+        hidden=4, intermediate=12, layers=3, heads=2, kv_heads=1, head_dim=2, vocab=7, tied=True, dtype="float32"
+    )
     layout = Layout(d.spec(), Topology(dp=1, tp=2, pp=3, layer_split=(1, 1, 1)))
     for tp_rank in range(2):
         first = {s.slot: s for s in layout.shards_at(tp_rank, 0)}
@@ -177,7 +190,7 @@ def stage_weights(spec: ModelSpec, counts) -> list[int]:
             last += p.nbytes
     loads, start = [], 0
     for n in counts:
-        loads.append(sum(per_layer[start:start + n]))
+        loads.append(sum(per_layer[start : start + n]))
         start += n
     loads[0] += first
     loads[-1] += last
@@ -208,8 +221,13 @@ def test_balanced_split_of_decoders_is_optimal(d, data):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(1, 60), min_size=1, max_size=8), st.integers(0, 200), st.integers(0, 200),
-       st.booleans(), st.data())
+@given(
+    st.lists(st.integers(1, 60), min_size=1, max_size=8),
+    st.integers(0, 200),
+    st.integers(0, 200),
+    st.booleans(),
+    st.data(),
+)
 def test_balanced_split_with_uneven_layers_is_optimal(layer_sizes, embed, head, tied, data):
     """Layers of different sizes (a hand-made spec), so the bottleneck is a real search."""
     layers = len(layer_sizes)
@@ -273,8 +291,11 @@ def test_count_rules_match_the_oracle(layers, data):
 def test_megatron_rule_needs_pp_to_divide_the_layers():
     spec = oracle.Decoder(hidden=4, intermediate=12, layers=30, heads=2, kv_heads=2, head_dim=2, vocab=9).spec()
     assert counts(Topology(pp=3, pp_split="megatron"), spec) == (10, 10, 10)
-    with pytest.raises(ValueError, match=r"oracle-model: pp_split='megatron' needs pp to divide the layer count, "
-                                         r"but 30 layers do not split evenly over pp=4; .*layer_split=7/8/8/7"):
+    with pytest.raises(
+        ValueError,
+        match=r"oracle-model: pp_split='megatron' needs pp to divide the layer count, "
+        r"but 30 layers do not split evenly over pp=4; .*layer_split=7/8/8/7",
+    ):
         Topology(pp=4, pp_split="megatron").stage_layers(spec)
     # the suggested split is one Megatron-core's first/last-stage options can express: equal middle stages
     assert counts(Topology(pp=4, layer_split=(7, 8, 8, 7), pp_split="megatron"), spec) == (7, 8, 8, 7)
@@ -322,7 +343,6 @@ def test_topology_strings():
     assert t == Topology(pp=3, layer_split=(2, 3, 3), pp_split="megatron")
     assert str(t) == "dp=1,tp=1,pp=3,layer_split=2/3/3,pp_split=megatron"
     assert Topology.parse("pp=4,pp_split=vllm") == Topology(pp=4)
-
 
 
 # -- sharded data parallelism (FSDP2 / HSDP) ---------------------------------------------------
@@ -380,8 +400,11 @@ def test_fsdp_chunks_follow_torch_chunk_with_empty_last_ranks():
     d = oracle.Decoder(hidden=5, intermediate=12, layers=1, heads=4, kv_heads=2, head_dim=1, vocab=7)
     lay = Layout(d.spec(), Topology(fsdp=3))
     rows = {r: {s.slot: (s.offsets[0], s.sizes[0]) for s in lay.shards(r)} for r in range(3)}
-    k, q, norm = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight", \
-        "model.layers.0.input_layernorm.weight"
+    k, q, norm = (
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+    )
     assert [rows[r].get(k) for r in range(3)] == [(0, 1), (1, 1), None]
     assert [rows[r].get(q) for r in range(3)] == [(0, 2), (2, 2), None]
     assert [rows[r].get(norm) for r in range(3)] == [(0, 2), (2, 2), (4, 1)]
@@ -389,8 +412,10 @@ def test_fsdp_chunks_follow_torch_chunk_with_empty_last_ranks():
     # with tp=2 the chunks cut each tp box: the embedding's real rows 0-3 / 4-6 (tp pads 7 to 8)
     lay = Layout(d.spec(), Topology(fsdp=2, tp=2))
     t = lay.topology
-    emb = {t.coords4(r)[1:3]: [(s.offsets, s.sizes, s.local_shape) for s in lay.shards(r) if s.slot == oracle.EMBED]
-           for r in range(4)}
+    emb = {
+        t.coords4(r)[1:3]: [(s.offsets, s.sizes, s.local_shape) for s in lay.shards(r) if s.slot == oracle.EMBED]
+        for r in range(4)
+    }
     assert emb[0, 0] == [((0, 0), (2, 5), (2, 5))] and emb[1, 0] == [((2, 0), (2, 5), (2, 5))]
     assert emb[0, 1] == [((4, 0), (2, 5), (2, 5))] and emb[1, 1] == [((6, 0), (1, 5), (1, 5))]
 
@@ -423,7 +448,9 @@ def test_fsdp_topology_strings_and_layout_values():
         Topology(fsdp=True)
     spec = ModelSpec.preset("tiny")
     a, b = Layout(spec, Topology(dp=4)), Layout(spec, Topology(fsdp=4))
-    assert a != b and a.key != b.key and Layout(spec, Topology(fsdp=4)) == b and hash(b) == hash(Layout(spec, b.topology))
+    assert (
+        a != b and a.key != b.key and Layout(spec, Topology(fsdp=4)) == b and hash(b) == hash(Layout(spec, b.topology))
+    )
     assert Layout(spec, Topology(dp=2, fsdp=2)) not in (a, b)
     assert "fsdp=4" in str(b)
     with pytest.raises(ValueError, match="vocab_pad_multiple=64 with fsdp=4"):
@@ -433,6 +460,7 @@ def test_fsdp_topology_strings_and_layout_values():
 def test_fsdp_layout_costs_its_coordinates():
     """2048-rank FSDP over llama-70b: every rank distinct, yet built from 2048 coordinates once."""
     import time
+
     spec = ModelSpec.preset("llama-70b")
     started = time.perf_counter()
     lay = Layout(spec, Topology(fsdp=2048))

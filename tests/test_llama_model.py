@@ -19,27 +19,49 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from llama import (  # noqa: E402
-    Llama, LlamaConfig, greedy_generate, local_state, pipeline_train_step, train_step,
-)
+from llama import Llama, LlamaConfig, greedy_generate, local_state, pipeline_train_step, train_step
 
-from realloc import Layout, Topology  # noqa: E402
+from realloc import Layout, Topology
 
 # tp=2: uneven vocabulary (251 = 126 + 125), GQA 4/2, untied.
-CFG_TP2 = LlamaConfig(vocab_size=251, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                      num_kv_heads=2, rope_theta=500.0, rms_norm_eps=1e-6)
+CFG_TP2 = LlamaConfig(
+    vocab_size=251,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    rope_theta=500.0,
+    rms_norm_eps=1e-6,
+)
 # tp=4: vocab 250 = 63 + 63 + 63 + 61, GQA 8/4, tied.
-CFG_TP4 = LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=8,
-                      num_kv_heads=4, tie_word_embeddings=True)
+CFG_TP4 = LlamaConfig(
+    vocab_size=250,
+    hidden_size=64,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    tie_word_embeddings=True,
+)
 # tp=4 > 2 k/v heads: each k/v head on two ranks (inference only).
-CFG_KV_REPLICATED = LlamaConfig(vocab_size=250, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                                num_kv_heads=2)
+CFG_KV_REPLICATED = LlamaConfig(
+    vocab_size=250, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2
+)
 # tp=4 over a 5-token vocabulary: rows 0-1, 2-3, 4 and none (rank 3 holds an empty shard).
-CFG_TINY_VOCAB = LlamaConfig(vocab_size=5, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
-                             num_kv_heads=4)
+CFG_TINY_VOCAB = LlamaConfig(
+    vocab_size=5, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=4
+)
 # pipeline: 3 layers split 1 + 2.
-CFG_PP = LlamaConfig(vocab_size=250, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                     num_kv_heads=2, tie_word_embeddings=True)
+CFG_PP = LlamaConfig(
+    vocab_size=250,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+)
 
 TIMEOUT_S = 60
 START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
@@ -121,8 +143,13 @@ def run_workers(job: str, world: int, args, tmp_path: Path) -> list:
     Workers are forked where the platform allows it (they start at once, with torch already
     imported; each sets one intra-op thread before any torch work), spawned elsewhere.
     """
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), job, args, str(tmp_path)), nprocs=world,
-                             join=False, start_method=START_METHOD)
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, _free_port(), job, args, str(tmp_path)),
+        nprocs=world,
+        join=False,
+        start_method=START_METHOD,
+    )
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not ctx.join(timeout=1):
@@ -191,8 +218,9 @@ def _job_pp(rank: int, world: int, args: dict) -> list[dict]:
         cfg, full, tokens = case["cfg"], case["full"], case["tokens"]
         stage = case["stages"][pp_rank]
         first, last = pp_rank == 0, pp_rank == pp - 1
-        model = Llama(cfg, tp_group=tp_groups[pp_rank], tp_size=tp, tp_rank=tp_rank, layers=stage,
-                      first=first, last=last)
+        model = Llama(
+            cfg, tp_group=tp_groups[pp_rank], tp_size=tp, tp_rank=tp_rank, layers=stage, first=first, last=last
+        )
         load(model, local_state(cfg, full, tp, tp_rank, stage, first, last))
         opt = Recorder(model)
         kw = dict(pp_group=pp_groups[tp_rank], pp_rank=pp_rank, pp_size=pp)
@@ -217,8 +245,15 @@ def test_names_and_shapes_are_the_layout_boxes(cfg: LlamaConfig):
         layout = Layout(cfg.spec(), topo)
         for tp_rank in range(tp):
             for pp_rank, stage in enumerate(layout.stages):
-                model = Llama(cfg, tp_group=object() if tp > 1 else None, tp_size=tp, tp_rank=tp_rank,
-                              layers=stage, first=pp_rank == 0, last=pp_rank == pp - 1)
+                model = Llama(
+                    cfg,
+                    tp_group=object() if tp > 1 else None,
+                    tp_size=tp,
+                    tp_rank=tp_rank,
+                    layers=stage,
+                    first=pp_rank == 0,
+                    last=pp_rank == pp - 1,
+                )
                 got = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
                 want = [(s.slot, s.sizes) for s in layout.shards_at(tp_rank, pp_rank)]
                 assert got == want, (tp, pp, tp_rank, pp_rank)
@@ -276,8 +311,17 @@ def test_replicated_kv_refused_for_training():
 @pytest.mark.parametrize("tied", [False, True])
 def test_reference_matches_transformers(tied: bool):
     transformers = pytest.importorskip("transformers")
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                      num_kv_heads=2, rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=500.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
     full = full_weights(cfg, 3)
     ours = reference(cfg, full)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.hf_config())).eval()
@@ -298,15 +342,23 @@ def test_reference_matches_transformers(tied: bool):
 # -- multi-process tests --------------------------------------------------------------------------
 def _tp_case(cfg: LlamaConfig, seed: int, train: bool) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"cfg": cfg, "full": full_weights(cfg, seed),
-            "tokens": torch.randint(0, cfg.vocab_size, (3, 12), generator=g),
-            "prompts": torch.randint(0, cfg.vocab_size, (2, 5), generator=g), "new_tokens": 6, "train": train}
+    return {
+        "cfg": cfg,
+        "full": full_weights(cfg, seed),
+        "tokens": torch.randint(0, cfg.vocab_size, (3, 12), generator=g),
+        "prompts": torch.randint(0, cfg.vocab_size, (2, 5), generator=g),
+        "new_tokens": 6,
+        "train": train,
+    }
 
 
-@pytest.mark.parametrize("tp,cases", [
-    (2, [(CFG_TP2, 10, True)]),
-    (4, [(CFG_TP4, 11, True), (CFG_KV_REPLICATED, 12, False), (CFG_TINY_VOCAB, 13, True)]),
-])
+@pytest.mark.parametrize(
+    "tp,cases",
+    [
+        (2, [(CFG_TP2, 10, True)]),
+        (4, [(CFG_TP4, 11, True), (CFG_KV_REPLICATED, 12, False), (CFG_TINY_VOCAB, 13, True)]),
+    ],
+)
 def test_tensor_parallel_matches_reference(tp: int, cases, tmp_path: Path):
     cases = [_tp_case(*c) for c in cases]
     results = run_workers("tp", tp, cases, tmp_path)
@@ -346,8 +398,10 @@ def test_tensor_parallel_matches_reference(tp: int, cases, tmp_path: Path):
                 assert diffs["after step"] < 1e-5, diffs
             else:
                 assert res["refused"] and "replicated" in res["refused"]
-        print(f"\ntp={tp} vocab={cfg.vocab_size} kv={cfg.num_kv_heads} tied={cfg.tie_word_embeddings}: max diffs "
-              + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+        print(
+            f"\ntp={tp} vocab={cfg.vocab_size} kv={cfg.num_kv_heads} tied={cfg.tie_word_embeddings}: max diffs "
+            + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
+        )
 
 
 def test_dp2_tp2_adamw_matches_full_batch_reference(tmp_path: Path):
@@ -368,8 +422,10 @@ def test_dp2_tp2_adamw_matches_full_batch_reference(tmp_path: Path):
         worst = max(worst, max_diff(res["after"], local_state(cfg, after, 2, tp_rank)))
     moved = max_diff(after, {k: v for k, v in local_state(cfg, full, 1, 0).items()})
     mean_losses = [(results[0]["losses"][s] + results[2]["losses"][s]) / 2 for s in range(3)]
-    print(f"\ndp=2 x tp=2, 3 AdamW steps: max |weight diff| {worst:.2e} (weights moved up to {moved:.2e}); "
-          f"losses {[round(x, 5) for x in mean_losses]} vs reference {[round(x, 5) for x in want_losses]}")
+    print(
+        f"\ndp=2 x tp=2, 3 AdamW steps: max |weight diff| {worst:.2e} (weights moved up to {moved:.2e}); "
+        f"losses {[round(x, 5) for x in mean_losses]} vs reference {[round(x, 5) for x in want_losses]}"
+    )
     assert max(abs(a - b) for a, b in zip(mean_losses, want_losses)) < 1e-5
     assert worst < 2e-4  # Adam's normalisation magnifies rounding in near-zero gradients
 
@@ -379,8 +435,14 @@ def test_pp2_tp2_pipeline_matches_reference(tmp_path: Path):
     for tied, seed in ((True, 30), (False, 31)):
         cfg = LlamaConfig(**{**CFG_PP.__dict__, "tie_word_embeddings": tied})
         g = torch.Generator().manual_seed(seed)
-        cases.append({"cfg": cfg, "full": full_weights(cfg, seed), "stages": [range(0, 1), range(1, 3)],
-                      "tokens": torch.randint(0, cfg.vocab_size, (3, 9), generator=g)})
+        cases.append(
+            {
+                "cfg": cfg,
+                "full": full_weights(cfg, seed),
+                "stages": [range(0, 1), range(1, 3)],
+                "tokens": torch.randint(0, cfg.vocab_size, (3, 9), generator=g),
+            }
+        )
     results = run_workers("pp", 4, {"cases": cases}, tmp_path)
     for i, case in enumerate(cases):
         cfg, tokens = case["cfg"], case["tokens"]
@@ -401,6 +463,8 @@ def test_pp2_tp2_pipeline_matches_reference(tmp_path: Path):
                 assert res[i]["losses"] == [None, None]
             dg = max(dg, max_diff(res[i]["grads"], local_state(cfg, ref_grads, 2, tp_rank, stage, first, last)))
             dw = max(dw, max_diff(res[i]["after"], local_state(cfg, after, 2, tp_rank, stage, first, last)))
-        print(f"\npp=2 x tp=2 tied={cfg.tie_word_embeddings}: losses {want_losses}, max |grad diff| {dg:.2e}, "
-              f"max |weight diff| after 2 SGD steps {dw:.2e}")
+        print(
+            f"\npp=2 x tp=2 tied={cfg.tie_word_embeddings}: losses {want_losses}, max |grad diff| {dg:.2e}, "
+            f"max |weight diff| after 2 SGD steps {dw:.2e}"
+        )
         assert dg < 1e-5 and dw < 1e-5

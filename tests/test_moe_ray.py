@@ -16,11 +16,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from actors.checkpoint import CheckpointManager  # noqa: E402
-from actors.zero_copy import sweep_stale_buffers  # noqa: E402
-from realloc import Topology  # noqa: E402
-from realloc.spec import load_spec  # noqa: E402
-from simulated import lose_node, simulated_cluster  # noqa: E402
+from simulated import lose_node, simulated_cluster
+
+from actors.checkpoint import CheckpointManager
+from actors.zero_copy import sweep_stale_buffers
+from realloc import Topology
+from realloc.spec import load_spec
 
 SPEC = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
 TRAIN = Topology(dp=2, tp=2, pp=2)
@@ -49,11 +50,15 @@ def test_the_model_has_what_moe_models_have():
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in names
 
 
-@pytest.mark.parametrize("route", [
-    ["dp=1,tp=4,pp=2", "dp=8,tp=1,pp=1", "dp=2,tp=4,pp=1", "dp=1,tp=2,pp=4"],
-    # expert parallelism: ep 2 -> 4 -> 8, ep x tp changes, vLLM's ep = dp*tp with etp=1, ep with pp
-    ["dp=4,tp=2,ep=2,etp=2", "dp=4,tp=2,ep=4", "ep=8,tp=1", "dp=2,tp=4,ep=8,etp=1", "dp=2,tp=2,pp=2,ep=2"],
-], ids=["tp-pp", "ep"])
+@pytest.mark.parametrize(
+    "route",
+    [
+        ["dp=1,tp=4,pp=2", "dp=8,tp=1,pp=1", "dp=2,tp=4,pp=1", "dp=1,tp=2,pp=4"],
+        # expert parallelism: ep 2 -> 4 -> 8, ep x tp changes, vLLM's ep = dp*tp with etp=1, ep with pp
+        ["dp=4,tp=2,ep=2,etp=2", "dp=4,tp=2,ep=4", "ep=8,tp=1", "dp=2,tp=4,ep=8,etp=1", "dp=2,tp=2,pp=2,ep=2"],
+    ],
+    ids=["tp-pp", "ep"],
+)
 def test_reallocations_are_bit_exact(env, route):
     g = env.group
     for topo in route + [str(TRAIN)]:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from realloc_tools.plan_cli import main
 from realloc.layout import Layout, Topology
 from realloc.spec import ModelSpec, spec_from_hf_config
 from realloc.spec.moe import checkpoint_state_dict
+from realloc_tools.plan_cli import main
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 #: transformers 5.x's parameter counts of the published configs (buffers not included).
@@ -34,31 +34,100 @@ PUBLISHED_COUNTS = {
 
 #: Small configs exercising each family's options (dense layers, no q LoRA, biases, tied head).
 TINY = {
-    "mixtral": {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 64,
-                "num_local_experts": 3},
-    "qwen2_moe": {"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 4,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "num_experts": 3,
-                  "moe_intermediate_size": 8, "shared_expert_intermediate_size": 24, "decoder_sparse_step": 2,
-                  "mlp_only_layers": [3]},
-    "qwen2_moe_no_bias_tied": {"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 40,
-                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-                               "vocab_size": 64, "num_experts": 2, "moe_intermediate_size": 8,
-                               "shared_expert_intermediate_size": 16, "qkv_bias": False, "tie_word_embeddings": True},
-    "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 3,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "vocab_size": 64,
-                  "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [0],
-                  "attention_bias": True},
-    "deepseek_v2": {"model_type": "deepseek_v2", "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 3,
-                    "num_attention_heads": 4, "vocab_size": 64, "n_routed_experts": 4, "n_shared_experts": 2,
-                    "num_experts_per_tok": 2, "moe_intermediate_size": 8, "first_k_dense_replace": 1,
-                    "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-                    "v_head_dim": 6},
-    "deepseek_v3": {"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 3,
-                    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 64, "n_routed_experts": 4,
-                    "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
-                    "moe_intermediate_size": 8, "first_k_dense_replace": 2, "q_lora_rank": 12, "kv_lora_rank": 16,
-                    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, "attention_bias": True},
+    "mixtral": {
+        "model_type": "mixtral",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 64,
+        "num_local_experts": 3,
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "num_experts": 3,
+        "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 24,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    },
+    "qwen2_moe_no_bias_tied": {
+        "model_type": "qwen2_moe",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 64,
+        "num_experts": 2,
+        "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 16,
+        "qkv_bias": False,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "vocab_size": 64,
+        "num_experts": 3,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "mlp_only_layers": [0],
+        "attention_bias": True,
+    },
+    "deepseek_v2": {
+        "model_type": "deepseek_v2",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "vocab_size": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "moe_intermediate_size": 8,
+        "first_k_dense_replace": 2,
+        "q_lora_rank": 12,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+        "attention_bias": True,
+    },
 }
 
 
@@ -119,11 +188,15 @@ def test_deepseek_v3_layout_of_published_config():
     assert (bias.shape, bias.dtype, bias.buffer, bias.tp_dim) == ((256,), "float32", True, None)
     assert sum(p.numel for p in spec.params if p.buffer) == 58 * 256
     prefix = "model.layers.0.self_attn."
-    attention = {n[len(prefix):]: p.shape for n, p in names.items() if n.startswith(prefix)}
+    attention = {n[len(prefix) :]: p.shape for n, p in names.items() if n.startswith(prefix)}
     assert attention == {
-        "q_a_proj.weight": (1536, 7168), "q_a_layernorm.weight": (1536,), "q_b_proj.weight": (128 * 192, 1536),
-        "kv_a_proj_with_mqa.weight": (512 + 64, 7168), "kv_a_layernorm.weight": (512,),
-        "kv_b_proj.weight": (128 * 256, 512), "o_proj.weight": (7168, 128 * 128),
+        "q_a_proj.weight": (1536, 7168),
+        "q_a_layernorm.weight": (1536,),
+        "q_b_proj.weight": (128 * 192, 1536),
+        "kv_a_proj_with_mqa.weight": (512 + 64, 7168),
+        "kv_a_layernorm.weight": (512,),
+        "kv_b_proj.weight": (128 * 256, 512),
+        "o_proj.weight": (7168, 128 * 128),
     }
 
 
@@ -171,8 +244,10 @@ def test_checkpoint_state_dict_is_transformers_revert(case):
 def test_checkpoint_state_dict_gate_then_up_rows():
     np = pytest.importorskip("numpy")
     stacked = np.arange(2 * 6 * 4).reshape(2, 6, 4)
-    out = checkpoint_state_dict({"model.layers.5.mlp.experts.gate_up_proj": stacked,
-                                 "model.layers.5.mlp.gate.weight": np.zeros((2, 4))}, "mixtral")
+    out = checkpoint_state_dict(
+        {"model.layers.5.mlp.experts.gate_up_proj": stacked, "model.layers.5.mlp.gate.weight": np.zeros((2, 4))},
+        "mixtral",
+    )
     assert (out["model.layers.5.block_sparse_moe.experts.1.w1.weight"] == stacked[1, :3]).all()
     assert (out["model.layers.5.block_sparse_moe.experts.1.w3.weight"] == stacked[1, 3:]).all()
     assert "model.layers.5.block_sparse_moe.gate.weight" in out
@@ -188,13 +263,22 @@ def test_checkpoint_state_dict_gate_then_up_rows():
 def test_tensor_parallel_rules():
     spec = spec_from_hf_config(CONFIGS / "DeepSeek-V3.json")
     p = spec.by_name
-    rules = {name: (p[name].tp_dim, p[name].tp_unit) for name in (
-        "model.layers.3.mlp.experts.7.gate_proj.weight", "model.layers.3.mlp.experts.7.up_proj.weight",
-        "model.layers.3.mlp.experts.7.down_proj.weight", "model.layers.3.mlp.shared_experts.down_proj.weight",
-        "model.layers.3.mlp.gate.weight", "model.layers.3.self_attn.q_a_proj.weight",
-        "model.layers.3.self_attn.q_b_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
-        "model.layers.3.self_attn.kv_b_proj.weight", "model.layers.3.self_attn.o_proj.weight",
-        "model.layers.3.self_attn.kv_a_layernorm.weight")}
+    rules = {
+        name: (p[name].tp_dim, p[name].tp_unit)
+        for name in (
+            "model.layers.3.mlp.experts.7.gate_proj.weight",
+            "model.layers.3.mlp.experts.7.up_proj.weight",
+            "model.layers.3.mlp.experts.7.down_proj.weight",
+            "model.layers.3.mlp.shared_experts.down_proj.weight",
+            "model.layers.3.mlp.gate.weight",
+            "model.layers.3.self_attn.q_a_proj.weight",
+            "model.layers.3.self_attn.q_b_proj.weight",
+            "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+            "model.layers.3.self_attn.kv_b_proj.weight",
+            "model.layers.3.self_attn.o_proj.weight",
+            "model.layers.3.self_attn.kv_a_layernorm.weight",
+        )
+    }
     assert rules == {
         "model.layers.3.mlp.experts.7.gate_proj.weight": (0, 1),
         "model.layers.3.mlp.experts.7.up_proj.weight": (0, 1),
@@ -236,11 +320,14 @@ def test_expert_shards_under_tp_and_pp():
 # -- realloc plan ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, src, dst", [
-    ("Mixtral-8x7B-v0.1", "tp=8", "tp=4,dp=2"),
-    ("Qwen2-57B-A14B", "tp=4,dp=2", "tp=2,dp=4"),  # 28 heads: tp=8 does not divide them
-    ("DeepSeek-V2-Lite", "tp=8", "tp=4,dp=2"),
-])
+@pytest.mark.parametrize(
+    "name, src, dst",
+    [
+        ("Mixtral-8x7B-v0.1", "tp=8", "tp=4,dp=2"),
+        ("Qwen2-57B-A14B", "tp=4,dp=2", "tp=2,dp=4"),  # 28 heads: tp=8 does not divide them
+        ("DeepSeek-V2-Lite", "tp=8", "tp=4,dp=2"),
+    ],
+)
 def test_cli_plan_reports_parameter_count(name, src, dst, capsys):
     assert main(["plan", "--model", str(CONFIGS / f"{name}.json"), "--src", src, "--dst", dst, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -264,14 +351,17 @@ def test_cli_plan_refuses_tp_that_splits_a_head(capsys):
 # -- refusals -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"moe_layer_freq": 2}, r"moe_layer_freq=2 is not supported"),
-    ({"n_shared_experts": 0}, r"'n_shared_experts' must be a positive integer, got 0"),
-    ({"n_routed_experts": None}, r"'n_routed_experts' must be a positive integer, got None"),
-    ({"first_k_dense_replace": -1}, r"'first_k_dense_replace' must be a non-negative integer"),
-    ({"mlp_bias": True}, r"mlp_bias=true is not supported for deepseek_v2"),
-    ({"q_lora_rank": 0}, r"'q_lora_rank' must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"moe_layer_freq": 2}, r"moe_layer_freq=2 is not supported"),
+        ({"n_shared_experts": 0}, r"'n_shared_experts' must be a positive integer, got 0"),
+        ({"n_routed_experts": None}, r"'n_routed_experts' must be a positive integer, got None"),
+        ({"first_k_dense_replace": -1}, r"'first_k_dense_replace' must be a non-negative integer"),
+        ({"mlp_bias": True}, r"mlp_bias=true is not supported for deepseek_v2"),
+        ({"q_lora_rank": 0}, r"'q_lora_rank' must be a positive integer, got 0"),
+    ],
+)
 def test_deepseek_refusals(change, message):
     with pytest.raises(ValueError, match=message):
         spec_from_hf_config({**TINY["deepseek_v2"], **change})

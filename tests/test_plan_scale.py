@@ -15,19 +15,25 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
+import oracle
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_planner_properties import (
+    FSDP8,
+    Case,
+    check_reallocation,
+    fsdp_reallocations,
+    fsdp_topologies,
+    make_plan,
+    reallocations,
+    topologies,
+)
 
 import realloc.plan.schedule as schedule
 from realloc import Layout, Placement, Topology
 from realloc.layout import PieceTable
 from realloc.plan import Plan, StepTable
-from test_planner_properties import (
-    FSDP8, Case, check_reallocation, fsdp_reallocations, fsdp_topologies, make_plan, reallocations, topologies,
-)
-
-import oracle
 
 
 @settings(max_examples=60, deadline=None)
@@ -36,7 +42,9 @@ def test_piece_table_is_the_layouts_groups_as_arrays(data):
     d = data.draw(oracle.decoders(st))
     world = data.draw(st.sampled_from([8, 6, 5, 4, 3, 2, 1]))
     sharded = oracle.factorisations4(d, world)
-    topo = data.draw(st.one_of(topologies(d, world), fsdp_topologies(d, world)) if len(sharded) else topologies(d, world))
+    topo = data.draw(
+        st.one_of(topologies(d, world), fsdp_topologies(d, world)) if len(sharded) else topologies(d, world)
+    )
     pad = 1 if topo.fsdp > 1 else data.draw(st.integers(1, 3))
     layout = Layout(d.spec(), topo, pad)
     workers = data.draw(st.permutations(list(range(world))))
@@ -52,8 +60,10 @@ class large_form:
     """Every plan planned inside takes the large-plan form: arrays and the cyclic schedule."""
 
     def __enter__(self):
-        self.patches = [mock.patch.object(schedule, "LARGE_PLAN_ROUTES", 0),
-                        mock.patch.object(schedule, "cyclic_suits", lambda src, dst: True)]
+        self.patches = [
+            mock.patch.object(schedule, "LARGE_PLAN_ROUTES", 0),
+            mock.patch.object(schedule, "cyclic_suits", lambda src, dst: True),
+        ]
         for p in self.patches:
             p.start()
 
@@ -92,18 +102,34 @@ def test_large_form_and_small_form_move_the_same_bytes():
     with large_form():
         large = make_plan(case)
     assert isinstance(large.steps, StepTable) and isinstance(small.steps, list)
-    for key in ("bytes_total", "bytes_inter_node", "bytes_intra_node", "bytes_local_copy", "num_routes",
-                "rank_send_bytes", "rank_recv_bytes", "lower_bound_inter_node_bytes"):
+    for key in (
+        "bytes_total",
+        "bytes_inter_node",
+        "bytes_intra_node",
+        "bytes_local_copy",
+        "num_routes",
+        "rank_send_bytes",
+        "rank_recv_bytes",
+        "lower_bound_inter_node_bytes",
+    ):
         assert large.stats[key] == small.stats[key], key
-    routes = lambda p: sorted((src, dst, [(s.param, s.offsets, s.sizes) for s in p.segment_list(j)])  # noqa: E731
-                              for _, src, dst, j in p.routes())
+
+    def routes(p):
+        return sorted(
+            (src, dst, [(s.param, s.offsets, s.sizes) for s in p.segment_list(j)]) for _, src, dst, j in p.routes()
+        )
+
     assert routes(large) == routes(small)
 
 
-@pytest.mark.parametrize("options", [
-    dict(vocab_pad_multiple=64, vocab_pad_rule="vllm"), dict(qkv_order="megatron"),
-    dict(vocab_pad_multiple=4, vocab_pad_rule="megatron", qkv_order="megatron"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(vocab_pad_multiple=64, vocab_pad_rule="vllm"),
+        dict(qkv_order="megatron"),
+        dict(vocab_pad_multiple=4, vocab_pad_rule="megatron", qkv_order="megatron"),
+    ],
+)
 @pytest.mark.parametrize("topology", ["tp=2", "dp=2,tp=2,pp=2"])
 def test_piece_table_of_engine_conventions(options, topology):
     layout = Layout(FSDP8.spec(), Topology.parse(topology), **options)
@@ -144,7 +170,9 @@ def test_cyclic_schedule_only_where_it_costs_few_steps():
     assert not schedule.cyclic_suits(sparse_src, scattered)
 
 
-@pytest.mark.parametrize("topology", ["dp=4,tp=2,pp=2,ep=4,etp=1", "dp=4,tp=2,ep=2", "dp=2,tp=4,ep=8,etp=1", "dp=2,tp=2,pp=2"])
+@pytest.mark.parametrize(
+    "topology", ["dp=4,tp=2,pp=2,ep=4,etp=1", "dp=4,tp=2,ep=2", "dp=2,tp=4,ep=8,etp=1", "dp=2,tp=2,pp=2"]
+)
 def test_expert_process_groups_follow_megatrons_expert_mesh(topology):
     """Written from Megatron-core's RankGenerator(tp=etp, ep, dp=edp, pp, order "tp-ep-dp-pp"):
     inside a stage, rank = etp_rank + etp * (ep_rank + ep * edp_rank)."""

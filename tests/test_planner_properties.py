@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from realloc.layout import Group, Layout, Shard, Topology
 from realloc.plan import Placement, Plan, plan_exchange, plan_reallocation
@@ -87,12 +88,14 @@ def check_each_needed_element_written_once(plan: Plan, shapes, hold: Masks, need
         for param in set(params) | set(routed[worker]) | set(local[worker]):
             wanted = params.get(param, np.zeros(shapes[param], dtype=bool))
             total = routed[worker].get(param, 0) + local[worker].get(param, 0)
-            assert np.array_equal(np.broadcast_to(total, wanted.shape), wanted.astype(np.int64)), \
+            assert np.array_equal(np.broadcast_to(total, wanted.shape), wanted.astype(np.int64)), (
                 f"worker {worker} {param}: written {total} times where needed {wanted.astype(int)}"
+            )
             held = hold.get(worker, {}).get(param, np.zeros(shapes[param], dtype=bool))
             copied = np.broadcast_to(local[worker].get(param, 0), wanted.shape)
-            assert np.array_equal(copied, (held & wanted).astype(np.int64)), \
+            assert np.array_equal(copied, (held & wanted).astype(np.int64)), (
                 f"worker {worker} {param}: local copies must be exactly what it both holds and needs"
+            )
 
 
 def check_senders_hold_what_they_send(plan: Plan, shapes, hold: Masks) -> None:
@@ -111,18 +114,21 @@ def check_senders_hold_what_they_send(plan: Plan, shapes, hold: Masks) -> None:
         for src, _dst, j in step:
             for seg in plan.segment_list(j):
                 if s < plan.forward_from:
-                    assert covers(hold, src, seg.param, seg.offsets, seg.sizes), \
+                    assert covers(hold, src, seg.param, seg.offsets, seg.sizes), (
                         f"step {s}: worker {src} sends {seg} from its source but does not hold it"
+                    )
                 else:
-                    assert covers(received, src, seg.param, seg.offsets, seg.sizes), \
+                    assert covers(received, src, seg.param, seg.offsets, seg.sizes), (
                         f"forward step {s}: worker {src} forwards {seg} it did not receive earlier"
+                    )
         for _, dst, j in step:  # usable from the next step on
             for seg in plan.segment_list(j):
                 mark(dst, seg)
 
 
-def check_inter_node_bytes_meet_lower_bound(plan: Plan, shapes, dtypes, placement: Placement,
-                                            hold: Masks, need: Masks) -> None:
+def check_inter_node_bytes_meet_lower_bound(
+    plan: Plan, shapes, dtypes, placement: Placement, hold: Masks, need: Masks
+) -> None:
     nodes = placement.nodes
     need_on, held_on = defaultdict(dict), defaultdict(dict)
     for masks, on in ((need, need_on), (hold, held_on)):
@@ -185,8 +191,9 @@ def side_masks(d: oracle.Decoder, topo: Topology, workers, pad: int) -> Masks:
     shapes = {p.name: p.shape for p in oracle.params(d)}
     out: Masks = {}
     for rank in range(topo.world_size):
-        held = oracle.held_indices(d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, pad, fsdp=topo.fsdp,
-                                   split=topo.fsdp_split)
+        held = oracle.held_indices(
+            d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, pad, fsdp=topo.fsdp, split=topo.fsdp_split
+        )
         masks = {}
         for param, idx in held.items():
             m = np.zeros(math.prod(shapes[param]), dtype=bool)
@@ -201,8 +208,15 @@ def make_plan(case: Case) -> Plan:
     kwargs = {}
     if case.src_workers is not None:
         kwargs = dict(src_workers=case.src_workers, dst_workers=case.dst_workers)
-    return plan_reallocation(case.d.spec(), case.src, case.dst, case.placement, vocab_pad_multiple=case.pad,
-                             bucket_bytes=case.bucket_bytes, **kwargs)
+    return plan_reallocation(
+        case.d.spec(),
+        case.src,
+        case.dst,
+        case.placement,
+        vocab_pad_multiple=case.pad,
+        bucket_bytes=case.bucket_bytes,
+        **kwargs,
+    )
 
 
 def check_execution_matches_oracle(case: Case, plan: Plan) -> None:
@@ -215,10 +229,21 @@ def check_execution_matches_oracle(case: Case, plan: Plan) -> None:
     src, dst = {}, {}
     for rank, worker in enumerate(src_workers):
         store = ShardStore(src_layout.shards(rank), allocate_buffers(src_layout, rank))
-        want = oracle.local_tensors(d, full, case.src.dp, case.src.tp, case.src.pp, stages_of(d, case.src), rank, case.pad,
-                                    fsdp=case.src.fsdp)
-        idx = oracle.local_tensors(d, oracle.index_tensors(d), case.src.dp, case.src.tp, case.src.pp,
-                                   stages_of(d, case.src), rank, case.pad, pad_value=-1, fsdp=case.src.fsdp)
+        want = oracle.local_tensors(
+            d, full, case.src.dp, case.src.tp, case.src.pp, stages_of(d, case.src), rank, case.pad, fsdp=case.src.fsdp
+        )
+        idx = oracle.local_tensors(
+            d,
+            oracle.index_tensors(d),
+            case.src.dp,
+            case.src.tp,
+            case.src.pp,
+            stages_of(d, case.src),
+            rank,
+            case.pad,
+            pad_value=-1,
+            fsdp=case.src.fsdp,
+        )
         tensors = store.shard_tensors()
         assert sorted(tensors) == sorted(want)
         for slot, value in want.items():
@@ -229,8 +254,9 @@ def check_execution_matches_oracle(case: Case, plan: Plan) -> None:
     moved = execute_in_process(plan, src, dst)
     assert moved["bytes_moved"] == plan.stats["bytes_total"]
     for rank, worker in enumerate(dst_workers):
-        want = oracle.local_tensors(d, full, case.dst.dp, case.dst.tp, case.dst.pp, stages_of(d, case.dst), rank, case.pad,
-                                    fsdp=case.dst.fsdp)
+        want = oracle.local_tensors(
+            d, full, case.dst.dp, case.dst.tp, case.dst.pp, stages_of(d, case.dst), rank, case.pad, fsdp=case.dst.fsdp
+        )
         got = dst[worker].shard_tensors()
         assert sorted(got) == sorted(want)
         for slot, value in want.items():
@@ -286,8 +312,14 @@ def reallocations(draw):
     d = draw(oracle.decoders(st))
     world = draw(st.sampled_from([w for w in WORLDS if w > 1]))
     src = draw(topologies(d, world))
-    return Case(d, src, draw(topologies(d, world, unlike=src)), draw(placements(world)),
-                pad=draw(st.integers(1, 3)), bucket_bytes=draw(st.integers(1024, 4096)))
+    return Case(
+        d,
+        src,
+        draw(topologies(d, world, unlike=src)),
+        draw(placements(world)),
+        pad=draw(st.integers(1, 3)),
+        bucket_bytes=draw(st.integers(1024, 4096)),
+    )
 
 
 @st.composite
@@ -296,9 +328,16 @@ def cross_model_copies(draw):
     small = [w for w in WORLDS if w <= 6 and oracle.factorisations(d, w)]
     ws, wd = draw(st.sampled_from(small)), draw(st.sampled_from(small))
     workers = draw(st.permutations(list(range(ws + wd))))
-    return Case(d, draw(topologies(d, ws)), draw(topologies(d, wd)), draw(placements(ws + wd)),
-                pad=draw(st.integers(1, 3)), bucket_bytes=draw(st.integers(1024, 4096)),
-                src_workers=list(workers[:ws]), dst_workers=list(workers[ws:]))
+    return Case(
+        d,
+        draw(topologies(d, ws)),
+        draw(topologies(d, wd)),
+        draw(placements(ws + wd)),
+        pad=draw(st.integers(1, 3)),
+        bucket_bytes=draw(st.integers(1024, 4096)),
+        src_workers=list(workers[:ws]),
+        dst_workers=list(workers[ws:]),
+    )
 
 
 @st.composite
@@ -306,8 +345,9 @@ def fsdp_topologies(draw, d: oracle.Decoder, world: int):
     """A topology of ``world`` ranks with fsdp > 1 (HSDP when dp > 1), with tp and pp."""
     options = oracle.factorisations4(d, world)
     dp, fsdp, tp, pp = draw(st.sampled_from(options))
-    return Topology(dp, tp, pp, draw(oracle.layer_splits(st, d.layers, pp)), draw(oracle.pp_rules(st, d.layers, pp)),
-                    fsdp=fsdp)
+    return Topology(
+        dp, tp, pp, draw(oracle.layer_splits(st, d.layers, pp)), draw(oracle.pp_rules(st, d.layers, pp)), fsdp=fsdp
+    )
 
 
 @st.composite
@@ -336,22 +376,37 @@ def test_random_fsdp_copies_between_disjoint_worker_sets(data):
     src = data.draw(fsdp_topologies(d, ws))
     dst = data.draw(st.one_of(topologies(d, wd), fsdp_topologies(d, wd)) if wd > 1 else topologies(d, wd))
     workers = data.draw(st.permutations(list(range(ws + wd))))
-    case = Case(d, src, dst, data.draw(placements(ws + wd)), src_workers=list(workers[:ws]),
-                dst_workers=list(workers[ws:]))
+    case = Case(
+        d, src, dst, data.draw(placements(ws + wd)), src_workers=list(workers[:ws]), dst_workers=list(workers[ws:])
+    )
     assert not check_reallocation(case).local_copies
 
 
-FSDP8 = oracle.Decoder(hidden=6, intermediate=24, layers=4, heads=8, kv_heads=2, head_dim=2, vocab=19,
-                       tied=True, dtype="bfloat16", norm_dtype="float32")
+FSDP8 = oracle.Decoder(
+    hidden=6,
+    intermediate=24,
+    layers=4,
+    heads=8,
+    kv_heads=2,
+    head_dim=2,
+    vocab=19,
+    tied=True,
+    dtype="bfloat16",
+    norm_dtype="float32",
+)
 
 
-@pytest.mark.parametrize("case", [
-    Case(FSDP8, Topology(fsdp=8), Topology(dp=2, tp=4), Placement.blocks(8, 4)),
-    Case(FSDP8, Topology(dp=2, tp=2, pp=2, fsdp=1), Topology(dp=2, fsdp=2, tp=2), Placement.blocks(8, 2)),
-    Case(FSDP8, Topology(dp=2, fsdp=3, tp=2), Topology(tp=4, pp=3, layer_split=(1, 2, 1)), Placement.blocks(12, 4)),
-    Case(FSDP8, Topology(fsdp=7), Topology(fsdp=7, pp=1, dp=1), Placement.blocks(7, 3)),
-    Case(FSDP8, Topology(fsdp=5, pp=2), Topology(fsdp=2, dp=5), Placement.blocks(10, 4)),
-], ids=["fsdp8-dp2tp4", "dp2tp2pp2-hsdp", "hsdp-tp2-to-tp4pp3", "fsdp7-same", "fsdp5pp2-hsdp5x2"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(FSDP8, Topology(fsdp=8), Topology(dp=2, tp=4), Placement.blocks(8, 4)),
+        Case(FSDP8, Topology(dp=2, tp=2, pp=2, fsdp=1), Topology(dp=2, fsdp=2, tp=2), Placement.blocks(8, 2)),
+        Case(FSDP8, Topology(dp=2, fsdp=3, tp=2), Topology(tp=4, pp=3, layer_split=(1, 2, 1)), Placement.blocks(12, 4)),
+        Case(FSDP8, Topology(fsdp=7), Topology(fsdp=7, pp=1, dp=1), Placement.blocks(7, 3)),
+        Case(FSDP8, Topology(fsdp=5, pp=2), Topology(fsdp=2, dp=5), Placement.blocks(10, 4)),
+    ],
+    ids=["fsdp8-dp2tp4", "dp2tp2pp2-hsdp", "hsdp-tp2-to-tp4pp3", "fsdp7-same", "fsdp5pp2-hsdp5x2"],
+)
 def test_chosen_fsdp_reallocations(case):
     plan = check_reallocation(case)
     if case.src == case.dst:
@@ -372,35 +427,90 @@ def test_random_copies_between_disjoint_worker_sets(case):
     assert not plan.local_copies, "disjoint worker sets hold nothing of each other's"
 
 
-GQA12 = oracle.Decoder(hidden=8, intermediate=24, layers=3, heads=12, kv_heads=2, head_dim=2, vocab=37,
-                       tied=True, qkv_bias=True, dtype="bfloat16", norm_dtype="float32")
-HEADS48 = oracle.Decoder(hidden=6, intermediate=12, layers=5, heads=48, kv_heads=12, head_dim=1, vocab=29,
-                         tied=False, qkv_bias=True, dtype="float16", norm_dtype="float32")
-GQA8 = oracle.Decoder(hidden=6, intermediate=24, layers=4, heads=8, kv_heads=2, head_dim=2, vocab=19,
-                      tied=True, dtype="bfloat16", norm_dtype="float32")
+GQA12 = oracle.Decoder(
+    hidden=8,
+    intermediate=24,
+    layers=3,
+    heads=12,
+    kv_heads=2,
+    head_dim=2,
+    vocab=37,
+    tied=True,
+    qkv_bias=True,
+    dtype="bfloat16",
+    norm_dtype="float32",
+)
+HEADS48 = oracle.Decoder(
+    hidden=6,
+    intermediate=12,
+    layers=5,
+    heads=48,
+    kv_heads=12,
+    head_dim=1,
+    vocab=29,
+    tied=False,
+    qkv_bias=True,
+    dtype="float16",
+    norm_dtype="float32",
+)
+GQA8 = oracle.Decoder(
+    hidden=6,
+    intermediate=24,
+    layers=4,
+    heads=8,
+    kv_heads=2,
+    head_dim=2,
+    vocab=19,
+    tied=True,
+    dtype="bfloat16",
+    norm_dtype="float32",
+)
 SCATTERED12 = Placement(tuple(random.Random(3).choice("abcd") for _ in range(12)))
 
 
-@pytest.mark.parametrize("case", [
-    # tp 4 -> 6 on 12 heads (kv heads replicated at both ends), dp changes with it
-    Case(GQA12, Topology(dp=3, tp=4), Topology(dp=2, tp=6), Placement.blocks(12, 4), bucket_bytes=1024),
-    Case(GQA12, Topology(tp=4, pp=3), Topology(dp=1, tp=6, pp=2, layer_split=(2, 1)), SCATTERED12, pad=2),
-    # tp 4 -> 6 on 48 heads with uneven explicit pipeline splits
-    Case(HEADS48, Topology(tp=4, pp=3, layer_split=(1, 2, 2)), Topology(tp=6, pp=2, layer_split=(4, 1)),
-         SCATTERED12, pad=3, bucket_bytes=1500),
-    Case(HEADS48, Topology(dp=2, tp=6), Topology(dp=3, tp=4), Placement(("one",) * 12)),
-    # tp larger than the kv heads and a tied head on its own last stage, both ends
-    Case(GQA8, Topology(tp=8), Topology(tp=4, pp=2, layer_split=(3, 1)), Placement.blocks(8, 1)),
-    Case(GQA8, Topology(dp=2, tp=2, pp=2), Topology(tp=2, pp=4), Placement.blocks(8, 2), pad=2),
-], ids=["gqa12-tp4-tp6", "gqa12-tp4pp3-tp6pp2", "heads48-tp4-tp6-uneven-pp", "heads48-one-node",
-        "gqa8-tp8-tied-pp2", "gqa8-pp2-pp4"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # tp 4 -> 6 on 12 heads (kv heads replicated at both ends), dp changes with it
+        Case(GQA12, Topology(dp=3, tp=4), Topology(dp=2, tp=6), Placement.blocks(12, 4), bucket_bytes=1024),
+        Case(GQA12, Topology(tp=4, pp=3), Topology(dp=1, tp=6, pp=2, layer_split=(2, 1)), SCATTERED12, pad=2),
+        # tp 4 -> 6 on 48 heads with uneven explicit pipeline splits
+        Case(
+            HEADS48,
+            Topology(tp=4, pp=3, layer_split=(1, 2, 2)),
+            Topology(tp=6, pp=2, layer_split=(4, 1)),
+            SCATTERED12,
+            pad=3,
+            bucket_bytes=1500,
+        ),
+        Case(HEADS48, Topology(dp=2, tp=6), Topology(dp=3, tp=4), Placement(("one",) * 12)),
+        # tp larger than the kv heads and a tied head on its own last stage, both ends
+        Case(GQA8, Topology(tp=8), Topology(tp=4, pp=2, layer_split=(3, 1)), Placement.blocks(8, 1)),
+        Case(GQA8, Topology(dp=2, tp=2, pp=2), Topology(tp=2, pp=4), Placement.blocks(8, 2), pad=2),
+    ],
+    ids=[
+        "gqa12-tp4-tp6",
+        "gqa12-tp4pp3-tp6pp2",
+        "heads48-tp4-tp6-uneven-pp",
+        "heads48-one-node",
+        "gqa8-tp8-tied-pp2",
+        "gqa8-pp2-pp4",
+    ],
+)
 def test_chosen_reallocations(case):
     check_reallocation(case)
 
 
 def test_cross_model_copy_onto_a_larger_group():
-    case = Case(GQA12, Topology(tp=2, pp=3), Topology(dp=2, tp=6, pp=1), Placement.blocks(18, 4),
-                src_workers=list(range(12, 18)), dst_workers=list(range(12)), bucket_bytes=2048)
+    case = Case(
+        GQA12,
+        Topology(tp=2, pp=3),
+        Topology(dp=2, tp=6, pp=1),
+        Placement.blocks(18, 4),
+        src_workers=list(range(12, 18)),
+        dst_workers=list(range(12)),
+        bucket_bytes=2048,
+    )
     check_reallocation(case)
 
 
@@ -476,8 +586,10 @@ def check_exchange(holdings, needs, placement, table, bucket_bytes=1024) -> Plan
     dtypes = {n: dtype for n, (_, dtype) in table.items()}
     check_plan(plan, shapes, dtypes, placement, masks_of(holdings, shapes), masks_of(needs, shapes))
     gen = torch.Generator().manual_seed(0)
-    full = {n: (1 + torch.rand(shape, generator=gen, dtype=torch.float64)).to(TORCH_DTYPES[dt])
-            for n, (shape, dt) in table.items()}
+    full = {
+        n: (1 + torch.rand(shape, generator=gen, dtype=torch.float64)).to(TORCH_DTYPES[dt])
+        for n, (shape, dt) in table.items()
+    }
     dst = box_stores(needs, table)
     execute_in_process(plan, box_stores(holdings, table, full), dst)
     for g in needs:
@@ -493,15 +605,18 @@ def check_exchange(holdings, needs, placement, table, bucket_bytes=1024) -> Plan
 def test_checkpoint_files_shared_within_cliques(data):
     """Each worker holds one 1-D "file"; the workers of a clique all need every file of the clique."""
     n = data.draw(st.integers(2, 9))
-    table = {f"file{w}": ((data.draw(st.integers(1, 300)),), data.draw(st.sampled_from(["float32", "bfloat16"])))
-             for w in range(n)}
+    table = {
+        f"file{w}": ((data.draw(st.integers(1, 300)),), data.draw(st.sampled_from(["float32", "bfloat16"])))
+        for w in range(n)
+    }
     order = data.draw(st.permutations(list(range(n))))
     cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1)))
     cliques = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
     placement = data.draw(placements(n))
     holdings = [Group((w,), ((f"file{w}", (0,), table[f"file{w}"][0]),)) for w in range(n)]
-    needs = [Group(tuple(sorted(c)), tuple((f"file{w}", (0,), table[f"file{w}"][0]) for w in sorted(c)))
-             for c in cliques]
+    needs = [
+        Group(tuple(sorted(c)), tuple((f"file{w}", (0,), table[f"file{w}"][0]) for w in sorted(c))) for c in cliques
+    ]
     plan = check_exchange(holdings, needs, placement, table, bucket_bytes=data.draw(st.integers(1024, 2048)))
     own = {(w, seg.param) for w, j in plan.local_copies for seg in plan.segment_list(j)}
     assert own == {(w, f"file{w}") for w in range(n)}, "every worker copies its own file locally"
@@ -512,8 +627,10 @@ def random_exchanges(draw):
     """Random 2-D boxes held and needed by random (overlapping) worker groups; a "checkpoint" group
     tiles every parameter so that everything needed is held somewhere."""
     n = draw(st.integers(1, 7))
-    table = {f"w{i}": ((draw(st.integers(1, 9)), draw(st.integers(1, 9))), draw(st.sampled_from(sorted(oracle.ITEMSIZE))))
-             for i in range(draw(st.integers(1, 3)))}
+    table = {
+        f"w{i}": ((draw(st.integers(1, 9)), draw(st.integers(1, 9))), draw(st.sampled_from(sorted(oracle.ITEMSIZE))))
+        for i in range(draw(st.integers(1, 3)))
+    }
     workers = st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True).map(lambda ws: tuple(sorted(ws)))
 
     def boxes():
@@ -526,8 +643,10 @@ def random_exchanges(draw):
         return tuple(out)
 
     holdings = [Group(draw(workers), p) for p in (boxes() for _ in range(draw(st.integers(0, 3)))) if p]
-    rows = {name: sorted(draw(st.sets(st.integers(1, shape[0] - 1), max_size=2))) if shape[0] > 1 else []
-            for name, (shape, _) in table.items()}
+    rows = {
+        name: sorted(draw(st.sets(st.integers(1, shape[0] - 1), max_size=2))) if shape[0] > 1 else []
+        for name, (shape, _) in table.items()
+    }
     for name, (shape, _) in table.items():  # the checkpoint: row bands, each on some worker
         bounds = [0, *rows[name], shape[0]]
         for a, b in zip(bounds, bounds[1:]):

@@ -22,8 +22,9 @@ TIMEOUT_S = 10.0
 
 def _spawn(fn, n: int, *args, timeout_s: float = 60.0) -> None:
     """Run ``fn(rank, port, n, *args)`` in ``n`` spawned processes; fail on any error or timeout."""
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     ctx = mp.start_processes(_entry, args=(fn, store.port, n, args), nprocs=n, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
@@ -65,8 +66,13 @@ def _swap(pg, rank: int, send_to: int | None, recv_from: int | None, dtype: torc
 
 def _user_default_group(rank: int, store: dist.Store, n: int) -> None:
     """What a trainer does: its own default group (through MASTER_ADDR-free store init)."""
-    dist.init_process_group("gloo", store=dist.PrefixStore("user", store), rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("user", store),
+        rank=rank,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     assert t.item() == n * (n + 1) / 2
@@ -76,6 +82,7 @@ def _user_default_group(rank: int, store: dist.Store, n: int) -> None:
 
 
 # -- exchange ------------------------------------------------------------------------------------
+
 
 def _exchange_worker(rank: int, port: int, n: int) -> None:
     pg = private_group(_client(port, n), "exchange", rank, n, CPU, TIMEOUT_S)
@@ -104,6 +111,7 @@ def test_exchange_pairs_ring_and_one_way():
 
 
 # -- user code owns the default group ------------------------------------------------------------
+
 
 def _user_before_worker(rank: int, port: int, n: int) -> None:
     store = _client(port, n)
@@ -159,6 +167,7 @@ def test_user_default_group_formed_and_destroyed_after_the_private_group():
 
 # -- Communicators -------------------------------------------------------------------------------
 
+
 def _communicators_worker(rank: int, port: int, n: int) -> None:
     comms = Communicators(_client(port, n), rank, n, CPU, TIMEOUT_S, generation="gen0")
     everyone = comms.group((0, 1, 2, 3))
@@ -200,10 +209,17 @@ def test_communicators_cache_disjoint_groups_and_refuse_non_members():
 
 
 def test_input_checks_name_what_was_wrong():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    for kwargs, what in (({"rank": 2}, "rank"), ({"size": 0}, "size"), ({"timeout_s": 0}, "timeout_s"),
-                         ({"prefix": ""}, "prefix"), ({"device": "cpu"}, "device"), ({"store": None}, "store")):
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
+    for kwargs, what in (
+        ({"rank": 2}, "rank"),
+        ({"size": 0}, "size"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"prefix": ""}, "prefix"),
+        ({"device": "cpu"}, "device"),
+        ({"store": None}, "store"),
+    ):
         args = {"store": store, "prefix": "p", "rank": 0, "size": 1, "device": CPU, "timeout_s": 5.0} | kwargs
         with pytest.raises(ValueError, match=what):
             private_group(**args)
@@ -221,6 +237,7 @@ def test_input_checks_name_what_was_wrong():
 
 
 # -- Transport: two worlds in one process --------------------------------------------------------
+
 
 def _two_worlds_worker(rank: int, port: int, n: int) -> None:
     # the worker-side signature: address and port of the store, no store object on these ranks
@@ -253,6 +270,7 @@ def test_transport_two_worlds_in_one_process_never_touch_the_default_group():
 
 
 # -- Transport: device buffers staged through host memory ----------------------------------------
+
 
 def _staged_worker(rank: int, port: int, n: int) -> None:
     """The path of GPU workers over gloo (workers sharing one GPU), with host tensors standing in
@@ -300,6 +318,7 @@ def test_transport_refuses_nccl_for_host_buffers():
 
 # -- a plan's steps over the transport, messages posted ahead ------------------------------------
 
+
 def _plan_for_steps():
     """A plan whose routes all go over the transport between 4 workers on 2 nodes: row-parallel
     boxes that are strided at one end (staged messages) between contiguous ones (direct), fan-out
@@ -307,8 +326,9 @@ def _plan_for_steps():
     from realloc import Layout, Placement, Topology, plan_reallocation
     from realloc.spec import decoder_spec
 
-    spec = decoder_spec("steps", hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, vocab=128,
-                        norm_dtype="float32")
+    spec = decoder_spec(
+        "steps", hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, vocab=128, norm_dtype="float32"
+    )
     a, b = Layout(spec, Topology(tp=4)), Layout(spec, Topology(dp=2, tp=2))
     return a, b, plan_reallocation(spec, a, b, Placement.blocks(4, 2), bucket_bytes=4096)
 

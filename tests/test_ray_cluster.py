@@ -8,12 +8,11 @@ import time
 import pytest
 import ray
 import torch
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ReallocationError
 from realloc import ModelSpec, Topology
 from realloc.shards.synthetic import synthetic_state_dict
-
-from simulated import simulated_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +55,17 @@ def test_planner_gets_ray_node_ids(cluster, group):
     assert list(group.placement.nodes) == reported
 
 
-@pytest.mark.parametrize("dst", [
-    "dp=2,tp=6",          # tp 4 -> 6: sizes that do not divide each other
-    "dp=1,tp=6,pp=2",     # tied embedding with pp > 1, GQA with tp 6 > 2 kv heads
-    "dp=6,tp=2",
-    "dp=3,tp=2,pp=2",
-    "dp=1,tp=12",         # every kv head replicated 6 ways
-    "dp=3,tp=4",          # back to the start
-])
+@pytest.mark.parametrize(
+    "dst",
+    [
+        "dp=2,tp=6",  # tp 4 -> 6: sizes that do not divide each other
+        "dp=1,tp=6,pp=2",  # tied embedding with pp > 1, GQA with tp 6 > 2 kv heads
+        "dp=6,tp=2",
+        "dp=3,tp=2,pp=2",
+        "dp=1,tp=12",  # every kv head replicated 6 ways
+        "dp=3,tp=4",  # back to the start
+    ],
+)
 def test_reallocate_bit_exact(group, spec, dst):
     before = group.topology
     stats = group.reallocate(Topology.parse(dst))
@@ -77,7 +79,10 @@ def test_reallocate_bit_exact(group, spec, dst):
     # earlier moves left their staging behind (it is kept across plans).
     layout = group.layout
     largest = max(layout.rank_bytes(r) for r in range(layout.topology.world_size))
-    assert stats.peak_extra_bytes_per_actor <= largest + 2 * group.config.bucket_bytes, (before, stats.peak_extra_bytes_per_actor)
+    assert stats.peak_extra_bytes_per_actor <= largest + 2 * group.config.bucket_bytes, (
+        before,
+        stats.peak_extra_bytes_per_actor,
+    )
 
 
 def test_reallocate_checks_src(group):
@@ -132,8 +137,9 @@ def test_worker_death_is_reported_and_sources_survive(cluster, spec):
 
 
 def test_worker_exit_mid_transfer(cluster, spec):
-    g = ModelGroup.create(spec, Topology(tp=4), name="crash", timeout_s=15, bucket_bytes=4096,
-                         zero_copy=False)  # every route through gloo buckets
+    g = ModelGroup.create(
+        spec, Topology(tp=4), name="crash", timeout_s=15, bucket_bytes=4096, zero_copy=False
+    )  # every route through gloo buckets
     try:
         g.init_synthetic(seed=4)
         g.reallocate(Topology(dp=2, tp=2))

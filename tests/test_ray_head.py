@@ -33,9 +33,11 @@ def _stop_head(temp_dir: str, gcs: str) -> None:
     under the temp dir nor stopped with the head, and held its port against the next head)."""
     import psutil
 
-    procs = [p for p in psutil.process_iter(["cmdline"])
-             if any(temp_dir in a or a.endswith(gcs) for a in (p.info["cmdline"] or []))
-             and p.pid != os.getpid()]
+    procs = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(temp_dir in a or a.endswith(gcs) for a in (p.info["cmdline"] or [])) and p.pid != os.getpid()
+    ]
     for p in procs:
         p.terminate()
     _, alive = psutil.wait_procs(procs, timeout=20)
@@ -52,11 +54,27 @@ def head(tmp_path_factory):
     client, agent = _free_port(), _free_port()  # not Ray's fixed defaults: a previous head may hold them
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's unix sockets live under it
     ray_bin = str(Path(sys.executable).with_name("ray"))
-    subprocess.run([ray_bin, "start", "--head", f"--port={gcs}", "--num-cpus=8", "--include-dashboard=true",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--metrics-export-port={metrics}",
-                    f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-                    f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=180)
+    subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={gcs}",
+            "--num-cpus=8",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--metrics-export-port={metrics}",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
@@ -80,8 +98,10 @@ def test_rlhf_example_as_a_ray_job(head):
         try:
             job = client.submit_job(
                 entrypoint=f"{sys.executable} examples/rlhf_loop.py --iterations 2",
-                runtime_env={"working_dir": str(REPO),
-                             "excludes": [".git", ".hypothesis", ".pytest_cache", "*.egg-info"]},
+                runtime_env={
+                    "working_dir": str(REPO),
+                    "excludes": [".git", ".hypothesis", ".pytest_cache", "*.egg-info"],
+                },
             )
             break
         except RuntimeError as err:
@@ -109,7 +129,7 @@ def test_metrics_reach_the_export_port(head):
         stats = group.reallocate(Topology(tp=4))
         moved = stats.bytes_intra_node + stats.bytes_inter_node + stats.bytes_local
         url = f"http://127.0.0.1:{head['metrics']}/metrics"
-        pattern = re.compile(r'^ray_realloc_bytes_total\{(?P<tags>[^}]*)\} (?P<value>[0-9.e+]+)$', re.M)
+        pattern = re.compile(r"^ray_realloc_bytes_total\{(?P<tags>[^}]*)\} (?P<value>[0-9.e+]+)$", re.M)
         deadline, total, text = time.monotonic() + 90, 0.0, ""
         while time.monotonic() < deadline:
             text = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -126,13 +146,19 @@ def test_metrics_reach_the_export_port(head):
         # Phases are labelled (a reallocation runs as one call per worker: phase "all"); the
         # bandwidth is per operation, not the last (empty) phase's zero.
         assert re.search(r'ray_realloc_seconds_count\{[^}]*phase="all"', text), text[-2000:]
-        receivers = {re.search(r'rank="(\d+)"', m.group("tags")).group(1) for m in samples
-                     if 'kind="intra"' in m.group("tags") or 'kind="inter"' in m.group("tags")}
-        gauge = re.compile(r'^ray_realloc_bandwidth_gbps\{(?P<tags>[^}]*)\} (?P<value>[0-9.e+-]+)$', re.M)
+        receivers = {
+            re.search(r'rank="(\d+)"', m.group("tags")).group(1)
+            for m in samples
+            if 'kind="intra"' in m.group("tags") or 'kind="inter"' in m.group("tags")
+        }
+        gauge = re.compile(r"^ray_realloc_bandwidth_gbps\{(?P<tags>[^}]*)\} (?P<value>[0-9.e+-]+)$", re.M)
 
         def bandwidths() -> dict[str, float]:
-            return {re.search(r'rank="(\d+)"', m.group("tags")).group(1): float(m.group("value"))
-                    for m in gauge.finditer(text) if 'model="watched"' in m.group("tags")}
+            return {
+                re.search(r'rank="(\d+)"', m.group("tags")).group(1): float(m.group("value"))
+                for m in gauge.finditer(text)
+                if 'model="watched"' in m.group("tags")
+            }
 
         # The gauge is set at commit, so it may come a report later than the counters; and Ray's
         # export has been seen to leave one rank's gauge out for over a minute while its counter

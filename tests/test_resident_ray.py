@@ -14,12 +14,11 @@ import sys
 import pytest
 import ray
 import torch
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ReallocationError
 from realloc import ModelSpec, Topology
 from realloc.shards.synthetic import synthetic_state_dict
-
-from simulated import simulated_cluster
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from realloc.layout import Shard
 from realloc.shards import ShardIndex, ShardStore, zero_padding
@@ -25,14 +26,16 @@ def store_case(draw):
     local_shape = tuple(s + draw(st.integers(0, 2)) for s in sizes)
     gap = draw(st.integers(0, 5))
     first = Shard("w", "w", offsets, sizes, local_shape, "float32", draw(st.integers(0, 5)))
-    second = Shard("w", "head", offsets, sizes, local_shape, "float32", first.buffer_offset + math.prod(local_shape) + gap)
+    second = Shard(
+        "w", "head", offsets, sizes, local_shape, "float32", first.buffer_offset + math.prod(local_shape) + gap
+    )
     box_offsets = tuple(draw(st.integers(o, o + s - 1)) for o, s in zip(offsets, sizes))
     box_sizes = tuple(draw(st.integers(1, o + s - bo)) for o, s, bo in zip(offsets, sizes, box_offsets))
     return (first, second), (box_offsets, box_sizes), second.buffer_offset + math.prod(local_shape)
 
 
 def reference(buf: np.ndarray, shard: Shard, box) -> np.ndarray:
-    local = buf[shard.buffer_offset:shard.buffer_offset + math.prod(shard.local_shape)].reshape(shard.local_shape)
+    local = buf[shard.buffer_offset : shard.buffer_offset + math.prod(shard.local_shape)].reshape(shard.local_shape)
     return local[tuple(slice(o - so, o - so + n) for o, so, n in zip(box[0], shard.offsets, box[1]))]
 
 
@@ -151,12 +154,12 @@ def test_two_interleaved_weights_stack_into_one_copy_each():
     outs, ins, kinds = [], [], []
     for layer in range(layers):
         for k, name in enumerate(("input_layernorm", "post_attention_layernorm")):
-            outs.append(got[(2 * layer + k) * n:(2 * layer + k + 1) * n])
-            ins.append(src[layer * block + k * n:layer * block + (k + 1) * n])
+            outs.append(got[(2 * layer + k) * n : (2 * layer + k + 1) * n])
+            ins.append(src[layer * block + k * n : layer * block + (k + 1) * n])
             kinds.append(weight_kind(f"model.layers.{layer}.{name}.weight"))
     assert kinds[0] == "model.layers.#.input_layernorm.weight"
     stacked, _ = stack_runs(outs, ins, kinds)
     assert sorted(tuple(t.shape) for t in stacked) == [(layers, n), (layers, n)]
     copy_boxes(outs, ins, kinds)
-    want = torch.cat([src[layer * block:layer * block + 2 * n] for layer in range(layers)])
+    want = torch.cat([src[layer * block : layer * block + 2 * n] for layer in range(layers)])
     assert torch.equal(got, want)

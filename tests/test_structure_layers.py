@@ -33,7 +33,7 @@ class Import(NamedTuple):
 
     path: Path
     line: int
-    module: str          # the importing module's target: a module of the graph
+    module: str  # the importing module's target: a module of the graph
     names: tuple[str, ...]  # for ``from module import a, b``: ("a", "b"); empty for ``import module``
 
 
@@ -52,7 +52,8 @@ def project_modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -194,8 +195,10 @@ def test_no_private_names_imported_across_modules():
 
 def test_the_reader_sees_what_it_should():
     # Function-local imports count, TYPE_CHECKING-only ones do not; a known import is an edge.
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
-                     "def f():\n    import c\n")
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+        "def f():\n    import c\n"
+    )
     assert sorted(alias.name for node in _import_nodes(tree) for alias in node.names) == ["TYPE_CHECKING", "b", "c"]
     assert "realloc.boxes" in import_graph()["realloc_tools.plan_cli"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

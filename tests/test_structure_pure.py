@@ -34,8 +34,10 @@ def test_layout_pickles_without_its_shard_tables():
     assert len(pickle.dumps(big)) < 200_000
 
 
-@pytest.mark.parametrize("error", [
-    ReallocationError("boom", ["a"], ["b"], "dp=2,tp=1,pp=1"), GroupBusyError("busy"), StaleOperationError("old")])
+@pytest.mark.parametrize(
+    "error",
+    [ReallocationError("boom", ["a"], ["b"], "dp=2,tp=1,pp=1"), GroupBusyError("busy"), StaleOperationError("old")],
+)
 def test_errors_of_the_ray_layer_pickle(error):
     copy = pickle.loads(pickle.dumps(error))
     assert str(copy) == str(error) and type(copy) is type(error)
@@ -52,16 +54,19 @@ def test_plan_steps_are_named_routes():
     assert all(isinstance(r, Route) for step in plan.steps for r in step)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d["steps"].append([[0, 1, 0], [0, 1, 0]]), r"worker\(s\) \[0\] send more than once"),
-    (lambda d: d["steps"].append([[0, 1, 0], [1, 1, 0]]), r"worker\(s\) \[1\] receive more than once"),
-    (lambda d: d["segments"][0].__setitem__(3, "float8"), r"has dtype 'float8', not one of"),
-    (lambda d: d["segments"][0].__setitem__(2, [0, 4]), r"has an invalid box"),
-    (lambda d: d["steps"].append([[-1, 1, 0]]), r"names worker\(s\) \['-1'\] that do not exist"),
-    (lambda d: d["steps"].append([[0, 1, 99]]), r"names a segment list that does not exist"),
-    (lambda d: d.__setitem__("forward_from", 99), r"forward_from 99 is outside"),
-    (lambda d: d.__setitem__("bucket_bytes", 3), r"bucket_bytes must be an integer of at least 16"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["steps"].append([[0, 1, 0], [0, 1, 0]]), r"worker\(s\) \[0\] send more than once"),
+        (lambda d: d["steps"].append([[0, 1, 0], [1, 1, 0]]), r"worker\(s\) \[1\] receive more than once"),
+        (lambda d: d["segments"][0].__setitem__(3, "float8"), r"has dtype 'float8', not one of"),
+        (lambda d: d["segments"][0].__setitem__(2, [0, 4]), r"has an invalid box"),
+        (lambda d: d["steps"].append([[-1, 1, 0]]), r"names worker\(s\) \['-1'\] that do not exist"),
+        (lambda d: d["steps"].append([[0, 1, 99]]), r"names a segment list that does not exist"),
+        (lambda d: d.__setitem__("forward_from", 99), r"forward_from 99 is outside"),
+        (lambda d: d.__setitem__("bucket_bytes", 3), r"bucket_bytes must be an integer of at least 16"),
+    ],
+)
 def test_malformed_plans_are_refused(edit, message):
     data = plan_json()
     edit(data)
@@ -102,14 +107,22 @@ def test_group_config_resolves_the_transport_and_the_gpu_share():
     assert GroupConfig(use_gpu=True, gpus_per_worker=2).bundle()["GPU"] == 2
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda j: j["steps"][0].__setitem__(0, [0, 5, j["steps"][0][0][2]]),
-     "uses worker 5 as a destination, but only workers \\[0, 1\\]"),
-    (lambda j: j["local_copies"].__setitem__(0, [7, 0]), "uses worker 7 as a source"),
-    (lambda j: j["segments"][0].__setitem__(0, "bogus"), "does not fit worker 0's .*no shard of 'bogus'"),
-    (lambda j: j["segments"][0].__setitem__(1, [400, 0]), "does not fit worker 0's .*offsets=\\(400, 0\\)"),
-    (lambda j: j["segments"][0].__setitem__(3, "float32"), "as float32, but worker 0's source store holds it as bfloat16"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda j: j["steps"][0].__setitem__(0, [0, 5, j["steps"][0][0][2]]),
+            "uses worker 5 as a destination, but only workers \\[0, 1\\]",
+        ),
+        (lambda j: j["local_copies"].__setitem__(0, [7, 0]), "uses worker 7 as a source"),
+        (lambda j: j["segments"][0].__setitem__(0, "bogus"), "does not fit worker 0's .*no shard of 'bogus'"),
+        (lambda j: j["segments"][0].__setitem__(1, [400, 0]), "does not fit worker 0's .*offsets=\\(400, 0\\)"),
+        (
+            lambda j: j["segments"][0].__setitem__(3, "float32"),
+            "as float32, but worker 0's source store holds it as bfloat16",
+        ),
+    ],
+)
 def test_the_in_process_executor_refuses_an_edited_plan_before_writing(edit, message):
     """A plan read back from JSON after someone edited it fails with a ValueError naming what does
     not fit, and nothing is written (it used to raise a bare KeyError mid-copy, or run a wrong dtype)."""
@@ -134,8 +147,11 @@ def test_an_actor_killed_for_memory_counts_as_dead(monkeypatch):
 
     from actors import remote
 
-    errors = {"oom": ray.exceptions.OutOfMemoryError("killed by the memory monitor"),
-              "died": ray.exceptions.ActorDiedError(), "raised": ray.exceptions.RayTaskError("f", "tb", ValueError())}
+    errors = {
+        "oom": ray.exceptions.OutOfMemoryError("killed by the memory monitor"),
+        "died": ray.exceptions.ActorDiedError(),
+        "raised": ray.exceptions.RayTaskError("f", "tb", ValueError()),
+    }
 
     def get(ref, **_):
         if ref in errors:

@@ -20,14 +20,13 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ReallocationError
 from actors.errors import StaleOperationError
 from realloc import ModelSpec, Topology
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
 from realloc.shards.synthetic import synthetic_state_dict
-
-from simulated import simulated_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -17,11 +17,10 @@ import threading
 
 import pytest
 import ray
+from simulated import simulated_cluster
 
 from actors import ModelGroup, ReallocationError, ShardWorker
 from realloc import ModelSpec, Topology
-
-from simulated import simulated_cluster
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
@@ -29,13 +28,36 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers canno
 TINY = ModelSpec.preset("tiny")
 TRAIN, GEN = "dp=2,tp=2", "tp=4"
 #: What the user's worker keeps under the library's old attribute names.
-MINE = {"group": "my group", "device": "my device", "spec": {"my": "spec"}, "layout": "my layout", "rank": -7,
-        "buffers": ["my", "buffers"]}
-LATER = {"transport": "my transport", "node_id": "my node", "allocator": "my allocator", "held": "my held",
-         "op": "my op", "communicators": "my communicators", "backend": "my backend", "wire": "my wire",
-         "counters": "my counters", "phases": "my phases", "staging": "my staging", "world_id": "my world",
-         "_kept": "my kept", "_store": "my store", "_fault": "my fault", "_bundles": "my bundles",
-         "_mapped": "my mapped", "_copier": "my copier", "_runs": "my runs", "_ckpt_state": "my ckpt"}
+MINE = {
+    "group": "my group",
+    "device": "my device",
+    "spec": {"my": "spec"},
+    "layout": "my layout",
+    "rank": -7,
+    "buffers": ["my", "buffers"],
+}
+LATER = {
+    "transport": "my transport",
+    "node_id": "my node",
+    "allocator": "my allocator",
+    "held": "my held",
+    "op": "my op",
+    "communicators": "my communicators",
+    "backend": "my backend",
+    "wire": "my wire",
+    "counters": "my counters",
+    "phases": "my phases",
+    "staging": "my staging",
+    "world_id": "my world",
+    "_kept": "my kept",
+    "_store": "my store",
+    "_fault": "my fault",
+    "_bundles": "my bundles",
+    "_mapped": "my mapped",
+    "_copier": "my copier",
+    "_runs": "my runs",
+    "_ckpt_state": "my ckpt",
+}
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +159,12 @@ def test_init_signature_is_checked_before_anything_starts(cluster):
 
     groups = len(ray.util.placement_group_table())
     for cls in (NeedsFoo, KeywordOnly, TooFew):
-        with pytest.raises(ValueError, match=rf"worker_cls {cls.__name__}\.__init__\(.*\) cannot take what every "
-                                             r"worker is started with.*allowed: no __init__ of your own, or def "
-                                             r"__init__\(self, \*args, \*\*kwargs\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"worker_cls {cls.__name__}\.__init__\(.*\) cannot take what every "
+            r"worker is started with.*allowed: no __init__ of your own, or def "
+            r"__init__\(self, \*args, \*\*kwargs\)",
+        ):
             ModelGroup.create(TINY, "tp=2", name="badinit", worker_cls=cls)
     assert len(ray.util.placement_group_table()) == groups  # no placement group was made
     with pytest.raises(ValueError):
@@ -157,8 +182,11 @@ def test_init_without_super_is_named_and_cleaned_up(cluster):
         def __init__(self, *args, **kwargs):
             self.ready = True
 
-    with pytest.raises(ReallocationError, match=r"NoSuper: ShardWorker\.__init__ did not run; an __init__ of your "
-                                                r"own must call super\(\)\.__init__\(\*args, \*\*kwargs\)"):
+    with pytest.raises(
+        ReallocationError,
+        match=r"NoSuper: ShardWorker\.__init__ did not run; an __init__ of your "
+        r"own must call super\(\)\.__init__\(\*args, \*\*kwargs\)",
+    ):
         ModelGroup.create(TINY, "tp=2", name="nosuper", worker_cls=NoSuper, timeout_s=60)
     with pytest.raises(ValueError):
         ray.get_actor("realloc:nosuper:rank0")
@@ -183,14 +211,25 @@ def unchanged(g: ModelGroup):
     return g.activity(), str(g.layout), g.version, [(str(r.layout), r.fresh) for r in g.resident_layouts()]
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((), {}, r"Caller\.echo\(self, value, \*, twice: '?bool'? = False\) cannot take these arguments: missing a "
-             r"required argument: 'value'"),
-    ((1, 2), {}, r"Caller\.echo.*too many positional arguments"),
-    ((1,), {"thrice": True}, r"Caller\.echo.*unexpected keyword argument 'thrice'"),
-    ((threading.Lock(),), {}, r"the arguments of call\('echo'\) cannot be sent to the workers, they must pickle: "
-                              r"TypeError"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        (
+            (),
+            {},
+            r"Caller\.echo\(self, value, \*, twice: '?bool'? = False\) cannot take these arguments: missing a "
+            r"required argument: 'value'",
+        ),
+        ((1, 2), {}, r"Caller\.echo.*too many positional arguments"),
+        ((1,), {"thrice": True}, r"Caller\.echo.*unexpected keyword argument 'thrice'"),
+        (
+            (threading.Lock(),),
+            {},
+            r"the arguments of call\('echo'\) cannot be sent to the workers, they must pickle: "
+            r"TypeError",
+        ),
+    ],
+)
 def test_call_arguments_are_checked_on_the_driver(kept, args, kwargs, match):
     before = unchanged(kept)
     with pytest.raises(ValueError, match=match):
@@ -201,8 +240,11 @@ def test_call_arguments_are_checked_on_the_driver(kept, args, kwargs, match):
 def test_run_arguments_are_checked_on_the_driver(kept):
     lock = threading.Lock()
     before = unchanged(kept)
-    with pytest.raises(ValueError, match=r"run: <lambda>\(ctx, scale\) cannot take these arguments: missing a "
-                                         r"required argument: 'scale'"):
+    with pytest.raises(
+        ValueError,
+        match=r"run: <lambda>\(ctx, scale\) cannot take these arguments: missing a "
+        r"required argument: 'scale'",
+    ):
         kept.run(lambda ctx, scale: scale)
     with pytest.raises(ValueError, match=r"the arguments of run cannot be sent to the workers, they must pickle"):
         kept.run(lambda ctx: lock.locked())
@@ -231,9 +273,12 @@ def test_call_edge_values(kept):
 def test_release_resident_arguments(kept):
     before = unchanged(kept)
     for bad in (3, 2.5, b"tp=4", {GEN: 1}, object()):
-        with pytest.raises(ValueError, match=r"layouts must be None \(every kept layout\), one layout \(a "
-                                             r"realloc\.Topology, a topology string like 'dp=2,tp=4' or a "
-                                             r"realloc\.Layout\) or a sequence of them, got"):
+        with pytest.raises(
+            ValueError,
+            match=r"layouts must be None \(every kept layout\), one layout \(a "
+            r"realloc\.Topology, a topology string like 'dp=2,tp=4' or a "
+            r"realloc\.Layout\) or a sequence of them, got",
+        ):
             kept.release_resident(bad)
     with pytest.raises(ValueError, match=r"keeps no layout \['dp=4"):
         kept.release_resident("dp=4")
@@ -251,8 +296,11 @@ def test_release_resident_arguments(kept):
 
 
 def test_assigning_a_reserved_method_name_is_named_and_undone(kept):
-    with pytest.raises(ReallocationError, match=r"Caller\.shadow assigned attribute\(s\) \['context'\] of the "
-                                                r"worker: those names are methods the library calls"):
+    with pytest.raises(
+        ReallocationError,
+        match=r"Caller\.shadow assigned attribute\(s\) \['context'\] of the "
+        r"worker: those names are methods the library calls",
+    ):
         kept.call("shadow", "context", ranks=[1])
     kept.reallocate(GEN)  # the hook runs self.context() on rank 1: the library's method again
     assert kept.verify_synthetic(3) == {} and kept.call("shard_sum", writes=False)[1] != 0

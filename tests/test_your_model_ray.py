@@ -14,21 +14,19 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from simulated import free_port, simulated_cluster
 
 from actors import HookError, ModelGroup, ShardWorker
 from realloc.spec import decoder_spec
 
-from simulated import free_port, simulated_cluster
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import rlhf_loop  # noqa: E402
+import rlhf_loop
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
 pytestmark = pytest.mark.slow
 
-SPEC = decoder_spec("small-gqa", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=130,
-                    dtype="float32")
+SPEC = decoder_spec("small-gqa", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=130, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +44,7 @@ class UserWorker(ShardWorker):
             raise RuntimeError("user hook failed on purpose")
 
     def init_default_group(self, port: int, world_size: int) -> bool:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
-                                world_size=world_size)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=world_size)
         return dist.is_initialized()
 
     def default_all_reduce(self) -> float:
@@ -151,17 +148,19 @@ def test_worker_class_calls_hooks_and_errors(cluster):
         ModelGroup.create(SPEC, "tp=2", name="bad", worker_cls=Clash)
 
 
-@pytest.mark.parametrize("train,generate,keep", [("dp=2,tp=2", "dp=1,tp=4", None),
-                                                 ("dp=2,tp=2", "dp=1,tp=4", "in_place"),
-                                                 ("dp=1,tp=2,pp=2", "dp=2,tp=2", "host")])
+@pytest.mark.parametrize(
+    "train,generate,keep",
+    [("dp=2,tp=2", "dp=1,tp=4", None), ("dp=2,tp=2", "dp=1,tp=4", "in_place"), ("dp=1,tp=2,pp=2", "dp=2,tp=2", "host")],
+)
 def test_real_llama_trains_in_one_layout_and_generates_in_another(cluster, train, generate, keep):
     """examples/rlhf_loop.py: a real Llama trained with AdamW (dp gradient reduction, tp layers,
     pp stages), reallocated to a generation layout with another tp, greedy-decoded, moved back
     and trained on. Weights bit-exact across every move; tokens equal the single-process
     reference's; logits and weights close to it. With ``keep`` (resident layouts) the way back
     adopts the kept training layout, and AdamW trains on in it."""
-    report = rlhf_loop.run_loop(train, generate, iterations=3, steps=2, name=f"llama-{train}-{keep}", log=print,
-                                keep=keep)
+    report = rlhf_loop.run_loop(
+        train, generate, iterations=3, steps=2, name=f"llama-{train}-{keep}", log=print, keep=keep
+    )
     assert report.ok, report.failures
     if keep is None:
         assert report.move_uses == [(None, None)] * 3
@@ -187,8 +186,9 @@ class CorruptingWorker(rlhf_loop.LlamaWorker):
 
 
 def test_real_llama_loop_catches_a_wrong_weight(cluster):
-    report = rlhf_loop.run_loop("dp=2,tp=2", "dp=1,tp=4", iterations=1, steps=1, name="llama-corrupt",
-                                worker_cls=CorruptingWorker, log=print)
+    report = rlhf_loop.run_loop(
+        "dp=2,tp=2", "dp=1,tp=4", iterations=1, steps=1, name="llama-corrupt", worker_cls=CorruptingWorker, log=print
+    )
     assert not report.ok and not report.weights_bit_exact_after_moves
     assert any("weights changed moving dp=2,tp=2 -> dp=1,tp=4" in f for f in report.failures), report.failures
     assert report.max_logit_diff > 1e-3

@@ -17,7 +17,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
@@ -113,7 +114,7 @@ def test_zero3_pieces_are_deepspeeds_partition(case, world, data):
         part[tuple(slice(0, n) for n in s)] = index[tuple(slice(a - b, a - b + n) for a, b, n in zip(o, offsets, s))]
         flat += part.reshape(-1).tolist()
     padded = np.concatenate([index.reshape(-1), np.full(world * size - numel, -1)])
-    assert flat == padded[rank * size:(rank + 1) * size].tolist()
+    assert flat == padded[rank * size : (rank + 1) * size].tolist()
     assert len(pieces) <= max(1, 2 * len(sizes) - 1)
     assert sum(1 for (_, s), local in pieces if tuple(s) != tuple(local)) <= 1, "padding lives in one piece"
 
@@ -124,8 +125,19 @@ def test_zero3_pieces_are_deepspeeds_partition(case, world, data):
 def oracle_buffers(d: oracle.Decoder, topo: Topology, rank: int, full, pad_value=0) -> dict[str, torch.Tensor]:
     """The rank's flat buffer of each dtype by the oracle: its local tensors (ZeRO-3 partitions for a
     zero3 topology), flattened, one after the other in forward slot order."""
-    local = oracle.local_tensors(d, full, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, 1, pad_value=pad_value,
-                                 fsdp=topo.fsdp, split=topo.fsdp_split)
+    local = oracle.local_tensors(
+        d,
+        full,
+        topo.dp,
+        topo.tp,
+        topo.pp,
+        stages_of(d, topo),
+        rank,
+        1,
+        pad_value=pad_value,
+        fsdp=topo.fsdp,
+        split=topo.fsdp_split,
+    )
     dtypes = {slot: p.dtype for slot, p in oracle.stage_slots(d, stages_of(d, topo), topo.coords4(rank)[3])}
     out: dict[str, list[torch.Tensor]] = {}
     for slot, t in local.items():
@@ -136,8 +148,15 @@ def oracle_buffers(d: oracle.Decoder, topo: Topology, rank: int, full, pad_value
 @st.composite
 def zero3_topologies(draw, d: oracle.Decoder, world: int):
     dp, fsdp, tp, pp = draw(st.sampled_from(oracle.factorisations4(d, world)))
-    return Topology(dp, tp, pp, draw(oracle.layer_splits(st, d.layers, pp)), draw(oracle.pp_rules(st, d.layers, pp)),
-                    fsdp=fsdp, fsdp_split="zero3")
+    return Topology(
+        dp,
+        tp,
+        pp,
+        draw(oracle.layer_splits(st, d.layers, pp)),
+        draw(oracle.pp_rules(st, d.layers, pp)),
+        fsdp=fsdp,
+        fsdp_split="zero3",
+    )
 
 
 def check_layout_buffers(d: oracle.Decoder, topo: Topology) -> None:
@@ -166,13 +185,23 @@ def test_random_zero3_layouts_hold_deepspeeds_partitions(data):
 # -- plans to and from zero3 layouts -------------------------------------------------------------
 
 
-def check_zero3_reallocation(d: oracle.Decoder, src: Topology, dst: Topology, placement: Placement,
-                             bucket_bytes: int = 4096, src_workers=None, dst_workers=None):
+def check_zero3_reallocation(
+    d: oracle.Decoder,
+    src: Topology,
+    dst: Topology,
+    placement: Placement,
+    bucket_bytes: int = 4096,
+    src_workers=None,
+    dst_workers=None,
+):
     spec = d.spec()
     src_workers = src_workers or list(range(src.world_size))
     dst_workers = dst_workers or list(range(dst.world_size))
-    kwargs = {} if src_workers == list(range(src.world_size)) and dst_workers == list(range(dst.world_size)) else \
-        dict(src_workers=src_workers, dst_workers=dst_workers)
+    kwargs = (
+        {}
+        if src_workers == list(range(src.world_size)) and dst_workers == list(range(dst.world_size))
+        else dict(src_workers=src_workers, dst_workers=dst_workers)
+    )
     plan = plan_reallocation(spec, src, dst, placement, bucket_bytes=bucket_bytes, **kwargs)
     full = oracle.full_tensors(d, seed=11)
     index = oracle.index_tensors(d)
@@ -183,8 +212,9 @@ def check_zero3_reallocation(d: oracle.Decoder, src: Topology, dst: Topology, pl
         buffers = {dt: torch.where(idx[dt] < 0, torch.tensor(POISON, dtype=v.dtype), v) for dt, v in values.items()}
         src_stores[worker] = ShardStore(src_layout.shards(rank), buffers)
     for rank, worker in enumerate(dst_workers):
-        buffers = {dt: torch.full((n,), POISON, dtype=TORCH_DTYPES[dt])
-                   for dt, n in dst_layout.buffer_numels(rank).items()}
+        buffers = {
+            dt: torch.full((n,), POISON, dtype=TORCH_DTYPES[dt]) for dt, n in dst_layout.buffer_numels(rank).items()
+        }
         dst_stores[worker] = ShardStore(dst_layout.shards(rank), buffers)
         zero_padding(dst_stores[worker])  # what a worker does to a reused (not zeroed) buffer
     moved = execute_in_process(plan, src_stores, dst_stores)
@@ -197,8 +227,7 @@ def check_zero3_reallocation(d: oracle.Decoder, src: Topology, dst: Topology, pl
             assert torch.equal(got[dt], want[dt]), f"{src} -> {dst}: rank {rank} {dt} buffer differs from the oracle"
     shapes = {p.name: p.shape for p in oracle.params(d)}
     dtypes = {p.name: p.dtype for p in oracle.params(d)}
-    check_plan(plan, shapes, dtypes, placement, side_masks(d, src, src_workers, 1),
-               side_masks(d, dst, dst_workers, 1))
+    check_plan(plan, shapes, dtypes, placement, side_masks(d, src, src_workers, 1), side_masks(d, dst, dst_workers, 1))
     return plan
 
 
@@ -240,20 +269,48 @@ def test_random_zero3_copies_between_disjoint_worker_sets(case):
     assert not check_zero3_reallocation(*case).local_copies
 
 
-ZERO8 = oracle.Decoder(hidden=6, intermediate=24, layers=4, heads=8, kv_heads=2, head_dim=2, vocab=19,
-                       tied=True, qk_norm=True, dtype="bfloat16", norm_dtype="float32")
+ZERO8 = oracle.Decoder(
+    hidden=6,
+    intermediate=24,
+    layers=4,
+    heads=8,
+    kv_heads=2,
+    head_dim=2,
+    vocab=19,
+    tied=True,
+    qk_norm=True,
+    dtype="bfloat16",
+    norm_dtype="float32",
+)
 
 
-@pytest.mark.parametrize("src, dst, placement", [
-    (Topology(fsdp=8, fsdp_split="zero3"), Topology(dp=2, tp=4), Placement.blocks(8, 4)),
-    (Topology(dp=2, tp=4), Topology(fsdp=8, fsdp_split="zero3"), Placement.blocks(8, 4)),
-    (Topology(fsdp=8, fsdp_split="zero3"), Topology(fsdp=8), Placement.blocks(8, 2)),
-    (Topology(dp=2, fsdp=3, tp=2, fsdp_split="zero3"), Topology(tp=4, pp=3, layer_split=(1, 2, 1)),
-     Placement.blocks(12, 4)),
-    (Topology(fsdp=7, fsdp_split="zero3"), Topology(fsdp=7, fsdp_split="zero3"), Placement.blocks(7, 3)),
-    (Topology(fsdp=5, pp=2, fsdp_split="zero3"), Topology(fsdp=2, dp=5, fsdp_split="zero3"), Placement.blocks(10, 4)),
-], ids=["zero3x8-dp2tp4", "dp2tp4-zero3x8", "zero3x8-fsdp2x8", "hsdp-zero3-tp2-to-tp4pp3", "zero3x7-same",
-        "zero3x5pp2-zero3x2dp5"])
+@pytest.mark.parametrize(
+    "src, dst, placement",
+    [
+        (Topology(fsdp=8, fsdp_split="zero3"), Topology(dp=2, tp=4), Placement.blocks(8, 4)),
+        (Topology(dp=2, tp=4), Topology(fsdp=8, fsdp_split="zero3"), Placement.blocks(8, 4)),
+        (Topology(fsdp=8, fsdp_split="zero3"), Topology(fsdp=8), Placement.blocks(8, 2)),
+        (
+            Topology(dp=2, fsdp=3, tp=2, fsdp_split="zero3"),
+            Topology(tp=4, pp=3, layer_split=(1, 2, 1)),
+            Placement.blocks(12, 4),
+        ),
+        (Topology(fsdp=7, fsdp_split="zero3"), Topology(fsdp=7, fsdp_split="zero3"), Placement.blocks(7, 3)),
+        (
+            Topology(fsdp=5, pp=2, fsdp_split="zero3"),
+            Topology(fsdp=2, dp=5, fsdp_split="zero3"),
+            Placement.blocks(10, 4),
+        ),
+    ],
+    ids=[
+        "zero3x8-dp2tp4",
+        "dp2tp4-zero3x8",
+        "zero3x8-fsdp2x8",
+        "hsdp-zero3-tp2-to-tp4pp3",
+        "zero3x7-same",
+        "zero3x5pp2-zero3x2dp5",
+    ],
+)
 def test_chosen_zero3_reallocations(src, dst, placement):
     check_layout_buffers(ZERO8, src)
     plan = check_zero3_reallocation(ZERO8, src, dst, placement)
@@ -298,8 +355,14 @@ def test_fsdp_split_option_parses_prints_and_compares():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
-       st.sampled_from(["vllm", "megatron", "balanced"]), st.sampled_from(FSDP_SPLIT_RULES))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from(["vllm", "megatron", "balanced"]),
+    st.sampled_from(FSDP_SPLIT_RULES),
+)
 def test_topology_strings_round_trip_with_fsdp_split(dp, fsdp, tp, pp, pp_split, fsdp_split):
     t = Topology(dp, tp, pp, None, pp_split, fsdp, fsdp_split)
     assert Topology.parse(str(t)) == t and hash(Topology.parse(str(t))) == hash(t)
@@ -335,8 +398,17 @@ def test_binding_a_zero3_layout_points_to_the_flat_partitions():
         for views in (shard_views, fused_views):
             with pytest.raises(ValueError, match="flat_views"):
                 views(lay.at(rank), buffers)
-        want = oracle.local_tensors(ZERO8, oracle.full_tensors(ZERO8), topo.dp, topo.tp, topo.pp,
-                                    stages_of(ZERO8, topo), rank, fsdp=topo.fsdp, split="zero3")
+        want = oracle.local_tensors(
+            ZERO8,
+            oracle.full_tensors(ZERO8),
+            topo.dp,
+            topo.tp,
+            topo.pp,
+            stages_of(ZERO8, topo),
+            rank,
+            fsdp=topo.fsdp,
+            split="zero3",
+        )
         flat = flat_views(lay.at(rank), buffers)
         assert list(flat) == list(want), "every slot, in forward order"
         for slot, value in want.items():
@@ -352,8 +424,18 @@ def test_fsdp2_empty_chunks_bind_as_empty_tensors():
 
     from realloc.shards import allocate_buffers, bind_module, shard_views
 
-    d = oracle.Decoder(hidden=6, intermediate=24, layers=2, heads=4, kv_heads=2, head_dim=2, vocab=7,
-                       qk_norm=True, dtype="bfloat16", norm_dtype="float32")
+    d = oracle.Decoder(
+        hidden=6,
+        intermediate=24,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=2,
+        vocab=7,
+        qk_norm=True,
+        dtype="bfloat16",
+        norm_dtype="float32",
+    )
     topo = Topology(fsdp=8)
     lay = Layout(d.spec(), topo)
     full = oracle.full_tensors(d)

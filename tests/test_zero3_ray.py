@@ -4,12 +4,11 @@ every element and every (reused, not zeroed) padding checked; ``ctx.tensors`` ar
 from __future__ import annotations
 
 import pytest
+from simulated import simulated_cluster
 
 from actors import ModelGroup
 from realloc import ModelSpec, Topology
 from realloc.layout.zero3 import zero3_partition
-
-from simulated import simulated_cluster
 
 
 @pytest.fixture(scope="module")

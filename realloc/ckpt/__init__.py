@@ -9,5 +9,15 @@ from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShards
 from realloc.ckpt.manifest import MAX_ITERATION, CheckpointId, Manifest, ShardRecord
 from realloc.ckpt.replication import cliques
 
-__all__ = ["MAX_ITERATION", "Candidate", "Catalog", "CheckpointError", "CheckpointId", "CorruptFileError", "Manifest",
-           "MissingShardsError", "ShardRecord", "cliques"]
+__all__ = [
+    "MAX_ITERATION",
+    "Candidate",
+    "Catalog",
+    "CheckpointError",
+    "CheckpointId",
+    "CorruptFileError",
+    "Manifest",
+    "MissingShardsError",
+    "ShardRecord",
+    "cliques",
+]

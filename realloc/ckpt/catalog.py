@@ -78,8 +78,13 @@ class Catalog:
 
     def _layout(self, manifest: Manifest) -> Layout | str:
         """The saved layout of ``manifest`` over the model (built once per save), or why there is none."""
-        key = (manifest.topology, manifest.vocab_pad_multiple, manifest.vocab_pad_rule, manifest.qkv_order,
-               manifest.expert_order)
+        key = (
+            manifest.topology,
+            manifest.vocab_pad_multiple,
+            manifest.vocab_pad_rule,
+            manifest.qkv_order,
+            manifest.expert_order,
+        )
         if key not in self._layouts:
             try:
                 self._layouts[key] = Layout(self.spec, *key)
@@ -94,8 +99,7 @@ class Catalog:
         manifests: dict[str, Manifest] = {}
         for node, m in entries:
             if m.layout_key() != key:
-                self.problems.append(f"{node}: {m.id} has another layout than the other files of iteration "
-                                     f"{iteration}")
+                self.problems.append(f"{node}: {m.id} has another layout than the other files of iteration {iteration}")
                 continue
             content = m.dumps()
             manifests[content] = m
@@ -141,8 +145,9 @@ class Catalog:
         manifests = self.manifests(iteration)
         return manifests[min(manifests)] if manifests else None
 
-    def missing(self, iteration: int, spec: ModelSpec | None = None,
-                excluded: AbstractSet[tuple[str, int]] = frozenset()) -> list[str]:
+    def missing(
+        self, iteration: int, spec: ModelSpec | None = None, excluded: AbstractSet[tuple[str, int]] = frozenset()
+    ) -> list[str]:
         """Stored boxes of ``iteration`` with no candidate copy outside ``excluded``, with the ranks
         whose files held them. ``spec``, if given, must be the catalog's model."""
         self._check_same_model(spec)
@@ -173,8 +178,10 @@ class Catalog:
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"spec must be a ModelSpec or None, got {type(spec).__name__}")
         if param_table(spec) != param_table(self.spec):
-            raise ValueError(f"this catalog was built for model {self.spec.name!r}, whose parameters differ from "
-                             f"{spec.name!r}'s: build a Catalog with that spec instead")
+            raise ValueError(
+                f"this catalog was built for model {self.spec.name!r}, whose parameters differ from "
+                f"{spec.name!r}'s: build a Catalog with that spec instead"
+            )
 
 
 def _by_preference(by_content: dict[str, set[str]], manifests: dict[str, Manifest]) -> list[Candidate]:

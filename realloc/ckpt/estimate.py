@@ -20,8 +20,15 @@ from realloc.spec import ModelSpec
 FRESH_NODE = "node-fresh"
 
 
-def checkpoint_plans(spec: ModelSpec, train: Topology, generate: Topology, per_node: int, factor: int = 2,
-                     jump: int | None = None, bandwidths: Bandwidths = Bandwidths()) -> dict:
+def checkpoint_plans(
+    spec: ModelSpec,
+    train: Topology,
+    generate: Topology,
+    per_node: int,
+    factor: int = 2,
+    jump: int | None = None,
+    bandwidths: Bandwidths = Bandwidths(),
+) -> dict:
     """Statistics of the replication, retrieval and resharding-load plans of one configuration.
 
     Example:
@@ -37,9 +44,16 @@ def checkpoint_plans(spec: ModelSpec, train: Topology, generate: Topology, per_n
     saved = Layout(spec, train)
     file_bytes = {r: saved.rank_bytes(r) for r in range(world)}
     table = file_table(file_bytes)
-    report: dict = {"model": spec.name, "train": str(train), "generate": str(generate), "workers": world,
-                    "nodes": placement.num_nodes, "jump": jump, "factor": factor,
-                    "model_files_bytes": sum(file_bytes.values())}
+    report: dict = {
+        "model": spec.name,
+        "train": str(train),
+        "generate": str(generate),
+        "workers": world,
+        "nodes": placement.num_nodes,
+        "jump": jump,
+        "factor": factor,
+        "model_files_bytes": sum(file_bytes.values()),
+    }
 
     t0 = time.perf_counter()
     holdings, needs = replication_groups(file_bytes, placement, jump, factor)
@@ -72,9 +86,14 @@ def checkpoint_plans(spec: ModelSpec, train: Topology, generate: Topology, per_n
 def _summary(stats: dict, seconds: float) -> dict:
     senders = [v for v in stats["rank_send_bytes"].values() if v]
     return {
-        "bytes_inter_node": stats["bytes_inter_node"], "bytes_intra_node": stats["bytes_intra_node"],
-        "bytes_local_copy": stats["bytes_local_copy"], "max_node_egress_bytes": stats["max_node_egress_bytes"],
-        "senders": len(senders), "max_sender_bytes": max(senders, default=0),
-        "min_sender_bytes": min(senders, default=0), "steps": stats["num_steps"],
-        "estimated_seconds": stats["estimated_seconds"], "plan_seconds": seconds,
+        "bytes_inter_node": stats["bytes_inter_node"],
+        "bytes_intra_node": stats["bytes_intra_node"],
+        "bytes_local_copy": stats["bytes_local_copy"],
+        "max_node_egress_bytes": stats["max_node_egress_bytes"],
+        "senders": len(senders),
+        "max_sender_bytes": max(senders, default=0),
+        "min_sender_bytes": min(senders, default=0),
+        "steps": stats["num_steps"],
+        "estimated_seconds": stats["estimated_seconds"],
+        "plan_seconds": seconds,
     }

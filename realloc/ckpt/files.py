@@ -30,8 +30,14 @@ from realloc.layout import Layout, Topology
 from realloc.shards import TORCH_DTYPES
 
 TEMP_PREFIX = ".tmp-"
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I8": "int8",
-                      "U8": "uint8"}
+SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F64": "float64",
+    "I8": "int8",
+    "U8": "uint8",
+}
 _CHUNK = 16 << 20
 
 
@@ -140,8 +146,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def build_rank_file(ckpt_id: CheckpointId, layout: Layout, buffers: Mapping[str, torch.Tensor],
-                    node: str) -> tuple[bytes, Manifest]:
+def build_rank_file(
+    ckpt_id: CheckpointId, layout: Layout, buffers: Mapping[str, torch.Tensor], node: str
+) -> tuple[bytes, Manifest]:
     """Serialize one rank's buffers and describe them (no I/O).
 
     Example:
@@ -156,22 +163,33 @@ def build_rank_file(ckpt_id: CheckpointId, layout: Layout, buffers: Mapping[str,
     expected = layout.buffer_numels(rank)
     cpu = {d: t.detach().cpu().contiguous() for d, t in buffers.items()}
     if {d: t.numel() for d, t in cpu.items()} != expected:
-        raise ValueError(f"buffers of rank {rank} have sizes {({d: t.numel() for d, t in cpu.items()})}, "
-                         f"layout {layout.topology} expects {expected}")
+        raise ValueError(
+            f"buffers of rank {rank} have sizes { ({d: t.numel() for d, t in cpu.items()}) }, "
+            f"layout {layout.topology} expects {expected}"
+        )
     records = []
     for s in layout.shards(rank):
-        local = byte_view(cpu[s.dtype][s.buffer_offset:s.buffer_offset + s.local_numel])
+        local = byte_view(cpu[s.dtype][s.buffer_offset : s.buffer_offset + s.local_numel])
         records.append(ShardRecord.of(s, zlib.crc32(local)))
-    metadata = {"format": FORMAT, "run_id": ckpt_id.run_id, "iteration": str(ckpt_id.iteration),
-                "rank": str(rank)}
+    metadata = {"format": FORMAT, "run_id": ckpt_id.run_id, "iteration": str(ckpt_id.iteration), "rank": str(rank)}
     data = safetensors.torch.save({tensor_name(d): t for d, t in cpu.items()}, metadata=metadata)
     spec = layout.spec
     manifest = Manifest(
-        id=ckpt_id, world_size=layout.topology.world_size, topology=saved_topology(layout),
-        vocab_pad_multiple=layout.vocab_pad_multiple, spec_name=spec.name,
-        params={p.name: (tuple(p.shape), p.dtype) for p in spec.params}, buffers=expected,
-        shards=tuple(records), file_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), written_on=node,
-        vocab_pad_rule=layout.vocab_pad_rule, qkv_order=layout.qkv_order, expert_order=layout.expert_order)
+        id=ckpt_id,
+        world_size=layout.topology.world_size,
+        topology=saved_topology(layout),
+        vocab_pad_multiple=layout.vocab_pad_multiple,
+        spec_name=spec.name,
+        params={p.name: (tuple(p.shape), p.dtype) for p in spec.params},
+        buffers=expected,
+        shards=tuple(records),
+        file_bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        written_on=node,
+        vocab_pad_rule=layout.vocab_pad_rule,
+        qkv_order=layout.qkv_order,
+        expert_order=layout.expert_order,
+    )
     return data, manifest
 
 
@@ -179,8 +197,16 @@ def saved_topology(layout: Layout) -> Topology:
     """The topology a manifest records: the layers of every stage spelled out, so the saved layout
     never depends on which rule computed the split (rules and defaults may change; files stay)."""
     t = layout.topology
-    return Topology(t.dp, t.tp, t.pp, layer_split=layout.layer_counts if t.pp > 1 else None, fsdp=t.fsdp,
-                    fsdp_split=t.fsdp_split, ep=t.ep, etp=t.etp)
+    return Topology(
+        t.dp,
+        t.tp,
+        t.pp,
+        layer_split=layout.layer_counts if t.pp > 1 else None,
+        fsdp=t.fsdp,
+        fsdp_split=t.fsdp_split,
+        ep=t.ep,
+        etp=t.etp,
+    )
 
 
 def rank_paths(directory: Path, ckpt_id: CheckpointId) -> tuple[Path, Path]:
@@ -188,8 +214,9 @@ def rank_paths(directory: Path, ckpt_id: CheckpointId) -> tuple[Path, Path]:
     return directory / f"{ckpt_id.stem}.safetensors", directory / f"{ckpt_id.stem}.json"
 
 
-def write_rank_file(directory: Path, data: "bytes | np.ndarray", manifest: Manifest,
-                    before_manifest: Callable[[], None] | None = None) -> Path:
+def write_rank_file(
+    directory: Path, data: "bytes | np.ndarray", manifest: Manifest, before_manifest: Callable[[], None] | None = None
+) -> Path:
     """Write tensors then manifest atomically into ``directory``; returns the tensors path.
 
     ``before_manifest`` runs between the two writes (tests inject crashes there).
@@ -230,10 +257,10 @@ def read_verified(path: Path, manifest: Manifest) -> torch.Tensor:
     with open(path, "rb") as f:
         at = 0
         while at < size:
-            n = f.readinto(memoryview(view[at:at + _CHUNK]))
+            n = f.readinto(memoryview(view[at : at + _CHUNK]))
             if not n:
                 raise CorruptFileError(str(path), f"truncated while reading at byte {at}")
-            digest.update(view[at:at + n])
+            digest.update(view[at : at + n])
             at += n
     if digest.hexdigest() != manifest.sha256:
         raise CorruptFileError(str(path), "sha256 mismatch")
@@ -255,7 +282,7 @@ def _header(data: torch.Tensor) -> tuple[dict, int]:
     if not 0 < length <= data.numel() - 8:
         raise CorruptFileError("safetensors header", f"header length {length} does not fit {data.numel()} bytes")
     try:
-        header = json.loads(data[8:8 + length].numpy().tobytes())
+        header = json.loads(data[8 : 8 + length].numpy().tobytes())
     except ValueError as exc:
         raise CorruptFileError("safetensors header", f"not JSON ({exc})") from exc
     if not isinstance(header, dict):
@@ -306,8 +333,9 @@ def read_shard(path: Path, manifest: Manifest, record: ShardRecord) -> torch.Ten
     try:
         with safe_open(str(path), framework="pt") as f:
             _check_identity(f.metadata() or {}, manifest, str(path))
-            flat = f.get_slice(tensor_name(record.dtype))[record.buffer_offset:
-                                                          record.buffer_offset + record.local_numel]
+            flat = f.get_slice(tensor_name(record.dtype))[
+                record.buffer_offset : record.buffer_offset + record.local_numel
+            ]
     except CorruptFileError:
         raise
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for damaged files

@@ -140,19 +140,23 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
         elif tensors[found].shape != tuple(p.shape):
             problems.append(f"{found} has shape {tensors[found].shape}, the model needs {tuple(p.shape)}")
         elif dtype_kind(tensors[found].dtype) != dtype_kind(p.dtype):
-            problems.append(f"{found} is {tensors[found].dtype}, the model's {p.name} is {p.dtype}: an import "
-                            f"casts only between float dtypes, never {dtype_kind(tensors[found].dtype)} values into "
-                            f"{dtype_kind(p.dtype)} ones (dequantize the checkpoint first)")
+            problems.append(
+                f"{found} is {tensors[found].dtype}, the model's {p.name} is {p.dtype}: an import "
+                f"casts only between float dtypes, never {dtype_kind(tensors[found].dtype)} values into "
+                f"{dtype_kind(p.dtype)} ones (dequantize the checkpoint first)"
+            )
         else:
             mapping[p.name] = found
     if problems:
-        raise ValueError(f"HF checkpoint does not fit model {spec.name!r}: {len(problems)} problems, "
-                         f"e.g. {problems[:3]}")
+        raise ValueError(
+            f"HF checkpoint does not fit model {spec.name!r}: {len(problems)} problems, e.g. {problems[:3]}"
+        )
     return mapping
 
 
-def check_ties(path: "str | Path", tensors: Mapping[str, HFTensor], spec: ModelSpec,
-               chunk_bytes: int = 64 << 20) -> None:
+def check_ties(
+    path: "str | Path", tensors: Mapping[str, HFTensor], spec: ModelSpec, chunk_bytes: int = 64 << 20
+) -> None:
     """``ValueError`` when a checkpoint holds both names of a tied pair with different contents.
 
     transformers disagrees with itself on such a checkpoint: version 5 loads the two untied when
@@ -177,7 +181,8 @@ def check_ties(path: "str | Path", tensors: Mapping[str, HFTensor], spec: ModelS
                 f"{b.dtype}, and they differ: it is untied, but model {spec.name!r} ties them and holds one tensor. "
                 "transformers 5 would load this checkpoint untied (4.x would keep the embedding), so no choice here "
                 f"would match it: import into an untied spec (tie_word_embeddings=False), or drop {alias!r} from "
-                "the checkpoint to tie the head to the embedding")
+                "the checkpoint to tie the head to the embedding"
+            )
 
 
 def _equal_bytes(root: Path, name_a: str, a: HFTensor, name_b: str, b: HFTensor, chunk_bytes: int) -> bool:
@@ -188,7 +193,7 @@ def _equal_bytes(root: Path, name_a: str, a: HFTensor, name_b: str, b: HFTensor,
         if not a.shape:
             return torch.equal(_raw(fa.get_tensor(name_a)), _raw(fb.get_tensor(name_b)))
         sa, sb = fa.get_slice(name_a), fb.get_slice(name_b)
-        return all(torch.equal(_raw(sa[i:i + step]), _raw(sb[i:i + step])) for i in range(0, rows, step))
+        return all(torch.equal(_raw(sa[i : i + step]), _raw(sb[i : i + step])) for i in range(0, rows, step))
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -196,8 +201,13 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def load_shards(path: "str | Path", tensors: Mapping[str, HFTensor], mapping: Mapping[str, str],
-                shards: Iterable[Shard], store: ShardStore) -> int:
+def load_shards(
+    path: "str | Path",
+    tensors: Mapping[str, HFTensor],
+    mapping: Mapping[str, str],
+    shards: Iterable[Shard],
+    store: ShardStore,
+) -> int:
     """Read each shard's box from the HF files into ``store``; returns the bytes read.
 
     Example:
@@ -233,7 +243,8 @@ def load_shards(path: "str | Path", tensors: Mapping[str, HFTensor], mapping: Ma
                     raise CheckpointError(
                         f"{where}: tensor {tensor!r} is {found[0]} {found[1]} now, but was {scanned[0]} {scanned[1]} "
                         "when the directory was scanned: the file changed during the import. Nothing was imported; "
-                        "import again once the directory stays as it is")
+                        "import again once the directory stays as it is"
+                    )
                 box = sl[box_index(s.offsets, s.sizes)]
                 store.write(s.param, s.offsets, s.sizes, box.to(TORCH_DTYPES[s.dtype]))
                 read += box.numel() * box.element_size()
@@ -246,8 +257,10 @@ def _changed_on_error(where: Path) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - safetensors' own error types for a missing or damaged file
-        raise CheckpointError(f"{where} could not be read as scanned ({type(exc).__name__}: {exc}): the directory "
-                              "changed during the import. Nothing was imported") from exc
+        raise CheckpointError(
+            f"{where} could not be read as scanned ({type(exc).__name__}: {exc}): the directory "
+            "changed during the import. Nothing was imported"
+        ) from exc
 
 
 def check_max_shard_bytes(max_shard_bytes: object) -> int:
@@ -315,8 +328,10 @@ class Arena:
     nbytes: int
 
     @staticmethod
-    def plan(files: Sequence[tuple[str, Sequence[tuple[str, tuple[int, ...], str]]]],
-             metadata: Mapping[str, str] | None = None) -> "Arena":
+    def plan(
+        files: Sequence[tuple[str, Sequence[tuple[str, tuple[int, ...], str]]]],
+        metadata: Mapping[str, str] | None = None,
+    ) -> "Arena":
         """``files``: ``(file name, [(tensor, shape, dtype), ...])`` in order."""
         images, shards, at = [], [], 0
         for name, entries in files:
@@ -326,8 +341,11 @@ class Arena:
             for i in order:
                 tensor, shape, dtype = entries[i]
                 nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
-                header[tensor] = {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape),
-                                  "data_offsets": [offset, offset + nbytes]}
+                header[tensor] = {
+                    "dtype": _SAFETENSORS_CODES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes],
+                }
                 placed.append((tensor, tuple(shape), dtype, offset))
                 offset += nbytes
             text = json.dumps(header, separators=(",", ":")).encode()
@@ -345,13 +363,13 @@ class Arena:
         """The byte buffer (headers filled in) and a store addressing every whole tensor in it."""
         data = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         for f in self.files:
-            data[f.start:f.start + len(f.header)].copy_(torch.frombuffer(bytearray(f.header), dtype=torch.uint8))
+            data[f.start : f.start + len(f.header)].copy_(torch.frombuffer(bytearray(f.header), dtype=torch.uint8))
         buffers = {d: data.view(TORCH_DTYPES[d]) for d in {s.dtype for s in self.shards}}
         return data, ShardStore(self.shards, buffers)
 
     def file_bytes(self, data: torch.Tensor, i: int) -> torch.Tensor:
         f = self.files[i]
-        return data[f.start:f.start + f.nbytes]
+        return data[f.start : f.start + f.nbytes]
 
     def write(self, data: torch.Tensor, root: "str | Path") -> list[dict]:
         """Write every file atomically into the existing directory ``root``; ``[{name, bytes, sha256,
@@ -361,8 +379,14 @@ class Arena:
         for i, f in enumerate(self.files):
             view = self.file_bytes(data, i).cpu().numpy()
             atomic_write(root / f.name, view)
-            out.append({"name": f.name, "bytes": f.nbytes, "sha256": hashlib.sha256(view).hexdigest(),
-                        "tensors": list(f.tensors)})
+            out.append(
+                {
+                    "name": f.name,
+                    "bytes": f.nbytes,
+                    "sha256": hashlib.sha256(view).hexdigest(),
+                    "tensors": list(f.tensors),
+                }
+            )
         return out
 
 
@@ -380,8 +404,10 @@ def check_export_dir(path: object) -> Path:
         raise ValueError(f"HF export directory must be a non-empty path, got {str(path)!r}")
     target = Path(path).absolute()
     if (target.exists() or target.is_symlink()) and not target.is_dir():
-        raise ValueError(f"HF export path {str(target)!r} exists and is not a directory: pass a directory "
-                         "(new or holding an earlier export)")
+        raise ValueError(
+            f"HF export path {str(target)!r} exists and is not a directory: pass a directory "
+            "(new or holding an earlier export)"
+        )
     return target
 
 
@@ -415,20 +441,29 @@ def begin_hf_dir(path: "str | Path") -> StagedHFDir:
 def export_io_error(target: Path, exc: OSError) -> CheckpointError:
     """The project's error for a failed file operation of an export to ``target``: the path, the
     cause and what to do; the directory's earlier content is untouched (see :class:`StagedHFDir`)."""
-    advice = {errno.ENOSPC: "free space on that filesystem or export elsewhere",
-              errno.EDQUOT: "free space on that filesystem or export elsewhere",
-              errno.EROFS: "choose a writable directory",
-              errno.EACCES: "choose a directory whose parent you may write to",
-              errno.EPERM: "choose a directory whose parent you may write to",
-              errno.ENOENT: "the directory or its parent was removed while the export ran; export again"}
+    advice = {
+        errno.ENOSPC: "free space on that filesystem or export elsewhere",
+        errno.EDQUOT: "free space on that filesystem or export elsewhere",
+        errno.EROFS: "choose a writable directory",
+        errno.EACCES: "choose a directory whose parent you may write to",
+        errno.EPERM: "choose a directory whose parent you may write to",
+        errno.ENOENT: "the directory or its parent was removed while the export ran; export again",
+    }
     what = advice.get(exc.errno, "check the directory and export again")
-    return CheckpointError(f"HF export to {str(target)!r} failed: {exc.strerror or exc} ({exc.filename or target}). "
-                           f"An export is written beside the directory and swapped in whole: {what}. What was there "
-                           "before is unchanged")
+    return CheckpointError(
+        f"HF export to {str(target)!r} failed: {exc.strerror or exc} ({exc.filename or target}). "
+        f"An export is written beside the directory and swapped in whole: {what}. What was there "
+        "before is unchanged"
+    )
 
 
-def finish_hf_dir(staged: StagedHFDir, expected: Mapping[str, tuple[int, Sequence[str]]],
-                  weight_map: Mapping[str, str], total_size: int, extra: Mapping[str, Mapping] | None = None) -> list[Path]:
+def finish_hf_dir(
+    staged: StagedHFDir,
+    expected: Mapping[str, tuple[int, Sequence[str]]],
+    weight_map: Mapping[str, str],
+    total_size: int,
+    extra: Mapping[str, Mapping] | None = None,
+) -> list[Path]:
     """Complete a staged export and put it in place; the paths written, under the target.
 
     Writes ``extra`` JSON files (``config.json``...) and the index (several weight files), then
@@ -451,8 +486,10 @@ def finish_hf_dir(staged: StagedHFDir, expected: Mapping[str, tuple[int, Sequenc
             written.append(INDEX_FILE)
         problems = verify_hf_dir(root, expected, weight_map if names != [SINGLE_FILE] else None)
         if problems:
-            raise CheckpointError(f"HF export to {str(staged.target)!r} failed verification ({len(problems)} problems, "
-                                  f"e.g. {problems[:3]}). Nothing was put in place: what was there before is unchanged")
+            raise CheckpointError(
+                f"HF export to {str(staged.target)!r} failed verification ({len(problems)} problems, "
+                f"e.g. {problems[:3]}). Nothing was put in place: what was there before is unchanged"
+            )
         replace_dir(root, staged.target, keep=lambda name: not is_export_file(name))
     except OSError as exc:
         staged.discard()
@@ -463,8 +500,9 @@ def finish_hf_dir(staged: StagedHFDir, expected: Mapping[str, tuple[int, Sequenc
     return [staged.target / n for n in names + written]
 
 
-def verify_hf_dir(root: Path, expected: Mapping[str, tuple[int, Sequence[str]]],
-                  weight_map: Mapping[str, str] | None) -> list[str]:
+def verify_hf_dir(
+    root: Path, expected: Mapping[str, tuple[int, Sequence[str]]], weight_map: Mapping[str, str] | None
+) -> list[str]:
     """What is wrong with the weight files in ``root`` against ``expected`` (name -> bytes, tensors)."""
     problems = []
     present = {p.name for p in root.iterdir() if p.name == SINGLE_FILE or _SHARD_NAME.match(p.name)}
@@ -488,13 +526,20 @@ def verify_hf_dir(root: Path, expected: Mapping[str, tuple[int, Sequence[str]]],
         elif not isinstance(header, dict) or set(header) - {"__metadata__"} != set(tensors):
             problems.append(f"{name}'s header does not name its tensors {sorted(tensors)[:3]}")
     if weight_map is not None:
-        problems += [f"the index maps {t} to {n}, not a file of this export"
-                     for t, n in sorted(weight_map.items()) if n not in expected]
+        problems += [
+            f"the index maps {t} to {n}, not a file of this export"
+            for t, n in sorted(weight_map.items())
+            if n not in expected
+        ]
     return problems
 
 
-def save_hf_dir(state: Mapping[str, torch.Tensor], path: "str | Path",
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: Mapping[str, Mapping] | None = None) -> list[Path]:
+def save_hf_dir(
+    state: Mapping[str, torch.Tensor],
+    path: "str | Path",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra: Mapping[str, Mapping] | None = None,
+) -> list[Path]:
     """Write full tensors held here as a HF safetensors directory (index json when several files).
 
     Staged and swapped in like the workers' export (``actors.checkpoint.CheckpointManager.export_hf``,

@@ -78,19 +78,32 @@ class ExportAssignment:
     def needs(self) -> list[Group]:
         """Planner input: each writer needs its tensors whole."""
         spec = self.layout.spec.by_name
-        return [Group((w,), tuple(sorted((t, (0,) * len(spec[t].shape), tuple(spec[t].shape))
-                                         for f in self.files_of(w) for t in f.tensors)))
-                for w in self.writers]
+        return [
+            Group(
+                (w,),
+                tuple(
+                    sorted(
+                        (t, (0,) * len(spec[t].shape), tuple(spec[t].shape))
+                        for f in self.files_of(w)
+                        for t in f.tensors
+                    )
+                ),
+            )
+            for w in self.writers
+        ]
 
     def arena(self, writer: int, metadata: dict[str, str] | None = None) -> Arena:
         """The byte layout of ``writer``'s files (what it receives into and writes)."""
         spec = self.layout.spec.by_name
-        return Arena.plan([(f.name, [(t, tuple(spec[t].shape), spec[t].dtype) for t in f.tensors])
-                           for f in self.files_of(writer)], metadata)
+        return Arena.plan(
+            [(f.name, [(t, tuple(spec[t].shape), spec[t].dtype) for t in f.tensors]) for f in self.files_of(writer)],
+            metadata,
+        )
 
 
-def assign_writers(layout: Layout, placement: Placement, max_shard_bytes: int,
-                   writers: int | None = None) -> ExportAssignment:
+def assign_writers(
+    layout: Layout, placement: Placement, max_shard_bytes: int, writers: int | None = None
+) -> ExportAssignment:
     """Writers and files of an HF export of ``layout`` (see the module docstring for the rules).
 
     Example:
@@ -136,12 +149,19 @@ def assign_writers(layout: Layout, placement: Placement, max_shard_bytes: int,
     per_writer: dict[int, list[str]] = {}
     for p in spec.params:  # spec order inside a writer
         per_writer.setdefault(chosen[p.name], []).append(p.name)
-    parts = sorted(((w, part) for w, names in per_writer.items()
-                    for part in split_files([(t, spec.by_name[t].nbytes) for t in names], max_shard_bytes)),
-                   key=lambda wp: position[wp[1][0]])
+    parts = sorted(
+        (
+            (w, part)
+            for w, names in per_writer.items()
+            for part in split_files([(t, spec.by_name[t].nbytes) for t in names], max_shard_bytes)
+        ),
+        key=lambda wp: position[wp[1][0]],
+    )
     names = file_names(len(parts))
-    files = tuple(WriterFile(name, w, tuple(part), sum(spec.by_name[t].nbytes for t in part))
-                  for name, (w, part) in zip(names, parts))
+    files = tuple(
+        WriterFile(name, w, tuple(part), sum(spec.by_name[t].nbytes for t in part))
+        for name, (w, part) in zip(names, parts)
+    )
     return ExportAssignment(layout, files)
 
 
@@ -164,5 +184,7 @@ def check_reported(assignment: ExportAssignment, reports: Sequence[dict]) -> Non
     got = {r["name"]: (r["writer"], list(r["tensors"])) for r in reports}
     if got != expected:
         missing = sorted(set(expected) - set(got))
-        raise CheckpointError(f"HF export: writers reported files {sorted(got)[:5]}, expected {sorted(expected)[:5]} "
-                         f"(missing {missing[:5]})")
+        raise CheckpointError(
+            f"HF export: writers reported files {sorted(got)[:5]}, expected {sorted(expected)[:5]} "
+            f"(missing {missing[:5]})"
+        )

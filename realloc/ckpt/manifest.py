@@ -32,15 +32,21 @@ ParamTable = dict[str, tuple[tuple[int, ...], str]]
 
 def check_run_id(run_id: object) -> str:
     if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
-        raise ValueError(f"run id {run_id!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
-                         "starting with a letter or digit")
+        raise ValueError(
+            f"run id {run_id!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
     return run_id
 
 
 def check_iteration(iteration: object) -> int:
     """``iteration`` if it is an integer in ``0..MAX_ITERATION``, else ``ValueError``."""
-    return check_int("iteration", iteration, 0, MAX_ITERATION, allowed="a non-negative integer no larger than "
-                     f"MAX_ITERATION = 2**63 - 1 = {MAX_ITERATION}")
+    return check_int(
+        "iteration",
+        iteration,
+        0,
+        MAX_ITERATION,
+        allowed=f"a non-negative integer no larger than MAX_ITERATION = 2**63 - 1 = {MAX_ITERATION}",
+    )
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -118,8 +124,16 @@ class ShardRecord(Shard):
 
     @staticmethod
     def of(shard: Shard, crc32: int) -> "ShardRecord":
-        return ShardRecord(shard.param, shard.slot, tuple(shard.offsets), tuple(shard.sizes),
-                           tuple(shard.local_shape), shard.dtype, shard.buffer_offset, crc32)
+        return ShardRecord(
+            shard.param,
+            shard.slot,
+            tuple(shard.offsets),
+            tuple(shard.sizes),
+            tuple(shard.local_shape),
+            shard.dtype,
+            shard.buffer_offset,
+            crc32,
+        )
 
 
 _SHARD_FIELDS = ("param", "slot", "offsets", "sizes", "local_shape", "dtype", "buffer_offset")
@@ -163,8 +177,12 @@ class Manifest:
     @property
     def layout_options(self) -> dict:
         """The saved layout's options: ``Layout(spec, topology, **options)`` (see ``Layout.options``)."""
-        return {"vocab_pad_multiple": self.vocab_pad_multiple, "vocab_pad_rule": self.vocab_pad_rule,
-                "qkv_order": self.qkv_order, "expert_order": self.expert_order}
+        return {
+            "vocab_pad_multiple": self.vocab_pad_multiple,
+            "vocab_pad_rule": self.vocab_pad_rule,
+            "qkv_order": self.qkv_order,
+            "expert_order": self.expert_order,
+        }
 
     def layout(self, spec: ModelSpec) -> Layout:
         """The saved layout, over ``spec`` (which must have this manifest's parameters)."""
@@ -200,8 +218,9 @@ class Manifest:
         try:
             layout = Layout(spec, self.topology, **self.layout_options)
         except ValueError as exc:
-            raise CorruptFileError(str(self.id), f"model {spec.name!r} cannot be laid out in the recorded "
-                                                 f"topology {self.topology}: {exc}") from exc
+            raise CorruptFileError(
+                str(self.id), f"model {spec.name!r} cannot be laid out in the recorded topology {self.topology}: {exc}"
+            ) from exc
         self.check_records(layout)
         return layout
 
@@ -210,8 +229,10 @@ class Manifest:
         checking many manifests of one save build it once and call :meth:`check_spec` themselves);
         ``ValueError`` if ``layout`` is not the saved one."""
         if Layout(layout.spec, self.topology, **self.layout_options) != layout:
-            raise ValueError(f"layout {layout.topology} ({_options_text(layout.options)}) is not "
-                             f"the saved {self.topology} ({_options_text(self.layout_options)}) of {self.id}")
+            raise ValueError(
+                f"layout {layout.topology} ({_options_text(layout.options)}) is not "
+                f"the saved {self.topology} ({_options_text(self.layout_options)}) of {self.id}"
+            )
         self._check_world()
         rank = self.id.rank
         expected = layout.buffer_numels(rank)
@@ -224,13 +245,16 @@ class Manifest:
             for name in _SHARD_FIELDS:
                 recorded, wanted = getattr(record, name), getattr(shard, name)
                 if not _same(recorded, wanted):
-                    self._corrupt(f"shard record {i} ({shard.slot}) field {name}: recorded {recorded!r}, "
-                                  f"layout says {wanted!r}")
+                    self._corrupt(
+                        f"shard record {i} ({shard.slot}) field {name}: recorded {recorded!r}, layout says {wanted!r}"
+                    )
 
     def _check_world(self) -> None:
         if self.world_size != self.topology.world_size or not 0 <= self.id.rank < self.topology.world_size:
-            self._corrupt(f"world size {self.world_size} and rank {self.id.rank}: recorded, topology {self.topology} "
-                          f"says world size {self.topology.world_size}")
+            self._corrupt(
+                f"world size {self.world_size} and rank {self.id.rank}: recorded, topology {self.topology} "
+                f"says world size {self.topology.world_size}"
+            )
 
     def _corrupt(self, reason: str) -> None:
         raise CorruptFileError(str(self.id), reason)
@@ -239,14 +263,24 @@ class Manifest:
         """``ValueError`` unless ``spec`` has exactly the saved parameters (names, shapes, dtypes)."""
         difference = describe_difference(self.params, param_table(spec), "checkpoint", "model")
         if difference:
-            raise ValueError(f"checkpoint {self.id} was saved from model {self.spec_name!r} whose parameters "
-                             f"differ from {spec.name!r}: {difference}")
+            raise ValueError(
+                f"checkpoint {self.id} was saved from model {self.spec_name!r} whose parameters "
+                f"differ from {spec.name!r}: {difference}"
+            )
 
     def layout_key(self) -> tuple:
         """Equal for every rank file of one consistent save."""
-        return (self.id.run_id, self.id.iteration, self.world_size, self.topology, self.vocab_pad_multiple,
-                tuple(sorted((k, v) for k, v in self.params.items())), self.vocab_pad_rule, self.qkv_order,
-                self.expert_order)
+        return (
+            self.id.run_id,
+            self.id.iteration,
+            self.world_size,
+            self.topology,
+            self.vocab_pad_multiple,
+            tuple(sorted((k, v) for k, v in self.params.items())),
+            self.vocab_pad_rule,
+            self.qkv_order,
+            self.expert_order,
+        )
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -262,14 +296,27 @@ class Manifest:
             topology["etp"] = t.etp
         data = {
             "format": FORMAT,
-            "run_id": self.id.run_id, "iteration": self.id.iteration, "rank": self.id.rank,
+            "run_id": self.id.run_id,
+            "iteration": self.id.iteration,
+            "rank": self.id.rank,
             "world_size": self.world_size,
             "topology": topology,
             "vocab_pad_multiple": self.vocab_pad_multiple,
             "spec": {"name": self.spec_name, "params": {k: [list(s), d] for k, (s, d) in self.params.items()}},
             "buffers": dict(self.buffers),
-            "shards": [[s.param, s.slot, list(s.offsets), list(s.sizes), list(s.local_shape), s.dtype,
-                        s.buffer_offset, s.crc32] for s in self.shards],
+            "shards": [
+                [
+                    s.param,
+                    s.slot,
+                    list(s.offsets),
+                    list(s.sizes),
+                    list(s.local_shape),
+                    s.dtype,
+                    s.buffer_offset,
+                    s.crc32,
+                ]
+                for s in self.shards
+            ],
             "file": {"bytes": self.file_bytes, "sha256": self.sha256},
             "written_on": self.written_on,
         }
@@ -293,15 +340,24 @@ class Manifest:
             manifest = Manifest(
                 id=CheckpointId(data["run_id"], data["iteration"], data["rank"]),
                 world_size=int(data["world_size"]),
-                topology=Topology(topo["dp"], topo["tp"], topo["pp"], tuple(split) if split else None,
-                                  fsdp=topo.get("fsdp", 1), fsdp_split=topo.get("fsdp_split", DEFAULT_FSDP_SPLIT),
-                                  ep=topo.get("ep", 1), etp=topo.get("etp")),
+                topology=Topology(
+                    topo["dp"],
+                    topo["tp"],
+                    topo["pp"],
+                    tuple(split) if split else None,
+                    fsdp=topo.get("fsdp", 1),
+                    fsdp_split=topo.get("fsdp_split", DEFAULT_FSDP_SPLIT),
+                    ep=topo.get("ep", 1),
+                    etp=topo.get("etp"),
+                ),
                 vocab_pad_multiple=int(data["vocab_pad_multiple"]),
                 spec_name=str(data["spec"]["name"]),
                 params={k: (tuple(int(x) for x in s), str(d)) for k, (s, d) in data["spec"]["params"].items()},
                 buffers={str(k): int(v) for k, v in data["buffers"].items()},
-                shards=tuple(ShardRecord(p, sl, tuple(o), tuple(z), tuple(ls), d, int(bo), int(c))
-                             for p, sl, o, z, ls, d, bo, c in data["shards"]),
+                shards=tuple(
+                    ShardRecord(p, sl, tuple(o), tuple(z), tuple(ls), d, int(bo), int(c))
+                    for p, sl, o, z, ls, d, bo, c in data["shards"]
+                ),
                 file_bytes=int(data["file"]["bytes"]),
                 sha256=str(data["file"]["sha256"]),
                 written_on=str(data["written_on"]),

@@ -39,9 +39,13 @@ def cliques(world_size: int, jump: int, factor: int) -> list[tuple[int, ...]]:
     if world_size % block:
         raise ValueError(
             f"world size {world_size} is not divisible by jump*factor = {jump}*{factor} = {block}; "
-            f"choose jump and factor whose product divides {world_size}")
-    return [tuple(start + offset + k * jump for k in range(factor))
-            for start in range(0, world_size, block) for offset in range(jump)]
+            f"choose jump and factor whose product divides {world_size}"
+        )
+    return [
+        tuple(start + offset + k * jump for k in range(factor))
+        for start in range(0, world_size, block)
+        for offset in range(jump)
+    ]
 
 
 def file_param(rank: int) -> str:
@@ -51,7 +55,7 @@ def file_param(rank: int) -> str:
 def rank_of(param: str) -> int:
     if not param.startswith(FILE_PREFIX):
         raise ValueError(f"{param!r} is not a checkpoint file pseudo-parameter")
-    return int(param[len(FILE_PREFIX):])
+    return int(param[len(FILE_PREFIX) :])
 
 
 def file_table(file_bytes: Mapping[int, int]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -63,8 +67,9 @@ def _whole(rank: int, nbytes: int) -> tuple[str, tuple[int, ...], tuple[int, ...
     return file_param(rank), (0,), (nbytes,)
 
 
-def replication_groups(file_bytes: Mapping[int, int], placement: Placement, jump: int,
-                       factor: int) -> tuple[list[Group], list[Group]]:
+def replication_groups(
+    file_bytes: Mapping[int, int], placement: Placement, jump: int, factor: int
+) -> tuple[list[Group], list[Group]]:
     """Holdings and needs that put every file on every node of its clique (once per node).
 
     Example:
@@ -74,8 +79,9 @@ def replication_groups(file_bytes: Mapping[int, int], placement: Placement, jump
     """
     world = placement.num_workers
     if sorted(file_bytes) != list(range(world)):
-        raise ValueError(f"replication needs the file size of every rank 0..{world - 1}, "
-                         f"got ranks {sorted(file_bytes)}")
+        raise ValueError(
+            f"replication needs the file size of every rank 0..{world - 1}, got ranks {sorted(file_bytes)}"
+        )
     holdings = [Group((r,), (_whole(r, n),)) for r, n in sorted(file_bytes.items())]
     needs = []
     for clique in cliques(world, jump, factor):
@@ -88,8 +94,9 @@ def replication_groups(file_bytes: Mapping[int, int], placement: Placement, jump
     return holdings, needs
 
 
-def retrieval_groups(copies: Mapping[int, Iterable[str]], file_bytes: Mapping[int, int], placement: Placement,
-                     ranks: Iterable[int]) -> tuple[list[Group], list[Group]]:
+def retrieval_groups(
+    copies: Mapping[int, Iterable[str]], file_bytes: Mapping[int, int], placement: Placement, ranks: Iterable[int]
+) -> tuple[list[Group], list[Group]]:
     """Holdings (all workers of each node with a usable copy) and needs (each rank its own file).
 
     Example:

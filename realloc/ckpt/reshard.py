@@ -71,9 +71,14 @@ def stored_units(stored: Mapping[int, Sequence[ShardRecord]]) -> dict[Key, list[
     return dict(units)
 
 
-def assign_readers(stored: Mapping[int, Sequence[ShardRecord]], copies: Mapping[int, Iterable[str]],
-                   placement: Placement, *, exclude: Iterable[tuple[str, int]] = (),
-                   keep: Iterable[ReadTask] = ()) -> ReadAssignment:
+def assign_readers(
+    stored: Mapping[int, Sequence[ShardRecord]],
+    copies: Mapping[int, Iterable[str]],
+    placement: Placement,
+    *,
+    exclude: Iterable[tuple[str, int]] = (),
+    keep: Iterable[ReadTask] = (),
+) -> ReadAssignment:
     """One reader per stored box (boxes already read in ``keep`` stay with their reader).
 
     ``stored`` maps a saved rank to the shard records of its file (``manifest.shards``);
@@ -123,7 +128,8 @@ def assign_readers(stored: Mapping[int, Sequence[ShardRecord]], copies: Mapping[
         loads[worker] += task.nbytes
     if missing:
         raise MissingShardsError(
-            f"{len(missing)} stored shards have no usable copy on a live node, e.g. {missing[:3]}", missing)
+            f"{len(missing)} stored shards have no usable copy on a live node, e.g. {missing[:3]}", missing
+        )
     return result
 
 
@@ -168,7 +174,7 @@ def boxes_store(boxes: Mapping[Key, torch.Tensor]) -> ShardStore:
         else:
             buffers[d] = torch.empty(n, dtype=TORCH_DTYPES[d])
     for shard in shards:
-        target = buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.numel]
+        target = buffers[shard.dtype][shard.buffer_offset : shard.buffer_offset + shard.numel]
         box = boxes[shard.param, shard.offsets, shard.sizes]
         if target.data_ptr() != box.data_ptr():
             target.copy_(box.reshape(-1))

@@ -121,8 +121,15 @@ class Layout:
         (True, False)
     """
 
-    def __init__(self, spec: ModelSpec, topology: Topology, vocab_pad_multiple: int = 1,
-                 vocab_pad_rule: str = "megatron", qkv_order: str = "hf", expert_order: str = "hf"):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        topology: Topology,
+        vocab_pad_multiple: int = 1,
+        vocab_pad_rule: str = "megatron",
+        qkv_order: str = "hf",
+        expert_order: str = "hf",
+    ):
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"a layout needs a realloc.ModelSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
@@ -131,9 +138,11 @@ class Layout:
         topology.check(spec)
         check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order, expert_order)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
-            raise ValueError(f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 "
-                             "shards hold exactly their part of the tp box, without vocabulary padding; "
-                             "use vocab_pad_multiple=1")
+            raise ValueError(
+                f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 "
+                "shards hold exactly their part of the tp box, without vocabulary padding; "
+                "use vocab_pad_multiple=1"
+            )
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple
@@ -156,14 +165,31 @@ class Layout:
     def key(self) -> tuple:
         """What decides where every element sits; equal keys mean equal layouts."""
         t = self.topology
-        return (self.spec, t.dp, t.tp, t.pp, self.layer_counts, self.vocab_pad_multiple, t.fsdp,
-                self.vocab_pad_rule, self.qkv_order, t.fsdp_split, t.ep, t.etp, self.expert_order)
+        return (
+            self.spec,
+            t.dp,
+            t.tp,
+            t.pp,
+            self.layer_counts,
+            self.vocab_pad_multiple,
+            t.fsdp,
+            self.vocab_pad_rule,
+            self.qkv_order,
+            t.fsdp_split,
+            t.ep,
+            t.etp,
+            self.expert_order,
+        )
 
     @property
     def options(self) -> dict:
         """Everything but spec and topology: ``Layout(spec, topology, **layout.options)``."""
-        return {"vocab_pad_multiple": self.vocab_pad_multiple, "vocab_pad_rule": self.vocab_pad_rule,
-                "qkv_order": self.qkv_order, "expert_order": self.expert_order}
+        return {
+            "vocab_pad_multiple": self.vocab_pad_multiple,
+            "vocab_pad_rule": self.vocab_pad_rule,
+            "qkv_order": self.qkv_order,
+            "expert_order": self.expert_order,
+        }
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and (self is other or self.key == other.key)
@@ -175,9 +201,14 @@ class Layout:
         return {"spec": self.spec, "topology": self.topology, **self.options}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"], state["topology"], state["vocab_pad_multiple"],
-                      state.get("vocab_pad_rule", "megatron"), state.get("qkv_order", "hf"),
-                      state.get("expert_order", "hf"))
+        self.__init__(
+            state["spec"],
+            state["topology"],
+            state["vocab_pad_multiple"],
+            state.get("vocab_pad_rule", "megatron"),
+            state.get("qkv_order", "hf"),
+            state.get("expert_order", "hf"),
+        )
 
     def with_topology(self, topology: Topology) -> "Layout":
         """The same model, padding and conventions in another topology."""
@@ -275,15 +306,19 @@ class Layout:
     def _dense_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
         """The boxes of the stage's parameters that are not routed experts, as :meth:`_tp_boxes`."""
         tp = self.topology.tp
-        return self._ordered([self._box(p, name, slot, tp, tp_rank)
-                              for p, name, slot in self._stage(pp_rank)[0] if p.expert is None])
+        return self._ordered(
+            [self._box(p, name, slot, tp, tp_rank) for p, name, slot in self._stage(pp_rank)[0] if p.expert is None]
+        )
 
     def _expert_boxes(self, ep_rank: int, etp_rank: int, pp_rank: int) -> list[tuple]:
         """The boxes of the routed experts expert-parallel rank ``ep_rank`` holds on the stage,
         cut by ``etp``, in forward order of the experts (each expert's tensors in spec order)."""
         t, experts = self.topology, self._stage(pp_rank)[1]
-        entries = [self._box(p, name, slot, t.expert_tp, etp_rank)
-                   for e in expert_range(self.num_experts, t.ep, ep_rank) for p, name, slot in experts.get(e, ())]
+        entries = [
+            self._box(p, name, slot, t.expert_tp, etp_rank)
+            for e in expert_range(self.num_experts, t.ep, ep_rank)
+            for p, name, slot in experts.get(e, ())
+        ]
         entries.sort(key=lambda entry: entry[0].layer)  # stable: layer by layer, experts in order
         return entries
 
@@ -350,8 +385,10 @@ class Layout:
         """The shards of every rank of coordinate ``(fsdp_rank, tp_rank, pp_rank)``; with expert
         parallelism ranks of one coordinate differ in experts: use :meth:`shards`."""
         if self.topology.expert_parallel:
-            raise ValueError(f"{self}: with expert parallelism the ranks of tp rank {tp_rank} hold different "
-                             "experts; ask for a rank's shards with shards(rank)")
+            raise ValueError(
+                f"{self}: with expert parallelism the ranks of tp rank {tp_rank} hold different "
+                "experts; ask for a rank's shards with shards(rank)"
+            )
         return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def shards(self, rank: int) -> tuple[Shard, ...]:
@@ -393,7 +430,6 @@ class Layout:
             members = tuple(workers[r] for r in self.topology.replica_ranks(tp_rank, pp_rank, fsdp_rank))
             groups.append(Group(members, pieces))
         return groups
-
 
     def _expert_groups(self, workers: list[int]) -> list[Group]:
         t, groups = self.topology, []
@@ -441,8 +477,11 @@ class Layout:
             if not experts:
                 continue
             first = len(groups)
-            groups += [tuple(workers[r] for r in t.expert_replica_ranks(etp_rank, ep_rank, pp_rank))
-                       for ep_rank in range(t.ep) for etp_rank in range(etp)]
+            groups += [
+                tuple(workers[r] for r in t.expert_replica_ranks(etp_rank, ep_rank, pp_rank))
+                for ep_rank in range(t.ep)
+                for etp_rank in range(etp)
+            ]
             indices = {r: np.arange(first + r * etp, first + (r + 1) * etp, dtype=np.int64) for r in range(t.ep)}
             for e, entries in experts.items():
                 for p, name, slot in entries:
@@ -514,7 +553,7 @@ def _row_arrays(rows: dict[str, tuple[list[int], list, list]]) -> dict[str, tupl
         o = np.array([x for name in names for x in rows[name][1]], dtype=np.int64).reshape(-1, ndim)
         z = np.array([x for name in names for x in rows[name][2]], dtype=np.int64).reshape(-1, ndim)
         for name, end, n in zip(names, ends, counts):
-            out[name] = (g[end - n:end], o[end - n:end], z[end - n:end])
+            out[name] = (g[end - n : end], o[end - n : end], z[end - n : end])
     return out
 
 

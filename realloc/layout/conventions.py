@@ -77,8 +77,14 @@ _EXPERT_PROJ = re.compile(r"^(?P<prefix>.*)\.experts\.\d+\.(?P<proj>gate_proj|up
 _PROJ_INDEX = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
-def check_options(spec: "ModelSpec", topology: "Topology", vocab_pad_multiple: int, vocab_pad_rule: str,
-                  qkv_order: str, expert_order: str = "hf") -> None:
+def check_options(
+    spec: "ModelSpec",
+    topology: "Topology",
+    vocab_pad_multiple: int,
+    vocab_pad_rule: str,
+    qkv_order: str,
+    expert_order: str = "hf",
+) -> None:
     """``ValueError`` unless the options are known names and ``spec`` can be laid out with them."""
     check_choice("vocab_pad_rule", vocab_pad_rule, VOCAB_PAD_RULES)
     check_choice("qkv_order", qkv_order, QKV_ORDERS)
@@ -92,8 +98,10 @@ def check_options(spec: "ModelSpec", topology: "Topology", vocab_pad_multiple: i
     if qkv_order == "hf":
         return
     if topology.fsdp > 1:
-        raise ValueError(f"qkv_order='megatron' with fsdp={topology.fsdp}: Megatron's linear_qkv order is a "
-                         "tensor-parallel layout without FSDP; use qkv_order='hf'")
+        raise ValueError(
+            f"qkv_order='megatron' with fsdp={topology.fsdp}: Megatron's linear_qkv order is a "
+            "tensor-parallel layout without FSDP; use qkv_order='hf'"
+        )
     for q, k, v in qkv_triples(spec):
         _megatron_groups(q, k, v, tp)
 
@@ -125,9 +133,11 @@ def _megatron_groups(q: "ParamSpec", k: "ParamSpec", v: "ParamSpec", tp: int) ->
     if q.units % groups:
         raise ValueError(f"{where}: {q.units} heads are not a multiple of {groups} query groups")
     if groups % tp:
-        raise ValueError(f"{where}: {groups} query groups (kv heads) cannot be split {tp} ways; Megatron-core "
-                         f"needs num_query_groups divisible by tp (no kv head replication), so tp must divide "
-                         f"{groups}")
+        raise ValueError(
+            f"{where}: {groups} query groups (kv heads) cannot be split {tp} ways; Megatron-core "
+            f"needs num_query_groups divisible by tp (no kv head replication), so tp must divide "
+            f"{groups}"
+        )
     return q.tp_unit, q.units // groups
 
 
@@ -171,8 +181,10 @@ def expert_projection(p: "ParamSpec") -> int:
     """0 (gate), 1 (up) or 2 (down) for a routed expert's weight; ``ValueError`` for anything else."""
     m = _EXPERT_PROJ.match(p.name)
     if p.expert is None or not m:
-        raise ValueError(f"expert_order='vllm': {p.name} is not a routed expert's gate/up/down weight "
-                         "(vLLM's FusedMoE holds only w13_weight and w2_weight)")
+        raise ValueError(
+            f"expert_order='vllm': {p.name} is not a routed expert's gate/up/down weight "
+            "(vLLM's FusedMoE holds only w13_weight and w2_weight)"
+        )
     return _PROJ_INDEX[m["proj"]]
 
 
@@ -181,8 +193,10 @@ def _check_vllm_experts(spec: "ModelSpec", topology: "Topology") -> None:
     if not experts:
         raise ValueError(f"expert_order='vllm': {spec.name} has no routed experts; use expert_order='hf'")
     if topology.fsdp > 1:
-        raise ValueError(f"expert_order='vllm' with fsdp={topology.fsdp}: vLLM's fused expert buffers are not "
-                         "FSDP shards; use expert_order='hf'")
+        raise ValueError(
+            f"expert_order='vllm' with fsdp={topology.fsdp}: vLLM's fused expert buffers are not "
+            "FSDP shards; use expert_order='hf'"
+        )
     for p in experts:
         expert_projection(p)
 

@@ -73,8 +73,10 @@ DEFAULT_FSDP_SPLIT = FSDP_SPLIT_RULES[0]
 
 _PART = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(\S*)\s*$")
 _INT = re.compile(r"^-?\d+$")
-_EXPECTED = ("expected dp=N, ep=N, etp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME, layer_split=A/B/... "
-             "and fsdp_split=NAME) separated by commas")
+_EXPECTED = (
+    "expected dp=N, ep=N, etp=N, fsdp=N, tp=N or pp=N (optionally pp_split=NAME, layer_split=A/B/... "
+    "and fsdp_split=NAME) separated by commas"
+)
 _SIZES = ("dp", "fsdp", "tp", "pp", "ep", "etp")
 
 
@@ -115,10 +117,12 @@ def pp_layer_counts(num_layers: int, pp: int, rule: str = DEFAULT_PP_SPLIT) -> t
             raise ValueError(
                 f"pp_split='megatron' needs pp to divide the layer count, but {num_layers} layers do not split "
                 f"evenly over pp={pp}; give the stages explicitly with layer_split (Megatron's "
-                f"num_layers_in_first/last_pipeline_stage), e.g. layer_split={example}")
+                f"num_layers_in_first/last_pipeline_stage), e.g. layer_split={example}"
+            )
         return (base,) * pp
-    raise ValueError(f"pp_split={rule!r} depends on parameter sizes, not only on the layer count: "
-                     "use balanced_split(spec, pp)")
+    raise ValueError(
+        f"pp_split={rule!r} depends on parameter sizes, not only on the layer count: use balanced_split(spec, pp)"
+    )
 
 
 def _megatron_uneven_example(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -182,10 +186,13 @@ class Topology:
             raise ValueError(
                 f"topology ep={self.ep} x etp={self.expert_tp} = {experts} must divide dp x tp = {block} (the ranks "
                 f"of a pipeline stage, which Megatron-core's expert mesh tp-ep-dp-pp splits into etp x ep x edp); "
-                f"e.g. dp={experts // math.gcd(experts, self.tp)} with tp={self.tp}")
+                f"e.g. dp={experts // math.gcd(experts, self.tp)} with tp={self.tp}"
+            )
         if self.fsdp > 1 and self.expert_parallel:
-            raise ValueError(f"fsdp={self.fsdp} with ep={self.ep}, etp={self.expert_tp}: sharded data parallelism "
-                             "with expert parallelism is not supported yet; use fsdp=1 or ep=1 with etp=tp")
+            raise ValueError(
+                f"fsdp={self.fsdp} with ep={self.ep}, etp={self.expert_tp}: sharded data parallelism "
+                "with expert parallelism is not supported yet; use fsdp=1 or ep=1 with etp=tp"
+            )
         if self.layer_split is not None:
             split = tuple(self.layer_split)
             object.__setattr__(self, "layer_split", split)
@@ -353,22 +360,27 @@ class Topology:
     def check(self, spec: "ModelSpec") -> None:
         """Raise ``ValueError`` if ``spec`` cannot take this topology."""
         experts = self.expert_parallel
-        problems = [msg for p in spec.params if not (experts and p.expert is not None)
-                    and (msg := p.tp_problem(self.tp))]
+        problems = [
+            msg for p in spec.params if not (experts and p.expert is not None) and (msg := p.tp_problem(self.tp))
+        ]
         if problems:
             raise ValueError(f"tp={self.tp} does not fit {spec.name}: " + "; ".join(problems[:3]))
         if experts:
             count = 1 + max((p.expert for p in spec.params if p.expert is not None), default=-1)
             if count == 0:
-                raise ValueError(f"ep={self.ep}, etp={self.expert_tp}: {spec.name} has no routed experts; "
-                                 "use ep=1 without etp")
+                raise ValueError(
+                    f"ep={self.ep}, etp={self.expert_tp}: {spec.name} has no routed experts; use ep=1 without etp"
+                )
             if self.ep > count:
-                raise ValueError(f"ep={self.ep} is larger than the {count} routed experts of {spec.name}: every "
-                                 f"expert-parallel rank holds at least one expert (ep <= {count})")
+                raise ValueError(
+                    f"ep={self.ep} is larger than the {count} routed experts of {spec.name}: every "
+                    f"expert-parallel rank holds at least one expert (ep <= {count})"
+                )
             problems = [msg for p in spec.params if p.expert is not None and (msg := p.tp_problem(self.expert_tp))]
             if problems:
-                raise ValueError(f"etp={self.expert_tp} does not fit the experts of {spec.name}: "
-                                 + "; ".join(problems[:3]))
+                raise ValueError(
+                    f"etp={self.expert_tp} does not fit the experts of {spec.name}: " + "; ".join(problems[:3])
+                )
         self.stage_layers(spec)
 
 

@@ -98,8 +98,9 @@ def zero3_partition(numel: int, world: int, rank: int) -> tuple[int, int, int]:
     return start, min(start + size, numel), size
 
 
-def zero3_pieces(offsets: tuple[int, ...], sizes: tuple[int, ...], world: int,
-                 rank: int) -> list[tuple[Box, tuple[int, ...]]]:
+def zero3_pieces(
+    offsets: tuple[int, ...], sizes: tuple[int, ...], world: int, rank: int
+) -> list[tuple[Box, tuple[int, ...]]]:
     """ZeRO-3 rank ``rank``'s flat partition of box ``(offsets, sizes)`` as ``(box, local_shape)``
     pieces, to lie consecutively in a buffer; their local elements add up to the partition size.
 

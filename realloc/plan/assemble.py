@@ -29,10 +29,21 @@ def build_plan(router: Router, bucket_bytes: int) -> Plan:
     ``(phase, src, dst)`` carrying its keys in the order they were recorded, key lists
     interned, segments as runs of blocks, routes scheduled into steps, and the statistics."""
     counts = [d[1].size for d in router.deliveries]
-    phase, keys = (np.concatenate([np.repeat(np.array([d[i] for d in router.deliveries], dtype=ID), counts),
-                                   np.array(router.pending[i], dtype=ID)]) for i in (0, 3))
-    src, dst = (np.concatenate([d[i].astype(ID, copy=False) for d in router.deliveries]
-                               + [np.array(router.pending[i], dtype=ID)]) for i in (1, 2))
+    phase, keys = (
+        np.concatenate(
+            [
+                np.repeat(np.array([d[i] for d in router.deliveries], dtype=ID), counts),
+                np.array(router.pending[i], dtype=ID),
+            ]
+        )
+        for i in (0, 3)
+    )
+    src, dst = (
+        np.concatenate(
+            [d[i].astype(ID, copy=False) for d in router.deliveries] + [np.array(router.pending[i], dtype=ID)]
+        )
+        for i in (1, 2)
+    )
     # one route per (phase, src, dst), carrying its keys in the order they were recorded
     width = router.placement.num_workers
     if 2 * width * width >= 2**31:  # past 32,768 workers the route number needs 64 bits
@@ -74,8 +85,11 @@ def build_plan(router: Router, bucket_bytes: int) -> Plan:
         else:
             route_list[routes] = [intern(tuple(row)) for row in carried.tolist()]
     first_of_route = route_of[starts].astype(np.int64)
-    route_phase, route_src, route_dst = (first_of_route // (width * width), first_of_route // width % width,
-                                         first_of_route % width)
+    route_phase, route_src, route_dst = (
+        first_of_route // (width * width),
+        first_of_route // width % width,
+        first_of_route % width,
+    )
 
     segments, segment_lists, list_bytes, counts = _segment_table(router, key_lists, bucket_bytes)
     bytes_of = np.array(list_bytes, dtype=np.int64)[route_list] if route_list.size else route_list
@@ -86,8 +100,8 @@ def build_plan(router: Router, bucket_bytes: int) -> Plan:
     steps = steps_of(route_src, route_dst, route_list, step_starts)
     stats = _stats(router, route_src, route_dst, bytes_of, step_starts, local_copies, list_bytes)
     stats["num_buckets"] = int(np.array(counts, dtype=np.int64)[route_list].sum()) if route_list.size else 0
-    return Plan(segments, segment_lists, local_copies, steps, bucket_bytes, router.placement.nodes,
-                forward_from, stats)
+    return Plan(segments, segment_lists, local_copies, steps, bucket_bytes, router.placement.nodes, forward_from, stats)
+
 
 def _segment_table(router: Router, key_lists: list[tuple[int, ...]], bucket_bytes: int):
     """Segments as runs of blocks, each key's one contiguous range (lists of several keys
@@ -105,7 +119,8 @@ def _segment_table(router: Router, key_lists: list[tuple[int, ...]], bucket_byte
             size = cell_sizes.get((id(cells), dtype))
             if size is None:
                 size = cell_sizes[id(cells), dtype] = sum(
-                    -(-box_bytes(c, dtype) // BUCKET_ALIGN) * BUCKET_ALIGN for c in cells)
+                    -(-box_bytes(c, dtype) // BUCKET_ALIGN) * BUCKET_ALIGN for c in cells
+                )
             padded += len(names) * size
         key_range[k], aligned[k] = range(first, total), padded
     table = SegmentTable(runs)
@@ -128,6 +143,7 @@ def _segment_table(router: Router, key_lists: list[tuple[int, ...]], bucket_byte
             counts.append(_bucket_count(router, ks, bucket_bytes, shapes, known))
     return table, lists, list_bytes, counts
 
+
 def _bucket_count(router: Router, ks: tuple[int, ...], bucket_bytes: int, shapes: dict, known: dict) -> int:
     """``bucket_count`` of a list's segments. Cutting depends only on the sequence of
     segment sizes and dtypes (not names or offsets), so lists with the same sequence (the
@@ -142,9 +158,11 @@ def _bucket_count(router: Router, ks: tuple[int, ...], bucket_bytes: int, shapes
     signature = tuple(signature)
     n = known.get(signature)
     if n is None:
-        n = known[signature] = bucket_count([Segment(p, o, z, dtype) for names, dtype, cells in blocks
-                                             for p in names for o, z in cells], bucket_bytes)
+        n = known[signature] = bucket_count(
+            [Segment(p, o, z, dtype) for names, dtype, cells in blocks for p in names for o, z in cells], bucket_bytes
+        )
     return n
+
 
 def _stats(router: Router, src, dst, nbytes, step_starts, local_copies, list_bytes) -> dict:
     """Plan statistics from the routes (sorted by step, step ``s`` being

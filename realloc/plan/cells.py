@@ -46,8 +46,9 @@ def _node_map(workers: set[int], placement: Placement) -> dict[str, list[int]]:
 _Pattern = tuple[dict[tuple[frozenset, frozenset], list[Box]], list[Box]]
 
 
-def bundles_of(holdings: PieceTable, needs: PieceTable, params: ParamTable,
-               placement: Placement) -> tuple[list[Bundle], int]:
+def bundles_of(
+    holdings: PieceTable, needs: PieceTable, params: ParamTable, placement: Placement
+) -> tuple[list[Bundle], int]:
     """The bundles of the cells every need cuts out of the holdings, and the lower bound of the
     inter-node bytes (per bundle, its bytes once into every needing node that holds none of it);
     ``ValueError`` when a needed cell is held by no one."""
@@ -70,7 +71,7 @@ def bundles_of(holdings: PieceTable, needs: PieceTable, params: ParamTable,
         entry[1].append(param)
         unheld = entry[0][1]
         unheld_count += len(unheld)
-        missing += [f"{param} offsets={cell[0]} sizes={cell[1]}" for cell in unheld[:3 - len(missing)]]
+        missing += [f"{param} offsets={cell[0]} sizes={cell[1]}" for cell in unheld[: 3 - len(missing)]]
     if unheld_count:
         raise ValueError(f"{unheld_count} needed boxes are held by no worker, e.g. {missing}")
     keyed: dict[tuple[frozenset, frozenset], list[tuple[tuple[str, ...], str, list[Box]]]] = defaultdict(list)
@@ -90,8 +91,9 @@ def bundles_of(holdings: PieceTable, needs: PieceTable, params: ParamTable,
 
     hold_maps: dict[frozenset, dict[str, list[int]]] = {}
     need_maps: dict[frozenset, dict[str, list[int]]] = {}
-    for (holders, needers), blocks in sorted(keyed.items(), key=lambda kv: min(
-            (order[b[0][0]], b[2][0]) for b in kv[1])):
+    for (holders, needers), blocks in sorted(
+        keyed.items(), key=lambda kv: min((order[b[0][0]], b[2][0]) for b in kv[1])
+    ):
         blocks.sort(key=lambda b: order[b[0][0]])
         nbytes = sum(len(names) * cached_bytes(cells, dtype) for names, dtype, cells in blocks)
         if holders not in hold_maps:

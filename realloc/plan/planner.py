@@ -92,9 +92,16 @@ def plan_exchange(
     plan = build_plan(planner, bucket_bytes)
     plan.stats["lower_bound_inter_node_bytes"] = lower_bound_parts
     plan.plan_seconds = time.perf_counter() - started
-    log.debug("planned %d routes in %d steps: %d B inter-node (bound %d), %d B intra-node, %d B local, %.3fs",
-              plan.stats["num_routes"], plan.stats["num_steps"], plan.stats["bytes_inter_node"], lower_bound_parts,
-              plan.stats["bytes_intra_node"], plan.stats["bytes_local_copy"], plan.plan_seconds)
+    log.debug(
+        "planned %d routes in %d steps: %d B inter-node (bound %d), %d B intra-node, %d B local, %.3fs",
+        plan.stats["num_routes"],
+        plan.stats["num_steps"],
+        plan.stats["bytes_inter_node"],
+        lower_bound_parts,
+        plan.stats["bytes_intra_node"],
+        plan.stats["bytes_local_copy"],
+        plan.plan_seconds,
+    )
     return plan
 
 
@@ -142,8 +149,11 @@ def plan_reallocation(
     for name, workers in (("src_workers", src_workers), ("dst_workers", dst_workers)):
         if workers is None:
             continue
-        if isinstance(workers, (str, bytes)) or not isinstance(workers, Sequence) or any(
-                not is_int(w) or w < 0 for w in workers):
+        if (
+            isinstance(workers, (str, bytes))
+            or not isinstance(workers, Sequence)
+            or any(not is_int(w) or w < 0 for w in workers)
+        ):
             raise ValueError(f"{name} must be a sequence of non-negative worker ids, got {workers!r}"[:200])
         repeated = sorted({w for w in workers if list(workers).count(w) > 1})
         if repeated:
@@ -151,12 +161,17 @@ def plan_reallocation(
     for name, layout, workers in (("src", src_layout, src_workers), ("dst", dst_layout, dst_workers)):
         count = layout.topology.world_size if workers is None else len(workers)
         if workers is None and count > placement.num_workers:
-            raise ValueError(f"{name} layout {layout.topology} has {count} ranks but placement has {placement.num_workers} workers")
+            raise ValueError(
+                f"{name} layout {layout.topology} has {count} ranks but placement has {placement.num_workers} workers"
+            )
     table = {p.name: (p.shape, p.dtype) for p in spec.params}
     return plan_exchange(
         src_layout.piece_table(list(src_workers) if src_workers is not None else None),
         dst_layout.piece_table(list(dst_workers) if dst_workers is not None else None),
-        placement, table, bucket_bytes=bucket_bytes, bandwidths=bandwidths,
+        placement,
+        table,
+        bucket_bytes=bucket_bytes,
+        bandwidths=bandwidths,
     )
 
 
@@ -186,8 +201,9 @@ def _validate(holdings: PieceTable, needs: PieceTable, placement: Placement, par
             offsets = np.concatenate([table.params[p][1] for p in names])
             sizes = np.concatenate([table.params[p][2] for p in names])
             counts = [len(table.params[p][1]) for p in names]
-            shapes = np.repeat(np.array([params[p][0] for p in names], dtype=np.int64).reshape(len(names), -1),
-                               counts, axis=0)
+            shapes = np.repeat(
+                np.array([params[p][0] for p in names], dtype=np.int64).reshape(len(names), -1), counts, axis=0
+            )
             bad = np.flatnonzero((offsets < 0).any(1) | (sizes < 1).any(1) | (offsets + sizes > shapes).any(1))
             if bad.size:
                 at = int(bad[0])
@@ -197,5 +213,7 @@ def _validate(holdings: PieceTable, needs: PieceTable, placement: Placement, par
 
 def _refuse_box(what: str, param: str, table: PieceTable, i: int, params: ParamTable) -> None:
     _, offsets, sizes = table.params[param]
-    raise ValueError(f"{what}: box offsets={tuple(offsets[i].tolist())} sizes={tuple(sizes[i].tolist())} is empty "
-                     f"or outside {param!r} of shape {tuple(params[param][0])}")
+    raise ValueError(
+        f"{what}: box offsets={tuple(offsets[i].tolist())} sizes={tuple(sizes[i].tolist())} is empty "
+        f"or outside {param!r} of shape {tuple(params[param][0])}"
+    )

@@ -93,9 +93,16 @@ class Plan:
         if not isinstance(other, Plan):
             return NotImplemented
         return (self.bucket_bytes, self.nodes, self.forward_from, self.stats, self.local_copies) == (
-            other.bucket_bytes, other.nodes, other.forward_from, other.stats, other.local_copies) and (
+            other.bucket_bytes,
+            other.nodes,
+            other.forward_from,
+            other.stats,
+            other.local_copies,
+        ) and (
             [tuple(x) for x in self.segment_lists] == [tuple(x) for x in other.segment_lists]
-            and self.segments == other.segments and self.steps == other.steps)
+            and self.segments == other.segments
+            and self.steps == other.steps
+        )
 
     # -- derived views ------------------------------------------------------------------
     def segment_list(self, index: int) -> list[Segment]:
@@ -155,8 +162,11 @@ class Plan:
             raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
         if data.get("format") != PLAN_FORMAT:
             raise ValueError(f"plan format {data.get('format')!r} is not supported (expected {PLAN_FORMAT})")
-        missing = [k for k in ("bucket_bytes", "nodes", "forward_from", "segments", "segment_lists",
-                               "local_copies", "steps") if k not in data]
+        missing = [
+            k
+            for k in ("bucket_bytes", "nodes", "forward_from", "segments", "segment_lists", "local_copies", "steps")
+            if k not in data
+        ]
         if missing:
             raise ValueError(f"plan JSON lacks {missing}")
         try:
@@ -186,17 +196,24 @@ class Plan:
         check_int("plan bucket_bytes", self.bucket_bytes, BUCKET_ALIGN)
         for i, seg in enumerate(self.segments):
             if seg.dtype not in DTYPE_BYTES:
-                raise ValueError(f"plan segment {i} ({seg.param!r}) has dtype {seg.dtype!r}, not one of {sorted(DTYPE_BYTES)}")
-            if len(seg.offsets) != len(seg.sizes) or not seg.sizes or any(
-                    not isinstance(x, int) or x < 0 for x in seg.offsets) or any(
-                    not isinstance(x, int) or x < 1 for x in seg.sizes):
-                raise ValueError(f"plan segment {i} ({seg.param!r}) has an invalid box "
-                                 f"offsets={seg.offsets} sizes={seg.sizes}")
+                raise ValueError(
+                    f"plan segment {i} ({seg.param!r}) has dtype {seg.dtype!r}, not one of {sorted(DTYPE_BYTES)}"
+                )
+            if (
+                len(seg.offsets) != len(seg.sizes)
+                or not seg.sizes
+                or any(not isinstance(x, int) or x < 0 for x in seg.offsets)
+                or any(not isinstance(x, int) or x < 1 for x in seg.sizes)
+            ):
+                raise ValueError(
+                    f"plan segment {i} ({seg.param!r}) has an invalid box offsets={seg.offsets} sizes={seg.sizes}"
+                )
         n_seg, n_lists = len(self.segments), len(self.segment_lists)
         if any(not isinstance(i, int) or not 0 <= i < n_seg for lst in self.segment_lists for i in lst):
             raise ValueError("malformed plan: a segment list names a segment that does not exist")
         if any(not isinstance(j, int) or not 0 <= j < n_lists for _, j in self.local_copies) or any(
-                not isinstance(j, int) or not 0 <= j < n_lists for step in self.steps for _, _, j in step):
+            not isinstance(j, int) or not 0 <= j < n_lists for step in self.steps for _, _, j in step
+        ):
             raise ValueError("malformed plan: a route names a segment list that does not exist")
         if not isinstance(self.forward_from, int) or not 0 <= self.forward_from <= len(self.steps):
             raise ValueError(f"plan forward_from {self.forward_from!r} is outside 0..{len(self.steps)}")
@@ -204,15 +221,19 @@ class Plan:
         workers = [w for w, _ in self.local_copies] + [w for step in self.steps for r in step for w in r[:2]]
         bad = [w for w in workers if not is_int(w) or w < 0 or (num_workers is not None and w >= num_workers)]
         if bad:
-            raise ValueError(f"plan names worker(s) {sorted(set(map(str, bad)))[:5]} that do not exist "
-                             f"(worker ids are integers from 0{limit})")
+            raise ValueError(
+                f"plan names worker(s) {sorted(set(map(str, bad)))[:5]} that do not exist "
+                f"(worker ids are integers from 0{limit})"
+            )
         for s, step in enumerate(self.steps):
             for end, verb in ((0, "send"), (1, "receive")):
                 counts = Counter(route[end] for route in step)
                 twice = sorted(w for w, n in counts.items() if n > 1)
                 if twice:
-                    raise ValueError(f"plan step {s}: worker(s) {twice} {verb} more than once (one send and one "
-                                     "receive per worker per step)")
+                    raise ValueError(
+                        f"plan step {s}: worker(s) {twice} {verb} more than once (one send and one "
+                        "receive per worker per step)"
+                    )
 
 
 def _cuts(segments: list[Segment], bucket_bytes: int) -> Iterator["tuple[Segment, tuple, tuple, int] | None"]:

@@ -39,11 +39,11 @@ MAX_SENDERS_PER_CELL = 8
 class _NeedNodes:
     """A need map as arrays: needing nodes (node-map order) and, per node, its needing workers."""
 
-    node_idx: np.ndarray       # node index of each needing node
-    workers: list[list[int]]   # needing workers of each needing node
-    padded: np.ndarray         # the same as a (nodes, most workers on a node) array, -1 padded
-    position: dict[str, int]   # node name -> its position in these arrays
-    everywhere: np.ndarray     # every position
+    node_idx: np.ndarray  # node index of each needing node
+    workers: list[list[int]]  # needing workers of each needing node
+    padded: np.ndarray  # the same as a (nodes, most workers on a node) array, -1 padded
+    position: dict[str, int]  # node name -> its position in these arrays
+    everywhere: np.ndarray  # every position
 
 
 class Router:
@@ -63,7 +63,7 @@ class Router:
         self.node_names = sorted(set(placement.nodes))
         self.node_index = {n: i for i, n in enumerate(self.node_names)}
         self.node_of = np.array([self.node_index[n] for n in placement.nodes], dtype=np.int64)
-        self.egress = np.zeros(placement.num_workers, dtype=np.int64)   # worker -> bytes sent
+        self.egress = np.zeros(placement.num_workers, dtype=np.int64)  # worker -> bytes sent
         self.ingress = np.zeros(placement.num_workers, dtype=np.int64)  # worker -> bytes received
         self.node_egress: dict[str, int] = defaultdict(int)
         self.bundles: list[Bundle] = []
@@ -87,8 +87,13 @@ class Router:
         if i is None:
             i = self.key_ids[k] = len(self.keys)
             self.keys.append(k)
-            self.key_bytes.append(self.bundles[bid].nbytes if parts == 1 else sum(  # whole: counted by bundles_of
-                len(names) * cells_bytes(cells, dtype) for names, dtype, cells in self.blocks_of(k)))
+            self.key_bytes.append(
+                self.bundles[bid].nbytes
+                if parts == 1
+                else sum(  # whole: counted by bundles_of
+                    len(names) * cells_bytes(cells, dtype) for names, dtype, cells in self.blocks_of(k)
+                )
+            )
         return i
 
     def blocks_of(self, key: tuple[int, int, int]) -> list[tuple[tuple[str, ...], str, list[Box]]]:
@@ -102,7 +107,8 @@ class Router:
             split = self._splits.get((id(cells), part, parts))
             if split is None:
                 split = self._splits[id(cells), part, parts] = [
-                    pieces[part] for c in cells if part < len(pieces := split_rows(c, parts))]
+                    pieces[part] for c in cells if part < len(pieces := split_rows(c, parts))
+                ]
             if split:
                 out.append((names, dtype, split))
         return out
@@ -136,10 +142,14 @@ class Router:
             workers = list(needers.values())
             padded = np.full((len(workers), max(map(len, workers))), -1, dtype=ID)
             for i, ws in enumerate(workers):
-                padded[i, :len(ws)] = ws
+                padded[i, : len(ws)] = ws
             info = self._need_nodes[id(needers)] = _NeedNodes(
-                np.array([self.node_index[n] for n in needers], dtype=np.int64), workers, padded,
-                {n: i for i, n in enumerate(needers)}, np.arange(len(workers)))
+                np.array([self.node_index[n] for n in needers], dtype=np.int64),
+                workers,
+                padded,
+                {n: i for i, n in enumerate(needers)},
+                np.arange(len(workers)),
+            )
         return info
 
     def _single_holders(self, holders: dict[str, list[int]]) -> np.ndarray | None:
@@ -180,16 +190,19 @@ class Router:
     def assign_remote(self) -> None:
         for holder_nodes in sorted(self.remote):
             demands = self.remote[holder_nodes]
-            nodes = np.concatenate([self._need_nodes_of(self.bundles[bid].needers).node_idx[pos]
-                                    for bid, pos in demands])
-            weights = np.concatenate([np.full(pos.size, self.bundles[bid].nbytes, dtype=np.int64)
-                                      for bid, pos in demands])
+            nodes = np.concatenate(
+                [self._need_nodes_of(self.bundles[bid].needers).node_idx[pos] for bid, pos in demands]
+            )
+            weights = np.concatenate(
+                [np.full(pos.size, self.bundles[bid].nbytes, dtype=np.int64) for bid, pos in demands]
+            )
             node_bytes = np.zeros(len(self.node_names), dtype=np.int64)
             np.add.at(node_bytes, nodes, weights)
             dst_nodes = np.unique(nodes)  # node indices follow sorted node names
             parts = max(1, min(MAX_SENDERS_PER_CELL, len(holder_nodes) // len(dst_nodes)))
-            rows = [(self.node_names[n], p, int(node_bytes[n]) // parts) for n in dst_nodes.tolist()
-                    for p in range(parts)]
+            rows = [
+                (self.node_names[n], p, int(node_bytes[n]) // parts) for n in dst_nodes.tolist() for p in range(parts)
+            ]
             chosen = self._balance(list(holder_nodes), rows)
             sender = np.full((len(self.node_names), parts), -1, dtype=np.int64)
             for (node, part, nbytes), h in zip(rows, chosen):
@@ -209,8 +222,7 @@ class Router:
         bonus = mean * 0.25
         row_nodes = {r[0] for r in rows}
         holder_set = set(holders)
-        alike = len({r[2] for r in rows}) == 1 and not any(
-            h in holder_set and n in row_nodes for h, n in self.pairs)
+        alike = len({r[2] for r in rows}) == 1 and not any(h in holder_set and n in row_nodes for h, n in self.pairs)
         if alike:
             order = sorted(holders, key=lambda h: (self.node_egress[h], h))
             return [order[i % len(order)] for i in range(len(rows))]
@@ -223,7 +235,7 @@ class Router:
                 cost[r] *= nbytes
                 for c, h in enumerate(holders):
                     if (h, node) in self.pairs:
-                        cost[r, c * slots_per:(c + 1) * slots_per] -= bonus * nbytes
+                        cost[r, c * slots_per : (c + 1) * slots_per] -= bonus * nbytes
             from scipy.optimize import linear_sum_assignment  # 0.4 s to import; most plans never need it
 
             row_ind, col_ind = linear_sum_assignment(cost)
@@ -279,5 +291,5 @@ class Router:
             workers = np.array(b.holders[self.node_names[h]], dtype=np.int64)
             loads = self.egress[workers][:, None] + np.arange(at.size, dtype=np.int64) * nbytes
             ids = np.broadcast_to(workers[:, None], loads.shape).ravel()
-            src[at] = ids[np.lexsort((ids, loads.ravel()))[:at.size]]
+            src[at] = ids[np.lexsort((ids, loads.ravel()))[: at.size]]
         return src

@@ -34,8 +34,9 @@ def cyclic_suits(src: np.ndarray, dst: np.ndarray) -> bool:
     return colours <= 1.1 * degree + 8
 
 
-def schedule_routes(phase: np.ndarray, src: np.ndarray, dst: np.ndarray,
-                    nbytes: np.ndarray) -> tuple[np.ndarray, int, int]:
+def schedule_routes(
+    phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
+) -> tuple[np.ndarray, int, int]:
     """Step of every route: phase 0 steps first, then phase 1 (fan-out); returns
     ``(step per route, number of steps, first phase-1 step)``."""
     step = np.zeros(src.size, dtype=np.int64)

@@ -53,6 +53,7 @@ __all__ = ["BindReport", "bind_module", "layer_name_map"]
 
 # -- binding -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class BindReport:
     """What :func:`bind_module` did.
@@ -78,9 +79,13 @@ def _resolver(name_map: object) -> Callable[[str], str | None]:
     raise ValueError(f"name_map must be a mapping, a callable or None, got {type(name_map).__name__}")
 
 
-def bind_module(module: nn.Module, tensors: Mapping[str, torch.Tensor], *,
-                name_map: "Mapping[str, str | None] | Callable[[str], str | None] | None" = None,
-                strict: bool = True) -> BindReport:
+def bind_module(
+    module: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    name_map: "Mapping[str, str | None] | Callable[[str], str | None] | None" = None,
+    strict: bool = True,
+) -> BindReport:
     """Make ``module``'s parameters alias ``tensors`` (``param.data = tensor``): zero-copy.
 
     Parameters come from ``module.named_parameters()`` (a tied weight once, under its first
@@ -135,17 +140,23 @@ def bind_module(module: nn.Module, tensors: Mapping[str, torch.Tensor], *,
     if strict and missing:
         known = sorted(tensors)[:5]
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ValueError(f"cannot bind the module: no shard tensor for parameters {missing[:5]}{more} "
-                         f"(slots look like {known}...); give a name_map, map them to None, or strict=False")
+        raise ValueError(
+            f"cannot bind the module: no shard tensor for parameters {missing[:5]}{more} "
+            f"(slots look like {known}...); give a name_map, map them to None, or strict=False"
+        )
     for _, param, _, tensor in plan:
         param.data = tensor
     used = {slot for _, _, slot, _ in plan}
-    return BindReport(bound=tuple(name for name, _, _, _ in plan), unbound=tuple(unbound),
-                      unused_slots=tuple(slot for slot in tensors if slot not in used))
+    return BindReport(
+        bound=tuple(name for name, _, _, _ in plan),
+        unbound=tuple(unbound),
+        unused_slots=tuple(slot for slot in tensors if slot not in used),
+    )
 
 
-def layer_name_map(rank_layout: RankLayout, local_prefix: str = "model.layers.", *,
-                   slot_prefix: str = "model.layers.") -> Callable[[str], str]:
+def layer_name_map(
+    rank_layout: RankLayout, local_prefix: str = "model.layers.", *, slot_prefix: str = "model.layers."
+) -> Callable[[str], str]:
     """Name map for a module numbering its layers locally ``0..k-1`` on a pipeline stage.
 
     ``{local_prefix}{i}.{rest}`` -> ``{slot_prefix}{first + i}.{rest}``, ``first`` being the first
@@ -171,8 +182,10 @@ def layer_name_map(rank_layout: RankLayout, local_prefix: str = "model.layers.",
             return name
         local = int(match.group(1))
         if not 0 <= local < len(layers):
-            raise ValueError(f"{name}: local layer {local} but {rank_layout} holds {len(layers)} layers "
-                             f"({layers.start}..{layers.stop - 1})")
+            raise ValueError(
+                f"{name}: local layer {local} but {rank_layout} holds {len(layers)} layers "
+                f"({layers.start}..{layers.stop - 1})"
+            )
         return f"{slot_prefix}{layers[local]}.{match.group(2)}"
 
     return to_slot

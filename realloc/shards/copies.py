@@ -20,8 +20,22 @@ from realloc._checks import check_number
 from realloc.plan import Piece, Segment
 from realloc.shards.store import TORCH_DTYPES, ShardStore
 
-__all__ = ["SMALL_COPY_BYTES", "Copies", "blend_into", "check_eta", "copy_boxes", "copy_local", "grouped_copies",
-           "local_copies", "pack", "pack_copies", "stack_runs", "unpack", "unpack_copies", "weight_kind"]
+__all__ = [
+    "SMALL_COPY_BYTES",
+    "Copies",
+    "blend_into",
+    "check_eta",
+    "copy_boxes",
+    "copy_local",
+    "grouped_copies",
+    "local_copies",
+    "pack",
+    "pack_copies",
+    "stack_runs",
+    "unpack",
+    "unpack_copies",
+    "weight_kind",
+]
 
 
 @dataclass
@@ -123,8 +137,9 @@ def copy_boxes(outs: list[torch.Tensor], ins: list[torch.Tensor], kinds: list[st
             torch._foreach_copy_([o for o, _ in pairs], [i for _, i in pairs])
 
 
-def grouped_copies(outs: list[torch.Tensor], ins: list[torch.Tensor], kinds: list[str] | None = None
-                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+def grouped_copies(
+    outs: list[torch.Tensor], ins: list[torch.Tensor], kinds: list[str] | None = None
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The copies :func:`copy_boxes` makes, as two lists of ``(out, in)`` view pairs: small dense
     pairs (one ``_foreach_copy_`` together) and the rest (widened to 8-byte words where they
     allow it), after stacking runs (:func:`stack_runs`). Each list is one ``_foreach_copy_``."""
@@ -147,8 +162,9 @@ def weight_kind(param: str) -> str:
     return re.sub(r"\d+", "#", param)
 
 
-def stack_runs(outs: list[torch.Tensor], ins: list[torch.Tensor],
-               kinds: list[str] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def stack_runs(
+    outs: list[torch.Tensor], ins: list[torch.Tensor], kinds: list[str] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The pairs ``(outs[k], ins[k])`` with every run of equal-shaped boxes whose offsets advance
     by one constant step in the destination buffer and another in the source buffer replaced by
     one pair of stacked views (a new leading dimension whose stride is the step).
@@ -163,8 +179,16 @@ def stack_runs(outs: list[torch.Tensor], ins: list[torch.Tensor],
     increasing destination offsets with positive steps on both sides."""
     groups: dict[tuple, list[int]] = {}
     for k, (o, i) in enumerate(zip(outs, ins)):
-        key = (o.untyped_storage().data_ptr(), i.untyped_storage().data_ptr(), o.dtype, i.dtype, o.shape,
-               o.stride(), i.stride(), kinds[k] if kinds is not None else None)
+        key = (
+            o.untyped_storage().data_ptr(),
+            i.untyped_storage().data_ptr(),
+            o.dtype,
+            i.dtype,
+            o.shape,
+            o.stride(),
+            i.stride(),
+            kinds[k] if kinds is not None else None,
+        )
         groups.setdefault(key, []).append(k)
     out_o: list[torch.Tensor] = []
     out_i: list[torch.Tensor] = []
@@ -227,4 +251,4 @@ def _piece_view(data: torch.Tensor, p: Piece) -> torch.Tensor:
     n = dtype.itemsize
     for s in p.sizes:
         n *= s
-    return data[p.offset:p.offset + n].view(dtype).view(p.sizes)
+    return data[p.offset : p.offset + n].view(dtype).view(p.sizes)

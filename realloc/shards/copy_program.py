@@ -72,8 +72,9 @@ def _start(buf: torch.Tensor) -> int:
     return buf.storage_offset() * buf.element_size()
 
 
-def _side_geometry(views: list[torch.Tensor], buffers: Buffers, side: str
-                   ) -> tuple[list[ViewGeometry], dict[str, BufferNeed]]:
+def _side_geometry(
+    views: list[torch.Tensor], buffers: Buffers, side: str
+) -> tuple[list[ViewGeometry], dict[str, BufferNeed]]:
     """Each view as a geometry on the buffer it lies in (the buffer of its storage whose bytes
     hold its first element: checkpoint files read into memory hold several dtypes' buffers in
     one storage), and what the views need of each buffer."""
@@ -81,7 +82,8 @@ def _side_geometry(views: list[torch.Tensor], buffers: Buffers, side: str
     for key, buf in buffers.items():
         start = _start(buf)
         by_storage.setdefault(buf.untyped_storage().data_ptr(), []).append(
-            (start, start + buf.numel() * buf.element_size(), key))
+            (start, start + buf.numel() * buf.element_size(), key)
+        )
     article = "an" if side == "out" else "a"
     out = []
     for v in views:
@@ -91,7 +93,9 @@ def _side_geometry(views: list[torch.Tensor], buffers: Buffers, side: str
         if key is None and v.numel() == 0:  # an empty view may sit at a buffer's very end
             key = next((k for lo, hi, k in spans if lo <= first <= hi), None)
         if key is None:
-            raise ValueError(f"{article} {side} view is on none of the {side} buffers ({', '.join(map(repr, buffers))})")
+            raise ValueError(
+                f"{article} {side} view is on none of the {side} buffers ({', '.join(map(repr, buffers))})"
+            )
         if any(s < 0 for s in v.stride()):
             raise ValueError(f"{article} {side} view has a negative stride {v.stride()}")
         out.append(ViewGeometry(key, v.dtype, tuple(v.shape), tuple(v.stride()), first - _start(buffers[key])))
@@ -115,11 +119,15 @@ class _Side:
             if buf is None:
                 raise ProgramMismatch(f"{side} buffer {key!r} is missing")
             if buf.numel() * buf.element_size() < need.nbytes:
-                raise ProgramMismatch(f"{side} buffer {key!r} has {buf.numel() * buf.element_size()} bytes, the "
-                                      f"compiled views reach {need.nbytes}")
+                raise ProgramMismatch(
+                    f"{side} buffer {key!r} has {buf.numel() * buf.element_size()} bytes, the "
+                    f"compiled views reach {need.nbytes}"
+                )
             if _start(buf) % need.align != need.phase:
-                raise ProgramMismatch(f"{side} buffer {key!r} starts at byte {_start(buf)} of its storage: "
-                                      f"the compiled views need {need.phase} modulo {need.align}")
+                raise ProgramMismatch(
+                    f"{side} buffer {key!r} starts at byte {_start(buf)} of its storage: "
+                    f"the compiled views need {need.phase} modulo {need.align}"
+                )
         self.buffers = buffers
         self._aliases: dict[tuple[str, torch.dtype], tuple[torch.Tensor, int]] = {}
 
@@ -127,8 +135,11 @@ class _Side:
         entry = self._aliases.get((g.buffer, g.dtype))
         if entry is None:
             buf = self.buffers[g.buffer]
-            alias = buf if buf.dtype == g.dtype else \
-                torch.empty(0, dtype=g.dtype, device=buf.device).set_(buf.untyped_storage())
+            alias = (
+                buf
+                if buf.dtype == g.dtype
+                else torch.empty(0, dtype=g.dtype, device=buf.device).set_(buf.untyped_storage())
+            )
             entry = self._aliases[g.buffer, g.dtype] = (alias, _start(buf))
         alias, start = entry
         # as_strided checks the view against its storage's size: never a write past it
@@ -155,7 +166,7 @@ class CopyProgram:
         in_geo, in_needs = _side_geometry([i for g in groups for _, i in g], ins, "in")
         compiled, k = [], 0
         for g in groups:
-            compiled.append(tuple(zip(out_geo[k:k + len(g)], in_geo[k:k + len(g)])))
+            compiled.append(tuple(zip(out_geo[k : k + len(g)], in_geo[k : k + len(g)])))
             k += len(g)
         return cls(tuple(compiled), out_needs, in_needs, copies.nbytes)
 

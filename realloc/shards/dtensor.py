@@ -52,8 +52,10 @@ def mesh_topology(mesh) -> Topology:
     """
     names = mesh.mesh_dim_names or (("fsdp",) if len(mesh.shape) == 1 else None)
     if names is None:
-        raise ValueError(f"a device mesh of shape {tuple(mesh.shape)} needs dimension names "
-                         f"(one of {sorted(MESH_NAMES)}) to say which dimension is which")
+        raise ValueError(
+            f"a device mesh of shape {tuple(mesh.shape)} needs dimension names "
+            f"(one of {sorted(MESH_NAMES)}) to say which dimension is which"
+        )
     sizes = {"dp": 1, "fsdp": 1, "tp": 1}
     for name, size in zip(names, mesh.shape):
         if name not in MESH_NAMES:
@@ -62,8 +64,11 @@ def mesh_topology(mesh) -> Topology:
     return Topology(dp=sizes["dp"], tp=sizes["tp"], fsdp=sizes["fsdp"])
 
 
-def _pairs(rank: RankLayout, state: Mapping[str, torch.Tensor],
-           name_map: "Mapping[str, str] | Callable[[str], str | None] | None") -> list[tuple[str, object, torch.Tensor]]:
+def _pairs(
+    rank: RankLayout,
+    state: Mapping[str, torch.Tensor],
+    name_map: "Mapping[str, str] | Callable[[str], str | None] | None",
+) -> list[tuple[str, object, torch.Tensor]]:
     slots = {s.slot: s for s in rank.shards()}
     pairs = []
     for name, tensor in state.items():
@@ -84,11 +89,15 @@ def check_boxes(rank: RankLayout, state: Mapping[str, torch.Tensor], name_map=No
     for name, shard, tensor in _pairs(rank, state, name_map):
         box = local_box(tensor)
         if box != (shard.offsets, shard.sizes):
-            wrong.append(f"{name}: local box offsets={box[0]} sizes={box[1]}, layout {rank} holds "
-                         f"offsets={shard.offsets} sizes={shard.sizes}")
+            wrong.append(
+                f"{name}: local box offsets={box[0]} sizes={box[1]}, layout {rank} holds "
+                f"offsets={shard.offsets} sizes={shard.sizes}"
+            )
     if wrong:
-        raise ValueError(f"{len(wrong)} DTensor(s) do not hold what {rank} holds (another rank order or "
-                         f"sharding rule?): " + "; ".join(wrong[:3]))
+        raise ValueError(
+            f"{len(wrong)} DTensor(s) do not hold what {rank} holds (another rank order or "
+            f"sharding rule?): " + "; ".join(wrong[:3])
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,20 +106,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def read_local(views: Mapping[str, torch.Tensor], rank: RankLayout, state: Mapping[str, torch.Tensor],
-               name_map=None) -> int:
+def read_local(
+    views: Mapping[str, torch.Tensor], rank: RankLayout, state: Mapping[str, torch.Tensor], name_map=None
+) -> int:
     """Copy each entry's local tensor into the rank's shard view (boxes checked first); bytes copied."""
     return _copy(rank, state, views, name_map, into_views=True)
 
 
-def write_local(state: Mapping[str, torch.Tensor], rank: RankLayout, views: Mapping[str, torch.Tensor],
-                name_map=None) -> int:
+def write_local(
+    state: Mapping[str, torch.Tensor], rank: RankLayout, views: Mapping[str, torch.Tensor], name_map=None
+) -> int:
     """Copy the rank's shard views into each entry's local tensor (boxes checked first); bytes copied."""
     return _copy(rank, state, views, name_map, into_views=False)
 
 
-def _copy(rank: RankLayout, state: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor], name_map,
-          into_views: bool) -> int:
+def _copy(
+    rank: RankLayout, state: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor], name_map, into_views: bool
+) -> int:
     check_boxes(rank, state, name_map)
     total = 0
     with torch.no_grad():

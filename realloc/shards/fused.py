@@ -58,8 +58,9 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
 FUSED_CONVENTIONS = ("vllm", "megatron")
 
 
-def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
-                padding: bool = False, convention: str = "vllm") -> dict[str, torch.Tensor]:
+def fused_views(
+    rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *, padding: bool = False, convention: str = "vllm"
+) -> dict[str, torch.Tensor]:
     """:func:`shard_views` plus an engine's fused tensors of every layer the rank holds, zero-copy.
 
     ``convention`` (:data:`FUSED_CONVENTIONS`): ``"vllm"`` (below) or ``"megatron"``:
@@ -102,8 +103,10 @@ def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     by_slot = {s.slot: s for s in rank_layout.shards()}
     several = sorted(slot for slot, n in Counter(s.slot for s in rank_layout.shards()).items() if n > 1)
     if several:
-        raise ValueError(f"{rank_layout}: vLLM's fused views need one shard per slot, but {several[0]} is held as "
-                         f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'")
+        raise ValueError(
+            f"{rank_layout}: vLLM's fused views need one shard per slot, but {several[0]} is held as "
+            f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'"
+        )
     layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
     for layer in layers:
         prefix = f"model.layers.{layer}."
@@ -114,8 +117,9 @@ def fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
                 continue
             if any(s is None for s in shards):
                 missing = [prefix + p for p, s in zip(parts, shards) if s is None]
-                raise ValueError(f"{rank_layout}: cannot build {name}: "
-                                 f"the rank holds some of its parts but not {missing}")
+                raise ValueError(
+                    f"{rank_layout}: cannot build {name}: the rank holds some of its parts but not {missing}"
+                )
             views[name] = fused_view(name, shards, buffers, rank_layout)
     if rank_layout.layout.expert_order == "vllm":
         views.update(_vllm_expert_views(rank_layout, buffers))
@@ -138,15 +142,18 @@ def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tens
         for name, parts in ((prefix + "w13_weight", w13), (prefix + "w2_weight", w2)):
             shards = [shard for _, shard in sorted(parts, key=lambda x: x[0])]
             if len(shards) != experts * (2 if name.endswith("w13_weight") else 1):
-                raise ValueError(f"{rank_layout}: cannot build {name}: the rank holds {len(w13)} gate/up and "
-                                 f"{len(w2)} down expert shards of the layer")
+                raise ValueError(
+                    f"{rank_layout}: cannot build {name}: the rank holds {len(w13)} gate/up and "
+                    f"{len(w2)} down expert shards of the layer"
+                )
             flat = fused_view(name, shards, buffers, rank_layout)
             views[name] = flat.view((experts, flat.shape[0] // experts) + tuple(flat.shape[1:]))
     return views
 
 
-def megatron_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
-                         padding: bool = False) -> dict[str, torch.Tensor]:
+def megatron_fused_views(
+    rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *, padding: bool = False
+) -> dict[str, torch.Tensor]:
     """:func:`~realloc.shards.views.shard_views` plus Megatron-core's ``linear_qkv`` and ``linear_fc1``
     views of every layer the rank holds."""
     views = shard_views(rank_layout, buffers, padding=padding)
@@ -170,9 +177,11 @@ def megatron_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Te
         shards = sorted((s for p in (q, k, v) for s in by_slot.get(p.name, ())), key=lambda s: s.buffer_offset)
         name = f"model.layers.{q.layer}.self_attention.linear_qkv.{q.name.rsplit('.', 1)[1]}"
         if [(s.slot, s.offsets, s.sizes) for s in shards] != wanted:
-            raise ValueError(f"{rank_layout}: {name} cannot be one view: the rank's q/k/v shards are not in "
-                             f"Megatron's linear_qkv order (per query group: q heads, k, v); build the layout "
-                             f"with qkv_order='megatron' (it has qkv_order={layout.qkv_order!r})")
+            raise ValueError(
+                f"{rank_layout}: {name} cannot be one view: the rank's q/k/v shards are not in "
+                f"Megatron's linear_qkv order (per query group: q heads, k, v); build the layout "
+                f"with qkv_order='megatron' (it has qkv_order={layout.qkv_order!r})"
+            )
         views[name] = fused_view(name, shards, buffers, rank_layout)
     for layer in layout.stages[pp_rank]:
         prefix = f"model.layers.{layer}.mlp."
@@ -181,7 +190,9 @@ def megatron_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Te
             continue
         name = prefix + "linear_fc1.weight"
         if [len(p) for p in parts] != [1, 1]:
-            raise ValueError(f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
-                             f"{len(parts[1])} up shards, one of each is needed")
+            raise ValueError(
+                f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
+                f"{len(parts[1])} up shards, one of each is needed"
+            )
         views[name] = fused_view(name, [parts[0][0], parts[1][0]], buffers, rank_layout)
     return views

@@ -63,14 +63,18 @@ def check_fits(plan: Plan, src: Mapping[int, ShardStore], dst: Mapping[int, Shar
             continue
         checked.add((role, worker, j))
         if worker not in stores:
-            raise ValueError(f"the plan uses worker {worker} as a {role}, but only workers {sorted(stores)} have "
-                             f"{role} stores")
+            raise ValueError(
+                f"the plan uses worker {worker} as a {role}, but only workers {sorted(stores)} have {role} stores"
+            )
         for seg in plan.segment_list(j):
             try:
                 found = stores[worker].index.addresses(seg.param, seg.offsets, seg.sizes)
             except KeyError as exc:
-                raise ValueError(f"the plan's segment list {j} does not fit worker {worker}'s {role} store: "
-                                 f"{exc.args[0]}") from None
+                raise ValueError(
+                    f"the plan's segment list {j} does not fit worker {worker}'s {role} store: {exc.args[0]}"
+                ) from None
             if any(a.dtype != seg.dtype for a in found):
-                raise ValueError(f"the plan's segment list {j} names {seg.param} {seg.box} as {seg.dtype}, but worker "
-                                 f"{worker}'s {role} store holds it as {found[0].dtype}")
+                raise ValueError(
+                    f"the plan's segment list {j} names {seg.param} {seg.box} as {seg.dtype}, but worker "
+                    f"{worker}'s {role} store holds it as {found[0].dtype}"
+                )

@@ -18,12 +18,24 @@ import torch
 from realloc.boxes import contains
 from realloc.layout import Layout, Shard
 
-__all__ = ["TORCH_DTYPES", "Address", "ShardIndex", "ShardStore", "allocate_buffers", "buffers_nbytes", "local_tensor",
-           "zero_padding"]
+__all__ = [
+    "TORCH_DTYPES",
+    "Address",
+    "ShardIndex",
+    "ShardStore",
+    "allocate_buffers",
+    "buffers_nbytes",
+    "local_tensor",
+    "zero_padding",
+]
 
 TORCH_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
 }
 
 
@@ -39,7 +51,7 @@ def buffers_nbytes(buffers: Iterable[torch.Tensor]) -> int:
 
 def local_tensor(shard: Shard, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The shard's local tensor (padding included): a view of its dtype's flat buffer."""
-    return buffers[shard.dtype][shard.buffer_offset:shard.buffer_offset + shard.local_numel].view(shard.local_shape)
+    return buffers[shard.dtype][shard.buffer_offset : shard.buffer_offset + shard.local_numel].view(shard.local_shape)
 
 
 @dataclass(frozen=True)
@@ -109,7 +121,8 @@ class ShardIndex:
         found = self._memo.get(key)
         if found is None:
             found = self._memo[key] = tuple(
-                _address(shard, key[1]) for shard in self.by_param.get(param, ()) if contains(shard.box, key[1:]))
+                _address(shard, key[1]) for shard in self.by_param.get(param, ()) if contains(shard.box, key[1:])
+            )
             if not found:
                 raise KeyError(f"this rank holds no shard of {param!r} containing offsets={key[1]} sizes={key[2]}")
         return found
@@ -145,8 +158,9 @@ class ShardStore:
     @cached_property
     def by_param(self) -> dict[str, list[tuple[Shard, torch.Tensor]]]:
         """Param -> ``(shard, local tensor)`` of each of its shards here (built when first asked)."""
-        return {param: [(s, local_tensor(s, self.buffers)) for s in shards]
-                for param, shards in self.index.by_param.items()}
+        return {
+            param: [(s, local_tensor(s, self.buffers)) for s in shards] for param, shards in self.index.by_param.items()
+        }
 
     def shard_tensors(self) -> dict[str, torch.Tensor]:
         """Slot name -> local tensor (the rank's model as its code sees it, padding included).

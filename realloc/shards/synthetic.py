@@ -21,8 +21,15 @@ _MULT = 2654435761  # Knuth's multiplicative hash constant
 CHUNK_ELEMENTS = 1 << 24
 
 
-def synthetic_box(param: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
-                  dtype: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+def synthetic_box(
+    param: str,
+    shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    dtype: str,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Values of box ``(offsets, sizes)`` of the synthetic tensor ``param`` of ``shape``, made on
     ``device`` (the same bits on every device: integer hashing, then one float32 rounding and one
     cast, both round-to-nearest-even).
@@ -40,8 +47,9 @@ def synthetic_box(param: str, shape: tuple[int, ...], offsets: tuple[int, ...], 
         rows = max(1, CHUNK_ELEMENTS // max(1, numel // sizes[0]))
         for a in range(0, sizes[0], rows):
             b = min(sizes[0], a + rows)
-            out[a:b] = synthetic_box(param, shape, (offsets[0] + a, *offsets[1:]), (b - a, *sizes[1:]), dtype, seed,
-                                     device)
+            out[a:b] = synthetic_box(
+                param, shape, (offsets[0] + a, *offsets[1:]), (b - a, *sizes[1:]), dtype, seed, device
+            )
         return out
     salt = (zlib.crc32(param.encode()) ^ (seed * 0x9E3779B1)) & 0xFFFFFFFF
     index = torch.zeros((), dtype=torch.int64, device=device)

@@ -40,14 +40,19 @@ def check_buffers(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) 
         if buf.dtype != TORCH_DTYPES[dtype]:
             raise ValueError(f"{rank_layout}: the {dtype} buffer has dtype {buf.dtype}")
         if buf.dim() != 1 or (buf.numel() > 1 and buf.stride(0) != 1):
-            raise ValueError(f"{rank_layout}: the {dtype} buffer must be a flat contiguous tensor, "
-                             f"got shape {tuple(buf.shape)} strides {buf.stride()}")
+            raise ValueError(
+                f"{rank_layout}: the {dtype} buffer must be a flat contiguous tensor, "
+                f"got shape {tuple(buf.shape)} strides {buf.stride()}"
+            )
         if buf.numel() < numel:
-            raise ValueError(f"{rank_layout}: the {dtype} buffer holds {buf.numel()} elements, the layout needs {numel}")
+            raise ValueError(
+                f"{rank_layout}: the {dtype} buffer holds {buf.numel()} elements, the layout needs {numel}"
+            )
 
 
-def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
-                padding: bool = False) -> dict[str, torch.Tensor]:
+def shard_views(
+    rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *, padding: bool = False
+) -> dict[str, torch.Tensor]:
     """Slot name -> view of that shard in ``buffers`` (no copy), in the rank's forward order.
 
     ``padding=False``: the real box only (``local.narrow(dim, 0, size)`` along a padded dim), so
@@ -71,9 +76,11 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     check_buffers(rank_layout, buffers)
     topology = rank_layout.layout.topology
     if topology.fsdp_split == "zero3":  # (fsdp == 1 always reads "fsdp2")
-        raise ValueError(f"{rank_layout}: a zero3 layout holds each slot as a flat partition (up to three boxes "
-                         "of it, padded), not as a tensor of the slot's shape; bind the flat partitions "
-                         "(DeepSpeed's ds_tensor) with realloc.shards.views.flat_views(rank_layout, buffers)")
+        raise ValueError(
+            f"{rank_layout}: a zero3 layout holds each slot as a flat partition (up to three boxes "
+            "of it, padded), not as a tensor of the slot's shape; bind the flat partitions "
+            "(DeepSpeed's ds_tensor) with realloc.shards.views.flat_views(rank_layout, buffers)"
+        )
     views = {}
     pieces = Counter(s.slot for s in rank_layout.shards())
     for shard in rank_layout.shards():
@@ -90,8 +97,9 @@ def shard_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *,
     return views
 
 
-def _with_empty_chunks(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor],
-                       views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _with_empty_chunks(
+    rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], views: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """``views`` plus a 0-row tensor for every slot of the stage whose FSDP2 chunk is empty here
     (FSDP2's ``_get_dim_chunked_size``: the chunk's size with 0 along dim 0), in forward order."""
     _, _, tp_rank, pp_rank = rank_layout.layout.topology.coords4(rank_layout.rank)
@@ -134,8 +142,9 @@ def flat_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> 
     return {slot: buffers[dtype][start:stop] for slot, (dtype, start, stop) in spans.items()}
 
 
-def fused_view(name: str, parts: list[Shard], buffers: Mapping[str, torch.Tensor],
-               rank_layout: RankLayout) -> torch.Tensor:
+def fused_view(
+    name: str, parts: list[Shard], buffers: Mapping[str, torch.Tensor], rank_layout: RankLayout
+) -> torch.Tensor:
     """ONE view of ``buffers`` spanning ``parts`` (a fused tensor's shards, in order) along dim 0;
     ``ValueError`` naming ``name`` when they are not adjacent, alike and unpadded (never a copy)."""
     first = parts[0]
@@ -144,19 +153,21 @@ def fused_view(name: str, parts: list[Shard], buffers: Mapping[str, torch.Tensor
         if shard.dtype != first.dtype:
             problem = f"{shard.slot} is {shard.dtype}, {first.slot} is {first.dtype}"
         elif shard.local_shape[1:] != first.local_shape[1:]:
-            problem = (f"{shard.slot} has trailing dims {shard.local_shape[1:]}, "
-                       f"{first.slot} {first.local_shape[1:]}")
+            problem = f"{shard.slot} has trailing dims {shard.local_shape[1:]}, {first.slot} {first.local_shape[1:]}"
         elif shard.buffer_offset != prev.buffer_offset + prev.local_numel:
-            problem = (f"{shard.slot} starts at element {shard.buffer_offset} of the {shard.dtype} buffer, "
-                       f"not right after {prev.slot} (ends at {prev.buffer_offset + prev.local_numel})")
+            problem = (
+                f"{shard.slot} starts at element {shard.buffer_offset} of the {shard.dtype} buffer, "
+                f"not right after {prev.slot} (ends at {prev.buffer_offset + prev.local_numel})"
+            )
         if problem:
-            raise ValueError(f"{rank_layout}: {name} cannot be one view of the buffer ({problem}); "
-                             "refusing to copy")
+            raise ValueError(f"{rank_layout}: {name} cannot be one view of the buffer ({problem}); refusing to copy")
     for shard in parts:
         if shard.sizes != shard.local_shape:
-            raise ValueError(f"{rank_layout}: {name} cannot be one view: {shard.slot} is padded "
-                             f"(box {shard.sizes} in local {shard.local_shape}); refusing to copy")
+            raise ValueError(
+                f"{rank_layout}: {name} cannot be one view: {shard.slot} is padded "
+                f"(box {shard.sizes} in local {shard.local_shape}); refusing to copy"
+            )
     rows = sum(s.local_shape[0] for s in parts)
     numel = sum(s.local_numel for s in parts)
     flat = buffers[first.dtype]
-    return flat[first.buffer_offset:first.buffer_offset + numel].view((rows,) + tuple(first.local_shape[1:]))
+    return flat[first.buffer_offset : first.buffer_offset + numel].view((rows,) + tuple(first.local_shape[1:]))

@@ -3,11 +3,30 @@ spec comes from (a HF ``config.json``, a named preset, :func:`decoder_spec`). Pu
 
 from realloc.spec.hf_config import hf_config_of, load_spec, spec_from_hf_config
 from realloc.spec.model import (
-    DTYPE_BYTES, ROLES, VOCAB_PAD_RULES, ModelSpec, ParamSpec, decoder_spec, describe_difference, preset,
-    preset_names, vocab_units_per_rank,
+    DTYPE_BYTES,
+    ROLES,
+    VOCAB_PAD_RULES,
+    ModelSpec,
+    ParamSpec,
+    decoder_spec,
+    describe_difference,
+    preset,
+    preset_names,
+    vocab_units_per_rank,
 )
 
 __all__ = [
-    "DTYPE_BYTES", "ROLES", "VOCAB_PAD_RULES", "ModelSpec", "ParamSpec", "decoder_spec", "describe_difference",
-    "hf_config_of", "load_spec", "preset", "preset_names", "spec_from_hf_config", "vocab_units_per_rank",
+    "DTYPE_BYTES",
+    "ROLES",
+    "VOCAB_PAD_RULES",
+    "ModelSpec",
+    "ParamSpec",
+    "decoder_spec",
+    "describe_difference",
+    "hf_config_of",
+    "load_spec",
+    "preset",
+    "preset_names",
+    "spec_from_hf_config",
+    "vocab_units_per_rank",
 ]

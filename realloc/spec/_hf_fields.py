@@ -13,8 +13,7 @@ from typing import Any, Mapping
 from realloc._checks import check_positive, is_int
 from realloc.spec.model import ModelSpec, ParamSpec
 
-__all__ = ["is_positive", "positive_int", "optional_positive_int", "flag", "kv_heads_of", "head_dim_of",
-           "with_biases"]
+__all__ = ["is_positive", "positive_int", "optional_positive_int", "flag", "kv_heads_of", "head_dim_of", "with_biases"]
 
 
 def is_positive(value: Any) -> bool:
@@ -43,13 +42,12 @@ def flag(config: Mapping[str, Any], key: str, source: str, default: bool = False
 
 def kv_heads_of(config: Mapping[str, Any], source: str, heads: int, default: int | None) -> int:
     """``num_key_value_heads`` (``default`` when left out; ``None``: multi-head, one per head)."""
-    kv_heads = optional_positive_int(config, "num_key_value_heads", source) if "num_key_value_heads" in config \
-        else default
+    kv_heads = (
+        optional_positive_int(config, "num_key_value_heads", source) if "num_key_value_heads" in config else default
+    )
     kv_heads = kv_heads or heads
     if heads % kv_heads:
-        raise ValueError(
-            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-        )
+        raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return kv_heads
 
 

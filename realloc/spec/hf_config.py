@@ -24,7 +24,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 #: Mixture-of-experts model types with no spec builder (refused with a clear message).
 _UNSUPPORTED_MOE_MODEL_TYPES = {
-    "dbrx", "olmoe", "jamba", "granitemoe", "phimoe", "jetmoe", "llama4", "minimax",
+    "dbrx",
+    "olmoe",
+    "jamba",
+    "granitemoe",
+    "phimoe",
+    "jetmoe",
+    "llama4",
+    "minimax",
 }
 #: Keys whose positive value marks a mixture-of-experts model even under a dense model_type.
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -67,8 +74,9 @@ def spec_from_hf_config(
     return dataclasses.replace(spec, hf_config_json=canonical_json(config, source))
 
 
-def _dense_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: str, dtype: str,
-                norm_dtype: str | None) -> ModelSpec:
+def _dense_spec(
+    config: Mapping[str, Any], source: str, model_type: str, *, name: str, dtype: str, norm_dtype: str | None
+) -> ModelSpec:
     sizes = {key: positive_int(config, key, source) for key in _REQUIRED}
     heads = sizes["num_attention_heads"]
     # Qwen2 always has q/k/v biases; llama and qwen3 put a bias on q/k/v *and* o when asked.
@@ -118,8 +126,12 @@ def load_spec(text: str) -> ModelSpec:
 #: except ``max_position_embeddings``: Llama's class default (2048) applies to llama, 32768 to Qwen.
 DERIVED_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "initializer_range": 0.02}
 MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 #: Config keys copied into generation_config.json (transformers' ``GenerationConfig.from_model_config``).
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
@@ -170,8 +182,10 @@ def check_config_fits(config: Mapping[str, Any], spec: ModelSpec) -> dict[str, A
     ours = {p.name: tuple(p.shape) for p in spec.params}
     theirs = {p.name: tuple(p.shape) for p in described.params}
     if ours != theirs or described.aliases != spec.aliases:
-        detail = describe_difference(ours, theirs, f"model {spec.name!r}", "the config") or \
-            f"tied aliases {spec.aliases} vs {described.aliases}"
+        detail = (
+            describe_difference(ours, theirs, f"model {spec.name!r}", "the config")
+            or f"tied aliases {spec.aliases} vs {described.aliases}"
+        )
         raise ValueError(f"HF config does not describe model {spec.name!r}: {detail}")
     return json.loads(canonical_json(config))
 
@@ -205,8 +219,10 @@ def _derived_config(spec: ModelSpec) -> dict[str, Any]:
     def shape(name: str) -> tuple[int, ...]:
         p = names.get(name)
         if p is None:
-            raise ValueError(f"model {spec.name!r} has no {name!r}: it is not a Llama/Qwen2/Qwen3 decoder, "
-                             "so no HF config can be derived from it (pass config= to the export)")
+            raise ValueError(
+                f"model {spec.name!r} has no {name!r}: it is not a Llama/Qwen2/Qwen3 decoder, "
+                "so no HF config can be derived from it (pass config= to the export)"
+            )
         return tuple(p.shape)
 
     vocab, hidden = shape("model.embed_tokens.weight")

@@ -39,7 +39,8 @@ def vocab_units_per_rank(units: int, tp: int, pad_multiple: int, rule: str, name
         raise ValueError(
             f"vocab_pad_rule='vllm': {name} of {units} rows padded to a multiple of {pad_multiple} is "
             f"{padded} rows, which tp={tp} does not divide (vLLM's VocabParallelEmbedding splits the "
-            f"padded vocabulary with divide(), exactly); choose vocab_pad_multiple so that tp divides it")
+            f"padded vocabulary with divide(), exactly); choose vocab_pad_multiple so that tp divides it"
+        )
     return padded // tp
 
 
@@ -76,8 +77,9 @@ class ParamSpec:
 
     def __post_init__(self) -> None:
         if self.expert is not None and (not is_int(self.expert) or self.expert < 0 or self.role != "layer"):
-            raise ValueError(f"parameter {self.name!r}: expert {self.expert!r} must be a non-negative integer "
-                             "on a layer parameter")
+            raise ValueError(
+                f"parameter {self.name!r}: expert {self.expert!r} must be a non-negative integer on a layer parameter"
+            )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"parameter {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         if self.role not in ROLES:
@@ -123,8 +125,9 @@ class ParamSpec:
         allowed = "a divisor" + (" or a multiple" if self.replicate_units else "")
         return f"{self.name}: {units} units along dim {self.tp_dim} cannot be split {tp} ways (tp must be {allowed} of {units})"
 
-    def tp_range(self, tp: int, tp_rank: int, pad_multiple: int = 1,
-                 pad_rule: str = "megatron") -> tuple[int, int, int]:
+    def tp_range(
+        self, tp: int, tp_rank: int, pad_multiple: int = 1, pad_rule: str = "megatron"
+    ) -> tuple[int, int, int]:
         """``(start, stop, local_size)`` along ``tp_dim`` of tp rank ``tp_rank``.
 
         ``stop - start`` is the global extent held; ``local_size`` can be larger (vocab padding to
@@ -246,8 +249,12 @@ class ModelSpec:
 
     def check_same_as(self, other: "ModelSpec") -> None:
         """Raise ``ValueError`` unless ``other`` has the same parameters (names, shapes, dtypes)."""
-        difference = describe_difference({p.name: (tuple(p.shape), p.dtype) for p in self.params},
-                                         {p.name: (tuple(p.shape), p.dtype) for p in other.params}, "first", "second")
+        difference = describe_difference(
+            {p.name: (tuple(p.shape), p.dtype) for p in self.params},
+            {p.name: (tuple(p.shape), p.dtype) for p in other.params},
+            "first",
+            "second",
+        )
         if difference:
             raise ValueError(f"model specs {self.name!r} and {other.name!r} differ: {difference}")
 
@@ -264,8 +271,10 @@ def describe_difference(a: dict, b: dict, a_name: str, b_name: str) -> str | Non
     only_a = sorted(set(a) - set(b))[:3]
     only_b = sorted(set(b) - set(a))[:3]
     differ = sorted(n for n in set(a) & set(b) if a[n] != b[n])[:3]
-    return (f"only in {a_name} {only_a}, only in {b_name} {only_b}, "
-            f"different shape/dtype {[(n, a[n], b[n]) for n in differ]}")
+    return (
+        f"only in {a_name} {only_a}, only in {b_name} {only_b}, "
+        f"different shape/dtype {[(n, a[n], b[n]) for n in differ]}"
+    )
 
 
 def decoder_spec(
@@ -296,16 +305,30 @@ def decoder_spec(
         raise ValueError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     norm_dtype = norm_dtype or dtype
     embed = "model.embed_tokens.weight"
-    params: list[ParamSpec] = [
-        ParamSpec(embed, (vocab, hidden), dtype, "embed", tp_dim=0, pad_to_tp=True)
-    ]
+    params: list[ParamSpec] = [ParamSpec(embed, (vocab, hidden), dtype, "embed", tp_dim=0, pad_to_tp=True)]
     for i in range(layers):
         pre = f"model.layers.{i}."
 
-        def add(suffix: str, shape: Iterable[int], tp_dim: int | None, unit: int = 1, replicate: bool = False,
-                dt: str = dtype) -> None:
-            params.append(ParamSpec(pre + suffix, tuple(shape), dt, "layer", layer=i, tp_dim=tp_dim,
-                                    tp_unit=unit, replicate_units=replicate))
+        def add(
+            suffix: str,
+            shape: Iterable[int],
+            tp_dim: int | None,
+            unit: int = 1,
+            replicate: bool = False,
+            dt: str = dtype,
+        ) -> None:
+            params.append(
+                ParamSpec(
+                    pre + suffix,
+                    tuple(shape),
+                    dt,
+                    "layer",
+                    layer=i,
+                    tp_dim=tp_dim,
+                    tp_unit=unit,
+                    replicate_units=replicate,
+                )
+            )
 
         add("input_layernorm.weight", (hidden,), None, dt=norm_dtype)
         add("self_attn.q_proj.weight", (heads * head_dim, hidden), 0, head_dim)
@@ -336,8 +359,9 @@ def decoder_spec(
 
 _PRESETS = {
     # tiny: GQA (12 heads, 2 kv heads: tp 4 -> 6 works, tp 4+ replicates kv), tied embeddings, odd vocab, fp32 norms; for tests and demos.
-    "tiny": dict(hidden=96, intermediate=192, layers=4, heads=12, kv_heads=2, vocab=1001, tied=True,
-                 norm_dtype="float32"),
+    "tiny": dict(
+        hidden=96, intermediate=192, layers=4, heads=12, kv_heads=2, vocab=1001, tied=True, norm_dtype="float32"
+    ),
     # small: ~56M parameters (112 MB bf16), the default model of `realloc demo`.
     "small": dict(hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=4, vocab=32000),
     # bench-1gb: ~542M parameters, 1.08 GB bf16, the model of `realloc bench`.
@@ -345,10 +369,8 @@ _PRESETS = {
     "llama-7b": dict(hidden=4096, intermediate=11008, layers=32, heads=32, vocab=32000),
     "llama-13b": dict(hidden=5120, intermediate=13824, layers=40, heads=40, vocab=32000),
     "llama-70b": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000),
-    "qwen2.5-7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064,
-                       qkv_bias=True),
-    "qwen2.5-72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8, vocab=152064,
-                        qkv_bias=True),
+    "qwen2.5-7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064, qkv_bias=True),
+    "qwen2.5-72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8, vocab=152064, qkv_bias=True),
 }
 
 

@@ -35,19 +35,48 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek
 #: config leaves them out. ``None`` for ``num_key_value_heads`` means "as many as attention heads".
 DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": {"intermediate_size": 14336, "num_key_value_heads": 8, "num_local_experts": 8},
-    "qwen2_moe": {"intermediate_size": 5632, "num_key_value_heads": 16, "num_experts": 60,
-                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-                  "decoder_sparse_step": 1, "qkv_bias": True},
-    "qwen3_moe": {"intermediate_size": 6144, "num_key_value_heads": 4, "num_experts": 128,
-                  "moe_intermediate_size": 768, "decoder_sparse_step": 1},
-    "deepseek_v2": {"intermediate_size": 11008, "num_key_value_heads": None, "n_routed_experts": 64,
-                    "moe_intermediate_size": 1407, "n_shared_experts": 2, "first_k_dense_replace": 0,
-                    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-                    "qk_rope_head_dim": 64, "v_head_dim": 128},
-    "deepseek_v3": {"intermediate_size": 18432, "num_key_value_heads": 128, "n_routed_experts": 256,
-                    "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3,
-                    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-                    "qk_rope_head_dim": 64, "v_head_dim": 128},
+    "qwen2_moe": {
+        "intermediate_size": 5632,
+        "num_key_value_heads": 16,
+        "num_experts": 60,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "decoder_sparse_step": 1,
+        "qkv_bias": True,
+    },
+    "qwen3_moe": {
+        "intermediate_size": 6144,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1,
+    },
+    "deepseek_v2": {
+        "intermediate_size": 11008,
+        "num_key_value_heads": None,
+        "n_routed_experts": 64,
+        "moe_intermediate_size": 1407,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "deepseek_v3": {
+        "intermediate_size": 18432,
+        "num_key_value_heads": 128,
+        "n_routed_experts": 256,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
 }
 #: The key naming the routed expert count, then the aliases transformers' ``attribute_map`` accepts.
 EXPERT_KEYS = {
@@ -64,8 +93,9 @@ _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
 _MIXTRAL_PROJ = ("w1", "w3", "w2")
 
 
-def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: str, dtype: str,
-             norm_dtype: str | None) -> ModelSpec:
+def moe_spec(
+    config: Mapping[str, Any], source: str, model_type: str, *, name: str, dtype: str, norm_dtype: str | None
+) -> ModelSpec:
     """The spec of the MoE decoder ``config`` describes (``model_type`` one of :data:`MOE_MODEL_TYPES`).
 
     ``source`` names the config in error messages; ``dtype``/``norm_dtype`` are the weights' and
@@ -93,10 +123,19 @@ def moe_spec(config: Mapping[str, Any], source: str, model_type: str, *, name: s
         attention_bias = model_type == "qwen3_moe" and get.flag("attention_bias")
         qkv_bias = attention_bias or (model_type == "qwen2_moe" and get.flag("qkv_bias"))
     base = decoder_spec(
-        name, hidden=hidden, intermediate=get.positive("intermediate_size"), layers=layers, heads=heads,
-        kv_heads=kv_heads, vocab=sizes["vocab_size"], head_dim=head_dim,
-        qkv_bias=qkv_bias, qk_norm=model_type == "qwen3_moe", tied=get.flag("tie_word_embeddings"),
-        dtype=dtype, norm_dtype=norm_dtype,
+        name,
+        hidden=hidden,
+        intermediate=get.positive("intermediate_size"),
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=sizes["vocab_size"],
+        head_dim=head_dim,
+        qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3_moe",
+        tied=get.flag("tie_word_embeddings"),
+        dtype=dtype,
+        norm_dtype=norm_dtype,
     )
     moe_layers = _moe_layers(get, model_type, layers)
     block = _ExpertBlocks(hidden, experts, dtype)
@@ -177,20 +216,46 @@ def checkpoint_state_dict(state_dict: Mapping[str, T], model_type: str) -> dict[
 Block = Callable[[int], list[ParamSpec]]
 
 
-def _param(layer: int, suffix: str, shape: tuple[int, ...], dtype: str, tp_dim: int | None = None,
-           unit: int = 1, buffer: bool = False, expert: int | None = None) -> ParamSpec:
-    return ParamSpec(f"model.layers.{layer}.{suffix}", shape, dtype, "layer", layer=layer, tp_dim=tp_dim,
-                     tp_unit=unit, buffer=buffer, expert=expert)
+def _param(
+    layer: int,
+    suffix: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    tp_dim: int | None = None,
+    unit: int = 1,
+    buffer: bool = False,
+    expert: int | None = None,
+) -> ParamSpec:
+    return ParamSpec(
+        f"model.layers.{layer}.{suffix}",
+        shape,
+        dtype,
+        "layer",
+        layer=layer,
+        tp_dim=tp_dim,
+        tp_unit=unit,
+        buffer=buffer,
+        expert=expert,
+    )
 
 
-def _swiglu(layer: int, prefix: str, inter: int, hidden: int, dtype: str,
-            names: tuple[str, str, str] = _QWEN_PROJ, expert: int | None = None) -> list[ParamSpec]:
+def _swiglu(
+    layer: int,
+    prefix: str,
+    inter: int,
+    hidden: int,
+    dtype: str,
+    names: tuple[str, str, str] = _QWEN_PROJ,
+    expert: int | None = None,
+) -> list[ParamSpec]:
     """Gate and up column parallel (dim 0), down row parallel (dim 1); ``expert``: the routed
     expert's index (``ParamSpec.expert``), ``None`` for dense and shared MLPs."""
     gate, up, down = names
-    return [_param(layer, f"{prefix}.{gate}.weight", (inter, hidden), dtype, 0, expert=expert),
-            _param(layer, f"{prefix}.{up}.weight", (inter, hidden), dtype, 0, expert=expert),
-            _param(layer, f"{prefix}.{down}.weight", (hidden, inter), dtype, 1, expert=expert)]
+    return [
+        _param(layer, f"{prefix}.{gate}.weight", (inter, hidden), dtype, 0, expert=expert),
+        _param(layer, f"{prefix}.{up}.weight", (inter, hidden), dtype, 0, expert=expert),
+        _param(layer, f"{prefix}.{down}.weight", (hidden, inter), dtype, 1, expert=expert),
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +289,9 @@ class _ExpertBlocks:
         def block(layer: int) -> list[ParamSpec]:
             params = self._routed(layer, "mlp", inter, _QWEN_PROJ)
             if bias:  # DeepSeek-V3's aux-loss-free balancing bias: a float32 buffer of the router
-                params.insert(1, _param(layer, "mlp.gate.e_score_correction_bias", (self.experts,), "float32",
-                                        buffer=True))
+                params.insert(
+                    1, _param(layer, "mlp.gate.e_score_correction_bias", (self.experts,), "float32", buffer=True)
+                )
             return params + _swiglu(layer, "mlp.shared_experts", shared, self.hidden, self.dtype)
 
         return block
@@ -246,14 +312,18 @@ def _mla(get: "_Reader", hidden: int, heads: int, dtype: str, norms: str, bias: 
             params.append(_param(layer, a + "q_a_proj.weight", (q_lora, hidden), dtype))
             if bias:
                 params.append(_param(layer, a + "q_a_proj.bias", (q_lora,), dtype))
-            params += [_param(layer, a + "q_a_layernorm.weight", (q_lora,), norms),
-                       _param(layer, a + "q_b_proj.weight", (heads * qk, q_lora), dtype, 0, qk)]
+            params += [
+                _param(layer, a + "q_a_layernorm.weight", (q_lora,), norms),
+                _param(layer, a + "q_b_proj.weight", (heads * qk, q_lora), dtype, 0, qk),
+            ]
         params.append(_param(layer, a + "kv_a_proj_with_mqa.weight", (kv_lora + rope, hidden), dtype))
         if bias:
             params.append(_param(layer, a + "kv_a_proj_with_mqa.bias", (kv_lora + rope,), dtype))
-        params += [_param(layer, a + "kv_a_layernorm.weight", (kv_lora,), norms),
-                   _param(layer, a + "kv_b_proj.weight", (heads * (nope + v_dim), kv_lora), dtype, 0, nope + v_dim),
-                   _param(layer, a + "o_proj.weight", (hidden, heads * v_dim), dtype, 1, v_dim)]
+        params += [
+            _param(layer, a + "kv_a_layernorm.weight", (kv_lora,), norms),
+            _param(layer, a + "kv_b_proj.weight", (heads * (nope + v_dim), kv_lora), dtype, 0, nope + v_dim),
+            _param(layer, a + "o_proj.weight", (hidden, heads * v_dim), dtype, 1, v_dim),
+        ]
         if bias:  # row parallel: added once after the all-reduce, so whole on every rank
             params.append(_param(layer, a + "o_proj.bias", (hidden,), dtype))
         return params
@@ -268,8 +338,10 @@ def _moe_layers(get: "_Reader", model_type: str, layers: int) -> set[int]:
     if model_type.startswith("deepseek"):
         freq = get.optional_positive("moe_layer_freq")
         if freq not in (None, 1):
-            raise ValueError(f"{get.source}: moe_layer_freq={freq} is not supported (transformers builds "
-                             "every layer from first_k_dense_replace on as MoE; only 1 means that)")
+            raise ValueError(
+                f"{get.source}: moe_layer_freq={freq} is not supported (transformers builds "
+                "every layer from first_k_dense_replace on as MoE; only 1 means that)"
+            )
         first = get.non_negative("first_k_dense_replace")
         return set(range(first, layers))
     step = get.positive("decoder_sparse_step")
@@ -284,7 +356,7 @@ def _swap_blocks(spec: ModelSpec, attention: Block | None, mlp: Block, moe_layer
     done: set[tuple[int, str]] = set()
     for p in spec.params:
         module = p.name.split(".")[3] if p.layer is not None else None
-        new = (attention if module == "self_attn" else mlp if module == "mlp" and p.layer in moe_layers else None)
+        new = attention if module == "self_attn" else mlp if module == "mlp" and p.layer in moe_layers else None
         if new is None:
             params.append(p)
         elif (p.layer, module) not in done:
