@@ -102,20 +102,6 @@ def test_a_file_replaced_after_the_scan_is_caught_by_the_reader(tmp_path):
         load_shards(tmp_path, tensors, mapping, layout.shards(0), store)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 1.5 MB filesystem (tmpfs), or a skip where this process may not mount one."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_a_save_that_fills_the_disk_keeps_the_previous_export(small_disk):
     out = small_disk / "export"
     state = export_state(synthetic_state_dict(TIED, 0), TIED)  # ~90 KB

@@ -120,20 +120,6 @@ def _loads(out: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 3 MB filesystem (tmpfs), or a skip where this process may not mount one."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_an_export_that_fills_the_disk_keeps_the_previous_export_and_its_index(env, small_disk):
     group, manager = env
     out = small_disk / "export"
