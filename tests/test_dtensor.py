@@ -82,7 +82,9 @@ def run(world: int, tp: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: the pytest process may hold Ray and torch threads by now, and a forked
+    # child can inherit a lock one of them held (the CI run of 2026-11-24 hung here for 90 s)
+    ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, port, tp, queue)) for r in range(world)]
     for p in procs:

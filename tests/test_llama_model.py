@@ -64,7 +64,9 @@ CFG_PP = LlamaConfig(
 )
 
 TIMEOUT_S = 60
-START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+# spawn, not fork: by the time this module runs the pytest process may hold Ray and torch threads,
+# and a forked child can inherit a lock one of them held (tests/test_dtensor.py hung so in CI)
+START_METHOD = "spawn"
 
 
 # -- helpers --------------------------------------------------------------------------------------
