@@ -8,13 +8,17 @@ from actors.ckpt_worker import CheckpointFault
 from actors.config import GroupConfig
 from actors.context import ShardChange, ShardContext
 from actors.errors import GroupBusyError, HookError, ReallocationError, StaleOperationError
+from actors.fleet import Fleet, FleetUpdate
 from actors.group import ModelGroup, ReallocStats
 from actors.resident import ResidentLayout
+from actors.staged import StagedUpdate
 from actors.worker import ShardWorker
 
 __all__ = [
     "CheckpointFault",
     "CheckpointManager",
+    "Fleet",
+    "FleetUpdate",
     "GroupBusyError",
     "GroupConfig",
     "HFExportStats",
@@ -29,5 +33,6 @@ __all__ = [
     "ShardChange",
     "ShardContext",
     "ShardWorker",
+    "StagedUpdate",
     "StaleOperationError",
 ]

@@ -41,6 +41,7 @@ class ShardChange:
     new: Layout
     old: Layout | None = None
     same_storage: bool = False
+    version: int | None = None  # the weight version the worker holds after the change
 
     def __post_init__(self) -> None:
         if self.kind not in CHANGES:
@@ -63,7 +64,9 @@ class ShardContext:
     ZeRO-3 layout, ``fsdp_split="zero3"``: each slot's 1-D flat partition, :func:`realloc.shards.views.flat_views`.)
     ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
     ``groups`` the dp/fsdp/tp/pp process groups of this rank of the layout
-    (:class:`~actors.parallel.ParallelGroups`). Everything here is valid until the next change.
+    (:class:`~actors.parallel.ParallelGroups`). ``version`` is the weight version these tensors
+    hold (record it with every token generated). Everything here is valid until the next change
+    (which :meth:`safe_point` may bring: it updates this context in place).
     """
 
     rank: int
@@ -79,6 +82,17 @@ class ShardContext:
     rank_layout: RankLayout | None = None
     buffers: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
     fsdp_rank: int = 0
+    version: int = 0
+    on_safe_point: "Callable[[ShardContext], bool] | None" = field(default=None, repr=False)
+
+    def safe_point(self) -> bool:
+        """Call between two decode steps of a long call: a staged update committed with
+        ``commit(at="safe_point")`` switches in here, at the same step on every rank of this
+        model replica (they agree over the replica's group, so every rank of the replica must
+        call it the same number of times). Then ``on_shards_changed`` has run, this context holds
+        the new tensors and ``version``, and it returns True. Outside staged updates it returns
+        False after one small all-reduce over the replica (none when the replica is one rank)."""
+        return self.on_safe_point(self) if self.on_safe_point is not None else False
 
     def views(self, *, padding: bool = False) -> dict[str, torch.Tensor]:
         """Slot name -> view of the rank's shard: the real box only (vocabulary padding

@@ -46,7 +46,9 @@ from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
 from actors.remote import Deadline, Workers, call_all, diagnose, gather, settle
 from actors.resident import KeepOrder, ResidentLayout, check_keep
-from actors.worker import CONTROL, RESERVED_METHODS, ShardWorker
+from actors.staged import StagedUpdate
+from actors.threads import CONCURRENCY_GROUPS
+from actors.worker import RESERVED_METHODS, ShardWorker
 from actors.world import World
 from actors.zero_copy import sweep_stale_buffers
 from realloc._checks import check_nonneg, is_int
@@ -58,7 +60,7 @@ from realloc.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelGroup", "ReallocStats", "ReallocationError", "GroupBusyError"]
+__all__ = ["ModelGroup", "ReallocStats", "ReallocationError", "GroupBusyError", "StagedUpdate"]
 
 
 @dataclass
@@ -70,7 +72,10 @@ class ReallocStats:
     ``resident_use``: ``"adopted"`` (the destination was a kept layout holding the current
     weights: nothing moved), ``"refreshed"`` (a kept layout's buffers were written in place) or
     None; ``resident_*_bytes_per_actor``: the largest worker's kept layouts afterwards, on its
-    device and in host memory (actors/resident.py).
+    device and in host memory (actors/resident.py). ``version``: the destination's weight
+    version afterwards. For a staged update (actors/staged.py) ``pause_seconds`` is 0 (nobody
+    waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
+    the largest worker's shadow set.
     """
 
     transition: str
@@ -85,6 +90,8 @@ class ReallocStats:
     resident_use: str | None = None
     resident_in_place_bytes_per_actor: int = 0
     resident_host_bytes_per_actor: int = 0
+    version: int | None = None
+    shadow_bytes_per_actor: int = 0
 
     @property
     def gbps(self) -> float:
@@ -105,6 +112,8 @@ class ReallocStats:
             "resident_use": self.resident_use,
             "resident_in_place_bytes_per_actor": self.resident_in_place_bytes_per_actor,
             "resident_host_bytes_per_actor": self.resident_host_bytes_per_actor,
+            "version": self.version,
+            "shadow_bytes_per_actor": self.shadow_bytes_per_actor,
         }
 
 
@@ -158,6 +167,11 @@ class ModelGroup:
         self._resident: dict[Layout, ResidentLayout] = {}
         self._lock = threading.RLock()
         self._closed = False
+        # staged updates (actors/staged.py): the pending one, and the operations changing the group
+        self._staged = None
+        self._state_lock = threading.Lock()
+        self._changing = 0
+        self.stage_world: World | None = None
 
     # -- creation ------------------------------------------------------------------------
     @classmethod
@@ -292,11 +306,17 @@ class ModelGroup:
 
     # -- one operation at a time ---------------------------------------------------------
     @contextlib.contextmanager
-    def _exclusive(self, what: str, *others: "ModelGroup", deadline: Deadline | None = None) -> Iterator[None]:
+    def _exclusive(
+        self, what: str, *others: "ModelGroup", deadline: Deadline | None = None, staged_ok: bool = False
+    ) -> Iterator[None]:
         """Hold the groups' locks; wait for each up to its timeout, or up to ``deadline`` (the
-        call's, which the operation run under the locks then shares)."""
+        call's, which the operation run under the locks then shares).
+
+        A group with a staged update pending (actors/staged.py) refuses operations that change
+        it (``GroupBusyError``) unless ``staged_ok`` (calls, reads, the update's own steps); one
+        committed at safe points is first switched in on every worker."""
         groups = sorted({id(g): g for g in (self, *others)}.values(), key=id)  # one global order: no deadlock
-        taken = []
+        taken, changing = [], []
         try:
             for g in groups:
                 if g._closed:
@@ -311,10 +331,85 @@ class ModelGroup:
                 taken.append(g)
                 if g._closed:
                     raise ValueError(f"{what}: group {g.name!r} was shut down")
+                if not staged_ok:
+                    g._enter_change(what, deadline or Deadline(g.timeout_s))
+                    changing.append(g)
             yield
         finally:
+            for g in reversed(changing):
+                with g._state_lock:
+                    g._changing -= 1
             for g in reversed(taken):
                 g._lock.release()
+
+    def _enter_change(self, what: str, deadline: Deadline) -> None:
+        """Mark an operation that changes this group (under its lock), or refuse it while a staged
+        update is pending; one committed at safe points is switched in everywhere first."""
+        with self._state_lock:
+            staged = self._staged
+            if staged is None:
+                self._changing += 1
+                return
+            if staged.state != "committed":
+                raise GroupBusyError(
+                    f"{what}: group {self.name!r} has a staged update pending ({staged.label}, version "
+                    f"{staged.version}, {staged.state}); nothing was done: commit or abort it first",
+                    layout=str(self.layout),
+                )
+        staged.finish_switch(deadline)
+        with self._state_lock:
+            self._changing += 1
+
+    def _begin_stage(self, update) -> None:
+        """Register ``update`` as this group's pending staged update (``GroupBusyError`` when another
+        operation changes the group or another staged update is pending)."""
+        with self._state_lock:
+            if self._closed:
+                raise ValueError(f"stage update: group {self.name!r} was shut down")
+            pending = self._staged
+            if self._changing or (pending is not None and pending.state != "committed"):
+                doing = (
+                    f"staged update {pending.label} ({pending.state})" if pending is not None else "another operation"
+                )
+                raise GroupBusyError(
+                    f"stage update {update.label}: group {self.name!r} is busy with {doing}; nothing was done",
+                    layout=str(self.layout),
+                )
+            if pending is not None:  # committed at safe points: every worker must have switched
+                states = call_all(
+                    self.workers, "stage_status", timeout_s=self.timeout_s, what=f"staged state ({self.name})"
+                )
+                behind = [
+                    n for n, st in zip(self.workers.names, states) if st["staged"] and not st["staged"]["switched"]
+                ]
+                if behind:
+                    raise GroupBusyError(
+                        f"stage update {update.label}: the previous update ({pending.label}, version "
+                        f"{pending.version}) has not switched in on {behind} yet (no safe point or call "
+                        "since its commit); nothing was done",
+                        layout=str(self.layout),
+                    )
+            self._staged = update
+
+    def _end_stage(self, update) -> None:
+        with self._state_lock:
+            if self._staged is update:
+                self._staged = None
+
+    def _switch_flag(self) -> "str | None":
+        """The staged update committed at safe points that the next call switches in first."""
+        staged = self._staged
+        return staged.id if staged is not None and staged.state == "committed" else None
+
+    def _refuse_writes_while_staged(self, what: str) -> None:
+        staged = self._staged
+        if staged is not None and staged.state in ("staging", "staged", "committing"):
+            raise GroupBusyError(
+                f"{what} with writes=True: group {self.name!r} has a staged update pending ({staged.label}, "
+                f"{staged.state}) whose version would not include the write; nothing was done: pass "
+                "writes=False, or commit or abort the update first",
+                layout=str(self.layout),
+            )
 
     def _call(self, method: str, what: str, *args: Any) -> list[Any]:
         return call_all(
@@ -407,7 +502,7 @@ class ModelGroup:
     ) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
         """Per rank, ``(param, offsets, sizes, tensor)`` of every box it holds, fetched to the driver."""
         ranks = self._check_ranks(ranks)
-        with self._exclusive("read shards"):
+        with self._exclusive("read shards", staged_ok=True):
             boxes = call_all(
                 self.workers.subset(ranks), "get_boxes", timeout_s=self.timeout_s, what=f"read shards ({self.name})"
             )
@@ -439,7 +534,7 @@ class ModelGroup:
     def verify_synthetic(self, seed: int = 0) -> dict[int, list[str]]:
         """Per rank, the slots that differ from the synthetic weights of ``seed`` (empty: all good)."""
         _check_seed(seed)
-        with self._exclusive("verify weights"):
+        with self._exclusive("verify weights", staged_ok=True):
             bad = self._call("verify_synthetic", "verify weights", seed)
         return {r: b for r, b in enumerate(bad) if b}
 
@@ -457,10 +552,13 @@ class ModelGroup:
         _check_arguments(fn, 1, args, kwargs, f"run: {getattr(fn, '__name__', type(fn).__name__)}")
         _check_writes(writes)
         shipped = _shipped("run", fn, args, kwargs)
-        with self._exclusive("run user function"):
+        with self._exclusive("run user function", staged_ok=True):
             if writes:
-                self.version += 1
-            return self._call("run", "run user function", *shipped)
+                self._refuse_writes_while_staged("run")
+            switch = self._switch_flag()
+            out = self._call("run", "run user function", *shipped, self.version + int(writes), switch)
+            self._after_call(writes, switch)
+            return out
 
     def call(
         self, method: str, *args: Any, ranks: Sequence[int] | None = None, writes: bool = True, **kwargs: Any
@@ -490,23 +588,42 @@ class ModelGroup:
         if not ranks:
             return []  # no worker runs it: nothing is sent, the weights stay as they are
         args, kwargs = _shipped(f"call({method!r})", args, kwargs)
-        with self._exclusive(f"call {method}"):
+        with self._exclusive(f"call {method}", staged_ok=True):
             if writes:
-                self.version += 1
+                self._refuse_writes_while_staged(f"call({method!r})")
+            switch = self._switch_flag() if len(ranks) == self.num_workers else None
             workers = self.workers.subset(ranks)
-            return gather(
+            out = gather(
                 workers,
-                [a.user_call.remote(method, args, kwargs) for a in workers.actors],
+                [a.user_call.remote(method, args, kwargs, self.version + int(writes), switch) for a in workers.actors],
                 self.timeout_s,
                 f"{self.worker_cls.__name__}.{method} ({self.name})",
             )
+            self._after_call(writes, switch)
+            return out
+
+    def _after_call(self, writes: bool, switch: "str | None") -> None:
+        """After a call or run that every worker answered: a write moves the version on; a call
+        that switched a staged update in everywhere ends it."""
+        if writes:
+            self.version += 1
+            metrics.record_version(self.name, self.version)
+        if switch is not None:
+            with self._state_lock:
+                if self._staged is not None and self._staged.id == switch:
+                    self._staged = None
 
     def _announce(self, change: ShardChange, ranks: Sequence[int] | None = None) -> None:
         """Run the workers' ``on_shards_changed`` hook after ``change`` was committed (and
         ``self.layout`` updated). A failing hook does not undo the change: the error says so.
         Every change but a creation and a move is a change of the weights: the version moves on."""
-        if change.kind not in ("create", "reallocate"):
+        if change.version is not None:  # a copy brings its source's version (never going back)
+            self.version = change.version
+        elif change.kind not in ("create", "reallocate"):
             self.version += 1
+        if change.version is None:
+            change = replace(change, version=self.version)
+        metrics.record_version(self.name, self.version)
         if self.worker_cls.on_shards_changed is ShardWorker.on_shards_changed:
             return  # nothing to run: save the round trip
         workers = self.workers if ranks is None else self.workers.subset(ranks)
@@ -549,7 +666,7 @@ class ModelGroup:
         """Free, on every worker, the buffers the last operation left behind (its rollback, which
         becomes the spare set the next move reuses to avoid page faults); e.g. before generation
         allocates its cache. Kept layouts stay (:meth:`release_resident`). Returns the bytes freed."""
-        with self._exclusive("trim memory"):
+        with self._exclusive("trim memory", staged_ok=True):
             return sum(self._call("trim_memory", "trim memory"))
 
     def activity(self) -> list[dict]:
@@ -575,8 +692,13 @@ class ModelGroup:
         return _plan(self.layout, target, self.placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
 
     def reallocate(
-        self, dst: "Topology | str | Layout", src: "Topology | str | Layout | None" = None, *, keep: str | None = None
-    ) -> ReallocStats:
+        self,
+        dst: "Topology | str | Layout",
+        src: "Topology | str | Layout | None" = None,
+        *,
+        keep: str | None = None,
+        stage: bool = False,
+    ):
         """Move the weights into layout ``dst`` (planned on the driver, executed on the actors).
 
         ``src`` (optional) must name the current layout; RL loops write
@@ -595,10 +717,27 @@ class ModelGroup:
         or copied to host memory), tagged with the weight version (actors/resident.py). Moving
         to a kept layout that still holds the current weights adopts it (no traffic); to one
         that is stale, writes into its buffers (same memory). :meth:`release_resident` frees them.
+
+        ``stage=True`` returns a :class:`~actors.staged.StagedUpdate` at once: the new layout is
+        written into a shadow set (a layout kept in place is refreshed as that set) while the group
+        serves ``call(..., writes=False)`` in its current layout; ``update.commit()`` switches every
+        worker to it between two calls (``keep`` then applies to the layout left; ``"in_place"``
+        only), ``update.abort()`` drops it.
         """
         started = time.perf_counter()
         keep = check_keep(keep)
         target = self.target(dst)
+        if not isinstance(stage, bool):
+            raise ValueError(f"stage must be True or False, got {stage!r}")
+        if stage:
+            if src is not None and self.target(src) != self.layout:
+                raise ValueError(f"group {self.name!r} holds layout {self.layout}, but src says {self.target(src)}")
+            if target == self.layout:
+                raise ValueError(f"group {self.name!r} already holds layout {target}: nothing to stage")
+            if keep == "host":
+                raise ValueError("a staged move keeps the layout it leaves in place: keep=None or keep='in_place'")
+            order = KeepOrder(keep, self.version) if keep is not None else None
+            return self._stage(self, target, self.version, order)
         deadline = Deadline(self.timeout_s)
         with self._exclusive("reallocate", deadline=deadline):
             if src is not None:
@@ -648,6 +787,7 @@ class ModelGroup:
                     or (stats.resident_use == "adopted" and record.where == "in_place"),
                 )
             )
+        stats.version = self.version
         metrics.record_pause(self.name, "reallocate", stats.pause_seconds)
         return stats
 
@@ -673,7 +813,7 @@ class ModelGroup:
     def resident_layouts(self) -> list[ResidentLayout]:
         """The layouts kept by ``reallocate(..., keep=)``, with their versions (``fresh``: moving
         there adopts them, nothing moves)."""
-        with self._exclusive("list kept layouts"):
+        with self._exclusive("list kept layouts", staged_ok=True):
             return [replace(r, fresh=r.version == self.version) for r in self._resident.values()]
 
     def release_resident(
@@ -723,26 +863,38 @@ class ModelGroup:
                 list(found.dead + found.unresponsive + found.failed),
             )
 
-    def copy_to(self, other: "ModelGroup", eta: float | None = None) -> ReallocStats:
+    def copy_to(self, other: "ModelGroup", eta: float | None = None, *, stage: bool = False):
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
 
         With ``eta``, ``other = eta * self + (1 - eta) * other`` (EMA-style blending). On failure
         ``other`` keeps its old weights and this group is untouched (the error's ``layout`` is
         ``other``'s). One deadline, the larger ``timeout_s`` of the two, bounds the call as in
-        :meth:`reallocate` (a failure raises within it plus ``FAILURE_GRACE_S``).
+        :meth:`reallocate` (a failure raises within it plus ``FAILURE_GRACE_S``). ``other`` takes
+        this group's weight version (``max(other.version + 1, self.version)``: never going back).
+
+        ``stage=True`` returns a :class:`~actors.staged.StagedUpdate` at once: the bytes move into
+        a shadow set of ``other``'s buffers while ``other`` keeps serving ``call(...,
+        writes=False)``; ``update.commit()`` (or ``commit(at="safe_point")``) switches them in,
+        ``update.abort()`` drops them (actors/staged.py). This group is held until the bytes left it.
         """
         if not isinstance(other, ModelGroup):
             raise ValueError(f"copy_to needs another ModelGroup, got {type(other).__name__}")
         if other is self:
             raise ValueError("copy_to needs another group; use reallocate to change this group's layout")
+        if not isinstance(stage, bool):
+            raise ValueError(f"stage must be True or False, got {stage!r}")
         if eta is not None:
+            if stage:
+                raise ValueError("a staged copy cannot blend (eta): stage=True copies the weights as they are")
             eta = check_eta(eta)
         self.spec.check_same_as(other.spec)
+        if stage:
+            return self._stage(other, other.layout, max(other.version + 1, self.version), None)
         started = time.perf_counter()
         deadline = Deadline(max(self.timeout_s, other.timeout_s))
         with self._exclusive("copy_to", other, deadline=deadline):
+            placement, make_plan = self._copy_plan(other)
             n, m = self.num_workers, other.num_workers
-            placement = Placement(self.placement.nodes + other.placement.nodes)
             label = f"{self.name}[{self.layout}] -> {other.name}[{other.layout}]"
             op = Operation(
                 self.workers + other.workers,
@@ -755,15 +907,7 @@ class ModelGroup:
             stats = _move(
                 [self, other],
                 op,
-                lambda: _plan(
-                    self.layout,
-                    other.layout,
-                    placement,
-                    tuple(range(n)),
-                    tuple(range(n, n + m)),
-                    self.config.bucket_bytes,
-                    self.config.bandwidths,
-                ),
+                make_plan,
                 [self.layout.at(r) for r in range(n)] + [None] * m,
                 placement,
                 f"{self.name}->{other.name}",
@@ -771,9 +915,85 @@ class ModelGroup:
                 started,
                 blend=eta,
             )
-            other._announce(ShardChange("copy", other.layout, other.layout))
+            version = max(other.version + 1, self.version)
+            stats.version = version
+            other._announce(ShardChange("copy", other.layout, other.layout, version=version))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
         return stats
+
+    def _copy_plan(self, other: "ModelGroup") -> tuple[Placement, Callable[[], Plan]]:
+        """The placement over both groups and the plan maker of a copy into ``other``."""
+        n, m = self.num_workers, other.num_workers
+        placement = Placement(self.placement.nodes + other.placement.nodes)
+        src, dst = self.layout, other.layout
+        return placement, lambda: _plan(
+            src,
+            dst,
+            placement,
+            tuple(range(n)),
+            tuple(range(n, n + m)),
+            self.config.bucket_bytes,
+            self.config.bandwidths,
+        )
+
+    def _stage(
+        self, dest: "ModelGroup", target: Layout, version: int, keep: KeepOrder | None, timeout_s: float | None = None
+    ) -> StagedUpdate:
+        """Start a staged update of ``dest`` from this group (actors/staged.py); ``timeout_s``
+        bounds its transfer (default: the larger timeout of the groups)."""
+        copy = dest is not self
+        n = self.num_workers
+        if copy:
+            placement, make_plan = self._copy_plan(dest)
+            workers, groups = self.workers + dest.workers, [self, dest]
+            srcs = [self.layout.at(r) for r in range(n)] + [None] * dest.num_workers
+            dsts = [None] * n + [target.at(r) for r in range(dest.num_workers)]
+            label = f"{self.name}[{self.layout}] -> {dest.name}[{target}]"
+        else:
+            placement, workers, groups = self.placement, self.workers, [self]
+            before = self.layout
+            srcs, dsts = [before.at(r) for r in range(n)], [target.at(r) for r in range(n)]
+            label = f"{self.name} {before} -> {target}"
+
+            def make_plan() -> Plan:
+                return _plan(before, target, placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
+
+        shared = [info["zero_copy"] for g in groups for info in g.infos]
+
+        def make_stats(plan: Plan, plan_seconds: float, results: list[dict], started: float) -> ReallocStats:
+            return ReallocStats(
+                label,
+                sum(r["bytes"]["intra"] for r in results),
+                sum(r["bytes"]["inter"] for r in results),
+                sum(r["bytes"]["local"] for r in results),
+                max(r["seconds"] for r in results),
+                plan_seconds,
+                max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+                plan.stats,
+                0.0,
+            )
+
+        update = StagedUpdate(
+            self,
+            dest,
+            target,
+            version,
+            keep,
+            workers,
+            srcs,
+            dsts,
+            placement,
+            shared,
+            make_plan,
+            groups,
+            label,
+            make_stats,
+            timeout_s,
+        )
+        dest._begin_stage(update)
+        if not copy:
+            self._resident.pop(target, None)  # a kept copy of the target becomes the shadow set
+        return update.start()
 
     def checkpoint_manager(
         self,
@@ -836,21 +1056,31 @@ class ModelGroup:
                 self.timeout_s,
                 "allocate shards of replacement workers",
             )
-            if self.world is not None:
-                self.world.mark_broken()
+            for world in (self.world, self.stage_world):
+                if world is not None:
+                    world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
             self._announce(ShardChange("replace", self.layout, self.layout), dead)
             return dead
 
-    def _ensure_world(self, groups: list["ModelGroup"], deadline: Deadline | None = None) -> World:
+    def _ensure_world(
+        self, groups: list["ModelGroup"], deadline: Deadline | None = None, staged: bool = False
+    ) -> World:
+        """The world over ``groups``' workers (reused while alive); ``staged``: the staged updates' own."""
+        slot = "stage_world" if staged else "world"
         actors = [a for g in groups for a in g.workers.actors]
-        current = groups[0].world
-        if current is not None and current.alive and all(g.world is current for g in groups) and current.covers(actors):
+        current = getattr(groups[0], slot)
+        if (
+            current is not None
+            and current.alive
+            and all(getattr(g, slot) is current for g in groups)
+            and current.covers(actors)
+        ):
             return current
         workers = Workers(tuple(actors), tuple(n for g in groups for n in g.workers.names))
-        world = World.form(workers, max(g.timeout_s for g in groups), deadline)
+        world = World.form(workers, max(g.timeout_s for g in groups), deadline, staged=staged)
         for g in groups:
-            g.world = world
+            setattr(g, slot, world)
         return world
 
     def shutdown(self) -> None:
@@ -868,7 +1098,7 @@ class ModelGroup:
                 ray.kill(a)
             remove_placement_group(self._pg)
             sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
-            self.world = None
+            self.world = self.stage_world = None
         finally:
             if acquired:
                 self._lock.release()
@@ -951,14 +1181,15 @@ def _placement_of(infos: list[dict]) -> Placement:
 def _remote_class(config: GroupConfig, worker_cls: type = ShardWorker):
     """The actor class with the group's resources; per-actor options (name, bundle) come on top.
 
-    The control concurrency group answers pings while the default group is busy in a transfer.
+    The control concurrency group answers pings while the default group is busy in a transfer;
+    the stage group runs staged transfers beside the user's calls (actors/threads.py).
     """
     return ray.remote(
         num_cpus=config.cpus_per_worker,
         num_gpus=config.num_gpus,
         runtime_env=config.runtime_env,
         max_restarts=0,
-        concurrency_groups={CONTROL: 1},
+        concurrency_groups=CONCURRENCY_GROUPS,
     )(worker_cls)
 
 

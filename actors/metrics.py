@@ -11,7 +11,10 @@ Ray dashboard and any Prometheus/Grafana set-up show them:
   operation that received anything (all phases together);
 * ``realloc_in_flight{model,rank}``: execute phases running on the worker;
 * ``realloc_pause_seconds{model,op}``: recorded on the driver, the wall time the caller
-  (an RL loop) was blocked in one ``reallocate``/``copy_to``, planning included.
+  (an RL loop) was blocked in one ``reallocate``/``copy_to``, planning included (``op``
+  ``commit_staged``: the switch of a staged update, the time calls wait for it);
+* ``realloc_weight_version{model}``: recorded on the driver, the weight version a group holds
+  (a staged update's source version once it is committed).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ def _driver_instruments():
             boundaries=SECONDS_BOUNDARIES,
             tag_keys=("model", "op"),
         ),
+        "version": ray_metrics.Gauge(
+            "realloc_weight_version", description="The weight version a model group holds", tag_keys=("model",)
+        ),
     }
 
 
@@ -88,3 +94,7 @@ def in_flight(tags: dict, delta: int) -> None:
     key = tuple(sorted(tags.items()))
     _in_flight[key] = _in_flight.get(key, 0) + delta
     _instruments()["in_flight"].set(_in_flight[key], tags=tags)
+
+
+def record_version(model: str, version: int) -> None:
+    _driver_instruments()["version"].set(version, tags={"model": model})

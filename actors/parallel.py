@@ -12,6 +12,8 @@ it. :class:`ParallelGroups` names the groups of one rank of one layout:
   groups of the expert mesh (Megatron's tp-ep-dp-pp order inside a stage, see
   :meth:`realloc.layout.topology.Topology.expert_coords`); without expert parallelism ``ep`` is this rank
   alone, ``etp`` is ``tp`` and ``edp`` is ``dp``, as in Megatron-core;
+* ``replica``: the ranks of this rank's model replica (its dp coordinate: every fsdp, tp and pp
+  rank of it), over which ``ctx.safe_point()`` agrees;
 * ``model``: every worker of the model group.
 
 Group ranks follow the topology's rank order (tp fastest, then fsdp, dp and pp: torchtitan's
@@ -42,13 +44,14 @@ class GroupRanks:
     ep: tuple[int, ...] = ()
     etp: tuple[int, ...] = ()
     edp: tuple[int, ...] = ()
+    replica: tuple[int, ...] = ()
 
     @staticmethod
     def of(layout: Layout, rank: int) -> "GroupRanks":
         """Example:
         >>> from realloc import ModelSpec, Topology
         >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, tp=2, pp=2)), 5)
-        GroupRanks(dp=(5, 7), fsdp=(5,), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7), ep=(5,), etp=(4, 5), edp=(5, 7))
+        GroupRanks(dp=(5, 7), fsdp=(5,), tp=(4, 5), pp=(1, 5), model=(0, 1, 2, 3, 4, 5, 6, 7), ep=(5,), etp=(4, 5), edp=(5, 7), replica=(0, 1, 4, 5))
         >>> GroupRanks.of(Layout(ModelSpec.preset("tiny"), Topology(dp=2, fsdp=2, tp=2)), 5).fsdp
         (5, 7)
         """
@@ -69,6 +72,7 @@ class GroupRanks:
             ep=tuple(expert_rank(edp_rank, i, etp_rank) for i in range(t.ep)),
             etp=tuple(expert_rank(edp_rank, ep_rank, i) for i in range(etp)),
             edp=tuple(t.expert_replica_ranks(etp_rank, ep_rank, pp_rank)),
+            replica=tuple(r for r in range(t.world_size) if t.coords4(r)[0] == dp_rank),
         )
 
 
@@ -116,6 +120,7 @@ class ParallelGroups:
     ep = _Axis()
     etp = _Axis()
     edp = _Axis()
+    replica = _Axis()
 
     def __repr__(self) -> str:
         return f"ParallelGroups(rank {self.rank} of {self.layout}, {self.ranks})"

@@ -156,7 +156,7 @@ class Operation:
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
-        key, ref = _worker_plan_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
+        key, ref = worker_plan_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
             refs = [
                 a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep)
@@ -230,9 +230,10 @@ _WORKER_PLANS: "OrderedDict[tuple, tuple[str, Any, Plan]]" = OrderedDict()
 _WORKER_PLANS_KEPT = 16
 
 
-def _worker_plan_ref(
+def worker_plan_ref(
     plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement, shared: Sequence[bool]
 ) -> tuple[str, Any]:
+    """``(key, ObjectRef of (plan, peers))`` of ``plan`` over ``world`` (cached: see above)."""
     ranks = tuple(world.rank_of(a) for a in actors)
     key = (id(plan), world.id, ranks, tuple(srcs), tuple(dsts), tuple(placement.nodes), tuple(shared))
     hit = _WORKER_PLANS.get(key)

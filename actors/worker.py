@@ -41,6 +41,8 @@ from actors.errors import StaleOperationError
 from actors.executor import Cuts, PeerView, Phases, Staging, StepRunner, collector_paused, is_zero_copy, worker_routes
 from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
+from actors.staged_worker import StagingMixin
+from actors.threads import CONTROL
 from actors.transport import Transport, backend_for, connect_rendezvous, host_rendezvous, wire_device
 from actors.zero_copy import BufferAllocator, handle_identity, open_handles
 from realloc.boxes import box_index
@@ -52,9 +54,7 @@ from realloc.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-#: Ray concurrency group of the methods that must answer while a transfer runs (ping).
-CONTROL = "control"
-FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit")
+FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit", "exit_in_switch")
 #: ``op_run``: bytes of one zero-copy handle message (length + pickle), and its message tags
 #: (plan steps use tag 0).
 HANDLE_BYTES = 1 << 14
@@ -200,6 +200,16 @@ class WorkerState:
         self.kept: dict[Layout, Resident] = {}  # kept layouts (actors/resident.py)
         self.phases = Phases()
         self.ckpt_state = None  # actors/ckpt_worker.py
+        # staged updates (actors/staged_worker.py): the weight version served, the pending update,
+        # its own world, the spare shadow set (double buffering) and the safe points of this call
+        self.version = 0
+        self.staged = None
+        self.stage_lock = threading.RLock()
+        self.stage_transport: Transport | None = None
+        self.stage_world_id: str | None = None
+        self.stage_rendezvous = None
+        self.shadow_spare: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
+        self.safe_points = 0
 
     @property
     def layout(self) -> Layout | None:
@@ -239,7 +249,7 @@ class _ReadOnly:
         return self if obj is None else getattr(obj._realloc, self.name)
 
 
-class ShardWorker(CheckpointMixin):
+class ShardWorker(CheckpointMixin, StagingMixin):
     """One worker of a model group: its flat buffers, its process-group membership, its operations.
 
     Subclass it to run your own code in the workers (``ModelGroup.create(..., worker_cls=Mine)``):
@@ -309,6 +319,8 @@ class ShardWorker(CheckpointMixin):
             st.held,
             st.buffers,
             fsdp_rank,
+            st.version,
+            self.safe_point,
         )
 
     def after_change(self, change: ShardChange) -> None:
@@ -318,8 +330,12 @@ class ShardWorker(CheckpointMixin):
         finally:
             _check_names(self, f"{type(self).__name__}.on_shards_changed")
 
-    def user_call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        """Driver entry point of ``group.call``: run a method of the user's subclass."""
+    def user_call(
+        self, method: str, args: tuple, kwargs: dict, version: int | None = None, switch: str | None = None
+    ) -> Any:
+        """Driver entry point of ``group.call``: run a method of the user's subclass (after
+        switching to the staged update ``switch``, armed everywhere; ``version``: the group's)."""
+        self._begin_call(version, switch)
         try:
             return detach_result(getattr(self, method)(*args, **kwargs))
         finally:
@@ -436,7 +452,10 @@ class ShardWorker(CheckpointMixin):
                 bad.append(s.slot)
         return bad
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def run(
+        self, fn: Callable, args: tuple, kwargs: dict, version: int | None = None, switch: str | None = None
+    ) -> Any:
+        self._begin_call(version, switch)
         return detach_result(fn(self.context(), *args, **kwargs))
 
     def source_digest(self) -> dict[str, float]:
@@ -451,7 +470,9 @@ class ShardWorker(CheckpointMixin):
         of the next execute phase; ``("exit_after_buckets", n)`` kills this process after ``n``
         buckets; ``("exit_in_commit", 0)`` kills it when the next commit arrives (after every
         transfer, before it adopts anything); ``("exit_after_commit", 0)`` kills it after it
-        adopted the new buffers, before it answers."""
+        adopted the new buffers, before it answers; ``("exit_in_switch", 0)`` kills it when a staged
+        update's switch arrives (``stage_switch``), before it switches. ``stall`` and
+        ``exit_after_buckets`` apply to staged transfers too."""
         if kind not in FAULTS:
             raise ValueError(f"unknown fault {kind!r}; allowed: {', '.join(FAULTS)}")
         self._realloc.fault = (kind, value)
@@ -734,7 +755,10 @@ class ShardWorker(CheckpointMixin):
         self._realloc.plans.move_to_end(key)
         return worker_plan
 
-    def _run(self, op: PendingOp, wp: WorkerPlan, me: int) -> dict:
+    def _run(self, op: PendingOp, wp: WorkerPlan, me: int, transport: Transport | None = None) -> dict:
+        """``op``'s part of ``wp`` over ``transport`` (default: the world's; a staged update runs
+        over its own, actors/staged_worker.py)."""
+        transport = self._realloc.transport if transport is None else transport
         src = self._store_now() if wp.peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -761,10 +785,10 @@ class ShardWorker(CheckpointMixin):
         sent: list = []
         ok = False
         try:
-            opened = self._swap_handles(wp, op) if (wp.read_from or wp.read_by) else {}
+            opened = self._swap_handles(wp, op, transport) if (wp.read_from or wp.read_by) else {}
             self._realloc.phases.mark("handles")
             runner = StepRunner(
-                self._realloc.transport,
+                transport,
                 self._realloc.device,
                 wp.plan,
                 me,
@@ -787,7 +811,7 @@ class ShardWorker(CheckpointMixin):
             self._realloc.phases.mark("transfers")
             # Phase 0 is done here: tell the peers that read my destination buffers (fan-out reads
             # forward only cells received over routes, never local copies: planner, step 2).
-            sent, ready = self._post_ready(wp, wp.peers)
+            sent, ready = self._post_ready(wp, wp.peers, transport)
             self._realloc.phases.mark("ready")
             for s in (s for s in steps if s >= forward_from):
                 for peer in wp.wait_ready.get(s, ()):
@@ -811,7 +835,7 @@ class ShardWorker(CheckpointMixin):
         self._realloc.phases.mark("device sync")
         return result
 
-    def _swap_handles(self, wp: WorkerPlan, op: PendingOp) -> dict[tuple[int, bool], ShardStore]:
+    def _swap_handles(self, wp: WorkerPlan, op: PendingOp, transport: Transport) -> dict[tuple[int, bool], ShardStore]:
         """Send each peer that maps my buffers the handles of exactly the buffers it reads, made
         for it alone; receive mine and open each once. Returns the opened stores by (the peer's
         world rank, forward).
@@ -830,7 +854,7 @@ class ShardWorker(CheckpointMixin):
             outs.append((wp.peers[p].world_rank, _handle_message(mine, self._realloc.wire)))
         ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self._realloc.wire) for p in wp.read_from}
         for work in communicator.post(
-            self._realloc.transport.pg,
+            transport.pg,
             self._realloc.wire,
             outs,
             [(wp.peers[p].world_rank, t) for p, t in ins.items()],
@@ -846,7 +870,7 @@ class ShardWorker(CheckpointMixin):
                 opened[view.world_rank, forward] = self._mapped_peer_store(view, forward)
         return opened
 
-    def _post_ready(self, wp: WorkerPlan, peers: list[PeerView]) -> tuple[list, dict[int, Any]]:
+    def _post_ready(self, wp: WorkerPlan, peers: list[PeerView], transport: Transport) -> tuple[list, dict[int, Any]]:
         """Post "phase 0 done" to my fan-out readers and the receives of my fan-out senders' ones."""
         senders = sorted({p for ps in wp.wait_ready.values() for p in ps})
         if not senders and not wp.notify:
@@ -856,7 +880,7 @@ class ShardWorker(CheckpointMixin):
         wire = self._realloc.wire
         one = torch.ones(1, dtype=torch.uint8, device=wire)
         works = communicator.post(
-            self._realloc.transport.pg,
+            transport.pg,
             wire,
             [(peers[p].world_rank, one) for p in wp.notify],
             [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=wire)) for p in senders],
@@ -984,6 +1008,11 @@ class ShardWorker(CheckpointMixin):
 
     def shutdown(self) -> None:
         self._drop_op()
+        self._realloc.staged = None
+        self._realloc.shadow_spare = None
+        if self._realloc.stage_transport is not None:
+            self._realloc.stage_transport.close()
+            self._realloc.stage_transport = None
         self._realloc.kept.clear()
         self._realloc.mapped.clear()
         self._realloc.plans.clear()

@@ -22,6 +22,7 @@ from actors.remote import Deadline, Workers, call_all, gather
 log = logging.getLogger(__name__)
 
 _LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()
+_LIVE_STAGED: "weakref.WeakSet[World]" = weakref.WeakSet()  # worlds of staged updates: a separate slot
 
 
 class World:
@@ -31,21 +32,28 @@ class World:
         self.alive = True
 
     @staticmethod
-    def form(workers: Workers, timeout_s: float, deadline: Deadline | None = None) -> "World":
+    def form(workers: Workers, timeout_s: float, deadline: Deadline | None = None, staged: bool = False) -> "World":
         """A world over ``workers``; its collectives time out after ``timeout_s``. The driver waits
         up to ``deadline`` (that of the operation forming it), or ``timeout_s`` for the store and
-        ``timeout_s + 30`` for the joins (the workers' own rendezvous timeout comes first)."""
+        ``timeout_s + 30`` for the joins (the workers' own rendezvous timeout comes first).
+
+        ``staged``: the world of staged updates, joined on the workers' stage thread (so a worker
+        busy in a user call joins it) into a slot of its own: forming one never breaks the
+        world moves use, only other staged worlds sharing an actor."""
         n = len(workers)
         world_id = uuid.uuid4().hex[:12]
         ids = {a._actor_id for a in workers.actors}
-        for other in list(_LIVE):
+        live = _LIVE_STAGED if staged else _LIVE
+        prefix = "stage_" if staged else ""
+        for other in list(live):
             if other.alive and ids & set(other._rank):
                 other.mark_broken()  # its actors are about to leave it
         head = workers.subset([0])
         addr, port = call_all(
-            head, "open_rendezvous", n, timeout_s, timeout_s=deadline or timeout_s, what="form world"
+            head, f"{prefix}open_rendezvous", n, timeout_s, timeout_s=deadline or timeout_s, what="form world"
         )[0]
-        refs = [a.join.remote(world_id, addr, port, r, n, timeout_s) for r, a in enumerate(workers.actors)]
+        join = "stage_join" if staged else "join"
+        refs = [getattr(a, join).remote(world_id, addr, port, r, n, timeout_s) for r, a in enumerate(workers.actors)]
         backends = gather(workers, refs, deadline or timeout_s + 30, "form world")
         if len(set(backends)) != 1:
             raise ValueError(
@@ -53,7 +61,7 @@ class World:
                 "workers in one world is not supported"
             )
         world = World(workers, backends[0], world_id)
-        _LIVE.add(world)
+        live.add(world)
         log.debug("formed world %s over %d workers (%s)", world_id, n, backends[0])
         return world
 

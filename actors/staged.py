@@ -1,0 +1,375 @@
+"""Staged updates: new weights move while the destination keeps serving, then switch in at once.
+
+``trainer.copy_to(generator, stage=True)`` (or ``group.reallocate(dst, stage=True)``) returns a
+:class:`StagedUpdate` at once. A driver thread moves the bytes into a *shadow* set of the
+destination's buffers, on the workers' stage thread and over a world of its own
+(actors/staged_worker.py), while the destination serves ``call(..., writes=False)`` on the
+weights it has committed. The protocol (docs/architecture.md, "Staged updates"):
+
+1. ``staging``: the transfer runs. The source is held (its lock: its weights cannot change
+   under the transfer); the destination refuses every other change (``GroupBusyError``) but
+   serves calls that do not write. A failure anywhere (a dead sender or receiver, the deadline)
+   drops the shadow sets of every live worker: ``failed``, the serving weights never changed.
+2. ``staged``: every byte arrived (``wait()`` returns the stats). ``abort()`` drops it.
+3. ``commit(at="now")``: between two calls (it waits for a running call), every worker swaps the
+   shadow set in, keeping the old one as its rollback; if any worker fails, every live worker
+   swaps back (``failed``: the old version serves everywhere). Then ``on_shards_changed`` runs.
+   The time calls wait for the switch is ``pause_seconds``.
+   ``commit(at="safe_point")`` (same layout only): every worker is *armed*; each model replica
+   switches at the next ``ctx.safe_point()`` its ranks agree on (or at the start of the next
+   call), so a long generation call picks the new weights up between two decode steps. The
+   decision is made when the driver arms: a worker that dies while being armed is named, the
+   live ones still switch.
+
+The destination's ``version`` becomes the update's (its source's weight version; never going
+back: ``max(destination's + 1, source's)``), as do ``ReallocStats.version``, the hook's
+``ShardChange.version`` and the ``realloc_weight_version`` metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from contextlib import nullcontext
+from typing import Any, Callable, Sequence
+
+from actors import metrics
+from actors.context import ShardChange
+from actors.errors import ReallocationError
+from actors.protocol import worker_plan_ref
+from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle
+from actors.resident import KeepOrder, ResidentLayout
+from realloc.layout import Layout, RankLayout
+from realloc.plan import Placement, Plan
+
+log = logging.getLogger(__name__)
+
+#: Where ``StagedUpdate.commit`` switches the weights in.
+COMMIT_AT = ("now", "safe_point")
+#: States of a staged update, in order (``failed``/``aborted`` end it without a change).
+STATES = ("staging", "staged", "committing", "committed", "failed", "aborted")
+
+
+class StagedUpdate:
+    """One staged update of ``dest`` (from ``source``; the same group for a staged move).
+
+    ``version``: the weight version it brings; ``state``: one of :data:`STATES`; ``stats``: the
+    transfer's :class:`~actors.group.ReallocStats` once staged; ``pause_seconds``: how long the
+    commit held the destination's calls (``at="now"``); ``error``: why it failed.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        dest: Any,
+        target: Layout,
+        version: int,
+        keep: KeepOrder | None,
+        workers: Workers,
+        srcs: Sequence[RankLayout | None],
+        dsts: Sequence[RankLayout | None],
+        placement: Placement,
+        shared: Sequence[bool],
+        make_plan: Callable[[], Plan],
+        groups: Sequence[Any],
+        label: str,
+        make_stats: Callable[..., Any],
+        timeout_s: float | None = None,
+    ):
+        self.id = uuid.uuid4().hex[:12]
+        self.source, self.dest, self.target, self.version, self.keep = source, dest, target, version, keep
+        self.kind = "reallocate" if source is dest else "copy"
+        self.before = dest.layout
+        self.workers, self.srcs, self.dsts = workers, list(srcs), list(dsts)
+        self.placement, self.shared, self.make_plan, self.groups = placement, list(shared), make_plan, list(groups)
+        self.label, self.make_stats = label, make_stats
+        self.deadline = Deadline(max(g.timeout_s for g in self.groups) if timeout_s is None else timeout_s)
+        self.state = "staging"
+        self.stats = None
+        self.error: ReallocationError | None = None
+        self.pause_seconds: float | None = None
+        self.at: str | None = None
+        self._finished = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._stage, name=f"realloc-stage-{self.id}", daemon=True)
+
+    def __repr__(self) -> str:
+        return f"StagedUpdate({self.label}, version {self.version}, {self.state})"
+
+    @property
+    def dest_workers(self) -> Workers:
+        return self.dest.workers
+
+    def start(self) -> "StagedUpdate":
+        self._thread.start()
+        return self
+
+    # -- the transfer (driver thread) ------------------------------------------------------
+    def _stage(self) -> None:
+        started = time.perf_counter()
+        try:
+            held = (
+                self.source._exclusive(f"stage update {self.label}", deadline=self.deadline, staged_ok=True)
+                if self.kind == "copy"
+                else nullcontext()
+            )
+            with held:
+                self.stats = self._transfer(started)
+            self._set("staged")
+        except ReallocationError as err:
+            self.error = err
+            self._set("failed")
+        except BaseException as err:  # noqa: BLE001 - kept for wait(), which re-raises it
+            self.error = ReallocationError(
+                f"staged update {self.label} failed on the driver: {type(err).__name__}: {err}. {self._untouched()}",
+                layout=str(self.dest.layout),
+            )
+            self.error.__cause__ = err
+            self._set("failed")
+            self._drop_everywhere()
+        finally:
+            if self.state == "failed":
+                self.dest._end_stage(self)
+            self._finished.set()
+
+    def _transfer(self, started: float):
+        t0 = time.perf_counter()
+        plan = self.make_plan()
+        plan_seconds = time.perf_counter() - t0
+        try:
+            world = self.groups[0]._ensure_world(self.groups, self.deadline, staged=True)
+        except ReallocationError as err:
+            self._abort(err)
+        key, ref = worker_plan_ref(plan, world, self.workers.actors, self.srcs, self.dsts, self.placement, self.shared)
+        refs = [
+            a.stage_run.remote(
+                self.id, world.id, key, [ref], i, {"model": self.label, "rank": str(i)}, self.version, self.keep
+            )
+            for i, a in enumerate(self.workers.actors)
+        ]
+        try:
+            results = gather(self.workers, refs, self.deadline, f"staged update {self.label}: transfer")
+        except ReallocationError as err:
+            world.mark_broken()
+            self._abort(err)
+        stats = self.make_stats(plan, plan_seconds, results, started)
+        stats.version = self.version
+        stats.shadow_bytes_per_actor = max(r["shadow_bytes"] for r in results)
+        return stats
+
+    def _untouched(self) -> str:
+        return (
+            f"The serving weights are untouched: {self.dest.name!r} serves weight version {self.dest.version} "
+            f"in layout {self.dest.layout}"
+        )
+
+    def _abort(self, cause: ReallocationError):
+        """Drop the shadow sets of every live worker (within the failure grace), then raise what is true."""
+        dead, silent = set(cause.dead), set(cause.unresponsive)
+        names = self.workers.names
+        answering = [i for i, n in enumerate(names) if n not in dead | silent]
+        fire(self.workers.subset([i for i, n in enumerate(names) if n in silent]), "stage_abort", self.id)
+        found = settle(
+            self.workers.subset(answering),
+            [self.workers.actors[i].stage_abort.remote(self.id) for i in answering],
+            self.deadline.grace(),
+        )
+        state = self._untouched()
+        if found.unresponsive:
+            state += (
+                f"; {list(found.unresponsive)} are still in the transfer: their shadow set is dropped when it returns"
+            )
+        if silent:
+            state += f"; {sorted(silent)} did not answer: their shadow set is dropped when they resume"
+        all_dead = sorted(dead | set(found.dead))
+        if all_dead:
+            state += f"; dead: {all_dead}"
+        log.warning("staged update %s (%s) failed: %s", self.id, self.label, cause.message)
+        raise ReallocationError(
+            f"{cause.message}. {state}.", all_dead, sorted(silent), str(self.dest.layout), sorted(found.unresponsive)
+        ) from cause
+
+    def _drop_everywhere(self) -> None:
+        settle(
+            self.workers, fire(self.workers, "stage_abort", self.id), min(FAILURE_GRACE_S, self.deadline.remaining())
+        )
+
+    def _set(self, state: str) -> None:
+        with self._lock:
+            self.state = state
+
+    # -- the caller's side -----------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the transfer ended (staged or failed)."""
+        return self._finished.is_set()
+
+    def wait(self, timeout_s: float | None = None):
+        """Wait for the transfer; returns its stats, or raises its :class:`ReallocationError`
+        (the serving weights untouched). ``timeout_s``: give up waiting (``TimeoutError``; the
+        transfer goes on, bounded by the update's own deadline)."""
+        limit = self.deadline.remaining() + FAILURE_GRACE_S + 5.0 if timeout_s is None else timeout_s
+        if not self._finished.wait(limit):
+            raise TimeoutError(f"staged update {self.label} still transferring after {limit:.1f}s")
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+    def commit(self, at: str = "now") -> None:
+        """Switch the destination to the staged weights: ``at="now"`` (between two calls, all
+        workers or none) or ``at="safe_point"`` (each replica at its next agreed safe point).
+        Waits for the transfer first (raising its error)."""
+        if at not in COMMIT_AT:
+            raise ValueError(f"at={at!r}; allowed: {', '.join(repr(a) for a in COMMIT_AT)}")
+        if at == "safe_point" and self.target != self.before:
+            raise ValueError(
+                f"a staged move to another layout ({self.before} -> {self.target}) switches between calls: "
+                "commit(at='now')"
+            )
+        self.wait()
+        with self._lock:
+            if self.state != "staged":
+                raise ValueError(f"staged update {self.label} is {self.state}; only a staged one can be committed")
+            self.state = "committing"
+        self.at = at
+        try:
+            if at == "now":
+                self._commit_now()
+            else:
+                self._arm()
+        finally:
+            if self.state == "committing":
+                self._set("failed")
+
+    def _commit_now(self) -> None:
+        dest = self.dest
+        deadline = Deadline(dest.timeout_s)
+        with dest._exclusive(f"commit staged update {self.label}", deadline=deadline, staged_ok=True):
+            t0 = time.perf_counter()
+            workers = dest.workers
+            try:
+                gather(
+                    workers,
+                    [a.stage_switch.remote(self.id) for a in workers.actors],
+                    deadline,
+                    f"commit staged update {self.label}: switch",
+                )
+            except ReallocationError as err:
+                self._roll_back(err, deadline)
+            self._committed()
+            self.pause_seconds = time.perf_counter() - t0
+            finished = settle(
+                workers, [a.stage_finish.remote(self.id) for a in workers.actors], max(1.0, deadline.remaining())
+            )
+            if finished.dead or finished.unresponsive or finished.failed:
+                log.warning("staged update %s: rollback buffers not released on %s", self.id, finished)
+            dest._end_stage(self)
+            metrics.record_pause(dest.name, "commit_staged", self.pause_seconds)
+            dest._announce(ShardChange(self.kind, self.target, self.before, version=self.version))
+
+    def _roll_back(self, cause: ReallocationError, deadline: Deadline):
+        dest = self.dest
+        workers = dest.workers
+        dead, silent = set(cause.dead), set(cause.unresponsive)
+        answering = [i for i, n in enumerate(workers.names) if n not in dead | silent]
+        fire(workers.subset([i for i, n in enumerate(workers.names) if n in silent]), "stage_unswitch", self.id)
+        found = settle(
+            workers.subset(answering),
+            [workers.actors[i].stage_unswitch.remote(self.id) for i in answering],
+            deadline.grace(),
+        )
+        self._set("failed")
+        dest._end_stage(self)
+        state = (
+            f"Rolled back: every live worker whose rollback ran serves version {dest.version} in layout "
+            f"{dest.layout} again"
+        )
+        if silent:
+            state += f"; {sorted(silent)} did not answer: their rollback runs when they resume"
+        if found.unresponsive or found.failed:
+            state += f"; {list(found.unresponsive + found.failed)} did not confirm the rollback: state unknown"
+        all_dead = sorted(dead | set(found.dead))
+        if all_dead:
+            state += f"; dead: {all_dead} (call replace_dead_workers(), then load their weights)"
+        raise ReallocationError(
+            f"{cause.message}. {state}.", all_dead, sorted(silent), str(dest.layout), list(found.unresponsive)
+        ) from cause
+
+    def _arm(self) -> None:
+        dest = self.dest
+        deadline = Deadline(dest.timeout_s)
+        workers = dest.workers
+        refs = [a.stage_arm.remote(self.id) for a in workers.actors]
+        try:
+            gather(workers, refs, deadline, f"commit staged update {self.label} at safe points: arm")
+        except ReallocationError as err:
+            self._committed()  # the decision stands: every armed live worker switches
+            raise ReallocationError(
+                f"{err.message}. Committed: every live, armed worker of {dest.name!r} switches to version "
+                f"{self.version} at its next safe point (or next call); dead: {err.dead}, not answering: "
+                f"{err.unresponsive + err.waiting} (their replica cannot agree on a safe point: replace them)",
+                err.dead,
+                err.unresponsive,
+                str(dest.layout),
+                err.waiting,
+            ) from err
+        self._committed()
+
+    def _committed(self) -> None:
+        dest = self.dest
+        with dest._state_lock:
+            self.state = "committed"
+            if self.kind == "reallocate":
+                dest._resident.pop(self.target, None)
+                if self.keep is not None:
+                    dest._resident[self.before] = ResidentLayout(
+                        self.before,
+                        self.keep.version,
+                        self.keep.where,
+                        max(self.before.rank_bytes(r) for r in range(dest.num_workers)),
+                    )
+            dest.layout = self.target
+            dest.version = self.version
+        metrics.record_version(dest.name, dest.version)
+
+    def abort(self) -> None:
+        """Drop the staged weights (waiting for the transfer to end first); the serving ones never
+        changed. A no-op on a failed or aborted update; a committed one cannot be aborted."""
+        try:
+            self.wait()
+        except ReallocationError:
+            return
+        with self._lock:
+            if self.state in ("failed", "aborted"):
+                return
+            if self.state != "staged":
+                raise ValueError(f"staged update {self.label} is {self.state}; it can no longer be aborted")
+            self.state = "aborted"
+        found = settle(
+            self.workers,
+            [a.stage_abort.remote(self.id) for a in self.workers.actors],
+            self.dest.timeout_s,
+        )
+        self.dest._end_stage(self)
+        if found.dead or found.unresponsive or found.failed:
+            raise ReallocationError(
+                f"abort of staged update {self.label}: {found.describe() or f'failed on {list(found.failed)}'}. "
+                f"{self._untouched()}; the others dropped their shadow sets",
+                found.dead,
+                found.unresponsive,
+                str(self.dest.layout),
+            )
+
+    def finish_switch(self, deadline: Deadline) -> None:
+        """After ``commit(at="safe_point")``: make every worker that has not reached a safe point
+        switch now (between calls), so the group is in one version again."""
+        workers = self.dest.workers
+        gather(
+            workers,
+            [a.stage_switch.remote(self.id) for a in workers.actors],
+            deadline,
+            f"finish staged update {self.label}: switch the workers that reached no safe point",
+        )
+        settle(workers, [a.stage_finish.remote(self.id) for a in workers.actors], max(1.0, deadline.remaining()))
+        self.dest._end_stage(self)
