@@ -282,7 +282,8 @@ class StagingMixin:
 
     def _begin_call(self, version: int | None, switch: str | None) -> None:
         """Before a user call: switch first when the driver marked the call (``switch``: an
-        update armed on every worker), then take the driver's version (nothing pending)."""
+        update armed on every worker), then take the driver's version (unless an armed update
+        has yet to switch in here: then the driver's version is already the new one)."""
         st = self._realloc
         st.safe_points = 0
         if switch is not None:
@@ -290,8 +291,9 @@ class StagingMixin:
             if staged is not None and staged.id == switch and not staged.switched:
                 self.stage_switch(switch)
                 self.after_change(ShardChange("copy", st.held.layout, staged.rollback[0].layout, version=st.version))
-        if version is not None and st.staged is None:
-            st.version = version
+        staged = st.staged
+        if version is not None and (staged is None or staged.switched or not staged.armed):
+            st.version = version  # the driver's version is the served one unless a switch is due
 
     # -- helpers --------------------------------------------------------------------------
     def _switch(self, staged: StagedSet) -> None:
