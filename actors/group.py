@@ -342,6 +342,14 @@ class ModelGroup:
             for g in reversed(taken):
                 g._lock.release()
 
+    def _settle_switch(self, deadline: Deadline | None = None) -> None:
+        """Before reading the weights outside a call (under the lock): an update committed at safe
+        points is switched in on every worker that has not reached one, so what is read is the
+        version the driver reports."""
+        staged = self._staged
+        if staged is not None and staged.state == "committed":
+            staged.finish_switch(deadline or Deadline(self.timeout_s))
+
     def _enter_change(self, what: str, deadline: Deadline) -> None:
         """Mark an operation that changes this group (under its lock), or refuse it while a staged
         update is pending; one committed at safe points is switched in everywhere first."""
@@ -503,6 +511,7 @@ class ModelGroup:
         """Per rank, ``(param, offsets, sizes, tensor)`` of every box it holds, fetched to the driver."""
         ranks = self._check_ranks(ranks)
         with self._exclusive("read shards", staged_ok=True):
+            self._settle_switch()
             boxes = call_all(
                 self.workers.subset(ranks), "get_boxes", timeout_s=self.timeout_s, what=f"read shards ({self.name})"
             )
@@ -535,6 +544,7 @@ class ModelGroup:
         """Per rank, the slots that differ from the synthetic weights of ``seed`` (empty: all good)."""
         _check_seed(seed)
         with self._exclusive("verify weights", staged_ok=True):
+            self._settle_switch()
             bad = self._call("verify_synthetic", "verify weights", seed)
         return {r: b for r, b in enumerate(bad) if b}
 

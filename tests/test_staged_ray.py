@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+import torch
 from simulated import simulated_cluster
 
 from actors import GroupBusyError, ModelGroup, ShardWorker
@@ -263,5 +264,24 @@ def test_versions_in_stats_hooks_and_contexts(trainer):
         stats = trainer.copy_to(gen)  # versions never go back
         assert stats.version == gen.version == trainer.version + 2
         assert all(seen[-1][:2] == ("copy", gen.version) for seen in gen.call("seen", writes=False))
+    finally:
+        gen.shutdown()
+
+
+def test_reads_after_a_safe_point_commit_see_the_committed_version(trainer):
+    """Reading the weights outside a call (verify, shard_boxes, state_dict) after
+    ``commit(at="safe_point")`` and before any call must see the committed version, not the old
+    buffers the workers still served (found by tests/test_fleet_ray.py: verify read old weights)."""
+    gen = ModelGroup.create(SPEC, Topology(tp=2), name="st-gen-rd", worker_cls=Gen)
+    try:
+        trainer.init_synthetic(15)
+        trainer.copy_to(gen)
+        trainer.init_synthetic(16)
+        update = trainer.copy_to(gen, stage=True)
+        update.commit(at="safe_point")
+        assert gen.version == update.version
+        assert gen.verify_synthetic(16) == {}
+        expected = trainer.state_dict()
+        assert all(torch.equal(expected[k], v) for k, v in gen.state_dict().items())
     finally:
         gen.shutdown()

@@ -1,0 +1,129 @@
+"""An elastic rollout fleet with real Ray actors (actors/fleet.py): replicas updated as one while
+they serve, and a replica that joins mid-run seeded from the serving replicas, not the trainer.
+A replica dying during an update: tests/test_staged_faults_ray.py."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from simulated import simulated_cluster
+
+from actors import Fleet, ModelGroup, ShardWorker
+from realloc import ModelSpec, Topology
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+
+SPEC = ModelSpec.preset("tiny")
+
+
+class Replica(ShardWorker):
+    def digest(self):
+        ctx = self.context()
+        return ctx.version, float(sum(t.double().abs().sum() for t in ctx.tensors.values()))
+
+    def generate(self, steps: int):
+        ctx = self.context()
+        versions = []
+        for _ in range(steps):
+            ctx.safe_point()
+            versions.append(ctx.version)
+            time.sleep(0.02)
+        return versions
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with simulated_cluster(nodes=2, cpus_per_node=4) as c:
+        yield c
+
+
+def _serving(replicas, stop: threading.Event, calls: dict, errors: list, method=("digest",)) -> list[threading.Thread]:
+    def loop(group):
+        while not stop.is_set():
+            try:
+                calls.setdefault(group.name, []).append(group.call(*method, writes=False))
+            except Exception as err:  # noqa: BLE001 - the test asserts there were none
+                errors.append((group.name, err))
+                return
+
+    threads = [threading.Thread(target=loop, args=(g,), daemon=True) for g in replicas]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_fleet_updates_while_serving_and_a_joining_replica_is_seeded_from_the_fleet(cluster):
+    trainer = ModelGroup.create(SPEC, Topology(dp=2), name="fl-trainer")
+    replicas = [ModelGroup.create(SPEC, Topology(tp=2), name=f"fl-r{i}", worker_cls=Replica) for i in range(2)]
+    late = None
+    try:
+        with pytest.raises(ValueError, match="one or more ModelGroups"):
+            Fleet([])
+        with pytest.raises(ValueError, match="each replica group once"):
+            Fleet([replicas[0], replicas[0]])
+        fleet = Fleet(replicas)
+        with pytest.raises(ValueError, match="is a replica of this fleet"):
+            fleet.stage(replicas[0])
+
+        trainer.init_synthetic(21)
+        first = fleet.stage(trainer)
+        assert set(first.wait()) == {"fl-r0", "fl-r1"}
+        assert first.commit(at="now") == ["fl-r0", "fl-r1"]
+        assert fleet.version == trainer.version and all(r.verify_synthetic(21) == {} for r in replicas)
+
+        # the replicas generate continuously; the next version switches in at their safe points
+        stop, calls, errors = threading.Event(), {}, []
+        threads = _serving(replicas, stop, calls, errors, ("generate", 20))
+        trainer.init_synthetic(22)
+        update = fleet.stage(trainer)
+        update.wait()
+        assert update.commit(at="safe_point") == ["fl-r0", "fl-r1"]
+        time.sleep(1.5)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        assert fleet.version == trainer.version == update.version
+        assert all(r.verify_synthetic(22) == {} for r in replicas)
+        for name, batches in calls.items():  # every rank of a replica: the same version at every step
+            for per_rank in batches:
+                assert all(steps == per_rank[0] for steps in per_rank), (name, per_rank)
+        assert any(update.version in per_rank[0] for batches in calls.values() for per_rank in batches)
+
+        # a replica joins while the two serve: seeded from them, the trainer sends nothing
+        late = ModelGroup.create(SPEC, Topology(tp=2), name="fl-r2", worker_cls=Replica)
+        trainer_activity = trainer.activity()
+        stop, calls, errors = threading.Event(), {}, []
+        threads = _serving(replicas, stop, calls, errors)
+        time.sleep(0.3)
+        stats = fleet.join(late)
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert errors == [], errors
+        assert all(len(calls[r.name]) > 0 for r in replicas)
+        assert trainer.activity() == trainer_activity  # no byte from the trainer
+        source = stats.transition.split("[")[0]
+        assert source in ("fl-r0", "fl-r1") and stats.version == fleet.version
+        assert fleet.names == ["fl-r0", "fl-r1", "fl-r2"] and late.version == fleet.version
+        reference = replicas[0].state_dict()
+        joined = late.state_dict()
+        assert all(bool((reference[k] == joined[k]).all()) for k in reference)  # bit-exact
+        assert late.verify_synthetic(22) == {}
+
+        # the next update reaches all three
+        trainer.init_synthetic(23)
+        update = fleet.stage(trainer)
+        assert update.commit() == ["fl-r0", "fl-r1", "fl-r2"]
+        assert all(r.verify_synthetic(23) == {} for r in fleet.replicas)
+        with pytest.raises(ValueError, match="already a replica"):
+            fleet.join(late)
+    finally:
+        for g in [trainer, *replicas, *([late] if late is not None else [])]:
+            g.shutdown()
