@@ -4,6 +4,8 @@ weight versions. Faults: tests/test_staged_faults_ray.py; the fleet: tests/test_
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
 import sys
 import threading
@@ -128,8 +130,20 @@ def test_generator_serves_during_staging_and_switches_at_commit(trainer):
         again = trainer.copy_to(gen, stage=True)
         again.commit()
         assert gen.verify_synthetic(5) == {} and gen.version == trainer.version
+        files = _shm_files("st-gen")
+        for seed in (6, 7):  # from now on every update writes the set that served before it
+            trainer.init_synthetic(seed)
+            trainer.copy_to(gen, stage=True).commit()
+            assert gen.verify_synthetic(seed) == {}
+            assert _shm_files("st-gen") == files, "a staged update allocated a new shadow set"
     finally:
         gen.shutdown()
+
+
+def _shm_files(group: str) -> set[str]:
+    """The shared-memory buffer files of ``group``'s workers (actors/zero_copy.py names them)."""
+    name = re.compile(rf"realloc-p\d+-{re.escape(group)}-[0-9a-f]{{12}}-")
+    return {f for f in os.listdir("/dev/shm") if name.match(f)}
 
 
 def test_safe_point_switch_is_one_step_per_replica(trainer):
