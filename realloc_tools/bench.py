@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import itertools
 import json
@@ -71,6 +72,15 @@ ALL_TRANSITIONS = (
     ("fsdp=8", "dp=4,tp=2"),
 )
 MB = 1 << 20
+#: ``--staged-layouts``: the trainer's layout and the generator's, each on half the bench's 8 actors.
+DEFAULT_STAGED = "dp=2,tp=2->tp=4"
+#: ``--staged-calls``: generator calls timed while nothing else runs.
+STAGED_IDLE_CALLS = 50
+#: The issue's target for the pause at commit ("<= 10 ms plus the hook"; the bench's generator
+#: worker class has no ``on_shards_changed`` hook, so the target is 10 ms flat).
+STAGED_PAUSE_TARGET_SECONDS = 0.010
+#: Generator calls the caller makes after a commit (or a stop-the-world copy) ends before it stops.
+STAGED_CALLS_AFTER = 5
 
 LOWER_BOUND_FORMULA = (
     "max(aggregate, critical_rank) with "
@@ -140,6 +150,29 @@ def add_bench_parser(subparsers) -> None:
         help="skip the resident-layout loop (reallocate(..., keep=) on the first transition)",
     )
     p.add_argument(
+        "--no-staged",
+        action="store_true",
+        help="skip the staged-update measurement (a trainer group copying into a serving generator "
+        "group with copy_to(..., stage=True), after the moves)",
+    )
+    p.add_argument(
+        "--staged-only",
+        action="store_true",
+        help="run the staged-update measurement alone (no transitions, baselines, probes or resident loop)",
+    )
+    p.add_argument(
+        "--staged-layouts",
+        default=DEFAULT_STAGED,
+        help=f"the staged measurement's 'trainer->generator' layouts, one group each on actors of their "
+        f"own (default {DEFAULT_STAGED}: half the bench's actors each)",
+    )
+    p.add_argument(
+        "--staged-calls",
+        type=int,
+        default=STAGED_IDLE_CALLS,
+        help=f"generator calls timed while idle in the staged measurement (default {STAGED_IDLE_CALLS})",
+    )
+    p.add_argument(
         "--no-memory-check",
         action="store_true",
         help="run every baseline even where its estimated peak memory does not fit the node (by "
@@ -186,6 +219,14 @@ def parse_transitions(
     return out
 
 
+def parse_staged(text: str) -> tuple[Topology, Topology]:
+    """``--staged-layouts``: ``'trainer->generator'`` (two groups, each on actors of its own)."""
+    a, sep, b = text.partition("->")
+    if not sep or not a.strip() or not b.strip():
+        raise ValueError(f"--staged-layouts: {text!r} is not 'trainer->generator' (e.g. '{DEFAULT_STAGED}')")
+    return Topology.parse(a.strip()), Topology.parse(b.strip())
+
+
 def check_run_args(args: argparse.Namespace) -> None:
     """The options ``bench`` and ``bench-gpu`` share: ``--repeats``, ``--bucket-mb``, ``--probe-mb``."""
     if args.repeats < 1:
@@ -200,10 +241,25 @@ def run_bench(args: argparse.Namespace) -> int:
     from realloc.spec import load_spec as load_model
 
     spec = load_model(args.model)
-    transitions = parse_transitions(args.transitions, args.src, args.dst)
+    if args.staged_only and args.no_staged:
+        raise ValueError("--staged-only and --no-staged exclude each other")
+    if args.staged_only and (args.transitions is not None or args.src or args.dst):
+        raise ValueError("--staged-only times no transitions: drop --transitions/--src/--dst")
+    transitions = [] if args.staged_only else parse_transitions(args.transitions, args.src, args.dst)
     for a, b in transitions:
         a.check(spec)
         b.check(spec)
+    staged = None if args.no_staged else parse_staged(args.staged_layouts)
+    if staged is not None:
+        for t in staged:
+            t.check(spec)
+        if transitions and sum(t.world_size for t in staged) > transitions[0][0].world_size:
+            raise ValueError(
+                f"--staged-layouts {staged[0]} -> {staged[1]} needs {sum(t.world_size for t in staged)} actors; "
+                f"the bench's transitions run on {transitions[0][0].world_size} (or use --staged-only)"
+            )
+        if args.staged_calls < 1:
+            raise ValueError(f"--staged-calls must be at least 1, got {args.staged_calls}")
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
     check_run_args(args)
@@ -231,6 +287,8 @@ def run_bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             resident=not args.no_resident,
             memory_check=not args.no_memory_check,
+            staged=staged,
+            staged_calls=args.staged_calls,
         )
     if args.json:
         print(json.dumps(report))
@@ -242,11 +300,12 @@ def run_bench(args: argparse.Namespace) -> int:
 def exit_status(report: dict, strict: bool = False) -> int:
     """1 when a method's destination shards were wrong or ours did not finish (``verified``);
     with ``strict`` also when a baseline failed or was skipped or cut short for memory in some
-    direction; else 0. Without ``strict`` such a baseline is in the report (``baseline_failures``,
+    direction, or the staged measurement was skipped for memory; else 0. Without ``strict`` such a baseline is in the report (``baseline_failures``,
     ``baseline_skips``) but the run, whose own figures are complete, succeeds."""
     if not all(report["verified"].values()):
         return 1
-    return 1 if strict and not report.get("baselines_complete", True) else 0
+    incomplete = not report.get("baselines_complete", True) or "skipped" in report.get("staged", {})
+    return 1 if strict and incomplete else 0
 
 
 _T0 = time.perf_counter()
@@ -318,15 +377,20 @@ def bench(
     seed: int = 0,
     resident: bool = True,
     memory_check: bool = True,
+    staged: tuple[Topology, Topology] | None = None,
+    staged_calls: int = STAGED_IDLE_CALLS,
 ) -> dict:
-    """Run the whole benchmark (both directions of every transition, one set of actors);
-    returns the report (see ``docs/benchmarks.md``). ``memory_check``: skip a baseline whose
-    estimated peak the node cannot take (on a local Ray only: a cluster's nodes are not this
-    machine)."""
-    from actors.group import ModelGroup
-
+    """Run the whole benchmark (both directions of every transition, one set of actors; then,
+    with ``staged`` (trainer and generator topologies), the staged-update measurement on two
+    groups of their own); returns the report (see ``docs/benchmarks.md``). ``memory_check``:
+    skip a baseline (or the staged measurement) whose estimated peak the node cannot take (on a
+    local Ray only: a cluster's nodes are not this machine). No ``transitions``: the staged
+    measurement alone."""
     started = time.perf_counter()
-    workers = transitions[0][0].world_size
+    if not transitions and staged is None:
+        raise ValueError("nothing to run: no transitions and no staged measurement")
+    staged_workers = sum(t.world_size for t in staged) if staged is not None else 0
+    workers = transitions[0][0].world_size if transitions else staged_workers
     per_node = -(-workers // nodes)
     store_bytes = max(512 * MB, 3 * spec.total_bytes() + 256 * MB)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -335,6 +399,7 @@ def bench(
         "model_bytes": spec.total_bytes(),
         "workers": workers,
         "transitions": [f"{a} -> {b}" for a, b in transitions],
+        "staged_only": not transitions,
         "bucket_bytes": bucket_bytes,
         "repeats": repeats,
         "baseline_repeats": baseline_repeats,
@@ -342,114 +407,169 @@ def bench(
     }
     with ray_for_command(address, nodes, per_node, store_bytes) as where:
         _log(
-            f"{spec.name} ({spec.total_bytes() / 1e9:.2f} GB), {len(transitions)} transitions on {workers} actors; "
-            f"{where}"
+            f"{spec.name} ({spec.total_bytes() / 1e9:.2f} GB), {len(transitions)} transitions on {workers} actors"
+            f"{', then the staged measurement' if staged is not None else ''}; {where}"
         )
-        group = ModelGroup.create(spec, transitions[0][0], name="bench", bucket_bytes=bucket_bytes, timeout_s=900)
-        _log("actors started")
-        try:
-            report["nodes"] = group.placement.num_nodes
-            report["machine"] = {
-                "cores": cores,
-                "cpu": _cpu_model(),
-                "ram_bytes": _ram_bytes(),
-                "load_average_at_start": _loadavg(),
-                "torch": torch.__version__,
-                "ray": __import__("ray").__version__,
-                "where": where,
-            }
-            batch = max(1, min(cores, workers))  # synthetic_box needs ~3x a slot in temporaries
-            t = time.perf_counter()
-            group.init_synthetic(seed)
-            _log(f"synthetic weights written in {time.perf_counter() - t:.1f}s")
-            layouts = _Layouts(group, verify, seed, batch)
-            layouts.record()
-
-            # One warm-up round trip (forms the process group; verified) before the probes.
-            src, dst = transitions[0]
-            t = time.perf_counter()
-            group.reallocate(dst)
-            report["first_seconds_with_world_setup"] = time.perf_counter() - t
-            ours_ok = layouts.check()
-            group.reallocate(src)
-            ours_ok &= layouts.check()
-            group.run(_warm_imports, writes=False)  # the baselines' imports (DCP: seconds per actor) are not their cost
-            open_default_group(group)  # the baselines run on the trainer's own default group, as users' do
-            report["transport"] = measure_transport(group, probe_bytes, cores)
-            _log(
-                "transport: "
-                + ", ".join(f"{k} {v:.3f}" for k, v in report["transport"].items() if k.endswith("gbps"))
-                + " GB/s"
+        report["machine"] = {
+            "cores": cores,
+            "cpu": _cpu_model(),
+            "ram_bytes": _ram_bytes(),
+            "load_average_at_start": _loadavg(),
+            "torch": torch.__version__,
+            "ray": __import__("ray").__version__,
+            "where": where,
+        }
+        if transitions:
+            _bench_moves(
+                report,
+                spec,
+                transitions,
+                address=address,
+                bucket_bytes=bucket_bytes,
+                repeats=repeats,
+                baseline_repeats=baseline_repeats,
+                baselines=baselines,
+                verify=verify,
+                probe_bytes=probe_bytes,
+                seed=seed,
+                resident=resident,
+                memory_check=memory_check,
+                cores=cores,
             )
-
-            directions: list[dict] = []
-            sampler = _MemorySampler([info["pid"] for info in group.infos] if address is None else None)
-            memory = _MemoryGuard(sampler, memory_check and address is None, injected_faults())
-            report["memory"] = memory.describe()
-            try:
-                with sampler:
-                    for i, (src, dst) in enumerate(transitions):
-                        ours_ok &= _bench_transition(
-                            group,
-                            layouts,
-                            i,
-                            src,
-                            dst,
-                            repeats,
-                            baseline_repeats,
-                            baselines,
-                            verify,
-                            seed,
-                            report["transport"],
-                            cores,
-                            directions,
-                            memory,
-                        )
-            except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed an actor: keep what finished
-                report["error"] = f"{type(err).__name__}: {err}"[:2000]
-                layouts.failures.append(f"stopped after {len(directions)} directions: {report['error'][:200]}")
-                _log(f"stopped: {report['error'][:300]}")
-                if not directions:
-                    raise
-            report["directions"] = directions
-            if resident and directions and "error" not in report:
-                try:
-                    group.trim_memory()
-                    report["resident"], ok = _bench_resident(group, layouts, *transitions[0], repeats, directions[:2])
-                    ours_ok &= ok
-                except Exception as err:  # noqa: BLE001 - the directions' figures stand without it
-                    report["resident_error"] = f"{type(err).__name__}: {err}"[:2000]
-                    layouts.failures.append(f"resident loop: {report['resident_error'][:200]}")
-                    _log(f"resident loop failed: {report['resident_error'][:300]}")
-                    with contextlib.suppress(Exception):
-                        group.release_resident()
-                    try:
-                        recover_group(group, layouts, seed)
-                    except Exception as err2:  # noqa: BLE001
-                        report["error"] = f"after the resident loop failed: {type(err2).__name__}: {err2}"[:2000]
-            deferred = [n for n in baselines if n in DEFERRED_BASELINES]
-            if deferred and directions and "error" not in report:
-                try:
-                    with sampler:
-                        ours_ok &= _run_deferred(
-                            group, layouts, transitions, directions, deferred, baseline_repeats, verify, seed, memory
-                        )
-                except Exception as err:  # noqa: BLE001 - keep what finished
-                    report["error"] = f"{type(err).__name__}: {err}"[:2000]
-                    layouts.failures.append(f"stopped in the deferred baselines: {report['error'][:200]}")
-                    _log(f"stopped: {report['error'][:300]}")
-            for d in directions:  # a deferred baseline the run never reached
-                for n in deferred:
-                    if not any(n in d.get(k, {}) for k in ("baselines", "baselines_skipped", "baselines_failed")):
-                        d.setdefault("baselines_skipped", {})[n] = "not run: the bench stopped before it"
-            report["memory"]["peak_used_bytes"] = sampler.peak_used  # while baselines and ours' directions ran
-            _summarise(report, directions, ours_ok, layouts.failures)
-        finally:
-            group.shutdown()
+        if staged is not None:
+            report["staged"] = _run_staged(
+                spec,
+                *staged,
+                bucket_bytes=bucket_bytes,
+                repeats=repeats,
+                calls=staged_calls,
+                seed=seed,
+                memory_check=memory_check and address is None,
+                local=address is None,
+            )
+            report.setdefault("verified", {})["staged"] = report["staged"].get("verified", True)
+            if transitions:
+                report["goals"]["staged_pause_at_commit_10ms"] = report["staged"].get("goal", {}).get("met")
     report["total_seconds"] = time.perf_counter() - started
     if "machine" in report:
         report["machine"]["load_average_at_end"] = _loadavg()
     return report
+
+
+def _bench_moves(
+    report: dict,
+    spec,
+    transitions: list[tuple[Topology, Topology]],
+    *,
+    address: str | None,
+    bucket_bytes: int,
+    repeats: int,
+    baseline_repeats: int,
+    baselines: Sequence[str],
+    verify: str,
+    probe_bytes: int,
+    seed: int,
+    resident: bool,
+    memory_check: bool,
+    cores: int,
+) -> None:
+    """The moves (every transition both ways, the baselines, the probes, the resident loop) on
+    one group of the transitions' actors, into ``report``; the group is shut down after."""
+    from actors.group import ModelGroup
+
+    workers = transitions[0][0].world_size
+    group = ModelGroup.create(spec, transitions[0][0], name="bench", bucket_bytes=bucket_bytes, timeout_s=900)
+    _log("actors started")
+    try:
+        report["nodes"] = group.placement.num_nodes
+        batch = max(1, min(cores, workers))  # synthetic_box needs ~3x a slot in temporaries
+        t = time.perf_counter()
+        group.init_synthetic(seed)
+        _log(f"synthetic weights written in {time.perf_counter() - t:.1f}s")
+        layouts = _Layouts(group, verify, seed, batch)
+        layouts.record()
+
+        # One warm-up round trip (forms the process group; verified) before the probes.
+        src, dst = transitions[0]
+        t = time.perf_counter()
+        group.reallocate(dst)
+        report["first_seconds_with_world_setup"] = time.perf_counter() - t
+        ours_ok = layouts.check()
+        group.reallocate(src)
+        ours_ok &= layouts.check()
+        group.run(_warm_imports, writes=False)  # the baselines' imports (DCP: seconds per actor) are not their cost
+        open_default_group(group)  # the baselines run on the trainer's own default group, as users' do
+        report["transport"] = measure_transport(group, probe_bytes, cores)
+        _log(
+            "transport: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in report["transport"].items() if k.endswith("gbps"))
+            + " GB/s"
+        )
+
+        directions: list[dict] = []
+        sampler = _MemorySampler([info["pid"] for info in group.infos] if address is None else None)
+        memory = _MemoryGuard(sampler, memory_check and address is None, injected_faults())
+        report["memory"] = memory.describe()
+        try:
+            with sampler:
+                for i, (src, dst) in enumerate(transitions):
+                    ours_ok &= _bench_transition(
+                        group,
+                        layouts,
+                        i,
+                        src,
+                        dst,
+                        repeats,
+                        baseline_repeats,
+                        baselines,
+                        verify,
+                        seed,
+                        report["transport"],
+                        cores,
+                        directions,
+                        memory,
+                    )
+        except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed an actor: keep what finished
+            report["error"] = f"{type(err).__name__}: {err}"[:2000]
+            layouts.failures.append(f"stopped after {len(directions)} directions: {report['error'][:200]}")
+            _log(f"stopped: {report['error'][:300]}")
+            if not directions:
+                raise
+        report["directions"] = directions
+        if resident and directions and "error" not in report:
+            try:
+                group.trim_memory()
+                report["resident"], ok = _bench_resident(group, layouts, *transitions[0], repeats, directions[:2])
+                ours_ok &= ok
+            except Exception as err:  # noqa: BLE001 - the directions' figures stand without it
+                report["resident_error"] = f"{type(err).__name__}: {err}"[:2000]
+                layouts.failures.append(f"resident loop: {report['resident_error'][:200]}")
+                _log(f"resident loop failed: {report['resident_error'][:300]}")
+                with contextlib.suppress(Exception):
+                    group.release_resident()
+                try:
+                    recover_group(group, layouts, seed)
+                except Exception as err2:  # noqa: BLE001
+                    report["error"] = f"after the resident loop failed: {type(err2).__name__}: {err2}"[:2000]
+        deferred = [n for n in baselines if n in DEFERRED_BASELINES]
+        if deferred and directions and "error" not in report:
+            try:
+                with sampler:
+                    ours_ok &= _run_deferred(
+                        group, layouts, transitions, directions, deferred, baseline_repeats, verify, seed, memory
+                    )
+            except Exception as err:  # noqa: BLE001 - keep what finished
+                report["error"] = f"{type(err).__name__}: {err}"[:2000]
+                layouts.failures.append(f"stopped in the deferred baselines: {report['error'][:200]}")
+                _log(f"stopped: {report['error'][:300]}")
+        for d in directions:  # a deferred baseline the run never reached
+            for n in deferred:
+                if not any(n in d.get(k, {}) for k in ("baselines", "baselines_skipped", "baselines_failed")):
+                    d.setdefault("baselines_skipped", {})[n] = "not run: the bench stopped before it"
+        report["memory"]["peak_used_bytes"] = sampler.peak_used  # while baselines and ours' directions ran
+        _summarise(report, directions, ours_ok, layouts.failures)
+    finally:
+        group.shutdown()
 
 
 #: Untimed round trips of ours before a transition's timed ones. The first moves of a new layout
@@ -592,6 +712,406 @@ def _bench_resident(
 def _training_step(ctx) -> None:
     """Stands for an optimizer step in the bench's resident loop (``group.run`` counts it as a
     change of the weights); it writes nothing, so the verified digests still hold."""
+
+
+# -- staged updates: a generator serving while the trainer's weights arrive -----------------------
+
+
+def staged_memory_estimate(spec, trainer: Topology, generator: Topology, bucket_bytes: int) -> dict:
+    """Node memory the staged measurement takes at its peak (its own two groups; the moves'
+    group is gone by then): ``{"bytes", "terms"}``. The trainer's layout; four sets of the
+    generator's (serving, the shadow set kept between updates, the stop-the-world copy's fresh
+    destination, and the set it replaces, kept as its rollback or spare); the trainer's move into
+    the generator's layout for the final check; two buckets of staging per worker. (bench-1gb,
+    2026-11-24: 8.20 GB; the node's used memory rose by 7.64 and 7.30 GB at its peak in two runs,
+    the first above the estimate of that run, which counted three generator sets: 7.18.)"""
+    t, g = Layout(spec, trainer), Layout(spec, generator)
+    gen_bytes = sum(g.rank_bytes(r) for r in range(generator.world_size))
+    terms = {
+        "trainer_bytes": sum(t.rank_bytes(r) for r in range(trainer.world_size)),
+        "generator_sets_bytes": 4 * gen_bytes,
+        "trainer_check_bytes": gen_bytes,
+        "staging_bytes": 2 * bucket_bytes * (trainer.world_size + generator.world_size),
+    }
+    return {"bytes": sum(terms.values()), "terms": terms}
+
+
+def latency_summary(seconds: Sequence[float]) -> dict:
+    """``calls``, ``median_seconds``, ``p99_seconds`` (nearest rank: below 100 calls, the slowest)
+    and ``max_seconds`` of call latencies (``None`` without calls)."""
+    s = sorted(seconds)
+    if not s:
+        return {"calls": 0, "median_seconds": None, "p99_seconds": None, "max_seconds": None}
+    return {
+        "calls": len(s),
+        "median_seconds": statistics.median(s),
+        "p99_seconds": s[max(0, math.ceil(0.99 * len(s)) - 1)],
+        "max_seconds": s[-1],
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _generator_cls() -> type:
+    """The staged measurement's generator worker class (defined on first use: ``actors`` imports
+    Ray; Ray ships the class to the workers by value)."""
+    from actors.worker import ShardWorker
+
+    class BenchGenerator(ShardWorker):
+        """One cheap read-only method, and no ``on_shards_changed`` hook: a commit's pause has no
+        hook time in it."""
+
+        def probe(self) -> tuple[int, int]:
+            """``(weight version served, CRC32 of this rank's smallest non-empty slot)``: what a
+            generation call reads, for a few microseconds of work (the latency is the call path's)."""
+            ctx = self.context()
+            slot = min((s for s, t in ctx.tensors.items() if t.numel()), key=lambda s: (ctx.tensors[s].numel(), s))
+            return ctx.version, _crc(ctx.tensors[slot])
+
+    return BenchGenerator
+
+
+def _bump_weights(ctx) -> None:
+    """The staged measurement's training step: every real element of the trainer's shards + 1
+    (padding stays zero; every dp replica does the same), so each update brings other bytes."""
+    for view in ctx.views().values():
+        view.add_(1)
+
+
+class _Caller:
+    """A driver thread calling the generator's ``probe`` back to back with ``writes=False`` (as
+    a generation server would): each call's ``(start, end, result)`` on the driver's clock."""
+
+    def __init__(self, gen):
+        import threading
+
+        self.gen, self.calls, self.error = gen, [], None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-caller", daemon=True)
+
+    def __enter__(self) -> _Caller:  # noqa: PYI034
+        self._thread.start()
+        self.wait_calls(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=300)
+        if self.error is not None and exc[0] is None:
+            raise RuntimeError(f"generator call failed: {type(self.error).__name__}: {self.error}") from self.error
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                out = self.gen.call("probe", writes=False)
+                self.calls.append((t, time.perf_counter(), out))
+        except Exception as err:  # noqa: BLE001 - raised on the driver's thread by __exit__
+            self.error = err
+
+    def wait_calls(self, n: int, after: float = -math.inf, timeout_s: float = 300.0) -> None:
+        """Until ``n`` calls that started at or after ``after`` have returned."""
+        deadline = time.monotonic() + timeout_s
+        while sum(1 for s, _, _ in list(self.calls) if s >= after) < n:
+            if self.error is not None:
+                raise RuntimeError(f"generator call failed: {type(self.error).__name__}: {self.error}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the generator answered fewer than {n} calls in {timeout_s:.0f}s")
+            time.sleep(0.002)
+
+
+def _check_served(calls: list, begin: float, end: float, before, after, what: str, failures: list[str]) -> None:
+    """Calls that ended before ``begin`` served ``before``, calls that started after ``end``
+    served ``after``, and calls overlapping ``[begin, end]`` one of the two on every rank alike
+    (never a mix of versions across the generator's workers)."""
+    for s, e, out in calls:
+        want = [before] if e <= begin else [after] if s >= end else [before, after]
+        if out not in want:
+            failures.append(f"{what}: a call from {s - begin:+.3f}s to {e - begin:+.3f}s served {out}, not {want}")
+            return
+
+
+def _staged_round(trainer, gen, before_digests: list, failures: list[str], label: str) -> tuple[dict, list, list]:
+    """One training step, one staged update committed while the caller runs, then one
+    stop-the-world ``copy_to`` while the caller runs: the round's figures, the latencies of the
+    calls that ran during the staging, and the generator's digests at the end."""
+    trainer.run(_bump_weights)  # a training step: every weight changes (the trainer's version too)
+    served_before = gen.call("probe", writes=False)
+    with _Caller(gen) as caller:
+        t0 = time.perf_counter()
+        update = trainer.copy_to(gen, stage=True)
+        stats = update.wait()
+        t1 = time.perf_counter()
+        update.commit()
+        t2 = time.perf_counter()
+        caller.wait_calls(STAGED_CALLS_AFTER, after=t2)
+    staged_calls = caller.calls
+    generator_version = gen.version
+    served_after = gen.call("probe", writes=False)
+    staged_digests = _digests_of_group(gen)
+    with _Caller(gen) as caller:
+        t3 = time.perf_counter()
+        stw = trainer.copy_to(gen)
+        t4 = time.perf_counter()
+        caller.wait_calls(STAGED_CALLS_AFTER, after=t4)
+    stw_calls = caller.calls
+    served_stw = gen.call("probe", writes=False)
+    stw_digests = _digests_of_group(gen)
+
+    n = len(failures)
+    _check_served(staged_calls, t1, t2, served_before, served_after, f"{label} staged update", failures)
+    _check_served(stw_calls, t3, t4, served_after, served_stw, f"{label} stop-the-world copy", failures)
+    if any(v != update.version for v, _ in served_after):
+        failures.append(f"{label}: after the commit the generator served versions {served_after}, not {update.version}")
+    if any(a[1] == b[1] for a, b in zip(served_before, served_after)):
+        failures.append(f"{label}: a generator worker served the same bytes before and after the commit")
+    if [c for _, c in served_stw] != [c for _, c in served_after] or any(v != stw.version for v, _ in served_stw):
+        failures.append(f"{label}: after the stop-the-world copy the generator served {served_stw}")
+    if any(a == b for a, b in zip(before_digests, staged_digests)):
+        failures.append(f"{label}: a generator worker's shards did not change with the staged update")
+    if staged_digests != stw_digests:
+        failures.append(f"{label}: the staged update and the stop-the-world copy left different shards")
+
+    during = [e - s for s, e, _ in staged_calls if s >= t0 and e <= t1]
+    commit = [e - s for s, e, _ in staged_calls if s < t2 and e > t1]
+    # How long the commit kept calls out: from the end of the call it waited for (one in flight
+    # when it began, served before it; none: from its start) to its return.
+    waited_for = [e for s, e, _ in staged_calls if s < t1 < e <= t2]
+    blocking = t2 - max([t1, *waited_for])
+    blocked = [e - s for s, e, _ in stw_calls if s < t4 and e > t3]
+    out = {
+        "staging_wall_seconds": t1 - t0,
+        "transfer_seconds": stats.seconds,
+        "transfer_gbps": stats.gbps,
+        "calls_during_staging": latency_summary(during),
+        "pause_seconds": update.pause_seconds,
+        "commit_wall_seconds": t2 - t1,
+        "commit_blocking_seconds": blocking,
+        "calls_overlapping_commit": len(commit),
+        "overlapping_commit_call_max_seconds": max(commit, default=None),
+        "stop_the_world_seconds": t4 - t3,
+        "calls_overlapping_stop_the_world": len(blocked),
+        "overlapping_stop_the_world_call_max_seconds": max(blocked, default=None),
+        "shadow_bytes_per_actor": stats.shadow_bytes_per_actor,
+        "version": {
+            "trainer": trainer.version,
+            "update": update.version,
+            "stats": stats.version,
+            "generator_after_commit": generator_version,
+            "served_before": sorted({v for v, _ in served_before}),
+            "served_after_commit": sorted({v for v, _ in served_after}),
+            "after_stop_the_world": stw.version,
+        },
+        "staged_stats": stats.as_dict(),
+        "stop_the_world_stats": stw.as_dict(),
+        "verified": len(failures) == n,
+    }
+    _log(
+        f"staged {label}: staging {t1 - t0:.3f}s ({stats.seconds:.3f}s transfer, {stats.gbps:.2f} GB/s, "
+        f"{len(during)} calls served, median {_ms(out['calls_during_staging']['median_seconds'])}); commit "
+        f"pause {update.pause_seconds * 1e3:.2f} ms (calls kept out {blocking * 1e3:.2f} ms, wall "
+        f"{(t2 - t1) * 1e3:.2f} ms, calls overlapping it "
+        f"max {_ms(out['overlapping_commit_call_max_seconds'])}); stop-the-world copy {t4 - t3:.3f}s; "
+        f"{'ok' if out['verified'] else failures[n:]}"
+    )
+    return out, during, stw_digests
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def _bench_staged(
+    spec,
+    trainer_topo: Topology,
+    gen_topo: Topology,
+    *,
+    bucket_bytes: int,
+    repeats: int,
+    calls: int,
+    seed: int,
+    memory_check: bool,
+    local: bool,
+) -> dict:
+    """The staged-update measurement (docs/benchmarks.md, "Staged updates"): a trainer group and
+    a generator group on actors of their own; ``calls`` generator calls while idle; one untimed
+    round (forms the staged world and the copies' world, touches the shadow set's pages), then
+    ``repeats`` rounds of :func:`_staged_round`; finally the trainer moves into the generator's
+    layout and its digests must equal the generator's."""
+    import psutil
+
+    from actors.group import ModelGroup
+
+    started = time.perf_counter()
+    out: dict[str, Any] = {
+        "trainer": str(trainer_topo),
+        "generator": str(gen_topo),
+        "trainer_actors": trainer_topo.world_size,
+        "generator_actors": gen_topo.world_size,
+        "repeats": repeats,
+        "idle_calls": calls,
+        "generator_call": "ModelGroup.call('probe', writes=False) from a driver thread, back to back: the "
+        "weight version served and the CRC32 of each worker's smallest slot",
+        "hook": None,
+        "pause_target_seconds": STAGED_PAUSE_TARGET_SECONDS,
+    }
+    estimate = staged_memory_estimate(spec, trainer_topo, gen_topo, bucket_bytes)
+    out["memory"] = {"checked": memory_check, "estimate_bytes": estimate["bytes"], "estimate_terms": estimate["terms"]}
+    if memory_check:
+        vm = psutil.virtual_memory()
+        fits, budget, why = memory_fit(estimate["bytes"], vm.available, vm.total)
+        out["memory"]["budget_bytes"] = budget
+        if not fits:
+            out["skipped"] = f"skipped: {why}"
+            _log(f"staged measurement {out['skipped']}")
+            return out
+    trainer = ModelGroup.create(spec, trainer_topo, name="bench-trainer", bucket_bytes=bucket_bytes, timeout_s=900)
+    gen = None
+    try:
+        gen = ModelGroup.create(
+            spec,
+            gen_topo,
+            name="bench-generator",
+            worker_cls=_generator_cls(),
+            bucket_bytes=bucket_bytes,
+            timeout_s=900,
+        )
+        tn, gn = set(trainer.placement.nodes), set(gen.placement.nodes)
+        out.update(nodes=len(tn | gn), trainer_nodes=len(tn), generator_nodes=len(gn), shared_nodes=len(tn & gn))
+        out["generator_bytes_per_actor"] = max(gen.layout.rank_bytes(r) for r in range(gen.num_workers))
+        sampler = _MemorySampler([i["pid"] for i in trainer.infos + gen.infos] if local else None)
+        failures: list[str] = []
+        with sampler, sampler.window() as window:
+            t = time.perf_counter()
+            trainer.init_synthetic(seed + 1)  # other weights than the generator's from the start
+            gen.init_synthetic(seed)
+            digests = _digests_of_group(gen)
+            _log(f"staged: {trainer_topo} -> {gen_topo}, synthetic weights written in {time.perf_counter() - t:.1f}s")
+            warm, _, digests = _staged_round(trainer, gen, digests, failures, "warm-up")
+            for _ in range(3):  # untimed: the path's own first calls
+                gen.call("probe", writes=False)
+            idle = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                gen.call("probe", writes=False)
+                idle.append(time.perf_counter() - t)
+            out["idle"] = latency_summary(idle)
+            _log(f"staged: {calls} idle calls, median {_ms(out['idle']['median_seconds'])}")
+            rounds, during = [], []
+            for i in range(repeats):
+                r, lat, digests = _staged_round(trainer, gen, digests, failures, f"{i + 1}/{repeats}")
+                rounds.append(r)
+                during += lat
+            trainer.reallocate(gen.layout)  # the check: the trainer's weights in the generator's layout
+            if _digests_of_group(trainer) != digests:
+                failures.append("the generator's shards differ from the trainer's in the generator's layout")
+        out["memory"].update(_window_json(window))
+    finally:
+        if gen is not None:
+            gen.shutdown()
+        trainer.shutdown()
+    pauses = [r["pause_seconds"] for r in rounds]
+    out["warm_up"] = {
+        k: warm[k]
+        for k in (
+            "staging_wall_seconds",
+            "transfer_seconds",
+            "pause_seconds",
+            "commit_wall_seconds",
+            "stop_the_world_seconds",
+        )
+    }
+    out["during_staging"] = {
+        **latency_summary(during),
+        "calls_per_update": [r["calls_during_staging"]["calls"] for r in rounds],
+        "staging_wall_median_seconds": statistics.median(r["staging_wall_seconds"] for r in rounds),
+        "transfer_median_seconds": statistics.median(r["transfer_seconds"] for r in rounds),
+        "transfer_gbps_median": statistics.median(r["transfer_gbps"] for r in rounds),
+        "bytes_inter_node": rounds[-1]["staged_stats"]["bytes_inter_node"],
+        "bytes_intra_node": rounds[-1]["staged_stats"]["bytes_intra_node"],
+        "bytes_local": rounds[-1]["staged_stats"]["bytes_local"],
+    }
+    out["commit"] = {
+        "pause_seconds": pauses,
+        "pause_median_seconds": statistics.median(pauses),
+        "pause_max_seconds": max(pauses),
+        "commit_wall_seconds": [r["commit_wall_seconds"] for r in rounds],
+        "blocking_seconds": [r["commit_blocking_seconds"] for r in rounds],
+        "blocking_median_seconds": statistics.median(r["commit_blocking_seconds"] for r in rounds),
+        "calls_overlapping": [r["calls_overlapping_commit"] for r in rounds],
+        "overlapping_call_max_seconds": max(
+            (r["overlapping_commit_call_max_seconds"] for r in rounds if r["calls_overlapping_commit"]), default=None
+        ),
+    }
+    walls = [r["stop_the_world_seconds"] for r in rounds]
+    out["stop_the_world"] = {
+        "seconds": walls,
+        "median_seconds": statistics.median(walls),
+        "transfer_median_seconds": statistics.median(r["stop_the_world_stats"]["seconds"] for r in rounds),
+        "overlapping_call_max_seconds": max(
+            (r["overlapping_stop_the_world_call_max_seconds"] for r in rounds if r["calls_overlapping_stop_the_world"]),
+            default=None,
+        ),
+    }
+    out["shadow_bytes_per_actor"] = max(r["shadow_bytes_per_actor"] for r in rounds)
+    out["version"] = rounds[-1]["version"]
+    out["goal"] = {
+        "target_seconds": STAGED_PAUSE_TARGET_SECONDS,
+        "hook_seconds": None,  # no on_shards_changed hook in the bench's generator worker class
+        "met": max(pauses) <= STAGED_PAUSE_TARGET_SECONDS,
+        "met_by_median": statistics.median(pauses) <= STAGED_PAUSE_TARGET_SECONDS,
+    }
+    out["runs"] = rounds
+    out["failures"] = failures
+    out["verified"] = not failures
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def _run_staged(spec, trainer: Topology, generator: Topology, **kwargs: Any) -> dict:
+    """:func:`_bench_staged`, its failure recorded (``error``, ``verified`` false) rather than raised."""
+    try:
+        return _bench_staged(spec, trainer, generator, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the moves' figures stand without it
+        text = f"{type(err).__name__}: {err}"[:2000]
+        _log(f"staged measurement failed: {text[:300]}")
+        return {"trainer": str(trainer), "generator": str(generator), "error": text, "verified": False}
+
+
+def format_staged(s: dict) -> list[str]:
+    """The staged measurement's lines of :func:`format_report`."""
+    head = f"staged update, trainer {s['trainer']} -> generator {s['generator']}"
+    if "skipped" in s:
+        return [f"{head}: {s['skipped']}"]
+    if "error" in s:
+        return [f"{head}: FAILED: {s['error'][:300]}"]
+    idle, during, commit, stw, goal = s["idle"], s["during_staging"], s["commit"], s["stop_the_world"], s["goal"]
+
+    def lat(x: dict) -> str:
+        return f"median {_ms(x['median_seconds'])}, p99 {_ms(x['p99_seconds'])}, max {_ms(x['max_seconds'])}"
+
+    where = "on nodes of their own" if not s["shared_nodes"] else f"sharing {s['shared_nodes']} node(s)"
+    lines = [
+        f"{head} ({s['trainer_actors']} + {s['generator_actors']} actors {where}; {s['repeats']} updates after a "
+        f"warm-up; generator call 'probe' with writes=False, no hook)",
+        f"  calls idle: {lat(idle)} ({idle['calls']} calls)",
+        f"  calls during staging: {lat(during)} ({during['calls']} calls over {s['repeats']} updates); transfer "
+        f"{during['transfer_median_seconds']:.3f}s ({during['transfer_gbps_median']:.2f} GB/s), staging wall "
+        f"{during['staging_wall_median_seconds']:.3f}s; shadow set {s['shadow_bytes_per_actor'] / 1e6:.1f} MB per "
+        f"actor; version {s['version']['update']}",
+        f"  pause at commit: median {_ms(commit['pause_median_seconds'])}, max {_ms(commit['pause_max_seconds'])}; "
+        f"calls kept out median {_ms(commit['blocking_median_seconds'])}; calls overlapping the commit: max "
+        f"{_ms(commit['overlapping_call_max_seconds'])}; target "
+        f"<= {goal['target_seconds'] * 1e3:g} ms (no hook) {'met' if goal['met'] else 'NOT met'}"
+        + (
+            ""
+            if goal["met"] == goal["met_by_median"]
+            else f" (by the median: {'met' if goal['met_by_median'] else 'not met'})"
+        ),
+        f"  stop-the-world copy_to: median {stw['median_seconds']:.3f}s without a call served (calls overlapping "
+        f"it: max {_ms(stw['overlapping_call_max_seconds'])})",
+        f"  verified: {'yes' if s['verified'] else 'NO: ' + '; '.join(s['failures'])[:300]}",
+    ]
+    return lines
 
 
 def _direction(
@@ -943,6 +1463,15 @@ def lower_bound(plan, transport: dict, cores: int, workers: int) -> dict:
 
 
 def format_report(r: dict) -> str:
+    if r.get("staged_only"):
+        s = r.get("staged", {})
+        return "\n".join(
+            [
+                f"{r['model']} ({r['model_bytes'] / 1e9:.2f} GB), staged update only, {r['workers']} actors on "
+                f"{s.get('nodes', '?')} nodes, {r['machine']['cores']} cores; total {r['total_seconds']:.1f}s",
+                *format_staged(s),
+            ]
+        )
     names = list(r["baselines"])
     lines = [
         f"{r['model']} ({r['model_bytes'] / 1e9:.2f} GB) on {r['workers']} actors, {r['nodes']} nodes, "
@@ -1020,6 +1549,8 @@ def format_report(r: dict) -> str:
         lines.append(f"baseline {k['baseline']} on {d['src']} -> {d['dst']} {k['reason']}")
     if r.get("error"):
         lines.append(f"STOPPED EARLY after {len(r['directions'])} directions: {r['error'][:300]}")
+    if "staged" in r:
+        lines += format_staged(r["staged"])
     return "\n".join(lines)
 
 

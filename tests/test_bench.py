@@ -121,6 +121,12 @@ def test_bad_options_are_usage_errors(capsys):
     assert main(["bench", "--transitions", "dp=2;tp=2"]) == 2
     assert main(["bench", "--transitions", "all", "--src", "fsdp=8"]) == 2
     assert main(["bench", "--transitions", "dp=2->dp=2"]) == 2
+    assert main(["bench", "--staged-only", "--no-staged"]) == 2
+    assert main(["bench", "--staged-only", "--transitions", "default"]) == 2
+    assert main(["bench", "--staged-layouts", "dp=2"]) == 2
+    assert main(["bench", "--staged-calls", "0"]) == 2
+    assert main(["bench", "--staged-layouts", "dp=4,tp=2->tp=4"]) == 2  # 12 actors, the transitions have 8
+    assert "needs 12 actors" in capsys.readouterr().err
 
 
 def test_transitions():
@@ -185,7 +191,8 @@ def test_bench_tiny_end_to_end():
     report = json.loads(proc.stdout)
     assert REQUIRED <= set(report)
     assert set(report["baselines"]) == set(BASELINES) == set(report["speedup_vs"])
-    assert report["verified"] == {"ours": True, **{b: True for b in BASELINES}}
+    assert report["verified"] == {"ours": True, **{b: True for b in BASELINES}, "staged": True}
+    assert report["staged"]["verified"] and report["goals"]["staged_pause_at_commit_10ms"] in (True, False)
     assert report["bucket_bytes"] == 64 << 10
     assert (report["workers"], report["nodes"]) == (8, 2)
     ways = [(d["src"], d["dst"], d["way"]) for d in report["directions"]]
@@ -317,6 +324,7 @@ def test_bench_failing_baselines_keep_ours_results():
         "--bucket-mb",
         "0.0625",
         "--no-resident",
+        "--no-staged",
         "--strict",
     ]
     env = {**os.environ, "REALLOC_BENCH_FAULT": "broadcast:raise@0,driver:kill@1"}
@@ -337,3 +345,93 @@ def test_bench_failing_baselines_keep_ours_results():
     assert report["memory"]["baselines"]["driver"]["estimate_bytes"] > 0
     assert report["memory"]["baselines"]["broadcast"]["worker_rss_max_bytes"] > 0  # sampled while it ran
     assert report["speedup_vs"]["driver"] == forward["speedup_vs"]["driver"]
+
+
+def test_staged_pieces():
+    """The staged measurement's parts that need no Ray: its layouts option, its latency summary,
+    its memory estimate, and its report lines when it was skipped or failed."""
+    from realloc_tools.bench import format_staged, latency_summary, parse_staged, staged_memory_estimate
+
+    assert parse_staged(" dp=2,tp=2 -> tp=4 ") == (Topology(dp=2, tp=2), Topology(tp=4))
+    with pytest.raises(ValueError, match="trainer->generator"):
+        parse_staged("dp=2,tp=2")
+    lat = latency_summary([0.004, 0.001, 0.003, 0.002])
+    assert lat == {"calls": 4, "median_seconds": 0.0025, "p99_seconds": 0.004, "max_seconds": 0.004}
+    assert latency_summary([0.001] * 99 + [0.5])["p99_seconds"] == 0.001  # nearest rank: the 99th of 100
+    assert latency_summary([])["median_seconds"] is None
+    spec = ModelSpec.preset("tiny")
+    trainer, gen = Topology(dp=2, tp=2), Topology(tp=4)
+    est = staged_memory_estimate(spec, trainer, gen, bucket_bytes=1 << 20)
+    g = sum(Layout(spec, gen).rank_bytes(r) for r in range(4))
+    assert est["terms"] == {
+        "trainer_bytes": sum(Layout(spec, trainer).rank_bytes(r) for r in range(4)),
+        "generator_sets_bytes": 4 * g,
+        "trainer_check_bytes": g,
+        "staging_bytes": 2 * (1 << 20) * 8,
+    }
+    assert est["bytes"] == sum(est["terms"].values())
+    head = "staged update, trainer dp=2,tp=2,pp=1 -> generator dp=1,tp=4,pp=1"
+    assert format_staged({"trainer": str(trainer), "generator": str(gen), "skipped": "skipped: needs ~9 GB"}) == [
+        f"{head}: skipped: needs ~9 GB"
+    ]
+    assert format_staged({"trainer": str(trainer), "generator": str(gen), "error": "ReallocationError: boom"}) == [
+        f"{head}: FAILED: ReallocationError: boom"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_staged_only_tiny():
+    """``--staged-only``: a trainer (dp=2,tp=2) and a generator (tp=4) on 4 actors each, the
+    generator called (writes=False) while an update stages, commits and a stop-the-world copy
+    runs; every field of the report there, the generator's weights verified against the trainer's
+    (the figures are not checked: this is no timing test)."""
+    from realloc_tools.bench import format_report
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "realloc_tools.cli",
+        "bench",
+        "--model",
+        "tiny",
+        "--json",
+        "--staged-only",
+        "--repeats",
+        "2",
+        "--staged-calls",
+        "5",
+        "--bucket-mb",
+        "0.0625",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["staged_only"] and "directions" not in report
+    assert report["verified"] == {"staged": True}
+    s = report["staged"]
+    assert s["failures"] == [] and s["verified"]
+    assert (s["trainer"], s["generator"]) == (str(Topology(dp=2, tp=2)), str(Topology(tp=4)))
+    assert (s["trainer_actors"], s["generator_actors"], s["nodes"], s["hook"]) == (4, 4, 2, None)
+    assert s["idle"]["calls"] == 5 and s["idle"]["median_seconds"] > 0
+    for key in ("median_seconds", "p99_seconds", "max_seconds"):  # tiny stages fast: maybe no call during it
+        assert s["idle"][key] > 0 and (s["during_staging"][key] is None or s["during_staging"][key] > 0)
+    assert len(s["during_staging"]["calls_per_update"]) == 2 == len(s["runs"])
+    assert s["during_staging"]["bytes_inter_node"] + s["during_staging"]["bytes_intra_node"] > 0
+    assert len(s["commit"]["pause_seconds"]) == 2 and all(p > 0 for p in s["commit"]["pause_seconds"])
+    assert s["commit"]["pause_max_seconds"] == max(s["commit"]["pause_seconds"])
+    assert all(0 < b <= w for b, w in zip(s["commit"]["blocking_seconds"], s["commit"]["commit_wall_seconds"]))
+    assert s["goal"]["met"] == (s["commit"]["pause_max_seconds"] <= s["goal"]["target_seconds"] == 0.010)
+    assert len(s["stop_the_world"]["seconds"]) == 2 and s["stop_the_world"]["median_seconds"] > 0
+    assert s["shadow_bytes_per_actor"] == s["generator_bytes_per_actor"] > 0
+    v = s["version"]  # the update carries max(generator's + 1, trainer's); calls served it after the commit
+    assert (
+        v["update"] == v["stats"] == v["generator_after_commit"] == v["served_after_commit"][0] > v["served_before"][0]
+    )
+    assert v["after_stop_the_world"] == v["update"] + 1
+    assert s["memory"]["estimate_bytes"] > 0 and s["memory"]["peak_extra_bytes"] > 0
+    text = format_report(report)
+    assert "staged update, trainer dp=2,tp=2,pp=1 -> generator dp=1,tp=4,pp=1" in text
+    for part in ("calls idle: median", "calls during staging:", "pause at commit: median", "stop-the-world copy_to:"):
+        assert part in text, part
+    assert "verified: yes" in text
