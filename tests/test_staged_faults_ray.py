@@ -1,0 +1,489 @@
+"""Staged updates under real faults: the serving weights never change unless every worker switches.
+
+A staged update (actors/staged.py) moves new weights into a *shadow* set while the destination
+serves ``call(..., writes=False)``; a failure anywhere (a dead sender or receiver, a stopped
+worker past the deadline, a worker dying in the switch) must leave every live worker serving
+exactly what it served (or, in the switch, roll every live worker back), name the worker at
+fault, leak no shadow set (``stage_status()`` of every live worker shows no staged update) and
+leave the group ready for the next staged update, which then commits bit-exact.
+
+Real Ray actors on simulated nodes, real gloo, real faults: processes killed (``ray.kill``, a
+worker's own ``os._exit`` from ``inject_fault``), stopped (SIGSTOP). The trainer holds seed
+``NEW``'s synthetic weights, the generators seed ``OLD``'s.
+
+Two defects found here are kept as strict xfails (their reasons say what is wrong): a group whose
+update was committed at safe points with a dead worker cannot be repaired, and a fleet drops every
+idle replica on the update after a safe-point commit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from simulated import simulated_cluster
+
+from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
+from actors.remote import FAILURE_GRACE_S
+from realloc import ModelSpec, Topology
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+
+TINY = ModelSpec.preset("tiny")  # 4 layers, tied embedding, vocab 1001: ~1.6 MB of fp32
+OLD, NEW, NEXT = 1, 2, 3  # synthetic seeds: the generators' weights, the trainer's, a later trainer's
+#: The groups' timeout_s: it also bounds how long a survivor of a kill stays blocked in a gloo
+#: receive from the dead peer (its shadow set is dropped when that returns), so keep it short.
+TIMEOUT_S = 15.0
+SHORT_TIMEOUT_S = 8.0  # the stopped-worker case: the deadline under test
+#: The driver's own work around the waits on a loaded 2-core machine (planning, sending, the error).
+SLACK_S = 3.0
+#: Small buckets: a tp=2 -> tp=2 copy of the tiny model moves in hundreds of them per rank.
+BUCKET_BYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with simulated_cluster(nodes=2, cpus_per_node=4) as c:
+        yield c
+
+
+class Server(ShardWorker):
+    """A generation worker: what it serves (weight version, a digest of its tensors)."""
+
+    def digest(self) -> tuple[int, float]:
+        ctx = self.context()
+        return ctx.version, float(sum(t.double().abs().sum() for t in ctx.tensors.values()))
+
+
+def make(name: str, topology: str = "tp=2", seed: int | None = OLD, **kwargs) -> ModelGroup:
+    kwargs.setdefault("timeout_s", TIMEOUT_S)
+    kwargs.setdefault("bucket_bytes", BUCKET_BYTES)
+    kwargs.setdefault("zero_copy", False)  # every byte over the staged world's transport (buckets count)
+    g = ModelGroup.create(TINY, Topology.parse(topology), name=name, worker_cls=Server, **kwargs)
+    if seed is not None:
+        g.init_synthetic(seed)
+    return g
+
+
+def shut(*groups: ModelGroup | None) -> None:
+    for g in groups:
+        if g is not None:
+            g.shutdown()
+
+
+def boxes_of(group: ModelGroup, ranks) -> dict:
+    """Every box each of ``ranks`` serves, asked directly (works with a dead peer)."""
+    return {r: ray.get(group.actors[r].get_boxes.remote(), timeout=60) for r in ranks}
+
+
+def assert_same_boxes(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for r in before:
+        assert [(p, o, s) for p, o, s, _ in before[r]] == [(p, o, s) for p, o, s, _ in after[r]], f"rank {r}"
+        for (param, offsets, _, a), (_, _, _, b) in zip(before[r], after[r]):
+            assert torch.equal(a, b), f"rank {r}: {param} {offsets} changed"
+
+
+def stage_status(group: ModelGroup, rank: int) -> dict:
+    return ray.get(group.actors[rank].stage_status.remote(), timeout=30)
+
+
+def wait_until_unstaged(group: ModelGroup, ranks, timeout_s: float = TIMEOUT_S + 30) -> list[dict]:
+    """Poll ``stage_status`` (control thread) until none of ``ranks`` holds a staged update; a
+    worker still in the failed transfer drops its shadow set when the transfer returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [stage_status(group, r) for r in ranks]
+        if all(s["staged"] is None for s in states):
+            return states
+        assert time.monotonic() < deadline, f"shadow sets still held after {timeout_s:.0f}s: {states}"
+        time.sleep(0.2)
+
+
+def wait_until_staging(group: ModelGroup, rank: int, timeout_s: float = 60) -> None:
+    """Poll until ``rank`` has prepared its shadow set (it is in the staged transfer)."""
+    deadline = time.monotonic() + timeout_s
+    while stage_status(group, rank)["staged"] is None:
+        assert time.monotonic() < deadline, f"rank {rank} never started staging"
+        time.sleep(0.05)
+
+
+def pid_of(group: ModelGroup, rank: int) -> int:
+    return ray.get(group.actors[rank].info.remote(), timeout=60)["pid"]
+
+
+class Serving:
+    """A thread serving ``groups`` (``call("digest", writes=False)`` in a loop) until stopped;
+    every answer, and every failure, is kept."""
+
+    def __init__(self, groups, ranks=None):
+        self.groups, self.ranks = list(groups), ranks
+        self.answers: list[tuple[str, list]] = []
+        self.failures: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        while True:  # at least one round, however short the update
+            for g in self.groups:
+                try:
+                    self.answers.append((g.name, g.call("digest", writes=False, ranks=self.ranks)))
+                except BaseException as err:  # noqa: BLE001 - the test asserts there are none
+                    self.failures.append(err)
+            if self._stop.wait(0.02):
+                return
+
+    def __enter__(self) -> "Serving":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the serving thread hangs"
+
+    def seen(self, name: str) -> list[list]:
+        return [a for n, a in self.answers if n == name]
+
+    def wait_for_version(self, version: int, timeout_s: float = 60) -> None:
+        """Until the last answer of every group came from weight ``version`` on every worker."""
+        deadline = time.monotonic() + timeout_s
+        while not all((seen := self.seen(g.name)) and {v for v, _ in seen[-1]} == {version} for g in self.groups):
+            assert not self.failures, self.failures
+            assert time.monotonic() < deadline, f"not served in version {version} after {timeout_s:.0f}s"
+            time.sleep(0.05)
+
+
+def serves(group: ModelGroup, ranks=None) -> list[tuple[int, float]]:
+    return group.call("digest", writes=False, ranks=ranks)
+
+
+def assert_next_update_commits(trainer: ModelGroup, gen: ModelGroup, seed: int) -> None:
+    """The group takes a new staged update that commits bit-exact, and leaves nothing staged."""
+    version = max(gen.version + 1, trainer.version)
+    update = trainer.copy_to(gen, stage=True)
+    assert update.version == version
+    update.wait()
+    update.commit()
+    assert update.state == "committed" and gen.version == version
+    assert gen.verify_synthetic(seed) == {}
+    assert {v for v, _ in serves(gen)} == {version}
+    assert [stage_status(gen, r) for r in range(gen.num_workers)] == [
+        {"version": version, "staged": None} for _ in range(gen.num_workers)
+    ]
+
+
+# -- 1. a sender dies in the middle of the staged transfer ---------------------------------------
+
+
+def test_a_sender_killed_mid_staging_leaves_the_serving_weights_untouched(cluster):
+    trainer = gen = None
+    try:
+        trainer, gen = make("sf-send-train", seed=NEW), make("sf-send-gen")
+        served = serves(gen)  # every worker takes the group's version
+        before, version, layout = boxes_of(gen, range(2)), gen.version, gen.layout
+        victim = 1
+        ray.get(trainer.actors[victim].inject_fault.remote("exit_after_buckets", 3))
+        with Serving([gen]) as serving:
+            update = trainer.copy_to(gen, stage=True)
+            with pytest.raises(ReallocationError) as err:
+                update.wait()
+            time.sleep(0.3)  # the generator keeps serving after the failure too
+        assert serving.failures == [] and serving.answers
+        assert all(a == served for _, a in serving.answers)  # never anything but the old weights
+        message = str(err.value)
+        assert err.value.dead == [trainer.actor_names[victim]] and trainer.actor_names[victim] in message
+        assert "serving weights are untouched" in message and f"weight version {version}" in message
+        assert err.value.layout == str(layout)
+        assert update.state == "failed" and update.error is err.value
+        assert gen.version == version and gen.layout == layout
+        assert wait_until_unstaged(gen, range(2)) == [{"version": version, "staged": None}] * 2
+        assert_same_boxes(before, boxes_of(gen, range(2)))
+        assert serves(gen) == served
+        assert trainer.dead_workers() == [victim]
+        # The trainer repaired, the generator takes the next staged update.
+        assert trainer.replace_dead_workers() == [victim]
+        trainer.init_synthetic(NEXT)
+        assert_next_update_commits(trainer, gen, NEXT)
+    finally:
+        shut(trainer, gen)
+
+
+# -- 2. a receiver dies in the middle of the staged transfer -------------------------------------
+
+
+def test_a_receiver_killed_mid_staging_leaves_the_survivors_serving_the_old_weights(cluster):
+    trainer = gen = None
+    try:
+        trainer, gen = make("sf-recv-train", seed=NEW), make("sf-recv-gen")
+        served = serves(gen)
+        before, version, layout = boxes_of(gen, range(2)), gen.version, gen.layout
+        trainer_before = trainer.state_dict()
+        victim, survivor = 1, 0
+        ray.get(gen.actors[victim].inject_fault.remote("stall", 60))  # held inside its staged transfer
+        with Serving([gen], ranks=[survivor]) as serving:
+            update = trainer.copy_to(gen, stage=True)
+            wait_until_staging(gen, victim)
+            ray.kill(gen.actors[victim])
+            with pytest.raises(ReallocationError) as err:
+                update.wait()
+            time.sleep(0.3)
+        assert serving.failures == [] and serving.answers
+        assert all(a == served[survivor : survivor + 1] for _, a in serving.answers)
+        message = str(err.value)
+        assert err.value.dead == [gen.actor_names[victim]] and gen.actor_names[victim] in message
+        assert "serving weights are untouched" in message
+        assert update.state == "failed" and gen.version == version and gen.layout == layout
+        assert wait_until_unstaged(gen, [survivor]) == [{"version": version, "staged": None}]
+        assert_same_boxes({survivor: before[survivor]}, boxes_of(gen, [survivor]))
+        assert serves(gen, [survivor]) == served[survivor : survivor + 1]
+        # the source was only read
+        after = trainer.state_dict()
+        assert all(torch.equal(trainer_before[k], after[k]) for k in trainer_before)
+        assert trainer.verify_synthetic(NEW) == {}
+        # Replaced (zeroed), the generator is made whole again by the next staged update.
+        assert gen.replace_dead_workers() == [victim]
+        assert_next_update_commits(trainer, gen, NEW)
+    finally:
+        shut(trainer, gen)
+
+
+# -- 3. a worker dies in the switch: every live worker rolls back ---------------------------------
+
+
+def test_a_worker_killed_in_the_switch_rolls_every_live_worker_back(cluster):
+    trainer = gen = None
+    try:
+        trainer, gen = make("sf-switch-train", seed=NEW), make("sf-switch-gen")
+        served = serves(gen)
+        before, version, layout = boxes_of(gen, range(2)), gen.version, gen.layout
+        victim, survivor = 1, 0
+        update = trainer.copy_to(gen, stage=True)
+        update.wait()
+        assert update.state == "staged"
+        assert [stage_status(gen, r)["staged"]["ready"] for r in range(2)] == [True, True]
+        ray.get(gen.actors[victim].inject_fault.remote("exit_in_switch", 0))
+        with pytest.raises(ReallocationError) as err:
+            update.commit()
+        message = str(err.value)
+        assert err.value.dead == [gen.actor_names[victim]] and gen.actor_names[victim] in message
+        assert "Rolled back" in message and f"serves version {version}" in message
+        assert err.value.layout == str(layout)
+        assert update.state == "failed" and gen.version == version and gen.layout == layout
+        assert gen._staged is None  # the group takes changes again
+        assert stage_status(gen, survivor) == {"version": version, "staged": None}
+        assert_same_boxes({survivor: before[survivor]}, boxes_of(gen, [survivor]))
+        assert serves(gen, [survivor]) == served[survivor : survivor + 1]
+        assert gen.replace_dead_workers() == [victim]
+        assert_next_update_commits(trainer, gen, NEW)
+    finally:
+        shut(trainer, gen)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "after commit(at='safe_point') with a dead worker the group cannot be repaired: "
+        "replace_dead_workers() -> ModelGroup._exclusive -> _enter_change (actors/group.py) -> "
+        "StagedUpdate.finish_switch (actors/staged.py) gathers stage_switch on every worker, the dead one "
+        "included, raises, and never ends the stage (group._staged stays the committed update), so every "
+        "later change, replace_dead_workers() included, fails the same way; a new staged update fails in "
+        "_begin_stage (stage_status of the dead worker)"
+    ),
+)
+def test_a_worker_killed_while_armed_at_safe_points_leaves_a_group_that_can_be_repaired(cluster):
+    trainer = gen = None
+    try:
+        trainer, gen = make("sf-arm-train", seed=NEW), make("sf-arm-gen")
+        serves(gen)
+        victim, survivor = 1, 0
+        update = trainer.copy_to(gen, stage=True)
+        update.wait()
+        ray.kill(gen.actors[victim])
+        with pytest.raises(ReallocationError) as err:
+            update.commit(at="safe_point")
+        # documented: the decision stands, the dead worker is named, the live ones still switch
+        assert err.value.dead == [gen.actor_names[victim]] and "Committed" in str(err.value)
+        assert update.state == "committed" and gen.version == update.version
+        # ... and the error's advice (replace the dead worker) works
+        assert gen.replace_dead_workers() == [victim]
+        assert stage_status(gen, survivor)["version"] == update.version  # it switched, as committed
+        assert_next_update_commits(trainer, gen, NEW)
+    finally:
+        shut(trainer, gen)
+
+
+# -- 4. a stopped worker: the update fails within its deadline and its grace ---------------------
+
+
+def test_a_stopped_receiver_fails_the_staging_within_timeout_plus_the_grace(cluster):
+    trainer = gen = None
+    pid = None
+    try:
+        trainer = make("sf-stop-train", seed=NEW, timeout_s=SHORT_TIMEOUT_S)
+        gen = make("sf-stop-gen", timeout_s=SHORT_TIMEOUT_S)
+        served = serves(gen)
+        before, version, layout = boxes_of(gen, range(2)), gen.version, gen.layout
+        victim, survivor = 1, 0
+        pid = pid_of(gen, victim)
+        ray.get(gen.actors[victim].inject_fault.remote("stall", 5.0))  # stopped inside its transfer
+        started = time.monotonic()
+        update = trainer.copy_to(gen, stage=True)
+        wait_until_staging(gen, victim)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(ReallocationError) as err:
+            update.wait()
+        elapsed = time.monotonic() - started
+        assert elapsed < SHORT_TIMEOUT_S + FAILURE_GRACE_S + SLACK_S, f"raised after {elapsed:.1f}s"
+        message = str(err.value)
+        assert err.value.unresponsive == [gen.actor_names[victim]] and err.value.dead == []
+        assert gen.actor_names[victim] in message and "did not answer" in message and "timed out" in message
+        assert "serving weights are untouched" in message
+        assert update.state == "failed" and gen.version == version and gen.layout == layout
+        assert serves(gen, [survivor]) == served[survivor : survivor + 1]  # the live worker serves on
+        assert wait_until_unstaged(gen, [survivor]) == [{"version": version, "staged": None}]
+        assert_same_boxes({survivor: before[survivor]}, boxes_of(gen, [survivor]))
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+    try:
+        # Resumed, it finds its transfer failed and drops its shadow set; the group is whole again.
+        assert wait_until_unstaged(gen, range(2)) == [{"version": version, "staged": None}] * 2
+        assert_same_boxes(before, boxes_of(gen, range(2)))
+        assert serves(gen) == served
+        assert_next_update_commits(trainer, gen, NEW)
+    finally:
+        shut(trainer, gen)
+
+
+# -- 5. a fleet: one replica dies while staging, the others commit and serve on -------------------
+
+
+def test_a_fleet_drops_the_replica_that_died_and_the_others_serve_the_new_weights(cluster):
+    trainer = None
+    replicas: list[ModelGroup] = []
+    try:
+        trainer = make("sf-fleet-train", seed=NEW)
+        replicas = [make(f"sf-fleet-r{i}") for i in range(3)]
+        fleet = Fleet(replicas)
+        lost, victim = replicas[1], 1
+        alive = [replicas[0], replicas[2]]
+        old = {r.name: serves(r) for r in replicas}
+        version = max(max(r.version for r in replicas) + 1, trainer.version)
+        ray.get(lost.actors[victim].inject_fault.remote("stall", 60))
+        with Serving(alive) as serving:
+            update = fleet.stage(trainer)
+            wait_until_staging(lost, victim)
+            ray.kill(lost.actors[victim])
+            staged = update.wait()
+            assert sorted(staged) == sorted(r.name for r in alive)
+            committed = update.commit()
+            serving.wait_for_version(version)  # the calls after the commit switch the replicas in
+        assert serving.failures == []
+        assert committed == [r.name for r in alive]
+        assert fleet.replicas == alive and [g for g, _ in fleet.dropped] == [lost]
+        assert list(update.errors) == [lost.name] and fleet.dropped[0][1] is update.errors[lost.name]
+        err = update.errors[lost.name]
+        assert err.dead == [lost.actor_names[victim]] and lost.actor_names[victim] in str(err)
+        assert "serving weights are untouched" in str(err)
+        for r in alive:
+            answers = serving.seen(r.name)
+            assert answers, f"{r.name} was never served"
+            new = serves(r)  # every worker of the replica in one version: old, then new, never torn
+            assert all(a in (old[r.name], new) for a in answers), f"{r.name} served {answers}"
+            assert answers[0] == old[r.name] and answers[-1] == new
+            assert {v for v, _ in new} == {version} and r.version == version
+            assert r.verify_synthetic(NEW) == {}  # bit-exact
+            states = [stage_status(r, k) for k in range(r.num_workers)]
+            assert all(s["version"] == version for s in states)
+            # committed at safe points: a switched update stays recorded until the next one
+            assert all(s["staged"] is None or s["staged"]["switched"] for s in states), states
+        assert lost.version == old[lost.name][0][0] and lost._staged is None
+        assert serves(lost, [0]) == old[lost.name][:1]  # the dropped replica's survivor: untouched
+        # The fleet takes the next update, committed between calls this time.
+        trainer.init_synthetic(NEXT)
+        again = fleet.stage(trainer)
+        assert again.commit(at="now") == [r.name for r in alive] and again.errors == {}
+        for r in alive:
+            assert r.verify_synthetic(NEXT) == {} and r.version == max(version + 1, trainer.version)
+            assert [stage_status(r, k)["staged"] for k in range(r.num_workers)] == [None, None]
+        # the dropped replica's survivor dropped its shadow set too, and still serves the old weights
+        assert wait_until_unstaged(lost, [0]) == [{"version": old[lost.name][0][0], "staged": None}]
+        assert serves(lost, [0]) == old[lost.name][:1]
+    finally:
+        shut(trainer, *replicas)
+
+
+# -- 6. an aborted staged update changes nothing -------------------------------------------------
+
+
+def test_an_aborted_staged_update_leaves_the_weights_and_the_next_one_commits(cluster):
+    trainer = gen = None
+    try:
+        trainer, gen = make("sf-abort-train", seed=NEW), make("sf-abort-gen")
+        served = serves(gen)
+        before, version, layout = boxes_of(gen, range(2)), gen.version, gen.layout
+        with Serving([gen]) as serving:
+            update = trainer.copy_to(gen, stage=True)
+            update.wait()
+            assert [stage_status(gen, r)["staged"]["ready"] for r in range(2)] == [True, True]
+            update.abort()
+        assert serving.failures == [] and serving.answers and all(a == served for _, a in serving.answers)
+        assert update.state == "aborted" and gen.version == version and gen.layout == layout
+        assert [stage_status(gen, r) for r in range(2)] == [{"version": version, "staged": None}] * 2
+        assert_same_boxes(before, boxes_of(gen, range(2)))
+        update.abort()  # idempotent
+        with pytest.raises(ValueError, match="aborted"):
+            update.commit()
+        # A staged move aborted leaves the layout as it was.
+        move = gen.reallocate("dp=2", stage=True)
+        move.wait()
+        move.abort()
+        assert move.state == "aborted" and gen.layout == layout and gen.version == version
+        assert_same_boxes(before, boxes_of(gen, range(2)))
+        assert [stage_status(gen, r)["staged"] for r in range(2)] == [None, None]
+        assert_next_update_commits(trainer, gen, NEW)
+        move = gen.reallocate("dp=2", stage=True)
+        move.commit()
+        assert gen.layout == gen.target("dp=2") and gen.verify_synthetic(NEW) == {}
+        assert [stage_status(gen, r)["staged"] for r in range(2)] == [None, None]
+    finally:
+        shut(trainer, gen)
+
+
+# -- found by the fleet case: a healthy replica that only had no call since a safe-point commit ---
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "actors/fleet.py FleetUpdate._stage_all drops a replica on any ReallocationError, including the "
+        "GroupBusyError that ModelGroup._begin_stage (actors/group.py) raises when the previous update, "
+        "committed at safe points (Fleet's default), has not switched in yet because no call or safe point "
+        "came since: the next fleet.stage drops every idle, healthy replica (the fleet ends empty)"
+    ),
+)
+def test_a_fleet_committed_at_safe_points_takes_the_next_update_without_a_call_between(cluster):
+    trainer = None
+    replicas: list[ModelGroup] = []
+    try:
+        trainer = make("sf-idle-train", seed=NEW)
+        replicas = [make(f"sf-idle-r{i}", "tp=1") for i in range(2)]
+        fleet = Fleet(replicas)
+        assert fleet.stage(trainer).commit() == [r.name for r in replicas]  # at safe points; no call since
+        trainer.init_synthetic(NEXT)
+        second = fleet.stage(trainer)
+        second.wait()
+        assert second.errors == {} and fleet.dropped == []  # nothing failed: every replica stays
+        assert second.commit(at="now") == [r.name for r in replicas]
+        for r in replicas:
+            assert r.verify_synthetic(NEXT) == {}
+    finally:
+        shut(trainer, *replicas)
