@@ -20,7 +20,7 @@ import logging
 import threading
 from typing import Sequence
 
-from actors.errors import ReallocationError
+from actors.errors import GroupBusyError, ReallocationError
 from actors.group import ModelGroup, ReallocStats
 from actors.remote import FAILURE_GRACE_S, Deadline
 from actors.staged import COMMIT_AT, StagedUpdate
@@ -53,9 +53,9 @@ class Fleet:
         self._update: FleetUpdate | None = None
 
     @property
-    def version(self) -> int:
-        """The weight version the fleet serves (the lowest of its replicas')."""
-        return min(r.version for r in self.replicas)
+    def version(self) -> int | None:
+        """The weight version the fleet serves (the lowest of its replicas'; None without replicas)."""
+        return min((r.version for r in self.replicas), default=None)
 
     @property
     def names(self) -> list[str]:
@@ -70,8 +70,12 @@ class Fleet:
             raise ValueError(f"stage needs the source ModelGroup (the trainer), got {type(source).__name__}")
         if any(source is r for r in self.replicas):
             raise ValueError(f"the source {source.name!r} is a replica of this fleet; stage from the trainer")
-        self.replicas[0].spec.check_same_as(source.spec)
         with self._lock:
+            if not self.replicas:
+                raise ValueError(
+                    f"the fleet has no replicas left (dropped: {[g.name for g, _ in self.dropped]}); join one"
+                )
+            self.replicas[0].spec.check_same_as(source.spec)
             if self._update is not None and not self._update.ended:
                 raise ValueError("a fleet update is in progress: commit or abort it first")
             self._update = FleetUpdate(self, source, Deadline(self.deadline_s()))
@@ -86,8 +90,10 @@ class Fleet:
             raise ValueError(f"join needs a ModelGroup, got {type(group).__name__}")
         if any(group is r for r in self.replicas):
             raise ValueError(f"group {group.name!r} is already a replica of this fleet")
-        self.replicas[0].spec.check_same_as(group.spec)
         with self._lock:
+            if not self.replicas:
+                raise ValueError("the fleet has no replica left to seed from; copy the weights into the group instead")
+            self.replicas[0].spec.check_same_as(group.spec)
             if self._update is not None and not self._update.ended:
                 raise ValueError("a fleet update is in progress: join after its commit")
             version = self.version
@@ -110,52 +116,82 @@ class Fleet:
 class FleetUpdate:
     """One update of a fleet: staged into every replica, then committed on the staged ones.
 
-    ``version``: the source's weight version; ``updates``: replica name -> its
-    :class:`~actors.staged.StagedUpdate`; ``errors``: replica name -> why it was dropped.
+    The source is held from the first replica's staging to the last one's, so every replica gets
+    the same weights, of ``version`` (the source's). ``updates``: replica name -> its
+    :class:`~actors.staged.StagedUpdate`; ``errors``: replica name -> why it got no update;
+    ``skipped``: replicas that were busy (another operation, a call that writes) and keep serving
+    what they served; the others with an error were dropped from the fleet.
     """
 
     def __init__(self, fleet: Fleet, source: ModelGroup, deadline: Deadline):
         self.fleet, self.source, self.deadline = fleet, source, deadline
-        self.version = source.version
         self.replicas = list(fleet.replicas)
         self.updates: dict[str, StagedUpdate] = {}
         self.errors: dict[str, ReallocationError] = {}
+        self.skipped: list[str] = []
         self.ended = False
+        self._version: int | None = None
         self._staged = threading.Event()
         self._thread = threading.Thread(target=self._stage_all, name="realloc-fleet-stage", daemon=True)
+
+    @property
+    def version(self) -> int | None:
+        """The source's version when the update took hold of it (waits for that moment); None if
+        the source could not be held (see ``errors``)."""
+        if self._version is None:
+            self._staged.wait(self.deadline.remaining() + FAILURE_GRACE_S + 5.0)
+        return self._version
 
     def start(self) -> "FleetUpdate":
         self._thread.start()
         return self
 
     def _stage_all(self) -> None:
+        source = self.source
         try:
+            with source._exclusive(f"fleet update from {source.name}", deadline=self.deadline, staged_ok=True):
+                self._version = source.version
+                try:  # one staged world over the source and every replica, reused by each transfer
+                    source._ensure_world([source, *self.replicas], self.deadline, staged=True)
+                except ReallocationError as err:  # e.g. a dead replica: each transfer forms its own world
+                    log.info("fleet update: no world over every replica (%s); one per replica", err.message)
+                for replica in self.replicas:
+                    self._stage_one(replica)
+        except ReallocationError as err:  # the source stayed busy past the deadline: nobody was touched
             for replica in self.replicas:
-                left = self.deadline.remaining()
-                if left <= 0:
-                    self._drop(
-                        replica,
-                        ReallocationError(
-                            f"fleet update: no time left of the fleet's {self.deadline.seconds:.0f}s to stage "
-                            f"{replica.name!r}; it keeps serving version {replica.version}",
-                            layout=str(replica.layout),
-                        ),
-                    )
-                    continue
-                try:
-                    update = self.source._stage(
-                        replica,
-                        replica.layout,
-                        max(replica.version + 1, self.source.version),
-                        None,
-                        min(replica.timeout_s, left),
-                    )
-                    self.updates[replica.name] = update
-                    update.wait()
-                except ReallocationError as err:
-                    self._drop(replica, err)
+                self.errors.setdefault(replica.name, err)
+                self.skipped.append(replica.name)
         finally:
             self._staged.set()
+
+    def _stage_one(self, replica: ModelGroup) -> None:
+        left = self.deadline.remaining()
+        if left <= 0:
+            self._drop(
+                replica,
+                ReallocationError(
+                    f"fleet update: no time left of the fleet's {self.deadline.seconds:.0f}s to stage "
+                    f"{replica.name!r}; it keeps serving version {replica.version}",
+                    layout=str(replica.layout),
+                ),
+            )
+            return
+        try:
+            update = self.source._stage(
+                replica,
+                replica.layout,
+                lambda: replica.copy_version(self.source),
+                None,
+                min(replica.timeout_s, left),
+                hold_source=False,  # held here, for every replica
+            )
+            self.updates[replica.name] = update
+            update.wait()
+        except GroupBusyError as err:  # busy, not broken: it keeps serving what it served
+            self.errors[replica.name] = err
+            self.skipped.append(replica.name)
+        except ReallocationError as err:
+            self._drop(replica, err)
 
     def _drop(self, replica: ModelGroup, err: ReallocationError) -> None:
         self.errors[replica.name] = err
@@ -163,7 +199,7 @@ class FleetUpdate:
         self.fleet.drop(replica, err)
 
     def wait(self) -> dict[str, ReallocStats]:
-        """Wait until every replica is staged or dropped; the staged ones' stats by replica name."""
+        """Wait until every replica is staged, skipped or dropped; the staged ones' stats by name."""
         if not self._staged.wait(self.deadline.remaining() + FAILURE_GRACE_S + 5.0):
             raise TimeoutError("fleet update: staging did not end within the fleet's deadline")
         return {name: u.stats for name, u in self.updates.items()}

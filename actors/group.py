@@ -171,6 +171,9 @@ class ModelGroup:
         self._staged = None
         self._state_lock = threading.Lock()
         self._changing = 0
+        self._writing = 0  # calls that write, running
+        #: (source group, its version) when the weights are an unchanged copy of that source's
+        self.origin: tuple[str, int] | None = None
         self.stage_world: World | None = None
 
     # -- creation ------------------------------------------------------------------------
@@ -342,6 +345,15 @@ class ModelGroup:
             for g in reversed(taken):
                 g._lock.release()
 
+    def copy_version(self, source: "ModelGroup") -> int:
+        """The version a copy of ``source``'s weights gives this group: the source's, unless this
+        group's own count is ahead (then the next one: versions never go back, so a kept layout
+        tagged with a version is fresh only while nothing changed). A copy of the very weights this
+        group already holds (the same source version, nothing written since) keeps its version."""
+        if self.origin == (source.name, source.version) and self.version == source.version:
+            return self.version
+        return max(self.version + 1, source.version)
+
     def _settle_switch(self, deadline: Deadline | None = None) -> None:
         """Before reading the weights outside a call (under the lock): an update committed at safe
         points is switched in on every worker that has not reached one, so what is read is the
@@ -361,7 +373,7 @@ class ModelGroup:
             if staged.state != "committed":
                 raise GroupBusyError(
                     f"{what}: group {self.name!r} has a staged update pending ({staged.label}, version "
-                    f"{staged.version}, {staged.state}); nothing was done: commit or abort it first",
+                    f"{staged.known_version}, {staged.state}); nothing was done: commit or abort it first",
                     layout=str(self.layout),
                 )
         staged.finish_switch(deadline)
@@ -370,34 +382,36 @@ class ModelGroup:
 
     def _begin_stage(self, update) -> None:
         """Register ``update`` as this group's pending staged update (``GroupBusyError`` when another
-        operation changes the group or another staged update is pending)."""
-        with self._state_lock:
-            if self._closed:
-                raise ValueError(f"stage update: group {self.name!r} was shut down")
-            pending = self._staged
-            if self._changing or (pending is not None and pending.state != "committed"):
-                doing = (
-                    f"staged update {pending.label} ({pending.state})" if pending is not None else "another operation"
-                )
-                raise GroupBusyError(
-                    f"stage update {update.label}: group {self.name!r} is busy with {doing}; nothing was done",
-                    layout=str(self.layout),
-                )
-            if pending is not None:  # committed at safe points: every worker must have switched
-                states = call_all(
-                    self.workers, "stage_status", timeout_s=self.timeout_s, what=f"staged state ({self.name})"
-                )
-                behind = [
-                    n for n, st in zip(self.workers.names, states) if st["staged"] and not st["staged"]["switched"]
-                ]
-                if behind:
+        operation changes the group, a call that writes runs, or another staged update is pending).
+
+        The previous update, if committed at safe points, must be in on every worker first: the
+        workers that reached no safe point nor call since switch now, between calls (an idle
+        replica at once, a busy one when its running call returns; within the group's timeout)."""
+        while True:
+            with self._state_lock:
+                if self._closed:
+                    raise ValueError(f"stage update: group {self.name!r} was shut down")
+                pending = self._staged
+                if self._changing or self._writing or (pending is not None and pending.state != "committed"):
+                    doing = (
+                        f"staged update {pending.label} ({pending.state})"
+                        if pending is not None and pending.state != "committed"
+                        else "another operation or a call that writes"
+                    )
                     raise GroupBusyError(
-                        f"stage update {update.label}: the previous update ({pending.label}, version "
-                        f"{pending.version}) has not switched in on {behind} yet (no safe point or call "
-                        "since its commit); nothing was done",
+                        f"stage update {update.label}: group {self.name!r} is busy with {doing}; nothing was done",
                         layout=str(self.layout),
                     )
-            self._staged = update
+                if pending is None:
+                    self._staged = update
+                    return
+            states = call_all(
+                self.workers, "stage_status", timeout_s=self.timeout_s, what=f"staged state ({self.name})"
+            )
+            if all(st["staged"] is None or st["staged"]["switched"] for st in states):
+                self._end_stage(pending)  # every worker switched at a safe point
+            else:
+                pending.finish_switch(Deadline(self.timeout_s))
 
     def _end_stage(self, update) -> None:
         with self._state_lock:
@@ -408,16 +422,6 @@ class ModelGroup:
         """The staged update committed at safe points that the next call switches in first."""
         staged = self._staged
         return staged.id if staged is not None and staged.state == "committed" else None
-
-    def _refuse_writes_while_staged(self, what: str) -> None:
-        staged = self._staged
-        if staged is not None and staged.state in ("staging", "staged", "committing"):
-            raise GroupBusyError(
-                f"{what} with writes=True: group {self.name!r} has a staged update pending ({staged.label}, "
-                f"{staged.state}) whose version would not include the write; nothing was done: pass "
-                "writes=False, or commit or abort the update first",
-                layout=str(self.layout),
-            )
 
     def _call(self, method: str, what: str, *args: Any) -> list[Any]:
         return call_all(
@@ -562,12 +566,10 @@ class ModelGroup:
         _check_arguments(fn, 1, args, kwargs, f"run: {getattr(fn, '__name__', type(fn).__name__)}")
         _check_writes(writes)
         shipped = _shipped("run", fn, args, kwargs)
-        with self._exclusive("run user function", staged_ok=True):
-            if writes:
-                self._refuse_writes_while_staged("run")
+        with self._exclusive("run user function", staged_ok=True), self._writes("run", writes):
             switch = self._switch_flag()
-            out = self._call("run", "run user function", *shipped, self.version + int(writes), switch)
-            self._after_call(writes, switch)
+            out = self._call("run", "run user function", *shipped, self.version, switch)
+            self._switched(switch)
             return out
 
     def call(
@@ -598,26 +600,47 @@ class ModelGroup:
         if not ranks:
             return []  # no worker runs it: nothing is sent, the weights stay as they are
         args, kwargs = _shipped(f"call({method!r})", args, kwargs)
-        with self._exclusive(f"call {method}", staged_ok=True):
-            if writes:
-                self._refuse_writes_while_staged(f"call({method!r})")
+        with self._exclusive(f"call {method}", staged_ok=True), self._writes(f"call({method!r})", writes):
             switch = self._switch_flag() if len(ranks) == self.num_workers else None
             workers = self.workers.subset(ranks)
             out = gather(
                 workers,
-                [a.user_call.remote(method, args, kwargs, self.version + int(writes), switch) for a in workers.actors],
+                [a.user_call.remote(method, args, kwargs, self.version, switch) for a in workers.actors],
                 self.timeout_s,
                 f"{self.worker_cls.__name__}.{method} ({self.name})",
             )
-            self._after_call(writes, switch)
+            self._switched(switch)
             return out
 
-    def _after_call(self, writes: bool, switch: "str | None") -> None:
-        """After a call or run that every worker answered: a write moves the version on; a call
-        that switched a staged update in everywhere ends it."""
-        if writes:
+    @contextlib.contextmanager
+    def _writes(self, what: str, writes: bool) -> Iterator[None]:
+        """Around a call or run: one that writes moves the version on (even if it fails: the
+        weights may have changed) and is refused while a staged update is pending, whose version
+        would not include the write; a staged update cannot start while it runs."""
+        if not writes:
+            yield
+            return
+        with self._state_lock:
+            staged = self._staged
+            if staged is not None and staged.state in ("staging", "staged", "committing"):
+                raise GroupBusyError(
+                    f"{what} with writes=True: group {self.name!r} has a staged update pending ({staged.label}, "
+                    f"{staged.state}) whose version would not include the write; nothing was done: pass "
+                    "writes=False, or commit or abort the update first",
+                    layout=str(self.layout),
+                )
+            self._writing += 1
             self.version += 1
+            self.origin = None
+        try:
+            yield
+        finally:
+            with self._state_lock:
+                self._writing -= 1
             metrics.record_version(self.name, self.version)
+
+    def _switched(self, switch: "str | None") -> None:
+        """After a call that switched a staged update in on every worker: the update is over."""
         if switch is not None:
             with self._state_lock:
                 if self._staged is not None and self._staged.id == switch:
@@ -631,6 +654,8 @@ class ModelGroup:
             self.version = change.version
         elif change.kind not in ("create", "reallocate"):
             self.version += 1
+        if change.kind not in ("copy", "reallocate"):
+            self.origin = None
         if change.version is None:
             change = replace(change, version=self.version)
         metrics.record_version(self.name, self.version)
@@ -674,8 +699,9 @@ class ModelGroup:
 
     def trim_memory(self) -> int:
         """Free, on every worker, the buffers the last operation left behind (its rollback, which
-        becomes the spare set the next move reuses to avoid page faults); e.g. before generation
-        allocates its cache. Kept layouts stay (:meth:`release_resident`). Returns the bytes freed."""
+        becomes the spare set the next move reuses to avoid page faults) and the spare shadow set of
+        staged updates; e.g. before generation allocates its cache. Kept layouts and a pending staged
+        update stay (:meth:`release_resident`). Returns the bytes freed."""
         with self._exclusive("trim memory", staged_ok=True):
             return sum(self._call("trim_memory", "trim memory"))
 
@@ -747,7 +773,7 @@ class ModelGroup:
             if keep == "host":
                 raise ValueError("a staged move keeps the layout it leaves in place: keep=None or keep='in_place'")
             order = KeepOrder(keep, self.version) if keep is not None else None
-            return self._stage(self, target, self.version, order)
+            return self._stage(self, target, lambda: self.version, order)
         deadline = Deadline(self.timeout_s)
         with self._exclusive("reallocate", deadline=deadline):
             if src is not None:
@@ -899,7 +925,7 @@ class ModelGroup:
             eta = check_eta(eta)
         self.spec.check_same_as(other.spec)
         if stage:
-            return self._stage(other, other.layout, max(other.version + 1, self.version), None)
+            return self._stage(other, other.layout, lambda: other.copy_version(self), None)
         started = time.perf_counter()
         deadline = Deadline(max(self.timeout_s, other.timeout_s))
         with self._exclusive("copy_to", other, deadline=deadline):
@@ -925,8 +951,9 @@ class ModelGroup:
                 started,
                 blend=eta,
             )
-            version = max(other.version + 1, self.version)
+            version = other.copy_version(self)
             stats.version = version
+            other.origin = (self.name, self.version)
             other._announce(ShardChange("copy", other.layout, other.layout, version=version))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
         return stats
@@ -947,10 +974,18 @@ class ModelGroup:
         )
 
     def _stage(
-        self, dest: "ModelGroup", target: Layout, version: int, keep: KeepOrder | None, timeout_s: float | None = None
+        self,
+        dest: "ModelGroup",
+        target: Layout,
+        version_of: Callable[[], int],
+        keep: KeepOrder | None,
+        timeout_s: float | None = None,
+        hold_source: bool = True,
     ) -> StagedUpdate:
-        """Start a staged update of ``dest`` from this group (actors/staged.py); ``timeout_s``
-        bounds its transfer (default: the larger timeout of the groups)."""
+        """Start a staged update of ``dest`` from this group (actors/staged.py). ``version_of()``:
+        the version it brings, read once the source is held (``hold_source=False``: the caller
+        holds it, as a fleet update does for all its replicas); ``timeout_s`` bounds the transfer
+        (default: the larger timeout of the groups)."""
         copy = dest is not self
         n = self.num_workers
         if copy:
@@ -987,7 +1022,7 @@ class ModelGroup:
             self,
             dest,
             target,
-            version,
+            version_of,
             keep,
             workers,
             srcs,
@@ -999,6 +1034,7 @@ class ModelGroup:
             label,
             make_stats,
             timeout_s,
+            hold_source,
         )
         dest._begin_stage(update)
         if not copy:

@@ -14,7 +14,7 @@ weights it has committed. The protocol (docs/architecture.md, "Staged updates"):
 3. ``commit(at="now")``: between two calls (it waits for a running call), every worker swaps the
    shadow set in, keeping the old one as its rollback; if any worker fails, every live worker
    swaps back (``failed``: the old version serves everywhere). Then ``on_shards_changed`` runs.
-   The time calls wait for the switch is ``pause_seconds``.
+   The time calls wait for the switch (and the hook) is ``pause_seconds``.
    ``commit(at="safe_point")`` (same layout only): every worker is *armed*; each model replica
    switches at the next ``ctx.safe_point()`` its ranks agree on (or at the start of the next
    call), so a long generation call picks the new weights up between two decode steps. The
@@ -65,7 +65,7 @@ class StagedUpdate:
         source: Any,
         dest: Any,
         target: Layout,
-        version: int,
+        version_of: Callable[[], int],
         keep: KeepOrder | None,
         workers: Workers,
         srcs: Sequence[RankLayout | None],
@@ -77,9 +77,14 @@ class StagedUpdate:
         label: str,
         make_stats: Callable[..., Any],
         timeout_s: float | None = None,
+        hold_source: bool = True,
     ):
         self.id = uuid.uuid4().hex[:12]
-        self.source, self.dest, self.target, self.version, self.keep = source, dest, target, version, keep
+        self.source, self.dest, self.target, self.keep = source, dest, target, keep
+        self.version_of, self.hold_source = version_of, hold_source
+        self._version: int | None = None
+        self.source_version: int | None = None  # the source's version when it was held
+        self._versioned = threading.Event()
         self.kind = "reallocate" if source is dest else "copy"
         self.before = dest.layout
         self.workers, self.srcs, self.dsts = workers, list(srcs), list(dsts)
@@ -96,7 +101,23 @@ class StagedUpdate:
         self._thread = threading.Thread(target=self._stage, name=f"realloc-stage-{self.id}", daemon=True)
 
     def __repr__(self) -> str:
-        return f"StagedUpdate({self.label}, version {self.version}, {self.state})"
+        return f"StagedUpdate({self.label}, version {self.known_version}, {self.state})"
+
+    @property
+    def version(self) -> int:
+        """The weight version the update brings: its source's when the staging thread took hold of
+        the source (``max(destination + 1, source)``). Waits for that moment (the source may be
+        finishing a call); raises the update's error if it failed before."""
+        if not self._versioned.wait(self.deadline.remaining() + FAILURE_GRACE_S + 5.0):
+            raise TimeoutError(f"staged update {self.label}: the source was not free within its deadline")
+        if self._version is None:
+            raise self.error
+        return self._version
+
+    @property
+    def known_version(self) -> "int | str":
+        """The version if already known, else ``"pending"`` (for messages: never waits)."""
+        return self._version if self._version is not None else "pending"
 
     @property
     def dest_workers(self) -> Workers:
@@ -112,10 +133,13 @@ class StagedUpdate:
         try:
             held = (
                 self.source._exclusive(f"stage update {self.label}", deadline=self.deadline, staged_ok=True)
-                if self.kind == "copy"
+                if self.kind == "copy" and self.hold_source
                 else nullcontext()
             )
-            with held:
+            with held:  # the source's weights cannot change from here to the end of the transfer
+                self._version = self.version_of()
+                self.source_version = self.source.version
+                self._versioned.set()
                 self.stats = self._transfer(started)
             self._set("staged")
         except ReallocationError as err:
@@ -132,6 +156,7 @@ class StagedUpdate:
         finally:
             if self.state == "failed":
                 self.dest._end_stage(self)
+            self._versioned.set()
             self._finished.set()
 
     def _transfer(self, started: float):
@@ -246,7 +271,7 @@ class StagedUpdate:
         dest = self.dest
         deadline = Deadline(dest.timeout_s)
         with dest._exclusive(f"commit staged update {self.label}", deadline=deadline, staged_ok=True):
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # from here the destination's calls wait: the pause
             workers = dest.workers
             try:
                 gather(
@@ -258,15 +283,13 @@ class StagedUpdate:
             except ReallocationError as err:
                 self._roll_back(err, deadline)
             self._committed()
-            self.pause_seconds = time.perf_counter() - t0
-            finished = settle(
-                workers, [a.stage_finish.remote(self.id) for a in workers.actors], max(1.0, deadline.remaining())
-            )
-            if finished.dead or finished.unresponsive or finished.failed:
-                log.warning("staged update %s: rollback buffers not released on %s", self.id, finished)
             dest._end_stage(self)
-            metrics.record_pause(dest.name, "commit_staged", self.pause_seconds)
-            dest._announce(ShardChange(self.kind, self.target, self.before, version=self.version))
+            try:
+                dest._announce(ShardChange(self.kind, self.target, self.before, version=self.version))
+            finally:
+                self.pause_seconds = time.perf_counter() - t0  # the switch and the hook
+                metrics.record_pause(dest.name, "commit_staged", self.pause_seconds)
+        fire(workers, "stage_finish", self.id)  # the old set becomes the next shadow set (after the calls' pause)
 
     def _roll_back(self, cause: ReallocationError, deadline: Deadline):
         dest = self.dest
@@ -307,8 +330,9 @@ class StagedUpdate:
             self._committed()  # the decision stands: every armed live worker switches
             raise ReallocationError(
                 f"{err.message}. Committed: every live, armed worker of {dest.name!r} switches to version "
-                f"{self.version} at its next safe point (or next call); dead: {err.dead}, not answering: "
-                f"{err.unresponsive + err.waiting} (their replica cannot agree on a safe point: replace them)",
+                f"{self.version} at its next safe point (or next call); dead: {err.dead}, not answering pings: "
+                f"{err.unresponsive} (their replica cannot agree on a safe point: replace them), arm not yet "
+                f"confirmed: {err.waiting}",
                 err.dead,
                 err.unresponsive,
                 str(dest.layout),
@@ -331,6 +355,8 @@ class StagedUpdate:
                     )
             dest.layout = self.target
             dest.version = self.version
+            if self.kind == "copy":
+                dest.origin = (self.source.name, self.source_version)
         metrics.record_version(dest.name, dest.version)
 
     def abort(self) -> None:
@@ -362,14 +388,26 @@ class StagedUpdate:
             )
 
     def finish_switch(self, deadline: Deadline) -> None:
-        """After ``commit(at="safe_point")``: make every worker that has not reached a safe point
-        switch now (between calls), so the group is in one version again."""
+        """After ``commit(at="safe_point")``: make every live worker that has not reached a safe
+        point switch now (between calls), so the group is in one version again; the update ends
+        here. A dead worker is left to ``replace_dead_workers``; a worker still in a call switches
+        when the call returns (its switch is queued before any later call)."""
         workers = self.dest.workers
-        gather(
-            workers,
-            [a.stage_switch.remote(self.id) for a in workers.actors],
-            deadline,
-            f"finish staged update {self.label}: switch the workers that reached no safe point",
-        )
-        settle(workers, [a.stage_finish.remote(self.id) for a in workers.actors], max(1.0, deadline.remaining()))
+        found = settle(workers, [a.stage_switch.remote(self.id) for a in workers.actors], deadline.remaining())
+        fire(workers, "stage_finish", self.id)
         self.dest._end_stage(self)
+        if found.failed:
+            raise ReallocationError(
+                f"finish staged update {self.label}: the switch failed on {list(found.failed)}: their state is "
+                f"unknown; the other live workers serve version {self.version}",
+                found.dead,
+                found.unresponsive,
+                str(self.dest.layout),
+            )
+        if found.dead or found.unresponsive:
+            log.warning(
+                "staged update %s: switched in on every live worker; dead %s, still in a call %s (queued)",
+                self.id,
+                list(found.dead),
+                list(found.unresponsive),
+            )

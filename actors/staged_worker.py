@@ -239,9 +239,12 @@ class StagingMixin:
         return {"shadow_bytes": buffers_nbytes(spare[1].values()) if spare else 0, "version": st.version}
 
     def stage_release(self) -> int:
-        """Free the spare shadow set (outside any staged update); returns its bytes."""
+        """Free the spare shadow set (a switched update's old set included; a pending update's
+        shadow set stays); returns its bytes."""
         st = self._realloc
         with st.stage_lock:
+            if st.staged is not None and st.staged.switched:
+                self._stage_drop()  # its rollback becomes the spare
             spare, st.shadow_spare = st.shadow_spare, None
             if spare is None:
                 return 0

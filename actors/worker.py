@@ -721,10 +721,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         return buffers
 
     def trim_memory(self) -> int:
-        """Free what a finished operation left: its rollback and the spare buffer set (kept to
-        reuse touched pages). Kept layouts stay. Returns the bytes freed. Outside any operation."""
+        """Free what a finished operation left: its rollback, the spare buffer set (kept to reuse
+        touched pages) and the spare shadow set of staged updates (the next one allocates it
+        again). Kept layouts and a pending staged update stay. Returns the bytes freed. Outside
+        any operation."""
         self._drop_op()
-        return self._realloc.allocator.drop_spares()
+        return self._realloc.allocator.drop_spares() + self.stage_release()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the kept layouts, by where they are (``in_place``, ``host``)."""

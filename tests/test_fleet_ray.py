@@ -127,3 +127,27 @@ def test_fleet_updates_while_serving_and_a_joining_replica_is_seeded_from_the_fl
     finally:
         for g in [trainer, *replicas, *([late] if late is not None else [])]:
             g.shutdown()
+
+
+def test_idle_replicas_take_the_next_update_over_one_world(cluster):
+    """Two updates committed at safe points in a row, with no call between them: the replicas are
+    idle, not broken; the second update switches the first in and goes on (before, the fleet
+    dropped both). Every update runs over one staged world of the trainer and all replicas."""
+    trainer = ModelGroup.create(SPEC, Topology(dp=2), name="fl-idle-trainer")
+    replicas = [ModelGroup.create(SPEC, Topology(tp=2), name=f"fl-idle-r{i}", worker_cls=Replica) for i in range(2)]
+    try:
+        fleet = Fleet(replicas)
+        worlds = []
+        for seed in (31, 32, 33):
+            trainer.init_synthetic(seed)
+            update = fleet.stage(trainer)
+            assert update.commit(at="safe_point") == ["fl-idle-r0", "fl-idle-r1"], update.errors
+            assert update.version == trainer.version == fleet.version
+            worlds.append(trainer.stage_world.id)
+            assert all(r.stage_world is trainer.stage_world for r in replicas)
+        assert fleet.dropped == []
+        assert len(set(worlds)) == 1, "each update formed a new staged world"
+        assert all(r.verify_synthetic(33) == {} for r in replicas)
+    finally:
+        for g in [trainer, *replicas]:
+            g.shutdown()

@@ -11,9 +11,9 @@ Real Ray actors on simulated nodes, real gloo, real faults: processes killed (``
 worker's own ``os._exit`` from ``inject_fault``), stopped (SIGSTOP). The trainer holds seed
 ``NEW``'s synthetic weights, the generators seed ``OLD``'s.
 
-Two defects found here are kept as strict xfails (their reasons say what is wrong): a group whose
-update was committed at safe points with a dead worker cannot be repaired, and a fleet drops every
-idle replica on the update after a safe-point commit.
+Two defects were found here and fixed (each test failed before): a group whose update was
+committed at safe points with a dead worker could not be repaired, and a fleet dropped every idle
+replica on the update after a safe-point commit.
 """
 
 from __future__ import annotations
@@ -287,17 +287,6 @@ def test_a_worker_killed_in_the_switch_rolls_every_live_worker_back(cluster):
         shut(trainer, gen)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "after commit(at='safe_point') with a dead worker the group cannot be repaired: "
-        "replace_dead_workers() -> ModelGroup._exclusive -> _enter_change (actors/group.py) -> "
-        "StagedUpdate.finish_switch (actors/staged.py) gathers stage_switch on every worker, the dead one "
-        "included, raises, and never ends the stage (group._staged stays the committed update), so every "
-        "later change, replace_dead_workers() included, fails the same way; a new staged update fails in "
-        "_begin_stage (stage_status of the dead worker)"
-    ),
-)
 def test_a_worker_killed_while_armed_at_safe_points_leaves_a_group_that_can_be_repaired(cluster):
     trainer = gen = None
     try:
@@ -461,15 +450,6 @@ def test_an_aborted_staged_update_leaves_the_weights_and_the_next_one_commits(cl
 # -- found by the fleet case: a healthy replica that only had no call since a safe-point commit ---
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "actors/fleet.py FleetUpdate._stage_all drops a replica on any ReallocationError, including the "
-        "GroupBusyError that ModelGroup._begin_stage (actors/group.py) raises when the previous update, "
-        "committed at safe points (Fleet's default), has not switched in yet because no call or safe point "
-        "came since: the next fleet.stage drops every idle, healthy replica (the fleet ends empty)"
-    ),
-)
 def test_a_fleet_committed_at_safe_points_takes_the_next_update_without_a_call_between(cluster):
     trainer = None
     replicas: list[ModelGroup] = []

@@ -25,6 +25,14 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers canno
 SPEC = ModelSpec.preset("tiny")
 
 
+class Trainer(ShardWorker):
+    def slow_double(self, seconds: float):
+        """A write that takes a while: the weights double at its end."""
+        time.sleep(seconds)
+        for t in self.context().tensors.values():
+            t.mul_(2)
+
+
 class Gen(ShardWorker):
     """A generator: digests of its weights, a long loop with safe points, the changes it saw."""
 
@@ -297,5 +305,55 @@ def test_reads_after_a_safe_point_commit_see_the_committed_version(trainer):
         assert gen.verify_synthetic(16) == {}
         expected = trainer.state_dict()
         assert all(torch.equal(expected[k], v) for k, v in gen.state_dict().items())
+    finally:
+        gen.shutdown()
+
+
+def test_the_version_is_read_when_the_source_is_held(cluster):
+    """A staged copy issued while the source runs a write must carry the version of what it sends:
+    the source is held from the moment the version is read (before, the version was read when
+    ``copy_to`` returned, the weights when the staging thread got the source: the generator held
+    the written weights under the version from before the write)."""
+    trainer = ModelGroup.create(SPEC, Topology(tp=2), name="st-trainer-w", worker_cls=Trainer)
+    gen = ModelGroup.create(SPEC, Topology(tp=2), name="st-gen-w", worker_cls=Gen)
+    try:
+        trainer.init_synthetic(17)
+        trainer.copy_to(gen)
+        trainer.run(lambda ctx: None)
+        trainer.run(lambda ctx: None)  # the trainer two versions ahead of the generator
+        writer = threading.Thread(target=lambda: trainer.call("slow_double", 1.5))
+        writer.start()
+        time.sleep(0.5)  # the write is running
+        update = trainer.copy_to(gen, stage=True)
+        update.commit()
+        writer.join(60)
+        assert update.version == gen.version == trainer.version
+        expected = trainer.state_dict()
+        assert all(torch.equal(expected[k], v) for k, v in gen.state_dict().items())
+    finally:
+        trainer.shutdown()
+        gen.shutdown()
+
+
+def test_trim_frees_the_shadow_set_and_a_recopy_keeps_the_version(trainer):
+    """A copy of the weights the destination already holds (same source version, nothing written
+    since) keeps its version (before: every copy moved it on, so a generator's version drifted
+    away from its trainer's); ``trim_memory`` frees the spare shadow set (before: nothing could)."""
+    gen = ModelGroup.create(SPEC, Topology(tp=2), name="st-gen-t", worker_cls=Gen)
+    try:
+        trainer.init_synthetic(18)
+        trainer.copy_to(gen)
+        assert gen.version == trainer.version
+        assert trainer.copy_to(gen).version == gen.version == trainer.version
+        update = trainer.copy_to(gen, stage=True)
+        update.commit()
+        assert update.version == gen.version == trainer.version
+        files = _shm_files("st-gen-t")
+        shadow = update.stats.shadow_bytes_per_actor
+        assert gen.trim_memory() >= shadow * gen.num_workers
+        assert len(_shm_files("st-gen-t")) < len(files)
+        trainer.init_synthetic(19)
+        trainer.copy_to(gen, stage=True).commit()  # a new shadow set is allocated again
+        assert gen.verify_synthetic(19) == {} and gen.version == trainer.version
     finally:
         gen.shutdown()
