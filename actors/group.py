@@ -1303,11 +1303,19 @@ def _signature(fn: Callable) -> inspect.Signature | None:
     return signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"])
 
 
+#: Arguments of ``call``/``run`` up to this size (pickled) travel inside the call itself (Ray
+#: inlines them); larger ones are put into the object store once for all workers. Putting even
+#: empty arguments there cost a generator call on bench-1gb 13.6 ms instead of ~4 ms: the workers
+#: of another node fetched them (docs/benchmarks.md, "Staged updates").
+INLINE_ARGUMENT_BYTES = 64 << 10
+
+
 def _shipped(what: str, *values: Any) -> list:
-    """``values`` put into Ray's object store (serialised once for all workers), or ``ValueError``
-    when one does not pickle: before any traffic and before the group's state changes."""
+    """``values`` as the calls will carry them (small ones inline, large ones put into Ray's
+    object store, serialised once for all workers), or ``ValueError`` when one does not pickle:
+    before any traffic and before the group's state changes."""
     try:
-        return [ray.put(v) for v in values]
+        return [v if len(ray.cloudpickle.dumps(v)) <= INLINE_ARGUMENT_BYTES else ray.put(v) for v in values]
     except (TypeError, AttributeError, pickle.PicklingError) as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise ValueError(

@@ -428,7 +428,7 @@ def test_bench_staged_only_tiny():
     assert (
         v["update"] == v["stats"] == v["generator_after_commit"] == v["served_after_commit"][0] > v["served_before"][0]
     )
-    assert v["after_stop_the_world"] == v["update"] + 1
+    assert v["after_stop_the_world"] == v["update"]  # the same weights copied again keep their version
     assert s["memory"]["estimate_bytes"] > 0 and s["memory"]["peak_extra_bytes"] > 0
     text = format_report(report)
     assert "staged update, trainer dp=2,tp=2,pp=1 -> generator dp=1,tp=4,pp=1" in text
