@@ -38,7 +38,7 @@ import ray
 
 from actors.errors import ReallocationError
 from actors.executor import PeerView
-from actors.remote import Deadline, Workers, as_deadline, fire, gather, settle
+from actors.remote import Deadline, Workers, as_deadline, gather, undo
 from actors.resident import KeepOrder
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
@@ -196,13 +196,7 @@ class Operation:
         ``waiting``: its abort is queued behind that call. Nobody is pinged again.
         """
         dead, silent = set(cause.dead), set(cause.unresponsive)
-        answering = [i for i, n in enumerate(self.workers.names) if n not in dead | silent]
-        fire(self.workers.subset([i for i, n in enumerate(self.workers.names) if n in silent]), "op_abort", self.id)
-        found = settle(
-            self.workers.subset(answering),
-            [self.workers.actors[i].op_abort.remote(self.id) for i in answering],
-            self.deadline.grace(),
-        )
+        found = undo(self.workers, cause, "op_abort", self.id, seconds=self.deadline.grace())
         all_dead = sorted(dead | set(found.dead))
         unresponsive, waiting = sorted(silent), sorted(found.unresponsive)  # ``waiting``: they answered pings
         state = f"Rolled back: {self.keeps}; every live worker whose abort ran holds its old shards and weights"

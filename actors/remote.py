@@ -235,3 +235,14 @@ def fire(workers: Workers, method: str, *args: Any) -> list:
         except Exception:  # noqa: BLE001 - a dead actor may refuse the call; clean-up is best effort
             log.debug("could not send %s", method, exc_info=True)
     return refs
+
+
+def undo(workers: Workers, cause: ReallocationError, method: str, *args: Any, seconds: float) -> Diagnosis:
+    """After a failed step: call ``method(*args)`` (an abort) on every worker the failure ``cause``
+    did not find dead, waiting up to ``seconds`` only for those that answered its pings (a silent
+    worker's call is sent and queued). Returns the settled workers' diagnosis (its ``unresponsive``:
+    they answer pings but are still in the failed call; their undo is queued behind it)."""
+    dead, silent = set(cause.dead), set(cause.unresponsive)
+    fire(workers.subset([i for i, n in enumerate(workers.names) if n in silent]), method, *args)
+    answering = workers.subset([i for i, n in enumerate(workers.names) if n not in dead | silent])
+    return settle(answering, [getattr(a, method).remote(*args) for a in answering.actors], seconds)

@@ -39,7 +39,7 @@ from actors import metrics
 from actors.context import ShardChange
 from actors.errors import ReallocationError
 from actors.protocol import worker_plan_ref
-from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle
+from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle, undo
 from actors.resident import KeepOrder, ResidentLayout
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
@@ -193,14 +193,7 @@ class StagedUpdate:
     def _abort(self, cause: ReallocationError):
         """Drop the shadow sets of every live worker (within the failure grace), then raise what is true."""
         dead, silent = set(cause.dead), set(cause.unresponsive)
-        names = self.workers.names
-        answering = [i for i, n in enumerate(names) if n not in dead | silent]
-        fire(self.workers.subset([i for i, n in enumerate(names) if n in silent]), "stage_abort", self.id)
-        found = settle(
-            self.workers.subset(answering),
-            [self.workers.actors[i].stage_abort.remote(self.id) for i in answering],
-            self.deadline.grace(),
-        )
+        found = undo(self.workers, cause, "stage_abort", self.id, seconds=self.deadline.grace())
         state = self._untouched()
         if found.unresponsive:
             state += (
@@ -295,13 +288,7 @@ class StagedUpdate:
         dest = self.dest
         workers = dest.workers
         dead, silent = set(cause.dead), set(cause.unresponsive)
-        answering = [i for i, n in enumerate(workers.names) if n not in dead | silent]
-        fire(workers.subset([i for i, n in enumerate(workers.names) if n in silent]), "stage_unswitch", self.id)
-        found = settle(
-            workers.subset(answering),
-            [workers.actors[i].stage_unswitch.remote(self.id) for i in answering],
-            deadline.grace(),
-        )
+        found = undo(workers, cause, "stage_unswitch", self.id, seconds=deadline.grace())
         self._set("failed")
         dest._end_stage(self)
         state = (
