@@ -119,10 +119,6 @@ class StagedUpdate:
         """The version if already known, else ``"pending"`` (for messages: never waits)."""
         return self._version if self._version is not None else "pending"
 
-    @property
-    def dest_workers(self) -> Workers:
-        return self.dest.workers
-
     def start(self) -> "StagedUpdate":
         self._thread.start()
         return self

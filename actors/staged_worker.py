@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -53,8 +53,6 @@ class StagedSet:
     switched: bool = False
     rollback: tuple[RankLayout, dict[str, torch.Tensor], int] | None = None  # (held, buffers, version) before
     keep: KeepOrder | None = None  # reallocate: keep the layout left behind resident
-    moved: dict[str, int] = field(default_factory=lambda: {"local": 0, "intra": 0, "inter": 0})
-    seconds: float = 0.0
     switched_at: int | None = None  # the safe point (count within the call) where it switched
 
 
@@ -116,16 +114,12 @@ class StagingMixin:
                 self._stage_drop(log_unfinished=True)
                 buffers = self._shadow_for(dst)
                 staged = st.staged = StagedSet(update_id, version, dst, buffers, keep=keep)
-        pending = _StagedOp(staged)
         started = time.perf_counter()
-        result = self._run(pending, wp, me, st.stage_transport)
-        staged.seconds = time.perf_counter() - started
-        for kind, n in result["bytes"].items():
-            staged.moved[kind] += n
+        result = self._run(_StagedOp(staged), wp, me, st.stage_transport)
+        result["seconds"] = time.perf_counter() - started
         with st.stage_lock:
             if st.staged is staged:
                 staged.ready = True
-        result["seconds"] = staged.seconds
         result["shadow_bytes"] = buffers_nbytes(buffers.values()) if buffers else 0
         return result
 
@@ -222,21 +216,16 @@ class StagingMixin:
             self._stage_drop()
         return str(st.held) if st.held else None
 
-    def stage_finish(self, update_id: str) -> dict:
+    def stage_finish(self, update_id: str) -> None:
         """The update is committed everywhere: the buffers that served become the next shadow set
-        (or a kept layout, for a staged move with ``keep``). Returns the bytes held for staging."""
+        (or a kept layout, for a staged move with ``keep``)."""
         st = self._realloc
         with st.stage_lock:
             staged = st.staged
             if staged is not None and staged.id == update_id:
                 if not staged.switched and staged.dst is not None:
                     raise StaleOperationError(f"staged update {update_id} was not switched on this worker")
-                if staged.rollback is not None and staged.keep is None:
-                    held, buffers, _ = staged.rollback
-                    st.shadow_spare = (held, buffers)
-                st.staged = None
-            spare = st.shadow_spare
-        return {"shadow_bytes": buffers_nbytes(spare[1].values()) if spare else 0, "version": st.version}
+                self._stage_drop()
 
     def stage_release(self) -> int:
         """Free the spare shadow set (a switched update's old set included; a pending update's
@@ -324,18 +313,23 @@ class StagingMixin:
         staged, st.staged = st.staged, None
         if staged is None:
             return
-        if staged.switched:  # committed but not finished: the rollback is the spare
+        if staged.switched:  # committed: the set that served before is the spare (unless kept)
             if staged.rollback is not None and staged.keep is None:
-                st.shadow_spare = (staged.rollback[0], staged.rollback[1])
+                self._keep_spare(staged.rollback[0], staged.rollback[1])
             return
         if log_unfinished:
             log.warning(
                 "worker of %s: staged update %s was never committed or aborted; dropping it", st.group, staged.id
             )
         if staged.buffers is not None:
-            if st.shadow_spare is not None:
-                st.allocator.release(st.shadow_spare[1], keep=False)
-            st.shadow_spare = (staged.dst, staged.buffers)
+            self._keep_spare(staged.dst, staged.buffers)
+
+    def _keep_spare(self, held: RankLayout, buffers: dict[str, torch.Tensor]) -> None:
+        """Make ``buffers`` the spare shadow set (one at most: an older spare is freed)."""
+        st = self._realloc
+        if st.shadow_spare is not None:
+            st.allocator.release(st.shadow_spare[1], keep=False)
+        st.shadow_spare = (held, buffers)
 
 
 class _StagedOp:
