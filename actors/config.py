@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from actors.delta import DELTA_PLACES
 from realloc._checks import check_finite, check_int
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths
 
@@ -36,6 +37,12 @@ class GroupConfig:
     ``zero_copy``: same-node workers copy from each other's buffers directly. ``bandwidths``:
     link speeds for the planner's time estimate.
     ``runtime_env``: Ray runtime environment of the worker actors.
+    ``delta``: ``"host"`` or ``"device"`` lets this group's moves run with ``delta=True``
+    (``copy_to``, ``reallocate`` back to a kept layout): every worker keeps a copy of the weights
+    it last sent (one shard: its base) in host memory or beside its buffers, and only the
+    elements that changed since travel (actors/delta.py); None (the default) keeps nothing.
+    ``delta_anchor_every``: with it, every this-many-th move into the same destination is a full
+    copy (an anchor), whatever the bookkeeping says (1: every move).
 
     Example:
         >>> GroupConfig(timeout_s=30).timeout_s
@@ -56,6 +63,8 @@ class GroupConfig:
     zero_copy: bool = True
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
     runtime_env: dict | None = None
+    delta: str | None = None
+    delta_anchor_every: int = 10
 
     def __post_init__(self) -> None:
         for name in ("use_gpu", "zero_copy"):
@@ -95,6 +104,12 @@ class GroupConfig:
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
         if not isinstance(self.bandwidths, Bandwidths):
             raise ValueError(f"bandwidths must be a realloc.Bandwidths, got {type(self.bandwidths).__name__}")
+        if self.delta is not None and self.delta not in DELTA_PLACES:
+            raise ValueError(
+                f"delta must be None (no delta moves) or where workers keep their base: one of "
+                f"{DELTA_PLACES}, got {self.delta!r}"
+            )
+        check_int("delta_anchor_every", self.delta_anchor_every, 1)
         if self.runtime_env is not None and not isinstance(self.runtime_env, dict):
             raise ValueError(f"runtime_env must be a dict or None, got {type(self.runtime_env).__name__}")
 

@@ -15,6 +15,7 @@ import torch
 from realloc.layout import RankLayout
 from realloc.plan import Piece, Plan, bucket_nbytes
 from realloc.shards import ShardStore, local_copies, pack_copies, unpack_copies
+from realloc.shards import delta as deltas
 from realloc.shards.copy_program import ProgramCache
 
 
@@ -145,6 +146,36 @@ def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 @dataclass
+class DeltaSides:
+    """What a worker needs to run its routes as deltas (issue 24; ``realloc/shards/delta.py``).
+
+    ``src_base``: the weights this worker last sent, in the layout it sends from now (None: it has
+    none that match the move's base version; it sends every bucket whole). ``dst_base``: what its
+    destination held before the move, in the destination's layout (its serving buffers for a
+    copy, the kept layout itself for a refresh in place; None: nothing usable, every delta it
+    receives fails its checksum and is sent again whole). ``stats`` counts buckets and wire bytes.
+
+    Per bucket, in lockstep with the peer: a header ``[whole 0 / delta 1, payload bytes, entries,
+    checksum of the new bucket]``, then the payload (the delta, or the packed bucket). After a
+    route's last bucket the receiver returns one flag per bucket (its delta missed the checksum),
+    and the sender sends those buckets whole. Staging: five slots of one bucket (``delta-new``,
+    ``delta-base``, ``delta-out`` on the sending side, ``delta-in``, ``delta-patch`` on the
+    receiving side); a bucket packed for a delta has the gaps between its pieces zeroed, so a
+    sender's and a receiver's packed bucket agree byte for byte when their weights do.
+    """
+
+    src_base: ShardStore | None
+    dst_base: ShardStore | None
+    stats: dict = field(
+        default_factory=lambda: {"buckets": 0, "delta": 0, "whole": 0, "repaired": 0, "wire_bytes": 0, "bytes": 0}
+    )
+
+
+#: Bytes of a delta bucket's header: four int64.
+DELTA_HEADER = 4
+
+
+@dataclass
 class Cuts:
     """One plan's segment lists cut into buckets and messages, and this worker's copies of it
     compiled (``realloc/shards/copy_program.py``), filled as a runner needs them. Kept with a cached
@@ -155,6 +186,7 @@ class Cuts:
     buckets: dict[int, list] = field(default_factory=dict)
     messages: dict[int, list] = field(default_factory=dict)
     nbytes: dict[int, int] = field(default_factory=dict)  # segment list -> its bytes
+    gaps: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (list, bucket) -> gap bytes (deltas)
     programs: ProgramCache = field(default_factory=ProgramCache)
 
 
@@ -180,6 +212,7 @@ class StepRunner:
         on_bucket: Callable[[], None] | None = None,
         staging: "Staging | None" = None,
         cuts: "Cuts | None" = None,
+        delta: "DeltaSides | None" = None,
     ):
         self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
         self.open_peer = open_peer
@@ -189,6 +222,7 @@ class StepRunner:
         self.my_node = peers[me].node
         self.cuts = cuts if cuts is not None else Cuts()
         self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
+        self.delta = delta
 
     def buckets(self, j: int) -> list:
         if j not in self.cuts.buckets:
@@ -233,7 +267,7 @@ class StepRunner:
                 else:
                     recv = (src, j)
         if send or recv:
-            done += self._transfer(send, recv, forward)
+            done += self._transfer(send, recv, forward) if self.delta is None else self._delta(send, recv, forward)
         return done
 
     def list_bytes(self, j: int) -> int:
@@ -347,3 +381,137 @@ class StepRunner:
         if recv:
             result.append((kind(recv[0]), self.list_bytes(recv[1])))
         return result
+
+    # -- delta routes (DeltaSides) ---------------------------------------------------------
+    def _delta(self, send, recv, forward: bool) -> list[tuple[str, int]]:
+        """This step's send and receive as deltas, bucket by bucket, then the repair of the
+        buckets whose delta missed its checksum (see :class:`DeltaSides`)."""
+        d, st = self.delta, self.delta.stats
+        new_from = self.dst if forward else self.src
+        base_from = d.src_base
+        if forward:  # a fan-out sender forwards its destination: its base is what that held, if not overwritten
+            base_from = d.dst_base if d.dst_base is not None and d.dst_base.buffers is not self.dst.buffers else None
+        send_b = self.buckets(send[1]) if send else []
+        recv_b = self.buckets(recv[1]) if recv else []
+        to = self.peers[send[0]].world_rank if send else None
+        frm = self.peers[recv[0]].world_rank if recv else None
+        bad: list[int] = []
+
+        side = "dst" if forward else "src"  # the layout the sent buckets are packed from
+
+        def packed(slot: str, store: ShardStore, layout: str, j: int, i: int, bucket: list) -> torch.Tensor:
+            """Bucket ``i`` of segment list ``j`` packed from ``store`` (in the ``layout`` side's
+            layout: the program key names it) into staging slot ``slot``."""
+            out = self.staging.get(slot, bucket_nbytes(bucket))
+            self.cuts.programs.run(
+                ("delta-pack", j, i, layout),
+                lambda: pack_copies(store, bucket, out),
+                {"staging": out},
+                store.buffers,
+            )
+            gaps = self.cuts.gaps.get((j, i))
+            if gaps is None:
+                gaps = self.cuts.gaps[j, i] = deltas.gap_positions(bucket, self.device)
+            if gaps.numel():
+                out[gaps] = 0  # what an earlier bucket left between the pieces: both ends compare zeros
+            return out
+
+        def unpacked(j: int, i: int, bucket: list, data: torch.Tensor) -> None:
+            self.cuts.programs.run(
+                ("delta-unpack", j, i),
+                lambda: unpack_copies(self.dst, bucket, data),
+                self.dst.buffers,
+                {"staging": data},
+            )
+
+        header_in = torch.empty(DELTA_HEADER, dtype=torch.int64, device=self.device)
+        for i in range(max(len(send_b), len(recv_b))):
+            out = payload = None
+            if i < len(send_b):
+                new = packed("delta-new", new_from, side, send[1], i, send_b[i])
+                entries = None
+                if base_from is not None:
+                    base = packed("delta-base", base_from, side, send[1], i, send_b[i])
+                    slot = self.staging.get("delta-out", new.numel())
+                    entries = deltas.encode(new, base, slot)
+                if entries is None:
+                    payload, head = new, [0, new.numel(), 0, 0]
+                else:
+                    payload = slot[: deltas.delta_nbytes(entries, new.numel())]
+                    head = [1, payload.numel(), entries, deltas.checksum(new)]
+                out = (to, torch.tensor(head, dtype=torch.int64, device=self.device))
+            into = (frm, header_in) if i < len(recv_b) else None
+            for r in self.transport.exchange(out, into):
+                r.wait()
+            kind, size, entries, check = header_in.tolist() if into is not None else (0, 0, 0, 0)
+            landing = self.staging.get("delta-in", size) if into is not None and size else None
+            ops_out = (to, payload) if out is not None and payload.numel() else None
+            ops_in = (frm, landing) if landing is not None else None
+            if ops_out or ops_in:
+                for r in self.transport.exchange(ops_out, ops_in):
+                    r.wait()
+            if into is not None:
+                bucket = recv_b[i]
+                st["buckets"] += 1
+                st["bytes"] += bucket_nbytes(bucket)
+                st["wire_bytes"] += 8 * DELTA_HEADER + size
+                if kind == 0:
+                    st["whole"] += 1
+                    if size:
+                        unpacked(recv[1], i, bucket, landing)
+                elif d.dst_base is None:
+                    bad.append(i)
+                else:
+                    patch = packed("delta-patch", d.dst_base, "dst", recv[1], i, bucket)
+                    deltas.apply(landing if landing is not None else patch[:0], entries, patch)
+                    if deltas.checksum(patch) == check:
+                        st["delta"] += 1
+                        unpacked(recv[1], i, bucket, patch)
+                    else:
+                        bad.append(i)
+            if self.on_bucket is not None:
+                self.on_bucket()
+        self._repair(
+            send,
+            recv,
+            send_b,
+            recv_b,
+            bad,
+            lambda i: packed("delta-new", new_from, side, send[1], i, send_b[i]),
+            unpacked,
+        )
+        kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
+        return [(kind(recv[0]), self.list_bytes(recv[1]))] if recv else []
+
+    def _repair(self, send, recv, send_b, recv_b, bad, packed_new, unpacked) -> None:
+        """After a delta route: one flag per received bucket goes back to its sender (1: its delta
+        missed the checksum), and the flagged buckets travel whole (``packed_new(i)``: sent
+        bucket ``i`` packed)."""
+        to = self.peers[send[0]].world_rank if send else None
+        frm = self.peers[recv[0]].world_rank if recv else None
+        flags_in = torch.zeros(len(send_b), dtype=torch.uint8, device=self.device) if send_b else None
+        flags_out = None
+        if recv_b:
+            flags_out = torch.zeros(len(recv_b), dtype=torch.uint8)
+            flags_out[bad] = 1
+            flags_out = flags_out.to(self.device)
+            self.delta.stats["wire_bytes"] += len(recv_b)
+        for r in self.transport.exchange(
+            (frm, flags_out) if flags_out is not None else None, (to, flags_in) if flags_in is not None else None
+        ):
+            r.wait()
+        resend = flags_in.nonzero().view(-1).tolist() if flags_in is not None else []
+        for k in range(max(len(resend), len(bad))):
+            out = into = None
+            if k < len(resend):
+                i = resend[k]
+                out = (to, packed_new(i))
+            if k < len(bad):
+                i = bad[k]
+                into = (frm, self.staging.get("delta-in", bucket_nbytes(recv_b[i])))
+            for r in self.transport.exchange(out, into):
+                r.wait()
+            if into is not None:
+                unpacked(recv[1], bad[k], recv_b[bad[k]], into[1])
+                self.delta.stats["repaired"] += 1
+                self.delta.stats["wire_bytes"] += into[1].numel()

@@ -42,6 +42,8 @@ from actors import metrics
 from actors.checkpoint import CheckpointManager
 from actors.config import GroupConfig
 from actors.context import ShardChange
+from actors.delta import DeltaOrder
+from actors.delta import summary as delta_summary
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
 from actors.remote import Deadline, Workers, call_all, diagnose, gather, settle
@@ -75,7 +77,9 @@ class ReallocStats:
     device and in host memory (actors/resident.py). ``version``: the destination's weight
     version afterwards. For a staged update (actors/staged.py) ``pause_seconds`` is 0 (nobody
     waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
-    the largest worker's shadow set.
+    the largest worker's shadow set. ``delta``: for a move with ``delta=True``, what travelled
+    (:func:`actors.delta.summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
+    against ``bytes``, the senders' base memory); None otherwise.
     """
 
     transition: str
@@ -92,6 +96,7 @@ class ReallocStats:
     resident_host_bytes_per_actor: int = 0
     version: int | None = None
     shadow_bytes_per_actor: int = 0
+    delta: dict | None = None
 
     @property
     def gbps(self) -> float:
@@ -114,6 +119,7 @@ class ReallocStats:
             "resident_host_bytes_per_actor": self.resident_host_bytes_per_actor,
             "version": self.version,
             "shadow_bytes_per_actor": self.shadow_bytes_per_actor,
+            "delta": self.delta,
         }
 
 
@@ -175,6 +181,10 @@ class ModelGroup:
         #: (source group, its version) when the weights are an unchanged copy of that source's
         self.origin: tuple[str, int] | None = None
         self.stage_world: World | None = None
+        # delta moves (actors/delta.py): the (layout, version) every worker's base holds, as far
+        # as the driver knows, and the deltas this group received in a row since a full copy
+        self._sent: tuple[Layout, int] | None = None
+        self._deltas = 0
 
     # -- creation ------------------------------------------------------------------------
     @classmethod
@@ -353,6 +363,38 @@ class ModelGroup:
         if self.origin == (source.name, source.version) and self.version == source.version:
             return self.version
         return max(self.version + 1, source.version)
+
+    def _delta_order(self, delta: bool, dest: "ModelGroup", holds: int | None) -> DeltaOrder | None:
+        """The :class:`~actors.delta.DeltaOrder` of a move from this group with ``delta`` into
+        ``dest`` (this group itself for a refresh of a kept layout), which holds this group's
+        weights of version ``holds`` (None: not known to hold any): a delta when every worker's
+        base is of this layout and that version and ``dest`` is not due a full copy, else an anchor."""
+        if not delta:
+            return None
+        sent = self._sent
+        base = None
+        if sent is not None and sent == (self.layout, holds) and dest._deltas + 1 < self.config.delta_anchor_every:
+            base = holds
+        return DeltaOrder(base, self.version, self.config.delta)
+
+    def _delta_done(self, sent: Layout, dest: "ModelGroup", order: DeltaOrder | None, ok: bool) -> None:
+        """After a move that carried ``order`` from this group's layout ``sent``: the workers' bases
+        hold what they sent (``ok``), or, after a failure, something the driver cannot name."""
+        if order is None:
+            return
+        self._sent = (sent, order.version) if ok else None
+        if ok:
+            dest._deltas = dest._deltas + 1 if order.base is not None else 0
+
+    def _check_delta(self, delta: object, what: str) -> bool:
+        if not isinstance(delta, bool):
+            raise ValueError(f"delta must be True or False, got {delta!r}")
+        if delta and self.config.delta is None:
+            raise ValueError(
+                f"{what}(delta=True): group {self.name!r} keeps no base to compute deltas against; "
+                "create it with GroupConfig(delta='host') or GroupConfig(delta='device')"
+            )
+        return delta
 
     def _settle_switch(self, deadline: Deadline | None = None) -> None:
         """Before reading the weights outside a call (under the lock): an update committed at safe
@@ -734,6 +776,7 @@ class ModelGroup:
         *,
         keep: str | None = None,
         stage: bool = False,
+        delta: bool = False,
     ):
         """Move the weights into layout ``dst`` (planned on the driver, executed on the actors).
 
@@ -759,12 +802,22 @@ class ModelGroup:
         serves ``call(..., writes=False)`` in its current layout; ``update.commit()`` switches every
         worker to it between two calls (``keep`` then applies to the layout left; ``"in_place"``
         only), ``update.abort()`` drops it.
+
+        ``delta=True`` (a group created with ``GroupConfig(delta=...)``): moving back to a stale
+        kept layout sends only the elements that changed since it was kept (actors/delta.py);
+        every other move is a full one (an anchor) that sets the workers' bases for the next.
+        ``stats.delta`` says which. Not with ``stage=True``.
         """
         started = time.perf_counter()
         keep = check_keep(keep)
         target = self.target(dst)
         if not isinstance(stage, bool):
             raise ValueError(f"stage must be True or False, got {stage!r}")
+        delta = self._check_delta(delta, "reallocate")
+        if stage and delta:
+            raise ValueError(
+                "reallocate(stage=True, delta=True): a staged move is always a full one; delta=True is for copy_to or an unstaged move"
+            )
         if stage:
             if src is not None and self.target(src) != self.layout:
                 raise ValueError(f"group {self.name!r} holds layout {self.layout}, but src says {self.target(src)}")
@@ -789,10 +842,14 @@ class ModelGroup:
                 deadline,
             )
             record = self._resident.get(target)
+            delta_order = None
             try:
                 if record is not None and record.version == self.version:
                     stats = self._adopt(op, target, order, f"{before} -> {target}", started)
                 else:
+                    delta_order = self._delta_order(
+                        delta, self, record.version if record is not None and record.where == "in_place" else None
+                    )
                     stats = _move(
                         [self],
                         op,
@@ -803,11 +860,14 @@ class ModelGroup:
                         f"{before} -> {target}",
                         started,
                         keep=order,
+                        delta=delta_order,
                     )
             except ReallocationError as err:
+                self._delta_done(before, self, delta_order, False)
                 self._resident.pop(target, None)  # no longer kept (the workers' aborts freed or restored it)
                 self._sync_resident(deadline.grace(), err.dead + err.unresponsive + err.waiting)  # ... and everywhere
                 raise
+            self._delta_done(before, self, delta_order, True)
             self._resident.pop(target, None)  # adopted, or refreshed in place: the current layout now
             if order is not None:
                 self._resident[before] = ResidentLayout(
@@ -899,7 +959,7 @@ class ModelGroup:
                 list(found.dead + found.unresponsive + found.failed),
             )
 
-    def copy_to(self, other: "ModelGroup", eta: float | None = None, *, stage: bool = False):
+    def copy_to(self, other: "ModelGroup", eta: float | None = None, *, stage: bool = False, delta: bool = False):
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
 
         With ``eta``, ``other = eta * self + (1 - eta) * other`` (EMA-style blending). On failure
@@ -912,6 +972,12 @@ class ModelGroup:
         a shadow set of ``other``'s buffers while ``other`` keeps serving ``call(...,
         writes=False)``; ``update.commit()`` (or ``commit(at="safe_point")``) switches them in,
         ``update.abort()`` drops them (actors/staged.py). This group is held until the bytes left it.
+
+        ``delta=True`` (this group created with ``GroupConfig(delta=...)``): when ``other`` holds
+        the weights this group last sent it (nothing wrote them since), only the elements that
+        changed travel, checksummed per bucket (a miss sends that bucket whole); otherwise, and
+        every ``delta_anchor_every``-th time, a full copy (an anchor). ``other`` ends bit-identical
+        to this group either way; ``stats.delta`` says what travelled (actors/delta.py).
         """
         if not isinstance(other, ModelGroup):
             raise ValueError(f"copy_to needs another ModelGroup, got {type(other).__name__}")
@@ -919,13 +985,16 @@ class ModelGroup:
             raise ValueError("copy_to needs another group; use reallocate to change this group's layout")
         if not isinstance(stage, bool):
             raise ValueError(f"stage must be True or False, got {stage!r}")
+        delta = self._check_delta(delta, "copy_to")
         if eta is not None:
             if stage:
                 raise ValueError("a staged copy cannot blend (eta): stage=True copies the weights as they are")
+            if delta:
+                raise ValueError("copy_to(eta=..., delta=True): a blend writes every element; delta=True copies")
             eta = check_eta(eta)
         self.spec.check_same_as(other.spec)
         if stage:
-            return self._stage(other, other.layout, lambda: other.copy_version(self), None)
+            return self._stage(other, other.layout, lambda: other.copy_version(self), None, delta=delta)
         started = time.perf_counter()
         deadline = Deadline(max(self.timeout_s, other.timeout_s))
         with self._exclusive("copy_to", other, deadline=deadline):
@@ -940,23 +1009,35 @@ class ModelGroup:
                 f"{other.name!r} keeps its previous weights and {self.name!r} is untouched",
                 str(other.layout),
             )
-            stats = _move(
-                [self, other],
-                op,
-                make_plan,
-                [self.layout.at(r) for r in range(n)] + [None] * m,
-                placement,
-                f"{self.name}->{other.name}",
-                label,
-                started,
-                blend=eta,
-            )
+            delta_order = self._delta_order(delta, other, self._copied_version(other))
+            try:
+                stats = _move(
+                    [self, other],
+                    op,
+                    make_plan,
+                    [self.layout.at(r) for r in range(n)] + [None] * m,
+                    placement,
+                    f"{self.name}->{other.name}",
+                    label,
+                    started,
+                    blend=eta,
+                    delta=delta_order,
+                )
+            except ReallocationError:
+                self._delta_done(self.layout, other, delta_order, False)
+                raise
+            self._delta_done(self.layout, other, delta_order, True)
             version = other.copy_version(self)
             stats.version = version
-            other.origin = (self.name, self.version)
+            # a blend is no copy: its result is nobody's weights
+            other.origin = (self.name, self.version) if eta is None else None
             other._announce(ShardChange("copy", other.layout, other.layout, version=version))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
         return stats
+
+    def _copied_version(self, other: "ModelGroup") -> int | None:
+        """The version of this group's weights ``other`` holds unchanged, if it does."""
+        return other.origin[1] if other.origin is not None and other.origin[0] == self.name else None
 
     def _copy_plan(self, other: "ModelGroup") -> tuple[Placement, Callable[[], Plan]]:
         """The placement over both groups and the plan maker of a copy into ``other``."""
@@ -981,11 +1062,12 @@ class ModelGroup:
         keep: KeepOrder | None,
         timeout_s: float | None = None,
         hold_source: bool = True,
+        delta: bool = False,
     ) -> StagedUpdate:
         """Start a staged update of ``dest`` from this group (actors/staged.py). ``version_of()``:
         the version it brings, read once the source is held (``hold_source=False``: the caller
         holds it, as a fleet update does for all its replicas); ``timeout_s`` bounds the transfer
-        (default: the larger timeout of the groups)."""
+        (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``."""
         copy = dest is not self
         n = self.num_workers
         if copy:
@@ -1016,6 +1098,7 @@ class ModelGroup:
                 max(r["staging_bytes"] + r["dst_bytes"] for r in results),
                 plan.stats,
                 0.0,
+                delta=delta_summary(results, update.delta_order),
             )
 
         update = StagedUpdate(
@@ -1035,6 +1118,7 @@ class ModelGroup:
             make_stats,
             timeout_s,
             hold_source,
+            delta,
         )
         dest._begin_stage(update)
         if not copy:
@@ -1090,6 +1174,7 @@ class ModelGroup:
                 )
             self.workers = Workers(tuple(actors), tuple(names))
             self._resident.clear()  # the fresh workers keep nothing: no kept layout is whole any more
+            self.origin, self._sent = None, None  # nor a copy's weights, nor a base for deltas
             self._sync_resident()
             fresh_workers = self.workers.subset(dead)
             fresh = call_all(fresh_workers, "info", timeout_s=self.timeout_s + 60, what="start replacement workers")
@@ -1164,6 +1249,7 @@ def _move(
     started: float,
     blend: float | None = None,
     keep: KeepOrder | None = None,
+    delta: DeltaOrder | None = None,
 ) -> ReallocStats:
     """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
 
@@ -1179,7 +1265,7 @@ def _move(
         op.abort(err)
     if blend is None:
         shared = [info["zero_copy"] for g in groups for info in g.infos]
-        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep)
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta)
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)
@@ -1202,6 +1288,7 @@ def _move(
         "refreshed" if result.refreshed else None,
         result.resident_in_place_bytes,
         result.resident_host_bytes,
+        delta=result.delta,
     )
 
 

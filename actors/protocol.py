@@ -36,6 +36,8 @@ from typing import Any, NoReturn, Sequence
 
 import ray
 
+from actors.delta import DeltaOrder
+from actors.delta import summary as delta_summary
 from actors.errors import ReallocationError
 from actors.executor import PeerView
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
@@ -58,6 +60,7 @@ class PhaseResult:
     resident_in_place_bytes: int = 0  # the largest worker's kept layouts on its device
     resident_host_bytes: int = 0  # ... and in host memory
     refreshed: bool = False  # the destination was a kept layout, written in place
+    delta: dict | None = None  # a move with delta=True: actors.delta.summary
 
 
 class Operation:
@@ -142,6 +145,7 @@ class Operation:
         shared: Sequence[bool],
         tags: dict,
         keep: KeepOrder | None = None,
+        delta: DeltaOrder | None = None,
     ) -> PhaseResult:
         """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
         and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
@@ -152,21 +156,22 @@ class Operation:
         rolls a committed one back: afterwards every live worker holds the old layout, as after a
         failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
         rewrites destination buffers that other workers may still be reading. ``keep``: every
-        worker keeps the layout it leaves resident (actors/resident.py).
+        worker keeps the layout it leaves resident (actors/resident.py). ``delta``: a move with
+        ``delta=True`` (actors/delta.py).
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
         key, ref = worker_plan_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
             refs = [
-                a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep)
+                a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep, delta)
                 for i, a in enumerate(self.workers.actors)
             ]
             results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return _phase_result(results, seconds=max(r["seconds"] for r in results))
+        return _phase_result(results, seconds=max(r["seconds"] for r in results), delta=delta)
 
     def adopt(self, layout: Layout, version: int, keep: KeepOrder | None = None) -> PhaseResult:
         """Steps 1-3 of a move to a kept ``layout`` that holds weight ``version`` (``op_adopt``:
@@ -242,7 +247,7 @@ def worker_plan_ref(
     return entry[0], entry[1]
 
 
-def _phase_result(results: list[dict], seconds: float = 0.0) -> PhaseResult:
+def _phase_result(results: list[dict], seconds: float = 0.0, delta: DeltaOrder | None = None) -> PhaseResult:
     return PhaseResult(
         bytes_local=sum(r["bytes"]["local"] for r in results),
         bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
@@ -252,6 +257,7 @@ def _phase_result(results: list[dict], seconds: float = 0.0) -> PhaseResult:
         resident_in_place_bytes=max((r.get("resident", {}).get("in_place", 0) for r in results), default=0),
         resident_host_bytes=max((r.get("resident", {}).get("host", 0) for r in results), default=0),
         refreshed=any(r.get("refreshed", False) for r in results),
+        delta=delta_summary(results, delta),
     )
 
 

@@ -78,8 +78,12 @@ class StagedUpdate:
         make_stats: Callable[..., Any],
         timeout_s: float | None = None,
         hold_source: bool = True,
+        delta: bool = False,
     ):
         self.id = uuid.uuid4().hex[:12]
+        self.delta = delta
+        self.delta_order = None  # decided once the source is held (actors/delta.py)
+        self.sent_layout = source.layout
         self.source, self.dest, self.target, self.keep = source, dest, target, keep
         self.version_of, self.hold_source = version_of, hold_source
         self._version: int | None = None
@@ -135,6 +139,10 @@ class StagedUpdate:
             with held:  # the source's weights cannot change from here to the end of the transfer
                 self._version = self.version_of()
                 self.source_version = self.source.version
+                self.sent_layout = self.source.layout
+                self.delta_order = self.source._delta_order(
+                    self.delta, self.dest, self.source._copied_version(self.dest)
+                )
                 self._versioned.set()
                 self.stats = self._transfer(started)
             self._set("staged")
@@ -151,6 +159,7 @@ class StagedUpdate:
             self._drop_everywhere()
         finally:
             if self.state == "failed":
+                self._sources_unknown()
                 self.dest._end_stage(self)
             self._versioned.set()
             self._finished.set()
@@ -166,7 +175,15 @@ class StagedUpdate:
         key, ref = worker_plan_ref(plan, world, self.workers.actors, self.srcs, self.dsts, self.placement, self.shared)
         refs = [
             a.stage_run.remote(
-                self.id, world.id, key, [ref], i, {"model": self.label, "rank": str(i)}, self.version, self.keep
+                self.id,
+                world.id,
+                key,
+                [ref],
+                i,
+                {"model": self.label, "rank": str(i)},
+                self.version,
+                self.keep,
+                self.delta_order,
             )
             for i, a in enumerate(self.workers.actors)
         ]
@@ -286,6 +303,7 @@ class StagedUpdate:
         dead, silent = set(cause.dead), set(cause.unresponsive)
         found = undo(workers, cause, "stage_unswitch", self.id, seconds=deadline.grace())
         self._set("failed")
+        self._sources_unknown()
         dest._end_stage(self)
         state = (
             f"Rolled back: every live worker whose rollback ran serves version {dest.version} in layout "
@@ -340,7 +358,13 @@ class StagedUpdate:
             dest.version = self.version
             if self.kind == "copy":
                 dest.origin = (self.source.name, self.source_version)
+        self.source._delta_done(self.sent_layout, dest, self.delta_order, True)
         metrics.record_version(dest.name, dest.version)
+
+    def _sources_unknown(self) -> None:
+        """A failed or dropped update: the senders may have taken what they sent as their delta base."""
+        if self.delta_order is not None:
+            self.source._delta_done(self.sent_layout, self.dest, self.delta_order, False)
 
     def abort(self) -> None:
         """Drop the staged weights (waiting for the transfer to end first); the serving ones never
@@ -355,6 +379,7 @@ class StagedUpdate:
             if self.state != "staged":
                 raise ValueError(f"staged update {self.label} is {self.state}; it can no longer be aborted")
             self.state = "aborted"
+        self._sources_unknown()
         found = settle(
             self.workers,
             [a.stage_abort.remote(self.id) for a in self.workers.actors],

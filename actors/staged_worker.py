@@ -92,10 +92,20 @@ class StagingMixin:
 
     @ray.method(concurrency_group=STAGE)
     def stage_run(
-        self, update_id: str, world_id: str, key: str, plan_box: list, me: int, tags: dict, version: int, keep=None
+        self,
+        update_id: str,
+        world_id: str,
+        key: str,
+        plan_box: list,
+        me: int,
+        tags: dict,
+        version: int,
+        keep=None,
+        delta=None,
     ) -> dict:
         """This worker's part of a staged update: prepare its shadow set (if it receives), run the
-        plan over the staged world into it, and report. The serving buffers are only read."""
+        plan over the staged world into it, and report. The serving buffers are only read.
+        ``delta``: an :class:`~actors.delta.DeltaOrder` (a staged copy with ``delta=True``)."""
         st = self._realloc
         if st.stage_transport is None or st.stage_world_id != world_id:
             raise StaleOperationError(
@@ -115,7 +125,7 @@ class StagingMixin:
                 buffers = self._shadow_for(dst)
                 staged = st.staged = StagedSet(update_id, version, dst, buffers, keep=keep)
         started = time.perf_counter()
-        result = self._run(_StagedOp(staged), wp, me, st.stage_transport)
+        result = self._run(_StagedOp(staged), wp, me, st.stage_transport, delta)
         result["seconds"] = time.perf_counter() - started
         with st.stage_lock:
             if st.staged is staged:
@@ -337,6 +347,7 @@ class _StagedOp:
 
     def __init__(self, staged: StagedSet):
         self.id, self.dst, self.buffers = staged.id, staged.dst, staged.buffers
+        self.refreshed = False  # a delta's receiving side reads the serving buffers, never the shadow set
 
     def store(self) -> ShardStore | None:
         return ShardStore(self.dst.shards(), self.buffers) if self.dst is not None else None

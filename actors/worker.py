@@ -37,8 +37,19 @@ from actors import communicator, metrics
 from actors.ckpt_worker import CheckpointMixin
 from actors.communicator import Communicators
 from actors.context import ShardChange, ShardContext
+from actors.delta import Base, DeltaOrder, sender_base, snapshot
 from actors.errors import StaleOperationError
-from actors.executor import Cuts, PeerView, Phases, Staging, StepRunner, collector_paused, is_zero_copy, worker_routes
+from actors.executor import (
+    Cuts,
+    DeltaSides,
+    PeerView,
+    Phases,
+    Staging,
+    StepRunner,
+    collector_paused,
+    is_zero_copy,
+    worker_routes,
+)
 from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
 from actors.staged_worker import StagingMixin
@@ -210,6 +221,7 @@ class WorkerState:
         self.stage_rendezvous = None
         self.shadow_spare: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
         self.safe_points = 0
+        self.delta_base: Base | None = None  # what this worker last sent, for delta moves (actors/delta.py)
 
     @property
     def layout(self) -> Layout | None:
@@ -628,7 +640,15 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         return ShardStore(held.shards(), open_handles(handles))
 
     def op_run(
-        self, op_id: str, world_id: str, key: str, plan_box: list, me: int, tags: dict, keep: KeepOrder | None = None
+        self,
+        op_id: str,
+        world_id: str,
+        key: str,
+        plan_box: list,
+        me: int,
+        tags: dict,
+        keep: KeepOrder | None = None,
+        delta: DeltaOrder | None = None,
     ) -> dict:
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
@@ -640,6 +660,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         the driver aborts every live worker, which rolls a committed one back (``op_abort``).
         ``keep``: keep the layout left behind resident (actors/resident.py); if the destination
         layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
+        ``delta``: a move with ``delta=True`` (actors/delta.py).
         """
         self._check_world(world_id)
         self._realloc.phases = Phases()
@@ -650,7 +671,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.runs += 1
         self._evict_mappings()
         self._realloc.phases.mark("prepare")
-        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me))
+        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta))
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
@@ -757,12 +778,21 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.plans.move_to_end(key)
         return worker_plan
 
-    def _run(self, op: PendingOp, wp: WorkerPlan, me: int, transport: Transport | None = None) -> dict:
+    def _run(
+        self,
+        op: PendingOp,
+        wp: WorkerPlan,
+        me: int,
+        transport: Transport | None = None,
+        delta: DeltaOrder | None = None,
+    ) -> dict:
         """``op``'s part of ``wp`` over ``transport`` (default: the world's; a staged update runs
-        over its own, actors/staged_worker.py)."""
+        over its own, actors/staged_worker.py). ``delta``: run the routes as deltas when it names
+        a base version, and keep what was sent as the new base (actors/delta.py)."""
         transport = self._realloc.transport if transport is None else transport
         src = self._store_now() if wp.peers[me].src is not None else None
         dst = op.store()
+        sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
         moved = {"local": 0, "intra": 0, "inter": 0}
         if self._realloc.copier is None:
             self._realloc.copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
@@ -801,6 +831,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 on_bucket=self._after_bucket,
                 staging=self._realloc.staging,
                 cuts=wp.cuts,
+                delta=sides,
             )
             stall = self._take_fault("stall")
             if stall:
@@ -825,6 +856,10 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             for work in sent + list(ready.values()):
                 work.wait()
             self._realloc.phases.mark("fan-out")
+            if delta is not None and src is not None:  # what was sent: the next delta's base
+                st = self._realloc
+                st.delta_base = snapshot(st.delta_base, wp.peers[me].src, src.buffers, delta)
+                self._realloc.phases.mark("delta base")
             ok = True
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local is not None:
@@ -835,7 +870,24 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.phases.mark("local copies")
         result = self._finished(op, moved)
         self._realloc.phases.mark("device sync")
+        if sides is not None:
+            result["delta"] = sides.stats
+        if delta is not None:
+            result["delta_base_bytes"] = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
+
+    def _delta_sides(self, op: PendingOp, me: PeerView, order: DeltaOrder) -> DeltaSides:
+        """The bases of a delta move on this worker: its own base, if it sends and the base is of
+        the order's version; as a receiver, what its destination held (a kept layout refreshed in
+        place, or the serving buffers when they are in the destination's layout)."""
+        st = self._realloc
+        dst_base = None
+        if me.dst is not None:
+            if op.refreshed:
+                dst_base = op.store()
+            elif st.held == me.dst and st.buffers is not None:
+                dst_base = ShardStore(st.held.shards(), st.buffers)
+        return DeltaSides(sender_base(st.delta_base, me.src, order), dst_base)
 
     def _swap_handles(self, wp: WorkerPlan, op: PendingOp, transport: Transport) -> dict[tuple[int, bool], ShardStore]:
         """Send each peer that maps my buffers the handles of exactly the buffers it reads, made

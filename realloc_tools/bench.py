@@ -184,6 +184,21 @@ def add_bench_parser(subparsers) -> None:
         help="exit 1 when a baseline failed or was skipped for memory in some direction (by default "
         "that is reported and the exit status only says whether every result that ran verified)",
     )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="run the delta measurement alone: a trainer stepping AdamW copies into a generator with "
+        "copy_to(..., delta=True) after every step, beside a full copy (realloc_tools/delta_bench.py)",
+    )
+    p.add_argument(
+        "--delta-models",
+        default="small,bench-1gb",
+        help="the delta measurement's models, comma-separated (default small,bench-1gb)",
+    )
+    p.add_argument(
+        "--delta-lrs", default="1e-6,3e-6", help="the delta measurement's AdamW learning rates (default 1e-6,3e-6)"
+    )
+    p.add_argument("--delta-steps", type=int, default=10, help="AdamW steps per learning rate (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench)
 
@@ -240,6 +255,8 @@ def check_run_args(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from realloc.spec import load_spec as load_model
 
+    if args.delta:
+        return run_delta_bench(args)
     spec = load_model(args.model)
     if args.staged_only and args.no_staged:
         raise ValueError("--staged-only and --no-staged exclude each other")
@@ -295,6 +312,37 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     return exit_status(report, args.strict)
+
+
+def run_delta_bench(args: argparse.Namespace) -> int:
+    """``--delta``: the per-step table of delta copies beside full ones; exit 1 unless every
+    generator ended bit-exact."""
+    from realloc.spec import load_spec as load_model
+    from realloc_tools.cluster import ray_for_command
+    from realloc_tools.delta_bench import format_rows, measure
+
+    specs = [load_model(m.strip()) for m in args.delta_models.split(",") if m.strip()]
+    try:
+        lrs = [float(x) for x in args.delta_lrs.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--delta-lrs must be comma-separated numbers, got {args.delta_lrs!r}") from None
+    if not specs or not lrs or any(not (0 < lr < 1) for lr in lrs):
+        raise ValueError(
+            f"--delta-models and --delta-lrs need at least one model and learning rates in (0, 1), got {args.delta_models!r}, {args.delta_lrs!r}"
+        )
+    if args.delta_steps < 1:
+        raise ValueError(f"--delta-steps must be at least 1, got {args.delta_steps}")
+    rows = []
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        with ray_for_command(args.address, 2, 4) as where:
+            _log(f"delta bench on {where}")
+            for spec in specs:
+                rows += measure(spec, lrs, args.delta_steps, int(args.bucket_mb * MB), log=_log)
+    if args.json:
+        print(json.dumps({"delta": rows}))
+    else:
+        print(format_rows(rows))
+    return 0 if all(r.get("exact", True) for r in rows) else 1
 
 
 def exit_status(report: dict, strict: bool = False) -> int:
