@@ -342,7 +342,7 @@ def run_delta_bench(args: argparse.Namespace) -> int:
         print(json.dumps({"delta": rows}))
     else:
         print(format_rows(rows))
-    return 0 if all(r.get("exact", True) for r in rows) else 1
+    return 0 if all(r["exact"] for r in rows) else 1
 
 
 def exit_status(report: dict, strict: bool = False) -> int:

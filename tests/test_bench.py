@@ -126,6 +126,10 @@ def test_bad_options_are_usage_errors(capsys):
     assert main(["bench", "--staged-layouts", "dp=2"]) == 2
     assert main(["bench", "--staged-calls", "0"]) == 2
     assert main(["bench", "--staged-layouts", "dp=4,tp=2->tp=4"]) == 2  # 12 actors, the transitions have 8
+    assert main(["bench", "--delta", "--delta-steps", "0"]) == 2
+    assert main(["bench", "--delta", "--delta-lrs", "fast"]) == 2
+    assert main(["bench", "--delta", "--delta-lrs", "2"]) == 2
+    assert main(["bench", "--delta", "--delta-models", "nope"]) == 2
     assert "needs 12 actors" in capsys.readouterr().err
 
 
@@ -435,3 +439,20 @@ def test_bench_staged_only_tiny():
     for part in ("calls idle: median", "calls during staging:", "pause at commit: median", "stop-the-world copy_to:"):
         assert part in text, part
     assert "verified: yes" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_delta_tiny():
+    """``realloc bench --delta``: a delta per AdamW step beside a full copy, every generator exact."""
+    cmd = [sys.executable, "-m", "realloc_tools.cli", "bench", "--delta", "--json"]
+    cmd += ["--delta-models", "tiny", "--delta-lrs", "1e-4", "--delta-steps", "2", "--bucket-mb", "0.0625"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["delta"]
+    assert [(r["model"], r["step"], r["mode"]) for r in rows] == [("tiny", 1, "delta"), ("tiny", 2, "delta")]
+    assert all(r["exact"] is True for r in rows)
+    for r in rows:
+        assert 0 < r["changed_fraction"] < 1 and 0 < r["wire_bytes"] < r["bytes"]
+        assert r["goal_met"] == (r["wire_fraction"] <= 3 * r["changed_fraction"] + 0.005)
+        assert r["buckets"]["repaired"] == 0 and r["base_bytes_per_actor"] > 0
