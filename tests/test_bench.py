@@ -446,7 +446,7 @@ def test_bench_staged_only_tiny():
 def test_bench_delta_tiny():
     """``realloc bench --delta``: a delta per AdamW step beside a full copy, every generator exact."""
     cmd = [sys.executable, "-m", "realloc_tools.cli", "bench", "--delta", "--json"]
-    cmd += ["--delta-models", "tiny", "--delta-lrs", "1e-4", "--delta-steps", "2", "--bucket-mb", "0.0625"]
+    cmd += ["--delta-models", "tiny", "--delta-lrs", "1e-6", "--delta-steps", "2", "--bucket-mb", "0.0625"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["delta"]
