@@ -171,6 +171,13 @@ class DeltaSides:
     )
 
 
+def _same_memory(a: ShardStore, b: ShardStore) -> bool:
+    """Whether two stores share buffer memory (a kept layout refreshed in place is both a
+    destination and its own base: two store objects over the same tensors)."""
+    mine = {t.untyped_storage().data_ptr() for t in a.buffers.values()}
+    return any(t.untyped_storage().data_ptr() in mine for t in b.buffers.values())
+
+
 #: Bytes of a delta bucket's header: four int64.
 DELTA_HEADER = 4
 
@@ -390,7 +397,7 @@ class StepRunner:
         new_from = self.dst if forward else self.src
         base_from = d.src_base
         if forward:  # a fan-out sender forwards its destination: its base is what that held, if not overwritten
-            base_from = d.dst_base if d.dst_base is not None and d.dst_base.buffers is not self.dst.buffers else None
+            base_from = d.dst_base if d.dst_base is not None and not _same_memory(d.dst_base, self.dst) else None
         send_b = self.buckets(send[1]) if send else []
         recv_b = self.buckets(recv[1]) if recv else []
         to = self.peers[send[0]].world_rank if send else None

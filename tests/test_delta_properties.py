@@ -180,7 +180,10 @@ def run_delta_plan(case: Case, fraction: float, seed: int, faults: dict) -> dict
     src_base = _stores(d, case.src, a, v1, src_workers, case.pad)
     dst_base = _stores(d, case.dst, b, v1, dst_workers, case.pad)
     other = _stores(d, case.src, a, _changed(v1, 0.05, seed + 1), src_workers, case.pad)
-    dst = {w: ShardStore(b.shards(r), allocate_buffers(b, r)) for r, w in enumerate(dst_workers)}
+    if faults.get("in_place"):  # a kept layout refreshed in place: the destination is its own base
+        dst = {w: ShardStore(b.shards(r), dst_base[w].buffers) for r, w in enumerate(dst_workers)}
+    else:
+        dst = {w: ShardStore(b.shards(r), allocate_buffers(b, r)) for r, w in enumerate(dst_workers)}
     g = torch.Generator().manual_seed(seed)
     for w in faults.get("corrupt", ()):  # a destination whose weights are not what the sender thinks
         if dst_workers and w % len(dst_workers) < len(dst_workers):
@@ -196,7 +199,8 @@ def run_delta_plan(case: Case, fraction: float, seed: int, faults: dict) -> dict
         bases_src[src_workers[w % len(src_workers)]] = None
     bases_dst = dict(dst_base)
     for w in faults.get("no_receiver_base", ()):
-        bases_dst[dst_workers[w % len(dst_workers)]] = None
+        if not faults.get("in_place"):  # in place, the destination's old weights are there by definition
+            bases_dst[dst_workers[w % len(dst_workers)]] = None
     n = len(plan.nodes)
     roles_src = dict(zip(src_workers, range(len(src_workers))))
     roles_dst = dict(zip(dst_workers, range(len(dst_workers))))
@@ -264,6 +268,7 @@ faults = st.fixed_dictionaries(
         "stale_sender": st.lists(st.integers(0, 11), max_size=2),
         "no_sender_base": st.lists(st.integers(0, 11), max_size=1),
         "no_receiver_base": st.lists(st.integers(0, 11), max_size=1),
+        "in_place": st.booleans(),
     },
 )
 
@@ -272,7 +277,7 @@ faults = st.fixed_dictionaries(
 @given(st.one_of(reallocations(), cross_model_copies()), st.floats(0, 0.05), st.integers(0, 2**31), faults)
 def test_random_delta_moves_are_bit_exact(case, fraction, seed, faults):
     total = run_delta_plan(case, fraction, seed, faults)
-    if not faults:  # nothing went wrong: no bucket needed a second trip
+    if not set(faults) - {"in_place"}:  # nothing went wrong: no bucket needed a second trip
         assert total["repaired"] == 0
 
 
@@ -297,3 +302,16 @@ def test_sparse_change_moves_a_fraction_of_the_bytes_and_faults_cost_whole_bucke
     assert corrupt["repaired"] > 0
     stale = run_delta_plan(case, 0.01, 5, {"no_sender_base": [0]})
     assert stale["whole"] > 0 and stale["repaired"] == 0
+
+
+def test_a_refresh_in_place_forwards_whole_buckets_not_deltas_against_overwritten_bases():
+    """A defect found in review: a fan-out sender of a kept layout refreshed in place (its
+    destination is its own base, as two store objects over the same tensors) computed deltas
+    against a base it had already overwritten with the new weights, so every bucket it forwarded
+    missed its checksum and travelled twice. It must send those buckets whole, once."""
+    d = oracle.Decoder(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
+    case = Case(d, Topology(tp=4), Topology(dp=4), Placement.blocks(4, 2), bucket_bytes=16384)
+    plan = make_plan(case)
+    assert plan.forward_from < len(plan.steps), "the case should have fan-out steps"
+    total = run_delta_plan(case, 0.01, 5, {"in_place": True})
+    assert total["repaired"] == 0 and total["whole"] > 0 and total["delta"] > 0, total
