@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.executor import DELTA_COUNTERS
 from realloc.layout import RankLayout
 from realloc.shards import ShardStore
 
@@ -94,10 +95,6 @@ def snapshot(base: Base | None, held: RankLayout, buffers: dict[str, torch.Tenso
     return Base(held, order.version, copies)
 
 
-#: The counters of a delta move's routes (:class:`~actors.executor.DeltaSides`), summed over workers.
-COUNTERS = ("buckets", "delta", "whole", "repaired", "wire_bytes", "bytes")
-
-
 def summary(results: list[dict], order: DeltaOrder | None) -> dict | None:
     """``ReallocStats.delta`` of a move that carried ``order``: ``mode`` (``"delta"``, or
     ``"anchor"``: a full move), ``base_version``, the buckets that travelled as deltas, whole
@@ -109,7 +106,7 @@ def summary(results: list[dict], order: DeltaOrder | None) -> dict | None:
     if order is None:
         return None
     out = {"mode": "delta" if order.base is not None else "anchor", "base_version": order.base}
-    out.update({k: sum(r.get("delta", {}).get(k, 0) for r in results) for k in COUNTERS})
+    out.update({k: sum(r.get("delta", {}).get(k, 0) for r in results) for k in DELTA_COUNTERS})
     if order.base is None:
         moved = sum(r["bytes"]["intra"] + r["bytes"]["inter"] for r in results)
         out["bytes"] = out["wire_bytes"] = moved

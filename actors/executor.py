@@ -145,6 +145,12 @@ def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
     return views[0].reshape(-1).view(torch.uint8)
 
 
+#: What :class:`DeltaSides` counts of the buckets it receives: all of them, those whose delta
+#: landed, those that travelled whole, those sent again whole after a missed checksum, the bytes
+#: that travelled, the bytes the buckets hold.
+DELTA_COUNTERS = ("buckets", "delta", "whole", "repaired", "wire_bytes", "bytes")
+
+
 @dataclass
 class DeltaSides:
     """What a worker needs to run its routes as deltas (issue 24; ``realloc/shards/delta.py``).
@@ -166,9 +172,7 @@ class DeltaSides:
 
     src_base: ShardStore | None
     dst_base: ShardStore | None
-    stats: dict = field(
-        default_factory=lambda: {"buckets": 0, "delta": 0, "whole": 0, "repaired": 0, "wire_bytes": 0, "bytes": 0}
-    )
+    stats: dict = field(default_factory=lambda: dict.fromkeys(DELTA_COUNTERS, 0))
 
 
 def _same_memory(a: ShardStore, b: ShardStore) -> bool:
@@ -383,11 +387,13 @@ class StepRunner:
                 nxt, sending = outgoing(i + 1, "a")
             if self.on_bucket is not None:
                 self.on_bucket()
-        kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
-        result = []
-        if recv:
-            result.append((kind(recv[0]), self.list_bytes(recv[1])))
-        return result
+        return self._received(recv)
+
+    def _received(self, recv) -> list[tuple[str, int]]:
+        """What a step's receive ``(sender, segment list)`` brought, by link kind (none without one)."""
+        if not recv:
+            return []
+        return [("intra" if self.peers[recv[0]].node == self.my_node else "inter", self.list_bytes(recv[1]))]
 
     # -- delta routes (DeltaSides) ---------------------------------------------------------
     def _delta(self, send, recv, forward: bool) -> list[tuple[str, int]]:
@@ -487,8 +493,7 @@ class StepRunner:
             lambda i: packed("delta-new", new_from, side, send[1], i, send_b[i]),
             unpacked,
         )
-        kind = lambda peer: "intra" if self.peers[peer].node == self.my_node else "inter"  # noqa: E731
-        return [(kind(recv[0]), self.list_bytes(recv[1]))] if recv else []
+        return self._received(recv)
 
     def _repair(self, send, recv, send_b, recv_b, bad, packed_new, unpacked) -> None:
         """After a delta route: one flag per received bucket goes back to its sender (1: its delta
