@@ -57,8 +57,10 @@ from realloc._checks import check_nonneg, is_int
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
 from realloc.plan import Bandwidths, Placement, Plan, plan_reallocation
+from realloc.plan.formats import conversion
 from realloc.shards import TORCH_DTYPES, check_eta
 from realloc.spec import ModelSpec
+from realloc.spec.formats import unformatted
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,9 @@ class ReallocStats:
     waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
     the largest worker's shadow set. ``delta``: for a move with ``delta=True``, what travelled
     (:func:`actors.delta.summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
-    against ``bytes``, the senders' base memory); None otherwise.
+    against ``bytes``, the senders' base memory); None otherwise. ``conversion``: for a copy
+    between weight formats, where they were converted (``"source"``: before sending, the wire
+    carrying the destination's format; ``"destination"``: after receiving); None otherwise.
     """
 
     transition: str
@@ -97,6 +101,7 @@ class ReallocStats:
     version: int | None = None
     shadow_bytes_per_actor: int = 0
     delta: dict | None = None
+    conversion: str | None = None
 
     @property
     def gbps(self) -> float:
@@ -120,6 +125,7 @@ class ReallocStats:
             "version": self.version,
             "shadow_bytes_per_actor": self.shadow_bytes_per_actor,
             "delta": self.delta,
+            "conversion": self.conversion,
         }
 
 
@@ -197,6 +203,7 @@ class ModelGroup:
         vocab_pad_multiple: int = 1,
         vocab_pad_rule: str = "megatron",
         qkv_order: str = "hf",
+        weight_format: str | None = None,
         config: GroupConfig | None = None,
         worker_cls: type = ShardWorker,
         **settings: Any,
@@ -209,8 +216,10 @@ class ModelGroup:
 
         ``topology`` is a :class:`Topology`, its string (``"dp=2,tp=4"``) or a full
         :class:`Layout`; ``vocab_pad_multiple``, ``vocab_pad_rule`` and ``qkv_order`` (engine
-        conventions, :mod:`realloc.layout.conventions`) build the layout from a topology (a Layout carries
-        its own: give one or the other). ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``gpus_per_worker``,
+        conventions, :mod:`realloc.layout.conventions`) and ``weight_format`` (what the group holds
+        the weights as, e.g. ``"fp8_block128"`` for a generator serving block FP8 or
+        ``"bfloat16"`` beside fp32 masters: :mod:`realloc.spec.formats`; :meth:`copy_to` converts)
+        build the layout from a topology (a Layout carries its own: give one or the other). ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``gpus_per_worker``,
         ``transport``, ``strategy``, ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``zero_copy``, ``bandwidths``,
         ``runtime_env``), or pass ``config=``. Every argument is checked, and the cluster's
         capacity too, before anything starts; a failure after the placement group exists
@@ -235,6 +244,12 @@ class ModelGroup:
                         f"{option}={given!r} contradicts the layout's own {what} ({own}); "
                         f"a Layout carries its {what}, give one or the other"
                     )
+        if weight_format is not None:
+            if isinstance(topology, Layout):
+                raise ValueError(
+                    "weight_format= with a Layout: a Layout carries its weight format, give one or the other"
+                )
+            options["weight_format"] = weight_format
         layout = _as_layout(spec, topology, options)
         _check_worker_cls(worker_cls)
         if config is not None and settings:
@@ -561,7 +576,11 @@ class ModelGroup:
             boxes = call_all(
                 self.workers.subset(ranks), "get_boxes", timeout_s=self.timeout_s, what=f"read shards ({self.name})"
             )
-        return dict(zip(ranks, boxes))
+        dtypes = {p.name: TORCH_DTYPES[p.dtype] for p in self.spec.params}
+        return {  # float8 boxes travel as their bytes (ShardWorker.get_boxes)
+            rank: [(p, o, z, t.view(dtypes[p]) if t.dtype != dtypes[p] else t) for p, o, z, t in rank_boxes]
+            for rank, rank_boxes in zip(ranks, boxes)
+        }
 
     def _check_ranks(self, ranks: object) -> list[int]:
         if ranks is None:
@@ -577,7 +596,7 @@ class ModelGroup:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors assembled on the driver from the shards of dp replica 0."""
-        full = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in self.spec.params}
+        full = {p.name: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in self.spec.params}
         replica0 = [r for r in range(self.num_workers) if self.topology.coords(r)[0] == 0]
         for rank_boxes in self.shard_boxes(replica0).values():
             for param, offsets, sizes, tensor in rank_boxes:
@@ -755,6 +774,12 @@ class ModelGroup:
     def target(self, dst: "Topology | str | Layout") -> Layout:
         """The layout ``dst`` names for this group (a topology keeps the group's padding and conventions)."""
         layout = _as_layout(self.spec, dst, self.layout.options, self.layout)
+        if layout.spec != self.spec:
+            raise ValueError(
+                f"destination {layout} holds weight format {layout.spec.weight_format or 'model dtypes'}, group "
+                f"{self.name!r} {self.spec.weight_format or 'model dtypes'}: reallocate keeps the format "
+                "(copy_to converts between groups of different formats)"
+            )
         if layout.topology.world_size != self.num_workers:
             raise ValueError(
                 f"destination {layout} needs {layout.topology.world_size} workers but group "
@@ -992,18 +1017,27 @@ class ModelGroup:
             if delta:
                 raise ValueError("copy_to(eta=..., delta=True): a blend writes every element; delta=True copies")
             eta = check_eta(eta)
-        self.spec.check_same_as(other.spec)
+        unformatted(self.spec).check_same_as(unformatted(other.spec))
+        converting = self.layout.spec != other.layout.spec  # weight formats differ (realloc/plan/formats.py)
+        if converting and (stage or delta or eta is not None):
+            what = "stage=True" if stage else "delta=True" if delta else "eta"
+            raise ValueError(
+                f"copy_to({what}) between weight formats ({self.layout.spec.weight_format or 'model dtypes'} -> "
+                f"{other.layout.spec.weight_format or 'model dtypes'}): only a plain copy converts formats"
+            )
         if stage:
             return self._stage(other, other.layout, lambda: other.copy_version(self), None, delta=delta)
         started = time.perf_counter()
         deadline = Deadline(max(self.timeout_s, other.timeout_s))
         with self._exclusive("copy_to", other, deadline=deadline):
-            placement, make_plan = self._copy_plan(other)
+            conv = conversion(self.layout, other.layout)
+            plan_src, plan_dst = conv.plan_sides(self.layout, other.layout)
+            placement, make_plan = self._copy_plan(other, plan_src, plan_dst)
             n, m = self.num_workers, other.num_workers
             label = f"{self.name}[{self.layout}] -> {other.name}[{other.layout}]"
             op = Operation(
                 self.workers + other.workers,
-                [None] * n + [other.layout.at(r) for r in range(m)],
+                [None] * n + [plan_dst.at(r) for r in range(m)],
                 deadline,
                 f"copy {label}",
                 f"{other.name!r} keeps its previous weights and {self.name!r} is untouched",
@@ -1015,14 +1049,17 @@ class ModelGroup:
                     [self, other],
                     op,
                     make_plan,
-                    [self.layout.at(r) for r in range(n)] + [None] * m,
+                    [plan_src.at(r) for r in range(n)] + [None] * m,
                     placement,
                     f"{self.name}->{other.name}",
                     label,
                     started,
                     blend=eta,
                     delta=delta_order,
+                    convert=other.layout if conv.where == "destination" else None,
+                    converting=conv.where is not None,
                 )
+                stats.conversion = conv.where
             except ReallocationError:
                 self._delta_done(self.layout, other, delta_order, False)
                 raise
@@ -1039,11 +1076,14 @@ class ModelGroup:
         """The version of this group's weights ``other`` holds unchanged, if it does."""
         return other.origin[1] if other.origin is not None and other.origin[0] == self.name else None
 
-    def _copy_plan(self, other: "ModelGroup") -> tuple[Placement, Callable[[], Plan]]:
-        """The placement over both groups and the plan maker of a copy into ``other``."""
+    def _copy_plan(
+        self, other: "ModelGroup", src: Layout | None = None, dst: Layout | None = None
+    ) -> tuple[Placement, Callable[[], Plan]]:
+        """The placement over both groups and the plan maker of a copy into ``other`` (from ``src``
+        to ``dst``: the groups' layouts, or one of them in the other's weight format)."""
         n, m = self.num_workers, other.num_workers
         placement = Placement(self.placement.nodes + other.placement.nodes)
-        src, dst = self.layout, other.layout
+        src, dst = src or self.layout, dst or other.layout
         return placement, lambda: _plan(
             src,
             dst,
@@ -1140,6 +1180,11 @@ class ModelGroup:
             >>> ckpt = group.checkpoint_manager(factor=2)  # doctest: +SKIP
             >>> ckpt.save(100).wait(); ckpt.load()         # doctest: +SKIP
         """
+        if self.spec.weight_format is not None:
+            raise ValueError(
+                f"group {self.name!r} holds weight format {self.spec.weight_format!r}: checkpoints hold a model's "
+                "own dtypes (save the group it was copied from; copy_to converts again)"
+            )
         return CheckpointManager(self, root=root, run_id=run_id, jump=jump, factor=factor, timeout_s=timeout_s)
 
     # -- failures ------------------------------------------------------------------------
@@ -1250,8 +1295,14 @@ def _move(
     blend: float | None = None,
     keep: KeepOrder | None = None,
     delta: DeltaOrder | None = None,
+    convert: Layout | None = None,
+    converting: bool = False,
 ) -> ReallocStats:
     """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
+
+    ``converting``: the plan moves one side's weights in the other side's format (no zero-copy
+    reads then: a peer's buffers are not in the plan's format); ``convert``: the layout the
+    destination workers convert into before committing.
 
     The caller holds the groups' locks and changes its state only after this returns. Every wait,
     forming the world included, shares ``op.deadline``; any failure aborts ``op``.
@@ -1264,8 +1315,8 @@ def _move(
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
         op.abort(err)
     if blend is None:
-        shared = [info["zero_copy"] for g in groups for info in g.infos]
-        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta)
+        shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)
@@ -1415,7 +1466,7 @@ def _shipped(what: str, *values: Any) -> list:
 def _as_layout(spec: ModelSpec, value: object, options: dict, current: Layout | None = None) -> Layout:
     """A layout from a Layout, a Topology or a topology string (``ValueError`` for anything else)."""
     if isinstance(value, Layout):
-        if value.spec != spec:
+        if unformatted(value.spec) != unformatted(spec):
             raise ValueError(f"layout {value!r} is of model {value.spec.name!r}, not {spec.name!r}")
         return value
     if isinstance(value, str):

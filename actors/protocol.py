@@ -146,6 +146,7 @@ class Operation:
         tags: dict,
         keep: KeepOrder | None = None,
         delta: DeltaOrder | None = None,
+        convert: Layout | None = None,
     ) -> PhaseResult:
         """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
         and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
@@ -157,14 +158,16 @@ class Operation:
         failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
         rewrites destination buffers that other workers may still be reading. ``keep``: every
         worker keeps the layout it leaves resident (actors/resident.py). ``delta``: a move with
-        ``delta=True`` (actors/delta.py).
+        ``delta=True`` (actors/delta.py). ``convert``: the layout the destination workers convert
+        into before committing (realloc/plan/formats.py; the plan's destination is that layout in
+        the source's weight format).
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
         key, ref = worker_plan_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
             refs = [
-                a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep, delta)
+                a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep, delta, convert)
                 for i, a in enumerate(self.workers.actors)
             ]
             results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")

@@ -60,12 +60,14 @@ from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
 from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, flat_views, local_copies, zero_padding
+from realloc.shards.convert import convert_rank
 from realloc.shards.synthetic import synthetic_box
 from realloc.spec import ModelSpec
+from realloc.spec.formats import unformatted
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit", "exit_in_switch")
+FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit", "exit_in_switch", "exit_in_convert")
 #: ``op_run``: bytes of one zero-copy handle message (length + pickle), and its message tags
 #: (plan steps use tag 0).
 HANDLE_BYTES = 1 << 14
@@ -441,13 +443,16 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         return ShardStore(self._realloc.held.shards(), self._realloc.buffers)
 
     def get_boxes(self) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
-        """``(param, offsets, sizes, tensor)`` of every held box, on CPU (padding excluded)."""
+        """``(param, offsets, sizes, tensor)`` of every held box, on CPU (padding excluded); float8
+        boxes as their bytes (uint8: torch cannot pickle float8 tensors; ``shard_boxes`` views
+        them back)."""
         store = self._store_now()
-        return [
-            (s.param, s.offsets, s.sizes, store.view(s.param, s.offsets, s.sizes).cpu().clone())
-            for s in self._realloc.held.shards()
-            if s.numel
-        ]
+        out = []
+        for s in self._realloc.held.shards():
+            if s.numel:
+                t = store.view(s.param, s.offsets, s.sizes).cpu().clone()
+                out.append((s.param, s.offsets, s.sizes, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t))
+        return out
 
     def verify_synthetic(self, seed: int) -> list[str]:
         """Names of slots whose values differ from the synthetic weights (padding must be zero)."""
@@ -483,7 +488,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         buckets; ``("exit_in_commit", 0)`` kills it when the next commit arrives (after every
         transfer, before it adopts anything); ``("exit_after_commit", 0)`` kills it after it
         adopted the new buffers, before it answers; ``("exit_in_switch", 0)`` kills it when a staged
-        update's switch arrives (``stage_switch``), before it switches. ``stall`` and
+        update's switch arrives (``stage_switch``), before it switches; ``("exit_in_convert", 0)``
+        kills it when it converts weight formats (realloc/plan/formats.py). ``stall`` and
         ``exit_after_buckets`` apply to staged transfers too."""
         if kind not in FAULTS:
             raise ValueError(f"unknown fault {kind!r}; allowed: {', '.join(FAULTS)}")
@@ -514,7 +520,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         buffers, refreshed = None, False
         if dst is not None:
             if not any(dst.layout.spec is s for s in self._realloc.specs_checked):
-                if dst.layout.spec != self._realloc.spec:
+                if unformatted(dst.layout.spec) != unformatted(self._realloc.spec):  # a format is no other model
                     raise ValueError(
                         f"worker of {self._realloc.group} holds model {self._realloc.spec.name!r}, "
                         f"not {dst.layout.spec.name!r}"
@@ -649,6 +655,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         tags: dict,
         keep: KeepOrder | None = None,
         delta: DeltaOrder | None = None,
+        convert: Layout | None = None,
     ) -> dict:
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
@@ -660,7 +667,10 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         the driver aborts every live worker, which rolls a committed one back (``op_abort``).
         ``keep``: keep the layout left behind resident (actors/resident.py); if the destination
         layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
-        ``delta``: a move with ``delta=True`` (actors/delta.py).
+        ``delta``: a move with ``delta=True`` (actors/delta.py). ``convert``: the layout this worker
+        ends in when the plan's destination is that layout in another weight format (the
+        receivers convert, realloc/plan/formats.py): converted before the commit. A plan whose
+        source is another format than the one held is converted from it before sending.
         """
         self._check_world(world_id)
         self._realloc.phases = Phases()
@@ -672,6 +682,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._evict_mappings()
         self._realloc.phases.mark("prepare")
         result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta))
+        if convert is not None and op.dst is not None:
+            self._convert_destination(op, convert)
+            self._realloc.phases.mark("convert")
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
@@ -790,7 +803,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         over its own, actors/staged_worker.py). ``delta``: run the routes as deltas when it names
         a base version, and keep what was sent as the new base (actors/delta.py)."""
         transport = self._realloc.transport if transport is None else transport
-        src = self._store_now() if wp.peers[me].src is not None else None
+        src = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else None
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -867,6 +880,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                     moved["local"] += local.result()
                 else:
                     local.exception()
+            if src is not None and src.buffers is not self._realloc.buffers:  # converted for sending
+                self._realloc.allocator.release(src.buffers)
         self._realloc.phases.mark("local copies")
         result = self._finished(op, moved)
         self._realloc.phases.mark("device sync")
@@ -875,6 +890,41 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         if delta is not None:
             result["delta_base_bytes"] = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
+
+    def _source_store(self, src: RankLayout) -> ShardStore:
+        """What this worker sends from: its buffers, or (a plan in another weight format than the
+        one held, realloc/plan/formats.py) a converted copy of them in fresh buffers."""
+        held = self._realloc.held
+        if src == held:
+            return self._store_now()
+        if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
+            raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
+        if self._take_fault("exit_in_convert") is not None:
+            os._exit(1)
+        buffers = self._realloc.allocator.allocate(src.buffer_numels(), zero=False)
+        store = ShardStore(src.shards(), buffers)
+        zero_padding(store)
+        convert_rank(held.layout, src.layout, src.rank, self._store_now(), store)
+        self._realloc.phases.mark("convert")
+        return store
+
+    def _convert_destination(self, op: PendingOp, final: Layout) -> None:
+        """Convert what ``op`` received (the destination in the sender's weight format) into
+        ``final``'s format: ``op`` then commits ``final``'s rank and its buffers."""
+        wire, received = op.dst, op.store()
+        target = RankLayout(final, wire.rank)
+        if self._take_fault("exit_in_convert") is not None:
+            os._exit(1)
+        buffers = self._realloc.allocator.allocate(target.buffer_numels(), zero=False)
+        store = ShardStore(target.shards(), buffers)
+        zero_padding(store)
+        try:
+            convert_rank(wire.layout, final, wire.rank, received, store)
+        except BaseException:
+            self._realloc.allocator.release(buffers)
+            raise
+        self._realloc.allocator.release(op.buffers)
+        op.dst, op.buffers = target, buffers
 
     def _delta_sides(self, op: PendingOp, me: PeerView, order: DeltaOrder) -> DeltaSides:
         """The bases of a delta move on this worker: its own base, if it sends and the base is of

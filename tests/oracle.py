@@ -52,6 +52,10 @@ Llama-style decoder:
   ``w13_weight``/``w2_weight`` (:func:`vllm_w13`, :func:`vllm_w2`, from ``FusedMoE._load_w13`` /
   ``_load_w2``): the local experts stacked, per expert the etp slice of gate then of up.
 
+* block FP8 (:func:`fp8_block_quantize`, :func:`fp8_block_dequantize`), written from vLLM's
+  ``per_block_cast_to_fp8`` (vllm/utils/deep_gemm.py, ``use_ue8m0=False``) and DeepSeek-V3's
+  ``weight_dequant`` (inference/kernel.py): one 128 x 128 block at a time, in a Python loop.
+
 The only realloc imports are :func:`realloc.spec.decoder_spec` and
 :func:`realloc.spec.hf_config.spec_from_hf_config`, to build the spec under test from the same
 description (:meth:`Decoder.spec`, :meth:`MoeDecoder.spec`).
@@ -726,3 +730,35 @@ def ep_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, in
                     if block % (ep * etp) == 0 and m.moe_inter % etp == 0:
                         out.append((block // tp, tp, pp, ep, etp))
     return sorted(out, key=lambda t: (-(t[3] > 1), -sum(n > 1 for n in t)))
+
+
+FP8_BLOCK = 128
+
+
+def fp8_block_quantize(full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 values, fp32 scales)`` of a 2-D tensor, block by block: the block's largest
+    magnitude in fp32, at least 1e-4, over 448 is its scale; each element times the fp32
+    reciprocal of the scale, cast to float8_e4m3fn."""
+    rows, cols = full.shape
+    nr, nc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    values = torch.empty(full.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((nr, nc), dtype=torch.float32)
+    for i in range(nr):
+        for j in range(nc):
+            r, c = slice(i * FP8_BLOCK, (i + 1) * FP8_BLOCK), slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK)
+            block = full[r, c].to(torch.float32)
+            amax = torch.maximum(block.abs().max(), torch.tensor(1e-4, dtype=torch.float32))
+            scale = amax / torch.tensor(448.0, dtype=torch.float32)
+            values[r, c] = (block * (torch.tensor(1.0, dtype=torch.float32) / scale)).to(torch.float8_e4m3fn)
+            scales[i, j] = scale
+    return values, scales
+
+
+def fp8_block_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each 128 x 128 block of ``values`` in fp32 times its scale, then cast to ``dtype``."""
+    out = torch.empty(values.shape, dtype=dtype)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            r, c = slice(i * FP8_BLOCK, (i + 1) * FP8_BLOCK), slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK)
+            out[r, c] = (values[r, c].to(torch.float32) * scales[i, j]).to(dtype)
+    return out

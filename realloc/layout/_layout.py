@@ -44,10 +44,12 @@ import numpy as np
 from realloc._checks import check_positive
 from realloc.boxes import Box
 from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_expert_order
+from realloc.layout.formats import check_block_layout
 from realloc.layout.holdings import Group, PieceTable
 from realloc.layout.topology import Topology
 from realloc.layout.zero3 import zero3_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
+from realloc.spec.formats import formatted
 
 
 @dataclass(frozen=True)
@@ -129,12 +131,16 @@ class Layout:
         vocab_pad_rule: str = "megatron",
         qkv_order: str = "hf",
         expert_order: str = "hf",
+        weight_format: str | None = None,
     ):
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"a layout needs a realloc.ModelSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
             raise ValueError(f"a layout needs a realloc.Topology, got {type(topology).__name__}")
         check_positive("vocab_pad_multiple", vocab_pad_multiple)
+        if weight_format is not None:  # None: the spec's own format (a formatted spec keeps its)
+            spec = formatted(spec, weight_format)
+        check_block_layout(spec, topology, qkv_order, expert_order)
         topology.check(spec)
         check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order, expert_order)
         if topology.fsdp > 1 and vocab_pad_multiple > 1:
@@ -189,6 +195,7 @@ class Layout:
             "vocab_pad_rule": self.vocab_pad_rule,
             "qkv_order": self.qkv_order,
             "expert_order": self.expert_order,
+            "weight_format": self.spec.weight_format,
         }
 
     def __eq__(self, other: object) -> bool:
@@ -208,6 +215,7 @@ class Layout:
             state.get("vocab_pad_rule", "megatron"),
             state.get("qkv_order", "hf"),
             state.get("expert_order", "hf"),
+            state.get("weight_format"),
         )
 
     def with_topology(self, topology: Topology) -> "Layout":
@@ -233,6 +241,8 @@ class Layout:
             text += f" etp {t.etp}"
         if self.expert_order != "hf":
             text += f" experts {self.expert_order}"
+        if self.spec.weight_format is not None:
+            text += f" format {self.spec.weight_format}"
         return text
 
     def __repr__(self) -> str:

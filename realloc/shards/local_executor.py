@@ -6,9 +6,12 @@ from typing import Mapping
 
 import torch
 
-from realloc.plan import Plan, bucket_nbytes
+from realloc.layout import Layout
+from realloc.plan import Placement, Plan, bucket_nbytes, plan_reallocation
+from realloc.plan.formats import conversion
+from realloc.shards.convert import convert_rank
 from realloc.shards.copies import copy_local, pack, unpack
-from realloc.shards.store import ShardStore
+from realloc.shards.store import ShardStore, allocate_buffers
 
 
 def execute_in_process(plan: Plan, src: Mapping[int, ShardStore], dst: Mapping[int, ShardStore]) -> dict:
@@ -78,3 +81,40 @@ def check_fits(plan: Plan, src: Mapping[int, ShardStore], dst: Mapping[int, Shar
                     f"the plan's segment list {j} names {seg.param} {seg.box} as {seg.dtype}, but worker "
                     f"{worker}'s {role} store holds it as {found[0].dtype}"
                 )
+
+
+def move_in_process(
+    src_layout: Layout,
+    dst_layout: Layout,
+    src: Mapping[int, ShardStore],
+    dst: Mapping[int, ShardStore],
+    placement: Placement,
+    **plan_options,
+) -> dict:
+    """Move ``src_layout``'s stores (by rank) into ``dst_layout``'s, formats converted where
+    :func:`realloc.plan.formats.conversion` says; ``plan_options`` go to ``plan_reallocation``
+    (``src_workers``/``dst_workers``: the stores are then keyed by worker). Returns
+    :func:`execute_in_process`'s counts plus ``conversion`` (where) and ``wire_bytes`` (what the
+    plan moves between workers)."""
+    conv = conversion(src_layout, dst_layout)
+    plan_src, plan_dst = conv.plan_sides(src_layout, dst_layout)
+    plan = plan_reallocation(plan_src.spec, plan_src, plan_dst, placement, **plan_options)
+    ranks = {
+        side: dict(
+            zip(plan_options.get(f"{side}_workers") or range(lay.topology.world_size), range(lay.topology.world_size))
+        )
+        for side, lay in (("src", src_layout), ("dst", dst_layout))
+    }
+    if conv.where == "source":
+        wire = {w: ShardStore(conv.wire.shards(r), allocate_buffers(conv.wire, r)) for w, r in ranks["src"].items()}
+        for w, r in ranks["src"].items():
+            convert_rank(src_layout, conv.wire, r, src[w], wire[w])
+        src = wire
+    target = dst
+    if conv.where == "destination":
+        dst = {w: ShardStore(conv.wire.shards(r), allocate_buffers(conv.wire, r)) for w, r in ranks["dst"].items()}
+    counts = execute_in_process(plan, src, dst)
+    if conv.where == "destination":
+        for w, r in ranks["dst"].items():
+            convert_rank(conv.wire, dst_layout, r, dst[w], target[w])
+    return {**counts, "conversion": conv.where, "wire_bytes": plan.stats["bytes_total"]}

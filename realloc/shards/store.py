@@ -36,6 +36,7 @@ TORCH_DTYPES = {
     "float64": torch.float64,
     "int8": torch.int8,
     "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 

@@ -14,7 +14,15 @@ from typing import Iterable
 
 from realloc._checks import check_choice, is_int
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1, "uint8": 1}
+DTYPE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,  # block-FP8 weights (realloc.spec.formats)
+}
 
 #: Where a parameter lives in the pipeline.
 ROLES = ("embed", "layer", "final", "head")
@@ -182,6 +190,9 @@ class ModelSpec:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     hf_config_json: str | None = field(default=None, compare=False, repr=False)
+    #: The weight format the tensors are in (:mod:`realloc.spec.formats`), ``None`` for a model's
+    #: own dtypes: a formatted spec holds e.g. float8 weights and their block scales.
+    weight_format: str | None = None
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]

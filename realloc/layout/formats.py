@@ -1,0 +1,68 @@
+"""Which layouts can hold a block-FP8 weight format (:mod:`realloc.spec.formats`): the engine's rule.
+
+vLLM's ``Fp8LinearMethod.create_weights`` (``vllm/model_executor/layers/quantization/fp8.py``,
+``validate_fp8_block_shape`` in ``.../quantization/utils/fp8_utils.py``) refuses a tensor-parallel
+partition that is not a whole number of blocks: a column-parallel layer's output rows per rank
+(each fused part of it) and a row-parallel layer's input columns per rank must be multiples of
+the block edge, so every block of a weight lies on one rank and its scale travels with it. A
+layout of a block format is refused the same way, before any traffic: every rank's box of a
+quantized weight must start on a block boundary and end on one (or at the tensor's end), and its
+scales' box is then exactly the blocks of that box.
+"""
+
+from __future__ import annotations
+
+from realloc.layout.topology import Topology
+from realloc.spec import ModelSpec
+from realloc.spec.formats import BLOCK, FP8, scale_name
+
+__all__ = ["check_block_layout"]
+
+
+def check_block_layout(spec: ModelSpec, topology: Topology, qkv_order: str, expert_order: str) -> None:
+    """``ValueError`` unless every rank of ``topology`` holds whole blocks of every quantized weight."""
+    fmt = spec.weight_format
+    if fmt is None or not fmt.startswith("fp8_block"):
+        return
+    if topology.fsdp > 1:
+        raise ValueError(
+            f"weight_format={fmt!r} with fsdp={topology.fsdp}: block-FP8 weights are a serving format "
+            "(tensor/expert/pipeline parallel, as vLLM holds them); FSDP/ZeRO-3 chunks would split "
+            "blocks from their scales. Use fsdp=1 for the block-FP8 side"
+        )
+    if qkv_order != "hf" or expert_order != "hf":
+        raise ValueError(
+            f"weight_format={fmt!r} with qkv_order={qkv_order!r}, expert_order={expert_order!r}: block-FP8 "
+            "layouts hold vLLM's linear layers (qkv_order='hf', expert_order='hf'); vLLM's fused "
+            "FP8 expert buffers are not a layout yet"
+        )
+    by_name = spec.by_name
+    seen: set[tuple] = set()
+    for p in spec.params:
+        if p.dtype != FP8 or p.tp_dim is None:
+            continue
+        split = topology.expert_tp if p.expert is not None else topology.tp
+        s = by_name[scale_name(p.name)]
+        key = (p.shape, p.tp_dim, p.tp_unit, p.replicate_units, s.tp_unit, split)
+        if key in seen:
+            continue
+        seen.add(key)
+        size = p.shape[p.tp_dim]
+        if p.tp_problem(split) is not None:
+            continue  # Topology.check names it
+        for rank in range(split):
+            start, stop, _ = p.tp_range(split, rank)
+            aligned = start % BLOCK == 0 and (stop % BLOCK == 0 or stop == size)
+            if aligned and s.tp_problem(split) is None:
+                s_start, s_stop, _ = s.tp_range(split, rank)
+                if (s_start, s_stop) == (start // BLOCK, -(-stop // BLOCK)):
+                    continue
+            problem = (
+                f"{p.name}: [{start}, {stop}) of dim {p.tp_dim} on rank {rank} of {split} is not whole {BLOCK}-blocks"
+            )
+            kind = "expert tensor parallel size etp" if p.expert is not None else "tp"
+            raise ValueError(
+                f"weight_format={fmt!r}: {problem}. vLLM's block FP8 needs every rank's part of a "
+                f"quantized weight to be a multiple of {BLOCK} along its split dimension; choose a "
+                f"{kind} that splits dim {p.tp_dim} of size {size} into multiples of {BLOCK}"
+            )

@@ -1,0 +1,81 @@
+"""Moves between layouts of different weight formats: where the conversion runs, as data.
+
+A plan moves tensors of one format. A move from a layout of one format to a layout of another
+(bf16 trainer -> block-FP8 generator, fp32 masters -> bf16) is one such plan plus a local
+conversion (:func:`realloc.shards.convert.convert_store`) on one side, decided here:
+
+* ``"source"``: each sender converts its shards into the *wire* layout (the source topology in
+  the destination's format) before sending. Chosen when that format is smaller (the wire then
+  carries the smaller bytes: half for bf16 -> FP8) and the source's ranks hold whole blocks of
+  every quantized weight (:func:`realloc.layout.formats.check_block_layout`).
+* ``"destination"``: the plan moves the source's format into the wire layout (the destination
+  topology in the source's format) and each receiver converts from it. Chosen when the
+  destination format is not smaller (dequantizing, widening casts) or the source's ranks cut
+  blocks (FSDP chunks, a tp that splits a weight mid-block).
+* ``None``: both layouts hold one format; the plan is the whole move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from realloc.layout import Layout
+from realloc.spec.formats import unformatted
+
+__all__ = ["Conversion", "conversion"]
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """Where a move converts (``"source"``, ``"destination"`` or ``None``) and the layout on the
+    plan's converting end (``wire``: the layout the plan moves from or to, in the other format);
+    ``reason`` says why, for reports."""
+
+    where: str | None
+    wire: Layout | None
+    reason: str
+
+    def plan_sides(self, src: Layout, dst: Layout) -> tuple[Layout, Layout]:
+        """The ``(source, destination)`` layouts of the plan that moves the bytes."""
+        if self.where == "source":
+            return self.wire, dst
+        if self.where == "destination":
+            return src, self.wire
+        return src, dst
+
+
+def _without_format(layout: Layout) -> dict:
+    options = dict(layout.options)
+    options.pop("weight_format")
+    return options
+
+
+def conversion(src: Layout, dst: Layout) -> Conversion:
+    """Where a move from ``src`` to ``dst`` converts formats (module docstring).
+
+    ``ValueError`` when the layouts hold different models (not only different formats).
+
+    Example:
+        >>> from realloc import ModelSpec, Topology
+        >>> spec = ModelSpec.preset("bench-1gb")
+        >>> c = conversion(Layout(spec, Topology(tp=2)), Layout(spec, Topology(dp=2), weight_format="fp8_block128"))
+        >>> c.where, str(c.wire)
+        ('source', 'dp=1,tp=2,pp=1 format fp8_block128')
+    """
+    if src.spec == dst.spec:
+        return Conversion(None, None, "one format")
+    a, b = unformatted(src.spec), unformatted(dst.spec)
+    if a != b:
+        a.check_same_as(b)  # names what differs
+        raise ValueError(f"layouts of different models: {a.name!r} and {b.name!r}")
+    src_bytes, dst_bytes = src.spec.total_bytes(), dst.spec.total_bytes()
+    reason = f"{src.spec.weight_format or 'model dtypes'} -> {dst.spec.weight_format or 'model dtypes'}"
+    if dst_bytes < src_bytes:
+        try:
+            wire = Layout(dst.spec, src.topology, **_without_format(src))
+        except ValueError as e:
+            wire = Layout(src.spec, dst.topology, **_without_format(dst))
+            return Conversion("destination", wire, f"{reason}: the source ranks cannot convert ({e})")
+        return Conversion("source", wire, f"{reason}: converted before sending ({src_bytes} -> {dst_bytes} bytes)")
+    wire = Layout(src.spec, dst.topology, **_without_format(dst))
+    return Conversion("destination", wire, f"{reason}: converted after receiving (the format is not smaller)")

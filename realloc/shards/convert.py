@@ -1,0 +1,106 @@
+"""Converting a rank's shards between weight formats (:mod:`realloc.spec.formats`), in place of the rank.
+
+A move between layouts of different formats is a plan between layouts of one format plus this
+local conversion on one side (:func:`realloc.plan.formats.conversion` decides which): on the
+senders, before sending, when the destination's format is smaller and the source's ranks hold
+whole blocks (the wire then carries the smaller format), else on the receivers, after receiving.
+Both sides of :func:`convert_store` are stores of one topology, so every box of one is a box of
+the other.
+
+Rules followed, bit for bit:
+
+* **Quantize** (:func:`quantize_blocks`): vLLM's ``per_block_cast_to_fp8``
+  (``vllm/utils/deep_gemm.py``, taken from DeepGEMM's ``deep_gemm/utils/math.py``; the default
+  ``use_ue8m0=False``): per 128 x 128 block, ``amax = |x|.float().amax().clamp(1e-4)``,
+  ``scale = amax / 448.0``, values ``(x * (1.0 / scale)).to(float8_e4m3fn)``; the scale is what
+  the checkpoint and vLLM store as ``weight_scale_inv``. A box of whole blocks quantizes exactly
+  as the full tensor does, then sliced.
+* **Dequantize** (:func:`dequantize_blocks`): DeepSeek-V3's ``weight_dequant``
+  (``inference/kernel.py``, used by ``inference/fp8_cast_bf16.py``): ``x.float() * scale`` per
+  block, stored in the destination dtype.
+* **Cast**: ``tensor.to(dtype)`` (``Tensor.copy_`` between dtypes rounds the same way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from realloc.layout import Layout
+from realloc.shards.store import TORCH_DTYPES, ShardStore
+from realloc.spec.formats import BLOCK, FP8, scale_name
+
+__all__ = ["FP8_MAX", "convert_rank", "convert_store", "dequantize_blocks", "quantize_blocks"]
+
+#: Largest finite float8_e4m3fn value (the scale maps a block's amax to it).
+FP8_MAX = 448.0
+
+
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``x`` (2-D) zero-padded to whole blocks, seen as ``[rows/B, B, cols/B, B]``."""
+    m, n = x.shape
+    rows, cols = -(-m // BLOCK), -(-n // BLOCK)
+    padded = x
+    if (rows * BLOCK, cols * BLOCK) != (m, n):
+        padded = torch.zeros((rows * BLOCK, cols * BLOCK), dtype=x.dtype, device=x.device)
+        padded[:m, :n] = x
+    return padded.view(rows, BLOCK, cols, BLOCK), m, n
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8 values of x's shape, float32 scales [ceil(m/128), ceil(n/128)])`` of 2-D ``x``."""
+    view, m, n = _blocks(x)
+    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    scale = amax / FP8_MAX
+    values = (view * (1.0 / scale)).to(torch.float8_e4m3fn)
+    values = values.view(view.size(0) * BLOCK, view.size(2) * BLOCK)[:m, :n]
+    return values, scale.view(view.size(0), view.size(2))
+
+
+def dequantize_blocks(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float8 ``values`` (2-D) times their block ``scale``, in ``dtype``."""
+    m, n = values.shape
+    wide = scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:m, :n]
+    return (values.float() * wide).to(dtype)
+
+
+def _scale_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The blocks of a box of whole blocks (it may end at the tensor's edge)."""
+    return tuple(o // BLOCK for o in offsets), tuple(-(-(o + s) // BLOCK) - o // BLOCK for o, s in zip(offsets, sizes))
+
+
+def convert_store(src: ShardStore, dst: ShardStore, dtypes: dict[str, str], src_dtypes: dict[str, str]) -> int:
+    """Write every box ``dst`` holds from the same box of ``src`` (one topology, another format).
+
+    ``dtypes`` / ``src_dtypes``: each parameter's dtype on either side (the layouts' specs). A
+    quantized weight's scales are written with it. Returns the bytes written into ``dst``.
+    """
+    written = 0
+    done: set[tuple] = set()
+    for shard in (s for shards in dst.index.by_param.values() for s in shards):
+        key = (shard.param, shard.offsets, shard.sizes)
+        if key in done or 0 in shard.sizes:
+            continue
+        done.add(key)
+        param, offsets, sizes = key
+        if param not in src_dtypes:
+            continue  # the scales of a weight quantized here: written with the weight
+        have, want = src_dtypes[param], dtypes[param]
+        value = src.view(param, offsets, sizes)
+        if want == FP8 and have != FP8:
+            value, scale = quantize_blocks(value)
+            dst.write(scale_name(param), *_scale_box(offsets, sizes), scale)
+        elif have == FP8 and want != FP8:
+            scale = src.view(scale_name(param), *_scale_box(offsets, sizes))
+            value = dequantize_blocks(value, scale, TORCH_DTYPES[want])
+        dst.write(param, offsets, sizes, value)
+        written += value.numel() * TORCH_DTYPES[want].itemsize
+    return written
+
+
+def convert_rank(src_layout: Layout, dst_layout: Layout, rank: int, src: ShardStore, dst: ShardStore) -> int:
+    """:func:`convert_store` for rank ``rank`` of two layouts of one topology (formats may differ)."""
+    if src_layout.topology != dst_layout.topology:
+        raise ValueError(f"a conversion keeps the topology: {src_layout.topology} -> {dst_layout.topology}")
+    return convert_store(
+        src, dst, {p.name: p.dtype for p in dst_layout.spec.params}, {p.name: p.dtype for p in src_layout.spec.params}
+    )

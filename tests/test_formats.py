@@ -1,0 +1,246 @@
+"""Weight formats (casts, block FP8) on random layouts, against tests/oracle.py.
+
+The expected shards are computed from the full tensors alone: the oracle quantizes (or casts) the
+FULL tensor, block by block in a Python loop written from vLLM's ``per_block_cast_to_fp8``, and
+slices it with its own Megatron / FSDP2 reading; the scales of a rank are the blocks of its slice.
+Every destination buffer must equal that, bit for bit, whichever side converted.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from realloc.layout import Layout, Topology
+from realloc.plan import Placement
+from realloc.plan.formats import conversion
+from realloc.shards import ShardStore, allocate_buffers
+from realloc.shards.convert import dequantize_blocks, quantize_blocks
+from realloc.shards.local_executor import move_in_process
+from realloc.spec.formats import WEIGHT_FORMATS, formatted, quantized, scale_name
+
+try:
+    from tests import oracle
+except ImportError:  # pytest put tests/ itself on sys.path
+    import oracle
+
+B = oracle.FP8_BLOCK
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_linear(p: oracle.Param) -> bool:
+    return p.name.endswith(".weight") and any(f".{n}." in p.name for n in LINEAR)
+
+
+def formatted_full(d: oracle.Decoder, full: dict, fmt: "str | None") -> tuple[dict, dict]:
+    """``(tensors in the format, scales by weight name)`` of the full model."""
+    if fmt is None:
+        return dict(full), {}
+    fp8, _, cast = fmt.partition("+")
+    if fp8 in ("bfloat16", "float16", "float32"):
+        fp8, cast = "", fp8
+    out, scales = {}, {}
+    for p in oracle.params(d):
+        if fp8 and is_linear(p):
+            out[p.name], scales[p.name] = oracle.fp8_block_quantize(full[p.name])
+        elif cast:
+            out[p.name] = full[p.name].to(oracle.TORCH_DTYPES[cast])
+        else:
+            out[p.name] = full[p.name]
+    return out, scales
+
+
+def block_aligned(d: oracle.Decoder, tp: int) -> bool:
+    """Every tp rank's slice of every linear weight starts and ends on a block edge (or the end)."""
+    for p in oracle.params(d):
+        if not is_linear(p):
+            continue
+        for r in range(tp):
+            first, last = local_corners(d, p, tp, r)
+            for dim in (0, 1):
+                if first[dim] % B or ((last[dim] + 1) % B and last[dim] + 1 != p.shape[dim]):
+                    return False
+    return True
+
+
+def local_corners(d, p, tp, r) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Global (row, col) of the first and last element of tp rank ``r``'s slice of ``p``."""
+    idx = torch.arange(p.numel, dtype=torch.int64).reshape(p.shape)
+    local = oracle.tp_slice(d, p, idx, tp, r)
+    first, last = int(local.reshape(-1)[0]), int(local.reshape(-1)[-1])
+    return divmod(first, p.shape[1]), divmod(last, p.shape[1])
+
+
+def expected(d, full_fmt, scales, dp, fsdp, tp, pp, rank) -> dict[str, torch.Tensor]:
+    """Slot -> local tensor of ``rank`` (scales included) in the oracle's reading."""
+    stages = oracle.pipeline_stages(d.layers, pp)
+    out = oracle.local_tensors(d, full_fmt, dp, tp, pp, stages, rank, fsdp=fsdp)
+    by_name = {p.name: p for p in oracle.params(d)}
+    tp_rank = rank % tp
+    for name, s in scales.items():
+        if name not in out:
+            continue
+        first, last = local_corners(d, by_name[name], tp, tp_rank)
+        out[name + "_scale_inv"] = s[first[0] // B : last[0] // B + 1, first[1] // B : last[1] // B + 1].clone()
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def fill(layout: Layout, rank: int, tensors: dict) -> ShardStore:
+    store = ShardStore(layout.shards(rank), allocate_buffers(layout, rank))
+    views = store.shard_tensors()
+    assert set(views) == set(tensors), set(views) ^ set(tensors)
+    for slot, t in views.items():
+        t.copy_(tensors[slot])
+    return store
+
+
+@st.composite
+def cases(draw):
+    d = oracle.Decoder(
+        hidden=256,
+        intermediate=draw(st.sampled_from([512, 384, 256])),
+        layers=draw(st.integers(1, 3)),
+        heads=2,
+        kv_heads=draw(st.sampled_from([1, 2])),
+        head_dim=128,
+        vocab=draw(st.integers(40, 300)),
+        tied=draw(st.booleans()),
+        qkv_bias=draw(st.booleans()),
+        dtype=draw(st.sampled_from(["bfloat16", "float32"])),
+        norm_dtype="float32",
+    )
+    src_world = draw(st.sampled_from([4, 2, 1]))
+    dst_world = draw(st.sampled_from([4, 2, 1]))
+    src = draw(st.sampled_from(oracle.factorisations(d, src_world) + oracle.factorisations4(d, src_world)))
+    dst = draw(st.sampled_from(oracle.factorisations(d, dst_world)))
+    src_fmt = draw(st.sampled_from([None, None, "fp8_block128", "bfloat16"]))
+    dst_fmt = draw(st.sampled_from((None,) + WEIGHT_FORMATS))
+    return d, src, dst, src_fmt, dst_fmt, draw(st.integers(0, 3))
+
+
+def dims(t):
+    """``(dp, fsdp, tp, pp)`` of a 3- or 4-tuple factorisation."""
+    return (t[0], 1, t[1], t[2]) if len(t) == 3 else t
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_moves_between_formats_match_the_oracle(case):
+    d, src_t, dst_t, src_fmt, dst_fmt, seed = case
+    spec = d.spec()
+    (sdp, sfsdp, stp, spp), (ddp, _, dtp, dpp) = dims(src_t), dims(dst_t)
+    src_fp8 = src_fmt is not None and src_fmt.startswith("fp8")
+    dst_fp8 = dst_fmt is not None and dst_fmt.startswith("fp8")
+    assume(not (src_fp8 and (sfsdp > 1 or not block_aligned(d, stp))))
+    src = Layout(spec, Topology(dp=sdp, fsdp=sfsdp, tp=stp, pp=spp), weight_format=src_fmt)
+    dst_topology = Topology(dp=ddp, tp=dtp, pp=dpp)
+    if dst_fp8 and not block_aligned(d, dtp):  # the engine's rule: refused, naming the weight
+        with pytest.raises(ValueError, match="not whole 128-blocks"):
+            Layout(spec, dst_topology, weight_format=dst_fmt)
+        return
+    dst = Layout(spec, dst_topology, weight_format=dst_fmt)
+    full = oracle.full_tensors(d, seed)
+    src_full, src_scales = formatted_full(d, full, src_fmt)
+    src_world, dst_world = src.topology.world_size, dst.topology.world_size
+    src_stores = {r: fill(src, r, expected(d, src_full, src_scales, sdp, sfsdp, stp, spp, r)) for r in range(src_world)}
+    dst_stores = {r: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(dst_world)}
+    workers = {"src_workers": list(range(src_world)), "dst_workers": list(range(src_world, src_world + dst_world))}
+    placement = Placement.blocks(src_world + dst_world, 2 if (src_world + dst_world) % 2 == 0 else 1)
+    out = move_in_process(
+        src,
+        dst,
+        src_stores,
+        {w + src_world: s for w, s in dst_stores.items()},
+        placement,
+        **workers,
+    )
+    # what the destination should hold: the source's held values converted element by element
+    # (or block by block) into the destination's format, wherever the move converted them
+    fp8, _, cast = (dst_fmt or "").partition("+")
+    if fp8 in ("bfloat16", "float16", "float32"):
+        fp8, cast = "", fp8
+    dst_full, dst_scales = {}, {}
+    for p in oracle.params(d):
+        value = src_full[p.name]
+        want = oracle.TORCH_DTYPES[cast or p.dtype]
+        if fp8 and is_linear(p):
+            if p.name in src_scales:
+                dst_full[p.name], dst_scales[p.name] = value, src_scales[p.name]
+            else:
+                dst_full[p.name], dst_scales[p.name] = oracle.fp8_block_quantize(value)
+        elif p.name in src_scales:
+            dst_full[p.name] = oracle.fp8_block_dequantize(value, src_scales[p.name], want)
+        else:
+            dst_full[p.name] = value.to(want)
+    for r in range(dst_world):
+        want = expected(d, dst_full, dst_scales, ddp, 1, dtp, dpp, r)
+        got = dst_stores[r].shard_tensors()
+        assert set(got) == set(want)
+        for slot in want:
+            assert same_bits(got[slot], want[slot]), (slot, r, out)
+    assert out["conversion"] == conversion(src, dst).where
+
+
+def test_quantizer_matches_the_oracle_on_edges_and_tiny_blocks():
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 1), (130, 257), (128, 128), (300, 64)]:
+        x = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
+        x[0, 0] = 0
+        values, scales = quantize_blocks(x)
+        ref_v, ref_s = oracle.fp8_block_quantize(x)
+        assert same_bits(values, ref_v) and same_bits(scales, ref_s)
+        back = dequantize_blocks(values, scales, torch.bfloat16)
+        assert same_bits(back, oracle.fp8_block_dequantize(ref_v, ref_s, torch.bfloat16))
+    zero = torch.zeros(4, 4, dtype=torch.float32)  # amax clamped to 1e-4: zeros stay zero
+    values, scales = quantize_blocks(zero)
+    assert torch.equal(values.float(), zero) and scales.item() == pytest.approx(1e-4 / 448.0)
+
+
+def test_which_parameters_are_quantized():
+    spec = oracle.Decoder(256, 512, 2, 2, 2, 128, 100, qkv_bias=True, qk_norm=True).spec()
+    names = {p.name for p in spec.params if quantized(p)}
+    assert names == {
+        f"model.layers.{i}.{m}.{n}.weight"
+        for i in range(2)
+        for m, ns in (("self_attn", LINEAR[:4]), ("mlp", LINEAR[4:]))
+        for n in ns
+    }
+    fp8 = formatted(spec, "fp8_block128")
+    assert all(scale_name(n) in fp8.by_name for n in names)
+    assert fp8.by_name["model.embed_tokens.weight"].dtype == spec.by_name["model.embed_tokens.weight"].dtype
+    excluded = formatted(spec, "fp8_block128", excluded=("model.layers.1.mlp",))
+    assert excluded.by_name["model.layers.1.mlp.up_proj.weight"].dtype == "bfloat16"
+    assert pickle.loads(pickle.dumps(fp8)) == fp8
+
+
+def test_bad_formats_and_layouts_are_refused_before_any_traffic():
+    spec = oracle.Decoder(256, 384, 2, 2, 2, 128, 100).spec()
+    with pytest.raises(ValueError, match="weight_format 'fp4' is not one of"):
+        Layout(spec, Topology(tp=2), weight_format="fp4")
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight: \[0, 192\) of dim 0 on rank 0 of 2"):
+        Layout(spec, Topology(tp=2), weight_format="fp8_block128")
+    with pytest.raises(ValueError, match="fsdp=2"):
+        Layout(spec, Topology(fsdp=2), weight_format="fp8_block128")
+    with pytest.raises(ValueError, match="qkv_order"):
+        Layout(spec, Topology(tp=1), qkv_order="megatron", weight_format="fp8_block128")
+    other = oracle.Decoder(256, 512, 2, 2, 2, 128, 100).spec()
+    with pytest.raises(ValueError, match="differ"):
+        conversion(Layout(spec, Topology()), Layout(other, Topology(), weight_format="bfloat16"))
+
+
+def test_the_wire_carries_the_smaller_format_when_the_source_holds_whole_blocks():
+    spec = oracle.Decoder(256, 512, 2, 2, 2, 128, 100).spec()
+    dst = Layout(spec, Topology(dp=2, tp=2), weight_format="fp8_block128")
+    aligned = conversion(Layout(spec, Topology(tp=2, pp=2)), dst)
+    assert aligned.where == "source" and aligned.wire.spec == dst.spec
+    cut = conversion(Layout(spec, Topology(fsdp=4)), dst)  # FSDP chunks cut blocks: the receivers convert
+    assert cut.where == "destination" and cut.wire.topology == dst.topology
+    assert conversion(dst, Layout(spec, Topology(dp=4))).where == "destination"  # dequantizing widens

@@ -1,0 +1,122 @@
+"""Copies between weight formats with real Ray actors and gloo (realloc/plan/formats.py): a bf16
+trainer into a block-FP8 generator (converted by the senders: the wire carries FP8), from an FSDP
+trainer (the receivers convert), FP8 back to bf16 (dequantized), every shard checked against the
+oracle's own quantizer applied to the full tensors; a worker killed while converting leaves the
+generator serving its old weights."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray
+import torch
+from simulated import simulated_cluster, wait_for_dead_workers
+
+from actors import ModelGroup, ReallocationError
+from realloc.boxes import box_index
+from realloc.layout import Layout
+from realloc.spec import decoder_spec
+
+try:
+    from tests import oracle
+except ImportError:  # pytest put tests/ itself on sys.path
+    import oracle
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+
+SPEC = decoder_spec("fmt", hidden=256, intermediate=512, layers=2, heads=2, kv_heads=2, head_dim=128, vocab=100)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with simulated_cluster(nodes=2, cpus_per_node=4) as c:
+        yield c
+
+
+def expected_fp8(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors of the block-FP8 model, quantized by the oracle (scales under their own names)."""
+    out = {}
+    for name, t in full.items():
+        if name.endswith("_proj.weight"):
+            out[name], out[name + "_scale_inv"] = oracle.fp8_block_quantize(t)
+        else:
+            out[name] = t
+    return out
+
+
+def holds(group: ModelGroup, full: dict[str, torch.Tensor]) -> None:
+    """Every box every worker of ``group`` holds is that box of ``full``, bit for bit."""
+    for rank, boxes in group.shard_boxes(list(range(group.num_workers))).items():
+        for param, offsets, sizes, tensor in boxes:
+            want = full[param][box_index(offsets, sizes)].contiguous()
+            assert tensor.dtype == want.dtype and torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)), (
+                rank,
+                param,
+            )
+
+
+def test_bf16_trainer_into_fp8_generator_and_back(cluster):
+    trainer = ModelGroup.create(SPEC, "tp=2,pp=2", name="fmt-trainer")
+    gen = ModelGroup.create(SPEC, "dp=2", name="fmt-gen", weight_format="fp8_block128")
+    back = ModelGroup.create(SPEC, "tp=2", name="fmt-back")
+    try:
+        trainer.init_synthetic(3)
+        full = trainer.state_dict()
+        stats = trainer.copy_to(gen)
+        assert stats.conversion == "source"  # tp=2 ranks hold whole blocks: FP8 on the wire
+        fp8 = expected_fp8(full)
+        holds(gen, fp8)
+        bf16_bytes = sum(t.numel() * t.element_size() for t in full.values())
+        wire = stats.bytes_inter_node + stats.bytes_intra_node + stats.bytes_local
+        assert wire < 0.6 * 2 * bf16_bytes  # two replicas, each about half the bf16 bytes
+        stats = gen.copy_to(back)  # dequantized by the receivers
+        assert stats.conversion == "destination"
+        holds(
+            back,
+            {
+                n: oracle.fp8_block_dequantize(fp8[n], fp8[n + "_scale_inv"], torch.bfloat16)
+                if n + "_scale_inv" in fp8
+                else t
+                for n, t in full.items()
+            },
+        )
+        with pytest.raises(ValueError, match="only a plain copy converts formats"):
+            trainer.copy_to(gen, stage=True)
+        with pytest.raises(ValueError, match="checkpoints hold a model's own dtypes"):
+            gen.checkpoint_manager()
+        with pytest.raises(ValueError, match="reallocate keeps the format"):
+            gen.reallocate(Layout(SPEC, gen.topology))
+    finally:
+        for g in (trainer, gen, back):
+            g.shutdown()
+
+
+def test_fsdp_trainer_converts_on_the_receivers_and_a_kill_keeps_the_old_weights(cluster):
+    trainer = ModelGroup.create(SPEC, "fsdp=2", name="fmt-fsdp")
+    gen = ModelGroup.create(SPEC, "tp=2", name="fmt-gen2", weight_format="fp8_block128", zero_copy=False)
+    try:
+        trainer.init_synthetic(5)
+        stats = trainer.copy_to(gen)
+        assert stats.conversion == "destination"  # FSDP chunks are no serving layout: bf16 travels
+        before = expected_fp8(trainer.state_dict())
+        holds(gen, before)
+        trainer.init_synthetic(6)
+        victim = 1
+        ray.get(gen.actors[victim].inject_fault.remote("exit_in_convert", 0))
+        with pytest.raises(ReallocationError) as err:
+            trainer.copy_to(gen)
+        assert err.value.dead == [gen.actor_names[victim]]
+        wait_for_dead_workers(gen)
+        survivor = [r for r in range(gen.num_workers) if r != victim]
+        for rank, boxes in gen.shard_boxes(survivor).items():  # the survivor serves the old weights
+            for param, offsets, sizes, tensor in boxes:
+                want = before[param][box_index(offsets, sizes)].contiguous()
+                assert torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)), (rank, param)
+        assert gen.replace_dead_workers() == [victim]
+        trainer.copy_to(gen)
+        holds(gen, expected_fp8(trainer.state_dict()))
+    finally:
+        trainer.shutdown()
+        gen.shutdown()
