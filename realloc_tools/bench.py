@@ -199,6 +199,11 @@ def add_bench_parser(subparsers) -> None:
         "--delta-lrs", default="1e-6,3e-6", help="the delta measurement's AdamW learning rates (default 1e-6,3e-6)"
     )
     p.add_argument("--delta-steps", type=int, default=10, help="AdamW steps per learning rate (default 10)")
+    p.add_argument(
+        "--weight-format",
+        help="run the weight-format measurement alone: the trainer (--src) copied into a generator "
+        "(--dst) in its own format, then in this one (e.g. fp8_block128; realloc_tools/format_bench.py)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench)
 
@@ -257,6 +262,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.delta:
         return run_delta_bench(args)
+    if args.weight_format is not None:
+        return run_format_bench(args)
     spec = load_model(args.model)
     if args.staged_only and args.no_staged:
         raise ValueError("--staged-only and --no-staged exclude each other")
@@ -343,6 +350,34 @@ def run_delta_bench(args: argparse.Namespace) -> int:
     else:
         print(format_rows(rows))
     return 0 if all(r["exact"] for r in rows) else 1
+
+
+def run_format_bench(args: argparse.Namespace) -> int:
+    """``--weight-format``: the trainer copied into a generator of its own format and of the given
+    one, wire bytes and seconds side by side; exit 1 unless every generator shard verified."""
+    from realloc.layout import Layout
+    from realloc.spec import load_spec as load_model
+    from realloc.spec.formats import check_weight_format
+    from realloc_tools.cluster import ray_for_command
+    from realloc_tools.format_bench import format_rows, measure
+
+    check_weight_format(args.weight_format)
+    spec = load_model(args.model)
+    ((src, dst),) = parse_transitions(None, args.src or DEFAULT_SRC, args.dst or DEFAULT_DST)
+    Layout(spec, src)
+    Layout(spec, dst, weight_format=args.weight_format)  # the engine's block rule, before Ray starts
+    if args.repeats < 1 or args.nodes < 1:
+        raise ValueError(f"--repeats and --nodes must be at least 1, got {args.repeats}, {args.nodes}")
+    cpus = -(-(src.world_size + dst.world_size) // args.nodes)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        with ray_for_command(args.address, args.nodes, cpus) as where:
+            _log(f"weight-format bench on {where}")
+            rows = measure(spec, src, dst, args.weight_format, args.repeats, int(args.bucket_mb * MB), args.seed, _log)
+    if args.json:
+        print(json.dumps({"weight_format": rows}))
+    else:
+        print(format_rows(rows))
+    return 0 if all(r["verified"] for r in rows) else 1
 
 
 def exit_status(report: dict, strict: bool = False) -> int:

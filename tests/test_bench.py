@@ -130,6 +130,8 @@ def test_bad_options_are_usage_errors(capsys):
     assert main(["bench", "--delta", "--delta-lrs", "fast"]) == 2
     assert main(["bench", "--delta", "--delta-lrs", "2"]) == 2
     assert main(["bench", "--delta", "--delta-models", "nope"]) == 2
+    assert main(["bench", "--weight-format", "fp4"]) == 2
+    assert main(["bench", "--weight-format", "fp8_block128", "--model", "tiny"]) == 2  # tp=2 splits its blocks
     assert "needs 12 actors" in capsys.readouterr().err
 
 
@@ -456,3 +458,32 @@ def test_bench_delta_tiny():
         assert 0 < r["changed_fraction"] < 1 and 0 < r["wire_bytes"] < r["bytes"]
         assert r["goal_met"] == (r["wire_fraction"] <= 3 * r["changed_fraction"] + 0.005)
         assert r["buckets"]["repaired"] == 0 and r["base_bytes_per_actor"] > 0
+
+
+FORMAT_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "vocab_size": 100,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_weight_format_tiny(tmp_path):
+    """``realloc bench --weight-format``: the FP8 generator verified, about half the bf16 wire bytes."""
+    (tmp_path / "config.json").write_text(json.dumps(FORMAT_CONFIG))
+    cmd = [sys.executable, "-m", "realloc_tools.cli", "bench", "--weight-format", "fp8_block128", "--json"]
+    cmd += ["--model", str(tmp_path / "config.json"), "--src", "tp=2", "--dst", "dp=2", "--repeats", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, fp8 = json.loads(proc.stdout)["weight_format"]
+    assert (plain["weight_format"], plain["conversion"]) == ("model dtypes", None)
+    assert (fp8["weight_format"], fp8["conversion"]) == ("fp8_block128", "source")
+    assert plain["verified"] is True and fp8["verified"] is True
+    assert 0.45 < fp8["wire_bytes"] / plain["wire_bytes"] < 0.56  # e4m3 linears + fp32 scales vs bf16

@@ -29,7 +29,7 @@ from realloc.layout import Layout
 from realloc.shards.store import TORCH_DTYPES, ShardStore
 from realloc.spec.formats import BLOCK, FP8, scale_name
 
-__all__ = ["FP8_MAX", "convert_rank", "convert_store", "dequantize_blocks", "quantize_blocks"]
+__all__ = ["FP8_MAX", "block_box", "convert_rank", "convert_store", "dequantize_blocks", "quantize_blocks"]
 
 #: Largest finite float8_e4m3fn value (the scale maps a block's amax to it).
 FP8_MAX = 448.0
@@ -63,8 +63,8 @@ def dequantize_blocks(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (values.float() * wide).to(dtype)
 
 
-def _scale_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The blocks of a box of whole blocks (it may end at the tensor's edge)."""
+def block_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of a weight's block scales that a box of whole blocks of it has (it may end at the tensor's edge)."""
     return tuple(o // BLOCK for o in offsets), tuple(-(-(o + s) // BLOCK) - o // BLOCK for o, s in zip(offsets, sizes))
 
 
@@ -88,9 +88,9 @@ def convert_store(src: ShardStore, dst: ShardStore, dtypes: dict[str, str], src_
         value = src.view(param, offsets, sizes)
         if want == FP8 and have != FP8:
             value, scale = quantize_blocks(value)
-            dst.write(scale_name(param), *_scale_box(offsets, sizes), scale)
+            dst.write(scale_name(param), *block_box(offsets, sizes), scale)
         elif have == FP8 and want != FP8:
-            scale = src.view(scale_name(param), *_scale_box(offsets, sizes))
+            scale = src.view(scale_name(param), *block_box(offsets, sizes))
             value = dequantize_blocks(value, scale, TORCH_DTYPES[want])
         dst.write(param, offsets, sizes, value)
         written += value.numel() * TORCH_DTYPES[want].itemsize

@@ -1,0 +1,124 @@
+"""``realloc bench --weight-format FMT``: a trainer copied into a generator that holds another
+weight format, beside the same copy in the trainer's format (issue 25).
+
+A trainer group (``--src``, the model's dtypes, synthetic weights) copies into a generator group
+(``--dst``) twice per format: once untimed (plans, communicators), then ``--repeats`` timed
+``copy_to`` calls. First a generator in the trainer's own format (the plain move), then one of
+``FMT`` (realloc/plan/formats.py converts on the senders when their ranks hold whole blocks: the
+wire then carries FP8). Per format: bytes on the wire (routes between workers, inside and across
+nodes), local copies, seconds (median pause of the timed copies and of their execute phase),
+where it converted, and whether every shard of every generator worker is exactly the trainer's
+synthetic weights in that format (each worker checks its own boxes: the synthetic values of the
+box, cast or quantized block by block as :mod:`realloc.shards.convert` does; the quantizer
+itself is checked against an independent reference by tests/test_formats.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from actors import ModelGroup, ShardWorker
+from realloc.layout import Topology
+
+
+class FormatCheck(ShardWorker):
+    """Generator-side user code of the bench: check this rank's shards against the synthetic weights."""
+
+    def format_check(self, seed: int) -> list[str]:
+        """Slots whose bytes differ from the synthetic weights in the held format."""
+        from realloc.shards import TORCH_DTYPES, ShardStore
+        from realloc.shards.convert import block_box, quantize_blocks
+        from realloc.shards.synthetic import synthetic_box
+        from realloc.spec.formats import FP8, scale_name, unformatted
+
+        held = self._realloc.held
+        model = unformatted(held.layout.spec).by_name
+        store = ShardStore(held.shards(), self._realloc.buffers)
+        bad = []
+        for s in held.shards():
+            if s.param not in model or not s.numel:
+                continue  # block scales: checked with their weight
+            p = model[s.param]
+            value = synthetic_box(s.param, p.shape, s.offsets, s.sizes, p.dtype, seed, torch.device("cpu"))
+            got = store.view(s.param, s.offsets, s.sizes)
+            if s.dtype == FP8:
+                value, scale = quantize_blocks(value)
+                if not torch.equal(store.view(scale_name(s.param), *block_box(s.offsets, s.sizes)), scale):
+                    bad.append(scale_name(s.param))
+            else:
+                value = value.to(TORCH_DTYPES[s.dtype])
+            if not torch.equal(got.view(torch.uint8), value.contiguous().view(torch.uint8)):
+                bad.append(s.slot)
+        return bad
+
+
+def measure(
+    spec, src: Topology, dst: Topology, weight_format: str, repeats: int, bucket_bytes: int, seed: int = 0, log=print
+) -> list[dict]:
+    """One row per generator format (the model's own, then ``weight_format``); Ray must be up."""
+    rows = []
+    trainer = ModelGroup.create(spec, src, name="format-trainer", bucket_bytes=bucket_bytes)
+    try:
+        trainer.init_synthetic(seed)
+        for fmt in (None, weight_format):
+            gen = ModelGroup.create(
+                spec,
+                dst,
+                name="format-gen",
+                weight_format=fmt,
+                worker_cls=FormatCheck,
+                bucket_bytes=bucket_bytes,
+            )
+            try:
+                trainer.copy_to(gen)  # warm-up: plans, the process group
+                pauses, executes = [], []
+                for _ in range(repeats):
+                    stats = trainer.copy_to(gen)
+                    pauses.append(stats.pause_seconds)
+                    executes.append(stats.seconds)
+                bad = [b for worker in gen.call("format_check", seed, writes=False) for b in worker]
+                row = {
+                    "model": spec.name,
+                    "src": str(src),
+                    "dst": str(dst),
+                    "weight_format": fmt or "model dtypes",
+                    "conversion": stats.conversion,
+                    "wire_bytes": stats.bytes_inter_node + stats.bytes_intra_node,
+                    "inter_node_bytes": stats.bytes_inter_node,
+                    "local_bytes": stats.bytes_local,
+                    "dst_bytes_per_replica": gen.layout.spec.total_bytes(),
+                    "pause_seconds": statistics.median(pauses),
+                    "execute_seconds": statistics.median(executes),
+                    "repeats": repeats,
+                    "verified": not bad,
+                    "mismatched": bad[:5],
+                }
+                rows.append(row)
+                log(
+                    f"{row['weight_format']}: wire {row['wire_bytes'] / 1e6:.1f} MB (inter-node "
+                    f"{row['inter_node_bytes'] / 1e6:.1f} MB), pause {row['pause_seconds']:.3f} s, "
+                    f"converted {row['conversion'] or '-'}, verified {row['verified']}"
+                )
+            finally:
+                gen.shutdown()
+    finally:
+        trainer.shutdown()
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [
+        "| generator format | converted | wire MB (inter-node) | local MB | pause s (median) | execute s | verified |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = rows[0]["wire_bytes"] if rows else 0
+    for r in rows:
+        share = f" ({100 * r['wire_bytes'] / base:.0f}%)" if base else ""
+        lines.append(
+            f"| {r['weight_format']} | {r['conversion'] or '-'} | {r['wire_bytes'] / 1e6:.1f}{share} "
+            f"({r['inter_node_bytes'] / 1e6:.1f}) | {r['local_bytes'] / 1e6:.1f} | {r['pause_seconds']:.3f} | "
+            f"{r['execute_seconds']:.3f} | {'yes' if r['verified'] else 'NO ' + ', '.join(r['mismatched'])} |"
+        )
+    return "\n".join(lines)
