@@ -26,7 +26,9 @@ from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
 from realloc.layout.conventions import EXPERT_ORDERS
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths, Placement, plan_reallocation
+from realloc.plan.formats import conversion
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
+from realloc.spec.formats import WEIGHT_FORMATS, check_weight_format
 
 if TYPE_CHECKING:
     from realloc.plan import Plan
@@ -154,6 +156,13 @@ def add_plan_parser(subparsers: Any) -> None:
             help=f"buffer order of the {side} layout's routed experts: {' or '.join(EXPERT_ORDERS)} "
             "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight)",
         )
+    for side in ("src", "dst"):
+        p.add_argument(
+            f"--{side}-weight-format",
+            help=f"the weight format the {side} layout holds: {', '.join(WEIGHT_FORMATS)} (default: the "
+            "model's dtypes; realloc/spec/formats.py)",
+        )
+    p.add_argument("--weight-format", dest="dst_weight_format", help="the same as --dst-weight-format")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
     p.add_argument(
@@ -184,8 +193,15 @@ def run_plan(args: argparse.Namespace) -> int:
     check_choice("--vocab-pad-rule", args.vocab_pad_rule, VOCAB_PAD_RULES)
     check_choice("--src-expert-order", args.src_expert_order, EXPERT_ORDERS)
     check_choice("--dst-expert-order", args.dst_expert_order, EXPERT_ORDERS)
+    check_weight_format(args.src_weight_format)
+    check_weight_format(args.dst_weight_format)
     placement = Placement.blocks(src.world_size, args.gpus_per_node)
     if args.verify:
+        if args.src_weight_format or args.dst_weight_format:
+            raise ValueError(
+                "--verify checks a plan of one weight format; between formats tests/test_formats.py "
+                "checks every conversion against a reference quantizer (drop --verify or the formats)"
+            )
         _check_verify_size(spec, src.world_size)
 
     # Planning 16k ranks allocates millions of small acyclic objects; the cyclic collector
@@ -193,16 +209,37 @@ def run_plan(args: argparse.Namespace) -> int:
     gc.disable()
     try:
         started = time.perf_counter()
-        src_layout = _layout(spec, src, args.vocab_pad_multiple, "--src", args.vocab_pad_rule, args.src_expert_order)
-        dst_layout = _layout(spec, dst, args.vocab_pad_multiple, "--dst", args.vocab_pad_rule, args.dst_expert_order)
+        src_layout = _layout(
+            spec,
+            src,
+            args.vocab_pad_multiple,
+            "--src",
+            args.vocab_pad_rule,
+            args.src_expert_order,
+            args.src_weight_format,
+        )
+        dst_layout = _layout(
+            spec,
+            dst,
+            args.vocab_pad_multiple,
+            "--dst",
+            args.vocab_pad_rule,
+            args.dst_expert_order,
+            args.dst_weight_format,
+        )
+        conv = conversion(src_layout, dst_layout)
+        plan_src, plan_dst = conv.plan_sides(src_layout, dst_layout)
         plan = plan_reallocation(
-            spec, src_layout, dst_layout, placement, bucket_bytes=bucket_bytes, bandwidths=bandwidths
+            plan_src.spec, plan_src, plan_dst, placement, bucket_bytes=bucket_bytes, bandwidths=bandwidths
         )
         plan_seconds = time.perf_counter() - started
     finally:
         gc.enable()
 
     report = plan_report(spec, src, dst, placement, plan, plan_seconds, full=args.full_stats)
+    if conv.where is not None:
+        report["weight_formats"] = [args.src_weight_format, args.dst_weight_format]
+        report["conversion"] = {"where": conv.where, "reason": conv.reason}
     if args.verify:
         report.update(verify_plan(src_layout, dst_layout, plan, seed=args.seed))
     if args.json:
@@ -226,9 +263,12 @@ def _layout(
     option: str,
     vocab_pad_rule: str = VOCAB_PAD_RULES[0],
     expert_order: str = EXPERT_ORDERS[0],
+    weight_format: str | None = None,
 ) -> Layout:
     try:
-        return Layout(spec, topology, vocab_pad_multiple, vocab_pad_rule, expert_order=expert_order)
+        return Layout(
+            spec, topology, vocab_pad_multiple, vocab_pad_rule, expert_order=expert_order, weight_format=weight_format
+        )
     except ValueError as exc:
         raise ValueError(f"{option} {topology}: {exc}") from None
 
@@ -298,6 +338,10 @@ def format_summary(report: dict[str, Any]) -> str:
         ),
         ("plan time", f"{report['plan_seconds']:.3f} s"),
     ]
+    if "conversion" in report:
+        lines.append(
+            ("weight formats", f"{report['conversion']['reason']} (converted on the {report['conversion']['where']})")
+        )
     if "verified" in report:
         lines.append(
             (

@@ -369,3 +369,50 @@ assert not bad, f"importing {TORCH_FREE} loaded {{len(bad)}} modules of torch or
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_plan_between_weight_formats(capsys):
+    """``--weight-format``: the plan moves FP8 when the source ranks hold whole blocks (half the
+    linear layers' bytes), the source's format otherwise; a layout that splits blocks is refused."""
+    args = [
+        "plan",
+        "--model",
+        "bench-1gb",
+        "--src",
+        "dp=2,tp=2,pp=2",
+        "--dst",
+        "dp=4,tp=2",
+        "--json",
+        "--gpus-per-node",
+        "4",
+    ]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--weight-format", "fp8_block128"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["conversion"]["where"] == "source" and "conversion" not in plain
+    assert fp8["bytes_inter_node"] < 0.7 * plain["bytes_inter_node"]
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "bench-1gb",
+                "--src",
+                "fsdp=8",
+                "--dst",
+                "dp=4,tp=2",
+                "--json",
+                "--weight-format",
+                "fp8_block128",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["conversion"]["where"] == "destination"
+    assert (
+        main(["plan", "--model", "llama-7b", "--src", "tp=4", "--dst", "dp=4", "--src-weight-format", "fp8_block128"])
+        == 2
+    )
+    assert "not whole 128-blocks" in capsys.readouterr().err
+    assert main([*args, "--weight-format", "fp8_block128", "--verify"]) == 2
