@@ -211,6 +211,7 @@ class CheckpointManager:
         Example:
             >>> stats = manager.save(10).wait()  # doctest: +SKIP
         """
+        self._model_dtypes("save")
         check_iteration(iteration)
         if not isinstance(is_async, bool):
             raise ValueError(f"is_async must be True or False, got {is_async!r}")
@@ -382,6 +383,7 @@ class CheckpointManager:
         shard is read once by a balanced reader and the planner moves it where it is needed.
         Raises :class:`MissingShardsError` naming the shards no live node has.
         """
+        self._model_dtypes("load")
         if iteration is not None:
             check_iteration(iteration)
         self._finish_pending()
@@ -597,6 +599,16 @@ class CheckpointManager:
         )
 
     # -- Hugging Face ----------------------------------------------------------------------
+    def _model_dtypes(self, what: str) -> None:
+        """``ValueError`` (before any traffic) for checkpoints of a group in another weight format."""
+        fmt = self.group.spec.weight_format
+        if fmt is not None:
+            raise ValueError(
+                f"{what}: group {self.group.name!r} holds weight format {fmt!r}; node-local checkpoints and HF "
+                "exports hold a model's own dtypes (use the group it was copied from; import_hf reads "
+                "block-FP8 checkpoints into it)"
+            )
+
     def import_hf(self, path: "str | Path") -> dict:
         """Load a HF safetensors directory (visible at ``path`` on every node) into the current layout.
 
@@ -659,6 +671,7 @@ class CheckpointManager:
         Example:
             >>> manager.export_hf("/shared/out", max_shard_bytes=2 << 30)  # doctest: +SKIP
         """
+        self._model_dtypes("export")
         check_max_shard_bytes(max_shard_bytes)
         target = check_export_dir(path)
         g = self.group

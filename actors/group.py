@@ -1180,11 +1180,6 @@ class ModelGroup:
             >>> ckpt = group.checkpoint_manager(factor=2)  # doctest: +SKIP
             >>> ckpt.save(100).wait(); ckpt.load()         # doctest: +SKIP
         """
-        if self.spec.weight_format is not None:
-            raise ValueError(
-                f"group {self.name!r} holds weight format {self.spec.weight_format!r}: checkpoints hold a model's "
-                "own dtypes (save the group it was copied from; copy_to converts again)"
-            )
         return CheckpointManager(self, root=root, run_id=run_id, jump=jump, factor=factor, timeout_s=timeout_s)
 
     # -- failures ------------------------------------------------------------------------

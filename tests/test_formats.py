@@ -15,13 +15,14 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from realloc.ckpt.hf import load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
 from realloc.plan.formats import conversion
 from realloc.shards import ShardStore, allocate_buffers
 from realloc.shards.convert import dequantize_blocks, quantize_blocks
 from realloc.shards.local_executor import move_in_process
-from realloc.spec.formats import WEIGHT_FORMATS, formatted, quantized, scale_name
+from realloc.spec.formats import WEIGHT_FORMATS, formatted, hf_weight_format, quantized, scale_name
 
 try:
     from tests import oracle
@@ -244,3 +245,80 @@ def test_the_wire_carries_the_smaller_format_when_the_source_holds_whole_blocks(
     cut = conversion(Layout(spec, Topology(fsdp=4)), dst)  # FSDP chunks cut blocks: the receivers convert
     assert cut.where == "destination" and cut.wire.topology == dst.topology
     assert conversion(dst, Layout(spec, Topology(dp=4))).where == "destination"  # dequantizing widens
+
+
+# -- HF checkpoints in block FP8 (DeepSeek-V3's published format) ---------------------------
+
+
+def fp8_checkpoint(d: oracle.Decoder, full: dict, path) -> dict:
+    """A HF directory as DeepSeek-V3 publishes it: linear weights e4m3 with ``weight_scale_inv``
+    beside each, the rest bf16 (the oracle's quantizer); returns what it wrote."""
+    written = {}
+    for p in oracle.params(d):
+        if is_linear(p):
+            written[p.name], written[p.name + "_scale_inv"] = oracle.fp8_block_quantize(full[p.name])
+        else:
+            written[p.name] = full[p.name]
+    save_hf_dir(written, path, max_shard_bytes=200_000)  # several files: scales apart from weights
+    return written
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_block128"])
+@pytest.mark.parametrize("topology", ["tp=2", "fsdp=3", "dp=2,pp=2"])
+def test_an_fp8_checkpoint_imports_into_any_layout(tmp_path, fmt, topology):
+    d = oracle.Decoder(256, 512, 2, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="bfloat16")
+    spec = d.spec()
+    written = fp8_checkpoint(d, oracle.full_tensors(d, 4), tmp_path)
+    assert (
+        hf_weight_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})[0]
+        == "fp8_block128"
+    )
+    topo = Topology.parse(topology)
+    if fmt is not None and topo.fsdp > 1:
+        return  # no block-FP8 layout under FSDP (refused: test_bad_formats_...)
+    layout = Layout(spec, topo, weight_format=fmt)
+    tensors = scan_hf_dir(tmp_path)
+    mapping = match_spec(tensors, layout.spec)
+    # the destination in the oracle's reading: dequantized (bf16 layouts) or as written (FP8 ones)
+    model, scales = {}, {}
+    for p in oracle.params(d):
+        if p.name + "_scale_inv" in written and fmt is None:
+            model[p.name] = oracle.fp8_block_dequantize(written[p.name], written[p.name + "_scale_inv"], torch.bfloat16)
+        else:
+            model[p.name] = written[p.name]
+            if p.name + "_scale_inv" in written:
+                scales[p.name] = written[p.name + "_scale_inv"]
+    dp, fsdp, tp, pp = topo.dp, topo.fsdp, topo.tp, topo.pp
+    for r in range(topo.world_size):
+        store = ShardStore(layout.shards(r), allocate_buffers(layout, r))
+        load_shards(tmp_path, tensors, mapping, layout.shards(r), store)
+        want = expected(d, model, scales, dp, fsdp, tp, pp, r)
+        got = store.shard_tensors()
+        assert set(got) == set(want)
+        for slot in want:
+            assert same_bits(got[slot], want[slot]), (slot, r)
+
+
+def test_a_bf16_checkpoint_imports_quantized_into_an_fp8_layout(tmp_path):
+    d = oracle.Decoder(256, 512, 2, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="bfloat16")
+    full = oracle.full_tensors(d, 5)
+    save_hf_dir(full, tmp_path)
+    layout = Layout(d.spec(), Topology(tp=2), weight_format="fp8_block128")
+    tensors = scan_hf_dir(tmp_path)
+    model, scales = formatted_full(d, full, "fp8_block128")
+    for r in range(2):
+        store = ShardStore(layout.shards(r), allocate_buffers(layout, r))
+        load_shards(tmp_path, tensors, match_spec(tensors, layout.spec), layout.shards(r), store)
+        want, got = expected(d, model, scales, 1, 1, 2, 1, r), store.shard_tensors()
+        assert set(got) == set(want) and all(same_bits(got[k], want[k]) for k in want)
+
+
+def test_an_fp8_checkpoint_without_its_scales_is_refused(tmp_path):
+    d = oracle.Decoder(256, 512, 1, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="bfloat16")
+    written = fp8_checkpoint(d, oracle.full_tensors(d, 6), tmp_path / "a")
+    del written["model.layers.0.mlp.up_proj.weight_scale_inv"]
+    save_hf_dir(written, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"up_proj.weight is float8_e4m3fn, but .*weight_scale_inv .* is missing"):
+        match_spec(scan_hf_dir(tmp_path / "b"), d.spec())
+    with pytest.raises(ValueError, match="not block FP8"):
+        hf_weight_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}})

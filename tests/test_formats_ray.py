@@ -15,6 +15,7 @@ from simulated import simulated_cluster, wait_for_dead_workers
 
 from actors import ModelGroup, ReallocationError
 from realloc.boxes import box_index
+from realloc.ckpt.hf import save_hf_dir
 from realloc.layout import Layout
 from realloc.spec import decoder_spec
 
@@ -57,7 +58,7 @@ def holds(group: ModelGroup, full: dict[str, torch.Tensor]) -> None:
             )
 
 
-def test_bf16_trainer_into_fp8_generator_and_back(cluster):
+def test_bf16_trainer_into_fp8_generator_and_back(cluster, tmp_path):
     trainer = ModelGroup.create(SPEC, "tp=2,pp=2", name="fmt-trainer")
     gen = ModelGroup.create(SPEC, "dp=2", name="fmt-gen", weight_format="fp8_block128")
     back = ModelGroup.create(SPEC, "tp=2", name="fmt-back")
@@ -73,19 +74,24 @@ def test_bf16_trainer_into_fp8_generator_and_back(cluster):
         assert wire < 0.6 * 2 * bf16_bytes  # two replicas, each about half the bf16 bytes
         stats = gen.copy_to(back)  # dequantized by the receivers
         assert stats.conversion == "destination"
-        holds(
-            back,
-            {
-                n: oracle.fp8_block_dequantize(fp8[n], fp8[n + "_scale_inv"], torch.bfloat16)
-                if n + "_scale_inv" in fp8
-                else t
-                for n, t in full.items()
-            },
-        )
+        dequantized = {
+            n: oracle.fp8_block_dequantize(fp8[n], fp8[n + "_scale_inv"], torch.bfloat16)
+            if n + "_scale_inv" in fp8
+            else t
+            for n, t in full.items()
+        }
+        holds(back, dequantized)
         with pytest.raises(ValueError, match="only a plain copy converts formats"):
             trainer.copy_to(gen, stage=True)
-        with pytest.raises(ValueError, match="checkpoints hold a model's own dtypes"):
-            gen.checkpoint_manager()
+        with pytest.raises(ValueError, match="node-local checkpoints and HF exports hold a model's own dtypes"):
+            gen.checkpoint_manager(root=str(tmp_path / "ckpt"), jump=1, factor=2).save(1)
+        # DeepSeek-V3's published format (e4m3 + weight_scale_inv, several files) imports into the
+        # FP8 generator as written, and into the bf16 group dequantized
+        save_hf_dir(fp8, tmp_path / "hf", max_shard_bytes=300_000)
+        gen.checkpoint_manager(root=str(tmp_path / "ckpt"), jump=1, factor=2).import_hf(tmp_path / "hf")
+        holds(gen, fp8)
+        back.checkpoint_manager(root=str(tmp_path / "ckpt2"), jump=1, factor=2).import_hf(tmp_path / "hf")
+        holds(back, dequantized)
         with pytest.raises(ValueError, match="reallocate keeps the format"):
             gen.reallocate(Layout(SPEC, gen.topology))
     finally:

@@ -37,6 +37,7 @@ SAFETENSORS_DTYPES = {
     "F64": "float64",
     "I8": "int8",
     "U8": "uint8",
+    "F8_E4M3": "float8_e4m3fn",
 }
 _CHUNK = 16 << 20
 

@@ -39,7 +39,9 @@ from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.files import SAFETENSORS_DTYPES, atomic_write, replace_dir
 from realloc.layout import Shard
 from realloc.shards import TORCH_DTYPES, ShardStore
+from realloc.shards.convert import block_box, dequantize_blocks, quantize_blocks
 from realloc.spec import DTYPE_BYTES, ModelSpec
+from realloc.spec.formats import BLOCK, FP8, scale_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -132,9 +134,24 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
     holds quantized values whose scales live elsewhere), nor floats cast into integers.
     """
     mapping, problems = {}, []
+    by_name = spec.by_name
     for p in spec.params:
         names = [p.name] + ([alias] if (alias := spec.tied_head_of(p.name)) else [])
         found = next((n for n in names if n in tensors), None)
+        weight = p.name[: -len("_scale_inv")] if p.name.endswith("_scale_inv") else None
+        if found is None and weight in by_name and by_name[weight].dtype == FP8 and weight in tensors:
+            if tensors[weight].dtype != FP8:
+                continue  # the block scales of a weight the import quantizes: written with it
+        if found is not None and tensors[found].dtype == FP8:  # a block-FP8 checkpoint's weight
+            scales = tensors.get(scale_name(found))
+            grid = tuple(-(-n // BLOCK) for n in p.shape)
+            if scales is None or scales.shape != grid or dtype_kind(scales.dtype) != "float":
+                problems.append(
+                    f"{found} is float8_e4m3fn, but {scale_name(found)} (its float scales {grid}, one per "
+                    f"{BLOCK} x {BLOCK} block) is {'missing' if scales is None else f'{scales.shape} {scales.dtype}'}: "
+                    "only block-FP8 checkpoints (quantization_config weight_block_size [128, 128]) are read"
+                )
+                continue
         if found is None:
             problems.append(f"{p.name} is missing")
         elif tensors[found].shape != tuple(p.shape):
@@ -225,7 +242,7 @@ def load_shards(
     """
     by_file: dict[str, list[Shard]] = defaultdict(list)
     for s in shards:
-        if s.numel:
+        if s.numel and s.param in mapping:  # not in it: block scales written with their weight
             by_file[tensors[mapping[s.param]].file].append(s)
     read = 0
     for name, file_shards in sorted(by_file.items()):
@@ -246,8 +263,17 @@ def load_shards(
                         "import again once the directory stays as it is"
                     )
                 box = sl[box_index(s.offsets, s.sizes)]
-                store.write(s.param, s.offsets, s.sizes, box.to(TORCH_DTYPES[s.dtype]))
                 read += box.numel() * box.element_size()
+                if box.dtype == torch.float8_e4m3fn and s.dtype != FP8:  # a block-FP8 checkpoint: dequantize
+                    held = tensors[scale_name(tensor)]
+                    with _changed_on_error(where), safe_open(str(Path(path) / held.file), framework="pt") as g:
+                        scale = g.get_slice(scale_name(tensor))[box_index(*block_box(s.offsets, s.sizes))]
+                    read += scale.numel() * scale.element_size()
+                    box = dequantize_blocks(box, scale, TORCH_DTYPES[s.dtype], s.offsets)
+                elif box.dtype != torch.float8_e4m3fn and s.dtype == FP8:  # a block-FP8 layout: quantize
+                    box, scale = quantize_blocks(box)
+                    store.write(scale_name(s.param), *block_box(s.offsets, s.sizes), scale)
+                store.write(s.param, s.offsets, s.sizes, box.to(TORCH_DTYPES[s.dtype]))
     return read
 
 

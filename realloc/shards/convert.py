@@ -56,15 +56,21 @@ def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale.view(view.size(0), view.size(2))
 
 
-def dequantize_blocks(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float8 ``values`` (2-D) times their block ``scale``, in ``dtype``."""
+def dequantize_blocks(
+    values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, offsets: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
+    """Float8 ``values`` (2-D) times their block ``scale``, in ``dtype``. ``offsets``: where the
+    values start in the weight (any box, not only whole blocks), ``scale`` then being the scales
+    of the blocks it touches (:func:`block_box`)."""
+    rows, cols = (o % BLOCK for o in offsets)
     m, n = values.shape
-    wide = scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:m, :n]
+    wide = scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[rows : rows + m, cols : cols + n]
     return (values.float() * wide).to(dtype)
 
 
 def block_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The box of a weight's block scales that a box of whole blocks of it has (it may end at the tensor's edge)."""
+    """The box of a weight's block scales that a box of it touches (for a box of whole blocks, its
+    blocks; it may end at the tensor's edge)."""
     return tuple(o // BLOCK for o in offsets), tuple(-(-(o + s) // BLOCK) - o // BLOCK for o, s in zip(offsets, sizes))
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "WEIGHT_FORMATS",
     "check_weight_format",
     "formatted",
+    "hf_weight_format",
     "quantized",
     "scale_name",
     "unformatted",
@@ -123,3 +124,31 @@ def formatted(spec: ModelSpec, weight_format: str | None, excluded: tuple[str, .
 def unformatted(spec: ModelSpec) -> ModelSpec:
     """The spec a :func:`formatted` spec was made from (``spec`` itself when it has no format)."""
     return spec.__dict__.get("_unformatted", spec) if spec.weight_format is not None else spec
+
+
+def hf_weight_format(config: dict) -> tuple[str | None, tuple[str, ...]]:
+    """The weight format a HF ``config.json``'s ``quantization_config`` declares, and the modules it
+    leaves unconverted: ``("fp8_block128", modules_to_not_convert)`` for DeepSeek-V3-style block FP8
+    (``quant_method`` ``"fp8"``, ``weight_block_size`` ``[128, 128]``), ``(None, ())`` without one;
+    ``ValueError`` for a quantization this project does not read.
+
+    Example:
+        >>> hf_weight_format({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}})
+        ('fp8_block128', ())
+    """
+    q = config.get("quantization_config")
+    if q is None:
+        return None, ()
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if (
+        not isinstance(q, dict)
+        or q.get("quant_method") != "fp8"
+        or q.get("fmt", "e4m3") != "e4m3"
+        or block != [BLOCK, BLOCK]
+    ):
+        raise ValueError(
+            f"quantization_config {q!r} is not block FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size "
+            f"[{BLOCK}, {BLOCK}]): the only quantized checkpoint format read here"
+        )
+    excluded = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+    return "fp8_block128", tuple(str(m) for m in excluded)
