@@ -1019,11 +1019,12 @@ class ModelGroup:
             eta = check_eta(eta)
         unformatted(self.spec).check_same_as(unformatted(other.spec))
         converting = self.layout.spec != other.layout.spec  # weight formats differ (realloc/plan/formats.py)
-        if converting and (stage or delta or eta is not None):
-            what = "stage=True" if stage else "delta=True" if delta else "eta"
+        if converting and (delta or eta is not None):
+            what = "delta=True" if delta else "eta"
             raise ValueError(
                 f"copy_to({what}) between weight formats ({self.layout.spec.weight_format or 'model dtypes'} -> "
-                f"{other.layout.spec.weight_format or 'model dtypes'}): only a plain copy converts formats"
+                f"{other.layout.spec.weight_format or 'model dtypes'}): a delta or a blend needs one format on "
+                "both sides; a plain or staged copy converts"
             )
         if stage:
             return self._stage(other, other.layout, lambda: other.copy_version(self), None, delta=delta)
@@ -1110,11 +1111,13 @@ class ModelGroup:
         (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``."""
         copy = dest is not self
         n = self.num_workers
+        conv = conversion(self.layout, target)  # copies between weight formats (realloc/plan/formats.py)
         if copy:
-            placement, make_plan = self._copy_plan(dest)
+            plan_src, plan_dst = conv.plan_sides(self.layout, target)
+            placement, make_plan = self._copy_plan(dest, plan_src, plan_dst)
             workers, groups = self.workers + dest.workers, [self, dest]
-            srcs = [self.layout.at(r) for r in range(n)] + [None] * dest.num_workers
-            dsts = [None] * n + [target.at(r) for r in range(dest.num_workers)]
+            srcs = [plan_src.at(r) for r in range(n)] + [None] * dest.num_workers
+            dsts = [None] * n + [plan_dst.at(r) for r in range(dest.num_workers)]
             label = f"{self.name}[{self.layout}] -> {dest.name}[{target}]"
         else:
             placement, workers, groups = self.placement, self.workers, [self]
@@ -1125,7 +1128,7 @@ class ModelGroup:
             def make_plan() -> Plan:
                 return _plan(before, target, placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
 
-        shared = [info["zero_copy"] for g in groups for info in g.infos]
+        shared = [info["zero_copy"] and conv.where is None for g in groups for info in g.infos]
 
         def make_stats(plan: Plan, plan_seconds: float, results: list[dict], started: float) -> ReallocStats:
             return ReallocStats(
@@ -1139,6 +1142,7 @@ class ModelGroup:
                 plan.stats,
                 0.0,
                 delta=delta_summary(results, update.delta_order),
+                conversion=conv.where,
             )
 
         update = StagedUpdate(
@@ -1159,6 +1163,7 @@ class ModelGroup:
             timeout_s,
             hold_source,
             delta,
+            target if conv.where == "destination" else None,
         )
         dest._begin_stage(update)
         if not copy:

@@ -79,8 +79,10 @@ class StagedUpdate:
         timeout_s: float | None = None,
         hold_source: bool = True,
         delta: bool = False,
+        convert: Layout | None = None,
     ):
         self.id = uuid.uuid4().hex[:12]
+        self.convert = convert  # the receivers convert into this layout (realloc/plan/formats.py)
         self.delta = delta
         self.delta_order = None  # decided once the source is held (actors/delta.py)
         self.sent_layout = source.layout
@@ -184,6 +186,7 @@ class StagedUpdate:
                 self.version,
                 self.keep,
                 self.delta_order,
+                self.convert,
             )
             for i, a in enumerate(self.workers.actors)
         ]

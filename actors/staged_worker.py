@@ -102,10 +102,13 @@ class StagingMixin:
         version: int,
         keep=None,
         delta=None,
+        convert=None,
     ) -> dict:
         """This worker's part of a staged update: prepare its shadow set (if it receives), run the
         plan over the staged world into it, and report. The serving buffers are only read.
-        ``delta``: an :class:`~actors.delta.DeltaOrder` (a staged copy with ``delta=True``)."""
+        ``delta``: an :class:`~actors.delta.DeltaOrder` (a staged copy with ``delta=True``).
+        ``convert``: the layout the shadow set ends in when the plan brings it in the sender's
+        weight format (converted here, before it is ready)."""
         st = self._realloc
         if st.stage_transport is None or st.stage_world_id != world_id:
             raise StaleOperationError(
@@ -126,6 +129,12 @@ class StagingMixin:
                 staged = st.staged = StagedSet(update_id, version, dst, buffers, keep=keep)
         started = time.perf_counter()
         result = self._run(_StagedOp(staged), wp, me, st.stage_transport, delta)
+        if convert is not None and dst is not None:
+            converted = _StagedOp(staged)
+            self._convert_destination(converted, convert)
+            with st.stage_lock:
+                staged.dst, staged.buffers = converted.dst, converted.buffers
+            buffers = converted.buffers
         result["seconds"] = time.perf_counter() - started
         with st.stage_lock:
             if st.staged is staged:

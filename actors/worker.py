@@ -803,7 +803,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         over its own, actors/staged_worker.py). ``delta``: run the routes as deltas when it names
         a base version, and keep what was sent as the new base (actors/delta.py)."""
         transport = self._realloc.transport if transport is None else transport
-        src = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else None
+        src, converted = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else (None, False)
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -880,7 +880,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                     moved["local"] += local.result()
                 else:
                     local.exception()
-            if src is not None and src.buffers is not self._realloc.buffers:  # converted for sending
+            if converted:  # a copy in the plan's weight format, made for sending: never the serving buffers
                 self._realloc.allocator.release(src.buffers)
         self._realloc.phases.mark("local copies")
         result = self._finished(op, moved)
@@ -891,12 +891,13 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             result["delta_base_bytes"] = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
 
-    def _source_store(self, src: RankLayout) -> ShardStore:
-        """What this worker sends from: its buffers, or (a plan in another weight format than the
-        one held, realloc/plan/formats.py) a converted copy of them in fresh buffers."""
+    def _source_store(self, src: RankLayout) -> tuple[ShardStore, bool]:
+        """What this worker sends from, and whether it is a converted copy: its buffers, or (a
+        plan in another weight format than the one held, realloc/plan/formats.py) a converted
+        copy of them in fresh buffers (released after the transfers)."""
         held = self._realloc.held
         if src == held:
-            return self._store_now()
+            return self._store_now(), False
         if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
             raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
         if self._take_fault("exit_in_convert") is not None:
@@ -904,9 +905,13 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         buffers = self._realloc.allocator.allocate(src.buffer_numels(), zero=False)
         store = ShardStore(src.shards(), buffers)
         zero_padding(store)
-        convert_rank(held.layout, src.layout, src.rank, self._store_now(), store)
+        try:
+            convert_rank(held.layout, src.layout, src.rank, self._store_now(), store)
+        except BaseException:
+            self._realloc.allocator.release(buffers)
+            raise
         self._realloc.phases.mark("convert")
-        return store
+        return store, True
 
     def _convert_destination(self, op: PendingOp, final: Layout) -> None:
         """Convert what ``op`` received (the destination in the sender's weight format) into

@@ -1,8 +1,8 @@
 """Copies between weight formats with real Ray actors and gloo (realloc/plan/formats.py): a bf16
 trainer into a block-FP8 generator (converted by the senders: the wire carries FP8), from an FSDP
-trainer (the receivers convert), FP8 back to bf16 (dequantized), every shard checked against the
-oracle's own quantizer applied to the full tensors; a worker killed while converting leaves the
-generator serving its old weights."""
+trainer (the receivers convert), FP8 back to bf16 (dequantized), staged copies of both kinds, and
+HF import of an FP8 checkpoint, every shard checked against the oracle's own quantizer applied to
+the full tensors; a worker killed while converting leaves the generator serving its old weights."""
 
 from __future__ import annotations
 
@@ -81,8 +81,16 @@ def test_bf16_trainer_into_fp8_generator_and_back(cluster, tmp_path):
             for n, t in full.items()
         }
         holds(back, dequantized)
-        with pytest.raises(ValueError, match="only a plain copy converts formats"):
-            trainer.copy_to(gen, stage=True)
+        with pytest.raises(ValueError, match="a delta or a blend needs one format"):
+            trainer.copy_to(gen, eta=0.5)
+        # staged (async RL): the FP8 generator serves its weights while the next ones arrive
+        trainer.init_synthetic(4)
+        update = trainer.copy_to(gen, stage=True)
+        stats = update.wait()
+        assert stats.conversion == "source"
+        holds(gen, fp8)  # not switched yet: the serving buffers are untouched
+        update.commit()
+        holds(gen, expected_fp8(trainer.state_dict()))
         with pytest.raises(ValueError, match="node-local checkpoints and HF exports hold a model's own dtypes"):
             gen.checkpoint_manager(root=str(tmp_path / "ckpt"), jump=1, factor=2).save(1)
         # DeepSeek-V3's published format (e4m3 + weight_scale_inv, several files) imports into the
@@ -122,6 +130,11 @@ def test_fsdp_trainer_converts_on_the_receivers_and_a_kill_keeps_the_old_weights
                 assert torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)), (rank, param)
         assert gen.replace_dead_workers() == [victim]
         trainer.copy_to(gen)
+        holds(gen, expected_fp8(trainer.state_dict()))
+        trainer.init_synthetic(7)  # staged, converted on the receivers into their shadow sets
+        update = trainer.copy_to(gen, stage=True)
+        assert update.wait().conversion == "destination"
+        update.commit()
         holds(gen, expected_fp8(trainer.state_dict()))
     finally:
         trainer.shutdown()
