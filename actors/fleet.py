@@ -24,6 +24,7 @@ from actors.errors import GroupBusyError, ReallocationError
 from actors.group import ModelGroup, ReallocStats
 from actors.remote import FAILURE_GRACE_S, Deadline
 from actors.staged import COMMIT_AT, StagedUpdate
+from realloc.spec.formats import unformatted
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Fleet:
         if len({id(r) for r in replicas}) != len(replicas):
             raise ValueError("a fleet lists each replica group once")
         for r in replicas[1:]:
-            replicas[0].spec.check_same_as(r.spec)
+            replicas[0].spec.check_same_as(r.spec)  # one weight format: a joining replica is seeded from another
         if timeout_s is not None and (isinstance(timeout_s, bool) or not timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.replicas: list[ModelGroup] = replicas
@@ -75,7 +76,7 @@ class Fleet:
                 raise ValueError(
                     f"the fleet has no replicas left (dropped: {[g.name for g, _ in self.dropped]}); join one"
                 )
-            self.replicas[0].spec.check_same_as(source.spec)
+            unformatted(self.replicas[0].spec).check_same_as(unformatted(source.spec))  # the copies convert formats
             if self._update is not None and not self._update.ended:
                 raise ValueError("a fleet update is in progress: commit or abort it first")
             self._update = FleetUpdate(self, source, Deadline(self.deadline_s()))

@@ -13,7 +13,7 @@ import ray
 import torch
 from simulated import simulated_cluster, wait_for_dead_workers
 
-from actors import ModelGroup, ReallocationError
+from actors import Fleet, ModelGroup, ReallocationError
 from realloc.boxes import box_index
 from realloc.ckpt.hf import save_hf_dir
 from realloc.layout import Layout
@@ -91,6 +91,14 @@ def test_bf16_trainer_into_fp8_generator_and_back(cluster, tmp_path):
         holds(gen, fp8)  # not switched yet: the serving buffers are untouched
         update.commit()
         holds(gen, expected_fp8(trainer.state_dict()))
+        trainer.init_synthetic(8)  # a fleet of FP8 replicas staged from the bf16 trainer
+        fleet = Fleet([gen])
+        fleet_update = fleet.stage(trainer)
+        assert fleet_update.wait()[gen.name].conversion == "source"
+        assert fleet_update.commit(at="now") == [gen.name]
+        holds(gen, expected_fp8(trainer.state_dict()))
+        with pytest.raises(ValueError, match="differ"):  # a replica is seeded from another: one format
+            fleet.join(back)
         with pytest.raises(ValueError, match="node-local checkpoints and HF exports hold a model's own dtypes"):
             gen.checkpoint_manager(root=str(tmp_path / "ckpt"), jump=1, factor=2).save(1)
         # DeepSeek-V3's published format (e4m3 + weight_scale_inv, several files) imports into the
