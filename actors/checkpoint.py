@@ -211,7 +211,6 @@ class CheckpointManager:
         Example:
             >>> stats = manager.save(10).wait()  # doctest: +SKIP
         """
-        self._model_dtypes("save")
         check_iteration(iteration)
         if not isinstance(is_async, bool):
             raise ValueError(f"is_async must be True or False, got {is_async!r}")
@@ -219,6 +218,7 @@ class CheckpointManager:
             raise ValueError(
                 f"fault must be a CheckpointFault for a rank below {self.group.num_workers}, got {fault!r}"
             )
+        self._model_dtypes("save")
         g = self.group
         # The order check and the save run under one hold of the group's lock: a save racing in from
         # another thread sees the iteration this one saved (and its removal of older ones) or waits.
@@ -383,9 +383,9 @@ class CheckpointManager:
         shard is read once by a balanced reader and the planner moves it where it is needed.
         Raises :class:`MissingShardsError` naming the shards no live node has.
         """
-        self._model_dtypes("load")
         if iteration is not None:
             check_iteration(iteration)
+        self._model_dtypes("load")
         self._finish_pending()
         log.info(
             "checkpoint load of run %s started (iteration %s)",

@@ -60,10 +60,10 @@ from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
 from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, flat_views, local_copies, zero_padding
-from realloc.shards.convert import convert_rank
+from realloc.shards.convert import block_box, convert_rank, in_format, write_box
 from realloc.shards.synthetic import synthetic_box
 from realloc.spec import ModelSpec
-from realloc.spec.formats import unformatted
+from realloc.spec.formats import FP8, scale_name, unformatted
 
 log = logging.getLogger(__name__)
 
@@ -458,13 +458,22 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         """Names of slots whose values differ from the synthetic weights (padding must be zero)."""
         bad = []
         store = self._store_now()
+        model = unformatted(self._realloc.held.layout.spec).by_name
         for s, local in ((s, t) for entries in store.by_param.values() for s, t in entries):
+            if s.param not in model:
+                continue  # block scales: checked with their weight
             expected = torch.zeros(s.local_shape, dtype=local.dtype, device=local.device)
             if s.numel:
-                index = tuple(slice(0, n) for n in s.sizes)
-                expected[index] = synthetic_box(
-                    s.param, self._realloc.spec.param(s.param).shape, s.offsets, s.sizes, s.dtype, seed, local.device
-                )
+                p = model[s.param]
+                value = synthetic_box(s.param, p.shape, s.offsets, s.sizes, p.dtype, seed, local.device)
+                value, scale = in_format(value, s.dtype)  # the weight format the layout holds
+                expected[tuple(slice(0, n) for n in s.sizes)] = value
+                if scale is not None and not torch.equal(
+                    store.view(scale_name(s.param), *block_box(s.offsets, s.sizes)), scale
+                ):
+                    bad.append(scale_name(s.slot))
+            if s.dtype == FP8:  # no value comparisons of float8 tensors: their bits
+                local, expected = local.view(torch.uint8), expected.view(torch.uint8)
             if not torch.equal(local, expected):
                 bad.append(s.slot)
         return bad
@@ -1045,27 +1054,21 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             from realloc.ckpt.hf import load_shards
 
             return load_shards(args[0], args[1], args[2], shards, store)
+        model = unformatted(op.dst.layout.spec).by_name  # a layout of another weight format holds these converted
         if how == "synthetic":
 
             def box(s):
-                return synthetic_box(
-                    s.param,
-                    self._realloc.spec.param(s.param).shape,
-                    s.offsets,
-                    s.sizes,
-                    s.dtype,
-                    args[0],
-                    self._realloc.device,
-                )
+                p = model[s.param]
+                return synthetic_box(s.param, p.shape, s.offsets, s.sizes, p.dtype, args[0], self._realloc.device)
         elif how == "full":  # the driver keys the state dict by storage parameter (aliases resolved)
 
             def box(s):
-                return args[0][s.param][box_index(s.offsets, s.sizes)]
+                return args[0][s.param][box_index(s.offsets, s.sizes)].to(self._realloc.device)
         else:
             raise ValueError(f"unknown fill {how!r}; allowed: synthetic, full, hf")
         for s in shards:
-            if s.numel:
-                store.write(s.param, s.offsets, s.sizes, box(s).to(self._realloc.device))
+            if s.numel and s.param in model:  # not in it: block scales, written with their weight
+                write_box(store, s.param, s.offsets, s.sizes, box(s), s.dtype)
         return sum(s.nbytes for s in shards)
 
     def op_commit(self, op_id: str, blend: float | None = None) -> str:

@@ -8,50 +8,17 @@ A trainer group (``--src``, the model's dtypes, synthetic weights) copies into a
 wire then carries FP8). Per format: bytes on the wire (routes between workers, inside and across
 nodes), local copies, seconds (median pause of the timed copies and of their execute phase),
 where it converted, and whether every shard of every generator worker is exactly the trainer's
-synthetic weights in that format (each worker checks its own boxes: the synthetic values of the
-box, cast or quantized block by block as :mod:`realloc.shards.convert` does; the quantizer
-itself is checked against an independent reference by tests/test_formats.py).
+synthetic weights in that format (``ModelGroup.verify_synthetic``: each worker checks its own
+boxes, the synthetic values of the box cast or quantized block by block; the quantizer itself is
+checked against an independent reference by tests/test_formats.py).
 """
 
 from __future__ import annotations
 
 import statistics
 
-import torch
-
-from actors import ModelGroup, ShardWorker
+from actors import ModelGroup
 from realloc.layout import Topology
-
-
-class FormatCheck(ShardWorker):
-    """Generator-side user code of the bench: check this rank's shards against the synthetic weights."""
-
-    def format_check(self, seed: int) -> list[str]:
-        """Slots whose bytes differ from the synthetic weights in the held format."""
-        from realloc.shards import TORCH_DTYPES, ShardStore
-        from realloc.shards.convert import block_box, quantize_blocks
-        from realloc.shards.synthetic import synthetic_box
-        from realloc.spec.formats import FP8, scale_name, unformatted
-
-        held = self._realloc.held
-        model = unformatted(held.layout.spec).by_name
-        store = ShardStore(held.shards(), self._realloc.buffers)
-        bad = []
-        for s in held.shards():
-            if s.param not in model or not s.numel:
-                continue  # block scales: checked with their weight
-            p = model[s.param]
-            value = synthetic_box(s.param, p.shape, s.offsets, s.sizes, p.dtype, seed, torch.device("cpu"))
-            got = store.view(s.param, s.offsets, s.sizes)
-            if s.dtype == FP8:
-                value, scale = quantize_blocks(value)
-                if not torch.equal(store.view(scale_name(s.param), *block_box(s.offsets, s.sizes)), scale):
-                    bad.append(scale_name(s.param))
-            else:
-                value = value.to(TORCH_DTYPES[s.dtype])
-            if not torch.equal(got.view(torch.uint8), value.contiguous().view(torch.uint8)):
-                bad.append(s.slot)
-        return bad
 
 
 def measure(
@@ -68,7 +35,6 @@ def measure(
                 dst,
                 name="format-gen",
                 weight_format=fmt,
-                worker_cls=FormatCheck,
                 bucket_bytes=bucket_bytes,
             )
             try:
@@ -78,7 +44,7 @@ def measure(
                     stats = trainer.copy_to(gen)
                     pauses.append(stats.pause_seconds)
                     executes.append(stats.seconds)
-                bad = [b for worker in gen.call("format_check", seed, writes=False) for b in worker]
+                bad = sorted(b for slots in gen.verify_synthetic(seed).values() for b in slots)
                 row = {
                     "model": spec.name,
                     "src": str(src),

@@ -139,6 +139,8 @@ def test_fsdp_trainer_converts_on_the_receivers_and_a_kill_keeps_the_old_weights
         assert gen.replace_dead_workers() == [victim]
         trainer.copy_to(gen)
         holds(gen, expected_fp8(trainer.state_dict()))
+        gen.init_synthetic(9)  # a group of another format fills and checks its own format
+        assert gen.verify_synthetic(9) == {} and gen.verify_synthetic(10) != {}
         trainer.init_synthetic(7)  # staged, converted on the receivers into their shadow sets
         update = trainer.copy_to(gen, stage=True)
         assert update.wait().conversion == "destination"

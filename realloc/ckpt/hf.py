@@ -39,7 +39,7 @@ from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.files import SAFETENSORS_DTYPES, atomic_write, replace_dir
 from realloc.layout import Shard
 from realloc.shards import TORCH_DTYPES, ShardStore
-from realloc.shards.convert import block_box, dequantize_blocks, quantize_blocks
+from realloc.shards.convert import block_box, dequantize_blocks, write_box
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.spec.formats import BLOCK, FP8, scale_name
 
@@ -270,10 +270,7 @@ def load_shards(
                         scale = g.get_slice(scale_name(tensor))[box_index(*block_box(s.offsets, s.sizes))]
                     read += scale.numel() * scale.element_size()
                     box = dequantize_blocks(box, scale, TORCH_DTYPES[s.dtype], s.offsets)
-                elif box.dtype != torch.float8_e4m3fn and s.dtype == FP8:  # a block-FP8 layout: quantize
-                    box, scale = quantize_blocks(box)
-                    store.write(scale_name(s.param), *block_box(s.offsets, s.sizes), scale)
-                store.write(s.param, s.offsets, s.sizes, box.to(TORCH_DTYPES[s.dtype]))
+                write_box(store, s.param, s.offsets, s.sizes, box, s.dtype)  # a block-FP8 layout quantizes
     return read
 
 

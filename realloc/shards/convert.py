@@ -29,7 +29,16 @@ from realloc.layout import Layout
 from realloc.shards.store import TORCH_DTYPES, ShardStore
 from realloc.spec.formats import BLOCK, FP8, scale_name
 
-__all__ = ["FP8_MAX", "block_box", "convert_rank", "convert_store", "dequantize_blocks", "quantize_blocks"]
+__all__ = [
+    "FP8_MAX",
+    "block_box",
+    "convert_rank",
+    "convert_store",
+    "dequantize_blocks",
+    "in_format",
+    "quantize_blocks",
+    "write_box",
+]
 
 #: Largest finite float8_e4m3fn value (the scale maps a block's amax to it).
 FP8_MAX = 448.0
@@ -76,6 +85,23 @@ def block_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[i
     return tuple(o // BLOCK for o in offsets), tuple(-(-(o + s) // BLOCK) - o // BLOCK for o, s in zip(offsets, sizes))
 
 
+def in_format(value: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A box of a model's tensor as a layout holding it as ``dtype`` does: ``(float8 values, their
+    block scales)`` for a quantized weight (the box is whole blocks), else ``(value cast, None)``."""
+    if dtype == FP8 and value.dtype != torch.float8_e4m3fn:
+        return quantize_blocks(value)
+    return value.to(TORCH_DTYPES[dtype]), None
+
+
+def write_box(store: ShardStore, param: str, offsets, sizes, value: torch.Tensor, dtype: str) -> None:
+    """Write a box of a model's tensor into ``store``, which holds ``param`` as ``dtype``
+    (:func:`in_format`: a quantized weight's scales with it)."""
+    value, scale = in_format(value, dtype)
+    if scale is not None:
+        store.write(scale_name(param), *block_box(offsets, sizes), scale)
+    store.write(param, offsets, sizes, value)
+
+
 def convert_store(src: ShardStore, dst: ShardStore, dtypes: dict[str, str], src_dtypes: dict[str, str]) -> int:
     """Write every box ``dst`` holds from the same box of ``src`` (one topology, another format).
 
@@ -94,13 +120,10 @@ def convert_store(src: ShardStore, dst: ShardStore, dtypes: dict[str, str], src_
             continue  # the scales of a weight quantized here: written with the weight
         have, want = src_dtypes[param], dtypes[param]
         value = src.view(param, offsets, sizes)
-        if want == FP8 and have != FP8:
-            value, scale = quantize_blocks(value)
-            dst.write(scale_name(param), *block_box(offsets, sizes), scale)
-        elif have == FP8 and want != FP8:
+        if have == FP8 and want != FP8:
             scale = src.view(scale_name(param), *block_box(offsets, sizes))
             value = dequantize_blocks(value, scale, TORCH_DTYPES[want])
-        dst.write(param, offsets, sizes, value)
+        write_box(dst, param, offsets, sizes, value, want)
         written += value.numel() * TORCH_DTYPES[want].itemsize
     return written
 
