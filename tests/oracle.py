@@ -32,13 +32,16 @@ Llama-style decoder:
   torch/distributed/fsdp/_fully_shard/_fsdp_param.py and torchtitan's device mesh
   (dims ``pp, dp_replicate, dp_shard, cp, tp``, tp fastest): the rank order becomes
   ``rank = tp_rank + tp * (fsdp_rank + fsdp * (dp_rank + dp * pp_rank))``; FSDP2 shards the
-  tp-local tensor (its real rows, no vocabulary padding) with ``torch.chunk(local, fsdp, dim=0)``
-  and fsdp rank ``i`` holds chunk ``i``, or nothing (no slot at all here) when ``torch.chunk``
-  returned fewer chunks.
+  tp-local tensor with ``torch.chunk(local, fsdp, dim=0)`` and fsdp rank ``i`` holds chunk ``i``,
+  or nothing (no slot at all here) when ``torch.chunk`` returned fewer chunks. The tp-local
+  embedding / head is Megatron's padded shard (``[P / tp, hidden]``, padding rows included) when
+  the vocabulary is padded (``pad_multiple > 1``: Megatron-FSDP), else torchtitan's DTensor local
+  tensor, its real rows only.
 * ZeRO-3 flat partitions (``fsdp_split="zero3"``), written from DeepSpeed's ``_partition_param``
-  (deepspeed/runtime/zero/partition_parameters.py): the same rank order; the tp-local tensor (its
-  real elements) is flattened, padded to a multiple of ``fsdp`` and cut into ``fsdp`` equal parts;
-  fsdp rank ``i`` holds part ``i`` (its ``ds_tensor``), every rank one part of every slot.
+  (deepspeed/runtime/zero/partition_parameters.py): the same rank order; the tp-local tensor
+  (Megatron-DeepSpeed's, vocabulary padding rows included: ``numel`` counts them) is flattened,
+  padded to a multiple of ``fsdp`` and cut into ``fsdp`` equal parts; fsdp rank ``i`` holds part
+  ``i`` (its ``ds_tensor``), every rank one part of every slot.
 
 * expert parallelism (:class:`MoeDecoder`, :func:`moe_local_tensors`), written from Megatron-core's
   expert mesh (megatron/core/parallel_state.py ``initialize_model_parallel``: a
@@ -335,12 +338,14 @@ def local_tensors(
             slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
             for slot, p in stage_slots(d, stages, pp_rank)
         }
-    assert pad_multiple == 1, "FSDP shards carry no vocabulary padding"
     _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
     out = {}
     for slot, p in stage_slots(d, stages, pp_rank):
         local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
-        if p.rule == "vocab":  # keep the real vocabulary rows only
+        if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
+            # torchtitan: the vocabulary-parallel DTensor's local tensor is its real rows (no
+            # padding); Megatron's padded shard (pad_multiple > 1) and DeepSpeed's flattened one
+            # keep their padding rows
             per = local.shape[0]
             local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
         if split == "zero3":
