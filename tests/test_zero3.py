@@ -472,3 +472,19 @@ def test_realloc_plan_verify_from_and_to_zero3(capsys):
         assert main(["plan", "--verify", "--model", "tiny", "--src", src, "--dst", dst, "--gpus-per-node", "2"]) == 0
         out = capsys.readouterr().out
         assert "verified                yes" in out and "fsdp_split=zero3" in out
+
+
+@pytest.mark.parametrize("name", ["hpz", "zero3_hpz", "HPZ", "zero++"])
+def test_hpz_is_refused_with_what_it_pads_and_what_is_allowed(name):
+    """ZeRO++ hpZ's secondary partition pads numel to the whole world W and gives ceil(n/W)*W/g
+    elements per rank of a group of g (DeepSpeed's Init._partition_param_sec): not dp x fsdp."""
+    for make in (lambda: Topology(fsdp=8, fsdp_split=name), lambda: Topology.parse(f"fsdp=8,fsdp_split={name}")):
+        with pytest.raises(
+            ValueError, match=r"hpZ.*fsdp=W,fsdp_split=zero3.*multiple of W.*Allowed fsdp_split: fsdp2, zero3"
+        ):
+            make()
+
+
+def test_mics_is_refused():
+    with pytest.raises(ValueError, match="MiCS was removed.*allowed fsdp_split: fsdp2, zero3"):
+        Topology.parse("dp=2,fsdp=4,fsdp_split=mics")
