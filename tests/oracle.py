@@ -96,9 +96,29 @@ class Decoder:
     qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm weights
     dtype: str = "bfloat16"
     norm_dtype: str = "float32"
+    mlp_bias: bool = False  # Llama's mlp_bias (then qkv_bias is Llama's attention_bias: o_proj too)
 
     def spec(self, name: str = "oracle-model"):
         from realloc.spec import decoder_spec
+
+        if self.mlp_bias:
+            from realloc.spec.hf_config import spec_from_hf_config
+
+            assert not self.qk_norm, "Llama has no q/k norms"
+            config = {
+                "model_type": "llama",
+                "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate,
+                "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim,
+                "vocab_size": self.vocab,
+                "tie_word_embeddings": self.tied,
+                "attention_bias": self.qkv_bias,
+                "mlp_bias": True,
+            }
+            return spec_from_hf_config(config, dtype=self.dtype, norm_dtype=self.norm_dtype, name=name)
 
         return decoder_spec(
             name,
@@ -139,7 +159,10 @@ class Param:
 
 
 def params(d: Decoder) -> list[Param]:
-    """Storage tensors of ``d`` in forward order (HF names)."""
+    """Storage tensors of ``d`` in the engines' module order (HF names): forward order, except that
+    with MLP biases the gate and up weights come before their biases (vLLM's
+    ``MergedColumnParallelLinear`` registers ``gate_up_proj.weight`` then ``gate_up_proj.bias``,
+    vllm/model_executor/layers/linear.py; Megatron's ``linear_fc1`` likewise)."""
     q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
     out = [Param(EMBED, (d.vocab, d.hidden), d.dtype, "vocab", "first")]
     for i in range(d.layers):
@@ -153,13 +176,20 @@ def params(d: Decoder) -> list[Param]:
             out.append(Param(pre + "self_attn.k_proj.bias", (kv_rows,), d.dtype, "kv_rows", i))
             out.append(Param(pre + "self_attn.v_proj.bias", (kv_rows,), d.dtype, "kv_rows", i))
         out.append(Param(pre + "self_attn.o_proj.weight", (d.hidden, q_rows), d.dtype, "head_cols", i))
+        if d.mlp_bias and d.qkv_bias:  # Llama's attention_bias: o_proj's bias, added after the all-reduce
+            out.append(Param(pre + "self_attn.o_proj.bias", (d.hidden,), d.dtype, "whole", i))
         if d.qk_norm:
             out.append(Param(pre + "self_attn.q_norm.weight", (d.head_dim,), d.norm_dtype, "whole", i))
             out.append(Param(pre + "self_attn.k_norm.weight", (d.head_dim,), d.norm_dtype, "whole", i))
         out.append(Param(pre + "post_attention_layernorm.weight", (d.hidden,), d.norm_dtype, "whole", i))
         out.append(Param(pre + "mlp.gate_proj.weight", (d.intermediate, d.hidden), d.dtype, "rows", i))
         out.append(Param(pre + "mlp.up_proj.weight", (d.intermediate, d.hidden), d.dtype, "rows", i))
+        if d.mlp_bias:  # the engines' order: vLLM's gate_up_proj.weight, then gate_up_proj.bias
+            out.append(Param(pre + "mlp.gate_proj.bias", (d.intermediate,), d.dtype, "rows", i))
+            out.append(Param(pre + "mlp.up_proj.bias", (d.intermediate,), d.dtype, "rows", i))
         out.append(Param(pre + "mlp.down_proj.weight", (d.hidden, d.intermediate), d.dtype, "cols", i))
+        if d.mlp_bias:  # row parallel: added once after the all-reduce, whole on every rank
+            out.append(Param(pre + "mlp.down_proj.bias", (d.hidden,), d.dtype, "whole", i))
     out.append(Param(FINAL_NORM, (d.hidden,), d.norm_dtype, "whole", "last"))
     if not d.tied:
         out.append(Param(HEAD, (d.vocab, d.hidden), d.dtype, "vocab", "last"))
@@ -432,13 +462,16 @@ def megatron_linear_qkv(
     return fused.reshape((groups * (per_group + 2) * hd,) + rest).chunk(tp, dim=0)[tp_rank].clone()
 
 
-def megatron_linear_fc1(full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int) -> torch.Tensor:
-    """Megatron-core's local ``linear_fc1.weight`` with a gated linear unit: the rank's gate rows, then its up rows."""
+def megatron_linear_fc1(
+    full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int, suffix: str = "weight"
+) -> torch.Tensor:
+    """Megatron-core's local ``linear_fc1.{suffix}`` with a gated linear unit: the rank's gate rows,
+    then its up rows (vLLM's ``gate_up_proj.{suffix}`` is the same tensor)."""
     pre = f"model.layers.{layer}.mlp."
     return torch.cat(
         [
-            full[pre + "gate_proj.weight"].chunk(tp, dim=0)[tp_rank],
-            full[pre + "up_proj.weight"].chunk(tp, dim=0)[tp_rank],
+            full[f"{pre}gate_proj.{suffix}"].chunk(tp, dim=0)[tp_rank],
+            full[f"{pre}up_proj.{suffix}"].chunk(tp, dim=0)[tp_rank],
         ]
     )
 
@@ -464,14 +497,17 @@ HEAD_CHOICES = [
 ]
 
 
-def decoders(st, max_layers: int = 5):
-    """A hypothesis strategy of small :class:`Decoder` descriptions (``st`` is hypothesis.strategies)."""
+def decoders(st, max_layers: int = 5, mlp_bias: bool = False):
+    """A hypothesis strategy of small :class:`Decoder` descriptions (``st`` is hypothesis.strategies);
+    ``mlp_bias=True``: Llama models with MLP biases half the time."""
 
     @st.composite
     def build(draw):
         heads, kv = draw(st.sampled_from(HEAD_CHOICES))
         dtype = draw(st.sampled_from(["bfloat16", "float32", "float16"]))
+        biased = mlp_bias and draw(st.booleans())
         return Decoder(
+            mlp_bias=biased,
             hidden=draw(st.integers(4, 16)),
             intermediate=draw(st.sampled_from([24, 48, 36, 12])),  # divisible by every tp drawn
             layers=draw(st.integers(1, max_layers)),
@@ -481,7 +517,7 @@ def decoders(st, max_layers: int = 5):
             vocab=draw(st.integers(3, 61)),
             tied=draw(st.booleans()),
             qkv_bias=draw(st.booleans()),
-            qk_norm=draw(st.booleans()),
+            qk_norm=draw(st.booleans()) and not biased,
             dtype=dtype,
             norm_dtype=draw(st.sampled_from(["float32", dtype])),
         )

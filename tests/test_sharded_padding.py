@@ -43,7 +43,7 @@ def sharded_topologies(draw, d: oracle.Decoder, world: int):
 @settings(max_examples=50, deadline=None)
 @given(st.data())
 def test_random_padded_sharded_layouts_hold_the_engines_tensors(data):
-    d = data.draw(oracle.decoders(st))
+    d = data.draw(oracle.decoders(st, mlp_bias=True))
     world = data.draw(st.sampled_from([12, 8, 6, 4, 3, 2]))
     check_layout_buffers(d, data.draw(sharded_topologies(d, world)), data.draw(st.integers(1, 5)))
 
@@ -52,7 +52,7 @@ def test_random_padded_sharded_layouts_hold_the_engines_tensors(data):
 def padded_reallocations(draw):
     """A padded sharded layout to or from a plain, FSDP2 or ZeRO-3 layout (each with its own padding)
     on the same workers; :func:`check_zero3_reallocation`'s args."""
-    d = draw(oracle.decoders(st))
+    d = draw(oracle.decoders(st, mlp_bias=True))
     world = draw(st.sampled_from([8, 6, 4, 3, 2]))
     sharded = draw(sharded_topologies(d, world))
     other = draw(st.one_of(topologies(d, world), sharded_topologies(d, world)))

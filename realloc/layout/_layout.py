@@ -44,7 +44,7 @@ import numpy as np
 
 from realloc._checks import check_positive
 from realloc.boxes import Box
-from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_expert_order
+from realloc.layout.conventions import check_options, fused_mlp_order, megatron_qkv_order, vllm_expert_order
 from realloc.layout.holdings import Group, PieceTable
 from realloc.layout.sharded import sharded_pieces
 from realloc.layout.topology import Topology
@@ -293,6 +293,7 @@ class Layout:
 
     def _ordered(self, entries: list[tuple]) -> list[tuple]:
         """Entries in forward order -> in the buffer order of the engine conventions."""
+        entries = fused_mlp_order(entries)  # gate/up biases after both weights (conventions)
         if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.layout.conventions)
             entries = megatron_qkv_order(entries, self.topology.tp)
         if self.expert_order == "vllm":  # vLLM's w13_weight / w2_weight per layer

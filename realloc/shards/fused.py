@@ -15,9 +15,10 @@ Per layer ``N`` of the rank, zero-copy, next to the rank's :func:`~realloc.shard
     view of the buffer, which exists when the layout was built with ``qkv_order="megatron"``
     (:mod:`realloc.layout.conventions`), or when the rank holds a single query group (then it is
     ``[q; k; v]`` in any order).
-  * ``model.layers.N.mlp.linear_fc1.weight``: ``linear_fc1`` with ``gated_linear_unit``
-    (megatron/core/transformer/mlp.py: ``glu`` chunks the local output into gate and up):
-    ``[gate; up]`` of the rank, adjacent in every layout (vLLM's ``gate_up_proj`` is the same rows).
+  * ``model.layers.N.mlp.linear_fc1.weight`` (and ``.bias`` with MLP biases): ``linear_fc1`` with
+    ``gated_linear_unit`` (megatron/core/transformer/mlp.py: ``glu`` chunks the local output into
+    gate and up): ``[gate; up]`` of the rank, adjacent in every layout (vLLM's ``gate_up_proj`` is
+    the same rows; the biases sit after both weights, :func:`realloc.layout.conventions.fused_mlp_order`).
 
 Each fused tensor is one :func:`~realloc.shards.views.fused_view` of the buffer: nothing is copied,
 and a layout whose shards are not in that order gives a ``ValueError``.
@@ -53,6 +54,7 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),  # mlp_bias: MergedColumnParallelLinear's
 }
 #: Names ``fused_views(convention=...)`` accepts; the first is the default.
 FUSED_CONVENTIONS = ("vllm", "megatron")
@@ -77,7 +79,8 @@ def fused_views(
       ``tp_rank // (tp // kv_heads)``, replicated on ``tp / kv_heads`` ranks. Those are exactly
       the column-parallel shards of the layout (:func:`realloc.spec.decoder_spec`).
     * ``model.layers.N.mlp.gate_up_proj.weight`` = ``[gate; up]``: vLLM's
-      ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard.
+      ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard; with MLP
+      biases ``...gate_up_proj.bias`` = ``[gate bias; up bias]`` likewise.
 
     * ``model.layers.N.mlp.experts.w13_weight`` ``[local_experts, 2 * inter / etp, hidden]`` and
       ``...experts.w2_weight`` ``[local_experts, hidden, inter / etp]`` (Mixtral:
@@ -184,15 +187,16 @@ def megatron_fused_views(
             )
         views[name] = fused_view(name, shards, buffers, rank_layout)
     for layer in layout.stages[pp_rank]:
-        prefix = f"model.layers.{layer}.mlp."
-        parts = [by_slot.get(prefix + part, []) for part in ("gate_proj.weight", "up_proj.weight")]
-        if not any(parts):
-            continue
-        name = prefix + "linear_fc1.weight"
-        if [len(p) for p in parts] != [1, 1]:
-            raise ValueError(
-                f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
-                f"{len(parts[1])} up shards, one of each is needed"
-            )
-        views[name] = fused_view(name, [parts[0][0], parts[1][0]], buffers, rank_layout)
+        for suffix in ("weight", "bias"):  # linear_fc1.bias with mlp_bias
+            prefix = f"model.layers.{layer}.mlp."
+            parts = [by_slot.get(f"{prefix}{part}.{suffix}", []) for part in ("gate_proj", "up_proj")]
+            if not any(parts):
+                continue
+            name = f"{prefix}linear_fc1.{suffix}"
+            if [len(p) for p in parts] != [1, 1]:
+                raise ValueError(
+                    f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
+                    f"{len(parts[1])} up shards, one of each is needed"
+                )
+            views[name] = fused_view(name, [parts[0][0], parts[1][0]], buffers, rank_layout)
     return views
