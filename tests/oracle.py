@@ -358,11 +358,18 @@ def local_tensors(
     fsdp: int = 1,
     split: str = "fsdp2",
     pad_rule: str = "megatron",
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors);
-    ``split="zero3"``: the 1-D ZeRO-3 partition of every slot, padding filled with ``pad_value``."""
+    ``split="zero3"``: the 1-D ZeRO-3 partition of every slot, padding filled with ``pad_value``.
+
+    ``fused`` (with ``fsdp > 1``): the model is Megatron's, whose parameters are the fused
+    ``model.layers.N.self_attention.linear_qkv.{weight,bias}`` (:func:`megatron_linear_qkv`) and
+    ``model.layers.N.mlp.linear_fc1.{weight,bias}`` (:func:`megatron_linear_fc1`) in place of
+    q/k/v and gate/up (at the place of q and of gate), and FSDP2 / ZeRO-3 shard those whole
+    tensors, not their parts."""
     assert len(stages) == pp and sorted(i for s in stages for i in s) == list(range(d.layers))
-    if fsdp == 1:
+    if fsdp == 1 and not fused:
         _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
         return {
             slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
@@ -371,7 +378,22 @@ def local_tensors(
     _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
     out = {}
     for slot, p in stage_slots(d, stages, pp_rank):
-        local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
+        part = slot.rsplit(".", 2)[-2] if fused else None
+        if part in ("k_proj", "v_proj", "up_proj"):
+            continue  # inside the fused tensor built at q_proj / gate_proj
+        if part in ("q_proj", "gate_proj"):
+            layer, suffix = p.home, slot.rsplit(".", 1)[1]
+            if part == "q_proj":
+                slot = f"model.layers.{layer}.self_attention.linear_qkv.{suffix}"
+                local = megatron_linear_qkv(d, full, layer, tp, tp_rank, suffix)
+            else:
+                slot = f"model.layers.{layer}.mlp.linear_fc1.{suffix}"
+                local = megatron_linear_fc1(full, layer, tp, tp_rank, suffix)
+        else:
+            local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
+        if fsdp == 1:  # (fused, without sharded data parallelism: Megatron's tp-local tensors)
+            out[slot] = local
+            continue
         if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
             # torchtitan: the vocabulary-parallel DTensor's local tensor is its real rows (no
             # padding); Megatron's padded shard (pad_multiple > 1) and DeepSpeed's flattened one
@@ -419,11 +441,22 @@ def held_indices(
     fsdp: int = 1,
     split: str = "fsdp2",
     pad_rule: str = "megatron",
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded)."""
+    """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded).
+
+    Every element of every parameter gets one distinct number (the parameter's offset in the
+    concatenation of all of them, plus its flat index), so a fused tensor's elements still say
+    which parameter they are of."""
+    plist = params(d)
+    starts, at = {}, 0
+    for p in plist:
+        starts[p.name] = at
+        at += p.numel
+    numbered = {p.name: torch.arange(starts[p.name], starts[p.name] + p.numel).reshape(p.shape) for p in plist}
     local = local_tensors(
         d,
-        index_tensors(d),
+        numbered,
         dp,
         tp,
         pp,
@@ -434,12 +467,18 @@ def held_indices(
         fsdp=fsdp,
         split=split,
         pad_rule=pad_rule,
+        fused=fused,
     )
-    out: dict[str, list[torch.Tensor]] = {}
-    for slot, t in local.items():
-        flat = t.reshape(-1)
-        out.setdefault(storage_of(d, slot), []).append(flat[flat >= 0])
-    return {name: torch.cat(parts) for name, parts in out.items()}
+    values = torch.cat([t.reshape(-1) for t in local.values()] + [torch.zeros(0, dtype=torch.int64)])
+    values = values[values >= 0]
+    bounds = torch.tensor([starts[p.name] for p in plist])
+    which = torch.searchsorted(bounds, values, right=True) - 1
+    out = {}
+    for i, p in enumerate(plist):
+        mine = values[which == i]
+        if mine.numel():
+            out[p.name] = mine - starts[p.name]
+    return out
 
 
 def megatron_linear_qkv(

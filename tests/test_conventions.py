@@ -331,13 +331,15 @@ def test_bad_option_names(kwargs, message):
         Layout(GQA.spec(), Topology(tp=2), **kwargs)
 
 
-def test_megatron_qkv_refuses_replicated_kv_heads_and_fsdp():
+def test_megatron_qkv_refuses_replicated_kv_heads():
     spec = oracle.Decoder(hidden=8, intermediate=24, layers=1, heads=8, kv_heads=4, head_dim=2, vocab=64).spec()
     Layout(spec, Topology(tp=8))  # vLLM replicates each kv head on 2 ranks; Megatron-core refuses
     with pytest.raises(ValueError, match="4 query groups .* cannot be split 8 ways"):
         Layout(spec, Topology(tp=8), qkv_order="megatron")
-    with pytest.raises(ValueError, match="qkv_order='megatron' with fsdp=2"):
-        Layout(GQA.spec(), Topology(fsdp=2), qkv_order="megatron")
+    with pytest.raises(ValueError, match="4 query groups .* cannot be split 8 ways"):
+        Layout(spec, Topology(fsdp=2, tp=8), qkv_order="megatron")
+    # with fsdp: Megatron's fused parameters, sharded whole (tests/test_sharded_fused.py)
+    assert Layout(GQA.spec(), Topology(fsdp=2), qkv_order="megatron").fused_sharded
 
 
 def test_options_are_part_of_the_layout_value():

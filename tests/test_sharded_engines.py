@@ -3,7 +3,8 @@
 The parent builds a Megatron-style module's parameters (tp=1) from the oracle's full HF tensors:
 the vocabulary-padded embedding ``[P, hidden]`` (padding rows zero), Megatron's fused
 ``linear_qkv`` / ``linear_fc1`` weights and biases (tests/oracle.py ``megatron_linear_qkv``,
-``megatron_linear_fc1``) and a norm; ``fsdp`` spawned processes shard them with the engine:
+``megatron_linear_fc1``), ``down_proj`` and a norm, and compares with the layout
+``Layout(..., vocab_pad_multiple=8, qkv_order="megatron")``; ``fsdp`` spawned processes shard them with the engine:
 
 * torch FSDP2 (``torch.distributed.fsdp.fully_shard`` over a 1-D mesh): each rank's
   ``param.to_local()``;
@@ -11,13 +12,14 @@ the vocabulary-padded embedding ``[P, hidden]`` (padding rows zero), Megatron's 
   with ``DS_ACCELERATOR=cpu``; no op is built): each rank's ``param.ds_tensor``.
 
 and send back their local tensors, which must equal what the realloc layout's views of a buffer
-written from the same HF tensors give (FSDP2: ``shard_views(padding=True)`` / ``fused_views``;
-ZeRO-3: ``flat_views`` / ``fused_flat_views``), padding positions excepted (the engine's padding
+written from the same HF tensors give (FSDP2: ``fused_views(padding=True, convention="megatron")``;
+ZeRO-3: ``flat_views``), padding positions excepted (the engine's padding
 values are its own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import socket
@@ -28,26 +30,16 @@ import torch
 
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
-from realloc.shards import ShardStore, allocate_buffers, flat_views, shard_views
+from realloc.shards import ShardStore, allocate_buffers, flat_views, fused_views
 
 try:
     from tests import oracle
+    from tests.test_sharded_fused import GQA
 except ImportError:  # pytest put tests/ itself on sys.path
     import oracle
+    from test_sharded_fused import GQA
 
-D = oracle.Decoder(
-    hidden=4,
-    intermediate=6,
-    layers=1,
-    heads=4,
-    kv_heads=2,
-    head_dim=2,
-    vocab=13,
-    tied=True,
-    qkv_bias=True,
-    dtype="float32",
-    norm_dtype="float32",
-)
+D = dataclasses.replace(GQA, layers=1, tied=True)  # 4 q heads in 2 query groups, q/k/v and MLP biases
 PAD = 8  # Megatron's make_vocab_size_divisible_by: 13 rows padded to 16
 EMBED = "model.embed_tokens.weight"
 
@@ -56,7 +48,12 @@ def engine_tensors(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Megatron's (tp=1) parameters, from the full HF tensors, by their layout slot / view names."""
     padded = oracle.padded_vocab(D.vocab, 1, PAD)
     embed = torch.cat([full[EMBED], torch.zeros(padded - D.vocab, D.hidden)])
-    return {EMBED: embed, "model.layers.0.input_layernorm.weight": full["model.layers.0.input_layernorm.weight"]}
+    out = {EMBED: embed, "model.layers.0.input_layernorm.weight": full["model.layers.0.input_layernorm.weight"]}
+    for suffix in ("weight", "bias"):
+        out[f"model.layers.0.self_attention.linear_qkv.{suffix}"] = oracle.megatron_linear_qkv(D, full, 0, 1, 0, suffix)
+        out[f"model.layers.0.mlp.linear_fc1.{suffix}"] = oracle.megatron_linear_fc1(full, 0, 1, 0, suffix)
+    out["model.layers.0.mlp.down_proj.weight"] = full["model.layers.0.mlp.down_proj.weight"]
+    return out
 
 
 def _fsdp2(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -148,7 +145,10 @@ def layout_views(lay: Layout, rank: int, full: dict[str, torch.Tensor]) -> tuple
                 data = full[s.param][box_index(s.offsets, s.sizes)]
                 store.write(s.param, s.offsets, s.sizes, torch.ones_like(data) if value else data)
         zero3 = lay.topology.fsdp_split == "zero3"
-        out.append(flat_views(lay.at(rank), buffers) if zero3 else shard_views(lay.at(rank), buffers, padding=True))
+        if zero3:
+            out.append(flat_views(lay.at(rank), buffers))
+        else:
+            out.append(fused_views(lay.at(rank), buffers, padding=True, convention="megatron"))
     return out[0], {k: v.bool() for k, v in out[1].items()}
 
 
@@ -156,7 +156,7 @@ def check_engine(engine: str, fsdp: int) -> None:
     full = oracle.full_tensors(D, seed=5)
     tensors = engine_tensors(full)
     got = run(engine, fsdp, tensors)
-    lay = Layout(D.spec(), Topology(fsdp=fsdp, fsdp_split=engine), PAD)
+    lay = Layout(D.spec(), Topology(fsdp=fsdp, fsdp_split=engine), PAD, qkv_order="megatron")
     for rank in range(fsdp):
         views, real = layout_views(lay, rank, full)
         for name in tensors:

@@ -46,7 +46,7 @@ from realloc._checks import check_positive
 from realloc.boxes import Box
 from realloc.layout.conventions import check_options, fused_mlp_order, megatron_qkv_order, vllm_expert_order
 from realloc.layout.holdings import Group, PieceTable
-from realloc.layout.sharded import sharded_pieces
+from realloc.layout.sharded import engine_params, sharded_pieces
 from realloc.layout.topology import Topology
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
@@ -157,6 +157,12 @@ class Layout:
         tensor), under FSDP2 when ``vocab_pad_multiple > 1`` (Megatron's padded vocabulary);
         FSDP2 with ``vocab_pad_multiple=1`` chunks the real rows (a DTensor's local tensor)."""
         return self.topology.fsdp_split == "zero3" or self.vocab_pad_multiple > 1
+
+    @property
+    def fused_sharded(self) -> bool:
+        """Whether the fsdp ranks cut Megatron's fused ``linear_qkv`` / ``linear_fc1`` parameters
+        (``qkv_order="megatron"`` with ``fsdp > 1``) rather than q/k/v/gate/up one by one."""
+        return self.topology.fsdp > 1 and self.qkv_order == "megatron"
 
     # -- value semantics -------------------------------------------------------------------
     @property
@@ -338,10 +344,8 @@ class Layout:
                 for fsdp_rank in range(t.fsdp):
                     fill: dict[str, int] = {}
                     shards = []
-                    for entry in tp_boxes:  # (fsdp > 1: one engine parameter's pieces, realloc.layout.sharded)
-                        pieces = (
-                            [entry] if t.fsdp == 1 else sharded_pieces([entry], t.fsdp_split, t.fsdp, fsdp_rank, padded)
-                        )
+                    for unit in engine_params(tp_boxes, self.fused_sharded):  # realloc.layout.sharded
+                        pieces = unit if t.fsdp == 1 else sharded_pieces(unit, t.fsdp_split, t.fsdp, fsdp_rank, padded)
                         for p, name, slot, offsets, sizes, local in pieces:
                             at = fill.get(p.dtype, 0)
                             shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
@@ -492,7 +496,7 @@ class Layout:
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
         t = self.topology
-        if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
+        if t.fsdp > 1 and (t.fsdp_split != "fsdp2" or self.fused_sharded):  # from the shard table
             return PieceTable.of_groups(self.groups(workers))
         if t.expert_parallel:
             return self._expert_piece_table(workers)

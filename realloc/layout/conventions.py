@@ -34,7 +34,11 @@ it): how the vocabulary-parallel embedding and lm head are padded and split over
   weight region (and the bias region, when there are q/k/v biases) is exactly the local
   ``linear_qkv`` tensor of shape ``[local_groups * (q_per_group + 2) * head_dim, hidden]``.
   Megatron needs ``num_query_groups`` divisible by tp (``divide`` in ``Attention.__init__``): kv
-  heads are never replicated there, so ``tp > kv_heads`` is refused. Not combined with fsdp.
+  heads are never replicated there, so ``tp > kv_heads`` is refused. With ``fsdp > 1`` it means
+  Megatron's *model* under sharded data parallelism (Megatron-FSDP, Megatron-DeepSpeed): the
+  engine parameters are the fused ``linear_qkv`` and ``linear_fc1`` (gate; up) tensors, so FSDP2
+  chunks and ZeRO-3 partitions are of those (:mod:`realloc.layout.sharded`); with
+  ``qkv_order="hf"`` (HF-named FSDP models) q, k, v, gate and up are sharded one by one.
 
 ``expert_order`` (:data:`EXPERT_ORDERS`): how a rank's routed-expert shards of a layer sit in its
 buffer (docs/conventions.md, "Expert parallelism").
@@ -101,11 +105,6 @@ def check_options(
             vocab_units_per_rank(p.units, tp, vocab_pad_multiple, vocab_pad_rule, p.name)
     if qkv_order == "hf":
         return
-    if topology.fsdp > 1:
-        raise ValueError(
-            f"qkv_order='megatron' with fsdp={topology.fsdp}: Megatron's linear_qkv order is a "
-            "tensor-parallel layout without FSDP; use qkv_order='hf'"
-        )
     for q, k, v in qkv_triples(spec):
         _megatron_groups(q, k, v, tp)
 

@@ -4,7 +4,9 @@ An engine parameter under sharded data parallelism is the rank's tensor-parallel
 given here as its *parts*: ``(offsets, sizes, local_shape)`` boxes of global tensors, each at the
 origin of its local tensor (trailing padding rows of dim 0 allowed: Megatron's padded vocabulary
 shard), concatenated along dim 0 (:func:`realloc.layout.zero3.check_parts`). Usually one part;
-several for a fused tensor.
+several for a fused tensor: under ``Layout(qkv_order="megatron")`` the engine is Megatron's model,
+which holds q/k/v as ONE ``linear_qkv`` parameter and gate/up as ONE ``linear_fc1``
+(:func:`engine_params`), so FSDP2's chunks and ZeRO-3's partitions are of the fused tensors.
 
 * ``fsdp_split="fsdp2"``: PyTorch FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
   ``FSDPParam._init_sharded_param``; ``_chunk_with_empty`` in ``_fsdp_common.py``) cuts the local
@@ -19,10 +21,53 @@ docs/conventions.md, "Sharded data parallelism (FSDP2/HSDP)" and "ZeRO-3 flat pa
 
 from __future__ import annotations
 
+import re
+
 from realloc.boxes import Box
 from realloc.layout.zero3 import check_parts, zero3_parts_pieces
 
-__all__ = ["fsdp2_parts_pieces", "sharded_pieces"]
+__all__ = ["engine_params", "fsdp2_parts_pieces", "megatron_fused_name", "sharded_pieces"]
+
+_FUSED = re.compile(
+    r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn\.(?P<qkv>[qkv])_proj|mlp\.(?P<fc1>gate|up)_proj)\.(?P<suffix>weight|bias)$"
+)
+
+
+def megatron_fused_name(slot: str) -> "str | None":
+    """The Megatron-core parameter a slot is part of when Megatron's model holds it fused, else None:
+    q/k/v -> ``model.layers.N.self_attention.linear_qkv.{weight,bias}`` (megatron/core/transformer/
+    attention.py ``SelfAttention.linear_qkv``), gate/up -> ``model.layers.N.mlp.linear_fc1.{weight,bias}``
+    (megatron/core/transformer/mlp.py, gated linear unit).
+
+    Example:
+        >>> megatron_fused_name("model.layers.3.self_attn.k_proj.bias"), megatron_fused_name("model.layers.0.mlp.up_proj.weight")
+        ('model.layers.3.self_attention.linear_qkv.bias', 'model.layers.0.mlp.linear_fc1.weight')
+        >>> megatron_fused_name("model.layers.0.mlp.down_proj.weight") is None
+        True
+    """
+    m = _FUSED.match(slot)
+    if not m:
+        return None
+    module = "self_attention.linear_qkv" if m["qkv"] else "mlp.linear_fc1"
+    return f"model.layers.{m['layer']}.{module}.{m['suffix']}"
+
+
+def engine_params(entries: list[tuple], fused: bool) -> list[list[tuple]]:
+    """A coordinate's entries ``(param spec, name, slot, ...)`` in buffer order -> the engine's
+    parameters, each the list of its parts: one entry each, or with ``fused`` (Megatron's model,
+    ``Layout(qkv_order="megatron")``) the consecutive entries of one :func:`megatron_fused_name` as
+    one parameter (``linear_qkv``: every local query group's q, k, v boxes; ``linear_fc1``: gate, up).
+    """
+    out: list[list[tuple]] = []
+    last = None
+    for entry in entries:
+        name = megatron_fused_name(entry[2]) if fused else None
+        if name is not None and name == last:
+            out[-1].append(entry)
+        else:
+            out.append([entry])
+        last = name
+    return out
 
 
 def fsdp2_parts_pieces(

@@ -44,7 +44,9 @@ import torch
 from realloc._checks import check_choice
 from realloc.layout import RankLayout
 from realloc.layout.conventions import expert_projection, megatron_qkv_order, qkv_triples
-from realloc.shards.views import fused_view, shard_views
+from realloc.layout.sharded import megatron_fused_name
+from realloc.shards.store import TORCH_DTYPES
+from realloc.shards.views import flat_spans, fused_view, shard_views
 
 __all__ = ["FUSED_CONVENTIONS", "FUSED_PARTS", "fused_views", "megatron_fused_views"]
 
@@ -102,6 +104,11 @@ def fused_views(
     check_choice("convention", convention, FUSED_CONVENTIONS)
     if convention == "megatron":
         return megatron_fused_views(rank_layout, buffers, padding=padding)
+    if rank_layout.layout.fused_sharded:
+        raise ValueError(
+            f"{rank_layout}: the fsdp ranks hold chunks of Megatron's fused linear_qkv / linear_fc1 "
+            "(qkv_order='megatron' with fsdp), not vLLM's qkv_proj / gate_up_proj; use convention='megatron'"
+        )
     views = shard_views(rank_layout, buffers, padding=padding)
     by_slot = {s.slot: s for s in rank_layout.shards()}
     several = sorted(slot for slot, n in Counter(s.slot for s in rank_layout.shards()).items() if n > 1)
@@ -154,6 +161,29 @@ def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tens
     return views
 
 
+def _sharded_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FSDP2's local chunks of Megatron's fused ``linear_qkv`` / ``linear_fc1`` parameters of a
+    ``qkv_order="megatron"`` layout with fsdp (``Layout.fused_sharded``): per fused parameter of the
+    stage, ONE view of the rank's consecutive shards of it, ``[chunk rows, trailing dims]``, or FSDP2's
+    empty local tensor (0 rows) where its chunk is empty."""
+    layout = rank_layout.layout
+    spans = flat_spans(rank_layout)
+    device = next((b.device for b in buffers.values()), torch.device("cpu"))
+    views: dict[str, torch.Tensor] = {}
+    for storage, slot in layout.stage_slots(layout.topology.coords(rank_layout.rank)[2]):
+        name = megatron_fused_name(slot)
+        if name is None or name in views:
+            continue
+        p = layout.spec.by_name[storage]
+        trailing = tuple(p.shape[1:])
+        if name in spans:
+            dtype, start, stop = spans[name]
+            views[name] = buffers[dtype][start:stop].view((-1,) + trailing)
+        else:
+            views[name] = torch.empty((0,) + trailing, dtype=TORCH_DTYPES[p.dtype], device=device)
+    return views
+
+
 def megatron_fused_views(
     rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *, padding: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -161,6 +191,8 @@ def megatron_fused_views(
     views of every layer the rank holds."""
     views = shard_views(rank_layout, buffers, padding=padding)
     layout = rank_layout.layout
+    if layout.fused_sharded:
+        return views | _sharded_fused_views(rank_layout, buffers)
     spec, tp = layout.spec, layout.topology.tp
     _, _, tp_rank, pp_rank = layout.topology.coords4(rank_layout.rank)
     held = rank_layout.shards()
