@@ -20,7 +20,9 @@ nothing changes. See docs/conventions.md, "Sharded data parallelism (FSDP2/HSDP)
 ``Topology.fsdp_split == "zero3"`` the padded tp-local tensor is instead flattened and cut as
 DeepSpeed ZeRO-3 does (:func:`realloc.layout.zero3.zero3_parts_pieces`): a rank holds up to three
 shards of a 2-D parameter, consecutive in its buffer, the last padded (or one padding-only shard of
-empty box). Both cuts: :mod:`realloc.layout.sharded`.
+empty box). Both cuts: :mod:`realloc.layout.sharded`. Under ``qkv_order="megatron"`` the engine is
+Megatron's model, whose fused ``linear_qkv`` / ``linear_fc1`` are ONE parameter each: the fsdp ranks
+cut those whole (:func:`realloc.layout.sharded.engine_params`, ``Layout.fused_sharded``).
 
 Expert parallelism (``Topology.ep > 1`` or ``etp != tp``; docs/conventions.md, "Expert
 parallelism"): the dense parameters are laid out as above, by ``(tp_rank, pp_rank)``; a routed
