@@ -61,7 +61,9 @@ class ShardContext:
 
     ``tensors`` maps slot names (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``) to the
     worker's local shards, padding included; writing into them updates the worker's weights. (A
-    ZeRO-3 layout, ``fsdp_split="zero3"``: each slot's 1-D flat partition, :func:`realloc.shards.views.flat_views`.)
+    ZeRO-3 layout, ``fsdp_split="zero3"``: each slot's 1-D flat partition, :func:`realloc.shards.views.flat_views`;
+    ``qkv_order="megatron"`` with FSDP2: Megatron's fused ``linear_qkv`` / ``linear_fc1`` chunks in
+    place of q/k/v/gate/up, :func:`realloc.shards.fused.fused_views` with ``convention="megatron"``.)
     ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
     ``groups`` the dp/fsdp/tp/pp process groups of this rank of the layout
     (:class:`~actors.parallel.ParallelGroups`). ``version`` is the weight version these tensors

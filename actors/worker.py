@@ -59,7 +59,16 @@ from actors.zero_copy import BufferAllocator, handle_identity, open_handles
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Plan
-from realloc.shards import ShardStore, blend_into, buffers_nbytes, copy_local, flat_views, local_copies, zero_padding
+from realloc.shards import (
+    ShardStore,
+    blend_into,
+    buffers_nbytes,
+    copy_local,
+    flat_views,
+    fused_views,
+    local_copies,
+    zero_padding,
+)
 from realloc.shards.convert import block_box, convert_rank, in_format, write_box
 from realloc.shards.synthetic import synthetic_box
 from realloc.spec import ModelSpec
@@ -316,9 +325,15 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         layout = st.held.layout
         dp_rank, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(st.rank)
         groups = ParallelGroups(layout, st.rank, st.communicators)
-        # ZeRO-3: a slot's tensor is its flat partition (DeepSpeed's ds_tensor), not one of its shards
-        zero3 = layout.topology.fsdp_split == "zero3"
-        tensors = flat_views(st.held, st.buffers) if zero3 else store.shard_tensors()
+        # ZeRO-3: a slot's tensor is its flat partition (DeepSpeed's ds_tensor), not one of its shards;
+        # Megatron's model under FSDP2 (qkv_order="megatron", fsdp > 1): its fused linear_qkv /
+        # linear_fc1 chunks in place of q/k/v/gate/up (pieces of those chunks)
+        if layout.topology.fsdp_split == "zero3":
+            tensors = flat_views(st.held, st.buffers)
+        elif layout.fused_sharded:
+            tensors = fused_views(st.held, st.buffers, padding=True, convention="megatron")
+        else:
+            tensors = store.shard_tensors()
         return ShardContext(
             st.rank,
             layout.topology,

@@ -32,13 +32,16 @@ Llama-style decoder:
   torch/distributed/fsdp/_fully_shard/_fsdp_param.py and torchtitan's device mesh
   (dims ``pp, dp_replicate, dp_shard, cp, tp``, tp fastest): the rank order becomes
   ``rank = tp_rank + tp * (fsdp_rank + fsdp * (dp_rank + dp * pp_rank))``; FSDP2 shards the
-  tp-local tensor (its real rows, no vocabulary padding) with ``torch.chunk(local, fsdp, dim=0)``
-  and fsdp rank ``i`` holds chunk ``i``, or nothing (no slot at all here) when ``torch.chunk``
-  returned fewer chunks.
+  tp-local tensor with ``torch.chunk(local, fsdp, dim=0)`` and fsdp rank ``i`` holds chunk ``i``,
+  or nothing (no slot at all here) when ``torch.chunk`` returned fewer chunks. The tp-local
+  embedding / head is Megatron's padded shard (``[P / tp, hidden]``, padding rows included) when
+  the vocabulary is padded (``pad_multiple > 1``: Megatron-FSDP), else torchtitan's DTensor local
+  tensor, its real rows only.
 * ZeRO-3 flat partitions (``fsdp_split="zero3"``), written from DeepSpeed's ``_partition_param``
-  (deepspeed/runtime/zero/partition_parameters.py): the same rank order; the tp-local tensor (its
-  real elements) is flattened, padded to a multiple of ``fsdp`` and cut into ``fsdp`` equal parts;
-  fsdp rank ``i`` holds part ``i`` (its ``ds_tensor``), every rank one part of every slot.
+  (deepspeed/runtime/zero/partition_parameters.py): the same rank order; the tp-local tensor
+  (Megatron-DeepSpeed's, vocabulary padding rows included: ``numel`` counts them) is flattened,
+  padded to a multiple of ``fsdp`` and cut into ``fsdp`` equal parts; fsdp rank ``i`` holds part
+  ``i`` (its ``ds_tensor``), every rank one part of every slot.
 
 * expert parallelism (:class:`MoeDecoder`, :func:`moe_local_tensors`), written from Megatron-core's
   expert mesh (megatron/core/parallel_state.py ``initialize_model_parallel``: a
@@ -97,9 +100,29 @@ class Decoder:
     qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm weights
     dtype: str = "bfloat16"
     norm_dtype: str = "float32"
+    mlp_bias: bool = False  # Llama's mlp_bias (then qkv_bias is Llama's attention_bias: o_proj too)
 
     def spec(self, name: str = "oracle-model"):
         from realloc.spec import decoder_spec
+
+        if self.mlp_bias:
+            from realloc.spec.hf_config import spec_from_hf_config
+
+            assert not self.qk_norm, "Llama has no q/k norms"
+            config = {
+                "model_type": "llama",
+                "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate,
+                "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim,
+                "vocab_size": self.vocab,
+                "tie_word_embeddings": self.tied,
+                "attention_bias": self.qkv_bias,
+                "mlp_bias": True,
+            }
+            return spec_from_hf_config(config, dtype=self.dtype, norm_dtype=self.norm_dtype, name=name)
 
         return decoder_spec(
             name,
@@ -140,7 +163,10 @@ class Param:
 
 
 def params(d: Decoder) -> list[Param]:
-    """Storage tensors of ``d`` in forward order (HF names)."""
+    """Storage tensors of ``d`` in the engines' module order (HF names): forward order, except that
+    with MLP biases the gate and up weights come before their biases (vLLM's
+    ``MergedColumnParallelLinear`` registers ``gate_up_proj.weight`` then ``gate_up_proj.bias``,
+    vllm/model_executor/layers/linear.py; Megatron's ``linear_fc1`` likewise)."""
     q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
     out = [Param(EMBED, (d.vocab, d.hidden), d.dtype, "vocab", "first")]
     for i in range(d.layers):
@@ -154,13 +180,20 @@ def params(d: Decoder) -> list[Param]:
             out.append(Param(pre + "self_attn.k_proj.bias", (kv_rows,), d.dtype, "kv_rows", i))
             out.append(Param(pre + "self_attn.v_proj.bias", (kv_rows,), d.dtype, "kv_rows", i))
         out.append(Param(pre + "self_attn.o_proj.weight", (d.hidden, q_rows), d.dtype, "head_cols", i))
+        if d.mlp_bias and d.qkv_bias:  # Llama's attention_bias: o_proj's bias, added after the all-reduce
+            out.append(Param(pre + "self_attn.o_proj.bias", (d.hidden,), d.dtype, "whole", i))
         if d.qk_norm:
             out.append(Param(pre + "self_attn.q_norm.weight", (d.head_dim,), d.norm_dtype, "whole", i))
             out.append(Param(pre + "self_attn.k_norm.weight", (d.head_dim,), d.norm_dtype, "whole", i))
         out.append(Param(pre + "post_attention_layernorm.weight", (d.hidden,), d.norm_dtype, "whole", i))
         out.append(Param(pre + "mlp.gate_proj.weight", (d.intermediate, d.hidden), d.dtype, "rows", i))
         out.append(Param(pre + "mlp.up_proj.weight", (d.intermediate, d.hidden), d.dtype, "rows", i))
+        if d.mlp_bias:  # the engines' order: vLLM's gate_up_proj.weight, then gate_up_proj.bias
+            out.append(Param(pre + "mlp.gate_proj.bias", (d.intermediate,), d.dtype, "rows", i))
+            out.append(Param(pre + "mlp.up_proj.bias", (d.intermediate,), d.dtype, "rows", i))
         out.append(Param(pre + "mlp.down_proj.weight", (d.hidden, d.intermediate), d.dtype, "cols", i))
+        if d.mlp_bias:  # row parallel: added once after the all-reduce, whole on every rank
+            out.append(Param(pre + "mlp.down_proj.bias", (d.hidden,), d.dtype, "whole", i))
     out.append(Param(FINAL_NORM, (d.hidden,), d.norm_dtype, "whole", "last"))
     if not d.tied:
         out.append(Param(HEAD, (d.vocab, d.hidden), d.dtype, "vocab", "last"))
@@ -329,22 +362,46 @@ def local_tensors(
     fsdp: int = 1,
     split: str = "fsdp2",
     pad_rule: str = "megatron",
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Slot name -> local tensor of ``rank`` (``full`` maps storage names to global tensors);
-    ``split="zero3"``: the 1-D ZeRO-3 partition of every slot, padding filled with ``pad_value``."""
+    ``split="zero3"``: the 1-D ZeRO-3 partition of every slot, padding filled with ``pad_value``.
+
+    ``fused`` (with ``fsdp > 1``): the model is Megatron's, whose parameters are the fused
+    ``model.layers.N.self_attention.linear_qkv.{weight,bias}`` (:func:`megatron_linear_qkv`) and
+    ``model.layers.N.mlp.linear_fc1.{weight,bias}`` (:func:`megatron_linear_fc1`) in place of
+    q/k/v and gate/up (at the place of q and of gate), and FSDP2 / ZeRO-3 shard those whole
+    tensors, not their parts."""
     assert len(stages) == pp and sorted(i for s in stages for i in s) == list(range(d.layers))
-    if fsdp == 1:
+    if fsdp == 1 and not fused:
         _, tp_rank, pp_rank = coords(rank, dp, tp, pp)
         return {
             slot: tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
             for slot, p in stage_slots(d, stages, pp_rank)
         }
-    assert pad_multiple == 1, "FSDP shards carry no vocabulary padding"
     _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
     out = {}
     for slot, p in stage_slots(d, stages, pp_rank):
-        local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
-        if p.rule == "vocab":  # keep the real vocabulary rows only
+        part = slot.rsplit(".", 2)[-2] if fused else None
+        if part in ("k_proj", "v_proj", "up_proj"):
+            continue  # inside the fused tensor built at q_proj / gate_proj
+        if part in ("q_proj", "gate_proj"):
+            layer, suffix = p.home, slot.rsplit(".", 1)[1]
+            if part == "q_proj":
+                slot = f"model.layers.{layer}.self_attention.linear_qkv.{suffix}"
+                local = megatron_linear_qkv(d, full, layer, tp, tp_rank, suffix)
+            else:
+                slot = f"model.layers.{layer}.mlp.linear_fc1.{suffix}"
+                local = megatron_linear_fc1(full, layer, tp, tp_rank, suffix)
+        else:
+            local = tp_slice(d, p, full[p.name], tp, tp_rank, pad_multiple, pad_value, pad_rule)
+        if fsdp == 1:  # (fused, without sharded data parallelism: Megatron's tp-local tensors)
+            out[slot] = local
+            continue
+        if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
+            # torchtitan: the vocabulary-parallel DTensor's local tensor is its real rows (no
+            # padding); Megatron's padded shard (pad_multiple > 1) and DeepSpeed's flattened one
+            # keep their padding rows
             per = local.shape[0]
             local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
         if split == "zero3":
@@ -388,11 +445,22 @@ def held_indices(
     fsdp: int = 1,
     split: str = "fsdp2",
     pad_rule: str = "megatron",
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded)."""
+    """Storage name -> flat global indices of the elements ``rank`` holds (padding excluded).
+
+    Every element of every parameter gets one distinct number (the parameter's offset in the
+    concatenation of all of them, plus its flat index), so a fused tensor's elements still say
+    which parameter they are of."""
+    plist = params(d)
+    starts, at = {}, 0
+    for p in plist:
+        starts[p.name] = at
+        at += p.numel
+    numbered = {p.name: torch.arange(starts[p.name], starts[p.name] + p.numel).reshape(p.shape) for p in plist}
     local = local_tensors(
         d,
-        index_tensors(d),
+        numbered,
         dp,
         tp,
         pp,
@@ -403,12 +471,18 @@ def held_indices(
         fsdp=fsdp,
         split=split,
         pad_rule=pad_rule,
+        fused=fused,
     )
-    out: dict[str, list[torch.Tensor]] = {}
-    for slot, t in local.items():
-        flat = t.reshape(-1)
-        out.setdefault(storage_of(d, slot), []).append(flat[flat >= 0])
-    return {name: torch.cat(parts) for name, parts in out.items()}
+    values = torch.cat([t.reshape(-1) for t in local.values()] + [torch.zeros(0, dtype=torch.int64)])
+    values = values[values >= 0]
+    bounds = torch.tensor([starts[p.name] for p in plist])
+    which = torch.searchsorted(bounds, values, right=True) - 1
+    out = {}
+    for i, p in enumerate(plist):
+        mine = values[which == i]
+        if mine.numel():
+            out[p.name] = mine - starts[p.name]
+    return out
 
 
 def megatron_linear_qkv(
@@ -431,13 +505,16 @@ def megatron_linear_qkv(
     return fused.reshape((groups * (per_group + 2) * hd,) + rest).chunk(tp, dim=0)[tp_rank].clone()
 
 
-def megatron_linear_fc1(full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int) -> torch.Tensor:
-    """Megatron-core's local ``linear_fc1.weight`` with a gated linear unit: the rank's gate rows, then its up rows."""
+def megatron_linear_fc1(
+    full: dict[str, torch.Tensor], layer: int, tp: int, tp_rank: int, suffix: str = "weight"
+) -> torch.Tensor:
+    """Megatron-core's local ``linear_fc1.{suffix}`` with a gated linear unit: the rank's gate rows,
+    then its up rows (vLLM's ``gate_up_proj.{suffix}`` is the same tensor)."""
     pre = f"model.layers.{layer}.mlp."
     return torch.cat(
         [
-            full[pre + "gate_proj.weight"].chunk(tp, dim=0)[tp_rank],
-            full[pre + "up_proj.weight"].chunk(tp, dim=0)[tp_rank],
+            full[f"{pre}gate_proj.{suffix}"].chunk(tp, dim=0)[tp_rank],
+            full[f"{pre}up_proj.{suffix}"].chunk(tp, dim=0)[tp_rank],
         ]
     )
 
@@ -463,14 +540,17 @@ HEAD_CHOICES = [
 ]
 
 
-def decoders(st, max_layers: int = 5):
-    """A hypothesis strategy of small :class:`Decoder` descriptions (``st`` is hypothesis.strategies)."""
+def decoders(st, max_layers: int = 5, mlp_bias: bool = False):
+    """A hypothesis strategy of small :class:`Decoder` descriptions (``st`` is hypothesis.strategies);
+    ``mlp_bias=True``: Llama models with MLP biases half the time."""
 
     @st.composite
     def build(draw):
         heads, kv = draw(st.sampled_from(HEAD_CHOICES))
         dtype = draw(st.sampled_from(["bfloat16", "float32", "float16"]))
+        biased = mlp_bias and draw(st.booleans())
         return Decoder(
+            mlp_bias=biased,
             hidden=draw(st.integers(4, 16)),
             intermediate=draw(st.sampled_from([24, 48, 36, 12])),  # divisible by every tp drawn
             layers=draw(st.integers(1, max_layers)),
@@ -480,7 +560,7 @@ def decoders(st, max_layers: int = 5):
             vocab=draw(st.integers(3, 61)),
             tied=draw(st.booleans()),
             qkv_bias=draw(st.booleans()),
-            qk_norm=draw(st.booleans()),
+            qk_norm=draw(st.booleans()) and not biased,
             dtype=dtype,
             norm_dtype=draw(st.sampled_from(["float32", dtype])),
         )

@@ -196,10 +196,18 @@ def test_verify_vocab_pad_rules(capsys, rule):
     assert status == 0 and report["verified"] is True and report["mismatched_shards"] == 0
 
 
-def test_fsdp_with_vocab_padding_is_refused(capsys):
-    assert main(["plan", "--model", "tiny", "--src", "fsdp=4", "--dst", "tp=4", "--vocab-pad-multiple", "8"]) == 2
+@pytest.mark.parametrize("src", ["fsdp=4", "fsdp=4,fsdp_split=zero3", "fsdp=2,tp=2,fsdp_split=zero3"])
+def test_fsdp_with_vocab_padding_verifies(capsys, src):
+    """FSDP2 / ZeRO-3 of Megatron's padded vocabulary shard (docs/conventions.md)."""
+    argv = ["plan", "--model", "tiny", "--src", src, "--dst", "tp=4", "--vocab-pad-multiple", "8", "--verify"]
+    status, report = run_json(capsys, argv + ["--gpus-per-node", "2"])
+    assert status == 0 and report["verified"] is True and report["mismatched_shards"] == 0
+
+
+def test_hpz_is_refused(capsys):
+    assert main(["plan", "--model", "tiny", "--src", "fsdp=4,fsdp_split=hpz", "--dst", "tp=4"]) == 2
     err = capsys.readouterr().err
-    assert "vocab_pad_multiple=8 with fsdp=4" in err and err.count("\n") == 1
+    assert "hpZ" in err and "fsdp=W,fsdp_split=zero3" in err and err.count("\n") == 1
 
 
 def test_verify_catches_a_broken_execution(capsys, monkeypatch):

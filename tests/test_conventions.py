@@ -123,7 +123,7 @@ def conventional_layouts(draw, d: oracle.Decoder, world: int, unlike: Topology |
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(st.data())
 def test_layouts_hold_the_engines_local_tensors(data):
-    d = data.draw(oracle.decoders(st))
+    d = data.draw(oracle.decoders(st, mlp_bias=True))
     world = data.draw(st.sampled_from([8, 6, 4, 2, 1]))
     assume(oracle.factorisations(d, world))
     layout = data.draw(conventional_layouts(d, world))
@@ -136,13 +136,20 @@ def test_layouts_hold_the_engines_local_tensors(data):
             box = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))
             store.write(s.param, s.offsets, s.sizes, full[s.param][box])
         check_rank(d, full, layout, rank, buffers)
-        if layout.qkv_order == "megatron":  # Megatron's linear_fc1 is the oracle's [gate; up]
-            views = fused_views(layout.at(rank), buffers, convention="megatron")
-            _, tp_rank, pp_rank = layout.topology.coords(rank)
-            for layer in layout.stages[pp_rank]:
-                fc1 = views[f"model.layers.{layer}.mlp.linear_fc1.weight"]
-                assert torch.equal(fc1, oracle.megatron_linear_fc1(full, layer, layout.topology.tp, tp_rank))
-                assert fc1.data_ptr() == views[f"model.layers.{layer}.mlp.gate_proj.weight"].data_ptr()
+        # Megatron's linear_fc1 / vLLM's gate_up_proj (weight, and bias with mlp_bias) are the
+        # oracle's [gate; up], one view of the buffer each
+        convention, fc1_name = (
+            ("megatron", "linear_fc1") if layout.qkv_order == "megatron" else ("vllm", "gate_up_proj")
+        )
+        views = fused_views(layout.at(rank), buffers, convention=convention)
+        _, tp_rank, pp_rank = layout.topology.coords(rank)
+        for layer in layout.stages[pp_rank]:
+            for suffix in ("weight", "bias") if d.mlp_bias else ("weight",):
+                fc1 = views[f"model.layers.{layer}.mlp.{fc1_name}.{suffix}"]
+                want = oracle.megatron_linear_fc1(full, layer, layout.topology.tp, tp_rank, suffix)
+                assert torch.equal(fc1, want), (rank, layer, suffix)
+                assert fc1.data_ptr() == views[f"model.layers.{layer}.mlp.gate_proj.{suffix}"].data_ptr()
+            assert d.mlp_bias == (f"model.layers.{layer}.mlp.{fc1_name}.bias" in views)
     assert pickle.loads(pickle.dumps(layout)) == layout and layout.with_topology(layout.topology) == layout
     assert Layout(spec, layout.topology, **layout.options) == layout
 
@@ -167,7 +174,7 @@ def test_layouts_refuse_exactly_what_the_engines_refuse(d, tp, pad):
 
 @st.composite
 def conventional_reallocations(draw):
-    d = draw(oracle.decoders(st))
+    d = draw(oracle.decoders(st, mlp_bias=True))
     world = draw(st.sampled_from([w for w in (8, 6, 4, 2) if oracle.factorisations(d, w)] or [1]))
     src = draw(conventional_layouts(d, world))
     dst = draw(conventional_layouts(d, world))
@@ -324,13 +331,15 @@ def test_bad_option_names(kwargs, message):
         Layout(GQA.spec(), Topology(tp=2), **kwargs)
 
 
-def test_megatron_qkv_refuses_replicated_kv_heads_and_fsdp():
+def test_megatron_qkv_refuses_replicated_kv_heads():
     spec = oracle.Decoder(hidden=8, intermediate=24, layers=1, heads=8, kv_heads=4, head_dim=2, vocab=64).spec()
     Layout(spec, Topology(tp=8))  # vLLM replicates each kv head on 2 ranks; Megatron-core refuses
     with pytest.raises(ValueError, match="4 query groups .* cannot be split 8 ways"):
         Layout(spec, Topology(tp=8), qkv_order="megatron")
-    with pytest.raises(ValueError, match="qkv_order='megatron' with fsdp=2"):
-        Layout(GQA.spec(), Topology(fsdp=2), qkv_order="megatron")
+    with pytest.raises(ValueError, match="4 query groups .* cannot be split 8 ways"):
+        Layout(spec, Topology(fsdp=2, tp=8), qkv_order="megatron")
+    # with fsdp: Megatron's fused parameters, sharded whole (tests/test_sharded_fused.py)
+    assert Layout(GQA.spec(), Topology(fsdp=2), qkv_order="megatron").fused_sharded
 
 
 def test_options_are_part_of_the_layout_value():
@@ -367,3 +376,35 @@ def test_hf_checkpoint_loads_straight_into_megatron_linear_qkv(tmp_path):
         store = ShardStore(lay.shards(rank), allocate_buffers(lay, rank))
         load_shards(tmp_path, tensors, match_spec(tensors, spec), lay.shards(rank), store)
         check_rank(GQA, full, lay, rank, store.buffers)
+
+
+BIASED = oracle.Decoder(
+    hidden=8, intermediate=12, layers=2, heads=4, kv_heads=2, head_dim=2, vocab=20, qkv_bias=True, mlp_bias=True
+)
+
+
+@pytest.mark.parametrize("topo", ["tp=2", "tp=2,pp=2", "fsdp=2,tp=2"])
+def test_gate_up_biases_sit_after_both_weights_and_fuse(topo):
+    """vLLM's MergedColumnParallelLinear holds gate_up_proj.weight and gate_up_proj.bias, Megatron's
+    linear_fc1 .weight and .bias: a layer's buffer has gate.w, up.w, then gate.b, up.b (HF's forward
+    order gate.w, gate.b, up.w, up.b would leave no fused view of either)."""
+    lay = Layout(BIASED.spec(), Topology.parse(topo))
+    full = oracle.full_tensors(BIASED, seed=2)
+    for rank in range(lay.topology.world_size):
+        pp_rank = lay.topology.coords(rank)[2]
+        layer = lay.stages[pp_rank][0]
+        pre = f"model.layers.{layer}.mlp."
+        slots = [s.slot.removeprefix(pre) for s in lay.shards(rank) if s.slot.startswith(pre)]
+        assert slots == ["gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias"] + [
+            "down_proj.weight",
+            "down_proj.bias",
+        ]
+        if lay.topology.fsdp > 1:
+            continue
+        buffers = filled(BIASED, full, lay, rank)
+        tp_rank = lay.topology.coords(rank)[1]
+        for convention, name in (("vllm", "gate_up_proj"), ("megatron", "linear_fc1")):
+            views = fused_views(lay.at(rank), buffers, convention=convention)
+            for suffix in ("weight", "bias"):
+                want = oracle.megatron_linear_fc1(full, layer, lay.topology.tp, tp_rank, suffix)
+                assert torch.equal(views[f"{pre}{name}.{suffix}"], want), (rank, convention, suffix)

@@ -186,13 +186,23 @@ def stages_of(d: oracle.Decoder, topo: Topology) -> list[list[int]]:
     return oracle.pipeline_stages(d.layers, topo.pp, topo.layer_split, topo.pp_split)
 
 
-def side_masks(d: oracle.Decoder, topo: Topology, workers, pad: int) -> Masks:
-    """Elements each worker holds in ``topo``, from the oracle's slicing of index tensors."""
+def side_masks(d: oracle.Decoder, topo: Topology, workers, pad: int, fused: bool = False) -> Masks:
+    """Elements each worker holds in ``topo``, from the oracle's slicing of index tensors (``fused``:
+    Megatron's fused linear_qkv / linear_fc1 are the sharded parameters)."""
     shapes = {p.name: p.shape for p in oracle.params(d)}
     out: Masks = {}
     for rank in range(topo.world_size):
         held = oracle.held_indices(
-            d, topo.dp, topo.tp, topo.pp, stages_of(d, topo), rank, pad, fsdp=topo.fsdp, split=topo.fsdp_split
+            d,
+            topo.dp,
+            topo.tp,
+            topo.pp,
+            stages_of(d, topo),
+            rank,
+            pad,
+            fsdp=topo.fsdp,
+            split=topo.fsdp_split,
+            fused=fused,
         )
         masks = {}
         for param, idx in held.items():

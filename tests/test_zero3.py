@@ -122,9 +122,13 @@ def test_zero3_pieces_are_deepspeeds_partition(case, world, data):
 # -- layouts against the oracle ----------------------------------------------------------------
 
 
-def oracle_buffers(d: oracle.Decoder, topo: Topology, rank: int, full, pad_value=0) -> dict[str, torch.Tensor]:
+def oracle_buffers(
+    d: oracle.Decoder, topo: Topology, rank: int, full, pad_value=0, pad=1, qkv="hf"
+) -> dict[str, torch.Tensor]:
     """The rank's flat buffer of each dtype by the oracle: its local tensors (ZeRO-3 partitions for a
-    zero3 topology), flattened, one after the other in forward slot order."""
+    zero3 topology), flattened, one after the other in forward slot order (``pad``: the vocabulary
+    padding multiple, Megatron's rule; ``qkv="megatron"``: Megatron's model, fused linear_qkv and
+    linear_fc1)."""
     local = oracle.local_tensors(
         d,
         full,
@@ -133,12 +137,17 @@ def oracle_buffers(d: oracle.Decoder, topo: Topology, rank: int, full, pad_value
         topo.pp,
         stages_of(d, topo),
         rank,
-        1,
+        pad,
         pad_value=pad_value,
         fsdp=topo.fsdp,
         split=topo.fsdp_split,
+        fused=qkv == "megatron",
     )
     dtypes = {slot: p.dtype for slot, p in oracle.stage_slots(d, stages_of(d, topo), topo.coords4(rank)[3])}
+    for slot in local:
+        if slot not in dtypes:  # linear_qkv / linear_fc1: the dtype of their parts
+            layer, part = slot.split(".")[2], "self_attn.q_proj" if "linear_qkv" in slot else "mlp.gate_proj"
+            dtypes[slot] = dtypes[f"model.layers.{layer}.{part}.{slot.rsplit('.', 1)[1]}"]
     out: dict[str, list[torch.Tensor]] = {}
     for slot, t in local.items():
         out.setdefault(dtypes[slot], []).append(t.reshape(-1))
@@ -159,11 +168,11 @@ def zero3_topologies(draw, d: oracle.Decoder, world: int):
     )
 
 
-def check_layout_buffers(d: oracle.Decoder, topo: Topology) -> None:
-    lay = Layout(d.spec(), topo)
+def check_layout_buffers(d: oracle.Decoder, topo: Topology, pad: int = 1, qkv: str = "hf") -> None:
+    lay = Layout(d.spec(), topo, pad, qkv_order=qkv)
     full = oracle.index_tensors(d)
     for rank in range(topo.world_size):
-        want = oracle_buffers(d, topo, rank, full, pad_value=-1)
+        want = oracle_buffers(d, topo, rank, full, pad_value=-1, pad=pad, qkv=qkv)
         assert lay.buffer_numels(rank) == {dt: t.numel() for dt, t in want.items()}
         got = {dt: torch.full((n,), -1, dtype=torch.int64) for dt, n in lay.buffer_numels(rank).items()}
         store = ShardStore(lay.shards(rank), got)
@@ -193,6 +202,10 @@ def check_zero3_reallocation(
     bucket_bytes: int = 4096,
     src_workers=None,
     dst_workers=None,
+    src_pad: int = 1,
+    dst_pad: int = 1,
+    src_qkv: str = "hf",
+    dst_qkv: str = "hf",
 ):
     spec = d.spec()
     src_workers = src_workers or list(range(src.world_size))
@@ -202,13 +215,15 @@ def check_zero3_reallocation(
         if src_workers == list(range(src.world_size)) and dst_workers == list(range(dst.world_size))
         else dict(src_workers=src_workers, dst_workers=dst_workers)
     )
-    plan = plan_reallocation(spec, src, dst, placement, bucket_bytes=bucket_bytes, **kwargs)
+    src_layout = Layout(spec, src, src_pad, qkv_order=src_qkv)
+    dst_layout = Layout(spec, dst, dst_pad, qkv_order=dst_qkv)
+    plan = plan_reallocation(spec, src_layout, dst_layout, placement, bucket_bytes=bucket_bytes, **kwargs)
     full = oracle.full_tensors(d, seed=11)
     index = oracle.index_tensors(d)
-    src_layout, dst_layout = Layout(spec, src), Layout(spec, dst)
     src_stores, dst_stores = {}, {}
     for rank, worker in enumerate(src_workers):
-        values, idx = oracle_buffers(d, src, rank, full), oracle_buffers(d, src, rank, index, pad_value=-1)
+        values = oracle_buffers(d, src, rank, full, pad=src_pad, qkv=src_qkv)
+        idx = oracle_buffers(d, src, rank, index, pad_value=-1, pad=src_pad, qkv=src_qkv)
         buffers = {dt: torch.where(idx[dt] < 0, torch.tensor(POISON, dtype=v.dtype), v) for dt, v in values.items()}
         src_stores[worker] = ShardStore(src_layout.shards(rank), buffers)
     for rank, worker in enumerate(dst_workers):
@@ -220,14 +235,16 @@ def check_zero3_reallocation(
     moved = execute_in_process(plan, src_stores, dst_stores)
     assert moved["bytes_moved"] == plan.stats["bytes_total"]
     for rank, worker in enumerate(dst_workers):
-        want = oracle_buffers(d, dst, rank, full)
+        want = oracle_buffers(d, dst, rank, full, pad=dst_pad, qkv=dst_qkv)
         got = dst_stores[worker].buffers
         assert sorted(got) == sorted(want)
         for dt in want:
             assert torch.equal(got[dt], want[dt]), f"{src} -> {dst}: rank {rank} {dt} buffer differs from the oracle"
     shapes = {p.name: p.shape for p in oracle.params(d)}
     dtypes = {p.name: p.dtype for p in oracle.params(d)}
-    check_plan(plan, shapes, dtypes, placement, side_masks(d, src, src_workers, 1), side_masks(d, dst, dst_workers, 1))
+    hold = side_masks(d, src, src_workers, src_pad, src_qkv == "megatron")
+    need = side_masks(d, dst, dst_workers, dst_pad, dst_qkv == "megatron")
+    check_plan(plan, shapes, dtypes, placement, hold, need)
     return plan
 
 
@@ -350,8 +367,7 @@ def test_fsdp_split_option_parses_prints_and_compares():
             Topology(fsdp=2, fsdp_split=bad)
     with pytest.raises(ValueError, match="fsdp_split"):
         Topology.parse("fsdp=2,fsdp_split=deepspeed")
-    with pytest.raises(ValueError, match="vocab_pad_multiple"):
-        Layout(spec, t, 2)
+    assert Layout(spec, t, 2) != Layout(spec, t)  # vocabulary padding: tests/test_sharded_padding.py
 
 
 @settings(max_examples=60, deadline=None)
@@ -468,3 +484,19 @@ def test_realloc_plan_verify_from_and_to_zero3(capsys):
         assert main(["plan", "--verify", "--model", "tiny", "--src", src, "--dst", dst, "--gpus-per-node", "2"]) == 0
         out = capsys.readouterr().out
         assert "verified                yes" in out and "fsdp_split=zero3" in out
+
+
+@pytest.mark.parametrize("name", ["hpz", "zero3_hpz", "HPZ", "zero++"])
+def test_hpz_is_refused_with_what_it_pads_and_what_is_allowed(name):
+    """ZeRO++ hpZ's secondary partition pads numel to the whole world W and gives ceil(n/W)*W/g
+    elements per rank of a group of g (DeepSpeed's Init._partition_param_sec): not dp x fsdp."""
+    for make in (lambda: Topology(fsdp=8, fsdp_split=name), lambda: Topology.parse(f"fsdp=8,fsdp_split={name}")):
+        with pytest.raises(
+            ValueError, match=r"hpZ.*fsdp=W,fsdp_split=zero3.*multiple of W.*Allowed fsdp_split: fsdp2, zero3"
+        ):
+            make()
+
+
+def test_mics_is_refused():
+    with pytest.raises(ValueError, match="MiCS was removed.*allowed fsdp_split: fsdp2, zero3"):
+        Topology.parse("dp=2,fsdp=4,fsdp_split=mics")

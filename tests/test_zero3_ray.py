@@ -33,3 +33,26 @@ def test_zero3_group_reallocates_to_tp_and_back(cluster):
             assert rank_shapes["model.norm.weight"] == (zero3_partition(norm.numel, 4, 0)[2],)
     finally:
         group.shutdown()
+
+
+def test_megatron_fused_padded_sharded_groups_reallocate(cluster):
+    """Megatron's model under FSDP2 and ZeRO-3 (qkv_order="megatron": fused linear_qkv/linear_fc1
+    sharded whole) with a padded vocabulary, to tp/dp and back, every element checked;
+    ``ctx.tensors`` hold the fused chunks / partitions."""
+    from realloc import Layout
+
+    spec = ModelSpec.preset("tiny")
+    fsdp2 = Layout(spec, Topology(fsdp=4), 8, qkv_order="megatron")
+    zero3 = Layout(spec, Topology(fsdp=4, fsdp_split="zero3"), 8, qkv_order="megatron")
+    group = ModelGroup.create(spec, fsdp2, name="fused")
+    try:
+        group.init_synthetic(seed=5)
+        assert not any(group.verify_synthetic(seed=5).values())
+        for dst in (Layout(spec, Topology(dp=2, tp=2)), zero3, fsdp2, Layout(spec, Topology(fsdp=4)), zero3):
+            group.reallocate(dst)
+            assert not any(group.verify_synthetic(seed=5).values()), dst
+        names = group.run(lambda ctx: sorted(ctx.tensors))
+        assert all("model.layers.0.self_attention.linear_qkv.weight" in n for n in names)
+        assert not any("model.layers.0.self_attn.q_proj.weight" in n for n in names)
+    finally:
+        group.shutdown()

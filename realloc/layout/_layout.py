@@ -11,15 +11,18 @@ Ranks of different dp replicas hold identical shards, so shards are computed onc
 
 Sharded data parallelism (``Topology.fsdp > 1``, FSDP2 / HSDP): a parameter's box on a rank is
 its tp box further cut along dim 0 as ``torch.chunk(tp_local, fsdp, dim=0)`` does: chunks of
-``ceil(n / fsdp)`` rows (``n`` the tp box's rows), fsdp rank ``i`` holding rows
-``[i*c, min((i+1)*c, n))`` of the tp box. The local tensor of such a shard is exactly its box (no
-vocabulary padding: ``vocab_pad_multiple > 1`` with ``fsdp > 1`` is refused). A rank whose chunk
-is empty (the last fsdp ranks when ``n < fsdp`` or chunks do not fill them) has **no shard** of
-that parameter in its table at all (FSDP2 keeps a zero-size local tensor there). With
-``fsdp == 1`` nothing changes. See docs/conventions.md, "Sharded data parallelism (FSDP2/HSDP)".
-With ``Topology.fsdp_split == "zero3"`` the tp box is instead flattened and cut as DeepSpeed
-ZeRO-3 does (:func:`realloc.layout.zero3.zero3_pieces`): a rank holds up to three shards of a 2-D
-parameter, consecutive in its buffer, the last padded (or one padding-only shard of empty box).
+``ceil(n / fsdp)`` rows, fsdp rank ``i`` holding rows ``[i*c, min((i+1)*c, n))`` of the tp-local
+tensor; ``n`` counts the vocabulary padding rows when ``vocab_pad_multiple > 1`` (Megatron's padded
+shard, padding rows local zeros of the chunk), else only the real rows. A rank whose chunk is empty
+(the last fsdp ranks when ``n < fsdp`` or chunks do not fill them) has **no shard** of that
+parameter in its table at all (FSDP2 keeps a zero-size local tensor there). With ``fsdp == 1``
+nothing changes. See docs/conventions.md, "Sharded data parallelism (FSDP2/HSDP)". With
+``Topology.fsdp_split == "zero3"`` the padded tp-local tensor is instead flattened and cut as
+DeepSpeed ZeRO-3 does (:func:`realloc.layout.zero3.zero3_parts_pieces`): a rank holds up to three
+shards of a 2-D parameter, consecutive in its buffer, the last padded (or one padding-only shard of
+empty box). Both cuts: :mod:`realloc.layout.sharded`. Under ``qkv_order="megatron"`` the engine is
+Megatron's model, whose fused ``linear_qkv`` / ``linear_fc1`` are ONE parameter each: the fsdp ranks
+cut those whole (:func:`realloc.layout.sharded.engine_params`, ``Layout.fused_sharded``).
 
 Expert parallelism (``Topology.ep > 1`` or ``etp != tp``; docs/conventions.md, "Expert
 parallelism"): the dense parameters are laid out as above, by ``(tp_rank, pp_rank)``; a routed
@@ -43,11 +46,11 @@ import numpy as np
 
 from realloc._checks import check_positive
 from realloc.boxes import Box
-from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_expert_order
+from realloc.layout.conventions import check_options, fused_mlp_order, megatron_qkv_order, vllm_expert_order
 from realloc.layout.formats import check_block_layout
 from realloc.layout.holdings import Group, PieceTable
+from realloc.layout.sharded import engine_params, sharded_pieces
 from realloc.layout.topology import Topology
-from realloc.layout.zero3 import zero3_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.spec.formats import formatted
 
@@ -143,12 +146,6 @@ class Layout:
         check_block_layout(spec, topology, qkv_order, expert_order)
         topology.check(spec)
         check_options(spec, topology, vocab_pad_multiple, vocab_pad_rule, qkv_order, expert_order)
-        if topology.fsdp > 1 and vocab_pad_multiple > 1:
-            raise ValueError(
-                f"vocab_pad_multiple={vocab_pad_multiple} with fsdp={topology.fsdp}: FSDP/ZeRO-3 "
-                "shards hold exactly their part of the tp box, without vocabulary padding; "
-                "use vocab_pad_multiple=1"
-            )
         self.spec = spec
         self.topology = topology
         self.vocab_pad_multiple = vocab_pad_multiple
@@ -160,6 +157,20 @@ class Layout:
         self._stage_cache: dict[int, tuple] = {}
         self._box_cache: dict[tuple, tuple] = {}
         self._rank_cache: dict[tuple[int, int, int, int], tuple[tuple[Shard, ...], dict[str, int]]] = {}
+
+    @property
+    def sharded_padding(self) -> bool:
+        """Whether the fsdp ranks cut the *padded* tp-local tensor (vocabulary padding rows part of
+        the sharded parameter): always under ZeRO-3 (DeepSpeed flattens Megatron's padded local
+        tensor), under FSDP2 when ``vocab_pad_multiple > 1`` (Megatron's padded vocabulary);
+        FSDP2 with ``vocab_pad_multiple=1`` chunks the real rows (a DTensor's local tensor)."""
+        return self.topology.fsdp_split == "zero3" or self.vocab_pad_multiple > 1
+
+    @property
+    def fused_sharded(self) -> bool:
+        """Whether the fsdp ranks cut Megatron's fused ``linear_qkv`` / ``linear_fc1`` parameters
+        (``qkv_order="megatron"`` with ``fsdp > 1``) rather than q/k/v/gate/up one by one."""
+        return self.topology.fsdp > 1 and self.qkv_order == "megatron"
 
     # -- value semantics -------------------------------------------------------------------
     @property
@@ -300,6 +311,7 @@ class Layout:
 
     def _ordered(self, entries: list[tuple]) -> list[tuple]:
         """Entries in forward order -> in the buffer order of the engine conventions."""
+        entries = fused_mlp_order(entries)  # gate/up biases after both weights (conventions)
         if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.layout.conventions)
             entries = megatron_qkv_order(entries, self.topology.tp)
         if self.expert_order == "vllm":  # vLLM's w13_weight / w2_weight per layer
@@ -335,30 +347,18 @@ class Layout:
     @cached_property
     def _coordinate_shards(self) -> dict[tuple[int, int, int], tuple[tuple[Shard, ...], dict[str, int]]]:
         """``(fsdp_rank, tp_rank, pp_rank)`` -> (shards, elements per dtype buffer)."""
-        fsdp = self.topology.fsdp
-        zero3 = fsdp > 1 and self.topology.fsdp_split == "zero3"
+        t = self.topology
+        padded = self.sharded_padding  # does the sharded-DP engine see the padded local tensor?
         result = {}
-        for pp_rank in range(self.topology.pp):
-            for tp_rank in range(self.topology.tp):
+        for pp_rank in range(t.pp):
+            for tp_rank in range(t.tp):
                 tp_boxes = self._tp_boxes(tp_rank, pp_rank)
-                for fsdp_rank in range(fsdp):
+                for fsdp_rank in range(t.fsdp):
                     fill: dict[str, int] = {}
                     shards = []
-                    for p, name, slot, offsets, sizes, local in tp_boxes:
-                        pieces = [((offsets, sizes), local)]
-                        if zero3:  # flat partitions: a few consecutive boxes, padding in the last
-                            pieces = zero3_pieces(tuple(offsets), tuple(sizes), fsdp, fsdp_rank)
-                        elif fsdp > 1:
-                            rows = sizes[0]
-                            chunk = -(-rows // fsdp)
-                            first = min(fsdp_rank * chunk, rows)
-                            held = min(first + chunk, rows) - first
-                            if held <= 0:
-                                continue  # an empty FSDP chunk: no shard on this rank
-                            offsets = [offsets[0] + first] + offsets[1:]
-                            sizes = local = [held] + sizes[1:]
-                            pieces = [((offsets, sizes), local)]
-                        for (offsets, sizes), local in pieces:
+                    for unit in engine_params(tp_boxes, self.fused_sharded):  # realloc.layout.sharded
+                        pieces = unit if t.fsdp == 1 else sharded_pieces(unit, t.fsdp_split, t.fsdp, fsdp_rank, padded)
+                        for p, name, slot, offsets, sizes, local in pieces:
                             at = fill.get(p.dtype, 0)
                             shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
                             fill[p.dtype] = at + shard.local_numel
@@ -508,7 +508,7 @@ class Layout:
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
         t = self.topology
-        if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
+        if t.fsdp > 1 and (t.fsdp_split != "fsdp2" or self.fused_sharded):  # from the shard table
             return PieceTable.of_groups(self.groups(workers))
         if t.expert_parallel:
             return self._expert_piece_table(workers)
@@ -524,7 +524,7 @@ class Layout:
             for tp_rank in range(t.tp):
                 base = len(groups)
                 groups += [tuple(workers[r] for r in t.replica_ranks(tp_rank, pp_rank, f)) for f in range(t.fsdp)]
-                for _, name, _, offsets, sizes, _ in self._tp_boxes(tp_rank, pp_rank):
+                for _, name, _, offsets, sizes, local in self._tp_boxes(tp_rank, pp_rank):
                     if not all(sizes):
                         continue
                     if t.fsdp == 1:
@@ -533,10 +533,12 @@ class Layout:
                         entry[1].append(offsets)
                         entry[2].append(sizes)
                         continue
-                    # torch.chunk along dim 0, as _coordinate_shards cuts each rank's shard
-                    n, chunk = sizes[0], -(-sizes[0] // t.fsdp)
+                    # torch.chunk along dim 0 (of the padded rows if sharded_padding), as
+                    # realloc.layout.sharded.fsdp2_parts_pieces cuts each rank's shard
+                    n = sizes[0]
+                    chunk = -(-(local[0] if self.sharded_padding else n) // t.fsdp)
                     first = np.minimum(ranks * chunk, n)
-                    held = np.minimum(first + chunk, n) - first
+                    held = np.minimum(ranks * chunk + chunk, n) - first
                     keep = np.flatnonzero(held > 0)
                     off = np.tile(np.array(offsets, dtype=np.int64), (keep.size, 1))
                     siz = np.tile(np.array(sizes, dtype=np.int64), (keep.size, 1))

@@ -34,7 +34,11 @@ it): how the vocabulary-parallel embedding and lm head are padded and split over
   weight region (and the bias region, when there are q/k/v biases) is exactly the local
   ``linear_qkv`` tensor of shape ``[local_groups * (q_per_group + 2) * head_dim, hidden]``.
   Megatron needs ``num_query_groups`` divisible by tp (``divide`` in ``Attention.__init__``): kv
-  heads are never replicated there, so ``tp > kv_heads`` is refused. Not combined with fsdp.
+  heads are never replicated there, so ``tp > kv_heads`` is refused. With ``fsdp > 1`` it means
+  Megatron's *model* under sharded data parallelism (Megatron-FSDP, Megatron-DeepSpeed): the
+  engine parameters are the fused ``linear_qkv`` and ``linear_fc1`` (gate; up) tensors, so FSDP2
+  chunks and ZeRO-3 partitions are of those (:mod:`realloc.layout.sharded`); with
+  ``qkv_order="hf"`` (HF-named FSDP models) q, k, v, gate and up are sharded one by one.
 
 ``expert_order`` (:data:`EXPERT_ORDERS`): how a rank's routed-expert shards of a layer sit in its
 buffer (docs/conventions.md, "Expert parallelism").
@@ -52,7 +56,11 @@ buffer (docs/conventions.md, "Expert parallelism").
 
 The MLP needs no option: Megatron's ``linear_fc1`` with ``gated_linear_unit`` holds
 ``[gate; up]`` of the rank (``glu`` in megatron/core/transformer/mlp.py chunks the local output in
-two), which is also vLLM's ``gate_up_proj``: gate and up are adjacent in every layout.
+two), which is also vLLM's ``gate_up_proj``: gate and up are adjacent in every layout. With MLP
+biases (``mlp_bias``) both engines hold one fused bias too (vLLM's ``MergedColumnParallelLinear``
+``gate_up_proj.bias``, Megatron's ``linear_fc1.bias``), so every layout places a layer's
+``gate_proj.weight, up_proj.weight`` and then ``gate_proj.bias, up_proj.bias``
+(:func:`fused_mlp_order`), not the HF forward order ``gate.weight, gate.bias, up.weight, up.bias``.
 """
 
 from __future__ import annotations
@@ -97,11 +105,6 @@ def check_options(
             vocab_units_per_rank(p.units, tp, vocab_pad_multiple, vocab_pad_rule, p.name)
     if qkv_order == "hf":
         return
-    if topology.fsdp > 1:
-        raise ValueError(
-            f"qkv_order='megatron' with fsdp={topology.fsdp}: Megatron's linear_qkv order is a "
-            "tensor-parallel layout without FSDP; use qkv_order='hf'"
-        )
     for q, k, v in qkv_triples(spec):
         _megatron_groups(q, k, v, tp)
 
@@ -175,6 +178,37 @@ def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
                 out.append((e[0], e[1], e[2], offsets, sizes, list(sizes)))
         done.update(e[2] for e in trio)
     return out
+
+
+_GATE_UP = re.compile(r"^(?P<prefix>.*)\.(?P<part>gate_proj|up_proj)\.(?P<suffix>weight|bias)$")
+
+
+def fused_mlp_order(entries: list[tuple]) -> list[tuple]:
+    """A stage's entries (``(param_spec, name, slot, ...)``, forward order) with every
+    ``gate_proj.bias`` moved to just after its ``up_proj.weight``: the weights ``[gate; up]`` and the
+    biases ``[gate; up]`` adjacent, as vLLM's ``gate_up_proj.weight`` / ``.bias`` and Megatron's
+    ``linear_fc1.weight`` / ``.bias`` (a gate bias without an up weight after it stays in place).
+
+    Example:
+        >>> e = [(None, n, n) for n in ("m.gate_proj.weight", "m.gate_proj.bias", "m.up_proj.weight", "m.up_proj.bias")]
+        >>> [x[2] for x in fused_mlp_order(e)]
+        ['m.gate_proj.weight', 'm.up_proj.weight', 'm.gate_proj.bias', 'm.up_proj.bias']
+    """
+    ups = {
+        m["prefix"]
+        for e in entries
+        if (m := _GATE_UP.match(e[2])) and m["part"] == "up_proj" and m["suffix"] == "weight"
+    }
+    out, held = [], {}
+    for entry in entries:
+        m = _GATE_UP.match(entry[2])
+        if m and m["part"] == "gate_proj" and m["suffix"] == "bias" and m["prefix"] in ups:
+            held.setdefault(m["prefix"], []).append(entry)
+            continue
+        out.append(entry)
+        if m and m["part"] == "up_proj" and m["suffix"] == "weight":
+            out += held.pop(m["prefix"], [])
+    return out + [e for rest in held.values() for e in rest]
 
 
 def expert_projection(p: "ParamSpec") -> int:

@@ -19,6 +19,7 @@ With ``fsdp == 1`` this is the order above. :meth:`Topology.coords` keeps return
 ``Topology.fsdp_split`` names how the fsdp ranks cut a tp shard (:data:`FSDP_SPLIT_RULES`):
 ``"fsdp2"`` (default, FSDP2's ``torch.chunk`` rows) or ``"zero3"`` (DeepSpeed ZeRO-3's flat,
 padded partitions; realloc/layout/zero3.py). With ``fsdp == 1`` both are the same and it reads ``"fsdp2"``.
+ZeRO++ hpZ and MiCS are refused with their reasons (:data:`NOT_FSDP_SPLITS`; docs/conventions.md).
 
 Which transformer layers a pipeline stage holds must be what the engine holding the weights
 builds, or the shards are the wrong layers. ``Topology.layer_split`` gives the counts per stage
@@ -70,6 +71,21 @@ DEFAULT_PP_SPLIT = PP_SPLIT_RULES[0]
 #: Names ``Topology.fsdp_split`` accepts (how fsdp ranks cut a tp shard); the first is the default.
 FSDP_SPLIT_RULES = ("fsdp2", "zero3")
 DEFAULT_FSDP_SPLIT = FSDP_SPLIT_RULES[0]
+_HPZ = (
+    "fsdp_split={name!r}: DeepSpeed ZeRO++ hpZ (zero_hpz_partition_size=g) is not a layout here. Its "
+    "primary partitions (param.ds_tensor) are ZeRO-3's over the whole data-parallel world W: use "
+    "fsdp=W,fsdp_split=zero3. Its secondary copy (ds_secondary_tensor, Init._partition_param_sec in "
+    "deepspeed/runtime/zero/partition_parameters.py) pads numel to a multiple of W and gives each rank "
+    "of a group of g ceil(numel / W) * W / g elements, which is not ZeRO-3 over g ranks replicated "
+    "W / g times (dp=W/g,fsdp=g,fsdp_split=zero3 has ceil(numel / g)) unless W divides numel; it is "
+    "rebuilt from the primary partitions. Allowed fsdp_split: " + ", ".join(FSDP_SPLIT_RULES)
+)
+#: Sharded-DP variants that are refused with their own reason (lower-case names).
+NOT_FSDP_SPLITS = {name: _HPZ.format(name=name) for name in ("hpz", "zero3_hpz", "zero++", "zeropp", "zero_hpz")} | {
+    name: f"fsdp_split={name!r}: MiCS was removed from DeepSpeed (0.19); allowed fsdp_split: "
+    + ", ".join(FSDP_SPLIT_RULES)
+    for name in ("mics", "zero3_mics")
+}
 
 _PART = re.compile(r"^\s*([A-Za-z_]+)\s*=\s*(\S*)\s*$")
 _INT = re.compile(r"^-?\d+$")
@@ -201,6 +217,8 @@ class Topology:
             if any(not is_int(n) or n < 1 for n in split):
                 raise ValueError(f"layer_split {split}: every stage needs at least one layer")
         _check_rule(self.pp_split)
+        if isinstance(self.fsdp_split, str) and self.fsdp_split.lower() in NOT_FSDP_SPLITS:
+            raise ValueError(NOT_FSDP_SPLITS[self.fsdp_split.lower()])
         _check_rule(self.fsdp_split, "fsdp_split", FSDP_SPLIT_RULES)
         if self.fsdp == 1:  # one fsdp rank holds its whole tp shard under every rule
             object.__setattr__(self, "fsdp_split", DEFAULT_FSDP_SPLIT)

@@ -13,7 +13,8 @@ ranks by flattening it (``param.contiguous().view(-1)``) and cutting the flat te
   ``numel`` (the last holding rank's padding, and all of it on ranks past the end) is never part
   of the parameter. DeepSpeed leaves it uninitialised (``torch.empty``); here it is zero.
 * With Megatron tensor parallelism (``Init(mpu=...)``: the partition group is the data-parallel
-  group) the parameter is the tp-local tensor, so the flat tensor is the tp shard's.
+  group) the parameter is the tp-local tensor as Megatron allocates it, so the flat tensor is the
+  tp shard's, vocabulary padding rows included (``[P / tp, hidden]``; :func:`zero3_parts_pieces`).
 
 A layout with ``Topology(fsdp_split="zero3")`` holds a rank's flat range of a tp box as the few
 boxes :func:`flat_range_boxes` cuts it into, consecutive in the rank's buffer, so the buffer
@@ -28,7 +29,7 @@ import math
 
 from realloc.boxes import Box
 
-__all__ = ["flat_range_boxes", "zero3_partition", "zero3_pieces"]
+__all__ = ["check_parts", "flat_range_boxes", "zero3_partition", "zero3_parts_pieces", "zero3_pieces"]
 
 
 def flat_range_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], start: int, stop: int) -> list[Box]:
@@ -110,7 +111,7 @@ def zero3_pieces(
     innermost rows, its last innermost row becomes a piece of its own (at most ``2 * ndim - 1``
     pieces still). A rank past the end holds one padding-only piece: the box origin with every
     size 0, local shape ``(1, ..., 1, partition_size)``. A partition size of 0 (an empty box)
-    gives no piece.
+    gives no piece. (:func:`zero3_parts_pieces` with one part that is its box.)
 
     Example:
         >>> zero3_pieces((0, 0), (2, 3), 4, 1)  # partition size 2: elements 2, 3
@@ -122,14 +123,78 @@ def zero3_pieces(
         >>> zero3_pieces((4,), (3,), 2, 1)
         [(((6,), (1,)), (2,))]
     """
-    offsets, sizes = tuple(offsets), tuple(sizes)
-    start, stop, size = zero3_partition(math.prod(sizes), world, rank)
-    pad = size - (stop - start)
-    boxes = flat_range_boxes(offsets, sizes, start, stop)
+    return [(box, local) for _, box, local in zero3_parts_pieces([(offsets, sizes, sizes)], world, rank)]
+
+
+def check_parts(parts: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]], where: str = "") -> None:
+    """``ValueError`` unless ``parts`` can be one engine parameter concatenated along dim 0: each
+    ``(offsets, sizes, local_shape)`` with the box at the origin of its local tensor, padding only
+    as trailing rows of dim 0 (``local_shape[1:] == sizes[1:]``), all with the same trailing dims."""
+    for offsets, sizes, local in parts:
+        if not (len(offsets) == len(sizes) == len(local) >= 1) or local[1:] != sizes[1:] or local[0] < sizes[0]:
+            raise ValueError(
+                f"{where or 'a part'}: box sizes {tuple(sizes)} in local shape {tuple(local)}: a sharded-DP "
+                "parameter's parts may be padded only by trailing rows of dim 0"
+            )
+    if len({tuple(local[1:]) for _, _, local in parts}) > 1:
+        raise ValueError(f"{where or 'parts'}: trailing dims differ, they are not one tensor along dim 0")
+
+
+def zero3_parts_pieces(
+    parts: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]], world: int, rank: int
+) -> list[tuple[int, Box, tuple[int, ...]]]:
+    """ZeRO-3 rank ``rank``'s flat partition of ONE engine parameter made of ``parts``, as
+    ``(part index, box, local_shape)`` pieces to lie consecutively in a buffer.
+
+    The parameter DeepSpeed flattens is the concatenation along dim 0 of the parts' local tensors
+    (:func:`check_parts`): each ``(offsets, sizes, local_shape)`` is a box of a global tensor at the
+    origin of a local tensor that may have trailing padding rows (Megatron's padded vocabulary
+    shard: ``[P / tp, hidden]``), and several parts are a fused tensor (Megatron's ``linear_qkv``:
+    per query group q, k, v boxes). Its ``numel`` counts the padding rows, so they are flattened
+    and partitioned like real elements (never sent; zero here). The rank's range
+    ``[rank * size, (rank + 1) * size)``, ``size = ceil(numel / world)``, is cut part by part into
+    :func:`flat_range_boxes`; each run of padding (a part's padding rows, the partition's tail)
+    extends the piece before it as :func:`zero3_pieces` describes, or is a padding-only piece (size-0
+    box at its part's origin, local ``(1, ..., 1, n)``) when no real element of that part precedes
+    it in the range.
+
+    Example:
+        >>> zero3_parts_pieces([((0, 0), (2, 2), (2, 2)), ((4, 0), (1, 2), (1, 2))], 2, 1)  # fused rows
+        [(0, ((1, 1), (1, 1)), (1, 1)), (1, ((4, 0), (1, 2)), (1, 2))]
+        >>> zero3_parts_pieces([((6, 0), (1, 2), (3, 2))], 2, 1)  # 1 real row in 3: padding only
+        [(0, ((6, 0), (0, 0)), (1, 3))]
+    """
+    check_parts(parts, "zero3")
+    totals = [math.prod(local) for _, _, local in parts]
+    size = zero3_partition(sum(totals), world, rank)[2]  # (ValueError for a rank outside the world)
+    start, stop = rank * size, (rank + 1) * size  # the tail past numel is padding of the last part
+    if size == 0:
+        return []
+    out: list[tuple[int, Box, tuple[int, ...]]] = []
+    base = 0
+    for i, ((offsets, sizes, _), total) in enumerate(zip(parts, totals)):
+        if i == len(parts) - 1:
+            total += world * size - sum(totals)
+        lo, hi = max(start, base), min(stop, base + total)
+        if lo < hi:
+            real = math.prod(sizes)
+            r_lo, r_hi = lo - base, min(hi - base, real)
+            boxes = flat_range_boxes(tuple(offsets), tuple(sizes), r_lo, r_hi) if r_lo < r_hi else []
+            pad = hi - base - max(r_lo, real)
+            out += [(i, box, local) for box, local in _padded(tuple(offsets), tuple(sizes), boxes, max(pad, 0))]
+        base += total
+    return out
+
+
+def _padded(
+    offsets: tuple[int, ...], sizes: tuple[int, ...], boxes: list[Box], pad: int
+) -> list[tuple[Box, tuple[int, ...]]]:
+    """``boxes`` (a flat run of a box) followed by ``pad`` padding elements, as ``(box, local)``:
+    the padding extends the last innermost row of the last box, or is a padding-only piece."""
     if not pad:
         return [(b, b[1]) for b in boxes]
     if not boxes:
-        return [((offsets, (0,) * len(sizes)), (1,) * (len(sizes) - 1) + (size,))]
+        return [((offsets, (0,) * len(sizes)), (1,) * (len(sizes) - 1) + (pad,))]
     last_offsets, last_sizes = boxes.pop()
     row = last_sizes[-1]
     if any(n > 1 for n in last_sizes[:-1]):  # keep all but its last innermost row as they are

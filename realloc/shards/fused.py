@@ -15,9 +15,10 @@ Per layer ``N`` of the rank, zero-copy, next to the rank's :func:`~realloc.shard
     view of the buffer, which exists when the layout was built with ``qkv_order="megatron"``
     (:mod:`realloc.layout.conventions`), or when the rank holds a single query group (then it is
     ``[q; k; v]`` in any order).
-  * ``model.layers.N.mlp.linear_fc1.weight``: ``linear_fc1`` with ``gated_linear_unit``
-    (megatron/core/transformer/mlp.py: ``glu`` chunks the local output into gate and up):
-    ``[gate; up]`` of the rank, adjacent in every layout (vLLM's ``gate_up_proj`` is the same rows).
+  * ``model.layers.N.mlp.linear_fc1.weight`` (and ``.bias`` with MLP biases): ``linear_fc1`` with
+    ``gated_linear_unit`` (megatron/core/transformer/mlp.py: ``glu`` chunks the local output into
+    gate and up): ``[gate; up]`` of the rank, adjacent in every layout (vLLM's ``gate_up_proj`` is
+    the same rows; the biases sit after both weights, :func:`realloc.layout.conventions.fused_mlp_order`).
 
 Each fused tensor is one :func:`~realloc.shards.views.fused_view` of the buffer: nothing is copied,
 and a layout whose shards are not in that order gives a ``ValueError``.
@@ -43,7 +44,9 @@ import torch
 from realloc._checks import check_choice
 from realloc.layout import RankLayout
 from realloc.layout.conventions import expert_projection, megatron_qkv_order, qkv_triples
-from realloc.shards.views import fused_view, shard_views
+from realloc.layout.sharded import megatron_fused_name
+from realloc.shards.store import TORCH_DTYPES
+from realloc.shards.views import flat_spans, fused_view, shard_views
 
 __all__ = ["FUSED_CONVENTIONS", "FUSED_PARTS", "fused_views", "megatron_fused_views"]
 
@@ -53,6 +56,7 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),  # mlp_bias: MergedColumnParallelLinear's
 }
 #: Names ``fused_views(convention=...)`` accepts; the first is the default.
 FUSED_CONVENTIONS = ("vllm", "megatron")
@@ -77,7 +81,8 @@ def fused_views(
       ``tp_rank // (tp // kv_heads)``, replicated on ``tp / kv_heads`` ranks. Those are exactly
       the column-parallel shards of the layout (:func:`realloc.spec.decoder_spec`).
     * ``model.layers.N.mlp.gate_up_proj.weight`` = ``[gate; up]``: vLLM's
-      ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard.
+      ``MergedColumnParallelLinear`` holds the rank's gate shard then its up shard; with MLP
+      biases ``...gate_up_proj.bias`` = ``[gate bias; up bias]`` likewise.
 
     * ``model.layers.N.mlp.experts.w13_weight`` ``[local_experts, 2 * inter / etp, hidden]`` and
       ``...experts.w2_weight`` ``[local_experts, hidden, inter / etp]`` (Mixtral:
@@ -99,6 +104,11 @@ def fused_views(
     check_choice("convention", convention, FUSED_CONVENTIONS)
     if convention == "megatron":
         return megatron_fused_views(rank_layout, buffers, padding=padding)
+    if rank_layout.layout.fused_sharded:
+        raise ValueError(
+            f"{rank_layout}: the fsdp ranks hold chunks of Megatron's fused linear_qkv / linear_fc1 "
+            "(qkv_order='megatron' with fsdp), not vLLM's qkv_proj / gate_up_proj; use convention='megatron'"
+        )
     views = shard_views(rank_layout, buffers, padding=padding)
     by_slot = {s.slot: s for s in rank_layout.shards()}
     several = sorted(slot for slot, n in Counter(s.slot for s in rank_layout.shards()).items() if n > 1)
@@ -151,6 +161,29 @@ def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tens
     return views
 
 
+def _sharded_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FSDP2's local chunks of Megatron's fused ``linear_qkv`` / ``linear_fc1`` parameters of a
+    ``qkv_order="megatron"`` layout with fsdp (``Layout.fused_sharded``): per fused parameter of the
+    stage, ONE view of the rank's consecutive shards of it, ``[chunk rows, trailing dims]``, or FSDP2's
+    empty local tensor (0 rows) where its chunk is empty."""
+    layout = rank_layout.layout
+    spans = flat_spans(rank_layout)
+    device = next((b.device for b in buffers.values()), torch.device("cpu"))
+    views: dict[str, torch.Tensor] = {}
+    for storage, slot in layout.stage_slots(layout.topology.coords(rank_layout.rank)[2]):
+        name = megatron_fused_name(slot)
+        if name is None or name in views:
+            continue
+        p = layout.spec.by_name[storage]
+        trailing = tuple(p.shape[1:])
+        if name in spans:
+            dtype, start, stop = spans[name]
+            views[name] = buffers[dtype][start:stop].view((-1,) + trailing)
+        else:
+            views[name] = torch.empty((0,) + trailing, dtype=TORCH_DTYPES[p.dtype], device=device)
+    return views
+
+
 def megatron_fused_views(
     rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *, padding: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -158,6 +191,8 @@ def megatron_fused_views(
     views of every layer the rank holds."""
     views = shard_views(rank_layout, buffers, padding=padding)
     layout = rank_layout.layout
+    if layout.fused_sharded:
+        return views | _sharded_fused_views(rank_layout, buffers)
     spec, tp = layout.spec, layout.topology.tp
     _, _, tp_rank, pp_rank = layout.topology.coords4(rank_layout.rank)
     held = rank_layout.shards()
@@ -184,15 +219,16 @@ def megatron_fused_views(
             )
         views[name] = fused_view(name, shards, buffers, rank_layout)
     for layer in layout.stages[pp_rank]:
-        prefix = f"model.layers.{layer}.mlp."
-        parts = [by_slot.get(prefix + part, []) for part in ("gate_proj.weight", "up_proj.weight")]
-        if not any(parts):
-            continue
-        name = prefix + "linear_fc1.weight"
-        if [len(p) for p in parts] != [1, 1]:
-            raise ValueError(
-                f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
-                f"{len(parts[1])} up shards, one of each is needed"
-            )
-        views[name] = fused_view(name, [parts[0][0], parts[1][0]], buffers, rank_layout)
+        for suffix in ("weight", "bias"):  # linear_fc1.bias with mlp_bias
+            prefix = f"model.layers.{layer}.mlp."
+            parts = [by_slot.get(f"{prefix}{part}.{suffix}", []) for part in ("gate_proj", "up_proj")]
+            if not any(parts):
+                continue
+            name = f"{prefix}linear_fc1.{suffix}"
+            if [len(p) for p in parts] != [1, 1]:
+                raise ValueError(
+                    f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
+                    f"{len(parts[1])} up shards, one of each is needed"
+                )
+            views[name] = fused_view(name, [parts[0][0], parts[1][0]], buffers, rank_layout)
     return views

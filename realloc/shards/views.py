@@ -21,9 +21,10 @@ from typing import Mapping
 import torch
 
 from realloc.layout import RankLayout, Shard
+from realloc.layout.sharded import megatron_fused_name
 from realloc.shards.store import TORCH_DTYPES, local_tensor
 
-__all__ = ["check_buffers", "flat_views", "fused_view", "shard_views"]
+__all__ = ["check_buffers", "flat_spans", "flat_views", "fused_view", "shard_views"]
 
 
 def check_buffers(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -63,7 +64,9 @@ def shard_views(
 
     A slot held as several shards (q/k/v under ``Layout(qkv_order="megatron")``: one per query
     group) is no single tensor and has no view here; ``fused_views(..., convention="megatron")``
-    gives the ``linear_qkv`` tensor they make up.
+    gives the ``linear_qkv`` tensor they make up. Under ``qkv_order="megatron"`` with fsdp the
+    engine parameters are Megatron's fused ``linear_qkv`` / ``linear_fc1`` chunks, so q/k/v/gate/up
+    have no view here at all (``fused_views(..., convention="megatron")`` gives the chunks).
 
     Sharded data parallelism (FSDP2): a slot whose chunk is empty on this rank (no shard in the
     layout) gets an empty tensor of FSDP2's shape there, 0 rows and the tp box's other dims, so a
@@ -83,8 +86,9 @@ def shard_views(
         )
     views = {}
     pieces = Counter(s.slot for s in rank_layout.shards())
+    fused = rank_layout.layout.fused_sharded  # parts of Megatron's fused parameters: no view of their own
     for shard in rank_layout.shards():
-        if pieces[shard.slot] > 1:
+        if pieces[shard.slot] > 1 or (fused and megatron_fused_name(shard.slot)):
             continue
         local = local_tensor(shard, buffers)
         if not padding:
@@ -92,7 +96,9 @@ def shard_views(
                 if size != full:
                     local = local.narrow(dim, 0, size)
         views[shard.slot] = local
-    if topology.fsdp > 1 and len(views) < len(rank_layout.layout.stage_slots(topology.coords(rank_layout.rank)[2])):
+    if topology.fsdp > 1 and (
+        fused or len(views) < len(rank_layout.layout.stage_slots(topology.coords(rank_layout.rank)[2]))
+    ):
         views = _with_empty_chunks(rank_layout, buffers, views)
     return views
 
@@ -105,8 +111,11 @@ def _with_empty_chunks(
     _, _, tp_rank, pp_rank = rank_layout.layout.topology.coords4(rank_layout.rank)
     first = {s.slot: s for s in rank_layout.layout.shards_at(tp_rank, pp_rank, 0)}  # fsdp rank 0 holds rows
     device = next((b.device for b in buffers.values()), torch.device("cpu"))
+    fused = rank_layout.layout.fused_sharded
     out = {}
     for _, slot in rank_layout.layout.stage_slots(pp_rank):
+        if fused and megatron_fused_name(slot):
+            continue  # a part of linear_qkv / linear_fc1: realloc.shards.fused.fused_views
         if slot in views:
             out[slot] = views[slot]
         else:
@@ -121,8 +130,11 @@ def flat_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> 
 
     For a zero3 layout this is DeepSpeed's ``ds_tensor``: ``partition_size`` elements on every rank,
     the real ones first (what :func:`shard_views` refuses to give as shaped tensors). For other
-    layouts it is each local tensor flattened (FSDP2's empty chunks absent). ``ValueError`` for
-    buffers :func:`shard_views` refuses too.
+    layouts it is each local tensor flattened (FSDP2's empty chunks absent). Under
+    ``qkv_order="megatron"`` with fsdp (``Layout.fused_sharded``) the engine parameters are
+    Megatron's fused ones: ``model.layers.N.self_attention.linear_qkv.{weight,bias}`` and
+    ``model.layers.N.mlp.linear_fc1.{weight,bias}`` replace q/k/v/gate/up (:func:`flat_spans`).
+    ``ValueError`` for buffers :func:`shard_views` refuses too.
 
     Example:
         >>> from realloc import Layout, ModelSpec, Topology
@@ -133,13 +145,23 @@ def flat_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> 
         (torch.Size([12012]), torch.Size([12]))
     """
     check_buffers(rank_layout, buffers)
+    return {name: buffers[dtype][start:stop] for name, (dtype, start, stop) in flat_spans(rank_layout).items()}
+
+
+def flat_spans(rank_layout: RankLayout) -> dict[str, tuple[str, int, int]]:
+    """Engine parameter name -> ``(dtype, start, stop)`` of its consecutive shards in the rank's buffer:
+    slot names, and for a layout whose fsdp ranks cut Megatron's fused parameters
+    (``Layout.fused_sharded``) their names (``...self_attention.linear_qkv.weight``,
+    ``...mlp.linear_fc1.weight``) in place of q/k/v/gate/up. ``ValueError`` if not consecutive."""
+    fused = rank_layout.layout.fused_sharded
     spans: dict[str, list] = {}
     for s in rank_layout.shards():
-        span = spans.setdefault(s.slot, [s.dtype, s.buffer_offset, s.buffer_offset])
+        name = (fused and megatron_fused_name(s.slot)) or s.slot
+        span = spans.setdefault(name, [s.dtype, s.buffer_offset, s.buffer_offset])
         if span[2] != s.buffer_offset or span[0] != s.dtype:
-            raise ValueError(f"{rank_layout}: the shards of {s.slot} are not consecutive in one buffer")
+            raise ValueError(f"{rank_layout}: the shards of {name} are not consecutive in one buffer")
         span[2] += s.local_numel
-    return {slot: buffers[dtype][start:stop] for slot, (dtype, start, stop) in spans.items()}
+    return {name: tuple(span) for name, span in spans.items()}
 
 
 def fused_view(
