@@ -59,6 +59,7 @@ def test_group_keeps_its_conventions_across_reallocations_and_copies(cluster):
             "vocab_pad_rule": "vllm",
             "qkv_order": "megatron",
             "expert_order": "hf",
+            "weight_format": None,
         }
         group.reallocate("dp=4")
         assert group.verify_synthetic(1) == {} and group.layout.qkv_order == "megatron"
