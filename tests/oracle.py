@@ -52,6 +52,16 @@ Llama-style decoder:
   ``w13_weight``/``w2_weight`` (:func:`vllm_w13`, :func:`vllm_w2`, from ``FusedMoE._load_w13`` /
   ``_load_w2``): the local experts stacked, per expert the etp slice of gate then of up.
 
+* transformers 5's stacked experts (:func:`stacked_local_tensors`), written from
+  models/qwen3_moe/modeling_qwen3_moe.py (``Qwen3MoeExperts``: ``gate_up_proj`` ``[E, 2*inter,
+  hidden]``, ``down_proj`` ``[E, hidden, inter]``, ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``),
+  conversion_mapping.py (``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)`` of gate and up),
+  distributed/tensor_parallel.py (``gate_up_proj`` ``packed_colwise``: ``_StridedShard(dim=1,
+  split_factor=2)``, i.e. dim 1 seen as 2 blocks, each cut tp ways, the rank's pieces concatenated;
+  ``down_proj`` ``rowwise``: ``Shard(-1)``), FSDP2 (``torch.chunk(local, fsdp, dim=0)`` of the
+  tp-local stacked tensor, a ``(0, ...)`` tensor where the chunk is missing) and ZeRO-3 (the
+  tp-local stacked tensor flattened, padded and cut, as :func:`zero3_part`).
+
 The only realloc imports are :func:`realloc.spec.decoder_spec` and
 :func:`realloc.spec.hf_config.spec_from_hf_config`, to build the spec under test from the same
 description (:meth:`Decoder.spec`, :meth:`MoeDecoder.spec`).
@@ -726,3 +736,87 @@ def ep_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, in
                     if block % (ep * etp) == 0 and m.moe_inter % etp == 0:
                         out.append((block // tp, tp, pp, ep, etp))
     return sorted(out, key=lambda t: (-(t[3] > 1), -sum(n > 1 for n in t)))
+
+
+# -- transformers 5's stacked experts ------------------------------------------------------------
+
+
+def hf_stacked_full(m: MoeDecoder, full: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers 5's global ``(gate_up_proj, down_proj)`` of a MoE layer from the checkpoint
+    tensors: per expert ``cat([gate, up], dim=0)``, stacked on a new dim 0 (conversion_mapping.py)."""
+    pre = f"model.layers.{layer}.mlp.experts."
+    gate = torch.stack([full[f"{pre}{e}.gate_proj.weight"] for e in range(m.experts)])
+    up = torch.stack([full[f"{pre}{e}.up_proj.weight"] for e in range(m.experts)])
+    down = torch.stack([full[f"{pre}{e}.down_proj.weight"] for e in range(m.experts)])
+    return torch.cat([gate, up], dim=1), down
+
+
+def strided_shard(t: torch.Tensor, dim: int, split_factor: int, world: int, rank: int) -> torch.Tensor:
+    """DTensor's ``_StridedShard(dim, split_factor)`` local tensor: ``t`` along ``dim`` as
+    ``split_factor`` blocks, each cut ``world`` ways; rank ``rank``'s piece of every block, in order."""
+    return torch.cat([block.chunk(world, dim)[rank] for block in t.chunk(split_factor, dim)], dim)
+
+
+def stacked_local_tensors(
+    m: MoeDecoder,
+    full: dict[str, torch.Tensor],
+    dp: int,
+    fsdp: int,
+    tp: int,
+    pp: int,
+    stages: list[list[int]],
+    rank: int,
+    split: str = "fsdp2",
+    pad_multiple: int = 1,
+    pad_value=0,
+) -> dict[str, torch.Tensor]:
+    """What a transformers 5 MoE model holds on ``rank`` (tp, then FSDP2 or ZeRO-3): name -> local
+    tensor, the routed experts as ``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj``, every
+    other slot as :func:`local_tensors` gives it (ZeRO-3: every tensor its flat partition)."""
+    _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
+    out = {}
+    for slot, p in stage_slots(m, stages, pp_rank, moe_params(m)):
+        if p.expert is not None:
+            continue
+        local = tp_slice(m, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+        if fsdp == 1:
+            out[slot] = local
+            continue
+        if p.rule == "vocab":  # FSDP: the real vocabulary rows only
+            per = local.shape[0]
+            local = local.narrow(0, 0, max(0, min(per, m.vocab - tp_rank * per)))
+        if split == "zero3":
+            out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
+        else:  # FSDP2 keeps a (0, ...) local tensor where torch.chunk gives no chunk
+            chunk = fsdp_chunk(local, fsdp, fsdp_rank)
+            out[slot] = local[:0].clone() if chunk is None else chunk
+    for layer in stages[pp_rank]:
+        if layer < m.dense_layers:
+            continue
+        gate_up, down = hf_stacked_full(m, full, layer)
+        pre = f"model.layers.{layer}.mlp.experts."
+        for name, local in (
+            (pre + "gate_up_proj", strided_shard(gate_up, 1, 2, tp, tp_rank)),
+            (pre + "down_proj", down.chunk(tp, -1)[tp_rank]),
+        ):
+            if fsdp == 1:
+                out[name] = local.clone()
+            elif split == "zero3":
+                out[name] = zero3_part(local, fsdp, fsdp_rank, pad_value)
+            else:
+                chunks = torch.chunk(local, fsdp, dim=0)
+                out[name] = chunks[fsdp_rank].clone() if fsdp_rank < len(chunks) else local[:0].clone()
+    return out
+
+
+def fsdp_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, int]]:
+    """Every ``(dp, fsdp, tp, pp)`` of ``world`` ranks fitting ``m`` (fsdp 1 included), the expert
+    rows split by tp too."""
+    out = []
+    for dp, tp, pp in factorisations(m, world):
+        if not moe_tp_fits(m, tp) or m.moe_inter % tp:
+            continue
+        for fsdp in range(1, dp + 1):
+            if dp % fsdp == 0:
+                out.append((dp // fsdp, fsdp, tp, pp))
+    return sorted(out, key=lambda t: -sum(n > 1 for n in t))

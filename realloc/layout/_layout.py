@@ -45,6 +45,7 @@ from realloc._checks import check_positive
 from realloc.boxes import Box
 from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_expert_order
 from realloc.layout.holdings import Group, PieceTable
+from realloc.layout.stacked import stacked_pieces
 from realloc.layout.topology import Topology
 from realloc.layout.zero3 import zero3_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
@@ -292,7 +293,7 @@ class Layout:
         """Entries in forward order -> in the buffer order of the engine conventions."""
         if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.layout.conventions)
             entries = megatron_qkv_order(entries, self.topology.tp)
-        if self.expert_order == "vllm":  # vLLM's w13_weight / w2_weight per layer
+        if self.expert_order in ("vllm", "hf_stacked"):  # w13_weight / w2_weight, gate_up_proj / down_proj
             entries = vllm_expert_order(entries)
         return entries
 
@@ -334,9 +335,12 @@ class Layout:
                 for fsdp_rank in range(fsdp):
                     fill: dict[str, int] = {}
                     shards = []
-                    for p, name, slot, offsets, sizes, local in tp_boxes:
+                    stacked = self._stacked_pieces(tp_boxes, fsdp_rank)
+                    for i, (p, name, slot, offsets, sizes, local) in enumerate(tp_boxes):
                         pieces = [((offsets, sizes), local)]
-                        if zero3:  # flat partitions: a few consecutive boxes, padding in the last
+                        if i in stacked:  # transformers 5's stacked experts (realloc.layout.stacked)
+                            pieces = stacked[i]
+                        elif zero3:  # flat partitions: a few consecutive boxes, padding in the last
                             pieces = zero3_pieces(tuple(offsets), tuple(sizes), fsdp, fsdp_rank)
                         elif fsdp > 1:
                             rows = sizes[0]
@@ -355,6 +359,14 @@ class Layout:
                             shards.append(shard)
                     result[fsdp_rank, tp_rank, pp_rank] = tuple(shards), fill
         return result
+
+    def _stacked_pieces(self, tp_boxes: list[tuple], fsdp_rank: int) -> dict[int, list]:
+        """Entry index -> pieces of the routed experts of ``tp_boxes`` on ``fsdp_rank`` when
+        ``expert_order="hf_stacked"`` shards stacked tensors (fsdp > 1), else ``{}``."""
+        t = self.topology
+        if self.expert_order != "hf_stacked" or t.fsdp == 1:
+            return {}
+        return stacked_pieces(tp_boxes, t.fsdp, fsdp_rank, t.fsdp_split == "zero3")
 
     def _expert_rank_shards(self, rank: int) -> tuple[tuple[Shard, ...], dict[str, int]]:
         """(shards, elements per dtype buffer) of ``rank`` with expert parallelism: its dense and
@@ -498,7 +510,7 @@ class Layout:
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
         t = self.topology
-        if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
+        if t.fsdp > 1 and (t.fsdp_split != "fsdp2" or self.expert_order == "hf_stacked"):  # from the shard table
             return PieceTable.of_groups(self.groups(workers))
         if t.expert_parallel:
             return self._expert_piece_table(workers)

@@ -49,6 +49,11 @@ buffer (docs/conventions.md, "Expert parallelism").
   rank). Both are one contiguous region of the rank's buffer, at the place of the layer's first
   expert tensor; :func:`realloc.shards.fused.fused_views` gives them as
   ``model.layers.N.mlp.experts.w13_weight`` / ``w2_weight`` views.
+* ``"hf_stacked"``: transformers 5's stacked experts (``mlp.experts.gate_up_proj``
+  ``[E, 2 * inter, hidden]``, per expert its gate rows then its up rows, and
+  ``mlp.experts.down_proj`` ``[E, hidden, inter]``), as the engine holds them replicated, tensor
+  parallel, FSDP2- or ZeRO-3-sharded: :mod:`realloc.layout.stacked`. Without fsdp the buffer
+  order is vLLM's (the same memory, other names and no expert parallelism).
 
 The MLP needs no option: Megatron's ``linear_fc1`` with ``gated_linear_unit`` holds
 ``[gate; up]`` of the rank (``glu`` in megatron/core/transformer/mlp.py chunks the local output in
@@ -69,7 +74,7 @@ if TYPE_CHECKING:
 #: Names ``Layout(qkv_order=...)`` accepts; the first is the default.
 QKV_ORDERS = ("hf", "megatron")
 #: Names ``Layout(expert_order=...)`` accepts; the first is the default.
-EXPERT_ORDERS = ("hf", "vllm")
+EXPERT_ORDERS = ("hf", "vllm", "hf_stacked")
 
 _QKV = re.compile(r"^(?P<prefix>.*)self_attn\.(?P<part>[qkv])_proj\.(?P<suffix>weight|bias)$")
 #: A routed expert's projection: 0 gate (``w1``), 1 up (``w3``), 2 down (``w2``).
@@ -91,12 +96,19 @@ def check_options(
     check_choice("expert_order", expert_order, EXPERT_ORDERS)
     if expert_order == "vllm":
         _check_vllm_experts(spec, topology)
+    elif expert_order == "hf_stacked":
+        check_stacked_experts(spec, topology)
     tp = topology.tp
     for p in spec.params:
         if p.pad_to_tp and p.tp_dim is not None:
             vocab_units_per_rank(p.units, tp, vocab_pad_multiple, vocab_pad_rule, p.name)
     if qkv_order == "hf":
         return
+    if expert_order == "hf_stacked":
+        raise ValueError(
+            "qkv_order='megatron' with expert_order='hf_stacked': no engine holds Megatron's linear_qkv "
+            "next to transformers 5's stacked experts; use qkv_order='hf' (transformers' q/k/v)"
+        )
     if topology.fsdp > 1:
         raise ValueError(
             f"qkv_order='megatron' with fsdp={topology.fsdp}: Megatron's linear_qkv order is a "
@@ -177,14 +189,16 @@ def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
     return out
 
 
-def expert_projection(p: "ParamSpec") -> int:
+def expert_projection(p: "ParamSpec", order: str = "vllm") -> int:
     """0 (gate), 1 (up) or 2 (down) for a routed expert's weight; ``ValueError`` for anything else."""
     m = _EXPERT_PROJ.match(p.name)
     if p.expert is None or not m:
-        raise ValueError(
-            f"expert_order='vllm': {p.name} is not a routed expert's gate/up/down weight "
-            "(vLLM's FusedMoE holds only w13_weight and w2_weight)"
+        held = (
+            "vLLM's FusedMoE holds only w13_weight and w2_weight"
+            if order == "vllm"
+            else "transformers 5 stacks only gate_up_proj and down_proj"
         )
+        raise ValueError(f"expert_order={order!r}: {p.name} is not a routed expert's gate/up/down weight ({held})")
     return _PROJ_INDEX[m["proj"]]
 
 
@@ -199,6 +213,27 @@ def _check_vllm_experts(spec: "ModelSpec", topology: "Topology") -> None:
         )
     for p in experts:
         expert_projection(p)
+
+
+def check_stacked_experts(spec: "ModelSpec", topology: "Topology") -> None:
+    """``ValueError`` unless transformers 5's stacked experts (``expert_order="hf_stacked"``) can
+    be laid out: a model with routed experts, every one a gate/up/down weight, without expert
+    parallelism (replicated, tp, FSDP2 or ZeRO-3; see :mod:`realloc.layout.stacked`)."""
+    experts = [p for p in spec.params if p.expert is not None]
+    if not experts:
+        raise ValueError(
+            f"expert_order='hf_stacked': {spec.name} has no routed experts to stack (allowed: a MoE "
+            "spec with ParamSpec.expert set); use expert_order='hf'"
+        )
+    if topology.expert_parallel:
+        raise ValueError(
+            f"expert_order='hf_stacked' with ep={topology.ep}, etp={topology.expert_tp} (tp={topology.tp}): "
+            "transformers 5's stacked experts are laid out here replicated, tensor parallel (etp = tp), "
+            "FSDP2 or ZeRO-3, not expert parallel; for expert-parallel stacked buffers use "
+            "expert_order='vllm' (vLLM's w13_weight/w2_weight, the same memory order)"
+        )
+    for p in experts:
+        expert_projection(p, "hf_stacked")
 
 
 def vllm_expert_order(entries: list[tuple]) -> list[tuple]:

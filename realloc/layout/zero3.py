@@ -28,7 +28,7 @@ import math
 
 from realloc.boxes import Box
 
-__all__ = ["flat_range_boxes", "zero3_partition", "zero3_pieces"]
+__all__ = ["flat_range_boxes", "padded_pieces", "zero3_partition", "zero3_pieces"]
 
 
 def flat_range_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], start: int, stop: int) -> list[Box]:
@@ -128,8 +128,19 @@ def zero3_pieces(
     boxes = flat_range_boxes(offsets, sizes, start, stop)
     if not pad:
         return [(b, b[1]) for b in boxes]
+    return padded_pieces(boxes, offsets, sizes, size, pad)
+
+
+def padded_pieces(
+    boxes: list[Box], offsets: tuple[int, ...], sizes: tuple[int, ...], size: int, pad: int
+) -> list[tuple[Box, tuple[int, ...]]]:
+    """``boxes`` (consecutive flat runs of box ``(offsets, sizes)``, the end of a partition of
+    ``size`` elements) as ``(box, local_shape)`` pieces with ``pad`` elements of padding after
+    the last one, as :func:`zero3_pieces` places it; no boxes: one padding-only piece at the
+    box's origin, local shape ``(1, ..., 1, size)``."""
     if not boxes:
         return [((offsets, (0,) * len(sizes)), (1,) * (len(sizes) - 1) + (size,))]
+    boxes = list(boxes)
     last_offsets, last_sizes = boxes.pop()
     row = last_sizes[-1]
     if any(n > 1 for n in last_sizes[:-1]):  # keep all but its last innermost row as they are

@@ -21,6 +21,7 @@ from typing import Mapping
 import torch
 
 from realloc.layout import RankLayout, Shard
+from realloc.layout.stacked import stacked_name
 from realloc.shards.store import TORCH_DTYPES, local_tensor
 
 __all__ = ["check_buffers", "flat_views", "fused_view", "shard_views"]
@@ -106,9 +107,13 @@ def _with_empty_chunks(
     first = {s.slot: s for s in rank_layout.layout.shards_at(tp_rank, pp_rank, 0)}  # fsdp rank 0 holds rows
     device = next((b.device for b in buffers.values()), torch.device("cpu"))
     out = {}
-    for _, slot in rank_layout.layout.stage_slots(pp_rank):
+    stacked = rank_layout.layout.expert_order == "hf_stacked"  # experts: gate_up_proj / down_proj (fused_views)
+    by_name = rank_layout.layout.spec.by_name
+    for name, slot in rank_layout.layout.stage_slots(pp_rank):
         if slot in views:
             out[slot] = views[slot]
+        elif stacked and by_name[name].expert is not None:
+            continue  # an expert of another fsdp rank's chunk of the stacked tensor
         else:
             shard = first[slot]
             out[slot] = torch.empty((0,) + tuple(shard.sizes[1:]), dtype=TORCH_DTYPES[shard.dtype], device=device)
@@ -121,8 +126,11 @@ def flat_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> 
 
     For a zero3 layout this is DeepSpeed's ``ds_tensor``: ``partition_size`` elements on every rank,
     the real ones first (what :func:`shard_views` refuses to give as shaped tensors). For other
-    layouts it is each local tensor flattened (FSDP2's empty chunks absent). ``ValueError`` for
-    buffers :func:`shard_views` refuses too.
+    layouts it is each local tensor flattened (FSDP2's empty chunks absent). A zero3 layout with
+    ``expert_order="hf_stacked"`` gives each MoE layer's routed experts as transformers 5's stacked
+    ``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj`` partitions (their ``ds_tensor``)
+    instead of per-expert slots (:mod:`realloc.layout.stacked`). ``ValueError`` for buffers
+    :func:`shard_views` refuses too.
 
     Example:
         >>> from realloc import Layout, ModelSpec, Topology
@@ -134,10 +142,14 @@ def flat_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> 
     """
     check_buffers(rank_layout, buffers)
     spans: dict[str, list] = {}
+    layout = rank_layout.layout
+    stacked = layout.expert_order == "hf_stacked" and layout.topology.fsdp_split == "zero3"
     for s in rank_layout.shards():
-        span = spans.setdefault(s.slot, [s.dtype, s.buffer_offset, s.buffer_offset])
+        p = layout.spec.by_name[s.param]
+        key = stacked_name(p) if stacked and p.expert is not None else s.slot  # ZeRO-3's stacked ds_tensor
+        span = spans.setdefault(key, [s.dtype, s.buffer_offset, s.buffer_offset])
         if span[2] != s.buffer_offset or span[0] != s.dtype:
-            raise ValueError(f"{rank_layout}: the shards of {s.slot} are not consecutive in one buffer")
+            raise ValueError(f"{rank_layout}: the shards of {key} are not consecutive in one buffer")
         span[2] += s.local_numel
     return {slot: buffers[dtype][start:stop] for slot, (dtype, start, stop) in spans.items()}
 
