@@ -13,37 +13,24 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 import traceback
 
 import pytest
 import torch
+from test_dtensor import spawn_workers
 
+_COMMON = dict(vocab_size=32, hidden_size=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 CONFIGS = {
     "qwen3_moe": dict(
-        vocab_size=32,
-        hidden_size=8,
+        _COMMON,
+        head_dim=2,
         intermediate_size=16,
         moe_intermediate_size=4,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=2,
         num_experts=3,
         num_experts_per_tok=2,
         mlp_only_layers=[0],
     ),
-    "mixtral": dict(
-        vocab_size=32,
-        hidden_size=8,
-        intermediate_size=4,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=2,
-        num_local_experts=3,
-    ),
+    "mixtral": dict(_COMMON, head_dim=2, intermediate_size=4, num_local_experts=3),
 }
 
 
@@ -125,26 +112,7 @@ def _worker(rank: int, world: int, port: int, model_type: str, mode: str, queue)
 
 
 def run(model_type: str, mode: str, world: int = 2) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")  # as tests/test_dtensor.py: no forked locks
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, model_type, mode, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, status, shapes = queue.get(timeout=180)
-            assert status == "ok", f"rank {rank}:\n{status}"
-            results[rank] = shapes
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results
+    return spawn_workers(_worker, world, model_type, mode, timeout=180)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
