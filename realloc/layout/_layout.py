@@ -45,7 +45,7 @@ from realloc._checks import check_positive
 from realloc.boxes import Box
 from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_expert_order
 from realloc.layout.holdings import Group, PieceTable
-from realloc.layout.stacked import stacked_pieces
+from realloc.layout.stacked import stacked_owners, stacked_pieces
 from realloc.layout.topology import Topology
 from realloc.layout.zero3 import zero3_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
@@ -510,7 +510,7 @@ class Layout:
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
         t = self.topology
-        if t.fsdp > 1 and (t.fsdp_split != "fsdp2" or self.expert_order == "hf_stacked"):  # from the shard table
+        if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
             return PieceTable.of_groups(self.groups(workers))
         if t.expert_parallel:
             return self._expert_piece_table(workers)
@@ -526,12 +526,14 @@ class Layout:
             for tp_rank in range(t.tp):
                 base = len(groups)
                 groups += [tuple(workers[r] for r in t.replica_ranks(tp_rank, pp_rank, f)) for f in range(t.fsdp)]
-                for _, name, _, offsets, sizes, _ in self._tp_boxes(tp_rank, pp_rank):
+                tp_boxes = self._tp_boxes(tp_rank, pp_rank)
+                whole = stacked_owners(tp_boxes, t.fsdp) if self.expert_order == "hf_stacked" else {}
+                for i, (_, name, _, offsets, sizes, _) in enumerate(tp_boxes):
                     if not all(sizes):
                         continue
-                    if t.fsdp == 1:
+                    if t.fsdp == 1 or i in whole:  # unsharded, or a stacked expert one fsdp rank holds
                         entry = rows.setdefault(name, ([], [], []))
-                        entry[0].append(base)
+                        entry[0].append(base + whole.get(i, 0))
                         entry[1].append(offsets)
                         entry[2].append(sizes)
                         continue

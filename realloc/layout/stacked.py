@@ -36,7 +36,7 @@ from realloc.boxes import Box
 from realloc.layout.conventions import expert_projection
 from realloc.layout.zero3 import flat_range_boxes, padded_pieces, zero3_partition
 
-__all__ = ["stacked_name", "stacked_pieces"]
+__all__ = ["stacked_name", "stacked_owners", "stacked_pieces"]
 
 
 def stacked_name(p) -> str:
@@ -63,6 +63,22 @@ def _stacks(entries: list[tuple]) -> dict[tuple, list[int]]:
     return stacks
 
 
+def _owners(entries: list[tuple], indices: list[int], fsdp: int) -> dict[int, int]:
+    """Entry index -> the FSDP2 rank holding it whole: ``torch.chunk`` of the stack's expert axis."""
+    position = {e: n for n, e in enumerate(dict.fromkeys(entries[i][0].expert for i in indices))}
+    chunk = -(-len(position) // fsdp)
+    return {i: position[entries[i][0].expert] // chunk for i in indices}
+
+
+def stacked_owners(entries: list[tuple], fsdp: int) -> dict[int, int]:
+    """Entry index -> the fsdp rank holding that routed expert tensor whole, for every routed
+    expert entry of ``entries`` under FSDP2 (as :func:`stacked_pieces` places them)."""
+    out: dict[int, int] = {}
+    for indices in _stacks(entries).values():
+        out.update(_owners(entries, indices, fsdp))
+    return out
+
+
 def stacked_pieces(
     entries: list[tuple], fsdp: int, fsdp_rank: int, zero3: bool
 ) -> dict[int, list[tuple[Box, tuple[int, ...]]]]:
@@ -80,11 +96,8 @@ def stacked_pieces(
         for i in indices:
             out[i] = []
         if not zero3:
-            experts = list(dict.fromkeys(entries[i][0].expert for i in indices))
-            chunk = -(-len(experts) // fsdp)
-            held = set(experts[fsdp_rank * chunk : (fsdp_rank + 1) * chunk])
-            for i in indices:
-                if entries[i][0].expert in held:
+            for i, owner in _owners(entries, indices, fsdp).items():
+                if owner == fsdp_rank:
                     _, _, _, offsets, sizes, local = entries[i]
                     out[i] = [((tuple(offsets), tuple(sizes)), tuple(local))]
             continue
