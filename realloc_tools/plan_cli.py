@@ -152,7 +152,8 @@ def add_plan_parser(subparsers: Any) -> None:
             f"--{side}-expert-order",
             default=EXPERT_ORDERS[0],
             help=f"buffer order of the {side} layout's routed experts: {' or '.join(EXPERT_ORDERS)} "
-            "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight)",
+            "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight; hf_stacked: transformers 5's "
+            "gate_up_proj/down_proj, also under fsdp and zero3)",
         )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
