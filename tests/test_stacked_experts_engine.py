@@ -130,3 +130,25 @@ def test_transformers_tensor_parallel_experts_are_the_stacked_layout(model_type)
     layer = 1 if model_type == "qwen3_moe" else 0
     assert shapes[1][f"model.layers.{layer}.mlp.experts.gate_up_proj"] == (3, 4, 8)  # gate 2 + up 2 rows
     assert shapes[1][f"model.layers.{layer}.mlp.experts.down_proj"] == (3, 8, 2)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_a_transformers_model_binds_the_stacked_views(model_type):
+    """A fresh transformers 5 model bound (strictly, zero-copy) to a replicated hf_stacked
+    layout's views computes what the model the weights came from computes."""
+    from realloc import Topology
+    from realloc.shards import bind_module
+
+    torch.manual_seed(0)
+    source = tiny_model(model_type)
+    full = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    views = layout_views(model_type, Topology(), 0, full)
+    torch.manual_seed(1)
+    fresh = tiny_model(model_type)
+    bind_module(fresh, views, strict=True)
+    layer = 1 if model_type == "qwen3_moe" else 0
+    experts = fresh.model.layers[layer].mlp.experts
+    assert experts.gate_up_proj.data_ptr() == views[f"model.layers.{layer}.mlp.experts.gate_up_proj"].data_ptr()
+    tokens = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(fresh(tokens).logits, source(tokens).logits)
