@@ -4,7 +4,9 @@ Every rank's ``gate_up_proj`` / ``down_proj`` (and every other tensor) replicate
 parallel, FSDP2- and ZeRO-3-sharded is checked against tests/oracle.py's independent reading of
 transformers 5 (:func:`oracle.stacked_local_tensors`), never against the layout's bookkeeping;
 plans between stacked, per-expert (``"hf"``) and vLLM (``"vllm"``) formats across layout kinds
-run bit-exact with poisoned source padding. tests/test_stacked_experts_engine.py checks the same
+run bit-exact with poisoned source padding, write each needed element once, send only what
+senders hold and move inter-node bytes at the lower bound (tests/test_planner_properties.py's
+checks, on masks from the oracle). tests/test_stacked_experts_engine.py checks the same
 layouts against transformers' own modules under torch's ``fully_shard``.
 """
 
@@ -28,7 +30,7 @@ from test_experts import (
     oracle_tensors,
     stages_of,
 )
-from test_planner_properties import POISON, placements
+from test_planner_properties import POISON, check_plan, placements
 
 from realloc import Layout, Placement, Topology
 from realloc.ckpt.manifest import Manifest
@@ -140,6 +142,30 @@ def dst_tensors(m, layout: Layout, rank: int, store: ShardStore) -> tuple[dict, 
     return store.shard_tensors(), oracle_tensors(m, full, layout.topology, rank, layout.vocab_pad_multiple)
 
 
+def held_masks(m, layout: Layout) -> dict:
+    """Rank -> {param: bool mask of the elements it holds}, from the oracle's reading of ``layout``'s
+    engine applied to globally numbered index tensors (padding -1): independent of the layout."""
+    plist = oracle.moe_params(m)
+    bases = np.cumsum([0] + [p.numel for p in plist])
+    index = {p.name: torch.arange(p.numel, dtype=torch.int64).reshape(p.shape) + int(b) for p, b in zip(plist, bases)}
+    out = {}
+    for rank in range(layout.topology.world_size):
+        if layout.expert_order == "hf_stacked":
+            tensors = stacked_oracle(m, layout, index, rank, pad_value=-1)
+        else:
+            tensors = oracle_tensors(m, index, layout.topology, rank, layout.vocab_pad_multiple, pad_value=-1)
+        flat = torch.cat([t.reshape(-1) for t in tensors.values()]).numpy()
+        flat = flat[flat >= 0]
+        owner = np.searchsorted(bases, flat, side="right") - 1
+        masks = {}
+        for k in np.unique(owner):
+            mask = np.zeros(plist[k].numel, dtype=bool)
+            mask[flat[owner == k] - bases[k]] = True
+            masks[plist[k].name] = mask.reshape(plist[k].shape)
+        out[rank] = masks
+    return out
+
+
 def check_formats(m, src: Layout, dst: Layout, placement: Placement, bucket_bytes: int = 4096) -> None:
     plan = plan_reallocation(src.spec, src, dst, placement, bucket_bytes=bucket_bytes)
     full = oracle.moe_full_tensors(m, seed=5)
@@ -152,6 +178,9 @@ def check_formats(m, src: Layout, dst: Layout, placement: Placement, bucket_byte
         assert sorted(got) == sorted(want), f"dst rank {rank} of {dst}"
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), f"dst rank {rank} {name} ({src} -> {dst})"
+    plist = oracle.moe_params(m)
+    shapes, dtypes = {p.name: p.shape for p in plist}, {p.name: p.dtype for p in plist}
+    check_plan(plan, shapes, dtypes, placement, held_masks(m, src), held_masks(m, dst))
 
 
 @settings(max_examples=50, deadline=None)
