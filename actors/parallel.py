@@ -63,15 +63,25 @@ class GroupRanks:
         def expert_rank(edp: int, ep: int, etp_: int) -> int:
             return stage + etp_ + etp * (ep + t.ep * edp)
 
+        dp = tuple(t.replica_ranks(tp_rank, pp_rank, fsdp_rank))
+        tp = tuple(t.rank(dp_rank, i, pp_rank, fsdp_rank) for i in range(t.tp))
+        if t.expert_parallel:
+            experts = (
+                tuple(expert_rank(edp_rank, i, etp_rank) for i in range(t.ep)),
+                tuple(expert_rank(edp_rank, ep_rank, i) for i in range(etp)),
+                tuple(t.expert_replica_ranks(etp_rank, ep_rank, pp_rank)),
+            )
+        else:  # ep is this rank alone, etp is tp, edp is dp (the expert mesh knows no fsdp)
+            experts = ((rank,), tp, dp)
         return GroupRanks(
-            dp=tuple(t.replica_ranks(tp_rank, pp_rank, fsdp_rank)),
+            dp=dp,
             fsdp=tuple(t.rank(dp_rank, tp_rank, pp_rank, i) for i in range(t.fsdp)),
-            tp=tuple(t.rank(dp_rank, i, pp_rank, fsdp_rank) for i in range(t.tp)),
+            tp=tp,
             pp=tuple(t.rank(dp_rank, tp_rank, i, fsdp_rank) for i in range(t.pp)),
             model=tuple(range(t.world_size)),
-            ep=tuple(expert_rank(edp_rank, i, etp_rank) for i in range(t.ep)),
-            etp=tuple(expert_rank(edp_rank, ep_rank, i) for i in range(etp)),
-            edp=tuple(t.expert_replica_ranks(etp_rank, ep_rank, pp_rank)),
+            ep=experts[0],
+            etp=experts[1],
+            edp=experts[2],
             replica=tuple(r for r in range(t.world_size) if t.coords4(r)[0] == dp_rank),
         )
 
