@@ -10,8 +10,10 @@ it. :class:`ParallelGroups` names the groups of one rank of one layout:
 * ``pp``: the stages of this rank's replica and tp coordinate;
 * ``ep``, ``etp``, ``edp``: the expert-parallel, expert-tensor-parallel and expert-data-parallel
   groups of the expert mesh (Megatron's tp-ep-dp-pp order inside a stage, see
-  :meth:`realloc.layout.topology.Topology.expert_coords`); without expert parallelism ``ep`` is this rank
-  alone, ``etp`` is ``tp`` and ``edp`` is ``dp``, as in Megatron-core;
+  :meth:`realloc.layout.topology.Topology.expert_coords`; with fsdp torchtitan's sparse mesh
+  ``(dp_replicate, efsdp, ep)``, ``edp`` being its efsdp x dp_replicate ranks of the same experts);
+  without expert parallelism ``ep`` is this rank alone, ``etp`` is ``tp`` and ``edp`` is ``dp``, as
+  in Megatron-core;
 * ``replica``: the ranks of this rank's model replica (its dp coordinate: every fsdp, tp and pp
   rank of it), over which ``ctx.safe_point()`` agrees;
 * ``model``: every worker of the model group.
@@ -58,7 +60,7 @@ class GroupRanks:
         t = layout.topology
         dp_rank, fsdp_rank, tp_rank, pp_rank = t.coords4(rank)
         edp_rank, ep_rank, etp_rank, _ = t.expert_coords(rank)
-        etp, stage = t.expert_tp, t.dp * t.tp * pp_rank
+        etp, stage = t.expert_tp, t.dp * t.fsdp * t.tp * pp_rank
 
         def expert_rank(edp: int, ep: int, etp_: int) -> int:
             return stage + etp_ + etp * (ep + t.ep * edp)

@@ -62,6 +62,14 @@ Llama-style decoder:
   tp-local stacked tensor, a ``(0, ...)`` tensor where the chunk is missing) and ZeRO-3 (the
   tp-local stacked tensor flattened, padded and cut, as :func:`zero3_part`).
 
+* torchtitan's expert parallelism with FSDP (:func:`torchtitan_local_tensors`), written from
+  torchtitan/distributed/parallel_dims.py (the sparse mesh ``(pp, dp_replicate, efsdp, ep)``
+  unflattens the world, ep fastest), torchtitan/models/common/moe.py (``w1_EFD``, ``w3_EFD``
+  ``[E, F, D]``, ``w2_EDF`` ``[E, D, F]``), moe_sharding.py (``Shard(0)`` over ep) and
+  torchtitan/distributed/fsdp.py (``fully_shard`` of the ep-local stacks over efsdp, ``Shard(0)``,
+  or ``Shard(1)`` when ``efsdp * ep > E``): the global stacks are chunked by the mesh and cut
+  back into per-expert tensors.
+
 The only realloc imports are :func:`realloc.spec.decoder_spec` and
 :func:`realloc.spec.hf_config.spec_from_hf_config`, to build the spec under test from the same
 description (:meth:`Decoder.spec`, :meth:`MoeDecoder.spec`).
@@ -757,6 +765,38 @@ def strided_shard(t: torch.Tensor, dim: int, split_factor: int, world: int, rank
     return torch.cat([block.chunk(world, dim)[rank] for block in t.chunk(split_factor, dim)], dim)
 
 
+def moe_dense_locals(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int], stages, rank: int, **options
+) -> dict[str, torch.Tensor]:
+    """Slot -> local tensor of every slot of ``rank`` that is not a routed expert, ``sizes`` being
+    ``(dp, fsdp, tp, pp)``: tp, then FSDP2 (option ``empty_chunks``, default True: a ``(0, ...)``
+    tensor where torch.chunk gives none, as FSDP2 keeps; else absent) or ZeRO-3 (option
+    ``split="zero3"``: the flat partition); options ``pad_multiple`` and ``pad_value`` as in
+    :func:`tp_slice`."""
+    dp, fsdp, tp, pp = sizes
+    split, empty_chunks = options.get("split", "fsdp2"), options.get("empty_chunks", True)
+    pad_multiple, pad_value = options.get("pad_multiple", 1), options.get("pad_value", 0)
+    _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
+    out = {}
+    for slot, p in stage_slots(m, stages, pp_rank, moe_params(m)):
+        if p.expert is not None:
+            continue
+        local = tp_slice(m, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+        if fsdp == 1:
+            out[slot] = local
+            continue
+        if p.rule == "vocab":  # FSDP: the real vocabulary rows only
+            per = local.shape[0]
+            local = local.narrow(0, 0, max(0, min(per, m.vocab - tp_rank * per)))
+        if split == "zero3":
+            out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
+        elif (chunk := fsdp_chunk(local, fsdp, fsdp_rank)) is not None:
+            out[slot] = chunk
+        elif empty_chunks:
+            out[slot] = local[:0].clone()
+    return out
+
+
 def stacked_local_tensors(
     m: MoeDecoder,
     full: dict[str, torch.Tensor],
@@ -774,22 +814,9 @@ def stacked_local_tensors(
     tensor, the routed experts as ``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj``, every
     other slot as :func:`local_tensors` gives it (ZeRO-3: every tensor its flat partition)."""
     _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
-    out = {}
-    for slot, p in stage_slots(m, stages, pp_rank, moe_params(m)):
-        if p.expert is not None:
-            continue
-        local = tp_slice(m, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
-        if fsdp == 1:
-            out[slot] = local
-            continue
-        if p.rule == "vocab":  # FSDP: the real vocabulary rows only
-            per = local.shape[0]
-            local = local.narrow(0, 0, max(0, min(per, m.vocab - tp_rank * per)))
-        if split == "zero3":
-            out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
-        else:  # FSDP2 keeps a (0, ...) local tensor where torch.chunk gives no chunk
-            chunk = fsdp_chunk(local, fsdp, fsdp_rank)
-            out[slot] = local[:0].clone() if chunk is None else chunk
+    out = moe_dense_locals(
+        m, full, (dp, fsdp, tp, pp), stages, rank, split=split, pad_multiple=pad_multiple, pad_value=pad_value
+    )
     for layer in stages[pp_rank]:
         if layer < m.dense_layers:
             continue
@@ -820,3 +847,56 @@ def fsdp_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, 
             if dp % fsdp == 0:
                 out.append((dp // fsdp, fsdp, tp, pp))
     return sorted(out, key=lambda t: -sum(n > 1 for n in t))
+
+
+# -- torchtitan: expert parallelism with FSDP -----------------------------------------------------
+
+
+def torchtitan_local_tensors(
+    m: MoeDecoder,
+    full: dict[str, torch.Tensor],
+    dp: int,
+    fsdp: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    stages: list[list[int]],
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """Slot name -> local tensor of ``rank`` under torchtitan's EP + FSDP: dense slots as
+    :func:`local_tensors` (fsdp); every MoE layer's ``w1``/``w3``/``w2`` stacks (checkpoint gate /
+    up / down of every expert) distributed ``Shard(0)`` over ep, then ``torch.chunk`` over efsdp on
+    dim 0 (``efsdp * ep <= E``) or dim 1, given back per expert (a piece with no rows is absent)."""
+    out = moe_dense_locals(m, full, (dp, fsdp, tp, pp), stages, rank, empty_chunks=False)
+    _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
+    i = tp_rank + tp * fsdp_rank  # the sparse mesh: efsdp x ep over the same fsdp x tp ranks
+    ep_rank, efsdp_rank, efsdp = i % ep, i // ep, fsdp * tp // ep
+    dim = 0 if efsdp * ep <= m.experts else 1
+    ids = torch.arange(m.experts).chunk(ep)[ep_rank]
+    if dim == 0:
+        parts = ids.chunk(efsdp)
+        ids = parts[efsdp_rank] if efsdp_rank < len(parts) else ids[:0]
+    for layer in stages[pp_rank]:
+        if layer < m.dense_layers:
+            continue
+        pre = f"model.layers.{layer}.mlp.experts."
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stack = torch.stack([full[f"{pre}{e}.{proj}.weight"] for e in range(m.experts)])
+            local = stack.chunk(ep, 0)[ep_rank]
+            parts = local.chunk(efsdp, dim)
+            mine = parts[efsdp_rank] if efsdp_rank < len(parts) else local.narrow(dim, 0, 0)
+            for k, e in enumerate(ids.tolist()):
+                if mine[k].shape[0]:
+                    out[f"{pre}{e}.{proj}.weight"] = mine[k].clone()
+    return out
+
+
+def torchtitan_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, int, int]]:
+    """Every ``(dp, fsdp, tp, pp, ep)`` of ``world`` ranks torchtitan runs for ``m``: fsdp > 1,
+    ep > 1 dividing fsdp x tp and the expert count."""
+    out = []
+    for dp, fsdp, tp, pp in fsdp_factorisations(m, world):
+        for ep in range(2, fsdp * tp + 1):
+            if fsdp > 1 and (fsdp * tp) % ep == 0 and m.experts % ep == 0:
+                out.append((dp, fsdp, tp, pp, ep))
+    return out

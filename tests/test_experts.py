@@ -387,7 +387,11 @@ def test_expert_mesh_matches_vllm_with_etp_1():
     [
         ("dp=3,ep=2", {}, "ep=2 x etp=1 = 2 must divide dp x tp = 3"),
         ("dp=2,tp=2,ep=4", {}, "must divide dp x tp = 4"),
-        ("dp=2,fsdp=2,ep=2", {}, "fsdp=2 with ep=2"),
+        (
+            "dp=2,fsdp=2,tp=2,ep=2",
+            {},
+            "fsdp=2 with ep=2, etp=2",
+        ),  # torchtitan: etp=1 (tests/test_torchtitan_experts.py)
         ("dp=2,fsdp=2,tp=2,etp=1", {}, "fsdp=2 with ep=1, etp=1"),
     ],
 )

@@ -134,12 +134,22 @@ def test_piece_table_is_the_layouts_groups(case, data):
 # -- plans between formats ------------------------------------------------------------------------
 
 
+def format_oracle(m, layout: Layout, full, rank: int, pad_value=0) -> dict[str, torch.Tensor]:
+    """The oracle's tensors of ``rank`` in ``layout``'s engine format: transformers' stacked
+    experts, torchtitan's EP + FSDP (per expert), or Megatron's / vLLM's expert mesh."""
+    t = layout.topology
+    if layout.expert_order == "hf_stacked":
+        return stacked_oracle(m, layout, full, rank, pad_value)
+    if t.torchtitan_experts:
+        return oracle.torchtitan_local_tensors(m, full, t.dp, t.fsdp, t.tp, t.pp, t.ep, stages_of(m, t), rank)
+    return oracle_tensors(m, full, t, rank, layout.vocab_pad_multiple, pad_value)
+
+
 def dst_tensors(m, layout: Layout, rank: int, store: ShardStore) -> tuple[dict, dict]:
     """(got, want) of a destination rank: engine views vs the oracle in its format."""
     full = oracle.moe_full_tensors(m, seed=5)
-    if layout.expert_order == "hf_stacked":
-        return engine_views(layout, rank, store.buffers), stacked_oracle(m, layout, full, rank)
-    return store.shard_tensors(), oracle_tensors(m, full, layout.topology, rank, layout.vocab_pad_multiple)
+    got = engine_views(layout, rank, store.buffers) if layout.expert_order == "hf_stacked" else store.shard_tensors()
+    return got, format_oracle(m, layout, full, rank)
 
 
 def held_masks(m, layout: Layout) -> dict:
@@ -150,10 +160,7 @@ def held_masks(m, layout: Layout) -> dict:
     index = {p.name: torch.arange(p.numel, dtype=torch.int64).reshape(p.shape) + int(b) for p, b in zip(plist, bases)}
     out = {}
     for rank in range(layout.topology.world_size):
-        if layout.expert_order == "hf_stacked":
-            tensors = stacked_oracle(m, layout, index, rank, pad_value=-1)
-        else:
-            tensors = oracle_tensors(m, index, layout.topology, rank, layout.vocab_pad_multiple, pad_value=-1)
+        tensors = format_oracle(m, layout, index, rank, pad_value=-1)
         flat = torch.cat([t.reshape(-1) for t in tensors.values()]).numpy()
         flat = flat[flat >= 0]
         owner = np.searchsorted(bases, flat, side="right") - 1

@@ -47,6 +47,7 @@ from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_e
 from realloc.layout.holdings import Group, PieceTable
 from realloc.layout.stacked import stacked_owners, stacked_pieces
 from realloc.layout.topology import Topology
+from realloc.layout.torchtitan import torchtitan_expert_pieces
 from realloc.layout.zero3 import zero3_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
 
@@ -301,8 +302,15 @@ class Layout:
         """``(param spec, name, slot, offsets, sizes, local shape)`` of every slot of the
         ``(tp_rank, pp_rank)`` coordinate before sharded data parallelism cuts it (without expert
         parallelism: routed experts are split by tp like every other parameter)."""
-        tp = self.topology.tp
-        return self._ordered([self._box(p, name, slot, tp, tp_rank) for p, name, slot in self._stage(pp_rank)[0]])
+        t = self.topology  # routed experts: etp is tp here, or 1 (whole) with torchtitan's EP + FSDP
+        return self._ordered(
+            [
+                self._box(p, name, slot, t.expert_tp, tp_rank % t.expert_tp)
+                if p.expert is not None
+                else self._box(p, name, slot, t.tp, tp_rank)
+                for p, name, slot in self._stage(pp_rank)[0]
+            ]
+        )
 
     def _dense_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
         """The boxes of the stage's parameters that are not routed experts, as :meth:`_tp_boxes`."""
@@ -335,10 +343,10 @@ class Layout:
                 for fsdp_rank in range(fsdp):
                     fill: dict[str, int] = {}
                     shards = []
-                    stacked = self._stacked_pieces(tp_boxes, fsdp_rank)
+                    stacked = self._expert_pieces(tp_boxes, tp_rank, fsdp_rank)
                     for i, (p, name, slot, offsets, sizes, local) in enumerate(tp_boxes):
                         pieces = [((offsets, sizes), local)]
-                        if i in stacked:  # transformers 5's stacked experts (realloc.layout.stacked)
+                        if i in stacked:  # stacked experts (realloc.layout.stacked), torchtitan's (.torchtitan)
                             pieces = stacked[i]
                         elif zero3:  # flat partitions: a few consecutive boxes, padding in the last
                             pieces = zero3_pieces(tuple(offsets), tuple(sizes), fsdp, fsdp_rank)
@@ -360,13 +368,22 @@ class Layout:
                     result[fsdp_rank, tp_rank, pp_rank] = tuple(shards), fill
         return result
 
-    def _stacked_pieces(self, tp_boxes: list[tuple], fsdp_rank: int) -> dict[int, list]:
-        """Entry index -> pieces of the routed experts of ``tp_boxes`` on ``fsdp_rank`` when
-        ``expert_order="hf_stacked"`` shards stacked tensors (fsdp > 1), else ``{}``."""
+    def _expert_pieces(self, tp_boxes: list[tuple], tp_rank: int, fsdp_rank: int) -> dict[int, list]:
+        """Entry index -> pieces of the routed experts of ``tp_boxes`` on ``(fsdp_rank, tp_rank)``
+        when fsdp > 1 cuts them its own way: ``expert_order="hf_stacked"`` (stacked tensors) or
+        torchtitan's EP + FSDP (``Topology.torchtitan_experts``); else ``{}``."""
         t = self.topology
+        if t.torchtitan_experts:
+            return torchtitan_expert_pieces(tp_boxes, t, self.num_experts, tp_rank, fsdp_rank)
         if self.expert_order != "hf_stacked" or t.fsdp == 1:
             return {}
         return stacked_pieces(tp_boxes, t.fsdp, fsdp_rank, t.fsdp_split == "zero3")
+
+    @property
+    def _by_expert_rank(self) -> bool:
+        """Whether shards differ between the ranks of one ``(fsdp, tp, pp)`` coordinate (expert
+        parallelism on Megatron's / vLLM's mesh; torchtitan's EP + FSDP keeps coordinates)."""
+        return self.topology.expert_parallel and not self.topology.torchtitan_experts
 
     def _expert_rank_shards(self, rank: int) -> tuple[tuple[Shard, ...], dict[str, int]]:
         """(shards, elements per dtype buffer) of ``rank`` with expert parallelism: its dense and
@@ -396,7 +413,7 @@ class Layout:
     def shards_at(self, tp_rank: int, pp_rank: int, fsdp_rank: int = 0) -> tuple[Shard, ...]:
         """The shards of every rank of coordinate ``(fsdp_rank, tp_rank, pp_rank)``; with expert
         parallelism ranks of one coordinate differ in experts: use :meth:`shards`."""
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             raise ValueError(
                 f"{self}: with expert parallelism the ranks of tp rank {tp_rank} hold different "
                 "experts; ask for a rank's shards with shards(rank)"
@@ -404,14 +421,14 @@ class Layout:
         return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def shards(self, rank: int) -> tuple[Shard, ...]:
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             return self._expert_rank_shards(rank)[0]
         _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
         return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def buffer_numels(self, rank: int) -> dict[str, int]:
         """Elements of each dtype buffer of ``rank``."""
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             return dict(self._expert_rank_shards(rank)[1])
         _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
         return dict(self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][1])
@@ -434,7 +451,7 @@ class Layout:
             workers = list(range(world))
         if len(workers) != world:
             raise ValueError(f"{len(workers)} worker ids for {world} ranks of {self.topology}")
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             return self._expert_groups(workers)
         groups = []
         for (fsdp_rank, tp_rank, pp_rank), (shards, _) in self._coordinate_shards.items():
@@ -510,7 +527,7 @@ class Layout:
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
         t = self.topology
-        if t.fsdp > 1 and t.fsdp_split != "fsdp2":  # flat partitions: from the shard table
+        if t.fsdp > 1 and (t.fsdp_split != "fsdp2" or t.torchtitan_experts):  # from the shard table
             return PieceTable.of_groups(self.groups(workers))
         if t.expert_parallel:
             return self._expert_piece_table(workers)
