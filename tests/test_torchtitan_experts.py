@@ -120,3 +120,20 @@ def test_other_expert_orders_are_refused_with_torchtitan():
         Layout(TINY.spec(), t, expert_order="hf_stacked")
     with pytest.raises(ValueError, match="vLLM's fused expert buffers are not FSDP shards"):
         Layout(TINY.spec(), t, expert_order="vllm")
+
+
+def test_layout_values_and_manifests_keep_the_composition():
+    import json
+    import pickle
+
+    from test_experts import manifest_of
+
+    from realloc.ckpt.manifest import Manifest
+
+    layout = Layout(TINY.spec(), Topology.parse("dp=2,fsdp=2,tp=2,ep=2,etp=1"))
+    assert str(layout.topology) == "dp=2,fsdp=2,tp=2,pp=1,ep=2,etp=1"
+    assert Topology.parse(str(layout.topology)) == layout.topology and layout.topology.torchtitan_experts
+    assert pickle.loads(pickle.dumps(layout)) == layout
+    assert layout != Layout(TINY.spec(), Topology.parse("dp=2,fsdp=2,tp=2"))
+    data = json.loads(json.dumps(manifest_of(layout).to_json()))
+    assert Manifest.from_json(data).layout(layout.spec) == layout
