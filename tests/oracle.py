@@ -852,22 +852,15 @@ def fsdp_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, 
 # -- torchtitan: expert parallelism with FSDP -----------------------------------------------------
 
 
-def torchtitan_local_tensors(
-    m: MoeDecoder,
-    full: dict[str, torch.Tensor],
-    dp: int,
-    fsdp: int,
-    tp: int,
-    pp: int,
-    ep: int,
-    stages: list[list[int]],
-    rank: int,
-) -> dict[str, torch.Tensor]:
-    """Slot name -> local tensor of ``rank`` under torchtitan's EP + FSDP: dense slots as
-    :func:`local_tensors` (fsdp); every MoE layer's ``w1``/``w3``/``w2`` stacks (checkpoint gate /
-    up / down of every expert) distributed ``Shard(0)`` over ep, then ``torch.chunk`` over efsdp on
-    dim 0 (``efsdp * ep <= E``) or dim 1, given back per expert (a piece with no rows is absent)."""
-    out = moe_dense_locals(m, full, (dp, fsdp, tp, pp), stages, rank, empty_chunks=False)
+def torchtitan_expert_stacks(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int, int], stages, rank: int
+) -> list[tuple[int, str, torch.Tensor, list[int]]]:
+    """``(layer, proj, local stack, its experts)`` of every MoE layer on ``rank`` under torchtitan's
+    EP + FSDP, ``sizes = (dp, fsdp, tp, pp, ep)``: the global stack of ``proj`` (``gate_proj`` is
+    ``w1``, ``up_proj`` ``w3``, ``down_proj`` ``w2``) distributed ``Shard(0)`` over ep, then
+    ``torch.chunk`` over efsdp on dim 0 (``efsdp * ep <= E``) or dim 1 (a zero-size stack where
+    torch.chunk gives no chunk)."""
+    dp, fsdp, tp, pp, ep = sizes
     _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
     i = tp_rank + tp * fsdp_rank  # the sparse mesh: efsdp x ep over the same fsdp x tp ranks
     ep_rank, efsdp_rank, efsdp = i % ep, i // ep, fsdp * tp // ep
@@ -876,18 +869,45 @@ def torchtitan_local_tensors(
     if dim == 0:
         parts = ids.chunk(efsdp)
         ids = parts[efsdp_rank] if efsdp_rank < len(parts) else ids[:0]
+    out = []
     for layer in stages[pp_rank]:
         if layer < m.dense_layers:
             continue
         pre = f"model.layers.{layer}.mlp.experts."
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in ("gate_proj", "down_proj", "up_proj"):
             stack = torch.stack([full[f"{pre}{e}.{proj}.weight"] for e in range(m.experts)])
             local = stack.chunk(ep, 0)[ep_rank]
             parts = local.chunk(efsdp, dim)
             mine = parts[efsdp_rank] if efsdp_rank < len(parts) else local.narrow(dim, 0, 0)
-            for k, e in enumerate(ids.tolist()):
-                if mine[k].shape[0]:
-                    out[f"{pre}{e}.{proj}.weight"] = mine[k].clone()
+            out.append((layer, proj, mine.clone(), ids.tolist()))
+    return out
+
+
+def torchtitan_local_tensors(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int, int], stages, rank: int
+) -> dict[str, torch.Tensor]:
+    """Slot name -> local tensor of ``rank`` under torchtitan's EP + FSDP (``sizes = (dp, fsdp,
+    tp, pp, ep)``): dense slots as FSDP2 holds them (empty chunks absent), routed experts cut out
+    of :func:`torchtitan_expert_stacks` per expert (a piece with no rows is absent)."""
+    out = moe_dense_locals(m, full, sizes[:4], stages, rank, empty_chunks=False)
+    for layer, proj, mine, ids in torchtitan_expert_stacks(m, full, sizes, stages, rank):
+        for k, e in enumerate(ids):
+            if mine[k].shape[0]:
+                out[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = mine[k].clone()
+    return out
+
+
+def torchtitan_module_tensors(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int, int], stages, rank: int
+) -> dict[str, torch.Tensor]:
+    """What torchtitan's modules hold on ``rank``: FSDP2's dense local tensors (zero-size where the
+    chunk is empty) and the ``GroupedExperts`` stacks under torchtitan's FQNs
+    (``layers.N.moe.routed_experts.inner_experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD``, its
+    state_dict_adapter's names)."""
+    out = moe_dense_locals(m, full, sizes[:4], stages, rank)
+    kinds = {"gate_proj": "w1_EFD", "down_proj": "w2_EDF", "up_proj": "w3_EFD"}
+    for layer, proj, mine, _ in torchtitan_expert_stacks(m, full, sizes, stages, rank):
+        out[f"layers.{layer}.moe.routed_experts.inner_experts.{kinds[proj]}"] = mine
     return out
 
 

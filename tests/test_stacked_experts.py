@@ -75,12 +75,13 @@ def filled(layout: Layout, rank: int, full, poison: bool) -> ShardStore:
 
 
 def check_rank(m, layout: Layout, rank: int, buffers, full) -> None:
-    want = stacked_oracle(m, layout, full, rank)
+    """The engine views of ``rank`` (stacked experts) are the oracle's, bit for bit."""
+    want = format_oracle(m, layout, full, rank)
     got = engine_views(layout, rank, buffers)
     assert sorted(got) == sorted(want), f"rank {rank} of {layout}"
     for name, tensor in want.items():
         assert got[name].shape == tensor.shape, (rank, name, got[name].shape, tensor.shape)
-        assert torch.equal(got[name], tensor), f"rank {rank} {name} differs from transformers' ({layout})"
+        assert torch.equal(got[name], tensor), f"rank {rank} {name} differs from the engine's ({layout})"
 
 
 # -- strategies ---------------------------------------------------------------------------------
@@ -140,15 +141,19 @@ def format_oracle(m, layout: Layout, full, rank: int, pad_value=0) -> dict[str, 
     t = layout.topology
     if layout.expert_order == "hf_stacked":
         return stacked_oracle(m, layout, full, rank, pad_value)
+    if layout.expert_order == "torchtitan":
+        sizes = (t.dp, t.fsdp, t.tp, t.pp, t.ep)
+        return oracle.torchtitan_module_tensors(m, full, sizes, stages_of(m, t), rank)
     if t.torchtitan_experts:
-        return oracle.torchtitan_local_tensors(m, full, t.dp, t.fsdp, t.tp, t.pp, t.ep, stages_of(m, t), rank)
+        return oracle.torchtitan_local_tensors(m, full, (t.dp, t.fsdp, t.tp, t.pp, t.ep), stages_of(m, t), rank)
     return oracle_tensors(m, full, t, rank, layout.vocab_pad_multiple, pad_value)
 
 
 def dst_tensors(m, layout: Layout, rank: int, store: ShardStore) -> tuple[dict, dict]:
     """(got, want) of a destination rank: engine views vs the oracle in its format."""
     full = oracle.moe_full_tensors(m, seed=5)
-    got = engine_views(layout, rank, store.buffers) if layout.expert_order == "hf_stacked" else store.shard_tensors()
+    stacks = layout.expert_order in ("hf_stacked", "torchtitan")
+    got = engine_views(layout, rank, store.buffers) if stacks else store.shard_tensors()
     return got, format_oracle(m, layout, full, rank)
 
 
@@ -161,7 +166,7 @@ def held_masks(m, layout: Layout) -> dict:
     out = {}
     for rank in range(layout.topology.world_size):
         tensors = format_oracle(m, layout, index, rank, pad_value=-1)
-        flat = torch.cat([t.reshape(-1) for t in tensors.values()]).numpy()
+        flat = torch.cat([t.reshape(-1) for t in tensors.values()] or [torch.zeros(0, dtype=torch.int64)]).numpy()
         flat = flat[flat >= 0]
         owner = np.searchsorted(bases, flat, side="right") - 1
         masks = {}
@@ -306,3 +311,15 @@ def test_refusals_name_what_is_allowed():
         Layout(TINY.spec(), Topology(tp=2), expert_order="stacked")
     with pytest.raises(ValueError, match="vocab_pad_multiple=64 with fsdp=2"):
         Layout(TINY.spec(), Topology(fsdp=2), 64, expert_order="hf_stacked")
+
+
+def test_fsdp2_views_of_a_tp_rank_without_vocabulary_rows():
+    """5 vocabulary rows over tp=4 (torch.chunk: 2, 2, 1, 0): tp rank 3 holds none, so no fsdp rank
+    does and FSDP2's local tensor is (0, hidden); shard_views gave a KeyError there."""
+    from realloc.shards import shard_views
+
+    d = oracle.Decoder(hidden=4, intermediate=8, layers=2, heads=4, kv_heads=2, head_dim=1, vocab=5)
+    layout = Layout(d.spec(), Topology(fsdp=2, tp=4))
+    for rank in (3, 7):
+        views = shard_views(layout.at(rank), allocate_buffers(layout, rank))
+        assert views["model.embed_tokens.weight"].shape == (0, 4)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_experts import TINY, check_packed_buffers, check_piece_table, stages_of
 from test_layout import check_shards_written_from_full_tensors
 from test_planner_properties import placements
-from test_stacked_experts import any_format_layout, check_formats
+from test_stacked_experts import any_format_layout, check_formats, check_rank, engine_views, filled
 
 from realloc import Layout, Placement, Topology
 
@@ -29,7 +29,8 @@ def torchtitan_layouts(draw, m=None, world=None):
     assume(options)
     dp, fsdp, tp, pp, ep = draw(st.sampled_from(options))
     split = draw(oracle.layer_splits(st, m.layers, pp))
-    return m, Layout(m.spec(), Topology(dp, tp, pp, split, fsdp=fsdp, ep=ep, etp=1))
+    order = draw(st.sampled_from(["hf", "torchtitan"]))
+    return m, Layout(m.spec(), Topology(dp, tp, pp, split, fsdp=fsdp, ep=ep, etp=1), expert_order=order)
 
 
 @settings(max_examples=60, deadline=None)
@@ -41,9 +42,18 @@ def test_every_ranks_tensors_are_torchtitans(case):
     check_shards_written_from_full_tensors(
         layout,
         full,
-        lambda rank: oracle.torchtitan_local_tensors(m, full, t.dp, t.fsdp, t.tp, t.pp, t.ep, stages_of(m, t), rank),
+        lambda rank: oracle.torchtitan_local_tensors(m, full, (t.dp, t.fsdp, t.tp, t.pp, t.ep), stages_of(m, t), rank),
     )
     check_packed_buffers(layout)
+    if layout.expert_order == "torchtitan":  # the GroupedExperts stacks, one view of the buffer each
+        for rank in range(t.world_size):
+            store = filled(layout, rank, full, poison=False)
+            check_rank(m, layout, rank, store.buffers, full)
+            views = engine_views(layout, rank, store.buffers)
+            stacks = [v for k, v in views.items() if "inner_experts" in k and v.numel()]  # zero-size: FSDP2's empty
+            for v in stacks:
+                assert v.untyped_storage().data_ptr() == store.buffers[m.dtype].untyped_storage().data_ptr()
+                assert v.is_contiguous()
 
 
 @settings(max_examples=30, deadline=None)
@@ -71,7 +81,8 @@ def test_random_plans_to_and_from_torchtitan(data):
         (("dp=1,fsdp=4,tp=2,ep=2,etp=1", "hf"), ("dp=1,fsdp=8", "hf_stacked")),  # Shard(1) -> transformers
         (("dp=2,fsdp=2,ep=2,etp=1", "hf"), ("dp=4", "hf")),  # HSDP -> replicated
         (("dp=1,fsdp=2,pp=2,ep=2,etp=1", "hf"), ("dp=2,tp=2,ep=2", "hf")),  # with pp, to Megatron's mesh
-        (("dp=1,fsdp=6,ep=3,etp=1", "hf"), ("dp=1,fsdp=6,ep=2,etp=1", "hf")),  # ep 3 -> 2, Shard(1) both
+        (("dp=1,fsdp=6,ep=3,etp=1", "hf"), ("dp=1,fsdp=6,ep=2,etp=1", "torchtitan")),  # ep 3 -> 2, Shard(1)
+        (("dp=1,fsdp=4,ep=2,etp=1", "torchtitan"), ("dp=1,fsdp=4", "hf_stacked")),  # w1/w2/w3 -> gate_up_proj
     ],
 )
 def test_chosen_plans_to_and_from_torchtitan(src, dst):
@@ -112,6 +123,14 @@ def test_torchtitans_expert_chunks():
 def test_refused(topology, match):
     with pytest.raises(ValueError, match=match):
         Layout(TINY.spec(), Topology.parse(topology))
+
+
+def test_torchtitan_order_needs_the_composition():
+    with pytest.raises(ValueError, match="for its EP \\+ FSDP composition only"):
+        Layout(TINY.spec(), Topology.parse("dp=1,fsdp=4"), expert_order="torchtitan")
+    dense = oracle.Decoder(hidden=8, intermediate=16, layers=2, heads=4, kv_heads=2, head_dim=2, vocab=10)
+    with pytest.raises(ValueError, match="no routed experts"):
+        Layout(dense.spec(), Topology(fsdp=2), expert_order="torchtitan")
 
 
 def test_other_expert_orders_are_refused_with_torchtitan():

@@ -43,7 +43,7 @@ import numpy as np
 
 from realloc._checks import check_positive
 from realloc.boxes import Box
-from realloc.layout.conventions import check_options, megatron_qkv_order, vllm_expert_order
+from realloc.layout.conventions import check_options, megatron_qkv_order, stacked_expert_order
 from realloc.layout.holdings import Group, PieceTable
 from realloc.layout.stacked import stacked_owners, stacked_pieces
 from realloc.layout.topology import Topology
@@ -294,8 +294,8 @@ class Layout:
         """Entries in forward order -> in the buffer order of the engine conventions."""
         if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.layout.conventions)
             entries = megatron_qkv_order(entries, self.topology.tp)
-        if self.expert_order in ("vllm", "hf_stacked"):  # w13_weight / w2_weight, gate_up_proj / down_proj
-            entries = vllm_expert_order(entries)
+        if self.expert_order != "hf":  # stacks: w13_weight / w2_weight, gate_up_proj / down_proj, w1 / w2 / w3
+            entries = stacked_expert_order(entries, self.expert_order)
         return entries
 
     def _tp_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:

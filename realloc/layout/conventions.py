@@ -54,6 +54,9 @@ buffer (docs/conventions.md, "Expert parallelism").
   ``mlp.experts.down_proj`` ``[E, hidden, inter]``), as the engine holds them replicated, tensor
   parallel, FSDP2- or ZeRO-3-sharded: :mod:`realloc.layout.stacked`. Without fsdp the buffer
   order is vLLM's (the same memory, other names and no expert parallelism).
+* ``"torchtitan"``: torchtitan's ``GroupedExperts`` stacks (torchtitan/models/common/moe.py:
+  ``w1_EFD`` gate ``[E, F, D]``, ``w2_EDF`` down ``[E, D, F]``, ``w3_EFD`` up), each one region of the
+  buffer, for its EP + FSDP composition (:mod:`realloc.layout.torchtitan`).
 
 The MLP needs no option: Megatron's ``linear_fc1`` with ``gated_linear_unit`` holds
 ``[gate; up]`` of the rank (``glu`` in megatron/core/transformer/mlp.py chunks the local output in
@@ -74,7 +77,7 @@ if TYPE_CHECKING:
 #: Names ``Layout(qkv_order=...)`` accepts; the first is the default.
 QKV_ORDERS = ("hf", "megatron")
 #: Names ``Layout(expert_order=...)`` accepts; the first is the default.
-EXPERT_ORDERS = ("hf", "vllm", "hf_stacked")
+EXPERT_ORDERS = ("hf", "vllm", "hf_stacked", "torchtitan")
 
 _QKV = re.compile(r"^(?P<prefix>.*)self_attn\.(?P<part>[qkv])_proj\.(?P<suffix>weight|bias)$")
 #: A routed expert's projection: 0 gate (``w1``), 1 up (``w3``), 2 down (``w2``).
@@ -98,6 +101,8 @@ def check_options(
         _check_vllm_experts(spec, topology)
     elif expert_order == "hf_stacked":
         check_stacked_experts(spec, topology)
+    elif expert_order == "torchtitan":
+        check_torchtitan_experts(spec, topology)
     tp = topology.tp
     for p in spec.params:
         if p.pad_to_tp and p.tp_dim is not None:
@@ -193,11 +198,10 @@ def expert_projection(p: "ParamSpec", order: str = "vllm") -> int:
     """0 (gate), 1 (up) or 2 (down) for a routed expert's weight; ``ValueError`` for anything else."""
     m = _EXPERT_PROJ.match(p.name)
     if p.expert is None or not m:
-        held = (
-            "vLLM's FusedMoE holds only w13_weight and w2_weight"
-            if order == "vllm"
-            else "transformers 5 stacks only gate_up_proj and down_proj"
-        )
+        held = {
+            "vllm": "vLLM's FusedMoE holds only w13_weight and w2_weight",
+            "hf_stacked": "transformers 5 stacks only gate_up_proj and down_proj",
+        }.get(order, "torchtitan's GroupedExperts holds only w1, w2 and w3")
         raise ValueError(f"expert_order={order!r}: {p.name} is not a routed expert's gate/up/down weight ({held})")
     return _PROJ_INDEX[m["proj"]]
 
@@ -236,21 +240,29 @@ def check_stacked_experts(spec: "ModelSpec", topology: "Topology") -> None:
         expert_projection(p, "hf_stacked")
 
 
-def vllm_expert_order(entries: list[tuple]) -> list[tuple]:
-    """A stage's boxes in forward order -> the same boxes with every layer's routed experts in
-    vLLM's ``FusedMoE`` order: at the place of the layer's first expert box, per held expert its
-    gate then its up box (``w13_weight``), then every held expert's down box (``w2_weight``).
+#: The stacks of each expert order: projection (0 gate, 1 up, 2 down) -> stack index.
+EXPERT_STACKS = {"vllm": (0, 0, 1), "hf_stacked": (0, 0, 1), "torchtitan": (0, 2, 1)}
+
+
+def stacked_expert_order(entries: list[tuple], order: str = "vllm") -> list[tuple]:
+    """A stage's boxes in forward order -> the same boxes with every layer's routed experts as the
+    stacks of ``order`` (:data:`EXPERT_STACKS`), at the place of the layer's first expert box, each
+    stack per held expert in expert order (and gate before up inside a stack):
+
+    * ``"vllm"`` / ``"hf_stacked"``: per expert its gate then its up box (vLLM's ``w13_weight``,
+      transformers' ``gate_up_proj``), then every expert's down box (``w2_weight``, ``down_proj``);
+    * ``"torchtitan"``: every expert's gate (``w1_EFD``), then down (``w2_EDF``), then up (``w3_EFD``).
 
     ``entries`` are ``(param_spec, name, slot, offsets, sizes, local_shape)`` as
     :class:`~realloc.layout.Layout` builds them.
     """
-    layers: dict[int, tuple[list[tuple], list[tuple]]] = {}
+    stacks_of = EXPERT_STACKS[order]
+    layers: dict[int, tuple[list, list, list]] = {}
     for entry in entries:
         p = entry[0]
         if p.expert is not None:
-            w13, w2 = layers.setdefault(p.layer, ([], []))
-            proj = expert_projection(p)
-            (w2 if proj == 2 else w13).append(((p.expert, proj), entry))
+            proj = expert_projection(p, order)
+            layers.setdefault(p.layer, ([], [], []))[stacks_of[proj]].append(((p.expert, proj), entry))
     out, done = [], set()
     for entry in entries:
         p = entry[0]
@@ -258,6 +270,20 @@ def vllm_expert_order(entries: list[tuple]) -> list[tuple]:
             out.append(entry)
         elif p.layer not in done:
             done.add(p.layer)
-            w13, w2 = layers[p.layer]
-            out += [e for _, e in sorted(w13, key=lambda x: x[0])] + [e for _, e in sorted(w2, key=lambda x: x[0])]
+            out += [e for stack in layers[p.layer] for _, e in sorted(stack, key=lambda x: x[0])]
     return out
+
+
+def check_torchtitan_experts(spec: "ModelSpec", topology: "Topology") -> None:
+    """``ValueError`` unless torchtitan's expert stacks (``expert_order="torchtitan"``) fit: routed
+    gate/up/down experts laid out by torchtitan's EP + FSDP (``Topology.torchtitan_experts``)."""
+    if not any(p.expert is not None for p in spec.params):
+        raise ValueError(f"expert_order='torchtitan': {spec.name} has no routed experts; use expert_order='hf'")
+    if not topology.torchtitan_experts:
+        raise ValueError(
+            f"expert_order='torchtitan' with {topology}: torchtitan's w1/w2/w3 stacks are laid out here "
+            "for its EP + FSDP composition only (fsdp > 1, ep > 1, etp=1); use expert_order='hf'"
+        )
+    for p in spec.params:
+        if p.expert is not None:
+            expert_projection(p, "torchtitan")

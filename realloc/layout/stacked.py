@@ -54,7 +54,7 @@ def stacked_name(p) -> str:
 
 def _stacks(entries: list[tuple]) -> dict[tuple, list[int]]:
     """Indices of ``entries`` (``(param spec, name, slot, offsets, sizes, local)`` in the stacked
-    order of :func:`realloc.layout.conventions.vllm_expert_order`) per stacked tensor."""
+    order of :func:`realloc.layout.conventions.stacked_expert_order`) per stacked tensor."""
     stacks: dict[tuple, list[int]] = {}
     for i, entry in enumerate(entries):
         p = entry[0]

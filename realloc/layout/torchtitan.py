@@ -31,11 +31,50 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from realloc.boxes import Box
+from realloc.layout.conventions import expert_projection
 
 if TYPE_CHECKING:
     from realloc.layout.topology import Topology
 
-__all__ = ["torchtitan_expert_pieces"]
+__all__ = ["torchtitan_expert_pieces", "torchtitan_local_shape", "torchtitan_name"]
+
+
+def _mesh(topology: "Topology", num_experts: int, tp_rank: int, fsdp_rank: int) -> tuple[range, bool, int, int]:
+    """``(experts held, Shard(0)?, efsdp rank, efsdp)`` of coordinate ``(fsdp_rank, tp_rank)``."""
+    t = topology
+    i = tp_rank + t.tp * fsdp_rank
+    ep_rank, efsdp_rank = i % t.ep, i // t.ep
+    efsdp = t.fsdp * t.tp // t.ep
+    per = num_experts // t.ep
+    block = range(ep_rank * per, (ep_rank + 1) * per)
+    whole = efsdp * t.ep <= num_experts  # torchtitan's Shard(0) on the expert axis, else Shard(1)
+    chunk = -(-per // efsdp)
+    return (block[efsdp_rank * chunk : (efsdp_rank + 1) * chunk] if whole else block), whole, efsdp_rank, efsdp
+
+
+def _rows(n: int, efsdp: int, efsdp_rank: int) -> tuple[int, int]:
+    """``(first, count)`` of the rows efsdp rank ``efsdp_rank`` holds of ``n`` (``torch.chunk``)."""
+    rows = -(-n // efsdp)
+    first = min(efsdp_rank * rows, n)
+    return first, min(first + rows, n) - first
+
+
+def torchtitan_local_shape(
+    shape: tuple[int, ...], topology: "Topology", num_experts: int, tp_rank: int, fsdp_rank: int
+) -> tuple[int, ...]:
+    """The local shape of the stack ``[E, *shape]`` of one expert tensor kind on coordinate
+    ``(fsdp_rank, tp_rank)`` (FSDP2's local tensor, zero-size where its chunk is empty)."""
+    held, whole, efsdp_rank, efsdp = _mesh(topology, num_experts, tp_rank, fsdp_rank)
+    if whole:
+        return (len(held),) + tuple(shape)
+    return (len(held), _rows(shape[0], efsdp, efsdp_rank)[1]) + tuple(shape[1:])
+
+
+def torchtitan_name(p) -> str:
+    """torchtitan's name of the stack routed expert weight ``p`` is part of (the FQN its
+    state_dict_adapter maps checkpoints to: ``layers.N.moe.routed_experts.inner_experts.w1_EFD``)."""
+    kind = ("w1_EFD", "w3_EFD", "w2_EDF")[expert_projection(p, "torchtitan")]
+    return f"layers.{p.layer}.moe.routed_experts.inner_experts.{kind}"
 
 
 def torchtitan_expert_pieces(
@@ -57,15 +96,7 @@ def torchtitan_expert_pieces(
         >>> torchtitan_expert_pieces(e[:4], four, 4, 0, 3)[2]  # ep 1 (experts 2, 3), row 1 of 4
         [(((1, 0), (1, 2)), (1, 2))]
     """
-    t = topology
-    i = tp_rank + t.tp * fsdp_rank
-    ep_rank, efsdp_rank = i % t.ep, i // t.ep
-    efsdp = t.fsdp * t.tp // t.ep
-    per = num_experts // t.ep
-    block = range(ep_rank * per, (ep_rank + 1) * per)
-    whole = efsdp * t.ep <= num_experts  # torchtitan's Shard(0) on the expert axis, else Shard(1)
-    chunk = -(-per // efsdp)
-    mine = block[efsdp_rank * chunk : (efsdp_rank + 1) * chunk] if whole else block
+    mine, whole, efsdp_rank, efsdp = _mesh(topology, num_experts, tp_rank, fsdp_rank)
     out: dict[int, list] = {}
     for index, (p, _, _, offsets, sizes, _) in enumerate(entries):
         if p.expert is None:
@@ -75,9 +106,8 @@ def torchtitan_expert_pieces(
             continue
         offsets, sizes = list(offsets), list(sizes)
         if not whole:  # the rows of this efsdp rank
-            rows = -(-sizes[0] // efsdp)
-            first = min(efsdp_rank * rows, sizes[0])
-            offsets[0], sizes[0] = offsets[0] + first, min(first + rows, sizes[0]) - first
+            first, sizes[0] = _rows(sizes[0], efsdp, efsdp_rank)
+            offsets[0] += first
             if not sizes[0]:
                 continue
         out[index] = [((tuple(offsets), tuple(sizes)), tuple(sizes))]

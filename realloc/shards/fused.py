@@ -44,6 +44,7 @@ from realloc._checks import check_choice
 from realloc.layout import RankLayout
 from realloc.layout.conventions import expert_projection, megatron_qkv_order, qkv_triples
 from realloc.layout.stacked import stacked_name
+from realloc.layout.torchtitan import torchtitan_local_shape, torchtitan_name
 from realloc.shards.store import TORCH_DTYPES
 from realloc.shards.views import fused_view, shard_views
 
@@ -95,6 +96,10 @@ def fused_views(
       ``ds_tensor`` partitions are :func:`~realloc.shards.views.flat_views`. With FSDP2 such a
       layout gets no ``qkv_proj`` / ``gate_up_proj`` views (transformers' q/k/v and gate/up are
       separate parameters, each chunked on its own).
+    * ``layers.N.moe.routed_experts.inner_experts.w1_EFD`` (gates), ``w2_EDF`` (downs) and
+      ``w3_EFD`` (ups): torchtitan's ``GroupedExperts`` local tensors under its EP + FSDP, for a
+      layout built with ``expert_order="torchtitan"`` (:mod:`realloc.layout.torchtitan`),
+      zero-size where FSDP2's chunk is empty.
 
     (Names and part order: ``stacked_params_mapping`` in vllm/model_executor/models/llama.py.)
     The parts stay in the result too, so one dict serves both conventions.
@@ -119,8 +124,8 @@ def fused_views(
             f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'"
         )
     layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
-    if rank_layout.layout.expert_order == "hf_stacked" and rank_layout.layout.topology.fsdp > 1:
-        layers = []  # FSDP2 of a transformers 5 model: q/k/v and gate/up are separate chunked tensors
+    if rank_layout.layout.expert_order in ("hf_stacked", "torchtitan") and rank_layout.layout.topology.fsdp > 1:
+        layers = []  # FSDP2 of transformers / torchtitan: q/k/v and gate/up are separate chunked tensors
     for layer in layers:
         prefix = f"model.layers.{layer}."
         for fused, parts in FUSED_PARTS.items():
@@ -138,6 +143,8 @@ def fused_views(
         views.update(_expert_views(rank_layout, buffers, _vllm_expert_name))
     elif rank_layout.layout.expert_order == "hf_stacked":
         views.update(_stacked_expert_views(rank_layout, buffers))
+    elif rank_layout.layout.expert_order == "torchtitan":
+        views.update(_torchtitan_expert_views(rank_layout, buffers))
     return views
 
 
@@ -159,14 +166,28 @@ def _expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], 
     views = {}
     for name, parts in stacks.items():
         shards = [shard for _, shard in sorted(parts, key=lambda x: x[0])]
-        experts = len({key[0] for key, _ in parts})
-        if len(shards) != experts * (1 if parts[0][0][1] == 2 else 2):
+        experts, kinds = len({key[0] for key, _ in parts}), len({key[1] for key, _ in parts})
+        if len(shards) != experts * kinds:
             raise ValueError(
                 f"{rank_layout}: cannot build {name}: the rank holds {len(shards)} shards of {experts} experts "
-                "(gate and up of each, or down of each, are needed)"
+                f"({kinds} tensor(s) of each are needed)"
             )
         flat = fused_view(name, shards, buffers, rank_layout)
         views[name] = flat.view((experts, flat.shape[0] // experts) + tuple(flat.shape[1:]))
+    return views
+
+
+def _torchtitan_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torchtitan's ``layers.N.moe.routed_experts.inner_experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` of
+    every MoE layer of the rank (:mod:`realloc.layout.torchtitan`), zero-size where FSDP2's chunk is."""
+    views = _expert_views(rank_layout, buffers, torchtitan_name)
+    layout = rank_layout.layout
+    _, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(rank_layout.rank)
+    device = next((b.device for b in buffers.values()), torch.device("cpu"))
+    for p in layout.spec.params:
+        if p.expert == 0 and p.layer in layout.stages[pp_rank] and torchtitan_name(p) not in views:
+            shape = torchtitan_local_shape(p.shape, layout.topology, layout.num_experts, tp_rank, fsdp_rank)
+            views[torchtitan_name(p)] = torch.empty(shape, dtype=TORCH_DTYPES[p.dtype], device=device)
     return views
 
 

@@ -104,19 +104,21 @@ def _with_empty_chunks(
     """``views`` plus a 0-row tensor for every slot of the stage whose FSDP2 chunk is empty here
     (FSDP2's ``_get_dim_chunked_size``: the chunk's size with 0 along dim 0), in forward order."""
     _, _, tp_rank, pp_rank = rank_layout.layout.topology.coords4(rank_layout.rank)
-    first = {s.slot: s for s in rank_layout.layout.shards_at(tp_rank, pp_rank, 0)}  # fsdp rank 0 holds rows
+    # the tp boxes FSDP2 chunks (a tp rank may hold no vocabulary rows at all: then no fsdp rank does)
+    tp_boxes = {entry[2]: entry for entry in rank_layout.layout._tp_boxes(tp_rank, pp_rank)}
     device = next((b.device for b in buffers.values()), torch.device("cpu"))
     out = {}
-    stacked = rank_layout.layout.expert_order == "hf_stacked"  # experts: gate_up_proj / down_proj (fused_views)
+    # experts stacked (transformers' gate_up_proj, torchtitan's w1/w2/w3: fused_views) are not per-expert chunks
+    stacked = rank_layout.layout.expert_order == "hf_stacked" or rank_layout.layout.topology.torchtitan_experts
     by_name = rank_layout.layout.spec.by_name
     for name, slot in rank_layout.layout.stage_slots(pp_rank):
         if slot in views:
             out[slot] = views[slot]
         elif stacked and by_name[name].expert is not None:
-            continue  # an expert of another fsdp rank's chunk of the stacked tensor
+            continue  # an expert of another rank's chunk of the stack
         else:
-            shard = first[slot]
-            out[slot] = torch.empty((0,) + tuple(shard.sizes[1:]), dtype=TORCH_DTYPES[shard.dtype], device=device)
+            p, _, _, _, sizes, _ = tp_boxes[slot]
+            out[slot] = torch.empty((0,) + tuple(sizes[1:]), dtype=TORCH_DTYPES[p.dtype], device=device)
     return out
 
 
