@@ -153,7 +153,7 @@ def add_plan_parser(subparsers: Any) -> None:
             default=EXPERT_ORDERS[0],
             help=f"buffer order of the {side} layout's routed experts: {' or '.join(EXPERT_ORDERS)} "
             "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight; hf_stacked: transformers 5's "
-            "gate_up_proj/down_proj, also under fsdp and zero3)",
+            "gate_up_proj/down_proj, also under fsdp and zero3; torchtitan: its w1/w2/w3 stacks, with fsdp and ep)",
         )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
