@@ -10,8 +10,10 @@ it. :class:`ParallelGroups` names the groups of one rank of one layout:
 * ``pp``: the stages of this rank's replica and tp coordinate;
 * ``ep``, ``etp``, ``edp``: the expert-parallel, expert-tensor-parallel and expert-data-parallel
   groups of the expert mesh (Megatron's tp-ep-dp-pp order inside a stage, see
-  :meth:`realloc.layout.topology.Topology.expert_coords`); without expert parallelism ``ep`` is this rank
-  alone, ``etp`` is ``tp`` and ``edp`` is ``dp``, as in Megatron-core;
+  :meth:`realloc.layout.topology.Topology.expert_coords`; with fsdp torchtitan's sparse mesh
+  ``(dp_replicate, efsdp, ep)``, ``edp`` being its efsdp x dp_replicate ranks of the same experts);
+  without expert parallelism ``ep`` is this rank alone, ``etp`` is ``tp`` and ``edp`` is ``dp``, as
+  in Megatron-core;
 * ``replica``: the ranks of this rank's model replica (its dp coordinate: every fsdp, tp and pp
   rank of it), over which ``ctx.safe_point()`` agrees;
 * ``model``: every worker of the model group.
@@ -58,20 +60,30 @@ class GroupRanks:
         t = layout.topology
         dp_rank, fsdp_rank, tp_rank, pp_rank = t.coords4(rank)
         edp_rank, ep_rank, etp_rank, _ = t.expert_coords(rank)
-        etp, stage = t.expert_tp, t.dp * t.tp * pp_rank
+        etp, stage = t.expert_tp, t.dp * t.fsdp * t.tp * pp_rank
 
         def expert_rank(edp: int, ep: int, etp_: int) -> int:
             return stage + etp_ + etp * (ep + t.ep * edp)
 
+        dp = tuple(t.replica_ranks(tp_rank, pp_rank, fsdp_rank))
+        tp = tuple(t.rank(dp_rank, i, pp_rank, fsdp_rank) for i in range(t.tp))
+        if t.expert_parallel:
+            experts = (
+                tuple(expert_rank(edp_rank, i, etp_rank) for i in range(t.ep)),
+                tuple(expert_rank(edp_rank, ep_rank, i) for i in range(etp)),
+                tuple(t.expert_replica_ranks(etp_rank, ep_rank, pp_rank)),
+            )
+        else:  # ep is this rank alone, etp is tp, edp is dp (the expert mesh knows no fsdp)
+            experts = ((rank,), tp, dp)
         return GroupRanks(
-            dp=tuple(t.replica_ranks(tp_rank, pp_rank, fsdp_rank)),
+            dp=dp,
             fsdp=tuple(t.rank(dp_rank, tp_rank, pp_rank, i) for i in range(t.fsdp)),
-            tp=tuple(t.rank(dp_rank, i, pp_rank, fsdp_rank) for i in range(t.tp)),
+            tp=tp,
             pp=tuple(t.rank(dp_rank, tp_rank, i, fsdp_rank) for i in range(t.pp)),
             model=tuple(range(t.world_size)),
-            ep=tuple(expert_rank(edp_rank, i, etp_rank) for i in range(t.ep)),
-            etp=tuple(expert_rank(edp_rank, ep_rank, i) for i in range(etp)),
-            edp=tuple(t.expert_replica_ranks(etp_rank, ep_rank, pp_rank)),
+            ep=experts[0],
+            etp=experts[1],
+            edp=experts[2],
             replica=tuple(r for r in range(t.world_size) if t.coords4(r)[0] == dp_rank),
         )
 

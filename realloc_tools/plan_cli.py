@@ -154,7 +154,8 @@ def add_plan_parser(subparsers: Any) -> None:
             f"--{side}-expert-order",
             default=EXPERT_ORDERS[0],
             help=f"buffer order of the {side} layout's routed experts: {' or '.join(EXPERT_ORDERS)} "
-            "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight)",
+            "(default %(default)s; vllm: FusedMoE's w13_weight/w2_weight; hf_stacked: transformers 5's "
+            "gate_up_proj/down_proj, also under fsdp and zero3; torchtitan: its w1/w2/w3 stacks, with fsdp and ep)",
         )
     for side in ("src", "dst"):
         p.add_argument(

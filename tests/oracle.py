@@ -59,6 +59,24 @@ Llama-style decoder:
   ``per_block_cast_to_fp8`` (vllm/utils/deep_gemm.py, ``use_ue8m0=False``) and DeepSeek-V3's
   ``weight_dequant`` (inference/kernel.py): one 128 x 128 block at a time, in a Python loop.
 
+* transformers 5's stacked experts (:func:`stacked_local_tensors`), written from
+  models/qwen3_moe/modeling_qwen3_moe.py (``Qwen3MoeExperts``: ``gate_up_proj`` ``[E, 2*inter,
+  hidden]``, ``down_proj`` ``[E, hidden, inter]``, ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``),
+  conversion_mapping.py (``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)`` of gate and up),
+  distributed/tensor_parallel.py (``gate_up_proj`` ``packed_colwise``: ``_StridedShard(dim=1,
+  split_factor=2)``, i.e. dim 1 seen as 2 blocks, each cut tp ways, the rank's pieces concatenated;
+  ``down_proj`` ``rowwise``: ``Shard(-1)``), FSDP2 (``torch.chunk(local, fsdp, dim=0)`` of the
+  tp-local stacked tensor, a ``(0, ...)`` tensor where the chunk is missing) and ZeRO-3 (the
+  tp-local stacked tensor flattened, padded and cut, as :func:`zero3_part`).
+
+* torchtitan's expert parallelism with FSDP (:func:`torchtitan_local_tensors`), written from
+  torchtitan/distributed/parallel_dims.py (the sparse mesh ``(pp, dp_replicate, efsdp, ep)``
+  unflattens the world, ep fastest), torchtitan/models/common/moe.py (``w1_EFD``, ``w3_EFD``
+  ``[E, F, D]``, ``w2_EDF`` ``[E, D, F]``), moe_sharding.py (``Shard(0)`` over ep) and
+  torchtitan/distributed/fsdp.py (``fully_shard`` of the ep-local stacks over efsdp, ``Shard(0)``,
+  or ``Shard(1)`` when ``efsdp * ep > E``): the global stacks are chunked by the mesh and cut
+  back into per-expert tensors.
+
 The only realloc imports are :func:`realloc.spec.decoder_spec` and
 :func:`realloc.spec.hf_config.spec_from_hf_config`, to build the spec under test from the same
 description (:meth:`Decoder.spec`, :meth:`MoeDecoder.spec`).
@@ -841,4 +859,181 @@ def fp8_block_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torc
         for j in range(scales.shape[1]):
             r, c = slice(i * FP8_BLOCK, (i + 1) * FP8_BLOCK), slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK)
             out[r, c] = (values[r, c].to(torch.float32) * scales[i, j]).to(dtype)
+    return out
+
+
+# -- transformers 5's stacked experts ------------------------------------------------------------
+
+
+def hf_stacked_full(m: MoeDecoder, full: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers 5's global ``(gate_up_proj, down_proj)`` of a MoE layer from the checkpoint
+    tensors: per expert ``cat([gate, up], dim=0)``, stacked on a new dim 0 (conversion_mapping.py)."""
+    pre = f"model.layers.{layer}.mlp.experts."
+    gate = torch.stack([full[f"{pre}{e}.gate_proj.weight"] for e in range(m.experts)])
+    up = torch.stack([full[f"{pre}{e}.up_proj.weight"] for e in range(m.experts)])
+    down = torch.stack([full[f"{pre}{e}.down_proj.weight"] for e in range(m.experts)])
+    return torch.cat([gate, up], dim=1), down
+
+
+def strided_shard(t: torch.Tensor, dim: int, split_factor: int, world: int, rank: int) -> torch.Tensor:
+    """DTensor's ``_StridedShard(dim, split_factor)`` local tensor: ``t`` along ``dim`` as
+    ``split_factor`` blocks, each cut ``world`` ways; rank ``rank``'s piece of every block, in order."""
+    return torch.cat([block.chunk(world, dim)[rank] for block in t.chunk(split_factor, dim)], dim)
+
+
+def moe_dense_locals(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int], stages, rank: int, **options
+) -> dict[str, torch.Tensor]:
+    """Slot -> local tensor of every slot of ``rank`` that is not a routed expert, ``sizes`` being
+    ``(dp, fsdp, tp, pp)``: tp, then FSDP2 (option ``empty_chunks``, default True: a ``(0, ...)``
+    tensor where torch.chunk gives none, as FSDP2 keeps; else absent) or ZeRO-3 (option
+    ``split="zero3"``: the flat partition); options ``pad_multiple`` and ``pad_value`` as in
+    :func:`tp_slice`."""
+    dp, fsdp, tp, pp = sizes
+    split, empty_chunks = options.get("split", "fsdp2"), options.get("empty_chunks", True)
+    pad_multiple, pad_value = options.get("pad_multiple", 1), options.get("pad_value", 0)
+    _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
+    out = {}
+    for slot, p in stage_slots(m, stages, pp_rank, moe_params(m)):
+        if p.expert is not None:
+            continue
+        local = tp_slice(m, p, full[p.name], tp, tp_rank, pad_multiple, pad_value)
+        if fsdp == 1:
+            out[slot] = local
+            continue
+        if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
+            # as local_tensors: torchtitan's DTensor holds the real rows; DeepSpeed flattens the padded shard
+            per = local.shape[0]
+            local = local.narrow(0, 0, max(0, min(per, m.vocab - tp_rank * per)))
+        if split == "zero3":
+            out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
+        elif (chunk := fsdp_chunk(local, fsdp, fsdp_rank)) is not None:
+            out[slot] = chunk
+        elif empty_chunks:
+            out[slot] = local[:0].clone()
+    return out
+
+
+def stacked_local_tensors(
+    m: MoeDecoder,
+    full: dict[str, torch.Tensor],
+    dp: int,
+    fsdp: int,
+    tp: int,
+    pp: int,
+    stages: list[list[int]],
+    rank: int,
+    split: str = "fsdp2",
+    pad_multiple: int = 1,
+    pad_value=0,
+) -> dict[str, torch.Tensor]:
+    """What a transformers 5 MoE model holds on ``rank`` (tp, then FSDP2 or ZeRO-3): name -> local
+    tensor, the routed experts as ``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj``, every
+    other slot as :func:`local_tensors` gives it (ZeRO-3: every tensor its flat partition)."""
+    _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
+    out = moe_dense_locals(
+        m, full, (dp, fsdp, tp, pp), stages, rank, split=split, pad_multiple=pad_multiple, pad_value=pad_value
+    )
+    for layer in stages[pp_rank]:
+        if layer < m.dense_layers:
+            continue
+        gate_up, down = hf_stacked_full(m, full, layer)
+        pre = f"model.layers.{layer}.mlp.experts."
+        for name, local in (
+            (pre + "gate_up_proj", strided_shard(gate_up, 1, 2, tp, tp_rank)),
+            (pre + "down_proj", down.chunk(tp, -1)[tp_rank]),
+        ):
+            if fsdp == 1:
+                out[name] = local.clone()
+            elif split == "zero3":
+                out[name] = zero3_part(local, fsdp, fsdp_rank, pad_value)
+            else:
+                chunks = torch.chunk(local, fsdp, dim=0)
+                out[name] = chunks[fsdp_rank].clone() if fsdp_rank < len(chunks) else local[:0].clone()
+    return out
+
+
+def fsdp_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, int]]:
+    """Every ``(dp, fsdp, tp, pp)`` of ``world`` ranks fitting ``m`` (fsdp 1 included), the expert
+    rows split by tp too."""
+    out = []
+    for dp, tp, pp in factorisations(m, world):
+        if not moe_tp_fits(m, tp) or m.moe_inter % tp:
+            continue
+        for fsdp in range(1, dp + 1):
+            if dp % fsdp == 0:
+                out.append((dp // fsdp, fsdp, tp, pp))
+    return sorted(out, key=lambda t: -sum(n > 1 for n in t))
+
+
+# -- torchtitan: expert parallelism with FSDP -----------------------------------------------------
+
+
+def torchtitan_expert_stacks(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int, int], stages, rank: int
+) -> list[tuple[int, str, torch.Tensor, list[int]]]:
+    """``(layer, proj, local stack, its experts)`` of every MoE layer on ``rank`` under torchtitan's
+    EP + FSDP, ``sizes = (dp, fsdp, tp, pp, ep)``: the global stack of ``proj`` (``gate_proj`` is
+    ``w1``, ``up_proj`` ``w3``, ``down_proj`` ``w2``) distributed ``Shard(0)`` over ep, then
+    ``torch.chunk`` over efsdp on dim 0 (``efsdp * ep <= E``) or dim 1 (a zero-size stack where
+    torch.chunk gives no chunk)."""
+    dp, fsdp, tp, pp, ep = sizes
+    _, fsdp_rank, tp_rank, pp_rank = coords4(rank, dp, fsdp, tp, pp)
+    i = tp_rank + tp * fsdp_rank  # the sparse mesh: efsdp x ep over the same fsdp x tp ranks
+    ep_rank, efsdp_rank, efsdp = i % ep, i // ep, fsdp * tp // ep
+    dim = 0 if efsdp * ep <= m.experts else 1
+    ids = torch.arange(m.experts).chunk(ep)[ep_rank]
+    if dim == 0:
+        parts = ids.chunk(efsdp)
+        ids = parts[efsdp_rank] if efsdp_rank < len(parts) else ids[:0]
+    out = []
+    for layer in stages[pp_rank]:
+        if layer < m.dense_layers:
+            continue
+        pre = f"model.layers.{layer}.mlp.experts."
+        for proj in ("gate_proj", "down_proj", "up_proj"):
+            stack = torch.stack([full[f"{pre}{e}.{proj}.weight"] for e in range(m.experts)])
+            local = stack.chunk(ep, 0)[ep_rank]
+            parts = local.chunk(efsdp, dim)
+            mine = parts[efsdp_rank] if efsdp_rank < len(parts) else local.narrow(dim, 0, 0)
+            out.append((layer, proj, mine.clone(), ids.tolist()))
+    return out
+
+
+def torchtitan_local_tensors(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int, int], stages, rank: int
+) -> dict[str, torch.Tensor]:
+    """Slot name -> local tensor of ``rank`` under torchtitan's EP + FSDP (``sizes = (dp, fsdp,
+    tp, pp, ep)``): dense slots as FSDP2 holds them (empty chunks absent), routed experts cut out
+    of :func:`torchtitan_expert_stacks` per expert (a piece with no rows is absent)."""
+    out = moe_dense_locals(m, full, sizes[:4], stages, rank, empty_chunks=False)
+    for layer, proj, mine, ids in torchtitan_expert_stacks(m, full, sizes, stages, rank):
+        for k, e in enumerate(ids):
+            if mine[k].shape[0]:
+                out[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = mine[k].clone()
+    return out
+
+
+def torchtitan_module_tensors(
+    m: MoeDecoder, full: dict[str, torch.Tensor], sizes: tuple[int, int, int, int, int], stages, rank: int
+) -> dict[str, torch.Tensor]:
+    """What torchtitan's modules hold on ``rank``: FSDP2's dense local tensors (zero-size where the
+    chunk is empty) and the ``GroupedExperts`` stacks under torchtitan's FQNs
+    (``layers.N.moe.routed_experts.inner_experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD``, its
+    state_dict_adapter's names)."""
+    out = moe_dense_locals(m, full, sizes[:4], stages, rank)
+    kinds = {"gate_proj": "w1_EFD", "down_proj": "w2_EDF", "up_proj": "w3_EFD"}
+    for layer, proj, mine, _ in torchtitan_expert_stacks(m, full, sizes, stages, rank):
+        out[f"layers.{layer}.moe.routed_experts.inner_experts.{kinds[proj]}"] = mine
+    return out
+
+
+def torchtitan_factorisations(m: MoeDecoder, world: int) -> list[tuple[int, int, int, int, int]]:
+    """Every ``(dp, fsdp, tp, pp, ep)`` of ``world`` ranks torchtitan runs for ``m``: fsdp > 1,
+    ep > 1 dividing fsdp x tp and the expert count."""
+    out = []
+    for dp, fsdp, tp, pp in fsdp_factorisations(m, world):
+        for ep in range(2, fsdp * tp + 1):
+            if fsdp > 1 and (fsdp * tp) % ep == 0 and m.experts % ep == 0:
+                out.append((dp, fsdp, tp, pp, ep))
     return out

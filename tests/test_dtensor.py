@@ -78,7 +78,9 @@ def _worker(rank: int, world: int, port: int, tp: int, queue) -> None:
         queue.put((rank, traceback.format_exc(), None))
 
 
-def run(world: int, tp: int) -> dict:
+def spawn_workers(worker, world: int, *args, timeout: float = 90) -> dict:
+    """Run ``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes (a gloo
+    group on a free port); rank -> what each put on the queue after ``(rank, "ok", ...)``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -86,21 +88,25 @@ def run(world: int, tp: int) -> dict:
     # child can inherit a lock one of them held (the CI run of 2026-11-24 hung here for 90 s)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, tp, queue)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
     try:
         for _ in range(world):
-            rank, status, boxes = queue.get(timeout=90)
+            rank, status, value = queue.get(timeout=timeout)
             assert status == "ok", f"rank {rank}:\n{status}"
-            results[rank] = boxes
+            results[rank] = value
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
     return results
+
+
+def run(world: int, tp: int) -> dict:
+    return spawn_workers(_worker, world, tp)
 
 
 def test_fsdp2_boxes_are_the_fsdp_layout():

@@ -187,8 +187,12 @@ def test_every_ranks_tensors_are_the_oracles(case):
     check_shards_written_from_full_tensors(
         layout, full, lambda rank: oracle_tensors(m, full, layout.topology, rank, pad)
     )
+    check_packed_buffers(layout)
+
+
+def check_packed_buffers(layout: Layout) -> None:
+    """One flat buffer per dtype on every rank, its shards packed without gaps or overlaps."""
     for rank in range(layout.topology.world_size):
-        # one flat buffer per dtype, shards packed without gaps or overlaps
         ends: dict[str, int] = {}
         for shard in layout.shards(rank):
             assert shard.buffer_offset == ends.get(shard.dtype, 0)
@@ -202,7 +206,11 @@ def test_piece_table_is_the_layouts_groups(case, data):
     m, layout, pad = case
     if data.draw(st.booleans()) and m.kv_heads % layout.topology.tp == 0:
         layout = Layout(layout.spec, layout.topology, pad, qkv_order="megatron", expert_order=layout.expert_order)
-    workers = list(data.draw(st.permutations(list(range(layout.topology.world_size)))))
+    check_piece_table(layout, list(data.draw(st.permutations(list(range(layout.topology.world_size))))))
+
+
+def check_piece_table(layout: Layout, workers: list[int]) -> None:
+    """The piece table is the layout's groups, and members of a group hold the group's boxes."""
     got, want = layout.piece_table(workers), PieceTable.of_groups(layout.groups(workers))
     assert got.groups == want.groups
     assert sorted(got.params) == sorted(want.params)
@@ -379,7 +387,11 @@ def test_expert_mesh_matches_vllm_with_etp_1():
     [
         ("dp=3,ep=2", {}, "ep=2 x etp=1 = 2 must divide dp x tp = 3"),
         ("dp=2,tp=2,ep=4", {}, "must divide dp x tp = 4"),
-        ("dp=2,fsdp=2,ep=2", {}, "fsdp=2 with ep=2"),
+        (
+            "dp=2,fsdp=2,tp=2,ep=2",
+            {},
+            "fsdp=2 with ep=2, etp=2",
+        ),  # torchtitan: etp=1 (tests/test_torchtitan_experts.py)
         ("dp=2,fsdp=2,tp=2,etp=1", {}, "fsdp=2 with ep=1, etp=1"),
     ],
 )
@@ -400,6 +412,33 @@ def test_refused_layouts():
     assert main(["plan", "--model", "tiny", "--src", "ep=2", "--dst", "dp=2"]) == 2
 
 
+def manifest_of(layout: Layout) -> Manifest:
+    """A checkpoint manifest of rank 0 of ``layout`` (its options recorded as a saver records them)."""
+    from realloc.ckpt.files import saved_topology
+    from realloc.ckpt.manifest import CheckpointId, ShardRecord
+
+    spec = layout.spec
+    return Manifest(
+        id=CheckpointId("run", 1, 0),
+        world_size=layout.topology.world_size,
+        topology=saved_topology(layout),
+        vocab_pad_multiple=layout.vocab_pad_multiple,
+        spec_name=spec.name,
+        params={p.name: (p.shape, p.dtype) for p in spec.params},
+        buffers=layout.buffer_numels(0),
+        shards=tuple(
+            ShardRecord(s.param, s.slot, s.offsets, s.sizes, s.local_shape, s.dtype, s.buffer_offset, 0)
+            for s in layout.shards(0)
+        ),
+        file_bytes=0,
+        sha256="0" * 64,
+        written_on="node",
+        vocab_pad_rule=layout.vocab_pad_rule,
+        qkv_order=layout.qkv_order,
+        expert_order=layout.expert_order,
+    )
+
+
 def test_layout_pickles_and_manifests_keep_expert_options():
     spec = TINY.spec()
     lay = Layout(spec, Topology.parse("dp=4,tp=2,ep=4,etp=1"), 2, expert_order="vllm")
@@ -407,30 +446,6 @@ def test_layout_pickles_and_manifests_keep_expert_options():
     assert back == lay and back.options == lay.options and back.options["expert_order"] == "vllm"
     assert Layout(spec, lay.topology, **lay.options) == lay
     assert str(lay) == "dp=4,tp=2,pp=1 vocab pad 2 ep 4 etp 1 experts vllm"
-    from realloc.ckpt.files import saved_topology
-    from realloc.ckpt.manifest import CheckpointId, ShardRecord
-
-    def manifest_of(layout):
-        return Manifest(
-            id=CheckpointId("run", 1, 0),
-            world_size=layout.topology.world_size,
-            topology=saved_topology(layout),
-            vocab_pad_multiple=layout.vocab_pad_multiple,
-            spec_name=spec.name,
-            params={p.name: (p.shape, p.dtype) for p in spec.params},
-            buffers=layout.buffer_numels(0),
-            shards=tuple(
-                ShardRecord(s.param, s.slot, s.offsets, s.sizes, s.local_shape, s.dtype, s.buffer_offset, 0)
-                for s in layout.shards(0)
-            ),
-            file_bytes=0,
-            sha256="0" * 64,
-            written_on="node",
-            vocab_pad_rule=layout.vocab_pad_rule,
-            qkv_order=layout.qkv_order,
-            expert_order=layout.expert_order,
-        )
-
     data = manifest_of(lay).to_json()
     assert data["topology"]["ep"] == 4 and data["topology"]["etp"] == 1 and data["expert_order"] == "vllm"
     again = Manifest.from_json(json.loads(json.dumps(data)))

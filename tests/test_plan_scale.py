@@ -31,7 +31,7 @@ from test_planner_properties import (
 )
 
 import realloc.plan.schedule as schedule
-from realloc import Layout, Placement, Topology
+from realloc import Layout, ModelSpec, Placement, Topology
 from realloc.layout import PieceTable
 from realloc.plan import Plan, StepTable
 
@@ -195,3 +195,38 @@ def test_expert_process_groups_follow_megatrons_expert_mesh(topology):
         assert got.ep == tuple(r for r, m in sorted(mesh.items()) if m[0] == pp and m[1] == d and m[3] == x)
         assert got.etp == tuple(r for r, m in sorted(mesh.items()) if m[0] == pp and m[1] == d and m[2] == e)
         assert got.edp == tuple(r for r, m in sorted(mesh.items()) if m[0] == pp and m[2] == e and m[3] == x)
+
+
+@pytest.mark.parametrize("topology", ["dp=2,fsdp=4,ep=2,etp=1,pp=2", "dp=1,fsdp=2,tp=2,ep=4,etp=1"])
+def test_expert_process_groups_follow_torchtitans_sparse_mesh(topology):
+    """Written from torchtitan's ParallelDims.build_mesh: the world unflattened as (pp,
+    dp_replicate, efsdp, ep), ep fastest; edp: the efsdp x dp_replicate ranks of one ep rank."""
+    from actors.parallel import GroupRanks
+    from realloc.spec import load_spec
+
+    spec = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
+    t = Topology.parse(topology)
+    efsdp = t.fsdp * t.tp // t.ep
+    mesh = {}
+    for pp in range(t.pp):
+        for d in range(t.dp):
+            for f in range(efsdp):
+                for e in range(t.ep):
+                    mesh[e + t.ep * (f + efsdp * (d + t.dp * pp))] = (pp, d, f, e)
+    layout = Layout(spec, t)
+    for rank, (pp, d, f, e) in mesh.items():
+        got = GroupRanks.of(layout, rank)
+        assert got.ep == tuple(r for r, m in sorted(mesh.items()) if m[:3] == (pp, d, f))
+        assert got.edp == tuple(r for r, m in sorted(mesh.items()) if m[0] == pp and m[3] == e)
+        assert got.etp == (rank,)
+
+
+@pytest.mark.parametrize("topology", ["dp=2,fsdp=2,tp=2,pp=2", "dp=1,fsdp=4", "dp=2,tp=2"])
+def test_expert_process_groups_without_expert_parallelism_hold_the_rank(topology):
+    """No expert parallelism (fsdp included): ep is the rank alone, etp its tp group, edp its dp group."""
+    from actors.parallel import GroupRanks
+
+    layout = Layout(ModelSpec.preset("tiny"), Topology.parse(topology))
+    for rank in range(layout.topology.world_size):
+        got = GroupRanks.of(layout, rank)
+        assert (got.ep, got.etp, got.edp) == ((rank,), got.tp, got.dp) and rank in got.tp and rank in got.dp

@@ -46,11 +46,18 @@ import numpy as np
 
 from realloc._checks import check_positive
 from realloc.boxes import Box
-from realloc.layout.conventions import check_options, fused_mlp_order, megatron_qkv_order, vllm_expert_order
+from realloc.layout.conventions import (
+    check_options,
+    fused_mlp_order,
+    megatron_qkv_order,
+    stacked_expert_order,
+)
 from realloc.layout.formats import check_block_layout
 from realloc.layout.holdings import Group, PieceTable
 from realloc.layout.sharded import engine_params, sharded_pieces
+from realloc.layout.stacked import stacked_owners, stacked_pieces
 from realloc.layout.topology import Topology
+from realloc.layout.torchtitan import torchtitan_expert_pieces
 from realloc.spec import DTYPE_BYTES, ModelSpec
 from realloc.spec.formats import formatted
 
@@ -314,16 +321,23 @@ class Layout:
         entries = fused_mlp_order(entries)  # gate/up biases after both weights (conventions)
         if self.qkv_order == "megatron":  # several shards per q/k/v param (realloc.layout.conventions)
             entries = megatron_qkv_order(entries, self.topology.tp)
-        if self.expert_order == "vllm":  # vLLM's w13_weight / w2_weight per layer
-            entries = vllm_expert_order(entries)
+        if self.expert_order != "hf":  # stacks: w13_weight / w2_weight, gate_up_proj / down_proj, w1 / w2 / w3
+            entries = stacked_expert_order(entries, self.expert_order)
         return entries
 
     def _tp_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
         """``(param spec, name, slot, offsets, sizes, local shape)`` of every slot of the
         ``(tp_rank, pp_rank)`` coordinate before sharded data parallelism cuts it (without expert
         parallelism: routed experts are split by tp like every other parameter)."""
-        tp = self.topology.tp
-        return self._ordered([self._box(p, name, slot, tp, tp_rank) for p, name, slot in self._stage(pp_rank)[0]])
+        t = self.topology  # routed experts: etp is tp here, or 1 (whole) with torchtitan's EP + FSDP
+        return self._ordered(
+            [
+                self._box(p, name, slot, t.expert_tp, tp_rank % t.expert_tp)
+                if p.expert is not None
+                else self._box(p, name, slot, t.tp, tp_rank)
+                for p, name, slot in self._stage(pp_rank)[0]
+            ]
+        )
 
     def _dense_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
         """The boxes of the stage's parameters that are not routed experts, as :meth:`_tp_boxes`."""
@@ -356,8 +370,17 @@ class Layout:
                 for fsdp_rank in range(t.fsdp):
                     fill: dict[str, int] = {}
                     shards = []
+                    stacked = self._expert_pieces(tp_boxes, tp_rank, fsdp_rank)  # routed experts cut their own way
+                    first = 0
                     for unit in engine_params(tp_boxes, self.fused_sharded):  # realloc.layout.sharded
-                        pieces = unit if t.fsdp == 1 else sharded_pieces(unit, t.fsdp_split, t.fsdp, fsdp_rank, padded)
+                        if first in stacked:  # stacked experts (realloc.layout.stacked), torchtitan's (.torchtitan)
+                            p, name, slot = unit[0][:3]
+                            pieces = [(p, name, slot, o, z, local) for (o, z), local in stacked[first]]
+                        elif t.fsdp == 1:
+                            pieces = unit
+                        else:
+                            pieces = sharded_pieces(unit, t.fsdp_split, t.fsdp, fsdp_rank, padded)
+                        first += len(unit)
                         for p, name, slot, offsets, sizes, local in pieces:
                             at = fill.get(p.dtype, 0)
                             shard = Shard(name, slot, tuple(offsets), tuple(sizes), tuple(local), p.dtype, at)
@@ -365,6 +388,23 @@ class Layout:
                             shards.append(shard)
                     result[fsdp_rank, tp_rank, pp_rank] = tuple(shards), fill
         return result
+
+    def _expert_pieces(self, tp_boxes: list[tuple], tp_rank: int, fsdp_rank: int) -> dict[int, list]:
+        """Entry index -> pieces of the routed experts of ``tp_boxes`` on ``(fsdp_rank, tp_rank)``
+        when fsdp > 1 cuts them its own way: ``expert_order="hf_stacked"`` (stacked tensors) or
+        torchtitan's EP + FSDP (``Topology.torchtitan_experts``); else ``{}``."""
+        t = self.topology
+        if t.torchtitan_experts:
+            return torchtitan_expert_pieces(tp_boxes, t, self.num_experts, tp_rank, fsdp_rank)
+        if self.expert_order != "hf_stacked" or t.fsdp == 1:
+            return {}
+        return stacked_pieces(tp_boxes, t.fsdp, fsdp_rank, t.fsdp_split == "zero3")
+
+    @property
+    def _by_expert_rank(self) -> bool:
+        """Whether shards differ between the ranks of one ``(fsdp, tp, pp)`` coordinate (expert
+        parallelism on Megatron's / vLLM's mesh; torchtitan's EP + FSDP keeps coordinates)."""
+        return self.topology.expert_parallel and not self.topology.torchtitan_experts
 
     def _expert_rank_shards(self, rank: int) -> tuple[tuple[Shard, ...], dict[str, int]]:
         """(shards, elements per dtype buffer) of ``rank`` with expert parallelism: its dense and
@@ -394,7 +434,7 @@ class Layout:
     def shards_at(self, tp_rank: int, pp_rank: int, fsdp_rank: int = 0) -> tuple[Shard, ...]:
         """The shards of every rank of coordinate ``(fsdp_rank, tp_rank, pp_rank)``; with expert
         parallelism ranks of one coordinate differ in experts: use :meth:`shards`."""
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             raise ValueError(
                 f"{self}: with expert parallelism the ranks of tp rank {tp_rank} hold different "
                 "experts; ask for a rank's shards with shards(rank)"
@@ -402,14 +442,14 @@ class Layout:
         return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def shards(self, rank: int) -> tuple[Shard, ...]:
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             return self._expert_rank_shards(rank)[0]
         _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
         return self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][0]
 
     def buffer_numels(self, rank: int) -> dict[str, int]:
         """Elements of each dtype buffer of ``rank``."""
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             return dict(self._expert_rank_shards(rank)[1])
         _, fsdp_rank, tp_rank, pp_rank = self.topology.coords4(rank)
         return dict(self._coordinate_shards[fsdp_rank, tp_rank, pp_rank][1])
@@ -432,7 +472,7 @@ class Layout:
             workers = list(range(world))
         if len(workers) != world:
             raise ValueError(f"{len(workers)} worker ids for {world} ranks of {self.topology}")
-        if self.topology.expert_parallel:
+        if self._by_expert_rank:
             return self._expert_groups(workers)
         groups = []
         for (fsdp_rank, tp_rank, pp_rank), (shards, _) in self._coordinate_shards.items():
@@ -508,7 +548,8 @@ class Layout:
         order), computed per ``(tp, pp)`` coordinate with the fsdp ranks' chunks as arrays:
         a 2,048-way sharded layout costs what an unsharded one does."""
         t = self.topology
-        if t.fsdp > 1 and (t.fsdp_split != "fsdp2" or self.fused_sharded):  # from the shard table
+        # zero3, Megatron's fused parameters and torchtitan's experts: from the shard table
+        if t.fsdp > 1 and (t.fsdp_split != "fsdp2" or self.fused_sharded or t.torchtitan_experts):
             return PieceTable.of_groups(self.groups(workers))
         if t.expert_parallel:
             return self._expert_piece_table(workers)
@@ -524,12 +565,14 @@ class Layout:
             for tp_rank in range(t.tp):
                 base = len(groups)
                 groups += [tuple(workers[r] for r in t.replica_ranks(tp_rank, pp_rank, f)) for f in range(t.fsdp)]
-                for _, name, _, offsets, sizes, local in self._tp_boxes(tp_rank, pp_rank):
+                tp_boxes = self._tp_boxes(tp_rank, pp_rank)
+                whole = stacked_owners(tp_boxes, t.fsdp) if self.expert_order == "hf_stacked" else {}
+                for i, (_, name, _, offsets, sizes, local) in enumerate(tp_boxes):
                     if not all(sizes):
                         continue
-                    if t.fsdp == 1:
+                    if t.fsdp == 1 or i in whole:  # unsharded, or a stacked expert one fsdp rank holds
                         entry = rows.setdefault(name, ([], [], []))
-                        entry[0].append(base)
+                        entry[0].append(base + whole.get(i, 0))
                         entry[1].append(offsets)
                         entry[2].append(sizes)
                         continue

@@ -53,6 +53,14 @@ buffer (docs/conventions.md, "Expert parallelism").
   rank). Both are one contiguous region of the rank's buffer, at the place of the layer's first
   expert tensor; :func:`realloc.shards.fused.fused_views` gives them as
   ``model.layers.N.mlp.experts.w13_weight`` / ``w2_weight`` views.
+* ``"hf_stacked"``: transformers 5's stacked experts (``mlp.experts.gate_up_proj``
+  ``[E, 2 * inter, hidden]``, per expert its gate rows then its up rows, and
+  ``mlp.experts.down_proj`` ``[E, hidden, inter]``), as the engine holds them replicated, tensor
+  parallel, FSDP2- or ZeRO-3-sharded: :mod:`realloc.layout.stacked`. Without fsdp the buffer
+  order is vLLM's (the same memory, other names and no expert parallelism).
+* ``"torchtitan"``: torchtitan's ``GroupedExperts`` stacks (torchtitan/models/common/moe.py:
+  ``w1_EFD`` gate ``[E, F, D]``, ``w2_EDF`` down ``[E, D, F]``, ``w3_EFD`` up), each one region of the
+  buffer, for its EP + FSDP composition (:mod:`realloc.layout.torchtitan`).
 
 The MLP needs no option: Megatron's ``linear_fc1`` with ``gated_linear_unit`` holds
 ``[gate; up]`` of the rank (``glu`` in megatron/core/transformer/mlp.py chunks the local output in
@@ -77,7 +85,7 @@ if TYPE_CHECKING:
 #: Names ``Layout(qkv_order=...)`` accepts; the first is the default.
 QKV_ORDERS = ("hf", "megatron")
 #: Names ``Layout(expert_order=...)`` accepts; the first is the default.
-EXPERT_ORDERS = ("hf", "vllm")
+EXPERT_ORDERS = ("hf", "vllm", "hf_stacked", "torchtitan")
 
 _QKV = re.compile(r"^(?P<prefix>.*)self_attn\.(?P<part>[qkv])_proj\.(?P<suffix>weight|bias)$")
 #: A routed expert's projection: 0 gate (``w1``), 1 up (``w3``), 2 down (``w2``).
@@ -99,12 +107,21 @@ def check_options(
     check_choice("expert_order", expert_order, EXPERT_ORDERS)
     if expert_order == "vllm":
         _check_vllm_experts(spec, topology)
+    elif expert_order == "hf_stacked":
+        check_stacked_experts(spec, topology)
+    elif expert_order == "torchtitan":
+        check_torchtitan_experts(spec, topology)
     tp = topology.tp
     for p in spec.params:
         if p.pad_to_tp and p.tp_dim is not None:
             vocab_units_per_rank(p.units, tp, vocab_pad_multiple, vocab_pad_rule, p.name)
     if qkv_order == "hf":
         return
+    if expert_order == "hf_stacked":
+        raise ValueError(
+            "qkv_order='megatron' with expert_order='hf_stacked': no engine holds Megatron's linear_qkv "
+            "next to transformers 5's stacked experts; use qkv_order='hf' (transformers' q/k/v)"
+        )
     for q, k, v in qkv_triples(spec):
         _megatron_groups(q, k, v, tp)
 
@@ -211,14 +228,15 @@ def fused_mlp_order(entries: list[tuple]) -> list[tuple]:
     return out + [e for rest in held.values() for e in rest]
 
 
-def expert_projection(p: "ParamSpec") -> int:
+def expert_projection(p: "ParamSpec", order: str = "vllm") -> int:
     """0 (gate), 1 (up) or 2 (down) for a routed expert's weight; ``ValueError`` for anything else."""
     m = _EXPERT_PROJ.match(p.name)
     if p.expert is None or not m:
-        raise ValueError(
-            f"expert_order='vllm': {p.name} is not a routed expert's gate/up/down weight "
-            "(vLLM's FusedMoE holds only w13_weight and w2_weight)"
-        )
+        held = {
+            "vllm": "vLLM's FusedMoE holds only w13_weight and w2_weight",
+            "hf_stacked": "transformers 5 stacks only gate_up_proj and down_proj",
+        }.get(order, "torchtitan's GroupedExperts holds only w1, w2 and w3")
+        raise ValueError(f"expert_order={order!r}: {p.name} is not a routed expert's gate/up/down weight ({held})")
     return _PROJ_INDEX[m["proj"]]
 
 
@@ -235,21 +253,50 @@ def _check_vllm_experts(spec: "ModelSpec", topology: "Topology") -> None:
         expert_projection(p)
 
 
-def vllm_expert_order(entries: list[tuple]) -> list[tuple]:
-    """A stage's boxes in forward order -> the same boxes with every layer's routed experts in
-    vLLM's ``FusedMoE`` order: at the place of the layer's first expert box, per held expert its
-    gate then its up box (``w13_weight``), then every held expert's down box (``w2_weight``).
+def check_stacked_experts(spec: "ModelSpec", topology: "Topology") -> None:
+    """``ValueError`` unless transformers 5's stacked experts (``expert_order="hf_stacked"``) can
+    be laid out: a model with routed experts, every one a gate/up/down weight, without expert
+    parallelism (replicated, tp, FSDP2 or ZeRO-3; see :mod:`realloc.layout.stacked`)."""
+    experts = [p for p in spec.params if p.expert is not None]
+    if not experts:
+        raise ValueError(
+            f"expert_order='hf_stacked': {spec.name} has no routed experts to stack (allowed: a MoE "
+            "spec with ParamSpec.expert set); use expert_order='hf'"
+        )
+    if topology.expert_parallel:
+        raise ValueError(
+            f"expert_order='hf_stacked' with ep={topology.ep}, etp={topology.expert_tp} (tp={topology.tp}): "
+            "transformers 5's stacked experts are laid out here replicated, tensor parallel (etp = tp), "
+            "FSDP2 or ZeRO-3, not expert parallel; for expert-parallel stacked buffers use "
+            "expert_order='vllm' (vLLM's w13_weight/w2_weight, the same memory order)"
+        )
+    for p in experts:
+        expert_projection(p, "hf_stacked")
+
+
+#: The stacks of each expert order: projection (0 gate, 1 up, 2 down) -> stack index.
+EXPERT_STACKS = {"vllm": (0, 0, 1), "hf_stacked": (0, 0, 1), "torchtitan": (0, 2, 1)}
+
+
+def stacked_expert_order(entries: list[tuple], order: str = "vllm") -> list[tuple]:
+    """A stage's boxes in forward order -> the same boxes with every layer's routed experts as the
+    stacks of ``order`` (:data:`EXPERT_STACKS`), at the place of the layer's first expert box, each
+    stack per held expert in expert order (and gate before up inside a stack):
+
+    * ``"vllm"`` / ``"hf_stacked"``: per expert its gate then its up box (vLLM's ``w13_weight``,
+      transformers' ``gate_up_proj``), then every expert's down box (``w2_weight``, ``down_proj``);
+    * ``"torchtitan"``: every expert's gate (``w1_EFD``), then down (``w2_EDF``), then up (``w3_EFD``).
 
     ``entries`` are ``(param_spec, name, slot, offsets, sizes, local_shape)`` as
     :class:`~realloc.layout.Layout` builds them.
     """
-    layers: dict[int, tuple[list[tuple], list[tuple]]] = {}
+    stacks_of = EXPERT_STACKS[order]
+    layers: dict[int, tuple[list, list, list]] = {}
     for entry in entries:
         p = entry[0]
         if p.expert is not None:
-            w13, w2 = layers.setdefault(p.layer, ([], []))
-            proj = expert_projection(p)
-            (w2 if proj == 2 else w13).append(((p.expert, proj), entry))
+            proj = expert_projection(p, order)
+            layers.setdefault(p.layer, ([], [], []))[stacks_of[proj]].append(((p.expert, proj), entry))
     out, done = [], set()
     for entry in entries:
         p = entry[0]
@@ -257,6 +304,20 @@ def vllm_expert_order(entries: list[tuple]) -> list[tuple]:
             out.append(entry)
         elif p.layer not in done:
             done.add(p.layer)
-            w13, w2 = layers[p.layer]
-            out += [e for _, e in sorted(w13, key=lambda x: x[0])] + [e for _, e in sorted(w2, key=lambda x: x[0])]
+            out += [e for stack in layers[p.layer] for _, e in sorted(stack, key=lambda x: x[0])]
     return out
+
+
+def check_torchtitan_experts(spec: "ModelSpec", topology: "Topology") -> None:
+    """``ValueError`` unless torchtitan's expert stacks (``expert_order="torchtitan"``) fit: routed
+    gate/up/down experts laid out by torchtitan's EP + FSDP (``Topology.torchtitan_experts``)."""
+    if not any(p.expert is not None for p in spec.params):
+        raise ValueError(f"expert_order='torchtitan': {spec.name} has no routed experts; use expert_order='hf'")
+    if not topology.torchtitan_experts:
+        raise ValueError(
+            f"expert_order='torchtitan' with {topology}: torchtitan's w1/w2/w3 stacks are laid out here "
+            "for its EP + FSDP composition only (fsdp > 1, ep > 1, etp=1); use expert_order='hf'"
+        )
+    for p in spec.params:
+        if p.expert is not None:
+            expert_projection(p, "torchtitan")

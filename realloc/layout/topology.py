@@ -197,17 +197,14 @@ class Topology:
             check_positive(f"topology {dim}", value)
         if self.etp == self.tp:  # the default, spelled out
             object.__setattr__(self, "etp", None)
+        if self.fsdp > 1 and self.expert_parallel:
+            self._check_fsdp_experts()
         block, experts = self.dp * self.tp, self.ep * self.expert_tp
-        if block % experts:
+        if self.fsdp == 1 and block % experts:
             raise ValueError(
                 f"topology ep={self.ep} x etp={self.expert_tp} = {experts} must divide dp x tp = {block} (the ranks "
                 f"of a pipeline stage, which Megatron-core's expert mesh tp-ep-dp-pp splits into etp x ep x edp); "
                 f"e.g. dp={experts // math.gcd(experts, self.tp)} with tp={self.tp}"
-            )
-        if self.fsdp > 1 and self.expert_parallel:
-            raise ValueError(
-                f"fsdp={self.fsdp} with ep={self.ep}, etp={self.expert_tp}: sharded data parallelism "
-                "with expert parallelism is not supported yet; use fsdp=1 or ep=1 with etp=tp"
             )
         if self.layer_split is not None:
             split = tuple(self.layer_split)
@@ -223,6 +220,33 @@ class Topology:
         if self.fsdp == 1:  # one fsdp rank holds its whole tp shard under every rule
             object.__setattr__(self, "fsdp_split", DEFAULT_FSDP_SPLIT)
 
+    def _check_fsdp_experts(self) -> None:
+        """Expert parallelism with fsdp is torchtitan's composition (``torchtitan_experts``): ``ValueError``
+        unless ep > 1, etp = 1, ep divides fsdp x tp and the split is FSDP2's."""
+        where = f"fsdp={self.fsdp} with ep={self.ep}, etp={self.expert_tp}"
+        if self.ep == 1 or self.expert_tp != 1:
+            raise ValueError(
+                f"{where}: with fsdp, experts are laid out as torchtitan composes EP and FSDP: ep > 1 and "
+                "etp=1 (torchtitan's experts are not tensor parallel under EP); use ep > 1 with etp=1, or "
+                "ep=1 without etp"
+            )
+        if (self.fsdp * self.tp) % self.ep:
+            raise ValueError(
+                f"{where}: torchtitan's ep must divide its dp_shard x tp = fsdp x tp = {self.fsdp * self.tp} "
+                "(its sparse mesh efsdp x ep covers the same ranks)"
+            )
+        if self.fsdp_split != DEFAULT_FSDP_SPLIT:
+            raise ValueError(
+                f"{where}: fsdp_split={self.fsdp_split!r} with expert parallelism is not described; "
+                "torchtitan shards with FSDP2 (fsdp_split='fsdp2')"
+            )
+
+    @property
+    def torchtitan_experts(self) -> bool:
+        """Whether routed experts follow torchtitan's EP + FSDP composition (``fsdp > 1`` and
+        ``ep > 1``): :meth:`expert_coords` over its sparse mesh, and :mod:`realloc.layout.torchtitan`."""
+        return self.fsdp > 1 and self.expert_parallel
+
     @property
     def expert_tp(self) -> int:
         """The effective expert tensor-parallel size: ``etp``, or ``tp`` when not given."""
@@ -230,8 +254,9 @@ class Topology:
 
     @property
     def expert_dp(self) -> int:
-        """Expert data-parallel size: the replicas of one expert shard in a pipeline stage."""
-        return self.dp * self.tp // (self.ep * self.expert_tp)
+        """Expert data-parallel size: the ranks of a pipeline stage holding one expert-parallel
+        rank's experts (Megatron's edp; with fsdp torchtitan's efsdp x dp_replicate)."""
+        return self.dp * self.fsdp * self.tp // (self.ep * self.expert_tp)
 
     @property
     def expert_parallel(self) -> bool:
@@ -273,7 +298,7 @@ class Topology:
             if key in fields:
                 raise ValueError(f"topology {text!r} gives {key} twice")
             fields[key] = parsed
-        if "ep" in fields and "dp" not in fields:  # the smallest dp that ep x etp fits in
+        if "ep" in fields and "dp" not in fields and fields.get("fsdp", 1) == 1:  # the smallest dp ep x etp fits in
             tp, ep = fields.get("tp", 1), fields["ep"]
             etp = fields.get("etp", tp)
             if all(isinstance(v, int) and v >= 1 for v in (tp, ep, etp)):
@@ -332,15 +357,17 @@ class Topology:
             >>> Topology.parse("dp=4,tp=2,pp=2,ep=4,etp=1").expert_coords(13)
             (1, 1, 0, 1)
         """
-        dp_rank, _, tp_rank, pp_rank = self.coords4(rank)
-        i, etp = tp_rank + self.tp * dp_rank, self.expert_tp
+        dp_rank, fsdp_rank, tp_rank, pp_rank = self.coords4(rank)
+        # the rank inside its stage; with fsdp torchtitan's sparse mesh (pp, dp_replicate, efsdp, ep)
+        i, etp = tp_rank + self.tp * (fsdp_rank + self.fsdp * dp_rank), self.expert_tp
         return i // (etp * self.ep), (i // etp) % self.ep, i % etp, pp_rank
 
     def expert_replica_ranks(self, etp_rank: int, ep_rank: int, pp_rank: int) -> list[int]:
-        """Ranks holding the same expert shard: coordinate ``(etp_rank, ep_rank, pp_rank)`` in every
-        expert data-parallel replica (fsdp is 1 whenever experts are laid out apart)."""
+        """Ranks holding the experts of coordinate ``(etp_rank, ep_rank, pp_rank)``: the expert
+        data-parallel group (without fsdp they hold the same expert shard; with fsdp, torchtitan's
+        efsdp x dp_replicate ranks, each an FSDP chunk of them)."""
         step = self.expert_tp * self.ep
-        first = etp_rank + self.expert_tp * ep_rank + self.dp * self.tp * pp_rank
+        first = etp_rank + self.expert_tp * ep_rank + self.dp * self.fsdp * self.tp * pp_rank
         return list(range(first, first + step * self.expert_dp, step))
 
     def stage_counts(self, spec: "ModelSpec") -> tuple[int, ...]:
@@ -393,6 +420,11 @@ class Topology:
                 raise ValueError(
                     f"ep={self.ep} is larger than the {count} routed experts of {spec.name}: every "
                     f"expert-parallel rank holds at least one expert (ep <= {count})"
+                )
+            if self.torchtitan_experts and count % self.ep:
+                raise ValueError(
+                    f"ep={self.ep} with fsdp={self.fsdp}: torchtitan needs num_experts divisible by ep "
+                    f"(torchtitan/models/common/decoder.py), and {spec.name} has {count} routed experts"
                 )
             problems = [msg for p in spec.params if p.expert is not None and (msg := p.tp_problem(self.expert_tp))]
             if problems:

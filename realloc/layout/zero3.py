@@ -29,7 +29,14 @@ import math
 
 from realloc.boxes import Box
 
-__all__ = ["check_parts", "flat_range_boxes", "zero3_partition", "zero3_parts_pieces", "zero3_pieces"]
+__all__ = [
+    "check_parts",
+    "flat_range_boxes",
+    "padded_pieces",
+    "zero3_partition",
+    "zero3_parts_pieces",
+    "zero3_pieces",
+]
 
 
 def flat_range_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], start: int, stop: int) -> list[Box]:
@@ -181,12 +188,12 @@ def zero3_parts_pieces(
             r_lo, r_hi = lo - base, min(hi - base, real)
             boxes = flat_range_boxes(tuple(offsets), tuple(sizes), r_lo, r_hi) if r_lo < r_hi else []
             pad = hi - base - max(r_lo, real)
-            out += [(i, box, local) for box, local in _padded(tuple(offsets), tuple(sizes), boxes, max(pad, 0))]
+            out += [(i, box, local) for box, local in padded_pieces(tuple(offsets), tuple(sizes), boxes, max(pad, 0))]
         base += total
     return out
 
 
-def _padded(
+def padded_pieces(
     offsets: tuple[int, ...], sizes: tuple[int, ...], boxes: list[Box], pad: int
 ) -> list[tuple[Box, tuple[int, ...]]]:
     """``boxes`` (a flat run of a box) followed by ``pad`` padding elements, as ``(box, local)``:
@@ -195,6 +202,7 @@ def _padded(
         return [(b, b[1]) for b in boxes]
     if not boxes:
         return [((offsets, (0,) * len(sizes)), (1,) * (len(sizes) - 1) + (pad,))]
+    boxes = list(boxes)  # the caller's list stays as it is
     last_offsets, last_sizes = boxes.pop()
     row = last_sizes[-1]
     if any(n > 1 for n in last_sizes[:-1]):  # keep all but its last innermost row as they are

@@ -45,6 +45,8 @@ from realloc._checks import check_choice
 from realloc.layout import RankLayout
 from realloc.layout.conventions import expert_projection, megatron_qkv_order, qkv_triples
 from realloc.layout.sharded import megatron_fused_name
+from realloc.layout.stacked import stacked_name
+from realloc.layout.torchtitan import torchtitan_local_shape, torchtitan_name
 from realloc.shards.store import TORCH_DTYPES
 from realloc.shards.views import flat_spans, fused_view, shard_views
 
@@ -89,6 +91,19 @@ def fused_views(
       ``block_sparse_moe.experts.*``): vLLM's ``FusedMoE`` buffers of the rank's routed experts,
       when the layout was built with ``expert_order="vllm"`` (:mod:`realloc.layout.conventions`); a
       layout in ``"hf"`` order has no such views (its expert tensors are per expert).
+    * ``model.layers.N.mlp.experts.gate_up_proj`` ``[local experts, 2 * inter / tp, hidden]`` and
+      ``...experts.down_proj`` ``[local experts, hidden, inter / tp]`` (Mixtral too: transformers 5
+      names its MoE block ``mlp``): transformers 5's stacked experts, when the layout was built with
+      ``expert_order="hf_stacked"`` (:mod:`realloc.layout.stacked`): all experts (replicated, tp)
+      or the rank's FSDP2 chunk of the expert axis, zero-size ``(0, rows, columns)`` where that
+      chunk is empty (FSDP2's local tensor). A ZeRO-3 layout has no shaped views: its stacked
+      ``ds_tensor`` partitions are :func:`~realloc.shards.views.flat_views`. With FSDP2 such a
+      layout gets no ``qkv_proj`` / ``gate_up_proj`` views (transformers' q/k/v and gate/up are
+      separate parameters, each chunked on its own).
+    * ``layers.N.moe.routed_experts.inner_experts.w1_EFD`` (gates), ``w2_EDF`` (downs) and
+      ``w3_EFD`` (ups): torchtitan's ``GroupedExperts`` local tensors under its EP + FSDP, for a
+      layout built with ``expert_order="torchtitan"`` (:mod:`realloc.layout.torchtitan`),
+      zero-size where FSDP2's chunk is empty.
 
     (Names and part order: ``stacked_params_mapping`` in vllm/model_executor/models/llama.py.)
     The parts stay in the result too, so one dict serves both conventions.
@@ -118,6 +133,8 @@ def fused_views(
             f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'"
         )
     layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
+    if rank_layout.layout.expert_order in ("hf_stacked", "torchtitan") and rank_layout.layout.topology.fsdp > 1:
+        layers = []  # FSDP2 of transformers / torchtitan: q/k/v and gate/up are separate chunked tensors
     for layer in layers:
         prefix = f"model.layers.{layer}."
         for fused, parts in FUSED_PARTS.items():
@@ -132,32 +149,40 @@ def fused_views(
                 )
             views[name] = fused_view(name, shards, buffers, rank_layout)
     if rank_layout.layout.expert_order == "vllm":
-        views.update(_vllm_expert_views(rank_layout, buffers))
+        views.update(_expert_views(rank_layout, buffers, _vllm_expert_name))
+    elif rank_layout.layout.expert_order == "hf_stacked":
+        views.update(_stacked_expert_views(rank_layout, buffers))
+    elif rank_layout.layout.expert_order == "torchtitan":
+        views.update(_torchtitan_expert_views(rank_layout, buffers))
     return views
 
 
-def _vllm_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """vLLM's ``w13_weight`` and ``w2_weight`` of every MoE layer of the rank, one view each."""
-    by_layer: dict[str, tuple[list, list]] = {}
+def _vllm_expert_name(p) -> str:
+    """vLLM's ``FusedMoE`` buffer routed expert weight ``p`` is part of (checkpoint module prefix)."""
+    return p.name.split(".experts.")[0] + (".experts.w2_weight" if expert_projection(p) == 2 else ".experts.w13_weight")
+
+
+def _expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], name_of) -> dict[str, torch.Tensor]:
+    """The rank's routed experts of every MoE layer as stacked tensors ``[local experts, rows,
+    columns]``, one view each, named ``name_of(param spec)``: vLLM's ``w13_weight`` / ``w2_weight``
+    or transformers 5's ``gate_up_proj`` / ``down_proj`` (per expert its gate then its up rows)."""
+    spec = rank_layout.layout.spec
+    stacks: dict[str, list] = {}
     for shard in rank_layout.shards():
-        p = rank_layout.layout.spec.by_name[shard.param]
-        if p.expert is None:
-            continue
-        proj = expert_projection(p)
-        w13, w2 = by_layer.setdefault(p.name.split(".experts.")[0] + ".experts.", ([], []))
-        (w2 if proj == 2 else w13).append(((p.expert, proj), shard))
+        p = spec.by_name[shard.param]
+        if p.expert is not None:
+            stacks.setdefault(name_of(p), []).append(((p.expert, expert_projection(p, "hf_stacked")), shard))
     views = {}
-    for prefix, (w13, w2) in by_layer.items():
-        experts = len(w2)
-        for name, parts in ((prefix + "w13_weight", w13), (prefix + "w2_weight", w2)):
-            shards = [shard for _, shard in sorted(parts, key=lambda x: x[0])]
-            if len(shards) != experts * (2 if name.endswith("w13_weight") else 1):
-                raise ValueError(
-                    f"{rank_layout}: cannot build {name}: the rank holds {len(w13)} gate/up and "
-                    f"{len(w2)} down expert shards of the layer"
-                )
-            flat = fused_view(name, shards, buffers, rank_layout)
-            views[name] = flat.view((experts, flat.shape[0] // experts) + tuple(flat.shape[1:]))
+    for name, parts in stacks.items():
+        shards = [shard for _, shard in sorted(parts, key=lambda x: x[0])]
+        experts, kinds = len({key[0] for key, _ in parts}), len({key[1] for key, _ in parts})
+        if len(shards) != experts * kinds:
+            raise ValueError(
+                f"{rank_layout}: cannot build {name}: the rank holds {len(shards)} shards of {experts} experts "
+                f"({kinds} tensor(s) of each are needed)"
+            )
+        flat = fused_view(name, shards, buffers, rank_layout)
+        views[name] = flat.view((experts, flat.shape[0] // experts) + tuple(flat.shape[1:]))
     return views
 
 
@@ -182,6 +207,46 @@ def _sharded_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Te
         else:
             views[name] = torch.empty((0,) + trailing, dtype=TORCH_DTYPES[p.dtype], device=device)
     return views
+
+
+def _torchtitan_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torchtitan's ``layers.N.moe.routed_experts.inner_experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` of
+    every MoE layer of the rank (:mod:`realloc.layout.torchtitan`), zero-size where FSDP2's chunk is."""
+    views = _expert_views(rank_layout, buffers, torchtitan_name)
+    layout = rank_layout.layout
+    _, fsdp_rank, tp_rank, pp_rank = layout.topology.coords4(rank_layout.rank)
+    device = next((b.device for b in buffers.values()), torch.device("cpu"))
+    for p in layout.spec.params:
+        if p.expert == 0 and p.layer in layout.stages[pp_rank] and torchtitan_name(p) not in views:
+            shape = torchtitan_local_shape(p.shape, layout.topology, layout.num_experts, tp_rank, fsdp_rank)
+            views[torchtitan_name(p)] = torch.empty(shape, dtype=TORCH_DTYPES[p.dtype], device=device)
+    return views
+
+
+def _stacked_expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's ``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj`` of every MoE
+    layer of the rank (:mod:`realloc.layout.stacked`); where FSDP2's chunk of the expert axis is
+    empty, a zero-size tensor of FSDP2's local shape ``(0, rows, columns)``."""
+    views = _expert_views(rank_layout, buffers, stacked_name)
+    layout = rank_layout.layout
+    _, _, tp_rank, pp_rank = layout.topology.coords4(rank_layout.rank)
+    device = next((b.device for b in buffers.values()), torch.device("cpu"))
+    first: dict[str, list] = {}  # stacked name -> the tp-local shapes of expert 0's tensors
+    for p in layout.spec.params:
+        if p.expert == 0 and p.layer in layout.stages[pp_rank]:
+            shape = list(p.shape)
+            if p.tp_dim is not None:
+                start, stop, _ = p.tp_range(layout.topology.tp, tp_rank)
+                shape[p.tp_dim] = stop - start
+            first.setdefault(stacked_name(p), []).append((p.dtype, shape))
+    out = {}
+    for name, parts in first.items():
+        if name in views:
+            out[name] = views[name]
+            continue
+        rows = sum(shape[0] for _, shape in parts)
+        out[name] = torch.empty((0, rows, *parts[0][1][1:]), dtype=TORCH_DTYPES[parts[0][0]], device=device)
+    return out
 
 
 def megatron_fused_views(

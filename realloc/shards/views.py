@@ -22,6 +22,7 @@ import torch
 
 from realloc.layout import RankLayout, Shard
 from realloc.layout.sharded import megatron_fused_name
+from realloc.layout.stacked import stacked_name
 from realloc.shards.store import TORCH_DTYPES, local_tensor
 
 __all__ = ["check_buffers", "flat_spans", "flat_views", "fused_view", "shard_views"]
@@ -109,18 +110,24 @@ def _with_empty_chunks(
     """``views`` plus a 0-row tensor for every slot of the stage whose FSDP2 chunk is empty here
     (FSDP2's ``_get_dim_chunked_size``: the chunk's size with 0 along dim 0), in forward order."""
     _, _, tp_rank, pp_rank = rank_layout.layout.topology.coords4(rank_layout.rank)
-    first = {s.slot: s for s in rank_layout.layout.shards_at(tp_rank, pp_rank, 0)}  # fsdp rank 0 holds rows
+    # the tp boxes FSDP2 chunks (a tp rank may hold no vocabulary rows at all: then no fsdp rank does)
+    tp_boxes = {entry[2]: entry for entry in rank_layout.layout._tp_boxes(tp_rank, pp_rank)}
     device = next((b.device for b in buffers.values()), torch.device("cpu"))
     fused = rank_layout.layout.fused_sharded
+    # experts stacked (transformers' gate_up_proj, torchtitan's w1/w2/w3: fused_views) are not per-expert chunks
+    stacked = rank_layout.layout.expert_order == "hf_stacked" or rank_layout.layout.topology.torchtitan_experts
+    by_name = rank_layout.layout.spec.by_name
     out = {}
-    for _, slot in rank_layout.layout.stage_slots(pp_rank):
+    for name, slot in rank_layout.layout.stage_slots(pp_rank):
         if fused and megatron_fused_name(slot):
             continue  # a part of linear_qkv / linear_fc1: realloc.shards.fused.fused_views
         if slot in views:
             out[slot] = views[slot]
+        elif stacked and by_name[name].expert is not None:
+            continue  # an expert of another rank's chunk of the stack
         else:
-            shard = first[slot]
-            out[slot] = torch.empty((0,) + tuple(shard.sizes[1:]), dtype=TORCH_DTYPES[shard.dtype], device=device)
+            p, _, _, _, sizes, _ = tp_boxes[slot]
+            out[slot] = torch.empty((0,) + tuple(sizes[1:]), dtype=TORCH_DTYPES[p.dtype], device=device)
     return out
 
 
@@ -133,8 +140,11 @@ def flat_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> 
     layouts it is each local tensor flattened (FSDP2's empty chunks absent). Under
     ``qkv_order="megatron"`` with fsdp (``Layout.fused_sharded``) the engine parameters are
     Megatron's fused ones: ``model.layers.N.self_attention.linear_qkv.{weight,bias}`` and
-    ``model.layers.N.mlp.linear_fc1.{weight,bias}`` replace q/k/v/gate/up (:func:`flat_spans`).
-    ``ValueError`` for buffers :func:`shard_views` refuses too.
+    ``model.layers.N.mlp.linear_fc1.{weight,bias}`` replace q/k/v/gate/up (:func:`flat_spans`). A
+    zero3 layout with ``expert_order="hf_stacked"`` gives each MoE layer's routed experts as
+    transformers 5's stacked ``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj`` partitions
+    (their ``ds_tensor``) instead of per-expert slots (:mod:`realloc.layout.stacked`). ``ValueError``
+    for buffers :func:`shard_views` refuses too.
 
     Example:
         >>> from realloc import Layout, ModelSpec, Topology
@@ -152,11 +162,18 @@ def flat_spans(rank_layout: RankLayout) -> dict[str, tuple[str, int, int]]:
     """Engine parameter name -> ``(dtype, start, stop)`` of its consecutive shards in the rank's buffer:
     slot names, and for a layout whose fsdp ranks cut Megatron's fused parameters
     (``Layout.fused_sharded``) their names (``...self_attention.linear_qkv.weight``,
-    ``...mlp.linear_fc1.weight``) in place of q/k/v/gate/up. ``ValueError`` if not consecutive."""
-    fused = rank_layout.layout.fused_sharded
+    ``...mlp.linear_fc1.weight``) in place of q/k/v/gate/up, and for a zero3 layout of stacked
+    experts the stacked names. ``ValueError`` if not consecutive."""
+    layout = rank_layout.layout
+    fused = layout.fused_sharded
+    stacked = layout.expert_order == "hf_stacked" and layout.topology.fsdp_split == "zero3"
     spans: dict[str, list] = {}
     for s in rank_layout.shards():
-        name = (fused and megatron_fused_name(s.slot)) or s.slot
+        p = layout.spec.by_name[s.param]
+        if stacked and p.expert is not None:
+            name = stacked_name(p)  # ZeRO-3's stacked ds_tensor
+        else:
+            name = (fused and megatron_fused_name(s.slot)) or s.slot
         span = spans.setdefault(name, [s.dtype, s.buffer_offset, s.buffer_offset])
         if span[2] != s.buffer_offset or span[0] != s.dtype:
             raise ValueError(f"{rank_layout}: the shards of {name} are not consecutive in one buffer")
