@@ -12,7 +12,7 @@ import pickle
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from realloc.ckpt.hf import load_shards, match_spec, save_hf_dir, scan_hf_dir
@@ -132,7 +132,7 @@ def dims(t):
     return (t[0], 1, t[1], t[2]) if len(t) == 3 else t
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_moves_between_formats_match_the_oracle(case):
     d, src_t, dst_t, src_fmt, dst_fmt, seed = case
@@ -148,6 +148,10 @@ def test_moves_between_formats_match_the_oracle(case):
             Layout(spec, dst_topology, weight_format=dst_fmt)
         return
     dst = Layout(spec, dst_topology, weight_format=dst_fmt)
+    if (src_fp8 and not block_aligned(d, dtp)) and (dst_fp8 and not block_aligned(d, stp)):
+        with pytest.raises(ValueError, match="neither side can hold the other's format"):
+            conversion(src, dst)  # each topology splits the other's blocks
+        return
     full = oracle.full_tensors(d, seed)
     src_full, src_scales = formatted_full(d, full, src_fmt)
     src_world, dst_world = src.topology.world_size, dst.topology.world_size
@@ -188,6 +192,7 @@ def test_moves_between_formats_match_the_oracle(case):
         for slot in want:
             assert same_bits(got[slot], want[slot]), (slot, r, out)
     assert out["conversion"] == conversion(src, dst).where
+    event(f"converted on the {out['conversion']}")
 
 
 def test_quantizer_matches_the_oracle_on_edges_and_tiny_blocks():

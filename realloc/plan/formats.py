@@ -12,6 +12,10 @@ conversion (:func:`realloc.shards.convert.convert_store`) on one side, decided h
   topology in the source's format) and each receiver converts from it. Chosen when the
   destination format is not smaller (dequantizing, widening casts) or the source's ranks cut
   blocks (FSDP chunks, a tp that splits a weight mid-block).
+
+Each falls back to the other when its wire layout cannot exist (an FP8 source dequantized for a
+destination whose tp splits blocks converts on the senders); when neither can (two block formats
+whose topologies each split the other's blocks), ``ValueError`` names both reasons.
 * ``None``: both layouts hold one format; the plan is the whole move.
 """
 
@@ -70,12 +74,20 @@ def conversion(src: Layout, dst: Layout) -> Conversion:
         raise ValueError(f"layouts of different models: {a.name!r} and {b.name!r}")
     src_bytes, dst_bytes = src.spec.total_bytes(), dst.spec.total_bytes()
     reason = f"{src.spec.weight_format or 'model dtypes'} -> {dst.spec.weight_format or 'model dtypes'}"
-    if dst_bytes < src_bytes:
+    # the side where the wire carries fewer bytes first; the other when that side cannot hold the
+    # other format (a topology that splits blocks)
+    sides = ("source", "destination") if dst_bytes < src_bytes else ("destination", "source")
+    problems = []
+    for where in sides:
         try:
-            wire = Layout(dst.spec, src.topology, **_without_format(src))
+            if where == "source":
+                wire = Layout(dst.spec, src.topology, **_without_format(src))
+            else:
+                wire = Layout(src.spec, dst.topology, **_without_format(dst))
         except ValueError as e:
-            wire = Layout(src.spec, dst.topology, **_without_format(dst))
-            return Conversion("destination", wire, f"{reason}: the source ranks cannot convert ({e})")
-        return Conversion("source", wire, f"{reason}: converted before sending ({src_bytes} -> {dst_bytes} bytes)")
-    wire = Layout(src.spec, dst.topology, **_without_format(dst))
-    return Conversion("destination", wire, f"{reason}: converted after receiving (the format is not smaller)")
+            problems.append(f"the {where} ranks cannot convert ({e})")
+            continue
+        why = "converted before sending" if where == "source" else "converted after receiving"
+        more = f": {problems[0]}" if problems else f" ({src_bytes} -> {dst_bytes} bytes)"
+        return Conversion(where, wire, f"{reason}: {why}{more}")
+    raise ValueError(f"{reason}: neither side can hold the other's format: {'; '.join(problems)}")
