@@ -339,6 +339,12 @@ class Layout:
             ]
         )
 
+    def tp_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
+        """What sharded data parallelism shards on the ``(tp_rank, pp_rank)`` coordinate: every
+        slot's ``(param spec, name, slot, offsets, sizes, local shape)`` in buffer order (a tp rank
+        may hold no real rows of a padded vocabulary: then no fsdp rank does)."""
+        return self._tp_boxes(tp_rank, pp_rank)
+
     def _dense_boxes(self, tp_rank: int, pp_rank: int) -> list[tuple]:
         """The boxes of the stage's parameters that are not routed experts, as :meth:`_tp_boxes`."""
         tp = self.topology.tp

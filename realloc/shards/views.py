@@ -111,7 +111,7 @@ def _with_empty_chunks(
     (FSDP2's ``_get_dim_chunked_size``: the chunk's size with 0 along dim 0), in forward order."""
     _, _, tp_rank, pp_rank = rank_layout.layout.topology.coords4(rank_layout.rank)
     # the tp boxes FSDP2 chunks (a tp rank may hold no vocabulary rows at all: then no fsdp rank does)
-    tp_boxes = {entry[2]: entry for entry in rank_layout.layout._tp_boxes(tp_rank, pp_rank)}
+    tp_boxes = {entry[2]: entry for entry in rank_layout.layout.tp_boxes(tp_rank, pp_rank)}
     device = next((b.device for b in buffers.values()), torch.device("cpu"))
     fused = rank_layout.layout.fused_sharded
     # experts stacked (transformers' gate_up_proj, torchtitan's w1/w2/w3: fused_views) are not per-expert chunks
