@@ -708,7 +708,6 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta))
         if convert is not None and op.dst is not None:
             self._convert_destination(op, convert)
-            self._realloc.phases.mark("convert")
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
@@ -924,36 +923,31 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             return self._store_now(), False
         if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
             raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
-        if self._take_fault("exit_in_convert") is not None:
-            os._exit(1)
-        buffers = self._realloc.allocator.allocate(src.buffer_numels(), zero=False)
-        store = ShardStore(src.shards(), buffers)
-        zero_padding(store)
-        try:
-            convert_rank(held.layout, src.layout, src.rank, self._store_now(), store)
-        except BaseException:
-            self._realloc.allocator.release(buffers)
-            raise
-        self._realloc.phases.mark("convert")
-        return store, True
+        return self._converted(held, self._store_now(), src), True
 
     def _convert_destination(self, op: PendingOp, final: Layout) -> None:
         """Convert what ``op`` received (the destination in the sender's weight format) into
         ``final``'s format: ``op`` then commits ``final``'s rank and its buffers."""
-        wire, received = op.dst, op.store()
-        target = RankLayout(final, wire.rank)
+        target = RankLayout(final, op.dst.rank)
+        store = self._converted(op.dst, op.store(), target)
+        self._realloc.allocator.release(op.buffers)
+        op.dst, op.buffers = target, store.buffers
+
+    def _converted(self, have: RankLayout, store: ShardStore, want: RankLayout) -> ShardStore:
+        """``store`` (rank ``have``) converted into fresh buffers of ``want``: the same rank in
+        another weight format (realloc/shards/convert.py); the buffers go back on failure."""
         if self._take_fault("exit_in_convert") is not None:
             os._exit(1)
-        buffers = self._realloc.allocator.allocate(target.buffer_numels(), zero=False)
-        store = ShardStore(target.shards(), buffers)
-        zero_padding(store)
+        buffers = self._realloc.allocator.allocate(want.buffer_numels(), zero=False)
+        out = ShardStore(want.shards(), buffers)
+        zero_padding(out)
         try:
-            convert_rank(wire.layout, final, wire.rank, received, store)
+            convert_rank(have.layout, want.layout, want.rank, store, out)
         except BaseException:
             self._realloc.allocator.release(buffers)
             raise
-        self._realloc.allocator.release(op.buffers)
-        op.dst, op.buffers = target, buffers
+        self._realloc.phases.mark("convert")
+        return out
 
     def _delta_sides(self, op: PendingOp, me: PeerView, order: DeltaOrder) -> DeltaSides:
         """The bases of a delta move on this worker: its own base, if it sends and the base is of
