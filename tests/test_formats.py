@@ -327,3 +327,58 @@ def test_an_fp8_checkpoint_without_its_scales_is_refused(tmp_path):
         match_spec(scan_hf_dir(tmp_path / "b"), d.spec())
     with pytest.raises(ValueError, match="not block FP8"):
         hf_weight_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}})
+
+
+@pytest.mark.parametrize("dst_topology", ["dp=2,ep=2", "tp=2,ep=2,etp=1", "dp=2,tp=2,ep=4,etp=1"])
+def test_moe_experts_and_shared_experts_quantize_under_expert_parallelism(dst_topology):
+    """A Qwen2-MoE (routed experts, a shared expert, a router, a dense layer) from a bf16 tp=2
+    trainer into block-FP8 expert-parallel generators: routed and shared experts quantized (their
+    scales with them, cut by etp), the router and the shared expert's gate not."""
+    m = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
+    spec = m.spec()
+    full = oracle.moe_full_tensors(m, 3)
+    index = oracle.moe_full_tensors(m, index=True)
+    quant, scales = {}, {}
+    for p in oracle.moe_params(m):
+        if is_linear(p):
+            quant[p.name], scales[p.name] = oracle.fp8_block_quantize(full[p.name])
+        else:
+            quant[p.name] = full[p.name]
+    assert any(".experts.0." in n for n in scales) and any("shared_expert." in n for n in scales)
+    assert not any(n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) for n in scales)
+    src = Layout(spec, Topology(tp=2))
+    dst = Layout(spec, Topology.parse(dst_topology), weight_format="fp8_block128")
+    t = dst.topology
+    src_stores = {r: ShardStore(src.shards(r), allocate_buffers(src, r)) for r in range(2)}
+    for r, store in src_stores.items():
+        locals_ = oracle.moe_local_tensors(m, full, 1, 2, 1, 1, 2, [[0, 1]], r)
+        for slot, view in store.shard_tensors().items():
+            view.copy_(locals_[slot])
+    world = t.world_size
+    dst_stores = {r: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(world)}
+    out = move_in_process(
+        src,
+        dst,
+        src_stores,
+        {r + 2: s for r, s in dst_stores.items()},
+        Placement.blocks(2 + world, 2),
+        src_workers=[0, 1],
+        dst_workers=list(range(2, 2 + world)),
+    )
+    assert out["conversion"] == "source"
+    for r in range(world):
+        args = (t.dp, t.tp, t.pp, t.ep, t.expert_tp, [[0, 1]], r)
+        want = oracle.moe_local_tensors(m, quant, *args)
+        where = oracle.moe_local_tensors(m, index, *args)
+        for name, s in scales.items():
+            if name in where:  # the blocks of the rank's slice, from its first and last element
+                cols = index[name].shape[1]
+                (r0, c0), (r1, c1) = (
+                    divmod(int(where[name].reshape(-1)[0]), cols),
+                    divmod(int(where[name].reshape(-1)[-1]), cols),
+                )
+                want[name + "_scale_inv"] = s[r0 // B : r1 // B + 1, c0 // B : c1 // B + 1]
+        got = dst_stores[r].shard_tensors()
+        assert set(got) == set(want)
+        for slot in want:
+            assert same_bits(got[slot], want[slot]), (dst_topology, r, slot)
