@@ -19,7 +19,7 @@ from realloc.ckpt.hf import load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
 from realloc.plan.formats import conversion
-from realloc.shards import ShardStore, allocate_buffers
+from realloc.shards import ShardStore, allocate_buffers, fused_views
 from realloc.shards.convert import dequantize_blocks, quantize_blocks
 from realloc.shards.local_executor import move_in_process
 from realloc.spec.formats import WEIGHT_FORMATS, formatted, hf_weight_format, quantized, scale_name
@@ -382,3 +382,54 @@ def test_moe_experts_and_shared_experts_quantize_under_expert_parallelism(dst_to
         assert set(got) == set(want)
         for slot in want:
             assert same_bits(got[slot], want[slot]), (dst_topology, r, slot)
+
+
+@pytest.mark.parametrize("dst_topology", ["dp=2,ep=2,etp=1", "tp=2,ep=1,etp=2"])
+def test_vllm_fused_fp8_expert_buffers(dst_topology):
+    """``expert_order="vllm"`` in block FP8: FusedMoE's ``w13_weight`` / ``w2_weight`` (e4m3) and
+    ``w13_weight_scale_inv`` ``[experts, 2 * ceil(inter / etp / 128), ceil(hidden / 128)]`` /
+    ``w2_weight_scale_inv`` as vLLM's Fp8MoEMethod creates them (per expert the gate's scales, then
+    the up's), each one view of the rank's buffers, equal to the oracle's vLLM stacks of the
+    quantized tensors and of their scales."""
+    m = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
+    spec = m.spec()
+    full = oracle.moe_full_tensors(m, 5)
+    quant, scales = {}, {}
+    for p in oracle.moe_params(m):
+        if is_linear(p):
+            quant[p.name], scales[p.name] = oracle.fp8_block_quantize(full[p.name])
+        else:
+            quant[p.name] = full[p.name]
+    src = Layout(spec, Topology(tp=2))
+    dst = Layout(spec, Topology.parse(dst_topology), expert_order="vllm", weight_format="fp8_block128")
+    t = dst.topology
+    src_stores = {r: ShardStore(src.shards(r), allocate_buffers(src, r)) for r in range(2)}
+    for r, store in src_stores.items():
+        locals_ = oracle.moe_local_tensors(m, full, 1, 2, 1, 1, 2, [[0, 1]], r)
+        for slot, view in store.shard_tensors().items():
+            view.copy_(locals_[slot])
+    world = t.world_size
+    dst_bufs = {r: allocate_buffers(dst, r) for r in range(world)}
+    dst_stores = {r + 2: ShardStore(dst.shards(r), dst_bufs[r]) for r in range(world)}
+    move_in_process(
+        src,
+        dst,
+        src_stores,
+        dst_stores,
+        Placement.blocks(2 + world, 2),
+        src_workers=[0, 1],
+        dst_workers=list(range(2, 2 + world)),
+    )
+    for r in range(world):
+        etp_rank, ep_rank, _, _ = oracle.expert_mesh_coords(r, t.dp, t.tp, t.pp, t.ep, t.expert_tp)
+        experts = oracle.local_experts(m.experts, t.ep, ep_rank)
+        views = fused_views(dst.at(r), dst_bufs[r])
+        pre = "model.layers.1.mlp.experts."
+        for name, stack, source in (
+            ("w13_weight", oracle.vllm_w13, quant),
+            ("w13_weight_scale_inv", oracle.vllm_w13, scales),
+            ("w2_weight", oracle.vllm_w2, quant),
+            ("w2_weight_scale_inv", oracle.vllm_w2, scales),
+        ):
+            assert same_bits(views[pre + name], stack(source, 1, experts, t.expert_tp, etp_rank)), (r, name)
+    assert views[pre + "w13_weight_scale_inv"].shape == (len(experts), 2 * -(-256 // t.expert_tp // 128), 2)

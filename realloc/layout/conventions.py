@@ -89,7 +89,10 @@ EXPERT_ORDERS = ("hf", "vllm", "hf_stacked", "torchtitan")
 
 _QKV = re.compile(r"^(?P<prefix>.*)self_attn\.(?P<part>[qkv])_proj\.(?P<suffix>weight|bias)$")
 #: A routed expert's projection: 0 gate (``w1``), 1 up (``w3``), 2 down (``w2``).
-_EXPERT_PROJ = re.compile(r"^(?P<prefix>.*)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# (a block-FP8 layout's expert scales, ``...weight_scale_inv``, stack as their weights do)
+_EXPERT_PROJ = re.compile(
+    r"^(?P<prefix>.*)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(_scale_inv)?$"
+)
 _PROJ_INDEX = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 

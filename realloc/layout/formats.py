@@ -30,11 +30,11 @@ def check_block_layout(spec: ModelSpec, topology: Topology, qkv_order: str, expe
             "(tensor/expert/pipeline parallel, as vLLM holds them); FSDP/ZeRO-3 chunks would split "
             "blocks from their scales. Use fsdp=1 for the block-FP8 side"
         )
-    if qkv_order != "hf" or expert_order != "hf":
+    if qkv_order != "hf" or expert_order not in ("hf", "vllm"):
         raise ValueError(
             f"weight_format={fmt!r} with qkv_order={qkv_order!r}, expert_order={expert_order!r}: block-FP8 "
-            "layouts hold vLLM's linear layers (qkv_order='hf', expert_order='hf'); vLLM's fused "
-            "FP8 expert buffers are not a layout yet"
+            "layouts hold vLLM's layers (qkv_order='hf'; experts per tensor, expert_order='hf', or in "
+            "FusedMoE's buffers, expert_order='vllm')"
         )
     by_name = spec.by_name
     seen: set[tuple] = set()

@@ -158,8 +158,10 @@ def fused_views(
 
 
 def _vllm_expert_name(p) -> str:
-    """vLLM's ``FusedMoE`` buffer routed expert weight ``p`` is part of (checkpoint module prefix)."""
-    return p.name.split(".experts.")[0] + (".experts.w2_weight" if expert_projection(p) == 2 else ".experts.w13_weight")
+    """vLLM's ``FusedMoE`` buffer routed expert weight ``p`` is part of (checkpoint module prefix);
+    a block-FP8 weight's scales are ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``."""
+    name = ".experts.w2_weight" if expert_projection(p) == 2 else ".experts.w13_weight"
+    return p.name.split(".experts.")[0] + name + ("_scale_inv" if p.name.endswith("_scale_inv") else "")
 
 
 def _expert_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], name_of) -> dict[str, torch.Tensor]:
