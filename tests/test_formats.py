@@ -329,47 +329,54 @@ def test_an_fp8_checkpoint_without_its_scales_is_refused(tmp_path):
         hf_weight_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}})
 
 
+MOE = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
+
+
+def moe_into(dst: Layout, seed: int) -> tuple[dict, dict, dict, dict]:
+    """MOE's weights (seed) moved from a bf16 tp=2 trainer into ``dst`` in process: ``(quantized
+    full tensors, their scales by weight, the destination buffers by rank, move_in_process's counts)``."""
+    full = oracle.moe_full_tensors(MOE, seed)
+    quant, scales = {}, {}
+    for p in oracle.moe_params(MOE):
+        if is_linear(p):
+            quant[p.name], scales[p.name] = oracle.fp8_block_quantize(full[p.name])
+        else:
+            quant[p.name] = full[p.name]
+    src = Layout(MOE.spec(), Topology(tp=2))
+    src_stores = {r: ShardStore(src.shards(r), allocate_buffers(src, r)) for r in range(2)}
+    for r, store in src_stores.items():
+        locals_ = oracle.moe_local_tensors(MOE, full, 1, 2, 1, 1, 2, [[0, 1]], r)
+        for slot, view in store.shard_tensors().items():
+            view.copy_(locals_[slot])
+    world = dst.topology.world_size
+    bufs = {r: allocate_buffers(dst, r) for r in range(world)}
+    out = move_in_process(
+        src,
+        dst,
+        src_stores,
+        {r + 2: ShardStore(dst.shards(r), bufs[r]) for r in range(world)},
+        Placement.blocks(2 + world, 2),
+        src_workers=[0, 1],
+        dst_workers=list(range(2, 2 + world)),
+    )
+    return quant, scales, bufs, out
+
+
 @pytest.mark.parametrize("dst_topology", ["dp=2,ep=2", "tp=2,ep=2,etp=1", "dp=2,tp=2,ep=4,etp=1"])
 def test_moe_experts_and_shared_experts_quantize_under_expert_parallelism(dst_topology):
     """A Qwen2-MoE (routed experts, a shared expert, a router, a dense layer) from a bf16 tp=2
     trainer into block-FP8 expert-parallel generators: routed and shared experts quantized (their
     scales with them, cut by etp), the router and the shared expert's gate not."""
-    m = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
-    spec = m.spec()
-    full = oracle.moe_full_tensors(m, 3)
-    index = oracle.moe_full_tensors(m, index=True)
-    quant, scales = {}, {}
-    for p in oracle.moe_params(m):
-        if is_linear(p):
-            quant[p.name], scales[p.name] = oracle.fp8_block_quantize(full[p.name])
-        else:
-            quant[p.name] = full[p.name]
+    dst = Layout(MOE.spec(), Topology.parse(dst_topology), weight_format="fp8_block128")
+    quant, scales, bufs, out = moe_into(dst, 3)
     assert any(".experts.0." in n for n in scales) and any("shared_expert." in n for n in scales)
     assert not any(n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) for n in scales)
-    src = Layout(spec, Topology(tp=2))
-    dst = Layout(spec, Topology.parse(dst_topology), weight_format="fp8_block128")
-    t = dst.topology
-    src_stores = {r: ShardStore(src.shards(r), allocate_buffers(src, r)) for r in range(2)}
-    for r, store in src_stores.items():
-        locals_ = oracle.moe_local_tensors(m, full, 1, 2, 1, 1, 2, [[0, 1]], r)
-        for slot, view in store.shard_tensors().items():
-            view.copy_(locals_[slot])
-    world = t.world_size
-    dst_stores = {r: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(world)}
-    out = move_in_process(
-        src,
-        dst,
-        src_stores,
-        {r + 2: s for r, s in dst_stores.items()},
-        Placement.blocks(2 + world, 2),
-        src_workers=[0, 1],
-        dst_workers=list(range(2, 2 + world)),
-    )
     assert out["conversion"] == "source"
-    for r in range(world):
+    t, index = dst.topology, oracle.moe_full_tensors(MOE, index=True)
+    for r in range(t.world_size):
         args = (t.dp, t.tp, t.pp, t.ep, t.expert_tp, [[0, 1]], r)
-        want = oracle.moe_local_tensors(m, quant, *args)
-        where = oracle.moe_local_tensors(m, index, *args)
+        want = oracle.moe_local_tensors(MOE, quant, *args)
+        where = oracle.moe_local_tensors(MOE, index, *args)
         for name, s in scales.items():
             if name in where:  # the blocks of the rank's slice, from its first and last element
                 cols = index[name].shape[1]
@@ -378,7 +385,7 @@ def test_moe_experts_and_shared_experts_quantize_under_expert_parallelism(dst_to
                     divmod(int(where[name].reshape(-1)[-1]), cols),
                 )
                 want[name + "_scale_inv"] = s[r0 // B : r1 // B + 1, c0 // B : c1 // B + 1]
-        got = dst_stores[r].shard_tensors()
+        got = ShardStore(dst.shards(r), bufs[r]).shard_tensors()
         assert set(got) == set(want)
         for slot in want:
             assert same_bits(got[slot], want[slot]), (dst_topology, r, slot)
@@ -391,40 +398,14 @@ def test_vllm_fused_fp8_expert_buffers(dst_topology):
     ``w2_weight_scale_inv`` as vLLM's Fp8MoEMethod creates them (per expert the gate's scales, then
     the up's), each one view of the rank's buffers, equal to the oracle's vLLM stacks of the
     quantized tensors and of their scales."""
-    m = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
-    spec = m.spec()
-    full = oracle.moe_full_tensors(m, 5)
-    quant, scales = {}, {}
-    for p in oracle.moe_params(m):
-        if is_linear(p):
-            quant[p.name], scales[p.name] = oracle.fp8_block_quantize(full[p.name])
-        else:
-            quant[p.name] = full[p.name]
-    src = Layout(spec, Topology(tp=2))
-    dst = Layout(spec, Topology.parse(dst_topology), expert_order="vllm", weight_format="fp8_block128")
+    dst = Layout(MOE.spec(), Topology.parse(dst_topology), expert_order="vllm", weight_format="fp8_block128")
+    quant, scales, bufs, _ = moe_into(dst, 5)
     t = dst.topology
-    src_stores = {r: ShardStore(src.shards(r), allocate_buffers(src, r)) for r in range(2)}
-    for r, store in src_stores.items():
-        locals_ = oracle.moe_local_tensors(m, full, 1, 2, 1, 1, 2, [[0, 1]], r)
-        for slot, view in store.shard_tensors().items():
-            view.copy_(locals_[slot])
-    world = t.world_size
-    dst_bufs = {r: allocate_buffers(dst, r) for r in range(world)}
-    dst_stores = {r + 2: ShardStore(dst.shards(r), dst_bufs[r]) for r in range(world)}
-    move_in_process(
-        src,
-        dst,
-        src_stores,
-        dst_stores,
-        Placement.blocks(2 + world, 2),
-        src_workers=[0, 1],
-        dst_workers=list(range(2, 2 + world)),
-    )
-    for r in range(world):
+    pre = "model.layers.1.mlp.experts."
+    for r in range(t.world_size):
         etp_rank, ep_rank, _, _ = oracle.expert_mesh_coords(r, t.dp, t.tp, t.pp, t.ep, t.expert_tp)
-        experts = oracle.local_experts(m.experts, t.ep, ep_rank)
-        views = fused_views(dst.at(r), dst_bufs[r])
-        pre = "model.layers.1.mlp.experts."
+        experts = oracle.local_experts(MOE.experts, t.ep, ep_rank)
+        views = fused_views(dst.at(r), bufs[r])
         for name, stack, source in (
             ("w13_weight", oracle.vllm_w13, quant),
             ("w13_weight_scale_inv", oracle.vllm_w13, scales),
@@ -432,4 +413,4 @@ def test_vllm_fused_fp8_expert_buffers(dst_topology):
             ("w2_weight_scale_inv", oracle.vllm_w2, scales),
         ):
             assert same_bits(views[pre + name], stack(source, 1, experts, t.expert_tp, etp_rank)), (r, name)
-    assert views[pre + "w13_weight_scale_inv"].shape == (len(experts), 2 * -(-256 // t.expert_tp // 128), 2)
+        assert views[pre + "w13_weight_scale_inv"].shape == (len(experts), 2 * -(-256 // t.expert_tp // 128), 2)
