@@ -416,19 +416,33 @@ def local_tensors(
         if fsdp == 1:  # (fused, without sharded data parallelism: Megatron's tp-local tensors)
             out[slot] = local
             continue
-        if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
-            # torchtitan: the vocabulary-parallel DTensor's local tensor is its real rows (no
-            # padding); Megatron's padded shard (pad_multiple > 1) and DeepSpeed's flattened one
-            # keep their padding rows
-            per = local.shape[0]
-            local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
-        if split == "zero3":
-            out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
-            continue
-        chunk = fsdp_chunk(local, fsdp, fsdp_rank)
-        if chunk is not None:
-            out[slot] = chunk
+        held = sharded_dp_part(d, p, local, tp_rank, fsdp, fsdp_rank, split, pad_multiple, pad_value)
+        if held is not None:
+            out[slot] = held
     return out
+
+
+def sharded_dp_part(
+    d: Decoder,
+    p: Param,
+    local: torch.Tensor,
+    tp_rank: int,
+    fsdp: int,
+    fsdp_rank: int,
+    split: str,
+    pad_multiple: int,
+    pad_value,
+) -> "torch.Tensor | None":
+    """What fsdp rank ``fsdp_rank`` holds of a tp-local tensor: its ZeRO-3 partition, or its FSDP2
+    chunk (``None`` where torch.chunk gives none). torchtitan's vocabulary-parallel DTensor (FSDP2,
+    no padding multiple) holds the real rows only; Megatron's padded shard (pad_multiple > 1) and
+    DeepSpeed's flattened one keep their padding rows."""
+    if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
+        per = local.shape[0]
+        local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
+    if split == "zero3":
+        return zero3_part(local, fsdp, fsdp_rank, pad_value)
+    return fsdp_chunk(local, fsdp, fsdp_rank)
 
 
 def storage_of(d: Decoder, slot: str) -> str:
@@ -901,14 +915,9 @@ def moe_dense_locals(
         if fsdp == 1:
             out[slot] = local
             continue
-        if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
-            # as local_tensors: torchtitan's DTensor holds the real rows; DeepSpeed flattens the padded shard
-            per = local.shape[0]
-            local = local.narrow(0, 0, max(0, min(per, m.vocab - tp_rank * per)))
-        if split == "zero3":
-            out[slot] = zero3_part(local, fsdp, fsdp_rank, pad_value)
-        elif (chunk := fsdp_chunk(local, fsdp, fsdp_rank)) is not None:
-            out[slot] = chunk
+        held = sharded_dp_part(m, p, local, tp_rank, fsdp, fsdp_rank, split, pad_multiple, pad_value)
+        if held is not None:
+            out[slot] = held
         elif empty_chunks:
             out[slot] = local[:0].clone()
     return out
