@@ -131,7 +131,9 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
     absent (transformers ties the present one too). Float dtypes may differ (the values are cast
     to the spec's dtype on import, as ``from_pretrained(dtype=...)`` casts); any other change of
     dtype kind is refused: integers cast into float parameters are not weights (an int8 export
-    holds quantized values whose scales live elsewhere), nor floats cast into integers.
+    holds quantized values whose scales live elsewhere), nor floats cast into integers. A block-FP8
+    weight (``float8_e4m3fn``) needs its ``weight_scale_inv`` beside it; the scales of a weight the
+    import quantizes (a block-FP8 layout read from a bf16 checkpoint) map to nothing.
     """
     mapping, problems = {}, []
     by_name = spec.by_name
@@ -139,9 +141,9 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
         names = [p.name] + ([alias] if (alias := spec.tied_head_of(p.name)) else [])
         found = next((n for n in names if n in tensors), None)
         weight = p.name[: -len("_scale_inv")] if p.name.endswith("_scale_inv") else None
-        if found is None and weight in by_name and by_name[weight].dtype == FP8 and weight in tensors:
-            if tensors[weight].dtype != FP8:
-                continue  # the block scales of a weight the import quantizes: written with it
+        quantizes = weight in by_name and weight in tensors and by_name[weight].dtype == FP8
+        if found is None and quantizes and tensors[weight].dtype != FP8:
+            continue  # the block scales of a weight the import quantizes: written with it
         if found is not None and tensors[found].dtype == FP8:  # a block-FP8 checkpoint's weight
             scales = tensors.get(scale_name(found))
             grid = tuple(-(-n // BLOCK) for n in p.shape)
