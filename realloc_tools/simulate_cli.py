@@ -310,7 +310,7 @@ def format_result(r: dict) -> str:
             f"binding: {r['binding']}",
             f"  receiver-NIC floor {r['receiver_nic_floor_seconds']:.3f} s"
             + (f" ({floor:.2f}x)" if floor else "")
-            + "; floors: "
+            + f"; this schedule's paired floor {r['schedule_floor_seconds']:.3f} s; floors: "
             + ", ".join(f"{k} {v:.3f} s" for k, v in r["floors"].items()),
             f"  critical path ({r['critical_path_routes']} routes): {crit}",
             f"  idle: {idle}",

@@ -117,6 +117,7 @@ def test_a_worker_waits_for_its_peer_no_barrier():
     assert r.slowest_worker["worker"] in (1, 3)
     assert r.critical_path_routes == 2
     assert r.idle["workers"] > 0
+    assert r.schedule_floor_seconds == pytest.approx(inter + inter)  # worker 1 receives, then sends
     assert intra < inter
 
 
@@ -189,6 +190,7 @@ def test_faster_hardware_never_slows_a_move_and_no_floor_is_beaten(move, name, f
     assert simulate(plan, better).seconds <= r.seconds * (1 + 1e-12)
     assert simulate(plan, worse).seconds >= r.seconds * (1 - 1e-12)
     assert all(r.seconds >= f for f in r.floors.values())
+    assert r.seconds >= r.schedule_floor_seconds * (1 - 1e-12)
     assert r.binding in ("receiver NIC", "sender NIC", "NVLink", "local copy", "host", "latency")
     assert sum(r.critical_path.values()) <= r.seconds * (1 + 1e-9)
     assert all(0 <= v <= 1 for v in r.idle.values())

@@ -66,6 +66,9 @@ class SimResult:
     floors: dict[str, float]
     receiver_nic_floor_seconds: float
     ratio_to_receiver_nic_floor: float | None
+    #: This plan's own floor under the executor's pairing: the busiest worker's sum over its steps
+    #: of the longer of its send and its receive (each at its own rate, no waits for peers).
+    schedule_floor_seconds: float
     idle: dict[str, float]
     slowest_worker: dict[str, Any]
     notes: list[str] = field(default_factory=list)
@@ -157,6 +160,19 @@ def _shares(step: np.ndarray, nic: np.ndarray, inter: np.ndarray, width: int) ->
     return out
 
 
+def _paired(src, dst, step, seconds, workers: int, num_steps: int) -> float:
+    """Largest over workers of the sum over its steps of max(its send's, its receive's seconds)."""
+    if not src.size:
+        return 0.0
+    keys = np.concatenate([src * num_steps + step, dst * num_steps + step])
+    unique, inverse = np.unique(keys, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    sent = np.bincount(inverse[: src.size], weights=seconds, minlength=unique.size)
+    got = np.bincount(inverse[src.size :], weights=seconds, minlength=unique.size)
+    per_worker = np.bincount(unique // num_steps, weights=np.maximum(sent, got), minlength=workers)
+    return float(per_worker.max())
+
+
 def simulate(plan: Plan, cluster: Cluster) -> SimResult:
     """Run ``plan``'s steps on ``cluster`` (see the module docstring)."""
     if not isinstance(cluster, Cluster):
@@ -243,6 +259,7 @@ def simulate(plan: Plan, cluster: Cluster) -> SimResult:
         "local copy": float(local_bytes.max(initial=0.0) / (cluster.copy_gbps * GB)),
     }
     data = max(dag, *floors.values())
+    schedule_floor = _paired(src, dst, step, bw_time, workers, num_steps)
     if cluster.shared_machine:
         # One machine's cores move every byte and also run every message's handshake: the
         # latencies a worker waits through do not overlap the machine's byte work.
@@ -285,6 +302,7 @@ def simulate(plan: Plan, cluster: Cluster) -> SimResult:
         floors=floors,
         receiver_nic_floor_seconds=receiver_floor,
         ratio_to_receiver_nic_floor=(data + driver) / receiver_floor if receiver_floor > 0 else None,
+        schedule_floor_seconds=schedule_floor,
         idle={
             "receiver NIC": idle(nic_in),
             "sender NIC": idle(nic_out),
