@@ -31,13 +31,14 @@ from realloc.plan.formats import conversion
 from realloc.plan.slices import slice_plan
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
 from realloc.spec.formats import WEIGHT_FORMATS, check_weight_format
+from realloc_tools.simulate_cli import add_simulate_parser
 
 if TYPE_CHECKING:
     from realloc.plan import Plan
 
 PROG = "realloc"
 #: Subcommands defined in this module; ``realloc_tools.cli`` loads its Ray-side commands for any other word.
-BUILTIN_COMMANDS = ("plan", "presets")
+BUILTIN_COMMANDS = ("plan", "presets", "simulate")
 #: ``--verify`` materialises the model about once per rank (full tensors, source and destination
 #: shards); beyond this it would swap rather than check anything.
 VERIFY_LIMIT_BYTES = 2 << 30
@@ -91,6 +92,7 @@ def build_parser(extra: Sequence[AddParser] = ()) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_plan_parser(subparsers)
     add_presets_parser(subparsers)
+    add_simulate_parser(subparsers)
     for add_parser in extra:
         add_parser(subparsers)
     return parser
