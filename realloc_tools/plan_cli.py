@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import pickle
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -28,7 +27,7 @@ from realloc.layout import Layout, Topology
 from realloc.layout.conventions import EXPERT_ORDERS
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths, Placement, plan_reallocation
 from realloc.plan.formats import conversion
-from realloc.plan.slices import slice_plan
+from realloc.plan.slices import shipping_stats
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
 from realloc.spec.formats import WEIGHT_FORMATS, check_weight_format
 from realloc_tools.simulate_cli import add_simulate_parser
@@ -242,7 +241,7 @@ def run_plan(args: argparse.Namespace) -> int:
         gc.enable()
 
     report = plan_report(spec, src, dst, placement, plan, plan_seconds, full=args.full_stats)
-    report["slices"] = slice_report(plan)
+    report["slices"] = shipping_stats(plan)
     if conv.where is not None:
         report["weight_formats"] = [args.src_weight_format, args.dst_weight_format]
         report["conversion"] = {"where": conv.where, "reason": conv.reason}
@@ -312,43 +311,6 @@ def plan_report(
         "bucket_bytes": plan.bucket_bytes,
         "plan_seconds": plan_seconds,
         **stats,
-    }
-
-
-def slice_report(plan: "Plan") -> dict[str, Any]:
-    """What shipping ``plan`` costs (realloc/plan/slices.py): the driver's time to cut every
-    worker's slice and to pickle them all, the largest slice as pickled and its routes, the
-    mean, and the time a worker takes to prepare the largest (unpickle, check, its routes by
-    step, its segment tables unpacked)."""
-    gc.disable()  # as the driver and the workers run it (actors/executor.py collector_paused)
-    try:
-        started = time.perf_counter()
-        slices = slice_plan(plan)
-        cut = time.perf_counter() - started
-        started = time.perf_counter()
-        shipped = [pickle.dumps(p, protocol=5) for p in slices]
-        pickled = time.perf_counter() - started
-        largest = max(range(len(shipped)), key=lambda i: len(shipped[i]), default=None)
-        prepare = None
-        if largest is not None:
-            started = time.perf_counter()
-            piece = pickle.loads(shipped[largest])
-            piece.validate(len(plan.nodes), largest)
-            piece.routes_by_step()
-            piece.unpack()
-            prepare = time.perf_counter() - started
-    finally:
-        gc.enable()
-    sizes = [len(b) for b in shipped]
-    return {
-        "slice_seconds": cut,
-        "pickle_seconds": pickled,
-        "max_bytes": max(sizes, default=0),
-        "mean_bytes": sum(sizes) / len(sizes) if sizes else 0,
-        "max_routes": max((len(p.routes) for p in slices), default=0),
-        "largest_worker": largest,
-        "prepare_seconds": prepare,
-        "plan_pickle_bytes": len(pickle.dumps(plan, protocol=5)),
     }
 
 

@@ -3,7 +3,10 @@
 Builds the three plans a run makes — clique replication after a save, retrieval after losing
 node 0 (its ranks restarted on a fresh node with empty storage), and a resharding load into a
 generation layout — from the layouts alone (file size = a rank's buffer bytes) and reports the
-planner's statistics: bytes per link kind, node egress, balance, estimated and planning time.
+planner's statistics: bytes per link kind, node egress, balance, estimated and planning time,
+what shipping each plan to its workers costs (the largest per-worker slice, slicing time:
+realloc/plan/slices.py) and the seconds the cluster simulator gives it (realloc/sim, H100
+preset unless another is given).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from realloc.ckpt.manifest import ShardRecord, param_table
 from realloc.ckpt.replication import cliques, file_table, replication_groups, retrieval_groups
 from realloc.ckpt.reshard import assign_readers, reshard_groups
 from realloc.layout import Layout, Topology
-from realloc.plan import Bandwidths, Placement, plan_exchange
+from realloc.plan import Bandwidths, Placement, Plan, plan_exchange
+from realloc.plan.slices import shipping_stats
+from realloc.sim import Cluster, cluster_preset, simulate
 from realloc.spec import ModelSpec
 
 FRESH_NODE = "node-fresh"
@@ -28,6 +33,7 @@ def checkpoint_plans(
     factor: int = 2,
     jump: int | None = None,
     bandwidths: Bandwidths = Bandwidths(),
+    cluster: Cluster | None = None,
 ) -> dict:
     """Statistics of the replication, retrieval and resharding-load plans of one configuration.
 
@@ -39,6 +45,7 @@ def checkpoint_plans(
     if generate.world_size != train.world_size:
         raise ValueError(f"generation layout {generate} must have the {train.world_size} ranks of {train}")
     world = train.world_size
+    cluster = cluster_preset("h100") if cluster is None else cluster
     placement = Placement.blocks(world, per_node)
     jump = per_node if jump is None else jump
     saved = Layout(spec, train)
@@ -58,7 +65,7 @@ def checkpoint_plans(
     t0 = time.perf_counter()
     holdings, needs = replication_groups(file_bytes, placement, jump, factor)
     plan = plan_exchange(holdings, needs, placement, table, bandwidths=bandwidths)
-    report["replication"] = _summary(plan.stats, time.perf_counter() - t0)
+    report["replication"] = _summary(plan, time.perf_counter() - t0, cluster)
 
     holders = {r: {placement.nodes[m] for m in clique} for clique in cliques(world, jump, factor) for r in clique}
     lost = placement.nodes[0]
@@ -67,7 +74,7 @@ def checkpoint_plans(
     t0 = time.perf_counter()
     holdings, needs = retrieval_groups(survivors, file_bytes, after, range(world))
     plan = plan_exchange(holdings, needs, after, table, bandwidths=bandwidths)
-    report["retrieval_after_losing_one_node"] = _summary(plan.stats, time.perf_counter() - t0)
+    report["retrieval_after_losing_one_node"] = _summary(plan, time.perf_counter() - t0, cluster)
 
     t0 = time.perf_counter()
     stored = {r: tuple(ShardRecord.of(s, 0) for s in saved.shards(r)) for r in range(world)}
@@ -75,7 +82,7 @@ def checkpoint_plans(
     loads = assignment.loads()
     holdings, needs = reshard_groups(assignment, Layout(spec, generate))
     plan = plan_exchange(holdings, needs, placement, param_table(spec), bandwidths=bandwidths)
-    summary = _summary(plan.stats, time.perf_counter() - t0)
+    summary = _summary(plan, time.perf_counter() - t0, cluster)
     summary["bytes_read"] = sum(loads.values())
     summary["max_reader_bytes"] = max(loads.values())
     summary["mean_reader_bytes"] = sum(loads.values()) // world
@@ -83,7 +90,10 @@ def checkpoint_plans(
     return report
 
 
-def _summary(stats: dict, seconds: float) -> dict:
+def _summary(plan: Plan, seconds: float, cluster: Cluster) -> dict:
+    stats = plan.stats
+    shipping = shipping_stats(plan)
+    simulated = simulate(plan, cluster)
     senders = [v for v in stats["rank_send_bytes"].values() if v]
     return {
         "bytes_inter_node": stats["bytes_inter_node"],
@@ -96,4 +106,11 @@ def _summary(stats: dict, seconds: float) -> dict:
         "steps": stats["num_steps"],
         "estimated_seconds": stats["estimated_seconds"],
         "plan_seconds": seconds,
+        "max_slice_bytes": shipping["max_bytes"],
+        "plan_pickle_bytes": shipping["plan_pickle_bytes"],
+        "slice_seconds": shipping["slice_seconds"],
+        "worker_prepare_seconds": shipping["prepare_seconds"],
+        "simulated_seconds": simulated.seconds,
+        "simulated_binding": simulated.binding,
+        "simulated_cluster": simulated.cluster,
     }

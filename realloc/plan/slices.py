@@ -18,16 +18,19 @@ in the plan: both ends of a route name the same list and cut it into the same bu
 
 from __future__ import annotations
 
+import gc
+import pickle
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from realloc.plan.records import Piece, Plan, Segment, buckets
 from realloc.plan.tables import IndexChain, PackedRuns, SegmentTable, StepTable, distinct, expand
 
-__all__ = ["ListPart", "PlanSlice", "slice_plan"]
+__all__ = ["ListPart", "PlanSlice", "shipping_stats", "slice_plan"]
 
 
 @dataclass(eq=False)
@@ -227,11 +230,8 @@ class PlanSlice:
 # -- cutting ------------------------------------------------------------------------------------
 def _route_arrays(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(src, dst, segment list, step)`` of every route, in step order."""
-    if isinstance(plan.steps, StepTable):
-        t = plan.steps
-        return t.src, t.dst, t.lists, np.repeat(np.arange(len(t), dtype=np.int64), np.diff(t.starts))
-    a = np.array([(s, *r) for s, step in enumerate(plan.steps) for r in step], dtype=np.int64).reshape(-1, 4)
-    return a[:, 1], a[:, 2], a[:, 3], a[:, 0]
+    t = StepTable.of(plan.steps)
+    return t.src, t.dst, t.lists, np.repeat(np.arange(len(t), dtype=np.int64), np.diff(t.starts))
 
 
 def _table_and_ranges(plan: Plan) -> tuple[SegmentTable, np.ndarray, np.ndarray, np.ndarray]:
@@ -344,3 +344,40 @@ def slice_plan(plan: Plan, workers: Sequence[int] | None = None) -> list[PlanSli
             )
         )
     return out
+
+
+def shipping_stats(plan: Plan) -> dict[str, Any]:
+    """What shipping ``plan`` costs (realloc/plan/slices.py): the driver's time to cut every
+    worker's slice and to pickle them all, the largest slice as pickled and its routes, the
+    mean, and the time a worker takes to prepare the largest (unpickle, check, its routes by
+    step, its segment tables unpacked)."""
+    gc.disable()  # a full collection landing inside one of these timings would be charged to it
+    try:
+        started = time.perf_counter()
+        slices = slice_plan(plan)
+        cut = time.perf_counter() - started
+        started = time.perf_counter()
+        shipped = [pickle.dumps(p, protocol=5) for p in slices]
+        pickled = time.perf_counter() - started
+        largest = max(range(len(shipped)), key=lambda i: len(shipped[i]), default=None)
+        prepare = None
+        if largest is not None:
+            started = time.perf_counter()
+            piece = pickle.loads(shipped[largest])
+            piece.validate(len(plan.nodes), largest)
+            piece.routes_by_step()
+            piece.unpack()
+            prepare = time.perf_counter() - started
+    finally:
+        gc.enable()
+    sizes = [len(b) for b in shipped]
+    return {
+        "slice_seconds": cut,
+        "pickle_seconds": pickled,
+        "max_bytes": max(sizes, default=0),
+        "mean_bytes": sum(sizes) / len(sizes) if sizes else 0,
+        "max_routes": max((len(p.routes) for p in slices), default=0),
+        "largest_worker": largest,
+        "prepare_seconds": prepare,
+        "plan_pickle_bytes": len(pickle.dumps(plan, protocol=5)),
+    }

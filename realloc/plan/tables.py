@@ -131,6 +131,16 @@ class StepTable(_ReadOnlyList):
         self.src, self.dst, self.lists = (np.asarray(a, dtype=np.int64) for a in (src, dst, lists))
         self.starts = np.asarray(starts, dtype=np.int64)
 
+    @staticmethod
+    def of(steps: "Sequence[list[Route]]") -> "StepTable":
+        """``steps`` as a table (itself when it is one): a plan's routes as arrays, in step order."""
+        if isinstance(steps, StepTable):
+            return steps
+        flat = np.array([r for step in steps for r in step], dtype=np.int64).reshape(-1, 3)
+        starts = np.zeros(len(steps) + 1, dtype=np.int64)
+        np.cumsum([len(step) for step in steps], out=starts[1:])
+        return StepTable(flat[:, 0], flat[:, 1], flat[:, 2], starts)
+
     def __len__(self) -> int:
         return len(self.starts) - 1
 

@@ -122,13 +122,8 @@ def list_sizes(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 
 def route_arrays(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(src, dst, segment list, step starts)`` of the plan's routes, sorted by step."""
-    steps = plan.steps
-    if isinstance(steps, StepTable):
-        return steps.src, steps.dst, steps.lists, steps.starts
-    flat = [r for step in steps for r in step]
-    arr = np.array(flat, dtype=np.int64).reshape(-1, 3)
-    starts = np.concatenate([[0], np.cumsum([len(s) for s in steps])]).astype(np.int64)
-    return arr[:, 0], arr[:, 1], arr[:, 2], starts
+    t = StepTable.of(plan.steps)
+    return t.src, t.dst, t.lists, t.starts
 
 
 def _placement(plan: Plan, cluster: Cluster, workers: int) -> tuple[np.ndarray, np.ndarray, int]:
