@@ -242,8 +242,8 @@ class StepRunner:
 
     ``plan``: the worker's :class:`~realloc.plan.slices.PlanSlice` (what it was shipped), whose
     segment lists, buckets and fan-out flag are the plan's. ``peers``: its :class:`PeerTable`
-    (or a list of every worker's view). ``src``/``dst`` are this worker's stores (model buffers, checkpoint files read into memory,
-    ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
+    (or a list of every worker's view). ``src``/``dst`` are this worker's stores (model buffers,
+    checkpoint files read into memory, ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
     ``cuts``: a :class:`Cuts` of the same plan to reuse (the plan's buckets and messages are
     pure functions of it: a worker running one plan again does not cut them again).
     """
