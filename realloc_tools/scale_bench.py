@@ -171,7 +171,7 @@ def scale_run(
 
     src, dst = scaled(src_text, workers), scaled(dst_text, workers)
     nodes = workers // nodes_of
-    used_before = psutil.virtual_memory().used
+    used_before, load_before = psutil.virtual_memory().used, psutil.getloadavg()
     cluster = (
         contextlib.nullcontext(f"attached to {address}")
         if address == "current"
@@ -197,6 +197,7 @@ def scale_run(
                 target = dst if i % 2 == 0 else src
                 moves.append(timed_move(group, target, seed))
                 _log(f"  {workers} workers: move {i + 1} {moves[-1]['transition']}: {moves[-1]['wall_s']:.3f} s")
+            memory["loadavg_before"] = list(load_before)
             return summarise(workers, nodes, where, src, dst, start_s, memory, moves)
         finally:
             group.shutdown()
@@ -397,8 +398,10 @@ def summarise(workers, nodes, where, src, dst, start_s, memory, moves) -> dict:
         "cached_driver_cpu_s": statistics.median(m["driver_cpu_s"] for m in steady),
         "shipped_per_worker_max_bytes": max(m["shipped_max_bytes"] for m in moves),
         "shipped_objects_per_move": max(m["shipped_objects"] for m in moves),
-        "messages_per_worker": per_worker(moves, "messages"),
-        "data_bytes_per_worker": per_worker(moves, "bytes"),
+        # src -> dst sends; dst -> src (a generation layout back to training) is every byte a local copy
+        "messages_per_worker": per_worker(moves[0::2], "messages"),
+        "data_bytes_per_worker": per_worker(moves[0::2], "bytes"),
+        "return_messages_per_worker": per_worker(moves[1::2], "messages"),
         "moves": [{k: v for k, v in m.items() if k != "per_worker"} for m in moves],
         "verified": all(m["verified"] for m in moves),
     }
@@ -430,9 +433,10 @@ def format_report(r: dict) -> str:
         f"bench-scale: model {r['model']}, {r['src']} <-> {r['dst']}, {r['nodes_of']} workers per simulated node, "
         f"{r['machine']['cpus']} CPUs, {r['machine']['ram_bytes'] / 2**30:.0f} GiB",
         "",
-        "| workers | nodes | start s | actor USS / PSS MB | node +GB | 1st move s (world) | return move s "
+        "| workers | nodes | start s | actor USS / PSS MiB | node +GB | 1st move s (world) | return move s "
         "(plan shipped) / driver CPU s | cached move s / driver CPU s | driver CPU ms per worker | plan s "
-        "| shipped per worker KB | objects put | msgs per worker mean / max | data KB per worker mean / max "
+        "| shipped per worker KB | objects put | src->dst msgs per worker mean / max | src->dst data KB per worker "
+        "mean / max "
         "| verified |",
         "|" + "---|" * 15,
     ]
