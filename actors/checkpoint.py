@@ -27,7 +27,7 @@ import ray
 from actors.ckpt_worker import CheckpointFault
 from actors.context import ShardChange
 from actors.errors import HookError, ReallocationError
-from actors.executor import PeerView
+from actors.executor import PeerView, worker_shares
 from actors.remote import fire, gather
 from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
@@ -755,10 +755,10 @@ class CheckpointManager:
         world = g._ensure_world([g])
         peers = [PeerView(world.rank_of(a), g.placement.nodes[i], None, None) for i, a in enumerate(g.actors)]
         plan.validate(g.num_workers)
-        plan_ref = ray.put(plan)
+        shares = [ray.put(share) for share in worker_shares(plan, peers)]
         if mode in ("replicate", "export"):  # no weights change: no operation
             refs = [
-                a.ckpt_exchange.remote(None, world.id, plan_ref, i, peers, mode, payloads[i])
+                a.ckpt_exchange.remote(None, world.id, [shares[i]], i, mode, payloads[i])
                 for i, a in enumerate(g.actors)
             ]
             try:
@@ -772,7 +772,7 @@ class CheckpointManager:
         try:
             results = op.call(
                 [
-                    a.ckpt_exchange.remote(op.id, world.id, plan_ref, i, peers, mode, payloads[i])
+                    a.ckpt_exchange.remote(op.id, world.id, [shares[i]], i, mode, payloads[i])
                     for i, a in enumerate(g.actors)
                 ],
                 "exchange",

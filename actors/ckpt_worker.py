@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.executor import PeerView, StepRunner
+from actors.executor import StepRunner, received_share
 from realloc._checks import check_nonneg
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.files import (
@@ -32,7 +32,6 @@ from realloc.ckpt.local_store import Listing, NodeStore
 from realloc.ckpt.manifest import CheckpointId, Manifest
 from realloc.ckpt.replication import file_param
 from realloc.ckpt.reshard import Key, ReadTask, box_of_local, boxes_store
-from realloc.plan import Plan
 from realloc.shards import ShardStore, copy_local
 
 FAULT_MODES = ("raise", "exit")
@@ -199,13 +198,13 @@ class CheckpointMixin:
         self,
         op_id: str | None,
         world_id: str,
-        plan: Plan,
+        share: list,
         me: int,
-        peers: list[PeerView],
         mode: str,
         payload: dict[str, Any],
     ) -> dict:
-        """Run my part of a checkpoint plan, then finish it.
+        """Run my part of a checkpoint plan, then finish it. ``share``: ``[ObjectRef of my
+        (PlanSlice, PeerTable)]``, my share of the plan alone (realloc/plan/slices.py).
 
         ``mode``: ``"replicate"`` (send my new file, write the files I receive to my node; no
         operation: the save's own clean-up undoes a failure), ``"restore"`` (receive my own rank
@@ -219,6 +218,7 @@ class CheckpointMixin:
         started = time.perf_counter()
         state = self._ckpt()
         self._check_world(world_id)
+        plan, peers = received_share(share, me)
         op = self._current_op(op_id) if mode in ("restore", "reshard") else None
         try:
             if mode == "replicate":
@@ -246,17 +246,16 @@ class CheckpointMixin:
                     else None
                 )
             moved = {"local": 0, "intra": 0, "inter": 0}
-            for worker, j in plan.local_copies:
-                if worker == me:
-                    moved["local"] += copy_local(src, dst, plan.segment_list(j))
+            for j in plan.local:
+                moved["local"] += copy_local(src, dst, plan.segment_list(j))
             runner = StepRunner(self._realloc.transport, self._realloc.device, plan, me, peers, src, dst, None)
-            for s in range(len(plan.steps)):
-                for kind, nbytes in runner.run_step(s):
+            for s, routes in plan.routes_by_step().items():
+                for kind, nbytes in runner.run_step(s, routes):
                     moved[kind] += nbytes
             if self._realloc.device.type == "cuda":
                 torch.cuda.synchronize(self._realloc.device)
             exchanged = time.perf_counter()
-            local = any(worker == me for worker, _ in plan.local_copies)
+            local = bool(plan.local)
             if mode == "export":
                 written = (
                     []

@@ -10,10 +10,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import numpy as np
+import ray
 import torch
 
 from realloc.layout import RankLayout
 from realloc.plan import Piece, Plan, bucket_nbytes
+from realloc.plan.slices import PlanSlice, slice_plan
 from realloc.shards import ShardStore, local_copies, pack_copies, unpack_copies
 from realloc.shards import delta as deltas
 from realloc.shards.copy_program import ProgramCache
@@ -46,15 +49,48 @@ def is_zero_copy(peers: list[PeerView], sender: int, receiver: int, forward: boo
     return (a.dst_handles if forward else a.src_handles) is not None
 
 
-def worker_routes(plan: Plan, me: int) -> dict[int, list[tuple[int, int, int]]]:
-    """Step -> the routes of ``plan`` that ``me`` sends or receives, from one pass over the steps
-    (a worker runs only these; scanning every step's routes per worker and step is what a large
-    plan must not cost)."""
-    out: dict[int, list[tuple[int, int, int]]] = {}
-    for s, a, b, j in plan.routes():
-        if a == me or b == me:
-            out.setdefault(s, []).append((a, b, j))
+class PeerTable:
+    """The peers of one worker for one plan, as its slice ships them: every worker's world rank
+    and node (two small arrays), and the full :class:`PeerView` (layouts, handles) of itself and
+    of the same-node peers it exchanges with, the only ones whose buffers it may map. Indexed
+    like the list of every worker's view it stands for; a view it does not hold in full is
+    rebuilt from the arrays (a worker on another node: never mapped)."""
+
+    def __init__(self, ranks: np.ndarray, node_of: np.ndarray, nodes: tuple[str, ...], views: dict[int, PeerView]):
+        self.ranks, self.node_of, self.nodes, self.views = ranks, node_of, nodes, views
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __getitem__(self, worker: int) -> PeerView:
+        view = self.views.get(worker)
+        if view is None:
+            view = PeerView(int(self.ranks[worker]), self.nodes[self.node_of[worker]], None, None, shared=False)
+        return view
+
+
+def worker_shares(plan: Plan, peers: list[PeerView]) -> list[tuple[PlanSlice, PeerTable]]:
+    """What each worker of ``plan`` receives: its :class:`~realloc.plan.slices.PlanSlice` and its
+    :class:`PeerTable` (``peers[i]``: worker ``i``'s full view), cut once for all workers."""
+    nodes = tuple(sorted({v.node for v in peers}))
+    index = {n: i for i, n in enumerate(nodes)}
+    ranks = np.array([v.world_rank for v in peers], dtype=np.int32)
+    node_of = np.array([index[v.node] for v in peers], dtype=np.int32)
+    out = []
+    for piece in slice_plan(plan):
+        me = piece.worker
+        near = [w for w in piece.peers() if node_of[w] == node_of[me]]
+        views = {w: peers[w] for w in (me, *near)}
+        out.append((piece, PeerTable(ranks, node_of, nodes, views)))
     return out
+
+
+def received_share(box: list, me: int) -> tuple[PlanSlice, PeerTable]:
+    """This worker's ``(PlanSlice, PeerTable)`` from ``box`` (``[ObjectRef]``), checked: it is
+    worker ``me``'s slice and holds nothing malformed (``ValueError`` before any traffic)."""
+    plan, peers = ray.get(box[0])
+    plan.validate(len(peers), me)
+    return plan, peers
 
 
 class Phases:
@@ -204,7 +240,9 @@ class Cuts:
 class StepRunner:
     """Runs one worker's routes of a plan, step by step, bucket by bucket.
 
-    ``src``/``dst`` are this worker's stores (model buffers, checkpoint files read into memory,
+    ``plan``: the worker's :class:`~realloc.plan.slices.PlanSlice` (what it was shipped), whose
+    segment lists, buckets and fan-out flag are the plan's. ``peers``: its :class:`PeerTable`
+    (or a list of every worker's view). ``src``/``dst`` are this worker's stores (model buffers, checkpoint files read into memory,
     ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
     ``cuts``: a :class:`Cuts` of the same plan to reuse (the plan's buckets and messages are
     pure functions of it: a worker running one plan again does not cut them again).
@@ -214,9 +252,9 @@ class StepRunner:
         self,
         transport,
         device: torch.device,
-        plan: Plan,
+        plan: PlanSlice,
         me: int,
-        peers: list[PeerView],
+        peers: "PeerTable | list[PeerView]",
         src: ShardStore | None,
         dst: ShardStore | None,
         open_peer: Callable[[PeerView, bool], ShardStore] | None = None,
@@ -253,12 +291,12 @@ class StepRunner:
             self._peer_stores[key] = self.open_peer(self.peers[peer], forward)
         return self._peer_stores[key]
 
-    def run_step(self, s: int, routes: list[tuple[int, int, int]] | None = None) -> list[tuple[str, int]]:
-        """Step ``s``; ``routes``: this worker's routes of it (:func:`worker_routes`), or all of the step's."""
+    def run_step(self, s: int, routes: list[tuple[int, int, int]]) -> list[tuple[str, int]]:
+        """Step ``s``; ``routes``: this worker's routes of it (``PlanSlice.routes_by_step``)."""
         forward = self.plan.reads_destination(s)
         send = recv = None
         done = []
-        for src, dst, j in self.plan.steps[s] if routes is None else routes:
+        for src, dst, j in routes:
             if src == self.me and not self.zero_copy(src, dst, forward):
                 send = (dst, j)
             if dst == self.me:

@@ -39,7 +39,7 @@ import ray
 from actors.delta import DeltaOrder
 from actors.delta import summary as delta_summary
 from actors.errors import ReallocationError
-from actors.executor import PeerView
+from actors.executor import PeerView, worker_shares
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
 from actors.resident import KeepOrder
 from realloc.layout import Layout, RankLayout
@@ -122,12 +122,12 @@ class Operation:
             )
             for i, a in enumerate(self.workers.actors)
         ]
-        plan_ref = ray.put(plan)
+        shares = [ray.put(share) for share in worker_shares(plan, peers)]
         results: list[dict] | None = None
         try:
             for phase in (0, 1):
                 refs = [
-                    a.op_execute.remote(self.id, world.id, plan_ref, i, peers, phase, {**tags, "rank": str(i)})
+                    a.op_execute.remote(self.id, world.id, [shares[i]], i, phase, {**tags, "rank": str(i)})
                     for i, a in enumerate(self.workers.actors)
                 ]
                 results = _merge(results, gather(self.workers, refs, self.deadline, f"{self.what}: transfer"))
@@ -164,10 +164,10 @@ class Operation:
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
-        key, ref = worker_plan_ref(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
+        key, shares = worker_plan_refs(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
             refs = [
-                a.op_run.remote(self.id, world.id, key, [ref], i, {**tags, "rank": str(i)}, keep, delta, convert)
+                a.op_run.remote(self.id, world.id, key, [shares[i]], i, {**tags, "rank": str(i)}, keep, delta, convert)
                 for i, a in enumerate(self.workers.actors)
             ]
             results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")
@@ -226,16 +226,18 @@ class Operation:
         raise ReallocationError(f"{cause.message}. {state}.", all_dead, unresponsive, self.layout, waiting) from cause
 
 
-#: (plan, world, peers) -> (key, ObjectRef of (plan, peers), plan): a loop alternating layouts
-#: ships each plan to the workers once; they cache it by key (``ShardWorker._worker_plan``).
-_WORKER_PLANS: "OrderedDict[tuple, tuple[str, Any, Plan]]" = OrderedDict()
+#: (plan, world, peers) -> (key, ObjectRefs of every worker's (PlanSlice, PeerTable), plan): a loop
+#: alternating layouts cuts and ships each plan once; the workers cache it by key
+#: (``ShardWorker._worker_plan``).
+_WORKER_PLANS: "OrderedDict[tuple, tuple[str, list, Plan]]" = OrderedDict()
 _WORKER_PLANS_KEPT = 16
 
 
-def worker_plan_ref(
+def worker_plan_refs(
     plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement, shared: Sequence[bool]
-) -> tuple[str, Any]:
-    """``(key, ObjectRef of (plan, peers))`` of ``plan`` over ``world`` (cached: see above)."""
+) -> tuple[str, list]:
+    """``(key, [ObjectRef of worker i's (PlanSlice, PeerTable)])`` of ``plan`` over ``world``:
+    each worker is shipped its own share only (cached: see above)."""
     ranks = tuple(world.rank_of(a) for a in actors)
     key = (id(plan), world.id, ranks, tuple(srcs), tuple(dsts), tuple(placement.nodes), tuple(shared))
     hit = _WORKER_PLANS.get(key)
@@ -244,7 +246,8 @@ def worker_plan_ref(
         return hit[0], hit[1]
     plan.validate(len(actors))
     peers = [PeerView(r, placement.nodes[i], srcs[i], dsts[i], shared=bool(shared[i])) for i, r in enumerate(ranks)]
-    entry = _WORKER_PLANS[key] = (uuid.uuid4().hex, ray.put((plan, peers)), plan)
+    refs = [ray.put(share) for share in worker_shares(plan, peers)]
+    entry = _WORKER_PLANS[key] = (uuid.uuid4().hex, refs, plan)
     while len(_WORKER_PLANS) > _WORKER_PLANS_KEPT:
         _WORKER_PLANS.popitem(last=False)
     return entry[0], entry[1]

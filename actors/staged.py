@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 from actors import metrics
 from actors.context import ShardChange
 from actors.errors import ReallocationError
-from actors.protocol import worker_plan_ref
+from actors.protocol import worker_plan_refs
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle, undo
 from actors.resident import KeepOrder, ResidentLayout
 from realloc.layout import Layout, RankLayout
@@ -174,13 +174,15 @@ class StagedUpdate:
             world = self.groups[0]._ensure_world(self.groups, self.deadline, staged=True)
         except ReallocationError as err:
             self._abort(err)
-        key, ref = worker_plan_ref(plan, world, self.workers.actors, self.srcs, self.dsts, self.placement, self.shared)
+        key, shares = worker_plan_refs(
+            plan, world, self.workers.actors, self.srcs, self.dsts, self.placement, self.shared
+        )
         refs = [
             a.stage_run.remote(
                 self.id,
                 world.id,
                 key,
-                [ref],
+                [shares[i]],
                 i,
                 {"model": self.label, "rank": str(i)},
                 self.version,

@@ -42,13 +42,14 @@ from actors.errors import StaleOperationError
 from actors.executor import (
     Cuts,
     DeltaSides,
+    PeerTable,
     PeerView,
     Phases,
     Staging,
     StepRunner,
     collector_paused,
     is_zero_copy,
-    worker_routes,
+    received_share,
 )
 from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
@@ -58,7 +59,7 @@ from actors.transport import Transport, backend_for, connect_rendezvous, host_re
 from actors.zero_copy import BufferAllocator, handle_identity, open_handles
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
-from realloc.plan import Plan
+from realloc.plan.slices import PlanSlice
 from realloc.shards import (
     ShardStore,
     blend_into,
@@ -88,12 +89,13 @@ PLANS_KEPT, MAPPINGS_KEPT_OPS = 8, 2
 
 @dataclass
 class WorkerPlan:
-    """A plan as one worker runs it in ``op_run``, computed once per plan and world and cached:
-    its routes by step, its local copies, and whom it exchanges zero-copy handles and readiness
-    with (decided from the peers' ``shared`` flags, identically at both ends)."""
+    """A plan as one worker runs it in ``op_run``, computed once per plan and world from its slice
+    (realloc/plan/slices.py) and cached: its routes by step, its local copies, and whom it
+    exchanges zero-copy handles and readiness with (decided from the peers' ``shared`` flags,
+    identically at both ends). Everything here is O(this worker's routes)."""
 
-    plan: Plan
-    peers: list[PeerView]
+    plan: PlanSlice
+    peers: PeerTable
     routes: dict[int, list[tuple[int, int, int]]]
     local: list[int]
     #: peer -> which of its buffers this worker maps (forward flags: False its source, True its
@@ -106,8 +108,9 @@ class WorkerPlan:
     cuts: Cuts = field(default_factory=Cuts)  # its buckets and messages, cut on the first run
 
     @staticmethod
-    def make(plan: Plan, peers: list[PeerView], me: int) -> "WorkerPlan":
-        routes = worker_routes(plan, me)
+    def make(plan: PlanSlice, peers: PeerTable, me: int) -> "WorkerPlan":
+        routes = plan.routes_by_step()
+        plan.unpack()
         read_from: dict[int, set[bool]] = {}
         read_by: dict[int, set[bool]] = {}
         notify, wait_ready = set(), {}
@@ -128,7 +131,7 @@ class WorkerPlan:
             plan,
             peers,
             routes,
-            [j for w, j in plan.local_copies if w == me],
+            list(plan.local),
             {p: tuple(sorted(f)) for p, f in sorted(read_from.items())},
             {p: tuple(sorted(f)) for p, f in sorted(read_by.items())},
             wait_ready,
@@ -594,13 +597,14 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             )
             self._realloc.allocator.release(op.buffers)
 
-    def op_execute(
-        self, op_id: str, world_id: str, plan: Plan, me: int, peers: list[PeerView], phase: int, tags: dict
-    ) -> dict:
-        """Run phase ``phase`` of ``plan`` (0: local copies and routes from holders, 1: fan-out)."""
+    def op_execute(self, op_id: str, world_id: str, share: list, me: int, phase: int, tags: dict) -> dict:
+        """Run phase ``phase`` of this worker's slice of a plan (0: local copies and routes from
+        holders, 1: fan-out). ``share``: ``[ObjectRef of (PlanSlice, PeerTable)]``, this
+        worker's alone (``Operation.execute_plan``)."""
         self._realloc.counters["execute"] += 1
         self._check_world(world_id)
         op = self._current_op(op_id)
+        plan, peers = received_share(share, me)
         return self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
 
     def _timed(self, op: PendingOp, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
@@ -622,7 +626,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         result["seconds"] = seconds
         return result
 
-    def _execute(self, op: PendingOp, plan: Plan, me: int, peers: list[PeerView], phase: int) -> dict:
+    def _execute(self, op: PendingOp, plan: PlanSlice, me: int, peers: PeerTable, phase: int) -> dict:
         src = self._store_now() if peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -630,8 +634,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         if phase == 0:
             # Local copies write boxes no route writes, and torch copies release the GIL: run
             # them beside the transfers instead of before them.
-            mine = [j for worker, j in plan.local_copies if worker == me]
-            local_copies = _Background(lambda: sum(copy_local(src, dst, plan.segment_list(j)) for j in mine))
+            local_copies = _Background(lambda: sum(copy_local(src, dst, plan.segment_list(j)) for j in plan.local))
         stall = self._take_fault("stall")
         if stall:
             time.sleep(stall)
@@ -647,11 +650,11 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             on_bucket=self._after_bucket,
             staging=self._realloc.staging,
         )
-        steps = range(plan.forward_from) if phase == 0 else range(plan.forward_from, len(plan.steps))
         try:
-            for s in steps:
-                for kind, nbytes in runner.run_step(s):
-                    moved[kind] += nbytes
+            for s, routes in plan.routes_by_step().items():
+                if (s < plan.forward_from) == (phase == 0):
+                    for kind, nbytes in runner.run_step(s, routes):
+                        moved[kind] += nbytes
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local_copies is not None:
                 moved["local"] += local_copies.join()
@@ -683,8 +686,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
     ) -> dict:
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
-        ``plan_box`` is ``[ObjectRef of (plan, peers)]``, fetched only the first time this worker
-        sees ``key`` (its WorkerPlan is cached). Zero-copy handles travel between the workers that need
+        ``plan_box`` is ``[ObjectRef of (PlanSlice, PeerTable)]``, this worker's share of the plan
+        alone (realloc/plan/slices.py), fetched only the first time this worker sees ``key`` (its
+        WorkerPlan is cached). Zero-copy handles travel between the workers that need
         them (point to point, on the world's process group) instead of through the driver, and a
         fan-out read of a peer's destination buffers waits for that peer's "phase 0 done" message
         instead of a driver barrier. The commit at the end is the protocol's: if any worker fails,
@@ -806,8 +810,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
     def _worker_plan(self, key: str, plan_box: list, me: int) -> WorkerPlan:
         worker_plan = self._realloc.plans.get(key)
         if worker_plan is None:
-            plan, peers = ray.get(plan_box[0])
-            plan.validate(len(peers))
+            plan, peers = received_share(plan_box, me)
             worker_plan = self._realloc.plans[key] = WorkerPlan.make(plan, peers, me)
             while len(self._realloc.plans) > PLANS_KEPT:
                 self._realloc.plans.popitem(last=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import pickle
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -27,15 +28,17 @@ from realloc.layout import Layout, Topology
 from realloc.layout.conventions import EXPERT_ORDERS
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths, Placement, plan_reallocation
 from realloc.plan.formats import conversion
+from realloc.plan.slices import slice_plan
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
 from realloc.spec.formats import WEIGHT_FORMATS, check_weight_format
+from realloc_tools.simulate_cli import add_simulate_parser
 
 if TYPE_CHECKING:
     from realloc.plan import Plan
 
 PROG = "realloc"
 #: Subcommands defined in this module; ``realloc_tools.cli`` loads its Ray-side commands for any other word.
-BUILTIN_COMMANDS = ("plan", "presets")
+BUILTIN_COMMANDS = ("plan", "presets", "simulate")
 #: ``--verify`` materialises the model about once per rank (full tensors, source and destination
 #: shards); beyond this it would swap rather than check anything.
 VERIFY_LIMIT_BYTES = 2 << 30
@@ -89,6 +92,7 @@ def build_parser(extra: Sequence[AddParser] = ()) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_plan_parser(subparsers)
     add_presets_parser(subparsers)
+    add_simulate_parser(subparsers)
     for add_parser in extra:
         add_parser(subparsers)
     return parser
@@ -238,6 +242,7 @@ def run_plan(args: argparse.Namespace) -> int:
         gc.enable()
 
     report = plan_report(spec, src, dst, placement, plan, plan_seconds, full=args.full_stats)
+    report["slices"] = slice_report(plan)
     if conv.where is not None:
         report["weight_formats"] = [args.src_weight_format, args.dst_weight_format]
         report["conversion"] = {"where": conv.where, "reason": conv.reason}
@@ -310,6 +315,43 @@ def plan_report(
     }
 
 
+def slice_report(plan: "Plan") -> dict[str, Any]:
+    """What shipping ``plan`` costs (realloc/plan/slices.py): the driver's time to cut every
+    worker's slice and to pickle them all, the largest slice as pickled and its routes, the
+    mean, and the time a worker takes to prepare the largest (unpickle, check, its routes by
+    step, its segment tables unpacked)."""
+    gc.disable()  # as the driver and the workers run it (actors/executor.py collector_paused)
+    try:
+        started = time.perf_counter()
+        slices = slice_plan(plan)
+        cut = time.perf_counter() - started
+        started = time.perf_counter()
+        shipped = [pickle.dumps(p, protocol=5) for p in slices]
+        pickled = time.perf_counter() - started
+        largest = max(range(len(shipped)), key=lambda i: len(shipped[i]), default=None)
+        prepare = None
+        if largest is not None:
+            started = time.perf_counter()
+            piece = pickle.loads(shipped[largest])
+            piece.validate(len(plan.nodes), largest)
+            piece.routes_by_step()
+            piece.unpack()
+            prepare = time.perf_counter() - started
+    finally:
+        gc.enable()
+    sizes = [len(b) for b in shipped]
+    return {
+        "slice_seconds": cut,
+        "pickle_seconds": pickled,
+        "max_bytes": max(sizes, default=0),
+        "mean_bytes": sum(sizes) / len(sizes) if sizes else 0,
+        "max_routes": max((len(p.routes) for p in slices), default=0),
+        "largest_worker": largest,
+        "prepare_seconds": prepare,
+        "plan_pickle_bytes": len(pickle.dumps(plan, protocol=5)),
+    }
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """Human-readable lines of a :func:`plan_report` (plus ``verified`` when present)."""
     bw = report["bandwidths"]
@@ -339,6 +381,16 @@ def format_summary(report: dict[str, Any]) -> str:
         ),
         ("plan time", f"{report['plan_seconds']:.3f} s"),
     ]
+    sl = report.get("slices")
+    if sl:
+        lines.append(
+            (
+                "per-worker slices",
+                f"largest {_size(sl['max_bytes'])} ({sl['max_routes']} routes; whole plan "
+                f"{_size(sl['plan_pickle_bytes'])}), cut in {sl['slice_seconds']:.3f} s, pickled in "
+                f"{sl['pickle_seconds']:.3f} s, prepared by its worker in {sl['prepare_seconds']:.3f} s",
+            )
+        )
     if "conversion" in report:
         lines.append(
             ("weight formats", f"{report['conversion']['reason']} (converted on the {report['conversion']['where']})")

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Top-level packages that ``realloc/`` (the pure layer) must never import, not even lazily.
 RAY_LAYER = ("actors", "realloc_tools", "ray")
 #: The layers of ``realloc/`` below the executors (docs/architecture.md): no tensors, so no torch.
-TORCH_FREE = ("realloc.spec", "realloc.layout", "realloc.plan")
+TORCH_FREE = ("realloc.spec", "realloc.layout", "realloc.plan", "realloc.sim")
 
 
 def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
@@ -356,7 +356,7 @@ import realloc_tools.plan_cli
 with contextlib.redirect_stdout(io.StringIO()) as out:
     assert realloc_tools.plan_cli.main(["--help"]) == 0
 assert "plan" in out.getvalue()
-loaded("realloc_tools.plan_cli.main(['--help'])", ("realloc_tools", "realloc_tools.plan_cli"))
+loaded("realloc_tools.plan_cli.main(['--help'])", ("realloc_tools", "realloc_tools.plan_cli", "realloc_tools.simulate_cli"))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

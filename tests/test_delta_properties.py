@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from actors.executor import DeltaSides, PeerView, Staging, StepRunner
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
+from realloc.plan.slices import slice_plan
 from realloc.shards import ShardStore, allocate_buffers, copy_local
 from realloc.shards import delta as deltas
 
@@ -219,10 +220,11 @@ def run_delta_plan(case: Case, fraction: float, seed: int, faults: dict) -> dict
 
     def worker(w: int) -> None:
         try:
+            share = slice_plan(plan, [w])[0]
             runner = StepRunner(
                 MemoryTransport(boxes, w),
                 CPU,
-                plan,
+                share,
                 w,
                 peers,
                 src.get(w),
@@ -231,11 +233,10 @@ def run_delta_plan(case: Case, fraction: float, seed: int, faults: dict) -> dict
                 staging=Staging(CPU),
                 delta=sides[w],
             )
-            for v, j in plan.local_copies:
-                if v == w:
-                    copy_local(src[w], dst[w], plan.segment_list(j))
-            for s in range(len(plan.steps)):
-                runner.run_step(s)
+            for j in share.local:
+                copy_local(src[w], dst[w], share.segment_list(j))
+            for s, routes in share.routes_by_step().items():
+                runner.run_step(s, routes)
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append((w, err))
 

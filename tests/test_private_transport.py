@@ -336,6 +336,7 @@ def _plan_for_steps():
 def _steps_worker(rank: int, port: int, n: int, ahead: int) -> None:
     import actors.executor as executor
     from actors.executor import PeerView, Staging, StepRunner
+    from realloc.plan.slices import slice_plan
     from realloc.shards import ShardStore, allocate_buffers, copy_local, execute_in_process
 
     executor.DIRECT_MIN_BYTES, executor.AHEAD_MESSAGES = 1024, ahead  # many messages, direct and staged
@@ -349,12 +350,12 @@ def _steps_worker(rank: int, port: int, n: int, ahead: int) -> None:
     got = ShardStore(b.shards(rank), allocate_buffers(b, rank))
     transport = Transport("127.0.0.1", port, rank, n, CPU, TIMEOUT_S, store=_client(port, n), prefix="steps")
     peers = [PeerView(r, plan.nodes[r], a.at(r), b.at(r)) for r in range(n)]
-    runner = StepRunner(transport, CPU, plan, rank, peers, sources[rank], got, None, staging=Staging(CPU))
-    for w, j in plan.local_copies:
-        if w == rank:
-            copy_local(sources[rank], got, plan.segment_list(j))
-    for s in range(len(plan.steps)):
-        runner.run_step(s)
+    share = slice_plan(plan, [rank])[0]  # what this worker would be shipped
+    runner = StepRunner(transport, CPU, share, rank, peers, sources[rank], got, None, staging=Staging(CPU))
+    for j in share.local:
+        copy_local(sources[rank], got, share.segment_list(j))
+    for s, routes in share.routes_by_step().items():
+        runner.run_step(s, routes)
     for dtype, buf in want[rank].buffers.items():
         assert torch.equal(buf.view(torch.uint8), got.buffers[dtype].view(torch.uint8)), (rank, dtype, ahead)
     assert runner.staging.nbytes <= 2 * 4096  # posting ahead holds no staging slot

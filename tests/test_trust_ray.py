@@ -252,7 +252,7 @@ def test_a_world_is_left_when_its_actors_join_another(cluster):
         a.copy_to(c)
         assert not ab.alive  # a's actors left the a+b world: b must not reuse it
         with pytest.raises(StaleOperationError, match=r"is in world .*, not " + ab.id):  # a worker refuses it too
-            ray.get(a.actors[0].op_execute.remote("x", ab.id, None, 0, [], 0, {}))
+            ray.get(a.actors[0].op_execute.remote("x", ab.id, None, 0, 0, {}))
         b.init_synthetic(3)
         b.copy_to(a)
         b.reallocate(Topology(dp=2))

@@ -110,10 +110,14 @@ def _segment_table(router: Router, key_lists: list[tuple[int, ...]], bucket_byte
     key_range: dict[int, range] = {}
     aligned: dict[int, int] = {}  # key -> bytes with every segment padded to BUCKET_ALIGN
     cell_sizes: dict[tuple[int, str], int] = {}
+    # one object per distinct tuple of names: a pickle of the table (or of a worker's slice of
+    # it, realloc/plan/slices.py) then writes each tuple once, not once per run
+    names_of: dict[tuple[str, ...], tuple[str, ...]] = {}
     total = 0
     for k in sorted({k for ks in key_lists for k in ks}):
         first, padded = total, 0
         for names, dtype, cells in router.blocks_of(router.keys[k]):
+            names = names_of.setdefault(names, names)
             runs.append((names, dtype, cells))
             total += len(names) * len(cells)
             size = cell_sizes.get((id(cells), dtype))

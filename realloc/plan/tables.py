@@ -11,6 +11,7 @@ at it.
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from realloc.boxes import Box
 from realloc.plan.records import Route, Segment
 
-__all__ = ["IndexChain", "SegmentTable", "StepTable"]
+__all__ = ["IndexChain", "PackedRuns", "SegmentTable", "StepTable", "distinct", "expand"]
 
 
 class _ReadOnlyList(Sequence):
@@ -50,11 +51,19 @@ class SegmentTable(_ReadOnlyList):
     only while someone looks at it.
     """
 
-    def __init__(self, runs: list[tuple[tuple[str, ...], str, list[Box]]]):
+    def __init__(self, runs: list[tuple[tuple[str, ...], str, list[Box]]], starts: list[int] | None = None):
+        """``starts``: where each run begins and where the last ends (computed when not given)."""
         self.runs = runs
-        self._starts = [0]
-        for params, _, cells in runs:
-            self._starts.append(self._starts[-1] + len(params) * len(cells))
+        if starts is None:
+            starts = [0]
+            for params, _, cells in runs:
+                starts.append(starts[-1] + len(params) * len(cells))
+        self._starts = starts
+
+    @property
+    def starts(self) -> list[int]:
+        """The index of each run's first segment, then the number of segments."""
+        return self._starts
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -70,6 +79,19 @@ class SegmentTable(_ReadOnlyList):
             for p in params:
                 for offsets, sizes in cells:
                     yield Segment(p, offsets, sizes, dtype)
+
+    def span(self, start: int, stop: int) -> Iterator[Segment]:
+        """``self[start:stop]`` as an iterator, walking the runs (no search per segment)."""
+        r = bisect_right(self._starts, start) - 1
+        i = start
+        while i < stop:
+            params, dtype, cells = self.runs[r]
+            base, end = self._starts[r], min(stop, self._starts[r + 1])
+            while i < end:
+                p, c = divmod(i - base, len(cells))
+                yield Segment(params[p], cells[c][0], cells[c][1], dtype)
+                i += 1
+            r += 1
 
     def __repr__(self) -> str:
         return f"SegmentTable({len(self)} segments in {len(self.runs)} runs)"
@@ -118,3 +140,118 @@ class StepTable(_ReadOnlyList):
 
     def __repr__(self) -> str:
         return f"StepTable({len(self)} steps, {len(self.src)} routes)"
+
+
+@dataclass
+class PackedRuns:
+    """A :class:`SegmentTable` as arrays (what a worker's slice of a plan carries; a pickle of
+    it is a few arrays, not thousands of tuples): run ``r`` has the names ``names[run_names[r]]``,
+    dtype ``dtypes[run_dtypes[r]]`` and the cells of cell list ``run_cells[r]``, that list being
+    rows ``cell_ptr[l]:cell_ptr[l + 1]`` of ``offsets``/``sizes`` (their first ``ndim`` columns)."""
+
+    names: list[tuple[str, ...]]
+    dtypes: list[str]
+    run_names: np.ndarray
+    run_dtypes: np.ndarray
+    run_cells: np.ndarray
+    cell_ptr: np.ndarray
+    ndim: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    @staticmethod
+    def pack(table: SegmentTable) -> "PackedRuns":
+        """Every run of ``table``; names tuples and cell lists shared by runs are stored once."""
+        names: dict[tuple[str, ...], int] = {}
+        dtypes: dict[str, int] = {}
+        lists: dict[int, int] = {}
+        cells: list = []
+        ptr = [0]
+        run_names, run_dtypes, run_cells = [], [], []
+        for params, dtype, cs in table.runs:
+            run_names.append(names.setdefault(params, len(names)))
+            run_dtypes.append(dtypes.setdefault(dtype, len(dtypes)))
+            k = lists.get(id(cs))
+            if k is None:
+                k = lists[id(cs)] = len(ptr) - 1
+                cells.extend(cs)
+                ptr.append(len(cells))
+            run_cells.append(k)
+        width = max((len(o) for o, _ in cells), default=1)
+        offsets = np.zeros((len(cells), width), dtype=np.int64)
+        sizes = np.zeros((len(cells), width), dtype=np.int64)  # int32 below: the dims of one tensor
+        for i, (o, s) in enumerate(cells):
+            offsets[i, : len(o)] = o
+            sizes[i, : len(s)] = s
+        ints = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+        return PackedRuns(
+            list(names),
+            list(dtypes),
+            ints(run_names),
+            np.asarray(run_dtypes, dtype=np.int8),
+            ints(run_cells),
+            ints(ptr),
+            np.asarray([len(o) for o, _ in cells], dtype=np.int8),
+            offsets.astype(np.int32),
+            sizes.astype(np.int32),
+        )
+
+    def take(self, runs: np.ndarray) -> "PackedRuns":
+        """Runs ``runs`` of this table as a table of their own, in that order (each with its own
+        copy of its cells: cutting stays proportional to the runs taken)."""
+        lists = self.run_cells[runs]
+        counts = self.cell_ptr[lists + 1] - self.cell_ptr[lists]
+        rows = expand(self.cell_ptr[lists], counts)
+        names = self.run_names[runs]
+        present = np.zeros(len(self.names), dtype=bool)
+        present[names] = True
+        ptr = np.zeros(len(runs) + 1, dtype=np.int32)
+        np.cumsum(counts, out=ptr[1:])
+        return PackedRuns(
+            [self.names[i] for i in np.flatnonzero(present).tolist()],
+            self.dtypes,
+            (np.cumsum(present, dtype=np.int32) - 1)[names],
+            self.run_dtypes[runs],
+            np.arange(len(runs), dtype=np.int32),
+            ptr,
+            self.ndim[rows],
+            self.offsets[rows],
+            self.sizes[rows],
+        )
+
+    def run_sizes(self) -> np.ndarray:
+        """Segments per run."""
+        lengths = np.fromiter((len(n) for n in self.names), dtype=np.int64, count=len(self.names))
+        return lengths[self.run_names] * np.diff(self.cell_ptr)[self.run_cells]
+
+    def unpack(self) -> SegmentTable:
+        """The table these arrays stand for."""
+        cells = [
+            [
+                (tuple(o[:d]), tuple(s[:d]))
+                for o, s, d in zip(self.offsets[a:b].tolist(), self.sizes[a:b].tolist(), self.ndim[a:b].tolist())
+            ]
+            for a, b in zip(self.cell_ptr[:-1].tolist(), self.cell_ptr[1:].tolist())
+        ]
+        return SegmentTable(
+            [
+                (self.names[n], self.dtypes[d], cells[c])
+                for n, d, c in zip(self.run_names.tolist(), self.run_dtypes.tolist(), self.run_cells.tolist())
+            ]
+        )
+
+
+def expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` without the loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, counts) + np.arange(total, dtype=np.int64)
+
+
+def distinct(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a``, ascending (a sort: cheaper than ``np.unique``'s hash on the
+    small arrays of one worker)."""
+    a = np.sort(a)
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a

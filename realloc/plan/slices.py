@@ -1,0 +1,346 @@
+"""One worker's share of a plan: what the driver ships to it, and nothing else.
+
+A plan of 2,048 workers has millions of routes; any one worker runs a few thousand of them. Each
+worker receives a :class:`PlanSlice`: its routes with their steps, the segment lists they name
+(as ranges of the runs of segments they cover), its local copies, and the plan's scalars. The
+driver cuts every worker's slice at once from the plan's arrays (:func:`slice_plan`): one sort
+of all route ends groups the routes by worker, and the segment lists a worker sends and those it
+receives are cut as two :class:`ListPart`\\ s, each computed once for all the workers that send
+(or receive) the same lists, as the dp replicas of a layout do. Neither the driver nor a worker
+ever scans another worker's routes.
+
+A slice answers what an executor asks of a plan (``segment_list``, ``list_bytes``,
+``buckets``, ``reads_destination``, ``forward_from``, ``bucket_bytes``) with the plan's values,
+and its routes are exactly the plan's routes of that worker (``tests/test_plan_slices.py``), so a
+worker executing its slice does what it did with the whole plan. Segment lists keep their ids
+in the plan: both ends of a route name the same list and cut it into the same buckets.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from realloc.plan.records import Piece, Plan, Segment, buckets
+from realloc.plan.tables import IndexChain, PackedRuns, SegmentTable, StepTable, distinct, expand
+
+__all__ = ["ListPart", "PlanSlice", "slice_plan"]
+
+
+@dataclass(eq=False)
+class ListPart:
+    """Segment lists as ranges of a table of their own: list ``list_ids[k]`` is the segments
+    ``range_lo[r]:range_hi[r]`` of the table for ``r`` in ``list_ptr[k]:list_ptr[k + 1]``, in
+    order; ``runs`` are the runs of the plan's segment table those ranges cover, packed."""
+
+    list_ids: np.ndarray
+    list_ptr: np.ndarray
+    range_lo: np.ndarray
+    range_hi: np.ndarray
+    runs: PackedRuns
+    _segments: SegmentTable | None = field(default=None, repr=False)
+
+    @property
+    def segments(self) -> SegmentTable:
+        """The unpacked table (once per process)."""
+        if self._segments is None:
+            self._segments = self.runs.unpack()
+        return self._segments
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_segments": None}  # what ships is the packed form
+
+    def segment_list(self, k: int) -> list[Segment]:
+        out: list[Segment] = []
+        for r in range(int(self.list_ptr[k]), int(self.list_ptr[k + 1])):
+            out.extend(self.segments.span(int(self.range_lo[r]), int(self.range_hi[r])))
+        return out
+
+    def check(self) -> None:
+        n = int(self.runs.run_sizes().sum())
+        if len(self.list_ptr) != len(self.list_ids) + 1 or (
+            len(self.range_lo)
+            and (int(self.range_lo.min()) < 0 or int(self.range_hi.max()) > n or np.any(self.range_hi < self.range_lo))
+        ):
+            raise ValueError("malformed plan slice: a segment list's ranges lie outside its segments")
+
+    def to_json(self) -> dict:
+        return {
+            "list_ids": self.list_ids.tolist(),
+            "list_ptr": self.list_ptr.tolist(),
+            "range_lo": self.range_lo.tolist(),
+            "range_hi": self.range_hi.tolist(),
+            "segments": [[list(p), d, [[list(o), list(s)] for o, s in cells]] for p, d, cells in self.segments.runs],
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> "ListPart":
+        table = SegmentTable(
+            [(tuple(p), d, [(tuple(o), tuple(s)) for o, s in cells]) for p, d, cells in data["segments"]]
+        )
+        ints = lambda k: np.asarray(data[k], dtype=np.int64)  # noqa: E731
+        return ListPart(ints("list_ids"), ints("list_ptr"), ints("range_lo"), ints("range_hi"), PackedRuns.pack(table))
+
+
+@dataclass(eq=False)
+class PlanSlice:
+    """Worker ``worker``'s share of a plan of ``num_workers`` workers and ``num_steps`` steps.
+
+    ``routes[i] = (src, dst, segment list)`` runs in step ``route_steps[i]`` (its sends first,
+    then its receives, each in step order); ``local``: the segment lists of its local copies.
+    ``parts``: the segment lists it names (those it sends and copies, then those it receives).
+    """
+
+    worker: int
+    num_workers: int
+    num_steps: int
+    bucket_bytes: int
+    forward_from: int
+    route_steps: np.ndarray
+    routes: np.ndarray  # [n, 3]: src, dst, segment list
+    local: tuple[int, ...]
+    parts: tuple[ListPart, ...]
+    _where: dict | None = field(default=None, repr=False)
+    _nbytes: dict = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_where": None, "_nbytes": {}}
+
+    # -- what an executor asks of a plan ---------------------------------------------------
+    def reads_destination(self, step: int) -> bool:
+        """Whether senders of ``step`` forward from their destination buffers (as the plan's)."""
+        return step >= self.forward_from
+
+    def segment_list(self, index: int) -> list[Segment]:
+        """The segments of the plan's segment list ``index`` (one this worker's routes name)."""
+        if self._where is None:
+            self._where = {}
+            for part in reversed(self.parts):  # the first part naming a list answers for it
+                self._where.update((j, (part, k)) for k, j in enumerate(part.list_ids.tolist()))
+        hit = self._where.get(index)
+        if hit is None:
+            raise KeyError(f"segment list {index} is not in worker {self.worker}'s slice of the plan")
+        return hit[0].segment_list(hit[1])
+
+    def list_bytes(self, index: int) -> int:
+        n = self._nbytes.get(index)
+        if n is None:
+            n = self._nbytes[index] = sum(s.nbytes for s in self.segment_list(index))
+        return n
+
+    def buckets(self, index: int) -> list[list[Piece]]:
+        return buckets(self.segment_list(index), self.bucket_bytes)
+
+    def unpack(self) -> None:
+        """Unpack every part's segment table now (a worker does it once, as it caches its slice)."""
+        for part in self.parts:
+            part.segments  # noqa: B018 - the property unpacks and keeps it
+
+    def routes_by_step(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Step -> this worker's routes of it ``(src, dst, segment list)``, steps ascending."""
+        out: dict[int, list[tuple[int, int, int]]] = {}
+        for i in np.argsort(self.route_steps, kind="stable").tolist():
+            out.setdefault(int(self.route_steps[i]), []).append(tuple(self.routes[i].tolist()))
+        return out
+
+    def peers(self) -> list[int]:
+        """The workers this one sends to or receives from, ascending."""
+        return [int(w) for w in np.unique(self.routes[:, :2]) if w != self.worker]
+
+    # -- checks -------------------------------------------------------------------------------
+    def validate(self, num_workers: int | None = None, worker: int | None = None) -> None:
+        """``ValueError`` naming the first inconsistency, before the worker touches a buffer: it is
+        worker ``worker``'s slice (when given); route ends are workers of the plan (of
+        ``num_workers`` executors when given) and this worker is one of them; steps lie within the plan; in each step it sends at most once and receives at
+        most once; every segment list it names is in the slice; ranges lie inside its segments."""
+        n = self.num_workers
+        if worker is not None and worker != self.worker:
+            raise ValueError(f"plan slice of worker {self.worker} was shipped to worker {worker}")
+        if num_workers is not None and num_workers != n:
+            raise ValueError(f"plan slice is of a plan of {n} workers, not of the {num_workers} executing it")
+        if not 0 <= self.worker < n:
+            raise ValueError(f"plan slice of worker {self.worker}: worker ids are integers from 0 and below {n}")
+        if not 0 <= self.forward_from <= self.num_steps:
+            raise ValueError(f"plan forward_from {self.forward_from} is outside 0..{self.num_steps}")
+        routes, steps = self.routes.reshape(-1, 3), self.route_steps
+        if len(steps) != len(routes):
+            raise ValueError("malformed plan slice: one step per route")
+        if len(routes):
+            if routes[:, :2].min() < 0 or routes[:, :2].max() >= n:
+                raise ValueError(f"plan slice names workers outside 0..{n - 1}")
+            if not np.all((routes[:, 0] == self.worker) | (routes[:, 1] == self.worker)):
+                raise ValueError(f"plan slice of worker {self.worker} holds a route it neither sends nor receives")
+            if steps.min() < 0 or steps.max() >= self.num_steps:
+                raise ValueError(f"plan slice steps must lie within 0..{self.num_steps - 1}")
+            for end, verb in ((0, "send"), (1, "receive")):
+                twice = [s for s, c in Counter(steps[routes[:, end] == self.worker].tolist()).items() if c > 1]
+                if twice:
+                    raise ValueError(
+                        f"plan step {twice[0]}: worker {self.worker} would {verb} more than once "
+                        "(one send and one receive per worker per step)"
+                    )
+        for part in self.parts:
+            part.check()
+        named = set(routes[:, 2].tolist()) | set(self.local)
+        missing = named.difference(*(p.list_ids.tolist() for p in self.parts))
+        if missing:
+            raise ValueError(f"malformed plan slice: segment list(s) {sorted(missing)[:5]} are not in it")
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "worker": self.worker,
+            "num_workers": self.num_workers,
+            "num_steps": self.num_steps,
+            "bucket_bytes": self.bucket_bytes,
+            "forward_from": self.forward_from,
+            "route_steps": self.route_steps.tolist(),
+            "routes": self.routes.tolist(),
+            "local": list(self.local),
+            "parts": [p.to_json() for p in self.parts],
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> "PlanSlice":
+        """Rebuild a slice from :meth:`to_json` output; malformed input raises ``ValueError``."""
+        try:
+            out = PlanSlice(
+                int(data["worker"]),
+                int(data["num_workers"]),
+                int(data["num_steps"]),
+                int(data["bucket_bytes"]),
+                int(data["forward_from"]),
+                np.asarray(data["route_steps"], dtype=np.int64),
+                np.asarray(data["routes"], dtype=np.int64).reshape(-1, 3),
+                tuple(int(j) for j in data["local"]),
+                tuple(ListPart.from_json(p) for p in data["parts"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"malformed plan slice JSON: {err!r}") from None
+        out.validate()
+        return out
+
+
+# -- cutting ------------------------------------------------------------------------------------
+def _route_arrays(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(src, dst, segment list, step)`` of every route, in step order."""
+    if isinstance(plan.steps, StepTable):
+        t = plan.steps
+        return t.src, t.dst, t.lists, np.repeat(np.arange(len(t), dtype=np.int64), np.diff(t.starts))
+    a = np.array([(s, *r) for s, step in enumerate(plan.steps) for r in step], dtype=np.int64).reshape(-1, 4)
+    return a[:, 1], a[:, 2], a[:, 3], a[:, 0]
+
+
+def _table_and_ranges(plan: Plan) -> tuple[SegmentTable, np.ndarray, np.ndarray, np.ndarray]:
+    """The plan's segments as a :class:`SegmentTable` and every segment list as ranges of it:
+    ``(table, ptr, lo, hi)``, list ``j`` being ``lo[r]:hi[r]`` for ``r`` in ``ptr[j]:ptr[j + 1]``."""
+    table = plan.segments
+    if not isinstance(table, SegmentTable):  # a small plan's list: one run a segment
+        table = SegmentTable([((s.param,), s.dtype, [s.box]) for s in table])
+    lo: list[int] = []
+    hi: list[int] = []
+    ptr = [0]
+    for ids in plan.segment_lists:
+        if isinstance(ids, range) and ids.step == 1:
+            spans = [ids]
+        elif isinstance(ids, IndexChain):
+            spans = ids.ranges
+        else:  # a tuple of ids: its runs of consecutive ids
+            a = np.asarray(ids, dtype=np.int64)
+            cut = np.flatnonzero(np.diff(a) != 1) + 1
+            spans = [range(int(p[0]), int(p[-1]) + 1) for p in np.split(a, cut) if len(p)]
+        for r in spans:
+            if len(r):
+                lo.append(r.start)
+                hi.append(r.stop)
+        ptr.append(len(lo))
+    return table, *(np.asarray(x, dtype=np.int64) for x in (ptr, lo, hi))
+
+
+class _Parts:
+    """Cuts the :class:`ListPart` of a set of segment lists, once per distinct set.
+
+    Each range of a list covers a run of runs of the plan's table; a part's table is the runs of
+    its ranges, range after range (a run two of its ranges cover appears twice), so cutting a
+    part is gathers proportional to its ranges: no sort, no search."""
+
+    def __init__(self, plan: Plan):
+        table, self.ptr, lo, hi = _table_and_ranges(plan)
+        self.packed = PackedRuns.pack(table)
+        starts = np.asarray(table.starts, dtype=np.int64)
+        first = np.searchsorted(starts, lo, side="right") - 1
+        last = np.searchsorted(starts, hi - 1, side="right") - 1
+        self.first, self.runs = first, last - first + 1  # each range's runs
+        self.skip, self.length = lo - starts[first], hi - lo  # where it starts in them, how long
+        self.segments = starts[last + 1] - starts[first]  # segments of its runs
+        self.cache: dict[bytes, ListPart] = {}
+
+    def of(self, lists: np.ndarray) -> ListPart:
+        named = distinct(lists)
+        key = named.tobytes()
+        part = self.cache.get(key)
+        if part is None:
+            counts = self.ptr[named + 1] - self.ptr[named]
+            r = expand(self.ptr[named], counts)
+            base = np.cumsum(self.segments[r]) - self.segments[r]
+            ptr = np.zeros(len(named) + 1, dtype=np.int32)
+            np.cumsum(counts, out=ptr[1:])
+            lo = base + self.skip[r]
+            part = self.cache[key] = ListPart(
+                named.astype(np.int32),
+                ptr,
+                lo.astype(np.int32),
+                (lo + self.length[r]).astype(np.int32),
+                self.packed.take(expand(self.first[r], self.runs[r])),
+            )
+        return part
+
+
+def slice_plan(plan: Plan, workers: Sequence[int] | None = None) -> list[PlanSlice]:
+    """Every worker's :class:`PlanSlice` of ``plan`` (or those of ``workers``), in that order.
+
+    One stable sort of all route ends groups the routes by worker (a worker's sends first, then
+    its receives); the segment lists it sends (with those it copies locally) and those it
+    receives become two parts, each cut once per distinct set of lists and shared by the slices
+    that name the same set."""
+    n_workers = len(plan.nodes)
+    src, dst, lists, step_of = _route_arrays(plan)
+    n = len(src)
+    # numpy's stable sort of 16-bit integers is a radix sort: linear in the routes
+    ends = np.concatenate([src, dst]).astype(np.int16 if n_workers <= 2**15 else np.int64)
+    order = np.argsort(ends, kind="stable")
+    bounds = np.searchsorted(ends[order], np.arange(n_workers + 1))
+    parts = _Parts(plan)
+    local: dict[int, list[int]] = {}
+    for w, j in plan.local_copies:
+        local.setdefault(w, []).append(j)
+    routes = np.stack([src, dst, lists], axis=1).astype(np.int32)
+    steps = step_of.astype(np.int32)
+    route_of = order % max(n, 1)  # the route of each end, grouped by worker
+    out = []
+    for w in range(n_workers) if workers is None else workers:
+        a, b = bounds[w], bounds[w + 1]
+        k = a + int(np.searchsorted(order[a:b], n))  # ends below n are its sends (ascending), then its receives
+        own = route_of[a:b]
+        copies = local.get(w, [])
+        sends = lists[route_of[a:k]]
+        out.append(
+            PlanSlice(
+                int(w),
+                n_workers,
+                len(plan.steps),
+                plan.bucket_bytes,
+                plan.forward_from,
+                steps[own],
+                routes[own],
+                tuple(copies),
+                (
+                    parts.of(np.concatenate([sends, np.asarray(copies, dtype=sends.dtype)]) if copies else sends),
+                    parts.of(lists[route_of[k:b]]),
+                ),
+            )
+        )
+    return out

@@ -1,0 +1,157 @@
+"""Per-worker plan slices (realloc/plan/slices.py) against the plans they are cut from.
+
+Every worker is shipped its slice only, so a slice must hold exactly that worker's routes, the
+segment lists they name with the plan's segments, and its local copies. Here, on random layouts
+in both plan forms (small: lists; large: arrays, runs of segments, the cyclic schedule), every
+worker's slice is checked against the plan, and a plan rebuilt from nothing but the slices
+(each route as its sender and its receiver were shipped it, which must agree) is executed and
+checked bit for bit against the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from test_plan_scale import large_form
+from test_planner_properties import check_execution_matches_oracle, fsdp_reallocations, make_plan, reallocations
+
+from realloc import ModelSpec, Placement, Topology, plan_reallocation
+from realloc.plan import Plan, Route, Segment
+from realloc.plan.slices import PlanSlice, slice_plan
+
+
+def worker_routes(plan: Plan, w: int) -> list[tuple[int, int, int, int]]:
+    return sorted((s, a, b, j) for s, a, b, j in plan.routes() if w in (a, b))
+
+
+def check_slices(plan: Plan) -> list[PlanSlice]:
+    slices = slice_plan(plan)
+    assert [p.worker for p in slices] == list(range(len(plan.nodes)))
+    for w, piece in enumerate(slices):
+        piece.validate(len(plan.nodes))
+        got = sorted((s, *r) for s, rs in piece.routes_by_step().items() for r in rs)
+        assert got == worker_routes(plan, w)
+        assert sorted(piece.local) == sorted(j for v, j in plan.local_copies if v == w)
+        assert (piece.bucket_bytes, piece.forward_from, piece.num_steps) == (
+            plan.bucket_bytes,
+            plan.forward_from,
+            len(plan.steps),
+        )
+        for j in {r[3] for r in got} | set(piece.local):
+            assert piece.segment_list(j) == plan.segment_list(j)
+            assert piece.list_bytes(j) == plan.list_bytes(j)
+            assert piece.buckets(j) == plan.buckets(j)
+        shipped = pickle.loads(pickle.dumps(piece))
+        again = PlanSlice.from_json(json.loads(json.dumps(piece.to_json())))
+        for other in (shipped, again):
+            assert other.routes_by_step() == piece.routes_by_step()
+            assert all(other.segment_list(j) == piece.segment_list(j) for j in {r[3] for r in got})
+    return slices
+
+
+def rebuilt(plan: Plan, slices: list[PlanSlice]) -> Plan:
+    """A plan made from the slices alone: every route as both its ends hold it, every list as
+    the slices that name it hold it (they must agree)."""
+    lists: dict[int, list[Segment]] = {}
+    routes: dict[tuple, int] = {}
+    local = []
+    for piece in slices:
+        for s, rs in piece.routes_by_step().items():
+            for a, b, j in rs:
+                routes[s, a, b, j] = routes.get((s, a, b, j), 0) + 1
+                segs = piece.segment_list(j)
+                assert lists.setdefault(j, segs) == segs
+        for j in piece.local:
+            local.append((piece.worker, j))
+            lists.setdefault(j, piece.segment_list(j))
+    assert set(routes.values()) <= {2}, "a route one of its ends was not shipped"
+    segments, ids = [], {}
+    for j in sorted(lists):
+        ids[j] = tuple(range(len(segments), len(segments) + len(lists[j])))
+        segments += lists[j]
+    order = sorted(ids)
+    renumber = {j: k for k, j in enumerate(order)}
+    steps = [[] for _ in range(max((s for s, *_ in routes), default=-1) + 1)]
+    for s, a, b, j in sorted(routes):
+        steps[s].append(Route(a, b, renumber[j]))
+    return Plan(
+        segments,
+        [ids[j] for j in order],
+        sorted((w, renumber[j]) for w, j in local),
+        steps,
+        plan.bucket_bytes,
+        plan.nodes,
+        plan.forward_from,
+        plan.stats,  # what the oracle check compares the bytes moved with
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(reallocations())
+def test_slices_are_the_plan_per_worker_and_execute_bit_exact(case):
+    plan = make_plan(case)
+    check_execution_matches_oracle(case, rebuilt(plan, check_slices(plan)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(fsdp_reallocations())
+def test_slices_of_large_form_plans(case):
+    with large_form():
+        plan = make_plan(case)
+    check_execution_matches_oracle(case, rebuilt(plan, check_slices(plan)))
+
+
+def test_slice_is_proportional_to_own_routes():
+    """At 256 workers every rank of an fsdp source sends to every destination rank, yet each
+    slice holds only its own routes, and workers that receive the same lists share one part."""
+    spec = ModelSpec.preset("small")
+    plan = plan_reallocation(spec, Topology(fsdp=256), Topology(dp=32, tp=8), Placement.blocks(256, 8))
+    slices = slice_plan(plan)
+    total = sum(1 for _ in plan.routes())
+    for w in (0, 17, 255):
+        assert len(slices[w].routes) == len(worker_routes(plan, w)) < total / 50
+    sizes = [len(pickle.dumps(p)) for p in slices]
+    assert max(sizes) < len(pickle.dumps(plan)) / 20
+
+
+def _send_twice(d):
+    a, b, j = next(r for r in d["routes"] if r[0] == 0)
+    d["routes"].append([0, 3 if b != 3 else 2, j])
+    d["route_steps"].append(d["route_steps"][d["routes"].index([a, b, j])])
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: d["routes"][0].__setitem__(slice(0, 2), [1, 2]), "neither sends nor receives"),
+        (_send_twice, "send more than once"),
+        (lambda d: d["routes"][0].__setitem__(2, 10**6), "are not in it"),
+        (lambda d: d["routes"][0].__setitem__(1 if d["routes"][0][0] == 0 else 0, 9), "names workers outside 0..3"),
+        (lambda d: d["route_steps"].__setitem__(0, d["num_steps"] + 3), "steps must lie within"),
+        (lambda d: d.update(forward_from=d["num_steps"] + 1), "forward_from"),
+        (lambda d: d.update(worker=4), "worker ids"),
+        (lambda d: d["parts"][0]["range_hi"].__setitem__(0, 10**6), "ranges lie outside"),
+    ],
+)
+def test_malformed_slices_are_refused_before_any_traffic(change, words):
+    spec = ModelSpec.preset("tiny")
+    plan = plan_reallocation(spec, Topology(tp=4), Topology(dp=2, tp=2), Placement.blocks(4, 2))
+    data = slice_plan(plan, [0])[0].to_json()
+    PlanSlice.from_json(json.loads(json.dumps(data)))  # as cut: valid
+    change(data)
+    with pytest.raises(ValueError, match=words):
+        PlanSlice.from_json(data)
+
+
+def test_a_slice_shipped_to_another_worker_is_refused():
+    spec = ModelSpec.preset("tiny")
+    plan = plan_reallocation(spec, Topology(tp=2), Topology(dp=2), Placement.blocks(2, 1))
+    piece = slice_plan(plan, [1])[0]
+    piece.validate(2, 1)
+    with pytest.raises(ValueError, match="slice of worker 1 was shipped to worker 0"):
+        piece.validate(2, 0)
+    with pytest.raises(ValueError, match="plan of 2 workers, not of the 3"):
+        piece.validate(3, 1)
