@@ -312,7 +312,7 @@ def plan_reference(spec, src_text: str, dst_text: str, workers: int, nodes_of: i
     without starting any: each worker's data messages (every route's buckets, one message at each
     end: what the workers post without zero-copy reads), a bound on its control messages (one
     fan-out readiness message per peer it notifies or waits for), and the largest object the
-    driver's own shipping code (``actors.protocol.worker_plan_ref``) puts for a worker. Needs
+    driver's own shipping code (``actors.protocol.worker_plan_refs``) puts for a worker. Needs
     Ray initialised (the shipping code ``ray.put``s)."""
     from realloc.layout import Layout
     from realloc.plan import DEFAULT_BUCKET_BYTES, Placement, plan_reallocation
@@ -354,12 +354,12 @@ class _World:
 
 
 def shipped_bytes(plan, src, dst, placement) -> int:
-    """The largest object ``actors.protocol.worker_plan_ref`` puts for one worker of ``plan``."""
+    """The largest object ``actors.protocol.worker_plan_refs`` puts for one worker of ``plan``."""
     from actors import protocol
 
     n = placement.num_workers
     with counting_puts() as puts:
-        protocol.worker_plan_ref(
+        protocol.worker_plan_refs(
             plan,
             _World(n),
             list(range(n)),
