@@ -34,6 +34,25 @@ log = logging.getLogger(__name__)
 
 _TAG = 0
 
+#: Point-to-point messages this process posted on private groups, cumulative: ``{direction:
+#: {kind: [messages, bytes]}}`` with direction ``sent``/``received`` and kind ``data``
+#: (:func:`exchange`: the plan's transfers) or ``control`` (:func:`post`: zero-copy handles,
+#: fan-out readiness). Read on a worker with :func:`traffic` (``realloc bench-scale``).
+TRAFFIC: dict[str, dict[str, list[int]]] = {d: {k: [0, 0] for k in ("data", "control")} for d in ("sent", "received")}
+
+
+def traffic() -> dict[str, dict[str, list[int]]]:
+    """A copy of :data:`TRAFFIC` (this process's messages and bytes so far)."""
+    return {d: {k: list(v) for k, v in kinds.items()} for d, kinds in TRAFFIC.items()}
+
+
+def _count(kind: str, sends, recvs) -> None:
+    for direction, ops in (("sent", sends), ("received", recvs)):
+        tally = TRAFFIC[direction][kind]
+        for _, t in ops:
+            tally[0] += 1
+            tally[1] += t.numel() * t.element_size()
+
 
 def _check_group_args(rank: int, size: int, device: torch.device, timeout_s: float) -> None:
     check_positive("size", size)
@@ -117,6 +136,7 @@ def exchange(
     for what, op in (("send", send), ("recv", recv)):
         if op is not None and not (isinstance(op[0], int) and 0 <= op[0] < size):
             raise ValueError(f"{what} peer must be a rank of the group in [0, {size}), got {op[0]!r}")
+    _count("data", [send] if send is not None else [], [recv] if recv is not None else [])
     coalesce = pg._get_backend(device).supports_coalescing
     if not coalesce:
         works = []
@@ -148,6 +168,7 @@ def post(
     coalesced group call where the backend supports it (NCCL), all asynchronous on gloo."""
     if not sends and not recvs:
         return []
+    _count("control", sends, recvs)
     if not pg._get_backend(device).supports_coalescing:
         return [pg.send([t], peer, tag) for peer, t in sends] + [pg.recv([t], peer, tag) for peer, t in recvs]
     pg._start_coalescing(device)

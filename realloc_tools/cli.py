@@ -33,8 +33,9 @@ def ray_commands() -> list[AddParser]:
     from realloc_tools.ckpt_demo import add_ckpt_demo_parser
     from realloc_tools.demo import add_demo_parser
     from realloc_tools.gpu_bench import add_bench_gpu_parser
+    from realloc_tools.scale_bench import add_bench_scale_parser
 
-    return [add_demo_parser, add_bench_parser, add_bench_gpu_parser, add_ckpt_demo_parser]
+    return [add_demo_parser, add_bench_parser, add_bench_gpu_parser, add_ckpt_demo_parser, add_bench_scale_parser]
 
 
 if __name__ == "__main__":
