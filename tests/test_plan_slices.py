@@ -155,3 +155,46 @@ def test_a_slice_shipped_to_another_worker_is_refused():
         piece.validate(2, 0)
     with pytest.raises(ValueError, match="plan of 2 workers, not of the 3"):
         piece.validate(3, 1)
+
+
+def test_a_fresh_slice_answers_two_threads_at_once():
+    """A worker reads its slice from two threads from the start (local copies run beside the
+    transfers, actors/worker.py ``_run``): the first lookups of segment lists, racing, must all
+    find their lists (a 64-worker Ray move once failed with ``KeyError: segment list 9 is not in
+    worker 57's slice`` while the other thread was still filling the index)."""
+    import sys
+
+    spec = ModelSpec.preset("small")
+    plan = plan_reallocation(spec, Topology(fsdp=64), Topology(dp=8, tp=8), Placement.blocks(64, 8))
+    shipped = pickle.dumps(slice_plan(plan, [5])[0])
+    errors = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: the race, if any, shows
+    try:
+        race(shipped, errors)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+
+
+def race(shipped: bytes, errors: list) -> None:
+    import threading
+
+    for _ in range(20):
+        piece = pickle.loads(shipped)
+        named = [int(j) for j in piece.routes[:, 2]] + list(piece.local)
+        start = threading.Barrier(4)
+
+        def look(js):
+            start.wait()
+            try:
+                for j in js:
+                    piece.segment_list(j)
+            except KeyError as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=look, args=(named[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()

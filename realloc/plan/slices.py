@@ -117,13 +117,20 @@ class PlanSlice:
         """Whether senders of ``step`` forward from their destination buffers (as the plan's)."""
         return step >= self.forward_from
 
+    def _index(self) -> dict[int, tuple[ListPart, int]]:
+        """Segment list -> (its part, its place there). Built whole, then published: a worker's
+        threads may ask at once (local copies run beside the transfers)."""
+        where = self._where
+        if where is None:
+            where = {}
+            for part in reversed(self.parts):  # the first part naming a list answers for it
+                where.update((j, (part, k)) for k, j in enumerate(part.list_ids.tolist()))
+            self._where = where
+        return where
+
     def segment_list(self, index: int) -> list[Segment]:
         """The segments of the plan's segment list ``index`` (one this worker's routes name)."""
-        if self._where is None:
-            self._where = {}
-            for part in reversed(self.parts):  # the first part naming a list answers for it
-                self._where.update((j, (part, k)) for k, j in enumerate(part.list_ids.tolist()))
-        hit = self._where.get(index)
+        hit = self._index().get(index)
         if hit is None:
             raise KeyError(f"segment list {index} is not in worker {self.worker}'s slice of the plan")
         return hit[0].segment_list(hit[1])
@@ -138,9 +145,11 @@ class PlanSlice:
         return buckets(self.segment_list(index), self.bucket_bytes)
 
     def unpack(self) -> None:
-        """Unpack every part's segment table now (a worker does it once, as it caches its slice)."""
+        """Unpack every part's segment table and index the lists now (a worker does it once, as it
+        caches its slice, before its threads read it)."""
         for part in self.parts:
             part.segments  # noqa: B018 - the property unpacks and keeps it
+        self._index()
 
     def routes_by_step(self) -> dict[int, list[tuple[int, int, int]]]:
         """Step -> this worker's routes of it ``(src, dst, segment list)``, steps ascending."""
