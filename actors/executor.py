@@ -86,10 +86,12 @@ def worker_shares(plan: Plan, peers: list[PeerView]) -> list[tuple[PlanSlice, Pe
 
 
 def received_share(box: list, me: int) -> tuple[PlanSlice, PeerTable]:
-    """This worker's ``(PlanSlice, PeerTable)`` from ``box`` (``[ObjectRef]``), checked: it is
-    worker ``me``'s slice and holds nothing malformed (``ValueError`` before any traffic)."""
+    """This worker's ``(PlanSlice, PeerTable)`` from ``box`` (``[ObjectRef]``), checked (it is
+    worker ``me``'s slice and holds nothing malformed: ``ValueError`` before any traffic) and
+    unpacked."""
     plan, peers = ray.get(box[0])
     plan.validate(len(peers), me)
+    plan.unpack()  # before any thread of the worker reads it
     return plan, peers
 
 

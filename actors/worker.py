@@ -110,7 +110,6 @@ class WorkerPlan:
     @staticmethod
     def make(plan: PlanSlice, peers: PeerTable, me: int) -> "WorkerPlan":
         routes = plan.routes_by_step()
-        plan.unpack()
         read_from: dict[int, set[bool]] = {}
         read_by: dict[int, set[bool]] = {}
         notify, wait_ready = set(), {}

@@ -107,10 +107,9 @@ class PlanSlice:
     local: tuple[int, ...]
     parts: tuple[ListPart, ...]
     _where: dict | None = field(default=None, repr=False)
-    _nbytes: dict = field(default_factory=dict, repr=False)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_where": None, "_nbytes": {}}
+        return {**self.__dict__, "_where": None}
 
     # -- what an executor asks of a plan ---------------------------------------------------
     def reads_destination(self, step: int) -> bool:
@@ -136,17 +135,14 @@ class PlanSlice:
         return hit[0].segment_list(hit[1])
 
     def list_bytes(self, index: int) -> int:
-        n = self._nbytes.get(index)
-        if n is None:
-            n = self._nbytes[index] = sum(s.nbytes for s in self.segment_list(index))
-        return n
+        return sum(s.nbytes for s in self.segment_list(index))
 
     def buckets(self, index: int) -> list[list[Piece]]:
         return buckets(self.segment_list(index), self.bucket_bytes)
 
     def unpack(self) -> None:
-        """Unpack every part's segment table and index the lists now (a worker does it once, as it
-        caches its slice, before its threads read it)."""
+        """Unpack every part's segment table and index the lists now (a worker does it as it
+        receives its slice, ``actors.executor.received_share``, before its threads read it)."""
         for part in self.parts:
             part.segments  # noqa: B018 - the property unpacks and keeps it
         self._index()

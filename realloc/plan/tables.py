@@ -51,14 +51,11 @@ class SegmentTable(_ReadOnlyList):
     only while someone looks at it.
     """
 
-    def __init__(self, runs: list[tuple[tuple[str, ...], str, list[Box]]], starts: list[int] | None = None):
-        """``starts``: where each run begins and where the last ends (computed when not given)."""
+    def __init__(self, runs: list[tuple[tuple[str, ...], str, list[Box]]]):
         self.runs = runs
-        if starts is None:
-            starts = [0]
-            for params, _, cells in runs:
-                starts.append(starts[-1] + len(params) * len(cells))
-        self._starts = starts
+        self._starts = [0]
+        for params, _, cells in runs:
+            self._starts.append(self._starts[-1] + len(params) * len(cells))
 
     @property
     def starts(self) -> list[int]:
