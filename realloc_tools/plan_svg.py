@@ -392,8 +392,8 @@ def _matrix_view(t: Traffic) -> tuple[list[str], int, int]:
     # 10 px digits are about 6.2 px wide: label every step-th column so that labels do not touch
     step = math.ceil((6.2 * max(len(label(g)) for g in range(groups)) + 8) / cell)
     for g in range(0, groups, step):
-        c = mx + g * cell + cell / 2
-        out.append(_text(c, my - 8, label(g), anchor="middle", size=10))
+        out.append(_text(mx + g * cell + cell / 2, my - 8, label(g), anchor="middle", size=10))
+    for g in range(0, groups, math.ceil(13 / cell)):  # rows: one 10 px line each
         out.append(_text(mx - 6, my + g * cell + cell / 2 + 4, label(g), anchor="end", size=10))
     for r in range(groups):
         for c in range(groups):
