@@ -50,7 +50,7 @@ from actors.remote import Deadline, Workers, call_all, diagnose, gather, settle
 from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.staged import StagedUpdate
 from actors.threads import CONCURRENCY_GROUPS
-from actors.trace import CLOCK_SAMPLES, MoveTrace, WorkerTimeline, clock_domain, clock_offset
+from actors.trace import MoveRef, MoveTrace, gather_trace, slowest
 from actors.worker import RESERVED_METHODS, ShardWorker
 from actors.world import World
 from actors.zero_copy import sweep_stale_buffers
@@ -204,7 +204,7 @@ class ModelGroup:
         # as the driver knows, and the deltas this group received in a row since a full copy
         self._sent: tuple[Layout, int] | None = None
         self._deltas = 0
-        self._last_move: LastMove | None = None  # what last_trace() gathers
+        self._last_move: MoveRef | None = None  # what last_trace() gathers
 
     # -- creation ------------------------------------------------------------------------
     @classmethod
@@ -963,29 +963,7 @@ class ModelGroup:
                     f"group {self.name!r} has no traced move: last_trace() follows a reallocate() or "
                     "copy_to() that ran a plan (not one that adopted a kept layout)"
                 )
-            deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
-            what = f"{self.name}: gather the trace of {move.label}"
-            records = gather(move.workers, [a.last_trace.remote() for a in move.workers.actors], deadline, what)
-            nodes = sorted(set(move.nodes), key=move.nodes.index)
-            offsets: dict[str, float] = {clock_domain(): 0.0}  # clock domain -> seconds ahead of the driver
-            timelines = []
-            for i, (name, record) in enumerate(zip(move.workers.names, records)):
-                if record["op"] != move.op:
-                    raise ValueError(
-                        f"worker {name} has run operation {record['op']} since {move.label} (operation "
-                        f"{move.op}): its timeline of that move is gone; call last_trace() right after the move"
-                    )
-                domain = record["clock"]["domain"]
-                if domain not in offsets:
-                    one = move.workers.subset([i])
-                    samples = []
-                    for _ in range(CLOCK_SAMPLES):
-                        sent = time.time()
-                        reading = gather(one, [one.actors[0].clock.remote()], deadline, what)[0]["time"]
-                        samples.append((sent, reading, time.time()))
-                    offsets[domain] = clock_offset(samples)
-                timelines.append(WorkerTimeline(name, nodes.index(move.nodes[i]), offsets[domain], record))
-            return MoveTrace(move.label, move.op, tuple(nodes), tuple(timelines), move.driver)
+            return gather_trace(move, Deadline(self.timeout_s if timeout_s is None else timeout_s))
 
     def resident_layouts(self) -> list[ResidentLayout]:
         """The layouts kept by ``reallocate(..., keep=)``, with their versions (``fresh``: moving
@@ -1199,6 +1177,7 @@ class ModelGroup:
                 0.0,
                 delta=delta_summary(results, update.delta_order),
                 conversion=conv.where,
+                **_slowest_fields(slowest(workers.names, [r.get("phases") for r in results])),
             )
 
         update = StagedUpdate(
@@ -1384,7 +1363,7 @@ def _move(
     pause = ended - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)
     wall = time.time() - ended  # perf_counter -> the driver's wall clock
-    move = LastMove(
+    move = MoveRef(
         label,
         op.id,
         op.workers,
@@ -1393,7 +1372,6 @@ def _move(
     )
     for g in groups:
         g._last_move = move
-    worst = result.slowest or {}
     return ReallocStats(
         label,
         result.bytes_intra_node,
@@ -1408,23 +1386,19 @@ def _move(
         result.resident_in_place_bytes,
         result.resident_host_bytes,
         delta=result.delta,
-        slowest_worker=worst.get("worker"),
-        slowest_worker_seconds=worst.get("seconds", 0.0),
-        slowest_phase=worst.get("phase"),
-        slowest_phase_seconds=worst.get("phase_seconds", 0.0),
+        **_slowest_fields(result.slowest),
     )
 
 
-@dataclass(frozen=True)
-class LastMove:
-    """A group's last move, as ``ModelGroup.last_trace`` needs it: its label, operation id, the
-    workers that ran it (plan order), their nodes and the driver's spans (wall clock)."""
-
-    label: str
-    op: str
-    workers: Workers
-    nodes: tuple[str, ...]
-    driver: tuple[tuple[str, float, float], ...]
+def _slowest_fields(worst: dict | None) -> dict:
+    """``ReallocStats``'s slowest-worker fields from :func:`actors.trace.slowest`'s answer."""
+    worst = worst or {}
+    return {
+        "slowest_worker": worst.get("worker"),
+        "slowest_worker_seconds": worst.get("seconds", 0.0),
+        "slowest_phase": worst.get("phase"),
+        "slowest_phase_seconds": worst.get("phase_seconds", 0.0),
+    }
 
 
 def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, config: GroupConfig):

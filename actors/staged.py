@@ -41,6 +41,7 @@ from actors.errors import ReallocationError
 from actors.protocol import worker_plan_refs
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle, undo
 from actors.resident import KeepOrder, ResidentLayout
+from actors.trace import MoveRef, MoveTrace, gather_trace
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 
@@ -99,6 +100,7 @@ class StagedUpdate:
         self.deadline = Deadline(max(g.timeout_s for g in self.groups) if timeout_s is None else timeout_s)
         self.state = "staging"
         self.stats = None
+        self.move: MoveRef | None = None  # set when the transfer ended: what trace() gathers
         self.error: ReallocationError | None = None
         self.pause_seconds: float | None = None
         self.at: str | None = None
@@ -197,6 +199,17 @@ class StagedUpdate:
         except ReallocationError as err:
             world.mark_broken()
             self._abort(err)
+        wall = time.time() - time.perf_counter()  # perf_counter -> the driver's wall clock
+        self.move = MoveRef(
+            f"staged {self.label}",
+            self.id,
+            self.workers,
+            tuple(self.placement.nodes),
+            (
+                ("staged transfer", started + wall, time.perf_counter() + wall),
+                ("plan", t0 + wall, t0 + plan_seconds + wall),
+            ),
+        )
         stats = self.make_stats(plan, plan_seconds, results, started)
         stats.version = self.version
         stats.shadow_bytes_per_actor = max(r["shadow_bytes"] for r in results)
@@ -251,6 +264,17 @@ class StagedUpdate:
         if self.error is not None:
             raise self.error
         return self.stats
+
+    def trace(self, timeout_s: float | None = None) -> MoveTrace:
+        """The timeline of this update's transfer (every worker's phases and steps on the
+        driver's clock, as ``ModelGroup.last_trace`` gives a move's: actors/trace.py), gathered
+        now. ``ValueError`` before the transfer ended or after it failed, or when a worker has
+        run another staged update since."""
+        if self.move is None:
+            raise ValueError(
+                f"staged update {self.label} is {self.state}: its trace is there once the transfer has staged it"
+            )
+        return gather_trace(self.move, Deadline(self.deadline.seconds if timeout_s is None else timeout_s), staged=True)
 
     def commit(self, at: str = "now") -> None:
         """Switch the destination to the staged weights: ``at="now"`` (between two calls, all

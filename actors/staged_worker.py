@@ -31,6 +31,7 @@ import torch
 
 from actors.context import ShardChange, ShardContext
 from actors.errors import StaleOperationError
+from actors.executor import Phases
 from actors.resident import KeepOrder, Resident
 from actors.threads import CONTROL, STAGE
 from actors.transport import Transport, host_rendezvous
@@ -128,7 +129,8 @@ class StagingMixin:
                 buffers = self._shadow_for(dst)
                 staged = st.staged = StagedSet(update_id, version, dst, buffers, keep=keep)
         started = time.perf_counter()
-        result = self._run(_StagedOp(staged), wp, me, st.stage_transport, delta)
+        st.stage_phases = Phases(update_id)
+        result = self._run(_StagedOp(staged), wp, me, st.stage_transport, delta, st.stage_phases)
         if convert is not None and dst is not None:
             converted = _StagedOp(staged)
             self._convert_destination(converted, convert)
@@ -140,6 +142,7 @@ class StagingMixin:
             if st.staged is staged:
                 staged.ready = True
         result["shadow_bytes"] = buffers_nbytes(buffers.values()) if buffers else 0
+        result["phases"] = dict(st.stage_phases.seconds)
         return result
 
     def _shadow_for(self, dst: RankLayout) -> dict[str, torch.Tensor]:

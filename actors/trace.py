@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from actors.remote import Deadline, Workers, gather
+
 #: Round trips per worker outside the driver's clock domain (the shortest one is used).
 CLOCK_SAMPLES = 3
 
@@ -66,6 +68,48 @@ def slowest(names: Sequence[str], phases: Sequence[dict | None]) -> dict | None:
     seconds, name, worst = max(timed, key=lambda t: t[0])
     phase = max(worst, key=worst.get)
     return {"worker": name, "seconds": seconds, "phase": phase, "phase_seconds": worst[phase]}
+
+
+@dataclass(frozen=True)
+class MoveRef:
+    """What a move's trace is gathered from: its label, its operation (or staged update) id, the
+    workers that ran it (plan order), their nodes (``Placement.nodes``) and the driver's spans
+    ``(name, start, end)`` on its wall clock."""
+
+    label: str
+    op: str
+    workers: Workers
+    nodes: tuple[str, ...]
+    driver: tuple[tuple[str, float, float], ...]
+
+
+def gather_trace(move: MoveRef, deadline: Deadline, staged: bool = False) -> MoveTrace:
+    """Ask every worker of ``move`` for its timeline (``ShardWorker.last_trace``; ``staged``: of
+    its last staged update) and put them on the driver's clock. ``ValueError`` when a worker's
+    last one is another operation's (its timeline of ``move`` is gone); a dead or silent worker
+    raises :func:`~actors.remote.gather`'s error, naming it, by ``deadline``."""
+    what = f"gather the trace of {move.label}"
+    records = gather(move.workers, [a.last_trace.remote(staged) for a in move.workers.actors], deadline, what)
+    nodes = sorted(set(move.nodes), key=move.nodes.index)
+    offsets: dict[str, float] = {clock_domain(): 0.0}  # clock domain -> seconds ahead of the driver
+    timelines = []
+    for i, (name, record) in enumerate(zip(move.workers.names, records)):
+        if record["op"] != move.op:
+            raise ValueError(
+                f"worker {name} has run operation {record['op']} since {move.label} (operation {move.op}): "
+                "its timeline of that move is gone; gather the trace right after the move"
+            )
+        domain = record["clock"]["domain"]
+        if domain not in offsets:  # another host: the shortest of CLOCK_SAMPLES round trips
+            one = move.workers.subset([i])
+            samples = []
+            for _ in range(CLOCK_SAMPLES):
+                sent = time.time()
+                reading = gather(one, [one.actors[0].clock.remote()], deadline, what)[0]["time"]
+                samples.append((sent, reading, time.time()))
+            offsets[domain] = clock_offset(samples)
+        timelines.append(WorkerTimeline(name, nodes.index(move.nodes[i]), offsets[domain], record))
+    return MoveTrace(move.label, move.op, tuple(nodes), tuple(timelines), move.driver)
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,8 @@ class WorkerState:
         self.runs = 0
         self.copier: ThreadPoolExecutor | None = None
         self.kept: dict[Layout, Resident] = {}  # kept layouts (actors/resident.py)
-        self.phases = Phases()
+        self.phases = Phases()  # the last move's (op_run, op_execute)
+        self.stage_phases = Phases()  # the last staged update's transfer (stage_run)
         self.ckpt_state = None  # actors/ckpt_worker.py
         # staged updates (actors/staged_worker.py): the weight version served, the pending update,
         # its own world, the spare shadow set (double buffering) and the safe points of this call
@@ -743,10 +744,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         fan-out, local copies, device sync, commit): where a move's time went."""
         return dict(self._realloc.phases.seconds)
 
-    def last_trace(self) -> dict:
-        """The timeline of this worker's last move (``op_run``, or the phases of ``op_execute``):
-        :meth:`Phases.record` with this host's clock domain (``ModelGroup.last_trace``)."""
-        return {**self._realloc.phases.record(), "clock": clock_reading()}
+    def last_trace(self, staged: bool = False) -> dict:
+        """The timeline of this worker's last move (``op_run``, or the phases of ``op_execute``;
+        ``staged``: of its last staged update's transfer): :meth:`Phases.record` with this host's
+        clock domain (``ModelGroup.last_trace``, ``StagedUpdate.trace``)."""
+        phases = self._realloc.stage_phases if staged else self._realloc.phases
+        return {**phases.record(), "clock": clock_reading()}
 
     @ray.method(concurrency_group=CONTROL)
     def clock(self) -> dict:

@@ -117,6 +117,15 @@ def test_a_copy_is_traced_from_either_group(group, spec, tmp_path):
         got = sum(s["recv_bytes"] for s in mine.steps())
         assert got == stats.bytes_intra_node + stats.bytes_inter_node
         assert stats.slowest_worker is not None
+        # a staged update's transfer has its own trace (the serving weights untouched meanwhile)
+        update = group.copy_to(other, stage=True)
+        staged = update.wait()
+        trace = update.trace()
+        assert trace.op == update.id and trace.label.startswith("staged ")
+        assert sum(s["recv_bytes"] for s in trace.steps()) == staged.bytes_intra_node + staged.bytes_inter_node > 0
+        assert staged.slowest_worker in {w.name for w in trace.workers}
+        update.commit()
+        assert group.last_trace().op == mine.op  # the staged transfer is not the group's last move
         other.reallocate(Topology(dp=2))  # the readers run another move: the copy's timeline is gone
         with pytest.raises(ValueError, match=r"realloc:reader:rank0 has run operation .* since"):
             group.last_trace()
