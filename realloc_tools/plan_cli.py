@@ -31,6 +31,7 @@ from realloc.plan.slices import shipping_stats
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
 from realloc.spec.formats import WEIGHT_FORMATS, check_weight_format
 from realloc_tools.simulate_cli import add_simulate_parser
+from realloc_tools.units import decimal_size
 
 if TYPE_CHECKING:
     from realloc.plan import Plan
@@ -349,19 +350,22 @@ def format_summary(report: dict[str, Any]) -> str:
     """Human-readable lines of a :func:`plan_report` (plus ``verified`` when present)."""
     bw = report["bandwidths"]
     lines = [
-        ("model", f"{report['model']} ({report['model_parameters']:,} parameters, {_size(report['model_bytes'])})"),
+        (
+            "model",
+            f"{report['model']} ({report['model_parameters']:,} parameters, {decimal_size(report['model_bytes'])})",
+        ),
         ("source", report["src"]),
         ("destination", report["dst"]),
         ("ranks", f"{report['world_size']} on {report['num_nodes']} nodes ({report['gpus_per_node']} per node)"),
         (
             "bytes moved",
-            f"{_size(report['bytes_total'])} (intra-node {_size(report['bytes_intra_node'])}, "
-            f"inter-node {_size(report['bytes_inter_node'])})",
+            f"{decimal_size(report['bytes_total'])} (intra-node {decimal_size(report['bytes_intra_node'])}, "
+            f"inter-node {decimal_size(report['bytes_inter_node'])})",
         ),
-        ("inter-node lower bound", _size(report["lower_bound_inter_node_bytes"])),
-        ("local copies", _size(report["bytes_local_copy"])),
-        ("max node egress", _size(report["max_node_egress_bytes"])),
-        ("max node ingress", _size(report["max_node_ingress_bytes"])),
+        ("inter-node lower bound", decimal_size(report["lower_bound_inter_node_bytes"])),
+        ("local copies", decimal_size(report["bytes_local_copy"])),
+        ("max node egress", decimal_size(report["max_node_egress_bytes"])),
+        ("max node ingress", decimal_size(report["max_node_ingress_bytes"])),
         (
             "steps",
             f"{report['num_steps']} ({report['num_routes']} routes, {report['num_buckets']} buckets "
@@ -379,8 +383,8 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(
             (
                 "per-worker slices",
-                f"largest {_size(sl['max_bytes'])} ({sl['max_routes']} routes; whole plan "
-                f"{_size(sl['plan_pickle_bytes'])}), cut in {sl['slice_seconds']:.3f} s, pickled in "
+                f"largest {decimal_size(sl['max_bytes'])} ({sl['max_routes']} routes; whole plan "
+                f"{decimal_size(sl['plan_pickle_bytes'])}), cut in {sl['slice_seconds']:.3f} s, pickled in "
                 f"{sl['pickle_seconds']:.3f} s, prepared by its worker in {sl['prepare_seconds']:.3f} s",
             )
         )
@@ -390,7 +394,7 @@ def format_summary(report: dict[str, Any]) -> str:
         )
     if "svg" in report:
         svg = report["svg"]
-        lines.append(("picture", f"{svg['path']} ({_size(svg['bytes'])}, drawn in {svg['seconds']:.2f} s)"))
+        lines.append(("picture", f"{svg['path']} ({decimal_size(svg['bytes'])}, drawn in {svg['seconds']:.2f} s)"))
     if "verified" in report:
         lines.append(
             (
@@ -402,14 +406,6 @@ def format_summary(report: dict[str, Any]) -> str:
         )
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
-
-
-def _size(nbytes: int) -> str:
-    """Decimal units, matching the GB/s of the bandwidth options; exact counts are in --json."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3f} {unit}"
-    return f"{nbytes} B"
 
 
 # -- --verify -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 from realloc._checks import check_choice
 from realloc.plan.records import Plan
 from realloc.sim.engine import list_sizes, route_arrays
-from realloc_tools.plan_cli import _size
+from realloc_tools.units import decimal_size
 
 __all__ = [
     "MATRIX_MAX_GROUPS",
@@ -197,14 +197,14 @@ def _header(t: Traffic, title: str, view: str) -> list[str]:
         _text(
             20,
             46,
-            f"{len(t.node_of)} workers on {t.num_nodes} nodes; {_size(total)} in all: "
-            f"{_size(t.inter_node_bytes)} between nodes, {_size(t.intra_node_bytes)} inside nodes, "
-            f"{_size(t.local_bytes)} local copies",
+            f"{len(t.node_of)} workers on {t.num_nodes} nodes; {decimal_size(total)} in all: "
+            f"{decimal_size(t.inter_node_bytes)} between nodes, {decimal_size(t.intra_node_bytes)} inside nodes, "
+            f"{decimal_size(t.local_bytes)} local copies",
         ),
         _text(
             20,
             64,
-            f"most into one worker: {_size(int(received.max(initial=0)))} (worker {busiest}); "
+            f"most into one worker: {decimal_size(int(received.max(initial=0)))} (worker {busiest}); "
             "hover over a worker, node or arrow for its numbers",
             fill="#555555",
         ),
@@ -274,14 +274,14 @@ def _workers_view(t: Traffic) -> tuple[list[str], int, int]:
             f'<rect x="{x}" y="{top}" width="{NODE_W}" height="{node_h}" rx="6" fill="#fafafa" stroke="#444444"/>'
         )
         out.append(_text(x + 10, top + 18, _short(name, 34), weight="bold", size=13))
-        out.append(_text(x + 10, top + 35, f"out {_size(egress)}  ·  in {_size(ingress)}", fill=INTER))
+        out.append(_text(x + 10, top + 35, f"out {decimal_size(egress)}  ·  in {decimal_size(ingress)}", fill=INTER))
         out.append(_text(x + LABEL_W, top + 54, "receives", fill="#555555", size=11))
         out.append(_text(x + LABEL_W + BAR_W + 12, top + 54, "sends", fill="#555555", size=11))
         for r, w in enumerate(members):
             out.extend(_worker_row(t, w, name, x, top + NODE_TOP + r * ROW_H, scale))
         foot = top + NODE_TOP + rows * ROW_H + 16
-        out.append(_text(x + 10, foot, f"inside the node {_size(intra)}", fill=INTRA))
-        out.append(_text(x + 10, foot + 16, f"local copies {_size(int(node_local[i]))}", fill="#666666"))
+        out.append(_text(x + 10, foot, f"inside the node {decimal_size(intra)}", fill=INTRA))
+        out.append(_text(x + 10, foot + 16, f"local copies {decimal_size(int(node_local[i]))}", fill="#666666"))
         out.append("</g>")
 
     # one arrow per node pair with bytes: rightward above the boxes, leftward below
@@ -305,8 +305,8 @@ def _workers_view(t: Traffic) -> tuple[list[str], int, int]:
 def _worker_row(t: Traffic, w: int, node: str, x: float, y: float, scale: int) -> list[str]:
     (ri, ra), (si, sa), lc = t.received[w].tolist(), t.sent[w].tolist(), int(t.local[w])
     tip = (
-        f"worker {w} on {node}: receives {_size(ri)} from other nodes, {_size(ra)} inside its node, "
-        f"copies {_size(lc)} locally; sends {_size(si)} to other nodes, {_size(sa)} inside its node"
+        f"worker {w} on {node}: receives {decimal_size(ri)} from other nodes, {decimal_size(ra)} inside its node, "
+        f"copies {decimal_size(lc)} locally; sends {decimal_size(si)} to other nodes, {decimal_size(sa)} inside its node"
     )
     out = [
         "<g "
@@ -350,10 +350,10 @@ def _arrow(a: str, b: str, nbytes: int, largest: int, sx: float, ex: float, y: f
     label_y = y + sign * (0.75 * h) + (-5 - stroke / 2 if sign < 0 else 13 + stroke / 2)
     return [
         "<g " + _attrs(class_="pair", data_src_node=a, data_dst_node=b, data_bytes=nbytes) + ">",
-        f"<title>{escape(f'{a} -> {b}: {_size(nbytes)} ({nbytes:,} bytes)')}</title>",
+        f"<title>{escape(f'{a} -> {b}: {decimal_size(nbytes)} ({nbytes:,} bytes)')}</title>",
         f'<path d="{path}" fill="none" stroke="{INTER}" stroke-opacity="0.75" stroke-width="{_f(stroke)}"/>',
         f'<polygon points="{arrowhead}" fill="{INTER}"/>',
-        _text((sx + ex) / 2, label_y, _size(nbytes), anchor="middle", halo=True, weight="bold"),
+        _text((sx + ex) / 2, label_y, decimal_size(nbytes), anchor="middle", halo=True, weight="bold"),
         "</g>",
     ]
 
@@ -400,7 +400,7 @@ def _matrix_view(t: Traffic) -> tuple[list[str], int, int]:
             nbytes = int(block[r, c])
             if not nbytes:
                 continue
-            tip = f"nodes {label(r)} -> nodes {label(c)}: {_size(nbytes)} ({nbytes:,} bytes)"
+            tip = f"nodes {label(r)} -> nodes {label(c)}: {decimal_size(nbytes)} ({nbytes:,} bytes)"
             out.append(
                 "<rect "
                 + _attrs(
@@ -421,7 +421,7 @@ def _matrix_view(t: Traffic) -> tuple[list[str], int, int]:
     for k in range(10):
         out.append(f'<rect x="{mx + k * 18}" y="{ky}" width="18" height="10" fill="{_heat((k + 0.5) / 10)}"/>')
     out.append(_text(mx, ky + 24, "0", size=10))
-    out.append(_text(mx + 180, ky + 24, _size(largest), anchor="end", size=10))
+    out.append(_text(mx + 180, ky + 24, decimal_size(largest), anchor="end", size=10))
     out.append(_text(mx + 190, ky + 9, "bytes per cell, linear", size=10, fill="#555555"))
     if n > 1:
         note = (
@@ -470,8 +470,8 @@ def _matrix_view(t: Traffic) -> tuple[list[str], int, int]:
             + ">"
         )
         tip = (
-            f"nodes {label(g)} ({int(wpn[nodes].sum())} workers): out {_size(values[0])}, in {_size(values[1])}, "
-            f"inside a node {_size(values[2])}, local copies {_size(values[3])}"
+            f"nodes {label(g)} ({int(wpn[nodes].sum())} workers): out {decimal_size(values[0])}, in {decimal_size(values[1])}, "
+            f"inside a node {decimal_size(values[2])}, local copies {decimal_size(values[3])}"
         )
         out.append(f"<title>{escape(tip)}</title>")
         for k, ((_, colour), v) in enumerate(zip(heads, values)):
@@ -482,7 +482,9 @@ def _matrix_view(t: Traffic) -> tuple[list[str], int, int]:
                     f'<rect x="{bx}" y="{_f(y)}" width="{_f(PANEL_W * v / scale)}" height="{bar_h}" fill="{colour}"/>'
                 )
         out.append("</g>")
-    out.append(_text(px, my + side + 18, f"bars on one scale: full width {_size(scale)}", size=10, fill="#555555"))
+    out.append(
+        _text(px, my + side + 18, f"bars on one scale: full width {decimal_size(scale)}", size=10, fill="#555555")
+    )
     width = px + 4 * (PANEL_W + 10) + 10
     return out, int(width), int(ky + 60)
 

@@ -356,7 +356,10 @@ import realloc_tools.plan_cli
 with contextlib.redirect_stdout(io.StringIO()) as out:
     assert realloc_tools.plan_cli.main(["--help"]) == 0
 assert "plan" in out.getvalue()
-loaded("realloc_tools.plan_cli.main(['--help'])", ("realloc_tools", "realloc_tools.plan_cli", "realloc_tools.simulate_cli"))
+loaded(
+    "realloc_tools.plan_cli.main(['--help'])",
+    ("realloc_tools", "realloc_tools.plan_cli", "realloc_tools.simulate_cli", "realloc_tools.units"),
+)
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
