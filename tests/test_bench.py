@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -170,11 +172,13 @@ def test_bench_gpu_options_and_transitions(capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_tiny_end_to_end():
-    """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly."""
+    """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly;
+    with ``-v`` and the bars forced on, its progress over the timed round trips and their log."""
     cmd = [
         sys.executable,
         "-m",
         "realloc_tools.cli",
+        "-v",
         "bench",
         "--model",
         "tiny",
@@ -192,9 +196,14 @@ def test_bench_tiny_end_to_end():
         "--bucket-mb",
         "0.0625",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    env = {**os.environ, "REALLOC_PROGRESS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
+    # 2 transitions x 2 timed round trips: the bar ends at 4/4, the end record counts 4
+    rounds = "bench: 2 transitions, 2 timed round trips each"
+    assert re.search(rf"{rounds}:.*4/4", proc.stderr), proc.stderr[-3000:]
+    assert re.search(rf"INFO realloc_tools.bench: {rounds}: done, 4 round trip in [\d.]+ s", proc.stderr)
     assert REQUIRED <= set(report)
     assert set(report["baselines"]) == set(BASELINES) == set(report["speedup_vs"])
     assert report["verified"] == {"ours": True, **{b: True for b in BASELINES}, "staged": True}
