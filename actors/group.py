@@ -1328,7 +1328,12 @@ def _move(
     if blend is None:
         shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
         phases: list[dict | None] = [None] * len(op.workers)  # each worker's, where op_run reports them
-        with each_result(lambda i, res: phases.__setitem__(i, res.get("phases") if isinstance(res, dict) else None)):
+
+        def keep_phases(i: int, res: Any) -> None:
+            if isinstance(res, dict) and i < len(phases):
+                phases[i] = res.get("phases")
+
+        with each_result(keep_phases):
             result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
         if any(phases):
             log.debug("%s: %s: slowest worker per phase: %s", op.what, label, phase_summary(phases))

@@ -149,7 +149,7 @@ def each_result(callback: Callable[[int, Any], None]) -> Iterator[None]:
     each worker's call finishes (``index`` into its workers), in the waiting thread, before the
     next wait: progress bars and DEBUG records of waits made deep in other layers (an operation's
     steps). The deadline and failure semantics of :func:`gather` are unchanged; a failed call
-    never reaches ``callback``."""
+    never reaches ``callback``, and an exception of ``callback`` is logged (WARNING), not raised."""
     token = _ON_RESULT.set(callback)
     try:
         yield
@@ -216,7 +216,10 @@ def gather(
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
                 _fail(f"{what} failed on {name}: {type(cause).__name__}: {cause}", found, late, state, layout, err)
             if on_result is not None:
-                on_result(index[r], results[index[r]])
+                try:
+                    on_result(index[r], results[index[r]])
+                except Exception:  # noqa: BLE001 - a progress report never changes the call's outcome
+                    log.warning("%s: the result callback failed on %s", what, workers.names[index[r]], exc_info=True)
     return results
 
 

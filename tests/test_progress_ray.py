@@ -175,3 +175,24 @@ def test_a_move_logs_its_plan_at_debug(env, caplog):
         debug
     )
     env.group.reallocate(TRAIN)
+
+
+def test_each_result_sees_every_answer_and_never_changes_the_outcome(env, caplog):
+    from actors.remote import each_result, gather
+
+    workers = env.group.workers
+    plain = gather(workers, [a.ping.remote() for a in workers.actors], 30, "ping")
+    seen: list[int] = []
+
+    def broken_bar(i: int, result) -> None:
+        seen.append(i)
+        raise RuntimeError("the bar broke")
+
+    caplog.set_level(logging.WARNING, logger="actors.remote")
+    with each_result(broken_bar):
+        reported = gather(workers, [a.ping.remote() for a in workers.actors], 30, "ping with a bar")
+    assert sorted(seen) == list(range(len(workers)))
+    assert [r["pid"] for r in reported] == [r["pid"] for r in plain]  # every answer, in worker order
+    assert len(messages(caplog, logging.WARNING, "actors.remote")) == len(workers)
+    gather(workers, [a.ping.remote() for a in workers.actors], 30, "ping after the block")
+    assert len(seen) == len(workers)  # the callback ends with its block
