@@ -194,9 +194,8 @@ class Progress:
                 **where,
             )
         else:
-            self.log.info(
-                "%s: done, %d %s in %.3f s%s", self.what, self.count, self.unit, self.seconds, detail, **where
-            )
+            units = self.unit if self.count == 1 else f"{self.unit}s"  # "4 round trips"
+            self.log.info("%s: done, %d %s in %.3f s%s", self.what, self.count, units, self.seconds, detail, **where)
 
     def __enter__(self) -> "Progress":
         return self

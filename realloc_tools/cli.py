@@ -81,15 +81,22 @@ def add_log_options(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         choices=LOG_LEVELS,
         type=str.upper,
-        help="log the library's records at this level and above to stderr (INFO: each operation's start "
-        "and end with bytes and seconds; DEBUG: plans and phases too); before the command",
+        help="log this project's records at this level and above to stderr (INFO: each operation's start "
+        "and end with bytes and seconds; DEBUG: plans and phases too; other libraries: WARNING); before the command",
     )
     parser.add_argument("-v", action="count", help="-v: --log-level INFO, -vv: DEBUG; before the command")
 
 
+#: The loggers ``--log-level`` sets: this project's packages (other libraries, Ray's own, stay at WARNING).
+OWN_LOGGERS = ("realloc", "actors", "realloc_tools")
+
+
 def configure_logging(level: str) -> None:
-    """Records of ``level`` and above from every logger to stderr, one line each."""
-    logging.basicConfig(level=getattr(logging, level), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    """Records of ``level`` and above from this project's loggers, WARNING and above from the
+    others (Ray's own), to stderr, one line each."""
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(getattr(logging, level))
 
 
 def ray_commands() -> list[AddParser]:

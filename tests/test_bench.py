@@ -203,7 +203,7 @@ def test_bench_tiny_end_to_end():
     # 2 transitions x 2 timed round trips: the bar ends at 4/4, the end record counts 4
     rounds = "bench: 2 transitions, 2 timed round trips each"
     assert re.search(rf"{rounds}:.*4/4", proc.stderr), proc.stderr[-3000:]
-    assert re.search(rf"INFO realloc_tools.bench: {rounds}: done, 4 round trip in [\d.]+ s", proc.stderr)
+    assert re.search(rf"INFO realloc_tools.bench: {rounds}: done, 4 round trips in [\d.]+ s", proc.stderr)
     assert REQUIRED <= set(report)
     assert set(report["baselines"]) == set(BASELINES) == set(report["speedup_vs"])
     assert report["verified"] == {"ours": True, **{b: True for b in BASELINES}, "staged": True}

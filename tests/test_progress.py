@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import logging
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -78,11 +80,12 @@ def test_start_and_end_records_carry_bytes_and_seconds(caplog):
     assert float(m["seconds"]) == pytest.approx(p.seconds, abs=1e-3) and p.seconds > 0
 
 
-def test_an_operation_without_bytes_reports_its_count():
-    log = logging.getLogger("test.progress.count")
-    with Progress(log, "bench", total=4, unit="round trip", enabled=False) as p:
+def test_an_operation_without_bytes_reports_its_count(caplog):
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    with Progress(LOG, "bench", total=4, unit="round trip", enabled=False) as p:
         p.advance(4)
     assert p.nbytes is None and p.count == 4
+    assert re.match(r"bench: done, 4 round trips in [\d.]+ s$", records(caplog)[-1])
 
 
 def test_a_failing_operation_logs_its_failure_and_reraises(caplog):
@@ -124,3 +127,15 @@ def test_cli_log_options():
         log_options(["--log-level"])
     with pytest.raises(ValueError, match="'loud'"):
         log_options(["--log-level", "loud", "bench"])
+
+
+def test_cli_logging_shows_this_projects_records_and_only_warnings_of_others():
+    code = (
+        "import logging; from realloc_tools.cli import configure_logging; configure_logging('DEBUG'); "
+        "logging.getLogger('actors.checkpoint').debug('ours at debug'); "
+        "logging.getLogger('ray').info('ray at info'); logging.getLogger('ray').warning('ray at warning')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "DEBUG actors.checkpoint: ours at debug" in proc.stderr and "ray at warning" in proc.stderr
+    assert "ray at info" not in proc.stderr
