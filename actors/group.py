@@ -1293,6 +1293,19 @@ class ModelGroup:
 # -- helpers -------------------------------------------------------------------------------
 
 
+def _phases(op: Operation, reported: list) -> list:
+    """Each worker's seconds by phase of the ``op_run`` just finished: as its result reported them,
+    else asked of it (``ShardWorker.last_phases``; for DEBUG records only, so a failure is logged
+    and leaves them out)."""
+    if any(reported):
+        return reported
+    try:
+        return gather(op.workers, [a.last_phases.remote() for a in op.workers.actors], op.deadline, "read phases")
+    except ReallocationError:
+        log.debug("%s: could not read the workers' phases", op.what, exc_info=True)
+        return []
+
+
 def _move(
     groups: list[ModelGroup],
     op: Operation,
@@ -1335,8 +1348,8 @@ def _move(
 
         with each_result(keep_phases):
             result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
-        if any(phases):
-            log.debug("%s: %s: slowest worker per phase: %s", op.what, label, phase_summary(phases))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s: slowest worker per phase: %s", op.what, label, phase_summary(_phases(op, phases)))
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)

@@ -174,6 +174,8 @@ def test_a_move_logs_its_plan_at_debug(env, caplog):
     assert any(re.search(r"planned in [\d.]+ s: \d+ routes in \d+ steps: \d+ bytes inter-node", d) for d in debug), (
         debug
     )
+    # the slowest worker of each phase of the move (prepare, transfers, commit, ...)
+    assert any(re.search(r"slowest worker per phase: .*commit [\d.]+ s \(worker \d\)", d) for d in debug), debug
     env.group.reallocate(TRAIN)
 
 
