@@ -1333,7 +1333,7 @@ def _move(
     t0 = time.perf_counter()
     plan = make_plan()
     plan_seconds = time.perf_counter() - t0
-    log.debug("%s: %s planned in %.3f s: %s", op.what, label, plan_seconds, plan_summary(plan.stats))
+    log.debug("%s: planned in %.3f s: %s", op.what, plan_seconds, plan_summary(plan.stats))
     try:
         world = groups[0]._ensure_world(groups, op.deadline)
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
@@ -1349,7 +1349,7 @@ def _move(
         with each_result(keep_phases):
             result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s: %s: slowest worker per phase: %s", op.what, label, phase_summary(_phases(op, phases)))
+            log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(_phases(op, phases)))
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)
