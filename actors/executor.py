@@ -96,18 +96,54 @@ def received_share(box: list, me: int) -> tuple[PlanSlice, PeerTable]:
 
 
 class Phases:
-    """Where one worker's time in one operation went: seconds by phase, in the order marked
-    (``mark(name)`` charges the time since the previous mark to ``name``). Two clock reads a
-    phase; ``ShardWorker.last_phases()`` hands the last operation's to the driver (bench-gpu)."""
+    """Where one worker's time in one operation went, and when (its part of a move's trace,
+    actors/trace.py).
 
-    def __init__(self) -> None:
+    ``mark(name)`` charges the time since the previous mark to phase ``name``: ``seconds`` sums
+    them by name (``ShardWorker.last_phases()``, bench-gpu) and ``spans`` keeps each as
+    ``(name, start, end)``. ``step(...)`` records one step's exchange of the plan (the
+    :class:`StepRunner` calls it), ``local(...)`` the local copies (from their own thread). Times
+    are ``time.perf_counter()`` seconds; :meth:`record` turns them into this host's wall clock.
+    Recording costs two clock reads and one tuple per phase and per step the worker takes part in.
+    """
+
+    def __init__(self, op: str | None = None) -> None:
+        self.op = op
         self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
+        self.spans: list[tuple[str, float, float]] = []
+        self.steps: list[tuple] = []  # (step, start, end, received from, bytes, link, sent to, bytes)
+        self.locals: list[tuple[float, float, int]] = []  # (start, end, bytes)
+        self._wall, self._last = time.time(), time.perf_counter()
+        self._origin = self._last
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self.spans.append((name, self._last, now))
         self._last = now
+
+    def step(
+        self, step: int, start: float, end: float, recv: tuple[int, int, str] | None, send: tuple[int, int] | None
+    ) -> None:
+        """Step ``step`` ran from ``start`` to ``end``: it received ``(peer, bytes, link)`` (link
+        ``intra``, ``inter``, or ``read``: a zero-copy read of a same-node peer's buffers) and
+        sent ``(peer, bytes)``, either may be None."""
+        self.steps.append((step, start, end, *(recv or (None, 0, None)), *(send or (None, 0))))
+
+    def local(self, start: float, end: float, nbytes: int) -> None:
+        self.locals.append((start, end, nbytes))
+
+    def record(self) -> dict:
+        """This operation's timeline as plain data, times in seconds of this host's wall clock
+        (``time.time()``): ``{"op", "phases": [[name, start, end]], "steps": [[step, start, end,
+        recv_peer, recv_bytes, link, send_peer, send_bytes]], "local": [[start, end, bytes]]}``."""
+        shift = self._wall - self._origin
+        return {
+            "op": self.op,
+            "phases": [[name, a + shift, b + shift] for name, a, b in self.spans],
+            "steps": [[s, a + shift, b + shift, *rest] for s, a, b, *rest in self.steps],
+            "local": [[a + shift, b + shift, n] for a, b, n in self.locals],
+        }
 
 
 @contextmanager
@@ -248,6 +284,7 @@ class StepRunner:
     checkpoint files read into memory, ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
     ``cuts``: a :class:`Cuts` of the same plan to reuse (the plan's buckets and messages are
     pure functions of it: a worker running one plan again does not cut them again).
+    ``timeline``: the operation's :class:`Phases`, which records every step this worker runs.
     """
 
     def __init__(
@@ -264,8 +301,10 @@ class StepRunner:
         staging: "Staging | None" = None,
         cuts: "Cuts | None" = None,
         delta: "DeltaSides | None" = None,
+        timeline: Phases | None = None,
     ):
         self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
+        self.timeline = timeline
         self.open_peer = open_peer
         self.on_bucket = on_bucket
         self.staging = staging if staging is not None else Staging(device)
@@ -295,8 +334,9 @@ class StepRunner:
 
     def run_step(self, s: int, routes: list[tuple[int, int, int]]) -> list[tuple[str, int]]:
         """Step ``s``; ``routes``: this worker's routes of it (``PlanSlice.routes_by_step``)."""
+        started = time.perf_counter()
         forward = self.plan.reads_destination(s)
-        send = recv = None
+        send = recv = read = None
         done = []
         for src, dst, j in routes:
             if src == self.me and not self.zero_copy(src, dst, forward):
@@ -304,21 +344,26 @@ class StepRunner:
             if dst == self.me:
                 if self.zero_copy(src, dst, forward):
                     peer = self.peer_store(src, forward)
-                    done.append(
-                        (
-                            "intra",
-                            self.cuts.programs.run(
-                                ("read", j, src, forward),
-                                lambda: local_copies(peer, self.dst, self.plan.segment_list(j)),
-                                self.dst.buffers,
-                                peer.buffers,
-                            ),
-                        )
+                    nbytes = self.cuts.programs.run(
+                        ("read", j, src, forward),
+                        lambda: local_copies(peer, self.dst, self.plan.segment_list(j)),
+                        self.dst.buffers,
+                        peer.buffers,
                     )
+                    done.append(("intra", nbytes))
+                    read = (src, nbytes, "read")
                 else:
                     recv = (src, j)
         if send or recv:
             done += self._transfer(send, recv, forward) if self.delta is None else self._delta(send, recv, forward)
+        if self.timeline is not None:
+            self.timeline.step(
+                s,
+                started,
+                time.perf_counter(),
+                (recv[0], done[-1][1], done[-1][0]) if recv else read,
+                (send[0], self.list_bytes(send[1])) if send else None,
+            )
         return done
 
     def list_bytes(self, j: int) -> int:

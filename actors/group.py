@@ -50,6 +50,7 @@ from actors.remote import Deadline, Workers, call_all, diagnose, each_result, ga
 from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.staged import StagedUpdate
 from actors.threads import CONCURRENCY_GROUPS
+from actors.trace import CLOCK_SAMPLES, MoveTrace, WorkerTimeline, clock_domain, clock_offset
 from actors.worker import RESERVED_METHODS, ShardWorker
 from actors.world import World
 from actors.zero_copy import sweep_stale_buffers
@@ -85,6 +86,10 @@ class ReallocStats:
     against ``bytes``, the senders' base memory); None otherwise. ``conversion``: for a copy
     between weight formats, where they were converted (``"source"``: before sending, the wire
     carrying the destination's format; ``"destination"``: after receiving); None otherwise.
+    ``slowest_worker``: the actor that took longest in the move (its own clock, from receiving
+    the call to its commit: ``slowest_worker_seconds``) and ``slowest_phase`` its longest phase
+    (``ShardWorker.last_phases``); None for a move where no worker ran a plan (an adopted layout).
+    The whole timeline: ``ModelGroup.last_trace()``.
     """
 
     transition: str
@@ -103,6 +108,10 @@ class ReallocStats:
     shadow_bytes_per_actor: int = 0
     delta: dict | None = None
     conversion: str | None = None
+    slowest_worker: str | None = None
+    slowest_worker_seconds: float = 0.0
+    slowest_phase: str | None = None
+    slowest_phase_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -127,6 +136,10 @@ class ReallocStats:
             "shadow_bytes_per_actor": self.shadow_bytes_per_actor,
             "delta": self.delta,
             "conversion": self.conversion,
+            "slowest_worker": self.slowest_worker,
+            "slowest_worker_seconds": self.slowest_worker_seconds,
+            "slowest_phase": self.slowest_phase,
+            "slowest_phase_seconds": self.slowest_phase_seconds,
         }
 
 
@@ -192,6 +205,7 @@ class ModelGroup:
         # as the driver knows, and the deltas this group received in a row since a full copy
         self._sent: tuple[Layout, int] | None = None
         self._deltas = 0
+        self._last_move: LastMove | None = None  # what last_trace() gathers
 
     # -- creation ------------------------------------------------------------------------
     @classmethod
@@ -926,6 +940,7 @@ class ModelGroup:
         self, op: Operation, target: Layout, order: KeepOrder | None, label: str, started: float
     ) -> ReallocStats:
         result = op.adopt(target, self.version, order)
+        self._last_move = None  # nothing moved: no timeline
         return ReallocStats(
             label,
             0,
@@ -940,6 +955,47 @@ class ModelGroup:
             result.resident_in_place_bytes,
             result.resident_host_bytes,
         )
+
+    def last_trace(self, timeout_s: float | None = None) -> MoveTrace:
+        """The timeline of this group's last move (its last ``reallocate``, or a ``copy_to`` it
+        took part in on either side; not an adopted kept layout, where nothing moved, nor a staged
+        update's background transfers): every worker's phases, steps (peer, bytes, link, start,
+        end) and local copies, gathered from the workers now and put on the driver's clock
+        (actors/trace.py). ``.write(path)`` saves it as Chrome trace JSON for Perfetto or
+        ``chrome://tracing``; ``.steps()`` lists the steps. ``ValueError`` when there is no such
+        move, or when one of its workers has run another move since (its timeline is gone); a
+        dead or silent worker raises the group's usual error, naming it, within ``timeout_s``
+        (default: the group's)."""
+        with self._exclusive("gather the last move's trace", staged_ok=True):
+            move = self._last_move
+            if move is None:
+                raise ValueError(
+                    f"group {self.name!r} has no traced move: last_trace() follows a reallocate() or "
+                    "copy_to() that ran a plan (not one that adopted a kept layout)"
+                )
+            deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
+            what = f"{self.name}: gather the trace of {move.label}"
+            records = gather(move.workers, [a.last_trace.remote() for a in move.workers.actors], deadline, what)
+            nodes = sorted(set(move.nodes), key=move.nodes.index)
+            offsets: dict[str, float] = {clock_domain(): 0.0}  # clock domain -> seconds ahead of the driver
+            timelines = []
+            for i, (name, record) in enumerate(zip(move.workers.names, records)):
+                if record["op"] != move.op:
+                    raise ValueError(
+                        f"worker {name} has run operation {record['op']} since {move.label} (operation "
+                        f"{move.op}): its timeline of that move is gone; call last_trace() right after the move"
+                    )
+                domain = record["clock"]["domain"]
+                if domain not in offsets:
+                    one = move.workers.subset([i])
+                    samples = []
+                    for _ in range(CLOCK_SAMPLES):
+                        sent = time.time()
+                        reading = gather(one, [one.actors[0].clock.remote()], deadline, what)[0]["time"]
+                        samples.append((sent, reading, time.time()))
+                    offsets[domain] = clock_offset(samples)
+                timelines.append(WorkerTimeline(name, nodes.index(move.nodes[i]), offsets[domain], record))
+            return MoveTrace(move.label, move.op, tuple(nodes), tuple(timelines), move.driver)
 
     def resident_layouts(self) -> list[ResidentLayout]:
         """The layouts kept by ``reallocate(..., keep=)``, with their versions (``fresh``: moving
@@ -1293,19 +1349,6 @@ class ModelGroup:
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _phases(op: Operation, reported: list) -> list:
-    """Each worker's seconds by phase of the ``op_run`` just finished: as its result reported them,
-    else asked of it (``ShardWorker.last_phases``; for DEBUG records only, so a failure is logged
-    and leaves them out)."""
-    if any(reported):
-        return reported
-    try:
-        return gather(op.workers, [a.last_phases.remote() for a in op.workers.actors], op.deadline, "read phases")
-    except ReallocationError:
-        log.debug("%s: could not read the workers' phases", op.what, exc_info=True)
-        return []
-
-
 def _move(
     groups: list[ModelGroup],
     op: Operation,
@@ -1330,9 +1373,9 @@ def _move(
     The caller holds the groups' locks and changes its state only after this returns. Every wait,
     forming the world included, shares ``op.deadline``; any failure aborts ``op``.
     """
-    t0 = time.perf_counter()
+    plan_started = time.perf_counter()
     plan = make_plan()
-    plan_seconds = time.perf_counter() - t0
+    plan_seconds = time.perf_counter() - plan_started
     log.debug("%s: planned in %.3f s: %s", op.what, plan_seconds, plan_summary(plan.stats))
     try:
         world = groups[0]._ensure_world(groups, op.deadline)
@@ -1340,7 +1383,7 @@ def _move(
         op.abort(err)
     if blend is None:
         shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
-        phases: list[dict | None] = [None] * len(op.workers)  # each worker's, where op_run reports them
+        phases: list[dict | None] = [None] * len(op.workers)  # each worker's, as its op_run reports them
 
         def keep_phases(i: int, res: Any) -> None:
             if isinstance(res, dict) and i < len(phases):
@@ -1348,8 +1391,8 @@ def _move(
 
         with each_result(keep_phases):
             result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(_phases(op, phases)))
+        if any(phases):
+            log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(phases))
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)
@@ -1357,8 +1400,20 @@ def _move(
         result = op.execute_plan(world, plan, srcs, placement, {"model": model})
         seconds = time.perf_counter() - t0
         op.commit(blend=blend)
-    pause = time.perf_counter() - started
+    ended = time.perf_counter()
+    pause = ended - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)
+    wall = time.time() - ended  # perf_counter -> the driver's wall clock
+    move = LastMove(
+        label,
+        op.id,
+        op.workers,
+        tuple(placement.nodes),
+        (("move", started + wall, ended + wall), ("plan", plan_started + wall, plan_started + plan_seconds + wall)),
+    )
+    for g in groups:
+        g._last_move = move
+    worst = result.slowest or {}
     return ReallocStats(
         label,
         result.bytes_intra_node,
@@ -1373,7 +1428,23 @@ def _move(
         result.resident_in_place_bytes,
         result.resident_host_bytes,
         delta=result.delta,
+        slowest_worker=worst.get("worker"),
+        slowest_worker_seconds=worst.get("seconds", 0.0),
+        slowest_phase=worst.get("phase"),
+        slowest_phase_seconds=worst.get("phase_seconds", 0.0),
     )
+
+
+@dataclass(frozen=True)
+class LastMove:
+    """A group's last move, as ``ModelGroup.last_trace`` needs it: its label, operation id, the
+    workers that ran it (plan order), their nodes and the driver's spans (wall clock)."""
+
+    label: str
+    op: str
+    workers: Workers
+    nodes: tuple[str, ...]
+    driver: tuple[tuple[str, float, float], ...]
 
 
 def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, config: GroupConfig):

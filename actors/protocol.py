@@ -42,6 +42,7 @@ from actors.errors import ReallocationError
 from actors.executor import PeerView, worker_shares
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
 from actors.resident import KeepOrder
+from actors.trace import slowest
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 
@@ -61,6 +62,7 @@ class PhaseResult:
     resident_host_bytes: int = 0  # ... and in host memory
     refreshed: bool = False  # the destination was a kept layout, written in place
     delta: dict | None = None  # a move with delta=True: actors.delta.summary
+    slowest: dict | None = None  # the slowest worker and its slowest phase (actors.trace.slowest)
 
 
 class Operation:
@@ -134,7 +136,7 @@ class Operation:
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return _phase_result(results)
+        return _phase_result(results, names=self.workers.names)
 
     def run_plan(
         self,
@@ -174,7 +176,7 @@ class Operation:
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return _phase_result(results, seconds=max(r["seconds"] for r in results), delta=delta)
+        return _phase_result(results, max(r["seconds"] for r in results), delta, self.workers.names)
 
     def adopt(self, layout: Layout, version: int, keep: KeepOrder | None = None) -> PhaseResult:
         """Steps 1-3 of a move to a kept ``layout`` that holds weight ``version`` (``op_adopt``:
@@ -253,7 +255,10 @@ def worker_plan_refs(
     return entry[0], entry[1]
 
 
-def _phase_result(results: list[dict], seconds: float = 0.0, delta: DeltaOrder | None = None) -> PhaseResult:
+def _phase_result(
+    results: list[dict], seconds: float = 0.0, delta: DeltaOrder | None = None, names: Sequence[str] = ()
+) -> PhaseResult:
+    """The workers' reports summed; ``names``: the workers', to name the slowest (reports with phases)."""
     return PhaseResult(
         bytes_local=sum(r["bytes"]["local"] for r in results),
         bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
@@ -264,6 +269,7 @@ def _phase_result(results: list[dict], seconds: float = 0.0, delta: DeltaOrder |
         resident_host_bytes=max((r.get("resident", {}).get("host", 0) for r in results), default=0),
         refreshed=any(r.get("refreshed", False) for r in results),
         delta=delta_summary(results, delta),
+        slowest=slowest(names, [r.get("phases") for r in results]) if names else None,
     )
 
 
@@ -274,4 +280,5 @@ def _merge(acc: list | None, new: list[dict]) -> list[dict]:
         for k in a["bytes"]:
             a["bytes"][k] += b["bytes"][k]
         a["staging_bytes"] = max(a["staging_bytes"], b["staging_bytes"])
+        a["phases"] = b.get("phases")  # a worker's phases so far, the later phase's included
     return acc

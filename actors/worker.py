@@ -55,6 +55,7 @@ from actors.parallel import ParallelGroups
 from actors.resident import KeepOrder, Resident, copy_into, to_host
 from actors.staged_worker import StagingMixin
 from actors.threads import CONTROL
+from actors.trace import clock_reading
 from actors.transport import Transport, backend_for, connect_rendezvous, host_rendezvous, wire_device
 from actors.zero_copy import BufferAllocator, handle_identity, open_handles
 from realloc.boxes import box_index
@@ -604,7 +605,14 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._check_world(world_id)
         op = self._current_op(op_id)
         plan, peers = received_share(share, me)
-        return self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
+        if self._realloc.phases.op != op_id:
+            self._realloc.phases = Phases(op_id)
+        else:
+            self._realloc.phases.mark("driver barrier")  # since the previous phase: the driver's wait for all
+        result = self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
+        self._realloc.phases.mark(f"phase {phase}")
+        result["phases"] = dict(self._realloc.phases.seconds)
+        return result
 
     def _timed(self, op: PendingOp, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
         """``run()`` (an execute phase of ``op``), timed and counted into ``op`` and the metrics."""
@@ -633,7 +641,13 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         if phase == 0:
             # Local copies write boxes no route writes, and torch copies release the GIL: run
             # them beside the transfers instead of before them.
-            local_copies = _Background(lambda: sum(copy_local(src, dst, plan.segment_list(j)) for j in plan.local))
+            def copy_all() -> int:
+                started = time.perf_counter()
+                nbytes = sum(copy_local(src, dst, plan.segment_list(j)) for j in plan.local)
+                self._realloc.phases.local(started, time.perf_counter(), nbytes)
+                return nbytes
+
+            local_copies = _Background(copy_all)
         stall = self._take_fault("stall")
         if stall:
             time.sleep(stall)
@@ -648,6 +662,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             self._peer_store,
             on_bucket=self._after_bucket,
             staging=self._realloc.staging,
+            timeline=self._realloc.phases,
         )
         try:
             for s, routes in plan.routes_by_step().items():
@@ -700,7 +715,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         source is another format than the one held is converted from it before sending.
         """
         self._check_world(world_id)
-        self._realloc.phases = Phases()
+        self._realloc.phases = Phases(op_id)
         worker_plan = self._worker_plan(key, plan_box, me)
         self.op_prepare(op_id, worker_plan.peers[me].dst, export=False)
         self._realloc.counters["execute"] += 1
@@ -708,7 +723,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.runs += 1
         self._evict_mappings()
         self._realloc.phases.mark("prepare")
-        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta))
+        result = self._timed(
+            op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta, timeline=self._realloc.phases)
+        )
         if convert is not None and op.dst is not None:
             self._convert_destination(op, convert)
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
@@ -718,12 +735,24 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         result["refreshed"] = op.refreshed
         result["resident"] = self.resident_bytes()
         self._realloc.phases.mark("commit")
+        result["phases"] = dict(self._realloc.phases.seconds)
         return result
 
     def last_phases(self) -> dict[str, float]:
         """Seconds by phase of the last ``op_run`` on this worker (prepare, handles, transfers,
         fan-out, local copies, device sync, commit): where a move's time went."""
         return dict(self._realloc.phases.seconds)
+
+    def last_trace(self) -> dict:
+        """The timeline of this worker's last move (``op_run``, or the phases of ``op_execute``):
+        :meth:`Phases.record` with this host's clock domain (``ModelGroup.last_trace``)."""
+        return {**self._realloc.phases.record(), "clock": clock_reading()}
+
+    @ray.method(concurrency_group=CONTROL)
+    def clock(self) -> dict:
+        """This host's wall clock now and its domain (``ModelGroup.last_trace`` aligns the
+        workers' timelines to the driver's clock with it); answered on the control thread."""
+        return clock_reading()
 
     # -- resident layouts (actors/resident.py) ----------------------------------------------
     def _keep(self, op: PendingOp, order: KeepOrder) -> None:
@@ -823,10 +852,13 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         me: int,
         transport: Transport | None = None,
         delta: DeltaOrder | None = None,
+        timeline: Phases | None = None,
     ) -> dict:
         """``op``'s part of ``wp`` over ``transport`` (default: the world's; a staged update runs
         over its own, actors/staged_worker.py). ``delta``: run the routes as deltas when it names
-        a base version, and keep what was sent as the new base (actors/delta.py)."""
+        a base version, and keep what was sent as the new base (actors/delta.py). ``timeline``: the
+        operation's :class:`Phases` (``op_run``'s is the worker's last trace; default: a new one)."""
+        timeline = Phases() if timeline is None else timeline
         transport = self._realloc.transport if transport is None else transport
         src, converted = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else (None, False)
         dst = op.store()
@@ -834,29 +866,30 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         moved = {"local": 0, "intra": 0, "inter": 0}
         if self._realloc.copier is None:
             self._realloc.copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
+
         # Local copies write boxes no route writes, and torch copies release the GIL: beside the
         # handle exchange (which waits for the peers to arrive) and the transfers.
-        local = (
-            self._realloc.copier.submit(
-                lambda: sum(
-                    wp.cuts.programs.run(
-                        ("local", j),
-                        lambda j=j: local_copies(src, dst, wp.plan.segment_list(j)),
-                        dst.buffers,
-                        src.buffers,
-                    )
-                    for j in wp.local
+        def copy_local() -> int:
+            started = time.perf_counter()
+            nbytes = sum(
+                wp.cuts.programs.run(
+                    ("local", j),
+                    lambda j=j: local_copies(src, dst, wp.plan.segment_list(j)),
+                    dst.buffers,
+                    src.buffers,
                 )
+                for j in wp.local
             )
-            if wp.local
-            else None
-        )
+            timeline.local(started, time.perf_counter(), nbytes)
+            return nbytes
+
+        local = self._realloc.copier.submit(copy_local) if wp.local else None
         ready: dict[int, Any] = {}
         sent: list = []
         ok = False
         try:
             opened = self._swap_handles(wp, op, transport) if (wp.read_from or wp.read_by) else {}
-            self._realloc.phases.mark("handles")
+            timeline.mark("handles")
             runner = StepRunner(
                 transport,
                 self._realloc.device,
@@ -870,6 +903,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 staging=self._realloc.staging,
                 cuts=wp.cuts,
                 delta=sides,
+                timeline=timeline,
             )
             stall = self._take_fault("stall")
             if stall:
@@ -879,11 +913,11 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             for s in (s for s in steps if s < forward_from):
                 for kind, nbytes in runner.run_step(s, wp.routes[s]):
                     moved[kind] += nbytes
-            self._realloc.phases.mark("transfers")
+            timeline.mark("transfers")
             # Phase 0 is done here: tell the peers that read my destination buffers (fan-out reads
             # forward only cells received over routes, never local copies: planner, step 2).
             sent, ready = self._post_ready(wp, wp.peers, transport)
-            self._realloc.phases.mark("ready")
+            timeline.mark("ready")
             for s in (s for s in steps if s >= forward_from):
                 for peer in wp.wait_ready.get(s, ()):
                     work = ready.pop(peer, None)
@@ -893,11 +927,11 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                     moved[kind] += nbytes
             for work in sent + list(ready.values()):
                 work.wait()
-            self._realloc.phases.mark("fan-out")
+            timeline.mark("fan-out")
             if delta is not None and src is not None:  # what was sent: the next delta's base
                 st = self._realloc
                 st.delta_base = snapshot(st.delta_base, wp.peers[me].src, src.buffers, delta)
-                self._realloc.phases.mark("delta base")
+                timeline.mark("delta base")
             ok = True
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local is not None:
@@ -907,9 +941,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                     local.exception()
             if converted:  # a copy in the plan's weight format, made for sending: never the serving buffers
                 self._realloc.allocator.release(src.buffers)
-        self._realloc.phases.mark("local copies")
+        timeline.mark("local copies")
         result = self._finished(op, moved)
-        self._realloc.phases.mark("device sync")
+        timeline.mark("device sync")
         if sides is not None:
             result["delta"] = sides.stats
         if delta is not None:

@@ -57,6 +57,7 @@ from typing import Any, Sequence
 
 import torch
 
+from actors.trace import check_trace_path, write_chrome_trace
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
 from realloc.progress import Progress, write
@@ -207,6 +208,12 @@ def add_bench_parser(subparsers) -> None:
         "(--dst) in its own format, then in this one (e.g. fp8_block128; realloc_tools/format_bench.py)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write the timeline of every timed move of ours (each worker's phases and transfers) as "
+        "Chrome trace JSON (open it in ui.perfetto.dev)",
+    )
     p.set_defaults(func=run_bench)
 
 
@@ -262,6 +269,8 @@ def check_run_args(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from realloc.spec import load_spec as load_model
 
+    if args.trace is not None and (args.delta or args.weight_format is not None):
+        raise ValueError("--trace traces the transitions' moves; it does not go with --delta or --weight-format")
     if args.delta:
         return run_delta_bench(args)
     if args.weight_format is not None:
@@ -296,6 +305,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--skip: unknown baselines {sorted(unknown)}; known: {', '.join(BASELINES)}")
     injected_faults()  # a malformed test hook is a usage error before Ray starts
+    if args.trace is not None:
+        if args.staged_only:
+            raise ValueError("--trace traces the moves of ours; --staged-only runs none")
+        check_trace_path(args.trace)
+    traces = [] if args.trace is not None else None
     # With --json, stdout is the report alone: what Ray prints there meanwhile (e.g. "(raylet) A
     # worker died or was killed ..." when its memory monitor kills one) goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
@@ -315,7 +329,11 @@ def run_bench(args: argparse.Namespace) -> int:
             memory_check=not args.no_memory_check,
             staged=staged,
             staged_calls=args.staged_calls,
+            traces=traces,
         )
+    if traces:
+        write_chrome_trace(args.trace, traces)
+        _log(f"trace of {len(traces)} moves written to {args.trace}")
     if args.json:
         print(json.dumps(report))
     else:
@@ -467,13 +485,15 @@ def bench(
     memory_check: bool = True,
     staged: tuple[Topology, Topology] | None = None,
     staged_calls: int = STAGED_IDLE_CALLS,
+    traces: list | None = None,
 ) -> dict:
     """Run the whole benchmark (both directions of every transition, one set of actors; then,
     with ``staged`` (trainer and generator topologies), the staged-update measurement on two
     groups of their own); returns the report (see ``docs/benchmarks.md``). ``memory_check``:
     skip a baseline (or the staged measurement) whose estimated peak the node cannot take (on a
     local Ray only: a cluster's nodes are not this machine). No ``transitions``: the staged
-    measurement alone."""
+    measurement alone. ``traces``: a list to append the trace of every timed move of ours to
+    (``ModelGroup.last_trace``, gathered after the move's timing)."""
     started = time.perf_counter()
     if not transitions and staged is None:
         raise ValueError("nothing to run: no transitions and no staged measurement")
@@ -523,6 +543,7 @@ def bench(
                 resident=resident,
                 memory_check=memory_check,
                 cores=cores,
+                traces=traces,
             )
         if staged is not None:
             report["staged"] = _run_staged(
@@ -560,6 +581,7 @@ def _bench_moves(
     resident: bool,
     memory_check: bool,
     cores: int,
+    traces: list | None = None,
 ) -> None:
     """The moves (every transition both ways, the baselines, the probes, the resident loop) on
     one group of the transitions' actors, into ``report``; the group is shut down after."""
@@ -622,6 +644,7 @@ def _bench_moves(
                         cores,
                         directions,
                         memory,
+                        traces,
                         rounds,
                     )
         except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed an actor: keep what finished
@@ -691,12 +714,14 @@ def _bench_transition(
     cores: int,
     out: list[dict],
     memory: _MemoryGuard,
+    traces: list | None = None,
     rounds: Progress | None = None,
 ) -> bool:
     """Both directions of ``src -> dst``: ours (``WARM_UP_ROUND_TRIPS`` untimed round trips, then
     ``repeats`` timed ones, each counted on ``rounds``), then every baseline ``baseline_repeats``
     times from ``src``, then from ``dst``. Each direction is appended to ``out`` when it is
-    finished (a run stopped in the way back keeps the way there); returns whether ours verified."""
+    finished (a run stopped in the way back keeps the way there); returns whether ours verified.
+    ``traces``: gets the trace of every timed move of ours (gathered after its timing)."""
     ok = True
     if group.topology != src:
         group.reallocate(src)
@@ -715,6 +740,8 @@ def _bench_transition(
             stats = group.reallocate(target)
             times[way].append((time.perf_counter() - t, stats.seconds))
             last[way] = stats
+            if traces is not None:
+                traces.append(group.last_trace())
             if i == repeats - 1:
                 ok &= layouts.check()
         _log(

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from actors.trace import check_trace_path, write_chrome_trace
 from realloc.boxes import box_index
 from realloc.layout import Topology
 from realloc_tools.cluster import ray_for_command
@@ -29,6 +30,11 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--bucket-mb", type=float, default=16, help="bucket size in MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the table as one JSON object")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write every move's timeline (each worker's phases and transfers) as Chrome trace JSON (Perfetto)",
+    )
     p.set_defaults(func=run_demo)
 
 
@@ -68,9 +74,12 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"every layout must have the same number of ranks, got {sorted(sizes)}")
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.trace is not None:
+        check_trace_path(args.trace)
     spec = load_spec(args.model)
     for t in layouts:
         t.check(spec)
+    traces = []
     workers = layouts[0].world_size
     per_node = -(-workers // args.nodes)
     started = time.perf_counter()
@@ -95,25 +104,36 @@ def run_demo(args: argparse.Namespace) -> int:
             for i, dst in enumerate(layouts[1:]):
                 _progress(i, steps, f"{group.topology} -> {dst}")
                 stats = group.reallocate(dst)
+                if args.trace is not None:
+                    traces.append(group.last_trace())
                 checked = verify_against_reference(group, reference)
                 rows.append({**stats.as_dict(), "verified_boxes": checked})
             _progress(steps, steps, "done")
         finally:
             group.shutdown()
     total = time.perf_counter() - started
+    if traces:
+        write_chrome_trace(args.trace, traces)
+        print(f"trace of {len(traces)} moves written to {args.trace} (open it in ui.perfetto.dev)", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": spec.name, "workers": workers, "transitions": rows, "total_seconds": total}))
         return 0
     width = max(len("transition"), *(len(r["transition"]) for r in rows))
     header = (
-        f"{'transition':<{width}} {'intra MB':>9} {'inter MB':>9} {'local MB':>9} {'seconds':>8} {'GB/s':>6}  verified"
+        f"{'transition':<{width}} {'intra MB':>9} {'inter MB':>9} {'local MB':>9} {'seconds':>8} {'GB/s':>6}  "
+        "verified   slowest worker: its slowest phase"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
             f"{r['transition']:<{width}} {r['bytes_intra_node'] / 1e6:>9.1f} {r['bytes_inter_node'] / 1e6:>9.1f} "
-            f"{r['bytes_local'] / 1e6:>9.1f} {r['seconds']:>8.3f} {r['gbps']:>6.2f}  {r['verified_boxes']} boxes"
+            f"{r['bytes_local'] / 1e6:>9.1f} {r['seconds']:>8.3f} {r['gbps']:>6.2f}  {r['verified_boxes']} boxes  "
+            + (
+                f"{r['slowest_worker']}: {r['slowest_phase']} {r['slowest_phase_seconds']:.3f}s"
+                if r["slowest_worker"]
+                else "-"
+            )
         )
     print(f"all {len(rows)} transitions bit-exact; total {total:.1f}s")
     return 0

@@ -175,6 +175,18 @@ def add_plan_parser(subparsers: Any) -> None:
         help="execute the plan in-process on random weights and check every destination shard (small models only)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of --verify's weights (default 0)")
+    p.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="also write a picture of the plan: workers grouped by node, the bytes between and inside nodes "
+        "(an SVG file; realloc_tools/plan_svg.py)",
+    )
+    p.add_argument(
+        "--svg-view",
+        default="auto",
+        help="what --svg draws: workers (every worker, an arrow per node pair; small plans), matrix (node-by-node "
+        "bytes, nodes grouped when there are many) or auto (workers when the plan is small; default)",
+    )
     p.set_defaults(func=run_plan)
 
 
@@ -200,6 +212,14 @@ def run_plan(args: argparse.Namespace) -> int:
     check_weight_format(args.src_weight_format)
     check_weight_format(args.dst_weight_format)
     placement = Placement.blocks(src.world_size, args.gpus_per_node)
+    svg_path = None
+    if args.svg is not None:
+        from realloc_tools.plan_svg import VIEWS, check_svg_path
+
+        check_choice("--svg-view", args.svg_view, VIEWS)
+        svg_path = check_svg_path(args.svg)
+    elif args.svg_view != "auto":
+        raise ValueError(f"--svg-view {args.svg_view} needs --svg FILE (the picture it chooses the view of)")
     if args.verify:
         if args.src_weight_format or args.dst_weight_format:
             raise ValueError(
@@ -247,6 +267,17 @@ def run_plan(args: argparse.Namespace) -> int:
         report["conversion"] = {"where": conv.where, "reason": conv.reason}
     if args.verify:
         report.update(verify_plan(src_layout, dst_layout, plan, seed=args.seed))
+    if svg_path is not None:
+        from realloc_tools.plan_svg import plan_svg, write_atomic
+
+        title = f"{spec.name}: {src} → {dst}, {placement.per_node()} workers per node"
+        started = time.perf_counter()
+        text = plan_svg(plan, title=title, view=args.svg_view)
+        report["svg"] = {
+            "path": str(svg_path),
+            "bytes": write_atomic(svg_path, text),
+            "seconds": time.perf_counter() - started,
+        }
     if args.json:
         print(json.dumps(report))
     else:
@@ -357,6 +388,9 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(
             ("weight formats", f"{report['conversion']['reason']} (converted on the {report['conversion']['where']})")
         )
+    if "svg" in report:
+        svg = report["svg"]
+        lines.append(("picture", f"{svg['path']} ({_size(svg['bytes'])}, drawn in {svg['seconds']:.2f} s)"))
     if "verified" in report:
         lines.append(
             (

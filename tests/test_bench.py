@@ -133,6 +133,9 @@ def test_bad_options_are_usage_errors(capsys):
     assert main(["bench", "--delta", "--delta-lrs", "2"]) == 2
     assert main(["bench", "--delta", "--delta-models", "nope"]) == 2
     assert main(["bench", "--weight-format", "fp4"]) == 2
+    assert main(["bench", "--trace", "/nonexistent-folder/t.json"]) == 2
+    assert main(["bench", "--delta", "--trace", "t.json"]) == 2
+    assert main(["bench", "--staged-only", "--trace", "t.json"]) == 2
     assert main(["bench", "--weight-format", "fp8_block128", "--model", "tiny"]) == 2  # tp=2 splits its blocks
     assert "needs 12 actors" in capsys.readouterr().err
 
@@ -171,9 +174,10 @@ def test_bench_gpu_options_and_transitions(capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_bench_tiny_end_to_end():
+def test_bench_tiny_end_to_end(tmp_path):
     """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly;
-    with ``-v`` and the bars forced on, its progress over the timed round trips and their log."""
+    the trace of every timed move of ours written with ``--trace``; with ``-v`` and the bars
+    forced on, its progress over the timed round trips and their log."""
     cmd = [
         sys.executable,
         "-m",
@@ -195,6 +199,8 @@ def test_bench_tiny_end_to_end():
         "4",
         "--bucket-mb",
         "0.0625",
+        "--trace",
+        str(tmp_path / "moves.json"),
     ]
     env = {**os.environ, "REALLOC_PROGRESS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230, env=env)
@@ -204,6 +210,14 @@ def test_bench_tiny_end_to_end():
     rounds = "bench: 2 transitions, 2 timed round trips each"
     assert re.search(rf"{rounds}:.*4/4", proc.stderr), proc.stderr[-3000:]
     assert re.search(rf"INFO realloc_tools.bench: {rounds}: done, 4 round trips in [\d.]+ s", proc.stderr)
+    trace = json.loads((tmp_path / "moves.json").read_text())
+    assert len(trace["otherData"]["moves"]) == 2 * 2 * 2  # transitions x ways x repeats
+    steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
+    assert sum(e["args"].get("recv_bytes", 0) for e in steps) == 2 * sum(
+        d["ours"]["stats"]["bytes_intra_node"] + d["ours"]["stats"]["bytes_inter_node"] for d in report["directions"]
+    )  # each direction's moves move the same bytes
+    for d in report["directions"]:
+        assert d["ours"]["stats"]["slowest_worker"].startswith("realloc:bench:rank")
     assert REQUIRED <= set(report)
     assert set(report["baselines"]) == set(BASELINES) == set(report["speedup_vs"])
     assert report["verified"] == {"ours": True, **{b: True for b in BASELINES}, "staged": True}

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from realloc.plan.records import Piece, Plan, Segment, buckets
-from realloc.plan.tables import IndexChain, PackedRuns, SegmentTable, StepTable, distinct, expand
+from realloc.plan.tables import PackedRuns, SegmentTable, StepTable, distinct, expand, list_ranges
 
 __all__ = ["ListPart", "PlanSlice", "shipping_stats", "slice_plan"]
 
@@ -241,28 +241,11 @@ def _route_arrays(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 
 def _table_and_ranges(plan: Plan) -> tuple[SegmentTable, np.ndarray, np.ndarray, np.ndarray]:
     """The plan's segments as a :class:`SegmentTable` and every segment list as ranges of it:
-    ``(table, ptr, lo, hi)``, list ``j`` being ``lo[r]:hi[r]`` for ``r`` in ``ptr[j]:ptr[j + 1]``."""
+    ``(table, ptr, lo, hi)`` (:func:`~realloc.plan.tables.list_ranges`)."""
     table = plan.segments
     if not isinstance(table, SegmentTable):  # a small plan's list: one run a segment
         table = SegmentTable([((s.param,), s.dtype, [s.box]) for s in table])
-    lo: list[int] = []
-    hi: list[int] = []
-    ptr = [0]
-    for ids in plan.segment_lists:
-        if isinstance(ids, range) and ids.step == 1:
-            spans = [ids]
-        elif isinstance(ids, IndexChain):
-            spans = ids.ranges
-        else:  # a tuple of ids: its runs of consecutive ids
-            a = np.asarray(ids, dtype=np.int64)
-            cut = np.flatnonzero(np.diff(a) != 1) + 1
-            spans = [range(int(p[0]), int(p[-1]) + 1) for p in np.split(a, cut) if len(p)]
-        for r in spans:
-            if len(r):
-                lo.append(r.start)
-                hi.append(r.stop)
-        ptr.append(len(lo))
-    return table, *(np.asarray(x, dtype=np.int64) for x in (ptr, lo, hi))
+    return table, *list_ranges(plan.segment_lists)
 
 
 class _Parts:

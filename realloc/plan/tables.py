@@ -120,6 +120,29 @@ class IndexChain(_ReadOnlyList):
         return f"IndexChain({self.ranges})"
 
 
+def list_ranges(segment_lists) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every segment list as runs of consecutive segment ids: ``(ptr, lo, hi)``, list ``j`` being
+    ids ``lo[r]:hi[r]`` for ``r`` in ``ptr[j]:ptr[j + 1]`` (empty runs left out). The one reading
+    of a plan's lists as ranges, shared by the slicer (realloc/plan/slices.py) and the simulator
+    (realloc/sim/engine.py): a range or an :class:`IndexChain` of step-1 ranges is taken as it
+    is, anything else (ids in a tuple) by its runs."""
+    lo: list[int] = []
+    hi: list[int] = []
+    ptr = [0]
+    for ids in segment_lists:
+        spans = ids.ranges if isinstance(ids, IndexChain) else [ids] if isinstance(ids, range) else None
+        if spans is None or any(r.step != 1 for r in spans):
+            a = np.fromiter(ids, dtype=np.int64)
+            cut = np.flatnonzero(np.diff(a) != 1) + 1
+            spans = [range(int(p[0]), int(p[-1]) + 1) for p in np.split(a, cut) if len(p)]
+        for r in spans:
+            if len(r):
+                lo.append(r.start)
+                hi.append(r.stop)
+        ptr.append(len(lo))
+    return tuple(np.asarray(x, dtype=np.int64) for x in (ptr, lo, hi))
+
+
 class StepTable(_ReadOnlyList):
     """The steps of a large plan as arrays, a read-only list of steps: routes sorted by step,
     step ``s`` being routes ``starts[s]:starts[s + 1]``. Pickles as four arrays."""

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from realloc.plan.records import Plan, Segment
-from realloc.plan.tables import IndexChain, SegmentTable, StepTable
+from realloc.plan.tables import SegmentTable, StepTable, list_ranges
 from realloc.sim.cluster import Cluster
 from realloc.spec import DTYPE_BYTES
 
@@ -101,20 +101,13 @@ def list_sizes(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     seg = _segment_bytes(plan.segments)
     cum = np.concatenate([[0], np.cumsum(seg)])
     cbig = np.concatenate([[0], np.cumsum(seg >= DIRECT_MIN_BYTES)])
-    n = len(plan.segment_lists)
-    nbytes = np.zeros(n, dtype=np.int64)
-    big = np.zeros(n, dtype=np.int64)
-    count = np.zeros(n, dtype=np.int64)
-    for j, ids in enumerate(plan.segment_lists):
-        ranges = ids.ranges if isinstance(ids, IndexChain) else [ids] if isinstance(ids, range) else None
-        if ranges is not None and all(r.step == 1 for r in ranges):
-            for r in ranges:
-                nbytes[j] += cum[r.stop] - cum[r.start]
-                big[j] += cbig[r.stop] - cbig[r.start]
-                count[j] += len(r)
-        else:
-            idx = np.fromiter(ids, dtype=np.int64)
-            nbytes[j], big[j], count[j] = seg[idx].sum(), (seg[idx] >= DIRECT_MIN_BYTES).sum(), idx.size
+    ptr, lo, hi = list_ranges(plan.segment_lists)
+
+    def per_list(per_range: np.ndarray) -> np.ndarray:
+        total = np.concatenate([[0], np.cumsum(per_range, dtype=np.int64)])
+        return total[ptr[1:]] - total[ptr[:-1]]
+
+    nbytes, big, count = per_list(cum[hi] - cum[lo]), per_list(cbig[hi] - cbig[lo]), per_list(hi - lo)
     small = count - big
     buckets = -(-nbytes // plan.bucket_bytes)
     return nbytes, np.maximum(big + np.minimum(small, big + 1), buckets)
