@@ -28,7 +28,7 @@ from actors.ckpt_worker import CheckpointFault
 from actors.context import ShardChange
 from actors.errors import HookError, ReallocationError
 from actors.executor import PeerView, worker_shares
-from actors.remote import fire, gather
+from actors.remote import each_result, fire, gather
 from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
@@ -50,6 +50,7 @@ from realloc.ckpt.manifest import Manifest, check_iteration, check_run_id, param
 from realloc.ckpt.replication import cliques, file_table, files_read_by, rank_of, replication_groups, retrieval_groups
 from realloc.ckpt.reshard import assign_readers, reshard_groups
 from realloc.plan import Plan, plan_exchange
+from realloc.progress import Progress, phase_summary, plan_summary
 from realloc.spec import hf_config_of
 from realloc.spec.hf_config import canonical_json, check_config_fits, generation_config_of
 
@@ -130,9 +131,18 @@ class SaveHandle:
     """A save in progress; :meth:`wait` finishes it (writes, then replication, then removal of the
     run's other iterations)."""
 
-    def __init__(self, manager: "CheckpointManager", iteration: int, refs: list, started: float, is_async: bool):
+    def __init__(
+        self,
+        manager: "CheckpointManager",
+        iteration: int,
+        refs: list,
+        started: float,
+        is_async: bool,
+        progress: Progress,
+    ):
         self.manager, self.iteration, self.is_async = manager, iteration, is_async
         self._refs, self._started, self._stats, self._error = refs, started, None, None
+        self._progress = progress  # its start and end records, its bars
 
     def done(self) -> bool:
         """Whether every worker finished writing (replication still runs in :meth:`wait`)."""
@@ -147,8 +157,10 @@ class SaveHandle:
         if self._stats is None:
             try:
                 self._stats = self.manager._finish_save(self)
-            except CheckpointError as exc:
-                self._error = exc
+            except BaseException as exc:
+                if isinstance(exc, CheckpointError):
+                    self._error = exc
+                self._progress.fail(exc)
                 raise
         return self._stats
 
@@ -229,32 +241,33 @@ class CheckpointManager:
                     f"iteration {iteration} is not after the last saved iteration {self._last_saved}; "
                     "iterations of a run must increase"
                 )
-            log.info(
-                "checkpoint save of iteration %d (run %s, %s) started",
-                iteration,
-                self.run_id,
-                "async" if is_async else "sync",
+            prog = Progress(
+                log, f"checkpoint save of iteration {iteration} (run {self.run_id}, {'async' if is_async else 'sync'})"
             )
             started = time.perf_counter()
-            refs = [
-                a.ckpt_save.remote(
-                    str(self.root),
-                    self.run_id,
-                    iteration,
-                    is_async,
-                    fault if fault is not None and fault.rank == r else None,
-                )
-                for r, a in enumerate(g.actors)
-            ]
-            handle = SaveHandle(self, iteration, refs, started, is_async)
-            if is_async:
-                try:  # the acknowledgements: every snapshot is taken
-                    self._get(refs, f"save iteration {iteration}: snapshot")
-                except ReallocationError as exc:
-                    self._abort_save(iteration, exc, refs)
-                self._pending = handle
-            else:
-                handle.wait()
+            try:
+                refs = [
+                    a.ckpt_save.remote(
+                        str(self.root),
+                        self.run_id,
+                        iteration,
+                        is_async,
+                        fault if fault is not None and fault.rank == r else None,
+                    )
+                    for r, a in enumerate(g.actors)
+                ]
+                handle = SaveHandle(self, iteration, refs, started, is_async, prog)
+                if is_async:
+                    try:  # the acknowledgements: every snapshot is taken
+                        self._get(refs, f"save iteration {iteration}: snapshot")
+                    except ReallocationError as exc:
+                        self._abort_save(iteration, exc, refs)
+                    self._pending = handle
+                else:
+                    handle.wait()
+            except BaseException as exc:
+                prog.fail(exc)  # logs once: a failed wait() already did
+                raise
         return handle
 
     def _finish_save(self, handle: SaveHandle) -> SaveStats:
@@ -262,12 +275,15 @@ class CheckpointManager:
             return self._finish_save_locked(handle)
 
     def _finish_save_locked(self, handle: SaveHandle) -> SaveStats:
-        g, iteration = self.group, handle.iteration
+        g, iteration, prog = self.group, handle.iteration, handle._progress
         refs = handle._refs
         try:
             if handle.is_async:
                 refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
-            results = self._get(refs, f"save iteration {iteration}: write rank files")
+            # The rank files' tensor bytes: their headers add a little, counted as each one is written.
+            prog.step("write rank files", sum(g.layout.rank_bytes(r) for r in range(g.num_workers)))
+            with each_result(lambda _, res: prog.advance(res["manifest"].file_bytes)):
+                results = self._get(refs, f"save iteration {iteration}: write rank files")
             written = time.perf_counter()
             manifests: dict[int, Manifest] = {res["rank"]: res["manifest"] for res in results}
             file_bytes = {r: m.file_bytes for r, m in manifests.items()}
@@ -289,7 +305,7 @@ class CheckpointManager:
                     }
                     for w in range(g.num_workers)
                 ]
-                exchanged = self._exchange(plan, "replicate", payloads, f"save iteration {iteration}: replicate")
+                exchanged = self._exchange(plan, "replicate", payloads, f"save iteration {iteration}: replicate", prog)
                 finish = max(res["finish_seconds"] for res in exchanged)
                 for res in exchanged:
                     moved["intra"] += res["bytes"]["intra"]
@@ -303,15 +319,7 @@ class CheckpointManager:
         finally:
             self._pending = None
         self._last_saved = iteration
-        log.info(
-            "checkpoint save of iteration %d (run %s) done: %d bytes written, %d replicated, %.3f s",
-            iteration,
-            self.run_id,
-            sum(file_bytes.values()),
-            moved["inter"] + moved["intra"],
-            time.perf_counter() - handle._started,
-        )
-        return SaveStats(
+        stats = SaveStats(
             iteration=iteration,
             write_seconds=written - handle._started,
             replicate_seconds=replicated - written,
@@ -324,6 +332,14 @@ class CheckpointManager:
             worker_write_seconds=max(res["seconds"] for res in results),
             replica_check_write_seconds=finish,
         )
+        prog.nbytes = stats.bytes_written
+        prog.detail = (
+            f"{len(results)} rank files written in {stats.write_seconds:.3f} s, "
+            f"{stats.replica_files} replicas ({moved['inter']} bytes inter-node, {moved['intra']} intra-node) "
+            f"in {stats.replicate_seconds:.3f} s"
+        )
+        prog.end()
+        return stats
 
     def _abort_save(self, iteration: int, cause: Exception, refs: list) -> None:
         """Let in-flight writes settle, delete the iteration on every live node, raise."""
@@ -387,30 +403,25 @@ class CheckpointManager:
             check_iteration(iteration)
         self._model_dtypes("load")
         self._finish_pending()
-        log.info(
-            "checkpoint load of run %s started (iteration %s)",
-            self.run_id,
-            "newest" if iteration is None else iteration,
-        )
-        try:
-            with self.group._exclusive("load checkpoint"):
-                stats = self._load(iteration)
-        except HookError:
-            raise  # the load committed; a user hook failed after it, as after any other change
-        except ReallocationError as exc:
-            fire(self.group.workers, "ckpt_forget")  # dead workers cannot answer
-            raise CheckpointError(f"load of run {self.run_id} failed: {exc}") from exc
-        log.info(
-            "checkpoint load of iteration %d (run %s) done: %s, %d bytes read, %.3f s",
-            stats.iteration,
-            self.run_id,
-            stats.method,
-            stats.bytes_read,
-            stats.total_seconds,
-        )
+        which = "the newest iteration" if iteration is None else f"iteration {iteration}"
+        with Progress(log, f"checkpoint load of {which} (run {self.run_id})") as prog:
+            try:
+                with self.group._exclusive("load checkpoint"):
+                    stats = self._load(iteration, prog)
+            except HookError:
+                raise  # the load committed; a user hook failed after it, as after any other change
+            except ReallocationError as exc:
+                fire(self.group.workers, "ckpt_forget")  # dead workers cannot answer
+                raise CheckpointError(f"load of run {self.run_id} failed: {exc}") from exc
+            prog.nbytes = stats.bytes_read
+            prog.detail = (
+                f"iteration {stats.iteration} by {stats.method}, then {stats.bytes_inter_node} bytes moved "
+                f"inter-node, {stats.bytes_intra_node} intra-node, {stats.bytes_local} locally"
+                + (f"; {len(stats.corrupt_copies)} corrupt copies skipped" if stats.corrupt_copies else "")
+            )
         return stats
 
-    def _load(self, iteration: int | None) -> LoadStats:
+    def _load(self, iteration: int | None, prog: Progress) -> LoadStats:
         g = self.group
         started = time.perf_counter()
         catalog = self.catalog(None if iteration is None else [iteration])
@@ -435,14 +446,14 @@ class CheckpointManager:
         scanned = time.perf_counter()
         reference = catalog.any_manifest(iteration)
         if reference.layout(g.spec) == g.layout and len(catalog.usable(iteration)) == g.num_workers:
-            stats = self._restore(iteration, catalog)
+            stats = self._restore(iteration, catalog, prog)
         else:
-            stats = self._reshard(iteration, catalog, set(), [])
+            stats = self._reshard(iteration, catalog, set(), [], prog)
         stats.scan_seconds = scanned - started
         stats.total_seconds = time.perf_counter() - started
         return stats
 
-    def _restore(self, iteration: int, catalog: Catalog) -> LoadStats:
+    def _restore(self, iteration: int, catalog: Catalog, prog: Progress) -> LoadStats:
         """Each rank gets its own file. Per rank, copies are tried in the catalog's order of
         candidates; a copy whose bytes fail its own checksums is excluded and the next round
         re-plans without it (a disagreeing manifest never outvotes an intact copy)."""
@@ -454,7 +465,7 @@ class CheckpointManager:
             usable = catalog.usable(iteration, excluded)
             if len(usable) < g.num_workers:
                 # A rank lost every copy: its shards may survive in a dp twin's file.
-                return self._reshard(iteration, catalog, excluded, corrupt)
+                return self._reshard(iteration, catalog, excluded, corrupt, prog)
             manifests = {r: c.manifest for r, c in usable.items()}
             file_bytes = {r: m.file_bytes for r, m in manifests.items()}
             t0 = time.perf_counter()
@@ -465,14 +476,18 @@ class CheckpointManager:
             t1 = time.perf_counter()
             reads = files_read_by(plan)
             workers = sorted(reads)
-            results = self._get(
-                [
-                    g.actors[w].ckpt_read_files.remote(str(self.root), self.run_id, {r: manifests[r] for r in reads[w]})
-                    for w in workers
-                ],
-                "load: read rank files",
-                ranks=workers,
-            )
+            prog.step("read rank files", sum(file_bytes[r] for rs in reads.values() for r in rs))
+            with each_result(lambda _, res: prog.advance(res["bytes"])):
+                results = self._get(
+                    [
+                        g.actors[w].ckpt_read_files.remote(
+                            str(self.root), self.run_id, {r: manifests[r] for r in reads[w]}
+                        )
+                        for w in workers
+                    ],
+                    "load: read rank files",
+                    ranks=workers,
+                )
             plan_seconds += t1 - t0
             read_seconds += time.perf_counter() - t1
             read_bytes += sum(res["bytes"] for res in results)
@@ -493,7 +508,7 @@ class CheckpointManager:
             )
         payloads = [{"incoming": {w: manifests[w]}} for w in range(g.num_workers)]
         t0 = time.perf_counter()
-        results = self._exchange(plan, "restore", payloads, f"load iteration {iteration}")
+        results = self._exchange(plan, "restore", payloads, f"load iteration {iteration}", prog)
         return self._load_stats(
             iteration,
             "restore",
@@ -507,7 +522,7 @@ class CheckpointManager:
         )
 
     def _reshard(
-        self, iteration: int, catalog: Catalog, excluded: set[tuple[str, int]], corrupt: list[str]
+        self, iteration: int, catalog: Catalog, excluded: set[tuple[str, int]], corrupt: list[str], prog: Progress
     ) -> LoadStats:
         """Each stored box is read once (crc-checked) by a balanced reader, then planned into the
         current layout. Every candidate of a rank stores the same boxes (the catalog checked each
@@ -529,14 +544,16 @@ class CheckpointManager:
             plan_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             workers = sorted(w for w, ts in assignment.tasks.items() if ts)
-            results = self._get(
-                [
-                    g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id, assignment.tasks[w], manifests)
-                    for w in workers
-                ],
-                "load: read stored shards",
-                ranks=workers,
-            )
+            prog.step("read stored shards", sum(t.nbytes for w in workers for t in assignment.tasks[w]))
+            with each_result(lambda _, res: prog.advance(res["bytes"])):
+                results = self._get(
+                    [
+                        g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id, assignment.tasks[w], manifests)
+                        for w in workers
+                    ],
+                    "load: read stored shards",
+                    ranks=workers,
+                )
             read_seconds += time.perf_counter() - t0
             read_bytes += sum(res["bytes"] for res in results)
             bad = [task for res in results for task, _ in res["bad"]]
@@ -556,7 +573,9 @@ class CheckpointManager:
         plan = self._plan(holdings, needs, param_table(g.spec))
         plan_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
-        results = self._exchange(plan, "reshard", [{} for _ in range(g.num_workers)], f"load iteration {iteration}")
+        results = self._exchange(
+            plan, "reshard", [{} for _ in range(g.num_workers)], f"load iteration {iteration}", prog
+        )
         return self._load_stats(
             iteration,
             "reshard",
@@ -623,16 +642,25 @@ class CheckpointManager:
             >>> manager.import_hf("/models/llama-7b")  # doctest: +SKIP
         """
         self._finish_pending()
-        tensors = scan_hf_dir(path)
-        mapping = match_spec(tensors, self.group.spec)
-        check_ties(path, tensors, self.group.spec)
-        log.info("HF import from %s started", path)
-        started = time.perf_counter()
-        read = self.group._fill(
-            f"import HF checkpoint {path}", "hf", str(path), tensors, mapping, timeout_s=self.timeout_s
-        )
-        stats = {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
-        log.info("HF import from %s done: %d bytes read, %.3f s", path, stats["bytes_read"], stats["seconds"])
+        g = self.group
+        with Progress(log, f"HF import from {path}") as prog:
+            tensors = scan_hf_dir(path)
+            mapping = match_spec(tensors, g.spec)
+            check_ties(path, tensors, g.spec)
+            started = time.perf_counter()
+            prog.step("read shards", sum(s.nbytes for r in range(g.num_workers) for s in g.layout.shards(r)))
+            read = g._fill(
+                f"import HF checkpoint {path}",
+                "hf",
+                str(path),
+                tensors,
+                mapping,
+                timeout_s=self.timeout_s,
+                on_result=lambda _, nbytes: prog.advance(nbytes),
+            )
+            stats = {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
+            prog.nbytes = stats["bytes_read"]
+            prog.detail = f"{len(tensors)} tensors into layout {g.layout.topology} on {g.num_workers} workers"
         return stats
 
     def export_hf(
@@ -683,7 +711,20 @@ class CheckpointManager:
         else:
             generation_config = json.loads(canonical_json(generation_config, "generation_config"))
         self._finish_pending()
-        log.info("HF export to %s started", target)
+        with Progress(log, f"HF export to {target}") as prog:
+            written = self._export_hf(target, max_shard_bytes, config, generation_config, writers, prog)
+            stats = self.last_hf_export
+            prog.nbytes = stats.bytes_written
+            prog.detail = (
+                f"{len(stats.files)} files by {len(stats.writers)} writers, "
+                f"{stats.bytes_inter_node} bytes moved inter-node, {stats.bytes_intra_node} intra-node"
+            )
+        return written
+
+    def _export_hf(
+        self, target: Path, max_shard_bytes: int, config: dict, generation_config: dict, writers, prog: Progress
+    ) -> list[Path]:
+        g = self.group
         started = time.perf_counter()
         with g._exclusive(f"export HF checkpoint {target}"):
             assignment = assign_writers(g.layout, g.placement, max_shard_bytes, writers)
@@ -693,8 +734,9 @@ class CheckpointManager:
             staged = begin_hf_dir(target)
             try:
                 payloads = [{"root": str(staged.path), "arena": arenas.get(w)} for w in range(g.num_workers)]
+                prog.step("transfer and write files", sum(f.nbytes for f in assignment.files))
                 try:
-                    results = self._exchange(plan, "export", payloads, f"export HF checkpoint to {target}")
+                    results = self._exchange(plan, "export", payloads, f"export HF checkpoint to {target}", prog)
                 except ReallocationError as exc:
                     raise CheckpointError(
                         f"HF export to {str(target)!r} failed; what was there before is unchanged. Cause: {exc}"
@@ -726,13 +768,6 @@ class CheckpointManager:
             bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
             max_writer_bytes=max(assignment.loads().values()),
         )
-        log.info(
-            "HF export to %s done: %d files, %d bytes, %.3f s",
-            target,
-            len(reports),
-            self.last_hf_export.bytes_written,
-            self.last_hf_export.total_seconds,
-        )
         return written
 
     # -- plumbing --------------------------------------------------------------------------
@@ -747,11 +782,31 @@ class CheckpointManager:
             bandwidths=config.bandwidths,
         )
 
-    def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str) -> list[dict]:
+    def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str, prog: Progress) -> list[dict]:
         """Run a checkpoint plan on every worker. ``restore``/``reshard`` write new weights, so they
         run as one operation of the protocol (prepare, exchange, commit, or abort everywhere);
-        ``replicate``/``export`` only read them."""
+        ``replicate``/``export`` only read them.
+
+        ``prog`` counts each worker's part as it finishes: the bytes it received (an export: the
+        bytes of the files it wrote, in the step its caller started); DEBUG records give the
+        plan's statistics and the slowest worker's seconds."""
+        results = self._run_exchange(plan, mode, payloads, what, prog)
+        log.debug(
+            "%s: %s; slowest: %s",
+            what,
+            mode,
+            phase_summary([{"exchange": r["seconds"], "finish": r["finish_seconds"]} for r in results]),
+        )
+        return results
+
+    def _run_exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str, prog: Progress) -> list[dict]:
         g = self.group
+        log.debug("%s: %s plan: %s", what, mode, plan_summary(plan.stats))
+        if mode == "export":
+            progress = each_result(lambda _, res: prog.advance(sum(f["bytes"] for f in res["written"])))
+        else:
+            prog.step(mode, plan.stats.get("bytes_total", 0) + plan.stats.get("bytes_local_copy", 0))
+            progress = each_result(lambda _, res: prog.advance(sum(res["bytes"].values())))
         world = g._ensure_world([g])
         peers = [PeerView(world.rank_of(a), g.placement.nodes[i], None, None) for i, a in enumerate(g.actors)]
         plan.validate(g.num_workers)
@@ -762,7 +817,8 @@ class CheckpointManager:
                 for i, a in enumerate(g.actors)
             ]
             try:
-                return self._get(refs, what)
+                with progress:
+                    return self._get(refs, what)
             except ReallocationError:
                 world.mark_broken()
                 fire(g.workers, "ckpt_forget")
@@ -770,13 +826,14 @@ class CheckpointManager:
         op = g._weights_operation(f"{what} (run {self.run_id})", self.timeout_s)
         op.prepare()
         try:
-            results = op.call(
-                [
-                    a.ckpt_exchange.remote(op.id, world.id, [shares[i]], i, mode, payloads[i])
-                    for i, a in enumerate(g.actors)
-                ],
-                "exchange",
-            )
+            with progress:
+                results = op.call(
+                    [
+                        a.ckpt_exchange.remote(op.id, world.id, [shares[i]], i, mode, payloads[i])
+                        for i, a in enumerate(g.actors)
+                    ],
+                    "exchange",
+                )
         except ReallocationError:
             world.mark_broken()
             raise

@@ -46,7 +46,7 @@ from actors.delta import DeltaOrder
 from actors.delta import summary as delta_summary
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
-from actors.remote import Deadline, Workers, call_all, diagnose, gather, settle
+from actors.remote import Deadline, Workers, call_all, diagnose, each_result, gather, settle
 from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.staged import StagedUpdate
 from actors.threads import CONCURRENCY_GROUPS
@@ -59,6 +59,7 @@ from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
 from realloc.plan import Bandwidths, Placement, Plan, plan_reallocation
 from realloc.plan.formats import conversion
+from realloc.progress import phase_summary, plan_summary
 from realloc.shards import TORCH_DTYPES, check_eta
 from realloc.spec import ModelSpec
 from realloc.spec.formats import unformatted
@@ -567,15 +568,24 @@ class ModelGroup:
             out[p.name] = state[keys[0]].detach().to("cpu", TORCH_DTYPES[p.dtype]).contiguous()
         return out
 
-    def _fill(self, what: str, how: str, *args: Any, timeout_s: float | None = None) -> list[int]:
+    def _fill(
+        self,
+        what: str,
+        how: str,
+        *args: Any,
+        timeout_s: float | None = None,
+        on_result: Callable[[int, int], None] | None = None,
+    ) -> list[int]:
         """New weights from each worker's local data (``ShardWorker.op_fill``), as one operation
         under one deadline (``timeout_s``, default the group's; the lock wait included); returns
-        the bytes each worker wrote."""
+        the bytes each worker wrote. ``on_result(rank, bytes)``: as each worker's write finishes
+        (a progress bar)."""
         deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
         with self._exclusive(what, deadline=deadline):
             op = self._weights_operation(what, deadline)
             op.prepare()
-            written = op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
+            with each_result(on_result) if on_result is not None else contextlib.nullcontext():
+                written = op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
             op.commit()
             self._announce(ShardChange("fill", self.layout, self.layout))
         return written
@@ -1345,13 +1355,23 @@ def _move(
     plan_started = time.perf_counter()
     plan = make_plan()
     plan_seconds = time.perf_counter() - plan_started
+    log.debug("%s: planned in %.3f s: %s", op.what, plan_seconds, plan_summary(plan.stats))
     try:
         world = groups[0]._ensure_world(groups, op.deadline)
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
         op.abort(err)
     if blend is None:
         shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
-        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
+        phases: list[dict | None] = [None] * len(op.workers)  # each worker's, as its op_run reports them
+
+        def keep_phases(i: int, res: Any) -> None:
+            if isinstance(res, dict) and i < len(phases):
+                phases[i] = res.get("phases")
+
+        with each_result(keep_phases):
+            result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
+        if any(phases):
+            log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(phases))
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)

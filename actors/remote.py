@@ -17,10 +17,12 @@ worker's abort is sent and queued, not awaited. So a failed call raises within i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import ray
 
@@ -135,6 +137,26 @@ def settle(workers: Workers, refs: Sequence, seconds: float) -> Diagnosis:
     return Diagnosis(tuple(dead), tuple(silent), tuple(failed), seconds)
 
 
+#: The callback of :func:`each_result` in force in this thread, if any.
+_ON_RESULT: contextvars.ContextVar["Callable[[int, Any], None] | None"] = contextvars.ContextVar(
+    "realloc_on_result", default=None
+)
+
+
+@contextlib.contextmanager
+def each_result(callback: Callable[[int, Any], None]) -> Iterator[None]:
+    """Within the block, every :func:`gather` of this thread calls ``callback(index, result)`` as
+    each worker's call finishes (``index`` into its workers), in the waiting thread, before the
+    next wait: progress bars and DEBUG records of waits made deep in other layers (an operation's
+    steps). The deadline and failure semantics of :func:`gather` are unchanged; a failed call
+    never reaches ``callback``, and an exception of ``callback`` is logged (WARNING), not raised."""
+    token = _ON_RESULT.set(callback)
+    try:
+        yield
+    finally:
+        _ON_RESULT.reset(token)
+
+
 def diagnose(workers: Workers, seconds: float = PING_SECONDS) -> Diagnosis:
     """Ping every worker's control thread; classify the ones that did not answer."""
     return settle(workers, [a.ping.remote() for a in workers.actors], seconds)
@@ -155,7 +177,7 @@ def gather(
     :data:`PING_SECONDS`) and raises :class:`ReallocationError` naming the dead, the unresponsive
     and the waiting workers (and, if none died or went silent, the worker whose call failed, with
     its exception), followed by ``state``: what is true of the group afterwards; ``layout``: the
-    error's ``layout``.
+    error's ``layout``. Inside :func:`each_result`, each result is handed to its callback as it arrives.
     """
     refs = list(refs)
     if len(refs) != len(workers):
@@ -164,6 +186,7 @@ def gather(
     pending = list(refs)
     index = {r: i for i, r in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
+    on_result = _ON_RESULT.get()
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=deadline.remaining())
         if not ready:
@@ -192,6 +215,11 @@ def gather(
                     _fail(f"{what}: {found.describe()}", found, late, state, layout, err)
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
                 _fail(f"{what} failed on {name}: {type(cause).__name__}: {cause}", found, late, state, layout, err)
+            if on_result is not None:
+                try:
+                    on_result(index[r], results[index[r]])
+                except Exception:  # noqa: BLE001 - a progress report never changes the call's outcome
+                    log.warning("%s: the result callback failed on %s", what, workers.names[index[r]], exc_info=True)
     return results
 
 

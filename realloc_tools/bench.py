@@ -44,6 +44,7 @@ import functools
 import gc
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -59,6 +60,7 @@ import torch
 from actors.trace import check_trace_path, write_chrome_trace
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
+from realloc.progress import Progress, write
 from realloc.shards import TORCH_DTYPES, ShardStore, allocate_buffers
 from realloc_tools.cluster import ray_for_command
 
@@ -412,8 +414,11 @@ def exit_status(report: dict, strict: bool = False) -> int:
 _T0 = time.perf_counter()
 
 
+log = logging.getLogger(__name__)
+
+
 def _log(msg: str) -> None:
-    print(f"[bench {time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    write(f"[bench {time.perf_counter() - _T0:6.1f}s] {msg}")  # above the progress bar, if one is shown
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -615,8 +620,14 @@ def _bench_moves(
         sampler = _MemorySampler([info["pid"] for info in group.infos] if address is None else None)
         memory = _MemoryGuard(sampler, memory_check and address is None, injected_faults())
         report["memory"] = memory.describe()
+        rounds = Progress(
+            log,
+            f"bench: {len(transitions)} transitions, {repeats} timed round trips each",
+            len(transitions) * repeats,
+            "round trip",
+        )
         try:
-            with sampler:
+            with sampler, rounds:
                 for i, (src, dst) in enumerate(transitions):
                     ours_ok &= _bench_transition(
                         group,
@@ -634,6 +645,7 @@ def _bench_moves(
                         directions,
                         memory,
                         traces,
+                        rounds,
                     )
         except Exception as err:  # noqa: BLE001 - e.g. Ray's memory monitor killed an actor: keep what finished
             report["error"] = f"{type(err).__name__}: {err}"[:2000]
@@ -703,12 +715,13 @@ def _bench_transition(
     out: list[dict],
     memory: _MemoryGuard,
     traces: list | None = None,
+    rounds: Progress | None = None,
 ) -> bool:
     """Both directions of ``src -> dst``: ours (``WARM_UP_ROUND_TRIPS`` untimed round trips, then
-    ``repeats`` timed ones), then every baseline ``baseline_repeats`` times from ``src``, then
-    from ``dst``. Each direction is appended to ``out`` when it is finished (a run stopped in the
-    way back keeps the way there); returns whether ours verified. ``traces``: gets the trace of
-    every timed move of ours (gathered after its timing)."""
+    ``repeats`` timed ones, each counted on ``rounds``), then every baseline ``baseline_repeats``
+    times from ``src``, then from ``dst``. Each direction is appended to ``out`` when it is
+    finished (a run stopped in the way back keeps the way there); returns whether ours verified.
+    ``traces``: gets the trace of every timed move of ours (gathered after its timing)."""
     ok = True
     if group.topology != src:
         group.reallocate(src)
@@ -736,6 +749,8 @@ def _bench_transition(
             f"{times['forward'][-1][0]:.3f}s there (execute {times['forward'][-1][1]:.3f}s), "
             f"{times['back'][-1][0]:.3f}s back (execute {times['back'][-1][1]:.3f}s)"
         )
+        if rounds is not None:
+            rounds.advance()
     for way, a, b in (("forward", src, dst), ("back", dst, src)):
         if way == "back":
             group.reallocate(dst)  # untimed: the baselines of the way back start from dst

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ import psutil
 import ray
 
 from realloc.layout import Topology
+from realloc.progress import Progress, write
 from realloc_tools.cluster import ray_for_command
 
 DEFAULT_WORKERS = "8,16,32,64"
@@ -111,7 +113,11 @@ def run_bench_scale(args: argparse.Namespace) -> int:
     if args.repeats < 0:
         raise ValueError(f"--repeats must be >= 0, got {args.repeats}")
     runs = []
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+    per_count = 2 + 2 * args.repeats
+    moves = Progress(
+        log, f"bench-scale: {len(counts)} worker counts, {per_count} moves each", len(counts) * per_count, "move"
+    )
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), moves:
         for n in counts:
             _log(f"{n} workers on {n // args.nodes_of} simulated nodes ...")
             runs.append(
@@ -126,6 +132,7 @@ def run_bench_scale(args: argparse.Namespace) -> int:
                     timeout_s=args.timeout_s,
                     seed=args.seed,
                     zero_copy=args.zero_copy,
+                    progress=moves,
                 )
             )
     report = {
@@ -144,9 +151,11 @@ def run_bench_scale(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] for r in runs) else 1
 
 
+log = logging.getLogger(__name__)
+
+
 def _log(msg: str) -> None:
-    sys.stderr.write(f"[bench-scale {time.strftime('%H:%M:%S')}] {msg}\n")
-    sys.stderr.flush()
+    write(f"[bench-scale {time.strftime('%H:%M:%S')}] {msg}")  # above the progress bar, if one is shown
 
 
 # -- one worker count ----------------------------------------------------------------------------
@@ -165,8 +174,10 @@ def scale_run(
     seed: int = 0,
     zero_copy: bool = False,
     address: str | None = None,
+    progress: Progress | None = None,
 ) -> dict:
-    """Start Ray (unless ``address``), a group of ``workers``, the moves; returns the run's record."""
+    """Start Ray (unless ``address``), a group of ``workers``, the moves (each counted on
+    ``progress``); returns the run's record."""
     from actors.group import ModelGroup
 
     src, dst = scaled(src_text, workers), scaled(dst_text, workers)
@@ -197,6 +208,8 @@ def scale_run(
                 target = dst if i % 2 == 0 else src
                 moves.append(timed_move(group, target, seed))
                 _log(f"  {workers} workers: move {i + 1} {moves[-1]['transition']}: {moves[-1]['wall_s']:.3f} s")
+                if progress is not None:
+                    progress.advance()
             memory["loadavg_before"] = list(load_before)
             return summarise(workers, nodes, where, src, dst, start_s, memory, moves)
         finally:

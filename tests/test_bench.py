@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,11 +176,13 @@ def test_bench_gpu_options_and_transitions(capsys):
 @pytest.mark.timeout(240)
 def test_bench_tiny_end_to_end(tmp_path):
     """8 actors on 2 simulated nodes (a subprocess: its own Ray), every method verified exactly;
-    the trace of every timed move of ours written with ``--trace``."""
+    the trace of every timed move of ours written with ``--trace``; with ``-v`` and the bars
+    forced on, its progress over the timed round trips and their log."""
     cmd = [
         sys.executable,
         "-m",
         "realloc_tools.cli",
+        "-v",
         "bench",
         "--model",
         "tiny",
@@ -198,9 +202,14 @@ def test_bench_tiny_end_to_end(tmp_path):
         "--trace",
         str(tmp_path / "moves.json"),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    env = {**os.environ, "REALLOC_PROGRESS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
+    # 2 transitions x 2 timed round trips: the bar ends at 4/4, the end record counts 4
+    rounds = "bench: 2 transitions, 2 timed round trips each"
+    assert re.search(rf"{rounds}:.*4/4", proc.stderr), proc.stderr[-3000:]
+    assert re.search(rf"INFO realloc_tools.bench: {rounds}: done, 4 round trips in [\d.]+ s", proc.stderr)
     trace = json.loads((tmp_path / "moves.json").read_text())
     assert len(trace["otherData"]["moves"]) == 2 * 2 * 2  # transitions x ways x repeats
     steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
