@@ -1362,16 +1362,9 @@ def _move(
         op.abort(err)
     if blend is None:
         shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
-        phases: list[dict | None] = [None] * len(op.workers)  # each worker's, as its op_run reports them
-
-        def keep_phases(i: int, res: Any) -> None:
-            if isinstance(res, dict) and i < len(phases):
-                phases[i] = res.get("phases")
-
-        with each_result(keep_phases):
-            result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
-        if any(phases):
-            log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(phases))
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
+        if any(result.phases):
+            log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(result.phases))
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
         op.prepare()  # commit only after every worker finished (the driver's barrier)

@@ -63,6 +63,7 @@ class PhaseResult:
     refreshed: bool = False  # the destination was a kept layout, written in place
     delta: dict | None = None  # a move with delta=True: actors.delta.summary
     slowest: dict | None = None  # the slowest worker and its slowest phase (actors.trace.slowest)
+    phases: tuple = ()  # each worker's seconds by phase, where its report has them
 
 
 class Operation:
@@ -270,6 +271,7 @@ def _phase_result(
         refreshed=any(r.get("refreshed", False) for r in results),
         delta=delta_summary(results, delta),
         slowest=slowest(names, [r.get("phases") for r in results]) if names else None,
+        phases=tuple(r.get("phases") for r in results),
     )
 
 
