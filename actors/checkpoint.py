@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from actors import metrics
 from actors.ckpt_worker import CheckpointFault
 from actors.context import ShardChange
 from actors.errors import HookError, ReallocationError
@@ -147,6 +148,7 @@ class SaveHandle:
         if self._stats is None:
             try:
                 self._stats = self.manager._finish_save(self)
+                metrics.record_checkpoint(self.manager.group.name, "save", self._stats)
             except CheckpointError as exc:
                 self._error = exc
                 raise
@@ -408,6 +410,7 @@ class CheckpointManager:
             stats.bytes_read,
             stats.total_seconds,
         )
+        metrics.record_checkpoint(self.group.name, stats.method, stats)
         return stats
 
     def _load(self, iteration: int | None) -> LoadStats:
@@ -633,6 +636,7 @@ class CheckpointManager:
         )
         stats = {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
         log.info("HF import from %s done: %d bytes read, %.3f s", path, stats["bytes_read"], stats["seconds"])
+        metrics.record_checkpoint(self.group.name, "import_hf", stats)
         return stats
 
     def export_hf(
@@ -733,6 +737,7 @@ class CheckpointManager:
             self.last_hf_export.bytes_written,
             self.last_hf_export.total_seconds,
         )
+        metrics.record_checkpoint(g.name, "export_hf", self.last_hf_export)
         return written
 
     # -- plumbing --------------------------------------------------------------------------
