@@ -33,10 +33,17 @@ def free_port() -> int:
 
 
 def ray_targets() -> list[str]:
-    """``host:port`` of every live node's metrics export port (the connected Ray cluster's),
-    the targets Ray's own service discovery file lists."""
+    """``host:port`` to scrape for the connected Ray cluster: the targets of Ray's service discovery
+    file (``<session dir>/prom_metrics_service_discovery.json``, which the dashboard head writes and
+    Ray's own prometheus.yml reads), else every live node's metrics export port."""
     import ray
 
+    node = ray._private.worker.global_worker.node
+    discovery = Path(node.get_session_dir_path()) / "prom_metrics_service_discovery.json"
+    if discovery.exists():
+        found = sorted({t for group in json.loads(discovery.read_text()) for t in group["targets"]})
+        if found:
+            return found
     return sorted(
         f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}"
         for n in ray.nodes()
