@@ -328,6 +328,17 @@ def substitute(expr: str, values: dict[str, str]) -> str:
     return expr
 
 
+def bytes_by_kind(*moves) -> dict[str, float]:
+    """What the panel "Bytes received, by link kind (total)" shows after ``moves`` (``ReallocStats``)
+    and nothing else in the session: bytes by ``kind`` label, kinds that moved nothing left out."""
+    total: dict[str, float] = {}
+    for m in moves:
+        for kind, n in (("local", m.bytes_local), ("intra", m.bytes_intra_node), ("inter", m.bytes_inter_node)):
+            if n:
+                total[kind] = total.get(kind, 0.0) + n
+    return total
+
+
 def render() -> str:
     return json.dumps(build(), indent=2) + "\n"
 

@@ -148,15 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 (expr,) = [q for t, q in grafana.panel_queries(grafana.build()) if t == BYTES_PANEL]
                 expr = grafana.substitute(expr, {"SessionName": session, "Model": GROUP, "window": "5m"})
-                expected = {}
-                for m in moves:
-                    for kind, n in (
-                        ("local", m.bytes_local),
-                        ("intra", m.bytes_intra_node),
-                        ("inter", m.bytes_inter_node),
-                    ):
-                        if n:
-                            expected[kind] = expected.get(kind, 0) + n
+                expected = grafana.bytes_by_kind(*moves)
                 prom.wait_for(
                     expr,
                     lambda r: {lab["kind"]: v for lab, v in r} == expected,

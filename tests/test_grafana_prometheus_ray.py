@@ -41,16 +41,6 @@ def by(result, label: str) -> dict[str, float]:
     return {labels.get(label, ""): value for labels, value in result}
 
 
-def kinds(*moves) -> dict[str, float]:
-    """Bytes by link kind (as the ``kind`` label has it) of ``moves``, kinds that moved nothing left out."""
-    total: dict[str, float] = {}
-    for m in moves:
-        for kind, n in (("local", m.bytes_local), ("intra", m.bytes_intra_node), ("inter", m.bytes_inter_node)):
-            if n:
-                total[kind] = total.get(kind, 0.0) + n
-    return total
-
-
 def panel(dashboard: dict, title: str) -> list[str]:
     queries = [q for t, q in grafana.panel_queries(dashboard) if t == title]
     assert queries, f"no panel {title!r} in the dashboard"
@@ -60,7 +50,9 @@ def panel(dashboard: dict, title: str) -> list[str]:
 def wait_for_totals(prom: Prometheus, q, dashboard: dict, moves: list, workers: int) -> None:
     """Until Prometheus holds ``moves``' totals: bytes by kind, execute phases, pauses."""
     (total_bytes,) = panel(dashboard, "Bytes received, by link kind (total)")
-    prom.wait_for(q(total_bytes), lambda r: by(r, "kind") == kinds(*moves), f"bytes by kind of {len(moves)} moves")
+    prom.wait_for(
+        q(total_bytes), lambda r: by(r, "kind") == grafana.bytes_by_kind(*moves), f"bytes by kind of {len(moves)} moves"
+    )
     phases, _ = panel(dashboard, "Worker execute phases run, by phase (total)")
     n = float(workers * len(moves))  # one call a worker a move (phase "all")
     prom.wait_for(q(phases), lambda r: by(r, "phase") == {"all": n}, f"execute phases of {len(moves)} moves")
@@ -142,9 +134,10 @@ def test_dashboard_queries_return_the_moves_numbers(tmp_path, monkeypatch):
                 # second move on, docs/observability.md; the totals above have them all)
                 (rate,) = panel(dashboard, "Bytes received per second, by link kind")
                 got = by(prom.query(q(rate)), "kind")
-                seen_twice = set(kinds(moves[0])) & set(kinds(moves[1]))
-                assert seen_twice, (moves[0], moves[1])  # else this check checks nothing
-                assert {k for k, v in got.items() if v > 0} == seen_twice, (got, kinds(moves[0]), kinds(moves[1]))
+                first, second = grafana.bytes_by_kind(moves[0]), grafana.bytes_by_kind(moves[1])
+                seen_twice = set(first) & set(second)
+                assert seen_twice, (first, second)  # else this check checks nothing
+                assert {k for k, v in got.items() if v > 0} == seen_twice, (got, first, second)
                 for expr in panel(dashboard, "Worker execute seconds, by phase"):
                     got = by(prom.query(q(expr)), "phase")
                     assert set(got) == {"all"} and 0 < got["all"] <= 120, (expr, got)
