@@ -303,6 +303,11 @@ def build() -> dict:
     return dashboard
 
 
+def shipped() -> dict:
+    """The dashboard as shipped (the JSON file, what users load)."""
+    return json.loads(DASHBOARD_FILE.read_text())
+
+
 def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
     """``(panel title, PromQL)`` of every target of every panel, rows' collapsed panels included."""
     found = []

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 shot = screenshot(f"{dashboard}/#/actors", args.out / "ray_dashboard_actors.png")
                 print(f"wrote {shot} (actors {sorted(names)})")
 
-                (expr,) = [q for t, q in grafana.panel_queries(grafana.build()) if t == BYTES_PANEL]
+                (expr,) = [q for t, q in grafana.panel_queries(grafana.shipped()) if t == BYTES_PANEL]
                 expr = grafana.substitute(expr, {"SessionName": session, "Model": GROUP, "window": "5m"})
                 expected = grafana.bytes_by_kind(*moves)
                 prom.wait_for(

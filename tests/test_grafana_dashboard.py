@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray.dashboard.modules.metrics.grafana_dashboard_factory")
-
 from realloc_tools import grafana
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +45,14 @@ def exported_series() -> dict[str, str]:
 
 
 def shipped() -> dict:
-    return json.loads(grafana.DASHBOARD_FILE.read_text())
+    return grafana.shipped()
+
+
+FACTORY = pytest.importorskip("ray.dashboard.modules.metrics.grafana_dashboard_factory")
+needs_factory = pytest.mark.skipif(
+    not all(hasattr(FACTORY, f) for f in ("_read_configs_for_dashboard", "_generate_grafana_panels")),
+    reason="this Ray's Grafana dashboard factory has not the functions realloc_tools/grafana.py builds with",
+)
 
 
 def test_the_instruments_are_found():
@@ -67,6 +72,7 @@ def test_the_instruments_are_found():
     }
 
 
+@needs_factory
 def test_shipped_file_is_what_the_panels_give():
     built, file = grafana.build(), shipped()
 
@@ -114,6 +120,7 @@ def test_substitute_names_a_variable_without_value():
     )
 
 
+@needs_factory
 def test_check_mode_fails_on_a_stale_file(tmp_path):
     stale = tmp_path / "d.json"
     stale.write_text(grafana.render().replace("Bytes received", "Bytes"))

@@ -80,7 +80,7 @@ def test_dashboard_queries_return_the_moves_numbers(tmp_path, monkeypatch):
     from actors.checkpoint import CheckpointManager
 
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "1000")  # before the cluster's processes start
-    dashboard = grafana.build()
+    dashboard = grafana.shipped()
     with simulated_cluster(nodes=2, cpus_per_node=2):
         session = ray._private.worker.global_worker.node.session_name
         values = {"SessionName": session, "Model": MODEL, "window": "5m"}
