@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from actors import metrics
 from actors.ckpt_worker import CheckpointFault
 from actors.context import ShardChange
 from actors.errors import HookError, ReallocationError
@@ -157,6 +158,7 @@ class SaveHandle:
         if self._stats is None:
             try:
                 self._stats = self.manager._finish_save(self)
+                metrics.record_checkpoint(self.manager.group.name, "save", self._stats)
             except BaseException as exc:
                 if isinstance(exc, CheckpointError):
                     self._error = exc
@@ -419,6 +421,7 @@ class CheckpointManager:
                 f"inter-node, {stats.bytes_intra_node} intra-node, {stats.bytes_local} locally"
                 + (f"; {len(stats.corrupt_copies)} corrupt copies skipped" if stats.corrupt_copies else "")
             )
+        metrics.record_checkpoint(self.group.name, stats.method, stats)
         return stats
 
     def _load(self, iteration: int | None, prog: Progress) -> LoadStats:
@@ -661,6 +664,7 @@ class CheckpointManager:
             stats = {"bytes_read": sum(read), "seconds": time.perf_counter() - started}
             prog.nbytes = stats["bytes_read"]
             prog.detail = f"{len(tensors)} tensors into layout {g.layout.topology} on {g.num_workers} workers"
+            metrics.record_checkpoint(g.name, "import_hf", stats)
         return stats
 
     def export_hf(
@@ -768,6 +772,7 @@ class CheckpointManager:
             bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
             max_writer_bytes=max(assignment.loads().values()),
         )
+        metrics.record_checkpoint(g.name, "export_hf", self.last_hf_export)
         return written
 
     # -- plumbing --------------------------------------------------------------------------
