@@ -226,6 +226,9 @@ def timed_move(group, target: Topology, seed: int) -> dict:
         stats = group.reallocate(target)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     after = worker_traffic(group)
+    traced = time.perf_counter()
+    trace = group.last_trace()  # the move's timeline, gathered from every worker (untimed above)
+    trace_s = time.perf_counter() - traced
     bad = group.verify_synthetic(seed)
     sizes = [serialized_bytes(v) for v in puts]
     per_worker = [traffic_delta(a, b) for a, b in zip(before, after)]
@@ -240,6 +243,11 @@ def timed_move(group, target: Topology, seed: int) -> dict:
         "shipped_max_bytes": max(sizes, default=0),
         "shipped_total_bytes": sum(sizes),
         "per_worker": per_worker,
+        "trace_gather_s": trace_s,
+        "trace_json_bytes": len(json.dumps(trace.chrome())),
+        "trace_steps": len(trace.steps()),
+        "slowest_worker": stats.slowest_worker,
+        "slowest_phase": stats.slowest_phase,
         "verified": not bad,
         "mismatches": {str(r): v[:5] for r, v in bad.items()},
     }
@@ -415,6 +423,8 @@ def summarise(workers, nodes, where, src, dst, start_s, memory, moves) -> dict:
         "messages_per_worker": per_worker(moves[0::2], "messages"),
         "data_bytes_per_worker": per_worker(moves[0::2], "bytes"),
         "return_messages_per_worker": per_worker(moves[1::2], "messages"),
+        "trace_gather_s": statistics.median(m["trace_gather_s"] for m in moves),
+        "trace_json_max_bytes": max(m["trace_json_bytes"] for m in moves),
         "moves": [{k: v for k, v in m.items() if k != "per_worker"} for m in moves],
         "verified": all(m["verified"] for m in moves),
     }
@@ -450,8 +460,8 @@ def format_report(r: dict) -> str:
         "(plan shipped) / driver CPU s | cached move s / driver CPU s | driver CPU ms per worker | plan s "
         "| shipped per worker KB | objects put | src->dst msgs per worker mean / max | src->dst data KB per worker "
         "mean / max "
-        "| verified |",
-        "|" + "---|" * 15,
+        "| last_trace() s / JSON KB | verified |",
+        "|" + "---|" * 16,
     ]
     for x in r["runs"]:
         m, ret = x["memory"], x["second_move"] or x["first_move"]
@@ -464,6 +474,7 @@ def format_report(r: dict) -> str:
             f"{x['shipped_per_worker_max_bytes'] / 1e3:.1f} | {x['shipped_objects_per_move']} | "
             f"{x['messages_per_worker']['mean']:.1f} / {x['messages_per_worker']['max']} | "
             f"{x['data_bytes_per_worker']['mean'] / 1e3:.1f} / {x['data_bytes_per_worker']['max'] / 1e3:.1f} | "
+            f"{x['trace_gather_s']:.3f} / {x['trace_json_max_bytes'] / 1e3:.0f} | "
             f"{'yes' if x['verified'] else 'NO'} |"
         )
     g = r.get("growth")

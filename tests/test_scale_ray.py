@@ -41,6 +41,9 @@ def test_32_workers_move_both_ways_with_flat_per_worker_costs():
             group.shutdown()
     for move in (there, back):
         assert move["verified"], move["mismatches"]  # every shard of every worker, bit-exact
+        assert move["slowest_worker"].startswith("realloc:scale32:rank") and move["trace_json_bytes"] > 0
+    # the trace has a step for each end of each route the worker runs over the transport
+    assert there["trace_steps"] >= max(1, sum(1 for w in there["per_worker"] if w["sent_data_messages"]))
     assert group.layout.topology == src
     assert sum(planned) > 0  # the move there sends messages (back, every byte is a local copy)
 
