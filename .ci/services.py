@@ -32,12 +32,13 @@ def main() -> int:
             return 0
         prefix = ["sudo", "-n"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (
-        [*prefix, "apt-get", "update", "-q"],
-        [*prefix, "apt-get", "install", "-y", "-q", "--no-install-recommends", *missing],
+    # bounded: a mirror that does not answer costs CI at most 12 minutes, then the checks skip
+    for command, timeout_s in (
+        ([*prefix, "apt-get", "update", "-q"], 180),
+        ([*prefix, "apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], 540),
     ):
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"services: {' '.join(command)} failed ({exc}); {missing} not installed (their checks skip)")
             return 0

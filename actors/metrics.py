@@ -38,11 +38,14 @@ buckets they fell in (two pauses of 0.069 s and 0.049 s gave ``_sum`` 0.105), he
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from functools import lru_cache
 
 from ray.util import metrics as ray_metrics
+
+log = logging.getLogger(__name__)
 
 TAG_KEYS = ("model", "rank")
 SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120]
@@ -142,12 +145,16 @@ def _refresh_period_s() -> float:
 
 
 def _refresh_gauges() -> None:
-    period = _refresh_period_s()
     while _refresher is threading.current_thread():  # a test may replace it
-        time.sleep(period)
+        # read every round: the thread outlives the Ray session it started in, and the next one
+        # may report more often (a period from a 10 s interval let a 1 s one evict the gauges)
+        time.sleep(_refresh_period_s())
         with _gauges_lock:  # held while setting: a new value is never overwritten by an older one
             for gauge, value, tags in _gauges.values():
-                gauge.set(value, tags=tags)
+                try:
+                    gauge.set(value, tags=tags)
+                except Exception as err:  # noqa: BLE001 - e.g. between Ray sessions: the others go on
+                    log.debug("gauge %s not set again: %s", tags, err)
 
 
 def _set_gauge(key: str, gauge, value: float, tags: dict) -> None:

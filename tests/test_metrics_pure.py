@@ -48,6 +48,33 @@ def test_a_gauge_is_set_again_until_its_next_value(monkeypatch):
     assert {(v, t["model"]) for v, t in later} == {(4.0, "m"), (1.0, "other")}, later
 
 
+def test_the_refresh_follows_the_report_interval_and_survives_a_failing_gauge(monkeypatch):
+    """The refresh thread outlives the Ray session it started in: it reads the period every round
+    (in the full suite it started under Ray's default 10 s interval, kept a 5 s period, and a later
+    session reporting every second evicted the weight version between refreshes), and a gauge that
+    cannot be set (between sessions) stops neither the thread nor the other gauges."""
+    period = [2.0]  # started under a slow report interval
+    monkeypatch.setattr(metrics, "_refresh_period_s", lambda: period[0])
+    monkeypatch.setattr(metrics, "_gauges", {})
+    monkeypatch.setattr(metrics, "_refresher", None)
+
+    class Broken(FakeInstrument):
+        def set(self, value, tags):
+            if self.calls:
+                raise RuntimeError("no Ray session")
+            super().set(value, tags)
+
+    gauge = FakeInstrument()
+    metrics._set_gauge("a", Broken(), 1.0, {"model": "gone"})
+    metrics._set_gauge("b", gauge, 2.0, {"model": "m"})
+    period[0] = 0.02  # the next session reports faster
+    deadline = time.monotonic() + 6  # the old period would set it again twice in this time
+    while len(gauge.calls) < 15 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    monkeypatch.setattr(metrics, "_refresher", None)  # the thread ends at its next round
+    assert len(gauge.calls) >= 15, gauge.calls
+
+
 def test_checkpoint_stats_become_seconds_and_bytes_by_kind(monkeypatch):
     from actors.checkpoint import LoadStats, SaveStats
 

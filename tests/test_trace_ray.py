@@ -141,3 +141,27 @@ def test_no_trace_before_a_move(cluster, spec):
             fresh.last_trace()
     finally:
         fresh.shutdown()
+
+
+def test_workers_on_another_clock_are_aligned_by_round_trips(group, monkeypatch):
+    """The driver taken for another host (its clock domain renamed): every worker's clock offset is
+    measured by round trips, and the timelines still land inside the driver's span of the move."""
+    import actors.trace
+
+    group.reallocate(Topology(dp=2, tp=2, pp=2))
+    calls = []
+    real = actors.trace.clock_offset
+
+    def counted(samples):
+        calls.append(len(samples))
+        return real(samples)
+
+    monkeypatch.setattr(actors.trace, "clock_domain", lambda: "a host of its own")
+    monkeypatch.setattr(actors.trace, "clock_offset", counted)
+    trace = group.last_trace()
+    assert calls == [actors.trace.CLOCK_SAMPLES]  # one host: measured once, with every sample
+    assert all(abs(w.offset) < 0.25 for w in trace.workers)  # the same machine's clock, really
+    (move,) = [(a, b) for name, a, b in trace.driver if name == "move"]
+    for w in trace.workers:
+        for _, a, b in w.record["phases"]:
+            assert move[0] - 0.25 <= a - w.offset and b - w.offset <= move[1] + 0.25
