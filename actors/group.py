@@ -50,7 +50,7 @@ from actors.remote import Deadline, Workers, call_all, diagnose, each_result, ga
 from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.staged import StagedUpdate
 from actors.threads import CONCURRENCY_GROUPS
-from actors.trace import MoveRef, MoveTrace, gather_trace, slowest
+from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
 from actors.worker import RESERVED_METHODS, ShardWorker
 from actors.world import World
 from actors.zero_copy import sweep_stale_buffers
@@ -1375,13 +1375,12 @@ def _move(
     ended = time.perf_counter()
     pause = ended - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)
-    wall = time.time() - ended  # perf_counter -> the driver's wall clock
     move = MoveRef(
         label,
         op.id,
         op.workers,
         tuple(placement.nodes),
-        (("move", started + wall, ended + wall), ("plan", plan_started + wall, plan_started + plan_seconds + wall)),
+        wall_spans(("move", started, ended), ("plan", plan_started, plan_started + plan_seconds)),
     )
     for g in groups:
         g._last_move = move

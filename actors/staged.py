@@ -41,7 +41,7 @@ from actors.errors import ReallocationError
 from actors.protocol import worker_plan_refs
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle, undo
 from actors.resident import KeepOrder, ResidentLayout
-from actors.trace import MoveRef, MoveTrace, gather_trace
+from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 
@@ -199,16 +199,12 @@ class StagedUpdate:
         except ReallocationError as err:
             world.mark_broken()
             self._abort(err)
-        wall = time.time() - time.perf_counter()  # perf_counter -> the driver's wall clock
         self.move = MoveRef(
             f"staged {self.label}",
             self.id,
             self.workers,
             tuple(self.placement.nodes),
-            (
-                ("staged transfer", started + wall, time.perf_counter() + wall),
-                ("plan", t0 + wall, t0 + plan_seconds + wall),
-            ),
+            wall_spans(("staged transfer", started, time.perf_counter()), ("plan", t0, t0 + plan_seconds)),
         )
         stats = self.make_stats(plan, plan_seconds, results, started)
         stats.version = self.version

@@ -24,12 +24,12 @@ import json
 import os
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from actors.remote import Deadline, Workers, gather
+from realloc.atomic_files import atomic_write, check_output_file
 
 #: Round trips per worker outside the driver's clock domain (the shortest one is used).
 CLOCK_SAMPLES = 3
@@ -68,6 +68,13 @@ def slowest(names: Sequence[str], phases: Sequence[dict | None]) -> dict | None:
     seconds, name, worst = max(timed, key=lambda t: t[0])
     phase = max(worst, key=worst.get)
     return {"worker": name, "seconds": seconds, "phase": phase, "phase_seconds": worst[phase]}
+
+
+def wall_spans(*spans: tuple[str, float, float]) -> tuple[tuple[str, float, float], ...]:
+    """The driver's ``(name, start, end)`` spans, measured with ``time.perf_counter()``, on its
+    wall clock (``time.time()``), as :class:`MoveRef` keeps them."""
+    shift = time.time() - time.perf_counter()
+    return tuple((name, a + shift, b + shift) for name, a, b in spans)
 
 
 @dataclass(frozen=True)
@@ -267,29 +274,16 @@ def chrome_trace(moves: Sequence[MoveTrace]) -> dict:
 
 
 def check_trace_path(path: "str | os.PathLike") -> Path:
-    """``path`` as a :class:`Path` if a trace can be written there (a file name in a folder that
-    exists), else ``ValueError`` saying why (the CLI checks ``--trace`` before anything runs)."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"trace path {path} is a directory; give a file name such as {path / 'move.json'}")
-    if not path.parent.is_dir():
-        raise ValueError(f"trace path {path}: folder {path.parent} does not exist")
-    return path
+    """``path`` as a :class:`Path` if a trace can be written there, else ``ValueError`` saying why
+    (the CLI checks ``--trace`` before anything runs)."""
+    return check_output_file(path, "trace path")
 
 
 def write_chrome_trace(path: "str | os.PathLike", moves: Sequence[MoveTrace]) -> Path:
-    """Write :func:`chrome_trace` of ``moves`` to ``path`` atomically (a temporary file in the same
-    folder, then a rename: a failure never leaves a half-written or destroyed trace)."""
+    """Write :func:`chrome_trace` of ``moves`` to ``path`` atomically
+    (:func:`realloc.atomic_files.atomic_write`: a failure never leaves a half-written or destroyed trace)."""
     path = check_trace_path(path)
-    data = chrome_trace(moves)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "x") as f:  # the usual permissions (umask), unlike a mkstemp file's 0600
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(chrome_trace(moves)).encode())
     return path
 
 

@@ -26,6 +26,8 @@ import re
 import sys
 from pathlib import Path
 
+from realloc.atomic_files import atomic_write
+
 NAME = "REALLOC"  # Ray's key for env-var overrides: RAY_GRAFANA_REALLOC_DASHBOARD_UID / _GLOBAL_FILTERS
 DEFAULT_UID = "reallocDashboard"
 DASHBOARD_FILE = Path(__file__).with_name("dashboards") / "realloc_grafana_dashboard.json"
@@ -344,8 +346,9 @@ def bytes_by_kind(*moves) -> dict[str, float]:
     return total
 
 
-def render() -> str:
-    return json.dumps(build(), indent=2) + "\n"
+def render(dashboard: dict | None = None) -> str:
+    """The dashboard's JSON text as shipped (``dashboard``: :func:`build`'s, built if not given)."""
+    return json.dumps(build() if dashboard is None else dashboard, indent=2) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DASHBOARD_FILE, help="where to write (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="fail when --out differs from the panels' dashboard")
     args = parser.parse_args(argv)
-    text = render()
+    dashboard = build()
+    text = render(dashboard)
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != text:
@@ -361,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out} ({len(panel_queries(build()))} queries, uid {build()['uid']})")
+    atomic_write(args.out, text.encode())
+    print(f"wrote {args.out} ({len(panel_queries(dashboard))} queries, uid {dashboard['uid']})")
     return 0
 
 

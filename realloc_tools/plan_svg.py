@@ -23,8 +23,6 @@ and the plan only.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
@@ -32,6 +30,7 @@ from xml.sax.saxutils import escape
 import numpy as np
 
 from realloc._checks import check_choice
+from realloc.atomic_files import atomic_write, check_output_file
 from realloc.plan.records import Plan
 from realloc.sim.engine import list_sizes, route_arrays
 from realloc_tools.units import decimal_size
@@ -561,38 +560,16 @@ def _short(text: str, limit: int) -> str:
 
 def check_svg_path(path: str, option: str = "--svg") -> Path:
     """``path`` as a :class:`Path` if an SVG can be written there, else ``ValueError`` naming why."""
-    p = Path(path)
-    if p.suffix.lower() != ".svg":
+    if Path(path).suffix.lower() != ".svg":
         raise ValueError(
             f"{option} {path!r}: the file name must end in .svg (for a PNG, render the SVG: see docs/plan_pictures.sh)"
         )
-    if p.is_dir():
-        raise ValueError(f"{option} {path!r} is a directory; give a file name ending in .svg")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"{option} {path!r}: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"{option} {path!r}: directory {str(parent)!r} is not writable")
-    return p
+    return check_output_file(path, option)
 
 
 def write_atomic(path: Path, text: str) -> int:
-    """Write ``text`` to ``path`` through a temporary file in its directory and ``os.replace``:
-    readers see the old file or the whole new one, never a part; returns the bytes written."""
+    """Write ``text`` to ``path`` whole or not at all (:func:`realloc.atomic_files.atomic_write`);
+    returns the bytes written."""
     data = text.encode("utf-8")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a written file gets the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, data)
     return len(data)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

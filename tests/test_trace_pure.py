@@ -109,7 +109,7 @@ def test_a_failed_write_keeps_the_previous_trace(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("actors.trace.json.dump", broken)
+    monkeypatch.setattr("os.replace", broken)
     with pytest.raises(OSError, match="disk full"):
         write_chrome_trace(path, [_move(), _move()])
     assert path.read_bytes() == before

@@ -24,12 +24,12 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
+from realloc.atomic_files import TEMP_PREFIX, atomic_write, fsync_dir
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.manifest import FORMAT, CheckpointId, Manifest, ShardRecord
 from realloc.layout import Layout, Topology
 from realloc.shards import TORCH_DTYPES
 
-TEMP_PREFIX = ".tmp-"
 SAFETENSORS_DTYPES = {
     "F32": "float32",
     "BF16": "bfloat16",
@@ -52,22 +52,6 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy()
 
 
-def atomic_write(path: Path, data: "bytes | memoryview | np.ndarray") -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def replace_dir(new: Path, target: Path, keep: Callable[[str], bool] = lambda name: True) -> None:
     """Put the complete directory ``new`` at ``target`` (a sibling on the same filesystem) in one step.
 
@@ -82,7 +66,7 @@ def replace_dir(new: Path, target: Path, keep: Callable[[str], bool] = lambda na
     new, target = Path(new), Path(target)
     if not (target.exists() or target.is_symlink()):
         os.rename(new, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         return
     if target.is_symlink() or not target.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(target))
@@ -103,7 +87,7 @@ def replace_dir(new: Path, target: Path, keep: Callable[[str], bool] = lambda na
         except BaseException:
             os.rename(old, target)
             raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -131,20 +115,6 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is; not every filesystem allows it.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def build_rank_file(
