@@ -27,7 +27,7 @@ import time
 import pytest
 import ray
 import torch
-from simulated import simulated_cluster
+from simulated import simulated_cluster, wait_for_dead_workers
 
 from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
 from actors.remote import FAILURE_GRACE_S
@@ -296,6 +296,9 @@ def test_a_worker_killed_while_armed_at_safe_points_leaves_a_group_that_can_be_r
         update = trainer.copy_to(gen, stage=True)
         update.wait()
         ray.kill(gen.actors[victim])
+        # ray.kill is asynchronous: commit only once Ray reports the worker dead, else a loaded
+        # machine lets the victim pass its safe point before it dies (no error to expect then)
+        assert wait_for_dead_workers(gen) == [victim]
         with pytest.raises(ReallocationError) as err:
             update.commit(at="safe_point")
         # documented: the decision stands, the dead worker is named, the live ones still switch
