@@ -467,3 +467,64 @@ def test_a_fleet_committed_at_safe_points_takes_the_next_update_without_a_call_b
             assert r.verify_synthetic(NEXT) == {}
     finally:
         shut(trainer, *replicas)
+
+
+# -- 7. dead and stopped replicas in a fleet (issue 36) --------------------------------------------
+
+
+def kill_worker(group: ModelGroup, rank: int) -> str:
+    """SIGKILL ``rank``'s process and wait until Ray reports it dead; returns its name."""
+    os.kill(pid_of(group, rank), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while rank not in group.dead_workers():
+        assert time.monotonic() < deadline, "Ray never noticed the killed worker"
+        time.sleep(0.1)
+    return group.actor_names[rank]
+
+
+def test_a_fleet_update_with_a_dead_replica_reaches_every_healthy_one(cluster):
+    """One replica's worker killed before the update: it is dropped, every healthy replica gets
+    the update (before, the failed world over every replica left the trainer's stage thread in a
+    half-formed rendezvous, and the first healthy replica staged after it timed out too)."""
+    trainer = None
+    replicas: list[ModelGroup] = []
+    try:
+        trainer = make("sf-dead-train", seed=NEW)
+        replicas = [make(f"sf-dead-r{i}") for i in range(3)]
+        fleet = Fleet(replicas)
+        lost, alive = replicas[1], [replicas[0], replicas[2]]
+        old = serves(lost, [0])
+        dead = kill_worker(lost, 1)
+        update = fleet.stage(trainer)
+        assert update.commit(at="now") == [r.name for r in alive], update.errors
+        assert list(update.errors) == [lost.name] and update.errors[lost.name].dead == [dead]
+        assert fleet.replicas == alive and [g for g, _ in fleet.dropped] == [lost]
+        for r in alive:
+            assert r.verify_synthetic(NEW) == {} and r.version == update.updates[r.name].version
+        assert serves(lost, [0]) == old  # the dropped replica's survivor was not touched
+        # the next update reaches both again, over one world
+        trainer.init_synthetic(NEXT)
+        assert fleet.stage(trainer).commit(at="now") == [r.name for r in alive]
+        assert all(r.verify_synthetic(NEXT) == {} for r in alive)
+    finally:
+        shut(trainer, *replicas)
+
+
+def test_a_dead_replica_leaves_the_fleet_and_never_seeds_a_joining_one(cluster):
+    """A replica found dead is dropped from ``fleet.replicas`` (into ``fleet.dropped``) and is
+    never picked as the seed of a joining replica (before, join picked it every time and failed)."""
+    replicas: list[ModelGroup] = []
+    late = None
+    try:
+        replicas = [make(f"sf-seed-r{i}", seed=NEW) for i in range(2)]
+        fleet = Fleet(replicas)
+        dead = kill_worker(replicas[0], 1)
+        late = make("sf-seed-late", seed=None)
+        stats = fleet.join(late)
+        assert stats.transition.startswith(replicas[1].name)
+        assert fleet.replicas == [replicas[1], late] and late.verify_synthetic(NEW) == {}
+        assert [g for g, _ in fleet.dropped] == [replicas[0]]
+        err = fleet.dropped[0][1]
+        assert isinstance(err, ReallocationError) and err.dead == [dead] and dead in str(err)
+    finally:
+        shut(*replicas, late)
