@@ -528,3 +528,59 @@ def test_a_dead_replica_leaves_the_fleet_and_never_seeds_a_joining_one(cluster):
         assert isinstance(err, ReallocationError) and err.dead == [dead] and dead in str(err)
     finally:
         shut(*replicas, late)
+
+
+def test_a_replica_stopped_then_resumed_and_joined_again_takes_the_next_update(cluster):
+    trainer = None
+    replicas: list[ModelGroup] = []
+    pid = None
+    try:
+        trainer = make("sf-rejoin-train", seed=NEW, timeout_s=SHORT_TIMEOUT_S)
+        replicas = [make(f"sf-rejoin-r{i}", timeout_s=SHORT_TIMEOUT_S) for i in range(2)]
+        fleet = Fleet(replicas)
+        stopped, healthy = replicas[1], replicas[0]
+        pid = pid_of(stopped, 1)
+        os.kill(pid, signal.SIGSTOP)
+        update = fleet.stage(trainer)
+        assert update.commit(at="now") == [healthy.name], update.errors
+        assert update.errors[stopped.name].unresponsive == [stopped.actor_names[1]]
+        assert fleet.replicas == [healthy] and healthy.verify_synthetic(NEW) == {}
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        wait_until_unstaged(stopped, range(2))
+        fleet.join(stopped)
+        assert fleet.replicas == [healthy, stopped] and stopped.verify_synthetic(NEW) == {}
+        trainer.init_synthetic(NEXT)
+        again = fleet.stage(trainer)
+        assert again.commit(at="now") == [healthy.name, stopped.name], again.errors
+        assert all(r.verify_synthetic(NEXT) == {} for r in replicas)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        shut(trainer, *replicas)
+
+
+def test_a_dead_member_aborts_the_world_formation_and_frees_the_live_members(cluster):
+    """A world formation that fails on a dead member releases the live ones at once: the next
+    copy from the same source forms its world at once (before, the source's workers waited at
+    the failed rendezvous until the failed world's timeout, 30 s here, and the next copy, whose
+    deadline is 8 s, timed out behind them). Moves' worlds and staged updates' worlds alike."""
+    trainer = broken = healthy = None
+    try:
+        trainer = make("sf-form-train", seed=NEW, timeout_s=SHORT_TIMEOUT_S)
+        broken = make("sf-form-broken", timeout_s=30.0)  # the failed worlds' rendezvous timeout
+        healthy = make("sf-form-healthy", timeout_s=SHORT_TIMEOUT_S)
+        dead = kill_worker(broken, 1)
+        with pytest.raises(ReallocationError) as err:
+            trainer.copy_to(broken)
+        assert err.value.dead == [dead]
+        trainer.copy_to(healthy)
+        assert healthy.verify_synthetic(NEW) == {}
+        with pytest.raises(ReallocationError):
+            trainer.copy_to(broken, stage=True).wait()
+        update = trainer.copy_to(healthy, stage=True)
+        update.wait()
+        update.commit()
+        assert healthy.verify_synthetic(NEW) == {}
+    finally:
+        shut(trainer, broken, healthy)
