@@ -132,7 +132,7 @@ class StagingMixin:
         result = self._run(_StagedOp(staged), wp, me, st.stage_transport, delta, st.stage_phases)
         if convert is not None and dst is not None:
             converted = _StagedOp(staged)
-            self._convert_destination(converted, convert)
+            self._convert_destination(converted, convert, st.stage_phases)
             with st.stage_lock:
                 staged.dst, staged.buffers = converted.dst, converted.buffers
             buffers = converted.buffers

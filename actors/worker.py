@@ -774,7 +774,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta, timeline=self._realloc.phases)
         )
         if convert is not None and op.dst is not None:
-            self._convert_destination(op, convert)
+            self._convert_destination(op, convert, self._realloc.phases)
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
@@ -909,7 +909,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         operation's :class:`Phases` (``op_run``'s is the worker's last trace; default: a new one)."""
         timeline = Phases() if timeline is None else timeline
         transport = self._realloc.transport if transport is None else transport
-        src, converted = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else (None, False)
+        src, converted = (
+            self._source_store(wp.peers[me].src, timeline) if wp.peers[me].src is not None else (None, False)
+        )
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -999,28 +1001,31 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             result["delta_base_bytes"] = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
 
-    def _source_store(self, src: RankLayout) -> tuple[ShardStore, bool]:
+    def _source_store(self, src: RankLayout, timeline: Phases) -> tuple[ShardStore, bool]:
         """What this worker sends from, and whether it is a converted copy: its buffers, or (a
         plan in another weight format than the one held, realloc/plan/formats.py) a converted
-        copy of them in fresh buffers (released after the transfers)."""
+        copy of them in fresh buffers (released after the transfers; its time is marked on the
+        ``timeline`` of the operation sending it)."""
         held = self._realloc.held
         if src == held:
             return self._store_now(), False
         if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
             raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
-        return self._converted(held, self._store_now(), src), True
+        return self._converted(held, self._store_now(), src, timeline), True
 
-    def _convert_destination(self, op: PendingOp, final: Layout) -> None:
+    def _convert_destination(self, op: PendingOp, final: Layout, timeline: Phases) -> None:
         """Convert what ``op`` received (the destination in the sender's weight format) into
-        ``final``'s format: ``op`` then commits ``final``'s rank and its buffers."""
+        ``final``'s format: ``op`` then commits ``final``'s rank and its buffers. ``timeline``:
+        the running operation's (a move's, or a staged update's), where ``convert`` is marked."""
         target = RankLayout(final, op.dst.rank)
-        store = self._converted(op.dst, op.store(), target)
+        store = self._converted(op.dst, op.store(), target, timeline)
         self._realloc.allocator.release(op.buffers)
         op.dst, op.buffers = target, store.buffers
 
-    def _converted(self, have: RankLayout, store: ShardStore, want: RankLayout) -> ShardStore:
+    def _converted(self, have: RankLayout, store: ShardStore, want: RankLayout, timeline: Phases) -> ShardStore:
         """``store`` (rank ``have``) converted into fresh buffers of ``want``: the same rank in
-        another weight format (realloc/shards/convert.py); the buffers go back on failure."""
+        another weight format (realloc/shards/convert.py); the buffers go back on failure. The
+        time is marked ``convert`` on ``timeline``: the operation running it (never another's)."""
         if self._take_fault("exit_in_convert") is not None:
             os._exit(1)
         buffers = self._realloc.allocator.allocate(want.buffer_numels(), zero=False)
@@ -1031,7 +1036,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         except BaseException:
             self._realloc.allocator.release(buffers)
             raise
-        self._realloc.phases.mark("convert")
+        timeline.mark("convert")
         return out
 
     def _delta_sides(self, op: PendingOp, me: PeerView, order: DeltaOrder) -> DeltaSides:
