@@ -13,7 +13,10 @@ worker's own ``os._exit`` from ``inject_fault``), stopped (SIGSTOP). The trainer
 
 Two defects were found here and fixed (each test failed before): a group whose update was
 committed at safe points with a dead worker could not be repaired, and a fleet dropped every idle
-replica on the update after a safe-point commit.
+replica on the update after a safe-point commit. Sections 7 and 8 (issue 36; each test failed
+before its fix): a fleet with a dead replica dropped a healthy one too, kept the dead one and
+seeded joining replicas from it; a failed world formation held its live members at the
+rendezvous; a rank stopped in a safe point left its replica's process groups broken.
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ class Server(ShardWorker):
     def digest(self) -> tuple[int, float]:
         ctx = self.context()
         return ctx.version, float(sum(t.double().abs().sum() for t in ctx.tensors.values()))
+
+    def generate(self, steps: int) -> list[int]:
+        """A decode loop: a safe point before every step (an all-reduce over the replica's ranks)."""
+        ctx = self.context()
+        versions = []
+        for _ in range(steps):
+            ctx.safe_point()
+            versions.append(ctx.version)
+        return versions
 
 
 def make(name: str, topology: str = "tp=2", seed: int | None = OLD, **kwargs) -> ModelGroup:
@@ -584,3 +596,76 @@ def test_a_dead_member_aborts_the_world_formation_and_frees_the_live_members(clu
         assert healthy.verify_synthetic(NEW) == {}
     finally:
         shut(trainer, broken, healthy)
+
+
+# -- 8. a worker stopped in a safe point's all-reduce, then resumed (issue 36) -------------------
+
+
+def test_a_worker_stopped_in_a_safe_point_then_resumed_serves_the_next_call(cluster):
+    """The failed call's all-reduce broke the replica's process group on both ranks; the next
+    call re-forms the process groups of user code first (before, every later call that reached a
+    safe point failed with gloo's "Connection closed by peer")."""
+    gen = None
+    pid = None
+    try:
+        gen = make("sf-sp-gen", timeout_s=SHORT_TIMEOUT_S)
+        version = gen.version
+        assert gen.call("generate", 3, writes=False) == [[version] * 3] * 2  # the replica group exists
+        pid = pid_of(gen, 1)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(ReallocationError) as err:
+            gen.call("generate", 3, writes=False)  # rank 0 waits in the safe point's all-reduce
+        assert err.value.unresponsive == [gen.actor_names[1]]
+        assert "re-formed on every worker before the next call" in str(err.value)
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        for _ in range(2):
+            assert gen.call("generate", 3, writes=False) == [[version] * 3] * 2
+        assert gen.verify_synthetic(OLD) == {}
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        shut(gen)
+
+
+def test_a_safe_point_commit_with_a_stopped_rank_is_repaired_by_replace_dead_workers(cluster):
+    """``commit(at="safe_point")`` while a rank is stopped and the replica generates: the commit
+    names the stopped rank, the call fails; resumed, ``replace_dead_workers()`` (nobody died)
+    re-forms the process groups the call broke, and the replica generates in the new version."""
+    trainer = gen = None
+    pid = None
+    try:
+        trainer = make("sf-spc-train", seed=NEW, timeout_s=SHORT_TIMEOUT_S)
+        gen = make("sf-spc-gen", timeout_s=SHORT_TIMEOUT_S)
+        assert gen.call("generate", 2, writes=False) == [[gen.version] * 2] * 2
+        update = trainer.copy_to(gen, stage=True)
+        update.wait()
+        pid = pid_of(gen, 1)
+        os.kill(pid, signal.SIGSTOP)
+        failures = []
+
+        def generate() -> None:
+            try:
+                gen.call("generate", 50, writes=False)
+            except ReallocationError as err:
+                failures.append(err)
+
+        caller = threading.Thread(target=generate, daemon=True)
+        caller.start()
+        with pytest.raises(ReallocationError) as err:
+            update.commit(at="safe_point")
+        assert err.value.unresponsive == [gen.actor_names[1]] and "Committed" in str(err.value)
+        caller.join(SHORT_TIMEOUT_S + FAILURE_GRACE_S + 60)
+        assert not caller.is_alive() and len(failures) == 1
+        assert failures[0].unresponsive == [gen.actor_names[1]]
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        assert gen.replace_dead_workers() == []
+        for _ in range(2):
+            assert gen.call("generate", 3, writes=False) == [[update.version] * 3] * 2
+        assert gen.version == update.version and gen.verify_synthetic(NEW) == {}
+        assert_next_update_commits(trainer, gen, NEW)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        shut(trainer, gen)
