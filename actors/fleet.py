@@ -12,6 +12,15 @@ trainer's next weights arrive (staged updates, :mod:`actors.staged`). A :class:`
   is bounded by the fleet's ``timeout_s``.
 * ``fleet.join(group)`` seeds a new replica with the fleet's current weights from a replica that
   serves them (no byte from the trainer), while the other replicas keep serving.
+
+Dead replicas: ``stage`` and ``join`` first ping every replica's workers; a replica with a dead
+worker is *dropped* from ``fleet.replicas`` then and there (into ``fleet.dropped``, with an error
+naming the dead workers), so it is never staged into nor picked as a joining replica's seed (nor
+is a seed that dies during the copy: the next replica serving the version seeds instead).
+Repair a dropped replica (``replace_dead_workers()``) and ``join`` it again. A replica whose
+workers are alive but do not answer (a stopped process) is not dropped for that: an update
+stages it last, over a world of its own (the healthy replicas share one), and drops it only if
+its staging fails; a join does not seed from it.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from typing import Sequence
 
 from actors.errors import GroupBusyError, ReallocationError
 from actors.group import ModelGroup, ReallocStats
-from actors.remote import FAILURE_GRACE_S, Deadline
+from actors.remote import FAILURE_GRACE_S, Deadline, diagnose
 from actors.staged import COMMIT_AT, StagedUpdate
 from realloc.spec.formats import unformatted
 
@@ -97,13 +106,74 @@ class Fleet:
             self.replicas[0].spec.check_same_as(group.spec)
             if self._update is not None and not self._update.ended:
                 raise ValueError("a fleet update is in progress: join after its commit")
+            dead, silent = self._ping(self.replicas)
+            for replica, err in dead:
+                self.drop(replica, err)
+            if not self.replicas:
+                raise ValueError(
+                    f"the fleet has no live replica left to seed from (dropped: {[g.name for g, _ in self.dropped]}); "
+                    "copy the weights into the group instead"
+                )
             version = self.version
-            sources = [r for r in self.replicas if r.version == version]
-            source = min(sources, key=lambda r: r.num_workers)  # the cheapest to hold
-            stats = source.copy_to(group)
+            serving = [r for r in self.replicas if r.version == version]
+            sources = sorted((r for r in serving if r not in silent), key=lambda r: r.num_workers)  # cheapest first
+            if not sources:
+                stuck = [n for r in serving for n in r.workers.names if n in silent[r]]
+                raise ReallocationError(
+                    f"join {group.name!r}: no replica serving version {version} can seed it: workers {stuck} are "
+                    "alive but do not answer pings (stopped or hung); nothing was done",
+                    unresponsive=stuck,
+                    layout=str(group.layout),
+                )
+            for source in sources:
+                try:
+                    stats = source.copy_to(group)
+                    break
+                except ReallocationError as err:  # the seed died during the copy: drop it, try the next
+                    died = [n for n in err.dead if n in source.workers.names]
+                    if not died:
+                        raise
+                    self.drop(source, err)
+                    if source is sources[-1]:
+                        raise
+                    log.warning(
+                        "fleet: seed %s died while seeding %s; seeding from the next replica", source.name, group.name
+                    )
             self.replicas.append(group)
         log.info("fleet: %s joined, seeded from %s with version %d", group.name, source.name, group.version)
         return stats
+
+    def _ping(
+        self, replicas: Sequence[ModelGroup]
+    ) -> tuple[list[tuple[ModelGroup, ReallocationError]], dict[ModelGroup, set[str]]]:
+        """Ping every worker of ``replicas`` at once: the replicas with a dead worker (each with
+        the error it is dropped with) and those with workers that did not answer (by name)."""
+        if not replicas:
+            return [], {}
+        workers = replicas[0].workers
+        for r in replicas[1:]:
+            workers = workers + r.workers
+        found = diagnose(workers)
+        dead, silent = [], {}
+        for r in replicas:
+            died = [n for n in r.workers.names if n in found.dead]
+            stuck = {n for n in r.workers.names if n in found.unresponsive}
+            if died:
+                dead.append(
+                    (
+                        r,
+                        ReallocationError(
+                            f"fleet: replica {r.name!r} has dead worker(s) {died}: dropped from the fleet (its live "
+                            f"workers still hold version {r.version}); replace_dead_workers(), then join it again",
+                            died,
+                            sorted(stuck),
+                            str(r.layout),
+                        ),
+                    )
+                )
+            elif stuck:
+                silent[r] = stuck
+        return dead, silent
 
     def drop(self, group: ModelGroup, error: ReallocationError) -> None:
         """Stop serving ``group`` as a replica (kept in ``dropped`` with ``error``)."""
@@ -152,11 +222,17 @@ class FleetUpdate:
         try:
             with source._exclusive(f"fleet update from {source.name}", deadline=self.deadline, staged_ok=True):
                 self._version = source.version
-                try:  # one staged world over the source and every replica, reused by each transfer
-                    source._ensure_world([source, *self.replicas], self.deadline, staged=True)
-                except ReallocationError as err:  # e.g. a dead replica: each transfer forms its own world
+                dead, silent = self.fleet._ping(self.replicas)
+                for replica, err in dead:  # never staged: dropped now
+                    self._drop(replica, err)
+                gone = {id(r) for r, _ in dead}
+                healthy = [r for r in self.replicas if id(r) not in gone and r not in silent]
+                try:  # one staged world over the source and every healthy replica, reused by each transfer
+                    if healthy:
+                        source._ensure_world([source, *healthy], self.deadline, staged=True)
+                except ReallocationError as err:  # e.g. one died since: each transfer forms its own world
                     log.info("fleet update: no world over every replica (%s); one per replica", err.message)
-                for replica in self.replicas:
+                for replica in healthy + [r for r in self.replicas if r in silent]:  # the silent last
                     self._stage_one(replica)
         except ReallocationError as err:  # the source stayed busy past the deadline: nobody was touched
             for replica in self.replicas:

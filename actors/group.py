@@ -201,6 +201,10 @@ class ModelGroup:
         #: (source group, its version) when the weights are an unchanged copy of that source's
         self.origin: tuple[str, int] | None = None
         self.stage_world: World | None = None
+        #: a call or run failed: a collective of it may have broken the process groups of user
+        #: code (ctx.groups; e.g. a rank stopped in a safe point's all-reduce, whose peer timed
+        #: out): they are re-formed before the next call on every worker (_repair_user_groups)
+        self._user_groups_broken = False
         # delta moves (actors/delta.py): the (layout, version) every worker's base holds, as far
         # as the driver knows, and the deltas this group received in a row since a full copy
         self._sent: tuple[Layout, int] | None = None
@@ -651,11 +655,13 @@ class ModelGroup:
         _check_arguments(fn, 1, args, kwargs, f"run: {getattr(fn, '__name__', type(fn).__name__)}")
         _check_writes(writes)
         shipped = _shipped("run", fn, args, kwargs)
-        with self._exclusive("run user function", staged_ok=True), self._writes("run", writes):
-            switch = self._switch_flag()
-            out = self._call("run", "run user function", *shipped, self.version, switch)
-            self._switched(switch)
-            return out
+        with self._exclusive("run user function", staged_ok=True):
+            self._repair_user_groups()
+            with self._writes("run", writes), self._user_code("run user function"):
+                switch = self._switch_flag()
+                out = self._call("run", "run user function", *shipped, self.version, switch)
+                self._switched(switch)
+                return out
 
     def call(
         self, method: str, *args: Any, ranks: Sequence[int] | None = None, writes: bool = True, **kwargs: Any
@@ -685,17 +691,60 @@ class ModelGroup:
         if not ranks:
             return []  # no worker runs it: nothing is sent, the weights stay as they are
         args, kwargs = _shipped(f"call({method!r})", args, kwargs)
-        with self._exclusive(f"call {method}", staged_ok=True), self._writes(f"call({method!r})", writes):
-            switch = self._switch_flag() if len(ranks) == self.num_workers else None
-            workers = self.workers.subset(ranks)
-            out = gather(
-                workers,
-                [a.user_call.remote(method, args, kwargs, self.version, switch) for a in workers.actors],
-                self.timeout_s,
-                f"{self.worker_cls.__name__}.{method} ({self.name})",
-            )
-            self._switched(switch)
-            return out
+        with self._exclusive(f"call {method}", staged_ok=True):
+            if len(ranks) == self.num_workers:  # a subset cannot re-form groups over every worker
+                self._repair_user_groups()
+            with self._writes(f"call({method!r})", writes), self._user_code(f"call {method}"):
+                switch = self._switch_flag() if len(ranks) == self.num_workers else None
+                workers = self.workers.subset(ranks)
+                out = gather(
+                    workers,
+                    [a.user_call.remote(method, args, kwargs, self.version, switch) for a in workers.actors],
+                    self.timeout_s,
+                    f"{self.worker_cls.__name__}.{method} ({self.name})",
+                )
+                self._switched(switch)
+                return out
+
+    @contextlib.contextmanager
+    def _user_code(self, what: str) -> Iterator[None]:
+        """Around a call or run: a failure (a worker died, stopped, or raised) may leave a
+        collective of the user's code half done, and its process groups (``ctx.groups``, the
+        all-reduce of ``ctx.safe_point()``) broken on the ranks that took part: they are marked
+        for re-formation before the next call, and the error says so."""
+        try:
+            yield
+        except ReallocationError as err:
+            self._user_groups_broken = True
+            raise ReallocationError(
+                f"{err.message}. The process groups of user code (ctx.groups) of {self.name!r} may be broken by "
+                "this failure: they are re-formed on every worker before the next call or run on all of them "
+                "(or by replace_dead_workers(), which also replaces dead workers)",
+                err.dead,
+                err.unresponsive,
+                err.layout,
+                err.waiting,
+            ) from err
+
+    def _repair_user_groups(self) -> None:
+        """Re-form the process groups of user code if a failed call may have broken them (under
+        the lock; needs every worker: a dead one must be replaced, a stopped one resumed)."""
+        if not self._user_groups_broken:
+            return
+        try:
+            self._form_user_groups()
+        except ReallocationError as err:
+            raise ReallocationError(
+                f"{err.message}. The process groups of user code of {self.name!r}, which an earlier failed call may "
+                "have broken, could not be re-formed, so nothing was called: replace_dead_workers() if a worker "
+                "died, resume a stopped one, then call again",
+                err.dead,
+                err.unresponsive,
+                str(self.layout),
+                err.waiting,
+            ) from err
+        self._user_groups_broken = False
+        log.info("group %s: process groups of user code re-formed after a failed call", self.name)
 
     @contextlib.contextmanager
     def _writes(self, what: str, writes: bool) -> Iterator[None]:
@@ -1244,10 +1293,14 @@ class ModelGroup:
         Ray reschedules the placement-group bundles of a lost node onto nodes that have room,
         so replacements land wherever the cluster has capacity (a fresh node, typically). The
         placement is re-read from the new actors; restore the weights with a checkpoint load.
+        Nobody dead, it still re-forms the process groups of user code (``ctx.groups``) if a
+        failed call may have broken them (a worker stopped in a collective, then resumed); the
+        next call on every worker does that too.
         """
         with self._exclusive("replace dead workers"):
             dead = self.dead_workers()
             if not dead:
+                self._repair_user_groups()  # nobody died, but a failed call may have broken them
                 return []
             remote_cls = _remote_class(self.config, self.worker_cls)
             actors, names = list(self.workers.actors), list(self.workers.names)
@@ -1281,6 +1334,7 @@ class ModelGroup:
                 if world is not None:
                     world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
+            self._user_groups_broken = False
             self._announce(ShardChange("replace", self.layout, self.layout), dead)
             return dead
 

@@ -357,7 +357,9 @@ class StagedUpdate:
             raise ReallocationError(
                 f"{err.message}. Committed: every live, armed worker of {dest.name!r} switches to version "
                 f"{self.version} at its next safe point (or next call); dead: {err.dead}, not answering pings: "
-                f"{err.unresponsive} (their replica cannot agree on a safe point: replace them), arm not yet "
+                f"{err.unresponsive} (their replica cannot agree on a safe point until they answer: resume a stopped "
+                f"one, it then switches at its next call; a call that failed meanwhile leaves the process groups "
+                f"of user code to be re-formed by the next call or replace_dead_workers()), arm not yet "
                 f"confirmed: {err.waiting}",
                 err.dead,
                 err.unresponsive,

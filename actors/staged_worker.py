@@ -34,7 +34,7 @@ from actors.errors import StaleOperationError
 from actors.executor import Phases
 from actors.resident import KeepOrder, Resident
 from actors.threads import CONTROL, STAGE
-from actors.transport import Transport, host_rendezvous
+from actors.transport import Transport
 from realloc.layout import RankLayout
 from realloc.shards import ShardStore, buffers_nbytes, zero_padding
 
@@ -62,18 +62,17 @@ class StagingMixin:
 
     # -- the staged transfer (stage thread) -------------------------------------------------
     @ray.method(concurrency_group=STAGE)
-    def stage_open_rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
-        addr = ray.util.get_node_ip_address()
-        self._realloc.stage_rendezvous = host_rendezvous(addr, world_size, timeout_s)
-        return addr, self._realloc.stage_rendezvous.port
+    def stage_open_rendezvous(self, world_size: int, timeout_s: float, world_id: str) -> tuple[str, int]:
+        return self._host_rendezvous(world_size, timeout_s, world_id)
 
     @ray.method(concurrency_group=STAGE)
     def stage_join(
         self, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float
     ) -> str:
-        """Join the staged updates' own world (a process group beside the one moves use)."""
+        """Join the staged updates' own world (a process group beside the one moves use). A
+        formation the driver aborted is refused, and leaves the current staged world as it is."""
         st = self._realloc
-        store, st.stage_rendezvous = st.stage_rendezvous, None
+        store = self._rendezvous(world_id, addr, port, world_size, timeout_s)
         if st.stage_transport is not None:
             st.stage_transport.close()
             st.stage_transport, st.stage_world_id = None, None
@@ -133,7 +132,7 @@ class StagingMixin:
         result = self._run(_StagedOp(staged), wp, me, st.stage_transport, delta, st.stage_phases)
         if convert is not None and dst is not None:
             converted = _StagedOp(staged)
-            self._convert_destination(converted, convert)
+            self._convert_destination(converted, convert, st.stage_phases)
             with st.stage_lock:
                 staged.dst, staged.buffers = converted.dst, converted.buffers
             buffers = converted.buffers

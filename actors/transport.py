@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +53,38 @@ NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING
 def connect_rendezvous(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     """A client of a store :func:`host_rendezvous` opened (every member but the host)."""
     return dist.TCPStore(addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+#: How often a member waiting for the others at a world's rendezvous checks whether it was aborted.
+CHECK_IN_POLL_S = 0.02
+
+
+def check_in_keys(world_id: str) -> tuple[str, str]:
+    """The store keys of ``world_id``'s check-in: the count of members arrived, and the abort mark."""
+    return f"realloc-check-in/{world_id}/joined", f"realloc-check-in/{world_id}/abort"
+
+
+def check_in(store: dist.Store, world_id: str, world_size: int, timeout_s: float, aborted: Callable[[], bool]) -> None:
+    """Count this member in at ``world_id``'s rendezvous and wait until all ``world_size`` are,
+    before any process group is built over the store (which would block up to ``timeout_s``
+    on a member that never comes: a dead one). Leaves at once, with ``RuntimeError``, when the
+    formation was aborted (``aborted()``, or the mark in the store: the driver gave up on a
+    member), so the members that are alive are free again for the next formation within
+    :data:`CHECK_IN_POLL_S`; ``TimeoutError`` after ``timeout_s``."""
+    joined, abort = check_in_keys(world_id)
+    store.add(joined, 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if aborted() or store.check([abort]):
+            raise RuntimeError(f"the formation of world {world_id} was aborted (a member did not join)")
+        arrived = store.add(joined, 0)
+        if arrived >= world_size:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"world {world_id}: {arrived} of {world_size} members joined its rendezvous within {timeout_s:.0f}s"
+            )
+        time.sleep(CHECK_IN_POLL_S)
 
 
 def process_group_environment(backend: str) -> dict[str, str]:

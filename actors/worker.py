@@ -56,7 +56,15 @@ from actors.resident import KeepOrder, Resident, copy_into, to_host
 from actors.staged_worker import StagingMixin
 from actors.threads import CONTROL
 from actors.trace import clock_reading
-from actors.transport import Transport, backend_for, connect_rendezvous, host_rendezvous, wire_device
+from actors.transport import (
+    Transport,
+    backend_for,
+    check_in,
+    check_in_keys,
+    connect_rendezvous,
+    host_rendezvous,
+    wire_device,
+)
 from actors.zero_copy import BufferAllocator, handle_identity, open_handles
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
@@ -212,7 +220,11 @@ class WorkerState:
         self.op: PendingOp | None = None
         self.transport: Transport | None = None
         self.world_id: str | None = None
-        self.rendezvous = None
+        #: rendezvous stores this worker hosted lately, by world id (its join takes it from here;
+        #: kept for an abort: a member resumed late reads the mark there), and the worlds whose
+        #: formation the driver aborted
+        self.hosted: OrderedDict[str, Any] = OrderedDict()
+        self.aborted_worlds: OrderedDict[str, None] = OrderedDict()
         self.fault: tuple[str, float] | None = None
         self.staging = Staging(self.device)
         self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
@@ -233,7 +245,6 @@ class WorkerState:
         self.stage_lock = threading.RLock()
         self.stage_transport: Transport | None = None
         self.stage_world_id: str | None = None
-        self.stage_rendezvous = None
         self.shadow_spare: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
         self.safe_points = 0
         self.delta_base: Base | None = None  # what this worker last sent, for delta moves (actors/delta.py)
@@ -292,8 +303,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
     ``self.communicators`` read the worker's current ones until your class assigns them.
 
     Reserved: ``_realloc``, and the names of the methods defined here and in
-    :class:`~actors.ckpt_worker.CheckpointMixin` (:data:`RESERVED_METHODS`: ``activity``,
-    ``after_change``, ``context``, ``get_boxes``, ``info``, ``inject_fault``, ``join``,
+    :class:`~actors.ckpt_worker.CheckpointMixin` (:data:`RESERVED_METHODS`: ``abort_world``,
+    ``activity``, ``after_change``, ``context``, ``get_boxes``, ``info``, ``inject_fault``, ``join``,
     ``join_groups``, ``last_phases``, ``open_group_rendezvous``, ``open_rendezvous``, ``ping``, ``run``,
     ``set_layout``, ``shutdown``, ``source_digest``, ``trim_memory``, ``user_call``,
     ``verify_synthetic``, the ``op_*``, ``ckpt_*`` and ``resident_*`` ones, and private helpers
@@ -415,13 +426,48 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         """Operation counters (tests: invalid input must cause no traffic and no state change)."""
         return dict(self._realloc.counters)
 
-    def open_rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
-        addr = ray.util.get_node_ip_address()
-        self._realloc.rendezvous = host_rendezvous(addr, world_size, timeout_s)
-        return addr, self._realloc.rendezvous.port
+    def open_rendezvous(self, world_size: int, timeout_s: float, world_id: str) -> tuple[str, int]:
+        return self._host_rendezvous(world_size, timeout_s, world_id)
+
+    def _host_rendezvous(self, world_size: int, timeout_s: float, world_id: str) -> tuple[str, int]:
+        """Host the rendezvous store of ``world_id`` (rank 0 of a world being formed)."""
+        st = self._realloc
+        store = host_rendezvous(ray.util.get_node_ip_address(), world_size, timeout_s)
+        st.hosted[world_id] = store
+        while len(st.hosted) > 4:  # the last few (moves' and staged updates' worlds)
+            st.hosted.popitem(last=False)
+        return store.host, store.port
+
+    def _rendezvous(self, world_id: str, addr: str, port: int, world_size: int, timeout_s: float):
+        """The store of ``world_id``'s rendezvous (this worker's own if it hosts it) once every
+        member checked in (transport.check_in). ``StaleOperationError`` for a formation the
+        driver aborted (a late call: the worker was stopped, or busy): nothing changes here."""
+        st = self._realloc
+        if world_id in st.aborted_worlds:
+            raise StaleOperationError(f"worker of {st.group}: the formation of world {world_id} was aborted")
+        hosted = st.hosted.get(world_id)
+        store = hosted if hosted is not None else connect_rendezvous(addr, port, world_size, timeout_s)
+        check_in(store, world_id, world_size, timeout_s, lambda: world_id in st.aborted_worlds)
+        return store
+
+    @ray.method(concurrency_group=CONTROL)
+    def abort_world(self, world_id: str) -> None:
+        """The driver gave up forming ``world_id`` (a member died or did not answer): members
+        waiting at its rendezvous leave it now, and a late join of it is refused (on the control
+        thread: answered while the joins wait)."""
+        st = self._realloc
+        st.aborted_worlds[world_id] = None
+        while len(st.aborted_worlds) > 64:
+            st.aborted_worlds.popitem(last=False)
+        store = st.hosted.get(world_id)
+        if store is not None:  # a member not told yet (stopped, resumed late) reads the mark
+            try:
+                store.set(check_in_keys(world_id)[1], "1")
+            except Exception:  # noqa: BLE001 - best effort: the members also time out on their own
+                log.debug("could not mark world %s aborted", world_id, exc_info=True)
 
     def join(self, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float) -> str:
-        store, self._realloc.rendezvous = self._realloc.rendezvous, None
+        store = self._rendezvous(world_id, addr, port, world_size, timeout_s)
         if self._realloc.transport is not None:
             self._realloc.transport.close()
             self._realloc.transport, self._realloc.world_id = None, None
@@ -728,7 +774,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta, timeline=self._realloc.phases)
         )
         if convert is not None and op.dst is not None:
-            self._convert_destination(op, convert)
+            self._convert_destination(op, convert, self._realloc.phases)
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
@@ -863,7 +909,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         operation's :class:`Phases` (``op_run``'s is the worker's last trace; default: a new one)."""
         timeline = Phases() if timeline is None else timeline
         transport = self._realloc.transport if transport is None else transport
-        src, converted = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else (None, False)
+        src, converted = (
+            self._source_store(wp.peers[me].src, timeline) if wp.peers[me].src is not None else (None, False)
+        )
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -953,28 +1001,31 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             result["delta_base_bytes"] = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
 
-    def _source_store(self, src: RankLayout) -> tuple[ShardStore, bool]:
+    def _source_store(self, src: RankLayout, timeline: Phases) -> tuple[ShardStore, bool]:
         """What this worker sends from, and whether it is a converted copy: its buffers, or (a
         plan in another weight format than the one held, realloc/plan/formats.py) a converted
-        copy of them in fresh buffers (released after the transfers)."""
+        copy of them in fresh buffers (released after the transfers; its time is marked on the
+        ``timeline`` of the operation sending it)."""
         held = self._realloc.held
         if src == held:
             return self._store_now(), False
         if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
             raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
-        return self._converted(held, self._store_now(), src), True
+        return self._converted(held, self._store_now(), src, timeline), True
 
-    def _convert_destination(self, op: PendingOp, final: Layout) -> None:
+    def _convert_destination(self, op: PendingOp, final: Layout, timeline: Phases) -> None:
         """Convert what ``op`` received (the destination in the sender's weight format) into
-        ``final``'s format: ``op`` then commits ``final``'s rank and its buffers."""
+        ``final``'s format: ``op`` then commits ``final``'s rank and its buffers. ``timeline``:
+        the running operation's (a move's, or a staged update's), where ``convert`` is marked."""
         target = RankLayout(final, op.dst.rank)
-        store = self._converted(op.dst, op.store(), target)
+        store = self._converted(op.dst, op.store(), target, timeline)
         self._realloc.allocator.release(op.buffers)
         op.dst, op.buffers = target, store.buffers
 
-    def _converted(self, have: RankLayout, store: ShardStore, want: RankLayout) -> ShardStore:
+    def _converted(self, have: RankLayout, store: ShardStore, want: RankLayout, timeline: Phases) -> ShardStore:
         """``store`` (rank ``have``) converted into fresh buffers of ``want``: the same rank in
-        another weight format (realloc/shards/convert.py); the buffers go back on failure."""
+        another weight format (realloc/shards/convert.py); the buffers go back on failure. The
+        time is marked ``convert`` on ``timeline``: the operation running it (never another's)."""
         if self._take_fault("exit_in_convert") is not None:
             os._exit(1)
         buffers = self._realloc.allocator.allocate(want.buffer_numels(), zero=False)
@@ -985,7 +1036,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         except BaseException:
             self._realloc.allocator.release(buffers)
             raise
-        self._realloc.phases.mark("convert")
+        timeline.mark("convert")
         return out
 
     def _delta_sides(self, op: PendingOp, me: PeerView, order: DeltaOrder) -> DeltaSides:

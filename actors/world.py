@@ -9,6 +9,12 @@ one. So forming a world marks every other live world that shares an actor as bro
 copies to B, then to C: the A+B world is gone, and B must not reuse it). Each world has an id
 that its workers remember; every plan carries it, and a worker refuses a plan for a world it is
 not in, so a stale world can never silently pair the wrong ranks.
+
+A formation that fails (a member died or did not join within the deadline) is aborted on every
+member (``abort_world``): the live members leave the rendezvous at once instead of waiting for
+the missing one until their own timeout (which kept a staged world's members, e.g. a fleet's
+trainer, busy for the next formation: a healthy replica timed out behind a dead one), and a
+member that joins late (a stopped worker, resumed) is refused without touching its worlds.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import logging
 import uuid
 import weakref
 
-from actors.remote import Deadline, Workers, call_all, gather
+from actors.errors import ReallocationError
+from actors.remote import Deadline, Workers, call_all, fire, gather
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +57,18 @@ class World:
                 other.mark_broken()  # its actors are about to leave it
         head = workers.subset([0])
         addr, port = call_all(
-            head, f"{prefix}open_rendezvous", n, timeout_s, timeout_s=deadline or timeout_s, what="form world"
+            head, f"{prefix}open_rendezvous", n, timeout_s, world_id, timeout_s=deadline or timeout_s, what="form world"
         )[0]
         join = "stage_join" if staged else "join"
         refs = [getattr(a, join).remote(world_id, addr, port, r, n, timeout_s) for r, a in enumerate(workers.actors)]
-        backends = gather(workers, refs, deadline or timeout_s + 30, "form world")
+        try:
+            backends = gather(workers, refs, deadline or timeout_s + 30, "form world")
+        except ReallocationError:
+            # The members that are alive wait at the rendezvous for the missing one (a dead or
+            # stopped worker) until timeout_s: release them now, so the next formation over any
+            # of them (another replica's, a retry) finds them free; a late join is refused.
+            fire(workers, "abort_world", world_id)
+            raise
         if len(set(backends)) != 1:
             raise ValueError(
                 f"workers disagree on the backend ({sorted(set(backends))}): mixing GPU and CPU "

@@ -149,3 +149,44 @@ def test_fsdp_trainer_converts_on_the_receivers_and_a_kill_keeps_the_old_weights
     finally:
         trainer.shutdown()
         gen.shutdown()
+
+
+def converted_on(trace) -> list[str]:
+    """The workers of ``trace`` whose timeline has a ``convert`` span."""
+    return [w.name for w in trace.workers if any(name == "convert" for name, _, _ in w.record["phases"])]
+
+
+def test_a_staged_conversion_is_on_the_staged_trace_not_on_the_previous_move(cluster):
+    """Issue 36: a staged copy between weight formats marked its ``convert`` span on the timeline
+    of the worker's previous move (``last_trace()``), and the staged trace had none. Both sides:
+    the senders convert (tp=2 -> FP8 dp=2), then the receivers (fsdp=2 -> FP8 tp=2)."""
+    trainer = ModelGroup.create(SPEC, "fsdp=2", name="fmt-trace-train")
+    gen = ModelGroup.create(SPEC, "tp=2", name="fmt-trace-gen", weight_format="fp8_block128", zero_copy=False)
+    try:
+        trainer.init_synthetic(11)
+        trainer.reallocate("tp=2")  # the trainer's last move: nothing converted
+        assert converted_on(trainer.last_trace()) == []
+        gen.reallocate("dp=2")  # the generator's last move: nothing converted
+        assert converted_on(gen.last_trace()) == []
+        update = trainer.copy_to(gen, stage=True)
+        assert update.wait().conversion == "source"
+        assert converted_on(update.trace()) == trainer.actor_names  # the senders converted
+        assert converted_on(trainer.last_trace()) == []  # not on the trainer's previous move
+        update.commit()
+        holds(gen, expected_fp8(trainer.state_dict()))
+        trainer.reallocate("fsdp=2")
+        gen.reallocate("tp=2")
+        trainer.init_synthetic(12)
+        update = trainer.copy_to(gen, stage=True)
+        assert update.wait().conversion == "destination"
+        assert converted_on(update.trace()) == gen.actor_names  # the receivers converted
+        assert converted_on(gen.last_trace()) == []  # not on the generator's previous move
+        update.commit()
+        holds(gen, expected_fp8(trainer.state_dict()))
+        # a plain (not staged) converting copy stays on its own move's trace
+        trainer.init_synthetic(13)
+        trainer.copy_to(gen)
+        assert converted_on(gen.last_trace()) == gen.actor_names
+    finally:
+        trainer.shutdown()
+        gen.shutdown()

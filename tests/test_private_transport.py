@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from actors import communicator
 from actors.communicator import Communicators, private_group
-from actors.transport import HostStaging, Transport
+from actors.transport import HostStaging, Transport, check_in, check_in_keys
 
 CPU = torch.device("cpu")
 TIMEOUT_S = 10.0
@@ -380,3 +380,23 @@ def test_plan_steps_over_gloo_with_messages_posted_ahead(ahead):
         executor.DIRECT_MIN_BYTES = saved
     assert sum(len(m) == 1 for m in cut) > 20 and any(len(m) > 1 for m in cut)  # runs of one-piece messages
     _spawn(_steps_worker, 4, ahead)
+
+
+def test_check_in_waits_for_every_member_and_leaves_an_aborted_formation_at_once():
+    """A world's members count in before its process group is built: all there, they go on; the
+    formation aborted (the worker told so, or the mark in the store for a member told late),
+    they leave at once instead of waiting for a dead member until the timeout; else TimeoutError."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
+    joined, abort = check_in_keys("w-all")
+    store.add(joined, 1)  # the other member is already there
+    check_in(store, "w-all", 2, TIMEOUT_S, lambda: False)
+    assert store.add(joined, 0) == 2
+    with pytest.raises(RuntimeError, match="w-told was aborted"):
+        check_in(store, "w-told", 2, TIMEOUT_S, lambda: True)
+    store.set(check_in_keys("w-marked")[1], "1")
+    with pytest.raises(RuntimeError, match="w-marked was aborted"):
+        check_in(store, "w-marked", 2, TIMEOUT_S, lambda: False)
+    with pytest.raises(TimeoutError, match="1 of 2 members joined"):
+        check_in(store, "w-alone", 2, 0.2, lambda: False)

@@ -13,7 +13,10 @@ worker's own ``os._exit`` from ``inject_fault``), stopped (SIGSTOP). The trainer
 
 Two defects were found here and fixed (each test failed before): a group whose update was
 committed at safe points with a dead worker could not be repaired, and a fleet dropped every idle
-replica on the update after a safe-point commit.
+replica on the update after a safe-point commit. Sections 7 and 8 (issue 36; each test failed
+before its fix): a fleet with a dead replica dropped a healthy one too, kept the dead one and
+seeded joining replicas from it; a failed world formation held its live members at the
+rendezvous; a rank stopped in a safe point left its replica's process groups broken.
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ class Server(ShardWorker):
     def digest(self) -> tuple[int, float]:
         ctx = self.context()
         return ctx.version, float(sum(t.double().abs().sum() for t in ctx.tensors.values()))
+
+    def generate(self, steps: int) -> list[int]:
+        """A decode loop: a safe point before every step (an all-reduce over the replica's ranks)."""
+        ctx = self.context()
+        versions = []
+        for _ in range(steps):
+            ctx.safe_point()
+            versions.append(ctx.version)
+        return versions
 
 
 def make(name: str, topology: str = "tp=2", seed: int | None = OLD, **kwargs) -> ModelGroup:
@@ -470,3 +482,193 @@ def test_a_fleet_committed_at_safe_points_takes_the_next_update_without_a_call_b
             assert r.verify_synthetic(NEXT) == {}
     finally:
         shut(trainer, *replicas)
+
+
+# -- 7. dead and stopped replicas in a fleet (issue 36) --------------------------------------------
+
+
+def kill_worker(group: ModelGroup, rank: int) -> str:
+    """SIGKILL ``rank``'s process and wait until Ray reports it dead; returns its name."""
+    os.kill(pid_of(group, rank), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while rank not in group.dead_workers():
+        assert time.monotonic() < deadline, "Ray never noticed the killed worker"
+        time.sleep(0.1)
+    return group.actor_names[rank]
+
+
+def test_a_fleet_update_with_a_dead_replica_reaches_every_healthy_one(cluster):
+    """One replica's worker killed before the update: it is dropped, every healthy replica gets
+    the update (before, the failed world over every replica left the trainer's stage thread in a
+    half-formed rendezvous, and the first healthy replica staged after it timed out too)."""
+    trainer = None
+    replicas: list[ModelGroup] = []
+    try:
+        trainer = make("sf-dead-train", seed=NEW)
+        replicas = [make(f"sf-dead-r{i}") for i in range(3)]
+        fleet = Fleet(replicas)
+        lost, alive = replicas[1], [replicas[0], replicas[2]]
+        old = serves(lost, [0])
+        dead = kill_worker(lost, 1)
+        update = fleet.stage(trainer)
+        assert update.commit(at="now") == [r.name for r in alive], update.errors
+        assert list(update.errors) == [lost.name] and update.errors[lost.name].dead == [dead]
+        assert fleet.replicas == alive and [g for g, _ in fleet.dropped] == [lost]
+        for r in alive:
+            assert r.verify_synthetic(NEW) == {} and r.version == update.updates[r.name].version
+        assert serves(lost, [0]) == old  # the dropped replica's survivor was not touched
+        # the next update reaches both again, over one world
+        trainer.init_synthetic(NEXT)
+        assert fleet.stage(trainer).commit(at="now") == [r.name for r in alive]
+        assert all(r.verify_synthetic(NEXT) == {} for r in alive)
+    finally:
+        shut(trainer, *replicas)
+
+
+def test_a_dead_replica_leaves_the_fleet_and_never_seeds_a_joining_one(cluster):
+    """A replica found dead is dropped from ``fleet.replicas`` (into ``fleet.dropped``) and is
+    never picked as the seed of a joining replica (before, join picked it every time and failed)."""
+    replicas: list[ModelGroup] = []
+    late = None
+    try:
+        replicas = [make(f"sf-seed-r{i}", seed=NEW) for i in range(2)]
+        fleet = Fleet(replicas)
+        dead = kill_worker(replicas[0], 1)
+        late = make("sf-seed-late", seed=None)
+        stats = fleet.join(late)
+        assert stats.transition.startswith(replicas[1].name)
+        assert fleet.replicas == [replicas[1], late] and late.verify_synthetic(NEW) == {}
+        assert [g for g, _ in fleet.dropped] == [replicas[0]]
+        err = fleet.dropped[0][1]
+        assert isinstance(err, ReallocationError) and err.dead == [dead] and dead in str(err)
+    finally:
+        shut(*replicas, late)
+
+
+def test_a_replica_stopped_then_resumed_and_joined_again_takes_the_next_update(cluster):
+    trainer = None
+    replicas: list[ModelGroup] = []
+    pid = None
+    try:
+        trainer = make("sf-rejoin-train", seed=NEW, timeout_s=SHORT_TIMEOUT_S)
+        replicas = [make(f"sf-rejoin-r{i}", timeout_s=SHORT_TIMEOUT_S) for i in range(2)]
+        fleet = Fleet(replicas)
+        stopped, healthy = replicas[1], replicas[0]
+        pid = pid_of(stopped, 1)
+        os.kill(pid, signal.SIGSTOP)
+        update = fleet.stage(trainer)
+        assert update.commit(at="now") == [healthy.name], update.errors
+        assert update.errors[stopped.name].unresponsive == [stopped.actor_names[1]]
+        assert fleet.replicas == [healthy] and healthy.verify_synthetic(NEW) == {}
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        wait_until_unstaged(stopped, range(2))
+        fleet.join(stopped)
+        assert fleet.replicas == [healthy, stopped] and stopped.verify_synthetic(NEW) == {}
+        trainer.init_synthetic(NEXT)
+        again = fleet.stage(trainer)
+        assert again.commit(at="now") == [healthy.name, stopped.name], again.errors
+        assert all(r.verify_synthetic(NEXT) == {} for r in replicas)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        shut(trainer, *replicas)
+
+
+def test_a_dead_member_aborts_the_world_formation_and_frees_the_live_members(cluster):
+    """A world formation that fails on a dead member releases the live ones at once: the next
+    copy from the same source forms its world at once (before, the source's workers waited at
+    the failed rendezvous until the failed world's timeout, 30 s here, and the next copy, whose
+    deadline is 8 s, timed out behind them). Moves' worlds and staged updates' worlds alike."""
+    trainer = broken = healthy = None
+    try:
+        trainer = make("sf-form-train", seed=NEW, timeout_s=SHORT_TIMEOUT_S)
+        broken = make("sf-form-broken", timeout_s=30.0)  # the failed worlds' rendezvous timeout
+        healthy = make("sf-form-healthy", timeout_s=SHORT_TIMEOUT_S)
+        dead = kill_worker(broken, 1)
+        with pytest.raises(ReallocationError) as err:
+            trainer.copy_to(broken)
+        assert err.value.dead == [dead]
+        trainer.copy_to(healthy)
+        assert healthy.verify_synthetic(NEW) == {}
+        with pytest.raises(ReallocationError):
+            trainer.copy_to(broken, stage=True).wait()
+        update = trainer.copy_to(healthy, stage=True)
+        update.wait()
+        update.commit()
+        assert healthy.verify_synthetic(NEW) == {}
+    finally:
+        shut(trainer, broken, healthy)
+
+
+# -- 8. a worker stopped in a safe point's all-reduce, then resumed (issue 36) -------------------
+
+
+def test_a_worker_stopped_in_a_safe_point_then_resumed_serves_the_next_call(cluster):
+    """The failed call's all-reduce broke the replica's process group on both ranks; the next
+    call re-forms the process groups of user code first (before, every later call that reached a
+    safe point failed with gloo's "Connection closed by peer")."""
+    gen = None
+    pid = None
+    try:
+        gen = make("sf-sp-gen", timeout_s=SHORT_TIMEOUT_S)
+        version = gen.version
+        assert gen.call("generate", 3, writes=False) == [[version] * 3] * 2  # the replica group exists
+        pid = pid_of(gen, 1)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(ReallocationError) as err:
+            gen.call("generate", 3, writes=False)  # rank 0 waits in the safe point's all-reduce
+        assert err.value.unresponsive == [gen.actor_names[1]]
+        assert "re-formed on every worker before the next call" in str(err.value)
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        for _ in range(2):
+            assert gen.call("generate", 3, writes=False) == [[version] * 3] * 2
+        assert gen.verify_synthetic(OLD) == {}
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        shut(gen)
+
+
+def test_a_safe_point_commit_with_a_stopped_rank_is_repaired_by_replace_dead_workers(cluster):
+    """``commit(at="safe_point")`` while a rank is stopped and the replica generates: the commit
+    names the stopped rank, the call fails; resumed, ``replace_dead_workers()`` (nobody died)
+    re-forms the process groups the call broke, and the replica generates in the new version."""
+    trainer = gen = None
+    pid = None
+    try:
+        trainer = make("sf-spc-train", seed=NEW, timeout_s=SHORT_TIMEOUT_S)
+        gen = make("sf-spc-gen", timeout_s=SHORT_TIMEOUT_S)
+        assert gen.call("generate", 2, writes=False) == [[gen.version] * 2] * 2
+        update = trainer.copy_to(gen, stage=True)
+        update.wait()
+        pid = pid_of(gen, 1)
+        os.kill(pid, signal.SIGSTOP)
+        failures = []
+
+        def generate() -> None:
+            try:
+                gen.call("generate", 50, writes=False)
+            except ReallocationError as err:
+                failures.append(err)
+
+        caller = threading.Thread(target=generate, daemon=True)
+        caller.start()
+        with pytest.raises(ReallocationError) as err:
+            update.commit(at="safe_point")
+        assert err.value.unresponsive == [gen.actor_names[1]] and "Committed" in str(err.value)
+        caller.join(SHORT_TIMEOUT_S + FAILURE_GRACE_S + 60)
+        assert not caller.is_alive() and len(failures) == 1
+        assert failures[0].unresponsive == [gen.actor_names[1]]
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        assert gen.replace_dead_workers() == []
+        for _ in range(2):
+            assert gen.call("generate", 3, writes=False) == [[update.version] * 3] * 2
+        assert gen.version == update.version and gen.verify_synthetic(NEW) == {}
+        assert_next_update_commits(trainer, gen, NEW)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        shut(trainer, gen)
