@@ -426,4 +426,64 @@ def test_plan_between_weight_formats(capsys):
         == 2
     )
     assert "not whole 128-blocks" in capsys.readouterr().err
-    assert main([*args, "--weight-format", "fp8_block128", "--verify"]) == 2
+    assert main([*args, "--weight-format", "fp8_block128", "--verify"]) == 2  # 8 ranks of 1 GB: too large
+    assert "--verify would hold" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "src, dst, formats, where",
+    [
+        ("pp=2", "dp=2", ["--src-weight-format", "fp8_block128", "--dst-weight-format", "fp8_block128"], None),
+        ("dp=2", "pp=2", ["--weight-format", "fp8_block128"], "source"),  # bf16 -> FP8 on the senders
+        ("tp=2", "dp=2", ["--weight-format", "fp8_block128"], "destination"),  # tp=2 splits tiny's blocks
+        ("pp=2", "tp=2", ["--src-weight-format", "fp8_block128"], "source"),  # FP8 dequantized
+        (
+            "pp=2",
+            "dp=2",
+            ["--src-weight-format", "fp8_block128", "--weight-format", "fp8_block128+float32"],
+            "destination",
+        ),
+        ("tp=2", "dp=2", ["--weight-format", "bfloat16"], "source"),
+    ],
+)
+def test_verify_plans_between_weight_formats(capsys, src, dst, formats, where):
+    """--verify of an FP8 plan: the expected destination is the seeded full weights quantized
+    with the project's quantizer (realloc/shards/convert.py), every shard compared bit for bit.
+    (It refused every weight format before.)"""
+    argv = ["plan", "--model", "tiny", "--src", src, "--dst", dst, "--gpus-per-node", "1", "--verify", *formats]
+    status, report = run_json(capsys, argv)
+    assert status == 0, report
+    assert report["verified"] is True and report["mismatched_shards"] == 0 and report["verified_shards"] > 0
+    assert report["executed_bytes_moved"] == report["bytes_total"]
+    assert (report.get("conversion") or {}).get("where") == where
+
+
+def test_verify_of_an_fp8_plan_catches_a_wrong_conversion(capsys, monkeypatch):
+    """A sender that quantizes wrongly (here: values cast to FP8 without dividing by their block
+    scale) is caught: the check does not take the conversion's own output as the truth."""
+    import torch
+
+    import realloc.shards.convert as convert
+
+    real = convert.in_format
+
+    def unscaled(value, dtype):
+        if dtype != "float8_e4m3fn":
+            return real(value, dtype)
+        return value.to(torch.float8_e4m3fn), real(value, dtype)[1]
+
+    monkeypatch.setattr(convert, "in_format", unscaled)
+    argv = ["plan", "--model", "tiny", "--src", "dp=2", "--dst", "pp=2", "--weight-format", "fp8_block128"]
+    status, report = run_json(capsys, [*argv, "--gpus-per-node", "1", "--verify"])
+    assert report.get("conversion", {}).get("where") == "source"
+    assert status == 1 and report["verified"] is False and report["mismatched_shards"] > 0
+
+
+def test_ckpt_demo_plan_only_runs_with_its_defaults(capsys):
+    """``realloc ckpt-demo --plan-only`` as the README's table offers it: the demo's own placement
+    (8 workers on 2 of its 3 nodes), not one node of 8 that no clique of factor 2 fits."""
+    assert main(["ckpt-demo", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "8 workers on 2 nodes" in out and "jump=4 factor=2" in out
+    assert main(["ckpt-demo", "--plan-only", "--json", "--gpus-per-node", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["nodes"] == 4
