@@ -1,4 +1,4 @@
-"""``realloc bench-scale``'s pure parts (realloc_tools/scale_bench.py): layouts that grow with the
+"""``realloc bench-scale``'s pure parts (realloc_tools/bench/scale.py): layouts that grow with the
 world, the argument checks (exit 2 before Ray starts), and the per-worker message counts a plan
 implies. The Ray run is tests/test_scale_ray.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from realloc import ModelSpec, Placement, Topology, plan_reallocation
-from realloc_tools import scale_bench
+from realloc_tools.bench import scale as scale_bench
 from realloc_tools.cli import main
 
 

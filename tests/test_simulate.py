@@ -16,7 +16,7 @@ from realloc import ModelSpec, Placement, Topology, plan_reallocation
 from realloc.plan import Plan, Route, Segment, StepTable
 from realloc.sim import Cluster, cluster_preset, simulate
 from realloc.sim.engine import list_sizes
-from realloc_tools.plan_cli import main
+from realloc_tools.offline.plan import main
 
 MIB = 1 << 20
 
@@ -278,11 +278,12 @@ def test_cli_simulates_one_move(capsys):
 
 def test_the_anchor_models_have_their_published_sizes():
     # Kimi-K2: 1.03T parameters (DeepSeek-V3's architecture, 384 experts); Qwen3-235B-A22B: 235B
-    from realloc_tools.simulate_cli import ANCHORS, CONFIGS, load_model
+    from realloc.spec import load_spec
+    from realloc_tools.offline.simulate import ANCHORS, CONFIGS
 
     counts = {}
     for name in ("Kimi-K2-Instruct", "Qwen3-235B-A22B", "DeepSeek-V3"):
-        spec = load_model(str(CONFIGS / f"{name}.json"))
+        spec = load_spec(str(CONFIGS / f"{name}.json"))
         counts[name] = sum(p.numel for p in spec.params if not p.buffer)
     assert counts["Kimi-K2-Instruct"] == 1_026_408_209_408
     assert counts["Qwen3-235B-A22B"] == 235_093_634_560

@@ -5,7 +5,7 @@ Each subcommand is registered by an ``add_<name>_parser(subparsers)`` function t
 Ray or the ``actors`` package: the ``realloc`` console script is ``realloc_tools.cli``, which builds the
 parser here with its Ray-backed commands (``demo``, ``bench``, ``ckpt-demo``) as
 ``build_parser(extra=[...])`` and runs it with :func:`run`, importing them only for commands
-other than ``plan`` and ``presets``. ``python -m realloc_tools.plan_cli`` has the pure commands only.
+other than ``plan`` and ``presets``. ``python -m realloc_tools.offline.plan`` has the pure commands only.
 ``realloc plan`` has to start fast: it imports torch only for ``--verify``.
 
 Exit status: 0 success, 1 ``--verify`` found a mismatch, 2 invalid input (one line
@@ -30,8 +30,8 @@ from realloc.plan.formats import Conversion, conversion
 from realloc.plan.slices import shipping_stats
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
 from realloc.spec.formats import FP8, WEIGHT_FORMATS, check_weight_format, scale_name, unformatted
-from realloc_tools.simulate_cli import add_simulate_parser
-from realloc_tools.units import decimal_size
+from realloc_tools.offline.simulate import add_simulate_parser
+from realloc_tools.offline.units import decimal_size
 
 if TYPE_CHECKING:
     from realloc.plan import Plan
@@ -180,7 +180,7 @@ def add_plan_parser(subparsers: Any) -> None:
         "--svg",
         metavar="FILE",
         help="also write a picture of the plan: workers grouped by node, the bytes between and inside nodes "
-        "(an SVG file; realloc_tools/plan_svg.py)",
+        "(an SVG file; realloc_tools/offline/svg.py)",
     )
     p.add_argument(
         "--svg-view",
@@ -215,7 +215,7 @@ def run_plan(args: argparse.Namespace) -> int:
     placement = Placement.blocks(src.world_size, args.gpus_per_node)
     svg_path = None
     if args.svg is not None:
-        from realloc_tools.plan_svg import VIEWS, check_svg_path
+        from realloc_tools.offline.svg import VIEWS, check_svg_path
 
         check_choice("--svg-view", args.svg_view, VIEWS)
         svg_path = check_svg_path(args.svg)
@@ -264,7 +264,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.verify:
         report.update(verify_plan(src_layout, dst_layout, plan, seed=args.seed, conv=conv))
     if svg_path is not None:
-        from realloc_tools.plan_svg import plan_svg, write_atomic
+        from realloc_tools.offline.svg import plan_svg, write_atomic
 
         title = f"{spec.name}: {src} → {dst}, {placement.per_node()} workers per node"
         started = time.perf_counter()

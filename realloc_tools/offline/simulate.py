@@ -25,10 +25,10 @@ from realloc.layout import Layout, Topology
 from realloc.plan import DEFAULT_BUCKET_BYTES, Placement, plan_reallocation
 from realloc.plan.formats import conversion
 from realloc.sim import PRESETS, Cluster, cluster_preset, simulate
-from realloc.spec import load_spec, spec_from_hf_config
+from realloc.spec import load_spec
 from realloc.spec.formats import check_weight_format
 
-CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "data" / "configs"
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise ValueError("simulate needs --model, --src and --dst (or --anchors, or --bench FILE)")
         cluster = _cluster(args)
         plan, seconds = plan_move(
-            load_model(args.model),
+            load_spec(args.model),
             args.src,
             args.dst,
             cluster.gpus_per_node,
@@ -253,21 +253,10 @@ def plan_move(
     return plan, time.perf_counter() - started
 
 
-def load_model(text: str):
-    """A preset, or a HF config.json; Kimi-K2's (``model_type`` ``kimi_k2``, ``architectures``
-    ``DeepseekV3ForCausalLM``) is read as the DeepSeek-V3 architecture it is."""
-    path = Path(text)
-    if path.suffix == ".json" and path.is_file():
-        config = json.loads(path.read_text())
-        if config.get("model_type") == "kimi_k2":
-            return spec_from_hf_config(dict(config, model_type="deepseek_v3"), name=path.stem)
-    return load_spec(text)
-
-
 def simulate_anchor(anchor: Anchor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     cluster = cluster_preset(anchor.cluster)
     plan, seconds = plan_move(
-        load_model(str(CONFIGS / anchor.config)),
+        load_spec(str(CONFIGS / anchor.config)),
         anchor.src,
         anchor.dst,
         cluster.gpus_per_node,
