@@ -1,6 +1,6 @@
 """CI: install the programs the slow checks use, where this machine can: Debian's `prometheus`
 (tests/test_grafana_prometheus_ray.py, tests/test_grafana_dashboard.py's promtool check) and
-`chromium` (realloc_tools/screenshots.py). Tests that need one skip with a reason where it is missing.
+`chromium` (realloc_tools/observe/screenshots.py). Tests that need one skip with a reason where it is missing.
 
 Never fails CI: prints why it installed nothing (no apt-get, not root, apt-get failed) and exits 0.
 Quick where the programs are already there: it looks them up on PATH first and runs nothing.

@@ -19,7 +19,8 @@ from realloc.plan import Plan, StepTable
 from realloc.plan import schedule as S
 from realloc.sim import cluster_preset, simulate
 from realloc.sim.engine import list_sizes, route_arrays
-from realloc_tools.simulate_cli import ANCHORS, CONFIGS, load_model, plan_move
+from realloc.spec import load_spec
+from realloc_tools.offline.simulate import ANCHORS, CONFIGS, plan_move
 
 
 def rescheduled(plan: Plan, colour) -> Plan:
@@ -63,7 +64,7 @@ def main() -> None:
     args = p.parse_args()
     a = ANCHORS[args.anchor]
     cluster = cluster_preset(a.cluster)
-    spec = load_model(str(CONFIGS / a.config))
+    spec = load_spec(str(CONFIGS / a.config))
     plan, _ = plan_move(spec, a.src, a.dst, cluster.gpus_per_node, a.dst_workers, a.src_format, a.dst_format)
     print(f"{a.name}: {a.src} -> {a.dst} on {a.cluster}")
     for name, colour in VARIANTS.items():

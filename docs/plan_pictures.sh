@@ -4,7 +4,7 @@
 # Run from the repository root: bash docs/plan_pictures.sh (REALLOC overrides the command;
 # CHROMIUM the browser). Pure: no Ray.
 set -euo pipefail
-REALLOC=${REALLOC:-python -m realloc_tools.plan_cli}
+REALLOC=${REALLOC:-python -m realloc_tools.offline.plan}
 CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
 mkdir -p docs/img
 

@@ -1,10 +1,10 @@
-"""The ``realloc`` command line (console script): the pure commands of :mod:`realloc_tools.plan_cli`
+"""The ``realloc`` command line (console script): the pure commands of :mod:`realloc_tools.offline.plan`
 (``plan``, ``presets``) plus the Ray-backed ``demo``, ``bench``, ``bench-gpu`` and ``ckpt-demo``.
 
 Importing the Ray-side commands brings in ray, torch and the ``actors`` package (seconds), so
-:func:`main` only does it when the command word is not one of ``realloc_tools.plan_cli.BUILTIN_COMMANDS``
+:func:`main` only does it when the command word is not one of ``realloc_tools.offline.plan.BUILTIN_COMMANDS``
 (or there is none, as for the top-level ``--help``, which lists them all): ``realloc plan``
-starts as fast as ``python -m realloc_tools.plan_cli plan``. Errors are handled by ``realloc_tools.plan_cli.run``:
+starts as fast as ``python -m realloc_tools.offline.plan plan``. Errors are handled by ``realloc_tools.offline.plan.run``:
 exit status 2 and one line ``realloc: error: <message>`` on stderr for invalid input.
 
 Global options, before the command: ``--log-level LEVEL`` (or ``-v``: INFO, ``-vv``: DEBUG) sends
@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Sequence
 
-from realloc_tools.plan_cli import BUILTIN_COMMANDS, AddParser, build_parser, command_of, run
+from realloc_tools.offline.plan import BUILTIN_COMMANDS, AddParser, build_parser, command_of, run
 
 #: What ``--log-level`` accepts (the :mod:`logging` level names).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -106,10 +106,10 @@ def ray_commands() -> list[AddParser]:
     silently vanish from the CLI.
     """
     from realloc_tools.bench import add_bench_parser
-    from realloc_tools.ckpt_demo import add_ckpt_demo_parser
-    from realloc_tools.demo import add_demo_parser
-    from realloc_tools.gpu_bench import add_bench_gpu_parser
-    from realloc_tools.scale_bench import add_bench_scale_parser
+    from realloc_tools.bench.gpu import add_bench_gpu_parser
+    from realloc_tools.bench.scale import add_bench_scale_parser
+    from realloc_tools.demos.ckpt_demo import add_ckpt_demo_parser
+    from realloc_tools.demos.demo import add_demo_parser
 
     return [add_demo_parser, add_bench_parser, add_bench_gpu_parser, add_ckpt_demo_parser, add_bench_scale_parser]
 

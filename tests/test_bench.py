@@ -14,7 +14,10 @@ import pytest
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
-from realloc_tools.bench import ALL_TRANSITIONS, BASELINES, lower_bound, parse_transitions, source_owners
+from realloc_tools.bench.baselines import source_owners
+from realloc_tools.bench.cli import ALL_TRANSITIONS, parse_transitions
+from realloc_tools.bench.common import BASELINES
+from realloc_tools.bench.report import lower_bound
 from realloc_tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent  # run the checkout's realloc_tools.cli, not an installed one
@@ -98,7 +101,7 @@ def test_span_rate_charges_each_host_from_its_first_start_to_its_last_end():
     """Concurrent probes: a host's bytes over the span of its ranks' own clocks (a rank that
     starts late, e.g. descheduled while the others copied, lengthens it), summed over hosts, the
     best repetition; ranks that did not take part are not looked at."""
-    from realloc_tools.bench import span_rate
+    from realloc_tools.bench.probes import span_rate
 
     results = [
         {"memcpy_aggregate_spans": [(0.0, 1.0), (10.0, 10.5)], "memcpy_aggregate_bytes": 4},  # host a
@@ -158,7 +161,7 @@ def test_transitions():
 def test_bench_gpu_options_and_transitions(capsys):
     import torch
 
-    from realloc_tools.gpu_bench import GPU_TRANSITIONS, parse_gpu_transitions
+    from realloc_tools.bench.gpu import GPU_TRANSITIONS, parse_gpu_transitions
 
     assert parse_gpu_transitions(None) == [(Topology.parse(a), Topology.parse(b)) for a, b in GPU_TRANSITIONS]
     assert all(Topology.parse(a).world_size == 8 for a, _ in GPU_TRANSITIONS)
@@ -259,7 +262,7 @@ def test_memory_estimate_and_fit_skip_gather_when_it_does_not_fit():
     """Issue 22: before each baseline runs, its peak is estimated from its memory model and
     compared to what the node can take before Ray's memory monitor kills a worker; one that does
     not fit is skipped with a reason (pure: a fake available-memory figure, no Ray)."""
-    from realloc_tools.bench import baseline_memory_estimate, decide_run, memory_fit
+    from realloc_tools.bench.memory import baseline_memory_estimate, decide_run, memory_fit
 
     spec = ModelSpec.preset("bench-1gb")
     src, dst = Layout(spec, Topology(dp=2, tp=2, pp=2)), Layout(spec, Topology(dp=4, tp=2))
@@ -276,7 +279,7 @@ def test_memory_estimate_and_fit_skip_gather_when_it_does_not_fit():
     assert 8.93e9 <= est["gather"]["bytes"] <= 1.15 * 8.93e9
     assert est["broadcast"]["bytes"] < est["gather"]["bytes"]
     # driver: the object-store pages its first run touched stay; a later run adds only the rest
-    from realloc_tools.bench import driver_store_bytes
+    from realloc_tools.bench.memory import driver_store_bytes
 
     again = baseline_memory_estimate(
         "driver", src, dst, nodes=2, store_resident=driver_store_bytes(spec.total_bytes(), 2)
@@ -303,7 +306,7 @@ def test_memory_estimate_and_fit_skip_gather_when_it_does_not_fit():
 
 
 def test_exit_status_is_strict_about_baselines_only_when_asked():
-    from realloc_tools.bench import exit_status
+    from realloc_tools.bench.cli import exit_status
 
     ok = {"verified": {"ours": True, "driver": True}, "baselines_complete": True}
     incomplete = {**ok, "baselines_complete": False}  # a baseline failed or was skipped for memory somewhere
@@ -314,7 +317,7 @@ def test_exit_status_is_strict_about_baselines_only_when_asked():
 
 
 def test_injected_faults_hook():
-    from realloc_tools.bench import injected_faults
+    from realloc_tools.bench.faults import injected_faults
 
     assert injected_faults("") == {}
     assert injected_faults("broadcast:raise@0, driver:kill") == {("broadcast", 0): "raise", ("driver", None): "kill"}
@@ -379,7 +382,8 @@ def test_bench_failing_baselines_keep_ours_results():
 def test_staged_pieces():
     """The staged measurement's parts that need no Ray: its layouts option, its latency summary,
     its memory estimate, and its report lines when it was skipped or failed."""
-    from realloc_tools.bench import format_staged, latency_summary, parse_staged, staged_memory_estimate
+    from realloc_tools.bench.cli import parse_staged
+    from realloc_tools.bench.staged import format_staged, latency_summary, staged_memory_estimate
 
     assert parse_staged(" dp=2,tp=2 -> tp=4 ") == (Topology(dp=2, tp=2), Topology(tp=4))
     with pytest.raises(ValueError, match="trainer->generator"):
@@ -415,7 +419,7 @@ def test_bench_staged_only_tiny():
     generator called (writes=False) while an update stages, commits and a stop-the-world copy
     runs; every field of the report there, the generator's weights verified against the trainer's
     (the figures are not checked: this is no timing test)."""
-    from realloc_tools.bench import format_report
+    from realloc_tools.bench.report import format_report
 
     cmd = [
         sys.executable,

@@ -1,4 +1,4 @@
-"""The ``realloc`` command line (``realloc_tools.cli``, on top of the pure ``realloc_tools.plan_cli``), in-process
+"""The ``realloc`` command line (``realloc_tools.cli``, on top of the pure ``realloc_tools.offline.plan``), in-process
 through ``main`` and as a real subprocess; and that ``realloc/`` never imports the Ray layer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import realloc.shards.local_executor
-import realloc_tools.plan_cli
+import realloc_tools.offline.plan
 from realloc.layout import Topology
 from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
@@ -256,14 +256,14 @@ def test_exit_codes_of_usage(capsys):
 
 
 def test_pure_cli_has_only_the_pure_commands(capsys):
-    # realloc_tools.plan_cli (python -m realloc_tools.plan_cli) knows plan and presets; the Ray
+    # realloc_tools.offline.plan (python -m realloc_tools.offline.plan) knows plan and presets; the Ray
     # commands come from realloc_tools.cli.
-    assert realloc_tools.plan_cli.main(["--help"]) == 0
+    assert realloc_tools.offline.plan.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "plan" in out and "presets" in out and "demo" not in out and "bench" not in out
-    assert realloc_tools.plan_cli.main(["demo"]) == 2
+    assert realloc_tools.offline.plan.main(["demo"]) == 2
     assert "invalid choice: 'demo'" in capsys.readouterr().err
-    assert realloc_tools.plan_cli.main(["presets", "--json"]) == 0
+    assert realloc_tools.offline.plan.main(["presets", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["presets"]
 
 
@@ -352,15 +352,43 @@ def loaded(when, allowed=()):
 for info in pkgutil.walk_packages(realloc.__path__, "realloc."):
     importlib.import_module(info.name)
 loaded("importing every realloc module")
-import realloc_tools.plan_cli
+import realloc_tools.offline.plan
 with contextlib.redirect_stdout(io.StringIO()) as out:
-    assert realloc_tools.plan_cli.main(["--help"]) == 0
+    assert realloc_tools.offline.plan.main(["--help"]) == 0
 assert "plan" in out.getvalue()
 loaded(
-    "realloc_tools.plan_cli.main(['--help'])",
-    ("realloc_tools", "realloc_tools.plan_cli", "realloc_tools.simulate_cli", "realloc_tools.units"),
+    "realloc_tools.offline.plan.main(['--help'])",
+    (
+        "realloc_tools",
+        "realloc_tools.offline",
+        "realloc_tools.offline.plan",
+        "realloc_tools.offline.simulate",
+        "realloc_tools.offline.units",
+    ),
 )
 """
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_offline_tools_import_neither_torch_nor_ray():
+    # Every module of realloc_tools/offline/ (plan, presets, simulate, plan pictures), in a fresh
+    # interpreter: no torch, no ray, no actors, and of realloc_tools only the offline folder.
+    code = """
+import importlib, pkgutil, sys
+import realloc_tools.offline
+assert realloc_tools.offline.__file__.startswith(%r), realloc_tools.offline.__file__
+names = [info.name for info in pkgutil.walk_packages(realloc_tools.offline.__path__, "realloc_tools.offline.")]
+assert {"realloc_tools.offline.plan", "realloc_tools.offline.simulate", "realloc_tools.offline.svg"} <= set(names), names
+for name in names:
+    importlib.import_module(name)
+bad = sorted(
+    m for m in sys.modules
+    if m.split(".")[0] in ("torch", "ray", "actors")
+    or (m.startswith("realloc_tools.") and not m.startswith("realloc_tools.offline"))
+)
+assert not bad, f"importing realloc_tools.offline loaded {len(bad)} modules of torch or the Ray layer: {bad[:5]}"
+""" % str(ROOT)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -426,4 +454,79 @@ def test_plan_between_weight_formats(capsys):
         == 2
     )
     assert "not whole 128-blocks" in capsys.readouterr().err
-    assert main([*args, "--weight-format", "fp8_block128", "--verify"]) == 2
+    assert main([*args, "--weight-format", "fp8_block128", "--verify"]) == 2  # 8 ranks of 1 GB: too large
+    assert "--verify would hold" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "src, dst, formats, where",
+    [
+        ("pp=2", "dp=2", ["--src-weight-format", "fp8_block128", "--dst-weight-format", "fp8_block128"], None),
+        ("dp=2", "pp=2", ["--weight-format", "fp8_block128"], "source"),  # bf16 -> FP8 on the senders
+        ("tp=2", "dp=2", ["--weight-format", "fp8_block128"], "destination"),  # tp=2 splits tiny's blocks
+        ("pp=2", "tp=2", ["--src-weight-format", "fp8_block128"], "source"),  # FP8 dequantized
+        (
+            "pp=2",
+            "dp=2",
+            ["--src-weight-format", "fp8_block128", "--weight-format", "fp8_block128+float32"],
+            "destination",
+        ),
+        ("tp=2", "dp=2", ["--weight-format", "bfloat16"], "source"),
+    ],
+)
+def test_verify_plans_between_weight_formats(capsys, src, dst, formats, where):
+    """--verify of an FP8 plan: the expected destination is the seeded full weights quantized
+    with the project's quantizer (realloc/shards/convert.py), every shard compared bit for bit.
+    (It refused every weight format before.)"""
+    argv = ["plan", "--model", "tiny", "--src", src, "--dst", dst, "--gpus-per-node", "1", "--verify", *formats]
+    status, report = run_json(capsys, argv)
+    assert status == 0, report
+    assert report["verified"] is True and report["mismatched_shards"] == 0 and report["verified_shards"] > 0
+    assert report["executed_bytes_moved"] == report["bytes_total"]
+    assert (report.get("conversion") or {}).get("where") == where
+
+
+def test_verify_of_an_fp8_plan_catches_a_wrong_conversion(capsys, monkeypatch):
+    """A sender that quantizes wrongly (here: values cast to FP8 without dividing by their block
+    scale) is caught: the check does not take the conversion's own output as the truth."""
+    import torch
+
+    import realloc.shards.convert as convert
+
+    real = convert.in_format
+
+    def unscaled(value, dtype):
+        if dtype != "float8_e4m3fn":
+            return real(value, dtype)
+        return value.to(torch.float8_e4m3fn), real(value, dtype)[1]
+
+    monkeypatch.setattr(convert, "in_format", unscaled)
+    argv = ["plan", "--model", "tiny", "--src", "dp=2", "--dst", "pp=2", "--weight-format", "fp8_block128"]
+    status, report = run_json(capsys, [*argv, "--gpus-per-node", "1", "--verify"])
+    assert report.get("conversion", {}).get("where") == "source"
+    assert status == 1 and report["verified"] is False and report["mismatched_shards"] > 0
+
+
+def test_ckpt_demo_plan_only_runs_with_its_defaults(capsys):
+    """``realloc ckpt-demo --plan-only`` as the README's table offers it: the demo's own placement
+    (8 workers on 2 of its 3 nodes), not one node of 8 that no clique of factor 2 fits."""
+    assert main(["ckpt-demo", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "8 workers on 2 nodes" in out and "jump=4 factor=2" in out
+    assert main(["ckpt-demo", "--plan-only", "--json", "--gpus-per-node", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["nodes"] == 4
+
+
+def test_plan_reads_a_kimi_k2_config_as_deepseek_v3(capsys, tmp_path):
+    """Kimi-K2's config.json (model_type kimi_k2, architectures DeepseekV3ForCausalLM): `realloc
+    plan` reads it as DeepSeek-V3, as `realloc simulate` did (the rule lived in the simulate
+    command only and `realloc plan` refused the model); another architecture is refused."""
+    kimi = ROOT / "tests" / "data" / "configs" / "Kimi-K2-Instruct.json"
+    status, report = run_json(capsys, ["plan", "--model", str(kimi), "--src", "pp=2", "--dst", "ep=2"])
+    assert status == 0 and report["model"] == "Kimi-K2-Instruct"
+    assert report["model_parameters"] == 1_026_408_209_408
+    config = json.loads(kimi.read_text())
+    (tmp_path / "other.json").write_text(json.dumps(dict(config, architectures=["KimiLinearForCausalLM"])))
+    assert main(["plan", "--model", str(tmp_path / "other.json"), "--src", "tp=1", "--dst", "dp=1"]) == 2
+    err = capsys.readouterr().err
+    assert "kimi_k2" in err and "DeepseekV3ForCausalLM" in err and err.count("\n") == 1

@@ -28,7 +28,7 @@ from realloc.ckpt.manifest import Manifest
 from realloc.layout import PieceTable, expert_range
 from realloc.plan import plan_reallocation
 from realloc.shards import ShardStore, allocate_buffers, execute_in_process, fused_views
-from realloc_tools.plan_cli import main
+from realloc_tools.offline.plan import main
 
 #: A Qwen2-MoE-style model: dense first layer, 6 routed experts, a shared expert.
 TINY = oracle.MoeDecoder(

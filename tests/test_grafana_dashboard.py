@@ -1,5 +1,5 @@
-"""The shipped Grafana dashboard (realloc_tools/dashboards): what the panels in
-realloc_tools/grafana.py give, and every query names only series the project exports.
+"""The shipped Grafana dashboard (realloc_tools/observe/dashboards): what the panels in
+realloc_tools/observe/grafana.py give, and every query names only series the project exports.
 
 Checked against the instruments themselves (parsed from actors/metrics.py), not a list kept here;
 the live check (a real Prometheus scraping a move) is tests/test_grafana_prometheus_ray.py.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from realloc_tools import grafana
+from realloc_tools.observe import grafana
 
 ROOT = Path(__file__).resolve().parents[1]
 SUFFIXES = {"Counter": ("_total",), "Gauge": ("",), "Histogram": ("_bucket", "_count", "_sum")}
@@ -51,7 +51,7 @@ def shipped() -> dict:
 FACTORY = pytest.importorskip("ray.dashboard.modules.metrics.grafana_dashboard_factory")
 needs_factory = pytest.mark.skipif(
     not all(hasattr(FACTORY, f) for f in ("_read_configs_for_dashboard", "_generate_grafana_panels")),
-    reason="this Ray's Grafana dashboard factory has not the functions realloc_tools/grafana.py builds with",
+    reason="this Ray's Grafana dashboard factory has not the functions realloc_tools/observe/grafana.py builds with",
 )
 
 
@@ -86,7 +86,7 @@ def test_shipped_file_is_what_the_panels_give():
             d["templating"]["list"],
         )
 
-    assert essentials(file) == essentials(built), "run: python -m realloc_tools.grafana"
+    assert essentials(file) == essentials(built), "run: python -m realloc_tools.observe.grafana"
 
 
 def test_every_query_reads_only_exported_series_and_every_instrument_has_a_panel():

@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 from simulated import simulated_cluster
 
 from realloc import ModelSpec, Topology
-from realloc_tools import grafana
-from realloc_tools.prometheus import Prometheus, ray_targets
+from realloc_tools.observe import grafana
+from realloc_tools.observe.prometheus import Prometheus, ray_targets
 
 pytestmark = [
     pytest.mark.slow,

@@ -12,7 +12,7 @@ import pytest
 from realloc.layout import Group, Layout, Topology
 from realloc.plan import Bandwidths, Placement, Plan, plan_exchange, plan_reallocation
 from realloc.spec import ModelSpec, ParamSpec, spec_from_hf_config
-from realloc_tools.plan_cli import main
+from realloc_tools.offline.plan import main
 
 TINY = ModelSpec.preset("tiny")
 LLAMA_7B = ModelSpec.preset("llama-7b")

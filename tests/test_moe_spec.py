@@ -20,7 +20,7 @@ import pytest
 from realloc.layout import Layout, Topology
 from realloc.spec import ModelSpec, spec_from_hf_config
 from realloc.spec.moe import checkpoint_state_dict
-from realloc_tools.plan_cli import main
+from realloc_tools.offline.plan import main
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 #: transformers 5.x's parameter counts of the published configs (buffers not included).

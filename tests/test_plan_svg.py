@@ -1,4 +1,4 @@
-"""``realloc plan --svg``: the picture of a plan (realloc_tools/plan_svg.py), parsed back with
+"""``realloc plan --svg``: the picture of a plan (realloc_tools/offline/svg.py), parsed back with
 xml.etree and checked against the plan's own routes and statistics."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import realloc_tools.plan_svg as plan_svg_module
+import realloc_tools.offline.svg as plan_svg_module
 from realloc.layout import Topology
 from realloc.plan import Placement, plan_reallocation
 from realloc.spec import ModelSpec
-from realloc_tools.plan_cli import main
-from realloc_tools.plan_svg import MATRIX_MAX_GROUPS, WORKERS_VIEW_MAX_NODES, plan_svg, write_atomic
-from realloc_tools.simulate_cli import plan_move
+from realloc_tools.offline.plan import main
+from realloc_tools.offline.simulate import plan_move
+from realloc_tools.offline.svg import MATRIX_MAX_GROUPS, WORKERS_VIEW_MAX_NODES, plan_svg, write_atomic
 
 NS = "{http://www.w3.org/2000/svg}"
 TINY = ModelSpec.preset("tiny")

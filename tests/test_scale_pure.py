@@ -1,4 +1,4 @@
-"""``realloc bench-scale``'s pure parts (realloc_tools/scale_bench.py): layouts that grow with the
+"""``realloc bench-scale``'s pure parts (realloc_tools/bench/scale.py): layouts that grow with the
 world, the argument checks (exit 2 before Ray starts), and the per-worker message counts a plan
 implies. The Ray run is tests/test_scale_ray.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from realloc import ModelSpec, Placement, Topology, plan_reallocation
-from realloc_tools import scale_bench
+from realloc_tools.bench import scale as scale_bench
 from realloc_tools.cli import main
 
 
@@ -27,11 +27,23 @@ def test_scaled_fills_the_world_with_the_star():
         ["--workers", ""],
         ["--workers", "8", "--src", "tp=8,dp=*"],  # tiny has 12 heads
         ["--workers", "8", "--repeats", "-1"],
+        ["--workers", "8", "--timeout-s", "0"],
+        ["--workers", "8", "--timeout-s", "nan"],
+        ["--workers", "8", "--timeout-s", "inf"],
+        ["--workers", "8", "--cpus-per-worker", "0"],
+        ["--workers", "8", "--cpus-per-worker", "nan"],
     ],
 )
-def test_invalid_arguments_exit_2_before_ray_starts(argv, capsys):
+def test_invalid_arguments_exit_2_before_ray_starts(argv, capsys, monkeypatch):
+    def no_ray(*args, **kwargs):
+        raise AssertionError("bench-scale started Ray with invalid arguments")
+
+    monkeypatch.setattr(scale_bench, "scale_run", no_ray)  # where Ray starts
     assert main(["bench-scale", *argv]) == 2
-    assert capsys.readouterr().err.startswith("realloc: error:")
+    err = capsys.readouterr().err
+    assert err.startswith("realloc: error:") and err.count("\n") == 1
+    named = next((a for a in argv[2:] if a.startswith("--")), None)
+    assert named is None or named in err
 
 
 def test_plan_messages_count_every_routes_buckets_at_both_ends():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from realloc.spec import ModelSpec
-from realloc_tools import scale_bench
+from realloc_tools.bench import scale as scale_bench
 from tests.simulated import simulated_cluster
 
 pytestmark = pytest.mark.slow

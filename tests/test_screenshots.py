@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from realloc_tools import screenshots
+from realloc_tools.observe import screenshots
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "observability.md"
@@ -26,7 +26,7 @@ def test_every_picture_is_in_the_docs_beside_its_command():
     text = DOC.read_text()
     pictures = re.findall(r"!\[[^\]]*\]\((img/[^)]+\.png)\)", text)
     assert set(pictures) == {"img/ray_dashboard_actors.png", "img/prometheus_bytes_by_kind.png"}, pictures
-    assert "python -m realloc_tools.screenshots" in text
+    assert "python -m realloc_tools.observe.screenshots" in text
     for picture in pictures:
         width, height = png_size(DOC.parent / picture)
         assert width >= 1000 and height >= 800, (picture, width, height)

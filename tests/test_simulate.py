@@ -16,7 +16,7 @@ from realloc import ModelSpec, Placement, Topology, plan_reallocation
 from realloc.plan import Plan, Route, Segment, StepTable
 from realloc.sim import Cluster, cluster_preset, simulate
 from realloc.sim.engine import list_sizes
-from realloc_tools.plan_cli import main
+from realloc_tools.offline.plan import main
 
 MIB = 1 << 20
 
@@ -278,12 +278,64 @@ def test_cli_simulates_one_move(capsys):
 
 def test_the_anchor_models_have_their_published_sizes():
     # Kimi-K2: 1.03T parameters (DeepSeek-V3's architecture, 384 experts); Qwen3-235B-A22B: 235B
-    from realloc_tools.simulate_cli import ANCHORS, CONFIGS, load_model
+    from realloc.spec import load_spec
+    from realloc_tools.offline.simulate import ANCHORS, CONFIGS
 
     counts = {}
     for name in ("Kimi-K2-Instruct", "Qwen3-235B-A22B", "DeepSeek-V3"):
-        spec = load_model(str(CONFIGS / f"{name}.json"))
+        spec = load_spec(str(CONFIGS / f"{name}.json"))
         counts[name] = sum(p.numel for p in spec.params if not p.buffer)
     assert counts["Kimi-K2-Instruct"] == 1_026_408_209_408
     assert counts["Qwen3-235B-A22B"] == 235_093_634_560
     assert all((CONFIGS / a.config).is_file() for a in ANCHORS)
+
+
+@pytest.mark.parametrize("option", ["--bench", "--cluster-json"])
+@pytest.mark.parametrize(
+    "content, complaint",
+    [
+        (None, "no such file"),  # missing
+        ("DIR", "not a file"),
+        ("not json", "not JSON"),
+        ("[1, 2]", "got list"),
+        ('{"a": 1}', "a"),
+    ],
+)
+def test_simulate_files_of_the_wrong_kind_exit_2_naming_the_option(tmp_path, capsys, option, content, complaint):
+    """A missing file, a folder, not JSON or JSON of another shape: exit 2 with one line naming the
+    option (it was a traceback and exit 1)."""
+    path = tmp_path / "input.json"
+    if content == "DIR":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    argv = ["simulate", option, str(path)]
+    if option == "--cluster-json":
+        argv += ["--model", "tiny", "--src", "tp=2", "--dst", "dp=2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"realloc: error: {option} {path}") and complaint in err and err.count("\n") == 1
+
+
+def test_simulate_bench_file_with_a_malformed_move_exits_2(tmp_path, capsys):
+    bench = {"model": "tiny", "workers": 2, "nodes": 1, "transport": {}, "bucket_bytes": 1 << 20, "directions": [1]}
+    (tmp_path / "b.json").write_text(json.dumps(bench))
+    assert main(["simulate", "--bench", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--bench" in err and "not a 'realloc bench --json' output" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--model", "tiny", "--src", "tp=2", "--dst", "dp=2"],
+        ["--cluster", "h20"],
+        ["--set", "nic_gbps=1"],
+        ["--bench", "bench.json"],
+    ],
+)
+def test_anchors_refuse_the_options_of_one_move(capsys, extra):
+    """--anchors simulates its own workloads: --model/--src/--dst (or a cluster) beside it were ignored."""
+    assert main(["simulate", "--anchors", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("realloc: error: --anchors") and "do" in err and "go" in err and err.count("\n") == 1

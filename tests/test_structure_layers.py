@@ -200,7 +200,7 @@ def test_the_reader_sees_what_it_should():
         "def f():\n    import c\n"
     )
     assert sorted(alias.name for node in _import_nodes(tree) for alias in node.names) == ["TYPE_CHECKING", "b", "c"]
-    assert "realloc.boxes" in import_graph()["realloc_tools.plan_cli"]
+    assert "realloc.boxes" in import_graph()["realloc_tools.offline.plan"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -478,7 +478,7 @@ def test_fsdp2_empty_chunks_bind_as_empty_tensors():
 
 
 def test_realloc_plan_verify_from_and_to_zero3(capsys):
-    from realloc_tools.plan_cli import main
+    from realloc_tools.offline.plan import main
 
     for src, dst in (("fsdp=4,fsdp_split=zero3", "tp=2,dp=2"), ("tp=2,dp=2", "fsdp=4,fsdp_split=zero3")):
         assert main(["plan", "--verify", "--model", "tiny", "--src", src, "--dst", dst, "--gpus-per-node", "2"]) == 0

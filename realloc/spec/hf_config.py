@@ -2,7 +2,8 @@
 
 Supported: dense decoder LLMs whose weights follow the Llama naming (``llama``, ``mistral``,
 ``qwen2`` and ``qwen3``) and the mixture-of-experts decoders of :mod:`realloc.spec.moe`
-(``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``deepseek_v2``, ``deepseek_v3``). Defaults for fields
+(``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``deepseek_v2``, ``deepseek_v3``; Kimi-K2's ``kimi_k2``
+is read as ``deepseek_v3``, :data:`ARCHITECTURE_OF`). Defaults for fields
 a config leaves out are the ones the matching ``transformers`` config class uses, so the spec
 matches the checkpoint's tensors.
 """
@@ -33,6 +34,12 @@ _UNSUPPORTED_MOE_MODEL_TYPES = {
     "llama4",
     "minimax",
 }
+#: Model types that are another model type's architecture under a name of their own, read as it:
+#: ``{model_type: (the model type it is read as, the architecture its config must declare)}``.
+#: Kimi-K2's ``config.json`` (moonshotai/Kimi-K2-Instruct; tests/data/configs/Kimi-K2-Instruct.json)
+#: has ``model_type`` ``kimi_k2`` and ``architectures`` ``["DeepseekV3ForCausalLM"]``: DeepSeek-V3's
+#: layers with 384 routed experts.
+ARCHITECTURE_OF = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
 #: Keys whose positive value marks a mixture-of-experts model even under a dense model_type.
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -291,13 +298,25 @@ def _load(path_or_dict: "str | os.PathLike | Mapping[str, Any]") -> tuple[Mappin
 
 def _model_type(config: Mapping[str, Any], source: str) -> str:
     model_type = config.get("model_type")
-    supported = f"{', '.join(SUPPORTED_MODEL_TYPES)}; supported mixture-of-experts: {', '.join(MOE_MODEL_TYPES)}"
+    supported = (
+        f"{', '.join(SUPPORTED_MODEL_TYPES)}; supported mixture-of-experts: "
+        f"{', '.join((*MOE_MODEL_TYPES, *ARCHITECTURE_OF))}"
+    )
     if model_type is None:
         raise ValueError(f"{source}: missing required field 'model_type' (one of {supported})")
     if not isinstance(model_type, str):
         raise ValueError(f"{source}: model_type must be a string (one of {supported}), got {model_type!r}")
     if model_type in MOE_MODEL_TYPES:
         return model_type
+    if model_type in ARCHITECTURE_OF:
+        read_as, architecture = ARCHITECTURE_OF[model_type]
+        declared = config.get("architectures")
+        if not isinstance(declared, list) or architecture not in declared:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is read as {read_as!r} only when its architectures "
+                f"name {architecture!r}, got architectures {declared!r}"
+            )
+        return read_as
     if model_type in _UNSUPPORTED_MOE_MODEL_TYPES:
         raise ValueError(
             f"{source}: model_type {model_type!r} is a mixture-of-experts model, which is not supported; "

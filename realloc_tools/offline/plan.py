@@ -5,7 +5,7 @@ Each subcommand is registered by an ``add_<name>_parser(subparsers)`` function t
 Ray or the ``actors`` package: the ``realloc`` console script is ``realloc_tools.cli``, which builds the
 parser here with its Ray-backed commands (``demo``, ``bench``, ``ckpt-demo``) as
 ``build_parser(extra=[...])`` and runs it with :func:`run`, importing them only for commands
-other than ``plan`` and ``presets``. ``python -m realloc_tools.plan_cli`` has the pure commands only.
+other than ``plan`` and ``presets``. ``python -m realloc_tools.offline.plan`` has the pure commands only.
 ``realloc plan`` has to start fast: it imports torch only for ``--verify``.
 
 Exit status: 0 success, 1 ``--verify`` found a mismatch, 2 invalid input (one line
@@ -26,12 +26,12 @@ from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
 from realloc.layout.conventions import EXPERT_ORDERS
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths, Placement, plan_reallocation
-from realloc.plan.formats import conversion
+from realloc.plan.formats import Conversion, conversion
 from realloc.plan.slices import shipping_stats
 from realloc.spec import VOCAB_PAD_RULES, ModelSpec, load_spec, preset, preset_names
-from realloc.spec.formats import WEIGHT_FORMATS, check_weight_format
-from realloc_tools.simulate_cli import add_simulate_parser
-from realloc_tools.units import decimal_size
+from realloc.spec.formats import FP8, WEIGHT_FORMATS, check_weight_format, scale_name, unformatted
+from realloc_tools.offline.simulate import add_simulate_parser
+from realloc_tools.offline.units import decimal_size
 
 if TYPE_CHECKING:
     from realloc.plan import Plan
@@ -180,7 +180,7 @@ def add_plan_parser(subparsers: Any) -> None:
         "--svg",
         metavar="FILE",
         help="also write a picture of the plan: workers grouped by node, the bytes between and inside nodes "
-        "(an SVG file; realloc_tools/plan_svg.py)",
+        "(an SVG file; realloc_tools/offline/svg.py)",
     )
     p.add_argument(
         "--svg-view",
@@ -215,18 +215,13 @@ def run_plan(args: argparse.Namespace) -> int:
     placement = Placement.blocks(src.world_size, args.gpus_per_node)
     svg_path = None
     if args.svg is not None:
-        from realloc_tools.plan_svg import VIEWS, check_svg_path
+        from realloc_tools.offline.svg import VIEWS, check_svg_path
 
         check_choice("--svg-view", args.svg_view, VIEWS)
         svg_path = check_svg_path(args.svg)
     elif args.svg_view != "auto":
         raise ValueError(f"--svg-view {args.svg_view} needs --svg FILE (the picture it chooses the view of)")
     if args.verify:
-        if args.src_weight_format or args.dst_weight_format:
-            raise ValueError(
-                "--verify checks a plan of one weight format; between formats tests/test_formats.py "
-                "checks every conversion against a reference quantizer (drop --verify or the formats)"
-            )
         _check_verify_size(spec, src.world_size)
 
     # Planning 16k ranks allocates millions of small acyclic objects; the cyclic collector
@@ -267,9 +262,9 @@ def run_plan(args: argparse.Namespace) -> int:
         report["weight_formats"] = [args.src_weight_format, args.dst_weight_format]
         report["conversion"] = {"where": conv.where, "reason": conv.reason}
     if args.verify:
-        report.update(verify_plan(src_layout, dst_layout, plan, seed=args.seed))
+        report.update(verify_plan(src_layout, dst_layout, plan, seed=args.seed, conv=conv))
     if svg_path is not None:
-        from realloc_tools.plan_svg import plan_svg, write_atomic
+        from realloc_tools.offline.svg import plan_svg, write_atomic
 
         title = f"{spec.name}: {src} → {dst}, {placement.per_node()} workers per node"
         started = time.perf_counter()
@@ -421,9 +416,19 @@ def _check_verify_size(spec: ModelSpec, world_size: int) -> None:
         )
 
 
-def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: int = 0) -> dict[str, Any]:
+def verify_plan(
+    src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: int = 0, conv: "Conversion | None" = None
+) -> dict[str, Any]:
     """Execute ``plan`` in-process on seeded random weights and compare every destination shard
-    (and its padding, which must stay zero) with the slice of the full tensors it should hold.
+    (and its padding, which must stay zero) bit for bit with the slice of the full tensors it should hold.
+
+    Between weight formats (``conv``: :func:`realloc.plan.formats.conversion` of the two layouts,
+    whose ``plan_sides`` ``plan`` moves between) the ranks convert as the workers do
+    (:func:`realloc.shards.convert.convert_rank` on the senders before the plan, or on the
+    receivers after it), and the expected destination is built from the full tensors with the
+    project's quantizer (:func:`expected_full`): an FP8 weight is ``quantize_blocks`` of the
+    full weight as the source holds it, its ``_scale_inv`` the scales of that call; an FP8
+    source dequantized is ``dequantize_blocks`` of its full values and scales.
 
     Example:
         >>> from realloc import ModelSpec, Topology, plan_reallocation
@@ -434,26 +439,45 @@ def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: i
     """
     import torch  # lazily, as the executor below: only --verify needs torch, `realloc plan` starts without it
 
-    from realloc.shards import ShardStore, allocate_buffers
-    from realloc.shards.local_executor import execute_in_process
+    from realloc.shards import ShardStore, allocate_buffers, local_executor
+    from realloc.shards.convert import convert_rank
 
-    full = _random_weights(src_layout.spec, seed)
+    conv = conversion(src_layout, dst_layout) if conv is None else conv
+    base = _random_weights(unformatted(src_layout.spec), seed)
+    held = held_full(base, src_layout.spec)  # the source's tensors in its format
     world = src_layout.topology.world_size
-    src = {r: ShardStore(src_layout.shards(r), allocate_buffers(src_layout, r)) for r in range(world)}
-    for store in src.values():
-        for entries in store.by_param.values():
-            for shard, local in entries:
-                local[_slices(shard.sizes)].copy_(full[shard.param][box_index(shard.offsets, shard.sizes)])
-    dst = {r: ShardStore(dst_layout.shards(r), allocate_buffers(dst_layout, r)) for r in range(world)}
-    moved = execute_in_process(plan, src, dst)
 
+    def stores(layout: Layout, tensors: dict | None = None) -> dict:
+        out = {r: ShardStore(layout.shards(r), allocate_buffers(layout, r)) for r in range(world)}
+        for store in out.values() if tensors is not None else ():
+            for entries in store.by_param.values():
+                for shard, local in entries:
+                    local[_slices(shard.sizes)].copy_(tensors[shard.param][box_index(shard.offsets, shard.sizes)])
+        return out
+
+    src = stores(src_layout, held)
+    dst = stores(dst_layout)
+    if conv.where == "source":  # the senders convert into the wire layout, then the plan moves it
+        wire = stores(conv.wire)
+        for r in range(world):
+            convert_rank(src_layout, conv.wire, r, src[r], wire[r])
+        moved = local_executor.execute_in_process(plan, wire, dst)
+    elif conv.where == "destination":  # the plan moves into the wire layout, the receivers convert
+        wire = stores(conv.wire)
+        moved = local_executor.execute_in_process(plan, src, wire)
+        for r in range(world):
+            convert_rank(conv.wire, dst_layout, r, wire[r], dst[r])
+    else:
+        moved = local_executor.execute_in_process(plan, src, dst)
+
+    want = expected_full(held, src_layout.spec, dst_layout.spec)
     mismatches: list[str] = []
     for rank, store in dst.items():
         for entries in store.by_param.values():
             for shard, local in entries:
                 expected = torch.zeros_like(local)
-                expected[_slices(shard.sizes)] = full[shard.param][box_index(shard.offsets, shard.sizes)]
-                if not torch.equal(local, expected):
+                expected[_slices(shard.sizes)] = want[shard.param][box_index(shard.offsets, shard.sizes)]
+                if not torch.equal(_bits(local), _bits(expected)):
                     mismatches.append(f"rank {rank} {shard.slot}")
     return {
         "verified": not mismatches,
@@ -462,6 +486,61 @@ def verify_plan(src_layout: Layout, dst_layout: Layout, plan: "Plan", *, seed: i
         "mismatches": mismatches[:5],
         "executed_bytes_moved": moved["bytes_moved"],
     }
+
+
+def held_full(base: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+    """The full tensors a layout of ``spec`` (a :func:`realloc.spec.formats.formatted` spec, or the
+    model's own) holds, from the model's full tensors ``base``: an FP8 weight as
+    :func:`realloc.shards.convert.quantize_blocks` of the whole weight (vLLM's
+    ``per_block_cast_to_fp8``) with its block scales as ``<weight>_scale_inv``, every other tensor
+    cast to its dtype."""
+    from realloc.shards import TORCH_DTYPES
+    from realloc.shards.convert import quantize_blocks
+
+    out: dict[str, Any] = {}
+    for p in spec.params:
+        if p.name in out:
+            continue  # a scale, written with its weight
+        if p.dtype == FP8:
+            out[p.name], out[scale_name(p.name)] = quantize_blocks(base[p.name])
+        else:
+            out[p.name] = base[p.name].to(TORCH_DTYPES[p.dtype])
+    return out
+
+
+def expected_full(held: dict[str, Any], src_spec: ModelSpec, dst_spec: ModelSpec) -> dict[str, Any]:
+    """The full tensors the destination must hold after a move from a layout of ``src_spec``
+    holding ``held`` (:func:`held_full`) into a layout of ``dst_spec``: FP8 kept as it is (its
+    scales with it), FP8 made from another dtype by :func:`~realloc.shards.convert.quantize_blocks`
+    of the source's values, FP8 made into another dtype by
+    :func:`~realloc.shards.convert.dequantize_blocks` (DeepSeek-V3's ``weight_dequant``), casts by
+    ``Tensor.to``."""
+    from realloc.shards import TORCH_DTYPES
+    from realloc.shards.convert import dequantize_blocks, quantize_blocks
+
+    have = {p.name: p.dtype for p in src_spec.params}
+    out: dict[str, Any] = {}
+    for p in dst_spec.params:
+        if p.name in out:
+            continue
+        value = held[p.name]
+        if p.dtype == FP8:
+            if have[p.name] == FP8:
+                out[p.name], out[scale_name(p.name)] = value, held[scale_name(p.name)]
+            else:
+                out[p.name], out[scale_name(p.name)] = quantize_blocks(value)
+        elif have[p.name] == FP8:
+            out[p.name] = dequantize_blocks(value, held[scale_name(p.name)], TORCH_DTYPES[p.dtype])
+        else:
+            out[p.name] = value.to(TORCH_DTYPES[p.dtype])
+    return out
+
+
+def _bits(t: Any) -> Any:
+    """``t``'s bytes (float8 has no ``torch.equal`` on CPU; bitwise is what --verify promises)."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _random_weights(spec: ModelSpec, seed: int) -> dict[str, "Any"]:

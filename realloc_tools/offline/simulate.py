@@ -25,10 +25,10 @@ from realloc.layout import Layout, Topology
 from realloc.plan import DEFAULT_BUCKET_BYTES, Placement, plan_reallocation
 from realloc.plan.formats import conversion
 from realloc.sim import PRESETS, Cluster, cluster_preset, simulate
-from realloc.spec import load_spec, spec_from_hf_config
+from realloc.spec import load_spec
 from realloc.spec.formats import check_weight_format
 
-CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "data" / "configs"
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def add_simulate_parser(subparsers: Any) -> None:
     )
     p.add_argument("--src-weight-format", help="weight format of the source (e.g. fp8_block128)")
     p.add_argument("--weight-format", dest="dst_weight_format", help="weight format of the destination")
-    p.add_argument("--cluster", default="h100", help=f"preset: {', '.join(sorted(PRESETS))} (default h100)")
+    p.add_argument("--cluster", help=f"preset: {', '.join(sorted(PRESETS))} (default h100)")
     p.add_argument("--cluster-json", help="a JSON file of Cluster fields (overrides --cluster)")
     p.add_argument(
         "--set",
@@ -135,20 +135,46 @@ def add_simulate_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_simulate)
 
 
+#: The options of one move (``--model`` ...) and of its cluster, as ``(flag, attribute)``:
+#: ``--anchors`` and ``--bench`` bring their own moves and clusters, so they refuse these.
+MOVE_OPTIONS = (
+    ("--model", "model"),
+    ("--src", "src"),
+    ("--dst", "dst"),
+    ("--dst-workers", "dst_workers"),
+    ("--src-weight-format", "src_weight_format"),
+    ("--weight-format", "dst_weight_format"),
+    ("--cluster", "cluster"),
+    ("--cluster-json", "cluster_json"),
+    ("--set", "set"),
+)
+#: What ``--bench FILE`` must hold: the keys of ``realloc bench --json`` that :func:`predict_bench` reads.
+BENCH_KEYS = ("model", "workers", "nodes", "transport", "bucket_bytes", "directions")
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     bucket_bytes = int(args.bucket_mb * 2**20)
+    if args.anchors and args.bench:
+        raise ValueError("--anchors and --bench FILE do not go together: give one of them")
+    use = "--anchors" if args.anchors else "--bench FILE" if args.bench else None
+    given = [flag for flag, name in MOVE_OPTIONS if getattr(args, name) not in (None, [])]
+    if use and given:
+        raise ValueError(
+            f"{use} does not go with {', '.join(given)}: {use} simulates its own moves on its own clusters "
+            "(drop them, or drop it to simulate the one move they describe)"
+        )
     if args.anchors:
         report: Any = {"anchors": [simulate_anchor(a, bucket_bytes) for a in ANCHORS]}
         text = format_anchors(report["anchors"])
     elif args.bench:
-        report = predict_bench(json.loads(Path(args.bench).read_text()))
+        report = predict_bench_file(args.bench)
         text = format_bench(report)
     else:
         if not (args.model and args.src and args.dst):
             raise ValueError("simulate needs --model, --src and --dst (or --anchors, or --bench FILE)")
         cluster = _cluster(args)
         plan, seconds = plan_move(
-            load_model(args.model),
+            load_spec(args.model),
             args.src,
             args.dst,
             cluster.gpus_per_node,
@@ -165,10 +191,16 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
+    if args.cluster and args.cluster_json:
+        raise ValueError("--cluster and --cluster-json FILE do not go together: give one of them")
     if args.cluster_json:
-        cluster = Cluster.from_json(json.loads(Path(args.cluster_json).read_text()))
+        data = read_json_file(args.cluster_json, "--cluster-json")
+        try:
+            cluster = Cluster.from_json(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--cluster-json {args.cluster_json}: not a cluster: {exc}") from None
     else:
-        cluster = cluster_preset(args.cluster)
+        cluster = cluster_preset(args.cluster or "h100")
     changes: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -221,21 +253,10 @@ def plan_move(
     return plan, time.perf_counter() - started
 
 
-def load_model(text: str):
-    """A preset, or a HF config.json; Kimi-K2's (``model_type`` ``kimi_k2``, ``architectures``
-    ``DeepseekV3ForCausalLM``) is read as the DeepSeek-V3 architecture it is."""
-    path = Path(text)
-    if path.suffix == ".json" and path.is_file():
-        config = json.loads(path.read_text())
-        if config.get("model_type") == "kimi_k2":
-            return spec_from_hf_config(dict(config, model_type="deepseek_v3"), name=path.stem)
-    return load_spec(text)
-
-
 def simulate_anchor(anchor: Anchor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     cluster = cluster_preset(anchor.cluster)
     plan, seconds = plan_move(
-        load_model(str(CONFIGS / anchor.config)),
+        load_spec(str(CONFIGS / anchor.config)),
         anchor.src,
         anchor.dst,
         cluster.gpus_per_node,
@@ -256,6 +277,42 @@ def simulate_anchor(anchor: Anchor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         "plan_seconds": seconds,
         **result,
     }
+
+
+def read_json_file(path: str, option: str) -> Any:
+    """The JSON ``path`` holds; ``ValueError`` naming ``option`` when it is missing, not a file,
+    unreadable or not JSON."""
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"{option} {path}: no such file")
+    if not file.is_file():
+        raise ValueError(f"{option} {path}: not a file (a JSON file is expected)")
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{option} {path}: cannot be read ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option} {path}: not JSON ({exc})") from None
+
+
+def predict_bench_file(path: str) -> dict:
+    """:func:`predict_bench` of the ``realloc bench --json`` output in ``path``; ``ValueError``
+    naming ``--bench`` and what is wrong when the file holds something else."""
+    bench = read_json_file(path, "--bench")
+    what = f"--bench {path}: not a 'realloc bench --json' output"
+    if not isinstance(bench, dict):
+        raise ValueError(f"{what} (a JSON object is expected, got {type(bench).__name__})")
+    missing = [k for k in BENCH_KEYS if k not in bench]
+    if missing:
+        raise ValueError(f"{what} (it lacks {', '.join(missing)})")
+    try:
+        return predict_bench(bench)
+    except KeyError as exc:
+        raise ValueError(f"{what} (a move or its transport lacks {exc})") from None
+    except (TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{what} ({exc})") from None
 
 
 def predict_bench(bench: dict) -> dict:

@@ -27,6 +27,8 @@ from realloc.layout import Topology
 from realloc.spec import ModelSpec, decoder_spec, preset_names
 
 DEMO_MODEL = "demo-110m"
+#: At most this many workers per node in ``--plan-only`` without ``--gpus-per-node`` (a GPU node's eight).
+PLAN_ONLY_PER_NODE = 8
 
 
 def add_ckpt_demo_parser(subparsers: Any) -> None:
@@ -70,7 +72,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="no Ray: print the replication, retrieval and resharding plans for --gpus-per-node "
         "workers per node (any model size)",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8, help="workers per node with --plan-only (default 8)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="workers per node with --plan-only (default: as the demo places them, the workers spread over "
+        f"--nodes minus one nodes, at most {PLAN_ONLY_PER_NODE} per node)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,8 +128,7 @@ def run_ckpt_demo(args: argparse.Namespace) -> int:
         if args.address is None:
             from ray.cluster_utils import Cluster
 
-            busy = max(1, args.nodes - 1)
-            per_node = -(-world // busy)
+            per_node = demo_workers_per_node(world, args.nodes)
             cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
             sim_nodes = [cluster.add_node(num_cpus=per_node) for _ in range(args.nodes)]
             ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
@@ -224,9 +230,12 @@ def run_ckpt_demo(args: argparse.Namespace) -> int:
 def _plan_only(spec: ModelSpec, train: Topology, generate: Topology, args: argparse.Namespace) -> int:
     from realloc.ckpt.estimate import checkpoint_plans
 
-    if args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
-    report = checkpoint_plans(spec, train, generate, args.gpus_per_node, args.factor)
+    per_node = args.gpus_per_node
+    if per_node is None:
+        per_node = min(PLAN_ONLY_PER_NODE, demo_workers_per_node(train.world_size, args.nodes))
+    if per_node < 1:
+        raise ValueError(f"--gpus-per-node must be positive, got {per_node}")
+    report = checkpoint_plans(spec, train, generate, per_node, args.factor)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -252,6 +261,19 @@ def _plan_only(spec: ModelSpec, train: Topology, generate: Topology, args: argpa
         f"(mean {_gb(r['mean_reader_bytes'])})"
     )
     return 0
+
+
+def demo_workers_per_node(world: int, nodes: int) -> int:
+    """Workers per node in the simulated demo: ``world`` workers spread over all ``nodes`` but one
+    (left empty for the replacements).
+
+    Example:
+        >>> demo_workers_per_node(8, 3)
+        4
+    """
+    if nodes < 1:
+        raise ValueError(f"--nodes must be positive, got {nodes}")
+    return -(-world // max(1, nodes - 1))
 
 
 def _gb(n: int) -> str:

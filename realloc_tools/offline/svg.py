@@ -33,7 +33,7 @@ from realloc._checks import check_choice
 from realloc.atomic_files import atomic_write, check_output_file
 from realloc.plan.records import Plan
 from realloc.sim.engine import list_sizes, route_arrays
-from realloc_tools.units import decimal_size
+from realloc_tools.offline.units import decimal_size
 
 __all__ = [
     "MATRIX_MAX_GROUPS",

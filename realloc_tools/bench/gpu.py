@@ -33,7 +33,7 @@ import ray
 import torch
 
 from realloc.layout import Topology
-from realloc_tools.bench import check_run_args, parse_transitions
+from realloc_tools.bench.cli import check_run_args, parse_transitions
 from realloc_tools.cluster import ray_for_command
 
 MB = 1 << 20

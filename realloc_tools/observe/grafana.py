@@ -1,7 +1,7 @@
 """The Grafana dashboard of the reallocation metrics (:mod:`actors.metrics`), in Ray's own form.
 
-One source of truth: the panels below. ``python -m realloc_tools.grafana`` writes
-``realloc_tools/dashboards/realloc_grafana_dashboard.json`` (shipped as package data) the way Ray
+One source of truth: the panels below. ``python -m realloc_tools.observe.grafana`` writes
+``realloc_tools/observe/dashboards/realloc_grafana_dashboard.json`` (shipped as package data) the way Ray
 builds its own dashboards: Ray's ``Panel``/``Target``/``Row`` classes and its panel factory
 (``ray.dashboard.modules.metrics``), the ``${datasource}`` and ``SessionName`` variables and the
 ``{global_filters}`` placeholder (``RAY_GRAFANA_REALLOC_DASHBOARD_GLOBAL_FILTERS`` adds filters,
@@ -352,7 +352,9 @@ def render(dashboard: dict | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m realloc_tools.grafana", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m realloc_tools.observe.grafana", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=DASHBOARD_FILE, help="where to write (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="fail when --out differs from the panels' dashboard")
     args = parser.parse_args(argv)
@@ -361,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != text:
-            print(f"{args.out} is not what the panels give: run python -m realloc_tools.grafana", file=sys.stderr)
+            print(
+                f"{args.out} is not what the panels give: run python -m realloc_tools.observe.grafana", file=sys.stderr
+            )
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 Starts the ``prometheus`` binary (Debian's ``prometheus`` package, or any 2.x on ``PATH``) with a
 generated config, its data in a directory of the caller's, on a free local port; queries it through
 the HTTP API (``/api/v1/query``). Used by tests/test_grafana_prometheus_ray.py and
-:mod:`realloc_tools.screenshots`.
+:mod:`realloc_tools.observe.screenshots`.
 
 Example:
     >>> targets = ray_targets()                                   # doctest: +SKIP

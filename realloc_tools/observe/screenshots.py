@@ -1,8 +1,8 @@
 """Screenshots for docs/observability.md, taken with headless Chromium on a local Ray head.
 
-``python -m realloc_tools.screenshots [--out docs/img]`` starts a Ray head with the dashboard
+``python -m realloc_tools.observe.screenshots [--out docs/img]`` starts a Ray head with the dashboard
 (token auth off for this local head: ``RAY_AUTH_MODE=disabled``, so the page needs no token) and a
-Prometheus server scraping it (:mod:`realloc_tools.prometheus`), creates a model group of four
+Prometheus server scraping it (:mod:`realloc_tools.observe.prometheus`), creates a model group of four
 named workers (``realloc:policy:rank<r>``), moves it there and back and saves a checkpoint, and
 writes:
 
@@ -29,8 +29,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from realloc_tools import grafana
-from realloc_tools.prometheus import Prometheus, free_port, ray_targets
+from realloc_tools.observe import grafana
+from realloc_tools.observe.prometheus import Prometheus, free_port, ray_targets
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 GROUP = "policy"
@@ -101,7 +101,9 @@ def wait_for_actors(dashboard: str, names: set[str], timeout_s: float = 60) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m realloc_tools.screenshots", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m realloc_tools.observe.screenshots", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/img"), help="folder of the PNGs (default: %(default)s)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

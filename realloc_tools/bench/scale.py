@@ -42,6 +42,7 @@ from typing import Any, Iterator, Sequence
 import psutil
 import ray
 
+from realloc._checks import check_finite, check_nonneg
 from realloc.layout import Topology
 from realloc.progress import Progress, write
 from realloc_tools.cluster import ray_for_command
@@ -102,16 +103,25 @@ def parse_workers(text: str, nodes_of: int) -> list[int]:
     return counts
 
 
+def check_scale_args(args: argparse.Namespace) -> None:
+    """The numeric options, checked before any Ray starts (``ValueError`` naming the option)."""
+    check_finite("--timeout-s", args.timeout_s, positive=True, allowed="a positive number of seconds")
+    check_finite("--cpus-per-worker", args.cpus_per_worker, positive=True, allowed="a positive number of CPU slots")
+    check_nonneg("--repeats", args.repeats)
+
+
 def run_bench_scale(args: argparse.Namespace) -> int:
     from realloc.spec import load_spec
 
+    check_scale_args(args)
     spec = load_spec(args.model)
     counts = parse_workers(args.workers, args.nodes_of)
     for n in counts:
-        scaled(args.src, n).check(spec)
-        scaled(args.dst, n).check(spec)
-    if args.repeats < 0:
-        raise ValueError(f"--repeats must be >= 0, got {args.repeats}")
+        for option, text in (("--src", args.src), ("--dst", args.dst)):
+            try:
+                scaled(text, n).check(spec)
+            except ValueError as exc:
+                raise ValueError(f"{option} {text} on {n} workers: {exc}") from None
     runs = []
     per_count = 2 + 2 * args.repeats
     moves = Progress(
