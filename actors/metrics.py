@@ -32,7 +32,7 @@ histogram ``H`` is exported as ``H_bucket`` / ``H_count`` / ``H_sum``. Its ``H_s
 sum of the observations: Ray (2.60, OpenTelemetry recorder) exports the sum of the midpoints of the
 buckets they fell in (two pauses of 0.069 s and 0.049 s gave ``_sum`` 0.105), hence the exact
 ``*_seconds_total`` counters beside the histograms, which the dashboard's means divide by
-``H_count``. The Grafana dashboard in ``realloc_tools/dashboards`` queries these
+``H_count``. The Grafana dashboard in ``realloc_tools/observe/dashboards`` queries these
 (docs/observability.md).
 """
 
