@@ -585,7 +585,7 @@ def _bench_moves(
 ) -> None:
     """The moves (every transition both ways, the baselines, the probes, the resident loop) on
     one group of the transitions' actors, into ``report``; the group is shut down after."""
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     workers = transitions[0][0].world_size
     group = ModelGroup.create(spec, transitions[0][0], name="bench", bucket_bytes=bucket_bytes, timeout_s=900)
@@ -1064,7 +1064,7 @@ def _bench_staged(
     layout and its digests must equal the generator's."""
     import psutil
 
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     started = time.perf_counter()
     out: dict[str, Any] = {

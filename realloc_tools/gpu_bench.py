@@ -125,7 +125,7 @@ def bench_gpu(
     zero_copy: bool = True,
     seed: int = 0,
 ) -> dict:
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     workers = transitions[0][0].world_size
     report: dict[str, Any] = {

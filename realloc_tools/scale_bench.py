@@ -178,7 +178,7 @@ def scale_run(
 ) -> dict:
     """Start Ray (unless ``address``), a group of ``workers``, the moves (each counted on
     ``progress``); returns the run's record."""
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     src, dst = scaled(src_text, workers), scaled(dst_text, workers)
     nodes = workers // nodes_of
@@ -277,7 +277,7 @@ def serialized_bytes(value: Any) -> int:
 
 
 def _read_traffic(ctx) -> dict:
-    from actors.communicator import traffic
+    from actors.wire.communicator import traffic
 
     return traffic()
 
@@ -376,7 +376,7 @@ class _World:
 
 def shipped_bytes(plan, src, dst, placement) -> int:
     """The largest object ``actors.protocol.worker_plan_refs`` puts for one worker of ``plan``."""
-    from actors import protocol
+    from actors.driver import protocol
 
     n = placement.num_workers
     with counting_puts() as puts:

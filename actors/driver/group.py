@@ -12,7 +12,7 @@ Example (8 CPU workers; on a GPU cluster pass ``use_gpu=True``)::
     stats = policy.reallocate(Topology(dp=4, tp=2))   # train layout -> generation layout
     outputs = policy.run(lambda ctx: ctx.tensors["lm_head.weight"].shape)
 
-Every state change runs the protocol of :mod:`actors.protocol` (prepare, execute, commit or
+Every state change runs the protocol of :mod:`actors.driver.protocol` (prepare, execute, commit or
 abort), one operation at a time per group: a second call from another thread waits for the
 first (up to the group's timeout, then :class:`~actors.errors.GroupBusyError`). Bad arguments
 raise ``ValueError`` before any worker is contacted.
@@ -39,21 +39,21 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors import metrics
-from actors.checkpoint import CheckpointManager
 from actors.config import GroupConfig
-from actors.context import ShardChange
-from actors.delta import DeltaOrder
-from actors.delta import summary as delta_summary
+from actors.driver.checkpoint import CheckpointManager
+from actors.driver.protocol import Operation
+from actors.driver.staged import StagedUpdate
+from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
-from actors.protocol import Operation
+from actors.lanes import CONCURRENCY_GROUPS
 from actors.remote import Deadline, Workers, call_all, diagnose, each_result, gather, settle
-from actors.resident import KeepOrder, ResidentLayout, check_keep
-from actors.staged import StagedUpdate
-from actors.threads import CONCURRENCY_GROUPS
 from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
+from actors.wire.delta import DeltaOrder
+from actors.wire.delta import summary as delta_summary
+from actors.wire.zero_copy import sweep_stale_buffers
 from actors.worker import RESERVED_METHODS, ShardWorker
-from actors.world import World
-from actors.zero_copy import sweep_stale_buffers
+from actors.worker.context import ShardChange
+from actors.worker.kept import KeepOrder, ResidentLayout, check_keep
 from realloc._checks import check_nonneg, is_int
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
@@ -78,11 +78,11 @@ class ReallocStats:
     ``resident_use``: ``"adopted"`` (the destination was a kept layout holding the current
     weights: nothing moved), ``"refreshed"`` (a kept layout's buffers were written in place) or
     None; ``resident_*_bytes_per_actor``: the largest worker's kept layouts afterwards, on its
-    device and in host memory (actors/resident.py). ``version``: the destination's weight
-    version afterwards. For a staged update (actors/staged.py) ``pause_seconds`` is 0 (nobody
+    device and in host memory (actors/worker/kept.py). ``version``: the destination's weight
+    version afterwards. For a staged update (actors/driver/staged.py) ``pause_seconds`` is 0 (nobody
     waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
     the largest worker's shadow set. ``delta``: for a move with ``delta=True``, what travelled
-    (:func:`actors.delta.summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
+    (:func:`actors.wire.delta.summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
     against ``bytes``, the senders' base memory); None otherwise. ``conversion``: for a copy
     between weight formats, where they were converted (``"source"``: before sending, the wire
     carrying the destination's format; ``"destination"``: after receiving); None otherwise.
@@ -193,7 +193,7 @@ class ModelGroup:
         self._resident: dict[Layout, ResidentLayout] = {}
         self._lock = threading.RLock()
         self._closed = False
-        # staged updates (actors/staged.py): the pending one, and the operations changing the group
+        # staged updates (actors/driver/staged.py): the pending one, and the operations changing the group
         self._staged = None
         self._state_lock = threading.Lock()
         self._changing = 0
@@ -201,7 +201,7 @@ class ModelGroup:
         #: (source group, its version) when the weights are an unchanged copy of that source's
         self.origin: tuple[str, int] | None = None
         self.stage_world: World | None = None
-        # delta moves (actors/delta.py): the (layout, version) every worker's base holds, as far
+        # delta moves (actors/wire/delta.py): the (layout, version) every worker's base holds, as far
         # as the driver knows, and the deltas this group received in a row since a full copy
         self._sent: tuple[Layout, int] | None = None
         self._deltas = 0
@@ -355,7 +355,7 @@ class ModelGroup:
         """Hold the groups' locks; wait for each up to its timeout, or up to ``deadline`` (the
         call's, which the operation run under the locks then shares).
 
-        A group with a staged update pending (actors/staged.py) refuses operations that change
+        A group with a staged update pending (actors/driver/staged.py) refuses operations that change
         it (``GroupBusyError``) unless ``staged_ok`` (calls, reads, the update's own steps); one
         committed at safe points is first switched in on every worker."""
         groups = sorted({id(g): g for g in (self, *others)}.values(), key=id)  # one global order: no deadlock
@@ -395,7 +395,7 @@ class ModelGroup:
         return max(self.version + 1, source.version)
 
     def _delta_order(self, delta: bool, dest: "ModelGroup", holds: int | None) -> DeltaOrder | None:
-        """The :class:`~actors.delta.DeltaOrder` of a move from this group with ``delta`` into
+        """The :class:`~actors.wire.delta.DeltaOrder` of a move from this group with ``delta`` into
         ``dest`` (this group itself for a refresh of a kept layout), which holds this group's
         weights of version ``holds`` (None: not known to hold any): a delta when every worker's
         base is of this layout and that version and ``dest`` is not due a full copy, else an anchor."""
@@ -640,7 +640,7 @@ class ModelGroup:
     def run(self, fn: Callable, *args: Any, writes: bool = True, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every worker against its local shards, in place.
 
-        ``ctx`` is a :class:`~actors.context.ShardContext`. Writes into ``ctx.tensors`` change the
+        ``ctx`` is a :class:`~actors.worker.context.ShardContext`. Writes into ``ctx.tensors`` change the
         weights directly (user code, not an atomic operation). Returned tensors that are views of
         the worker's buffers are copied first, so only their own bytes travel. ``writes=False``
         promises that ``fn`` does not change the weights: kept layouts stay current
@@ -842,18 +842,18 @@ class ModelGroup:
         not awaited. An ``on_shards_changed`` hook after a successful move has its own ``timeout_s``.
 
         ``keep="in_place"`` or ``"host"`` keeps the layout left behind resident (on the device,
-        or copied to host memory), tagged with the weight version (actors/resident.py). Moving
+        or copied to host memory), tagged with the weight version (actors/worker/kept.py). Moving
         to a kept layout that still holds the current weights adopts it (no traffic); to one
         that is stale, writes into its buffers (same memory). :meth:`release_resident` frees them.
 
-        ``stage=True`` returns a :class:`~actors.staged.StagedUpdate` at once: the new layout is
+        ``stage=True`` returns a :class:`~actors.driver.staged.StagedUpdate` at once: the new layout is
         written into a shadow set (a layout kept in place is refreshed as that set) while the group
         serves ``call(..., writes=False)`` in its current layout; ``update.commit()`` switches every
         worker to it between two calls (``keep`` then applies to the layout left; ``"in_place"``
         only), ``update.abort()`` drops it.
 
         ``delta=True`` (a group created with ``GroupConfig(delta=...)``): moving back to a stale
-        kept layout sends only the elements that changed since it was kept (actors/delta.py);
+        kept layout sends only the elements that changed since it was kept (actors/wire/delta.py);
         every other move is a full one (an anchor) that sets the workers' bases for the next.
         ``stats.delta`` says which. Not with ``stage=True``.
         """
@@ -1037,16 +1037,16 @@ class ModelGroup:
         :meth:`reallocate` (a failure raises within it plus ``FAILURE_GRACE_S``). ``other`` takes
         this group's weight version (``max(other.version + 1, self.version)``: never going back).
 
-        ``stage=True`` returns a :class:`~actors.staged.StagedUpdate` at once: the bytes move into
+        ``stage=True`` returns a :class:`~actors.driver.staged.StagedUpdate` at once: the bytes move into
         a shadow set of ``other``'s buffers while ``other`` keeps serving ``call(...,
         writes=False)``; ``update.commit()`` (or ``commit(at="safe_point")``) switches them in,
-        ``update.abort()`` drops them (actors/staged.py). This group is held until the bytes left it.
+        ``update.abort()`` drops them (actors/driver/staged.py). This group is held until the bytes left it.
 
         ``delta=True`` (this group created with ``GroupConfig(delta=...)``): when ``other`` holds
         the weights this group last sent it (nothing wrote them since), only the elements that
         changed travel, checksummed per bucket (a miss sends that bucket whole); otherwise, and
         every ``delta_anchor_every``-th time, a full copy (an anchor). ``other`` ends bit-identical
-        to this group either way; ``stats.delta`` says what travelled (actors/delta.py).
+        to this group either way; ``stats.delta`` says what travelled (actors/wire/delta.py).
         """
         if not isinstance(other, ModelGroup):
             raise ValueError(f"copy_to needs another ModelGroup, got {type(other).__name__}")
@@ -1149,7 +1149,7 @@ class ModelGroup:
         hold_source: bool = True,
         delta: bool = False,
     ) -> StagedUpdate:
-        """Start a staged update of ``dest`` from this group (actors/staged.py). ``version_of()``:
+        """Start a staged update of ``dest`` from this group (actors/driver/staged.py). ``version_of()``:
         the version it brings, read once the source is held (``hold_source=False``: the caller
         holds it, as a fleet update does for all its replicas); ``timeout_s`` bounds the transfer
         (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``."""
@@ -1436,7 +1436,7 @@ def _remote_class(config: GroupConfig, worker_cls: type = ShardWorker):
     """The actor class with the group's resources; per-actor options (name, bundle) come on top.
 
     The control concurrency group answers pings while the default group is busy in a transfer;
-    the stage group runs staged transfers beside the user's calls (actors/threads.py).
+    the stage group runs staged transfers beside the user's calls (actors/lanes.py).
     """
     return ray.remote(
         num_cpus=config.cpus_per_worker,

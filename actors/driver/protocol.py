@@ -36,13 +36,13 @@ from typing import Any, NoReturn, Sequence
 
 import ray
 
-from actors.delta import DeltaOrder
-from actors.delta import summary as delta_summary
 from actors.errors import ReallocationError
-from actors.executor import PeerView, worker_shares
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
-from actors.resident import KeepOrder
 from actors.trace import slowest
+from actors.wire.delta import DeltaOrder
+from actors.wire.delta import summary as delta_summary
+from actors.wire.executor import PeerView, worker_shares
+from actors.worker.kept import KeepOrder
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 
@@ -61,7 +61,7 @@ class PhaseResult:
     resident_in_place_bytes: int = 0  # the largest worker's kept layouts on its device
     resident_host_bytes: int = 0  # ... and in host memory
     refreshed: bool = False  # the destination was a kept layout, written in place
-    delta: dict | None = None  # a move with delta=True: actors.delta.summary
+    delta: dict | None = None  # a move with delta=True: actors.wire.delta.summary
     slowest: dict | None = None  # the slowest worker and its slowest phase (actors.trace.slowest)
     phases: tuple = ()  # each worker's seconds by phase, where its report has them
 
@@ -160,8 +160,8 @@ class Operation:
         rolls a committed one back: afterwards every live worker holds the old layout, as after a
         failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
         rewrites destination buffers that other workers may still be reading. ``keep``: every
-        worker keeps the layout it leaves resident (actors/resident.py). ``delta``: a move with
-        ``delta=True`` (actors/delta.py). ``convert``: the layout the destination workers convert
+        worker keeps the layout it leaves resident (actors/worker/kept.py). ``delta``: a move with
+        ``delta=True`` (actors/wire/delta.py). ``convert``: the layout the destination workers convert
         into before committing (realloc/plan/formats.py; the plan's destination is that layout in
         the source's weight format).
         """

@@ -8,8 +8,8 @@ buffers), tagged with the layout it sent from and the weight version. A move wit
 :class:`DeltaOrder`: when the driver knows that the destination holds exactly that version
 (a copy it made from this group and nothing wrote since; a kept layout of that version) and the
 destination has not taken ``GroupConfig.delta_anchor_every - 1`` deltas in a row, ``base`` names
-the version and every transport route travels as deltas (``actors/executor.py``,
-:class:`~actors.executor.DeltaSides`); otherwise it is an anchor: a full move. Either way the
+the version and every transport route travels as deltas (``actors/wire/executor.py``,
+:class:`~actors.wire.executor.DeltaSides`); otherwise it is an anchor: a full move. Either way the
 senders copy what they sent into their base once their part is done, tagged with ``version``.
 
 Nothing trusts the bookkeeping alone: a sender whose base is not tagged ``base`` sends its
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.executor import DELTA_COUNTERS
+from actors.wire.executor import DELTA_COUNTERS
 from realloc.layout import RankLayout
 from realloc.shards import ShardStore
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.executor import StepRunner, received_share
+from actors.wire.executor import StepRunner, received_share
 from realloc._checks import check_nonneg
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.files import (

@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from actors.parallel import ParallelGroups
+from actors.worker.parallel import ParallelGroups
 from realloc.layout import Layout, RankLayout, Topology
 from realloc.shards import BindReport, bind_module, fused_views, shard_views
 
@@ -66,7 +66,7 @@ class ShardContext:
     place of q/k/v/gate/up, :func:`realloc.shards.fused.fused_views` with ``convention="megatron"``.)
     ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
     ``groups`` the dp/fsdp/tp/pp process groups of this rank of the layout
-    (:class:`~actors.parallel.ParallelGroups`). ``version`` is the weight version these tensors
+    (:class:`~actors.worker.parallel.ParallelGroups`). ``version`` is the weight version these tensors
     hold (record it with every token generated). Everything here is valid until the next change
     (which :meth:`safe_point` may bring: it updates this context in place).
     """

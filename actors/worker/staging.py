@@ -1,7 +1,7 @@
 """The worker's side of staged updates: weights that arrive while the worker serves.
 
 A staged update (``ModelGroup.copy_to(..., stage=True)``, ``reallocate(..., stage=True)``,
-driver side in :mod:`actors.staged`) writes a *shadow* set of this worker's buffers on the
+driver side in :mod:`actors.driver.staged`) writes a *shadow* set of this worker's buffers on the
 worker's ``stage`` thread (a Ray concurrency group of its own) over a transport of its own,
 while the default thread keeps running the user's calls on the serving buffers. Nothing the
 worker serves changes until the update is switched in:
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from actors.context import ShardChange, ShardContext
 from actors.errors import StaleOperationError
-from actors.executor import Phases
-from actors.resident import KeepOrder, Resident
-from actors.threads import CONTROL, STAGE
-from actors.transport import Transport, host_rendezvous
+from actors.lanes import CONTROL, STAGE
+from actors.wire.executor import Phases
+from actors.wire.transport import Transport, host_rendezvous
+from actors.worker.context import ShardChange, ShardContext
+from actors.worker.kept import KeepOrder, Resident
 from realloc.layout import RankLayout
 from realloc.shards import ShardStore, buffers_nbytes, zero_padding
 
@@ -107,7 +107,7 @@ class StagingMixin:
     ) -> dict:
         """This worker's part of a staged update: prepare its shadow set (if it receives), run the
         plan over the staged world into it, and report. The serving buffers are only read.
-        ``delta``: an :class:`~actors.delta.DeltaOrder` (a staged copy with ``delta=True``).
+        ``delta``: an :class:`~actors.wire.delta.DeltaOrder` (a staged copy with ``delta=True``).
         ``convert``: the layout the shadow set ends in when the plan brings it in the sender's
         weight format (converted here, before it is ready)."""
         st = self._realloc
