@@ -9,10 +9,9 @@ from actors.driver.fleet import Fleet, FleetUpdate
 from actors.driver.group import ModelGroup, ReallocStats
 from actors.driver.staged import StagedUpdate
 from actors.errors import GroupBusyError, HookError, ReallocationError, StaleOperationError
+from actors.records import CheckpointFault, ResidentLayout, ShardChange
 from actors.worker import ShardWorker
-from actors.worker.checkpoint import CheckpointFault
-from actors.worker.context import ShardChange, ShardContext
-from actors.worker.kept import ResidentLayout
+from actors.worker.context import ShardContext
 
 __all__ = [
     "CheckpointFault",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.wire.delta import DELTA_PLACES
+from actors.records import DELTA_PLACES
 from realloc._checks import check_finite, check_int
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths
 

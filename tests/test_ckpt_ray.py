@@ -20,8 +20,8 @@ ray = pytest.importorskip("ray")
 from simulated import lose_node, simulated_cluster
 
 from actors.driver.checkpoint import CheckpointManager
+from actors.records import CheckpointFault
 from actors.wire.zero_copy import sweep_stale_buffers
-from actors.worker.checkpoint import CheckpointFault
 from realloc import ModelSpec, Placement, Topology
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
 from realloc.ckpt.hf import INDEX_FILE, scan_hf_dir

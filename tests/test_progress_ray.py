@@ -19,8 +19,8 @@ from simulated import simulated_cluster
 
 from actors.driver import checkpoint
 from actors.driver.checkpoint import CheckpointManager
+from actors.records import CheckpointFault
 from actors.wire.zero_copy import sweep_stale_buffers
-from actors.worker.checkpoint import CheckpointFault
 from realloc import ModelSpec, Topology
 from realloc.ckpt.errors import CheckpointError
 from realloc.progress import PROGRESS_ENV, Progress

@@ -26,10 +26,9 @@ import ray
 
 from actors import metrics
 from actors.errors import HookError, ReallocationError
+from actors.records import CheckpointFault, ShardChange
 from actors.remote import each_result, fire, gather
 from actors.wire.executor import PeerView, worker_shares
-from actors.worker.checkpoint import CheckpointFault
-from actors.worker.context import ShardChange
 from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError

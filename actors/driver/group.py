@@ -41,19 +41,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors import metrics
 from actors.config import GroupConfig
 from actors.driver.checkpoint import CheckpointManager
-from actors.driver.protocol import Operation
+from actors.driver.protocol import Operation, delta_summary
 from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.lanes import CONCURRENCY_GROUPS
+from actors.records import DeltaOrder, KeepOrder, ResidentLayout, ShardChange, check_keep
 from actors.remote import Deadline, Workers, call_all, diagnose, each_result, gather, settle
 from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
-from actors.wire.delta import DeltaOrder
-from actors.wire.delta import summary as delta_summary
 from actors.wire.zero_copy import sweep_stale_buffers
 from actors.worker import RESERVED_METHODS, ShardWorker
-from actors.worker.context import ShardChange
-from actors.worker.kept import KeepOrder, ResidentLayout, check_keep
 from realloc._checks import check_nonneg, is_int
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
@@ -82,7 +79,7 @@ class ReallocStats:
     version afterwards. For a staged update (actors/driver/staged.py) ``pause_seconds`` is 0 (nobody
     waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
     the largest worker's shadow set. ``delta``: for a move with ``delta=True``, what travelled
-    (:func:`actors.wire.delta.summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
+    (:func:`actors.driver.protocol.delta_summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
     against ``bytes``, the senders' base memory); None otherwise. ``conversion``: for a copy
     between weight formats, where they were converted (``"source"``: before sending, the wire
     carrying the destination's format; ``"destination"``: after receiving); None otherwise.
@@ -395,7 +392,7 @@ class ModelGroup:
         return max(self.version + 1, source.version)
 
     def _delta_order(self, delta: bool, dest: "ModelGroup", holds: int | None) -> DeltaOrder | None:
-        """The :class:`~actors.wire.delta.DeltaOrder` of a move from this group with ``delta`` into
+        """The :class:`~actors.records.DeltaOrder` of a move from this group with ``delta`` into
         ``dest`` (this group itself for a refresh of a kept layout), which holds this group's
         weights of version ``holds`` (None: not known to hold any): a delta when every worker's
         base is of this layout and that version and ``dest`` is not due a full copy, else an anchor."""

@@ -38,10 +38,9 @@ from typing import Any, Callable, Sequence
 from actors import metrics
 from actors.driver.protocol import worker_plan_refs
 from actors.errors import ReallocationError
+from actors.records import KeepOrder, ResidentLayout, ShardChange
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle, undo
 from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
-from actors.worker.context import ShardChange
-from actors.worker.kept import KeepOrder, ResidentLayout
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 

@@ -1,11 +1,11 @@
-"""Delta moves between the driver and the workers: what a move tells its workers, and the copy
-of the weights each sender keeps (issue 24).
+"""Delta moves on the wire: the copy of the weights each sender keeps, and what it computes its
+deltas against (issue 24). The order the driver sends is :class:`actors.records.DeltaOrder`.
 
 A group created with ``GroupConfig(delta="host")`` (or ``"device"``) keeps, on every worker, a
 copy of the weights it last sent (its *base*: one shard per worker, in host memory or beside the
 buffers), tagged with the layout it sent from and the weight version. A move with ``delta=True``
 (``copy_to``, its staged form, ``reallocate`` back to a kept layout) then carries a
-:class:`DeltaOrder`: when the driver knows that the destination holds exactly that version
+:class:`~actors.records.DeltaOrder`: when the driver knows that the destination holds exactly that version
 (a copy it made from this group and nothing wrote since; a kept layout of that version) and the
 destination has not taken ``GroupConfig.delta_anchor_every - 1`` deltas in a row, ``base`` names
 the version and every transport route travels as deltas (``actors/wire/executor.py``,
@@ -24,27 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.wire.executor import DELTA_COUNTERS
+from actors.records import DeltaOrder
 from realloc.layout import RankLayout
 from realloc.shards import ShardStore
-
-#: Where a group's workers keep their base: ``"host"`` (host memory; the same as ``"device"`` for
-#: CPU workers) or ``"device"`` (beside the buffers).
-DELTA_PLACES = ("host", "device")
-
-
-@dataclass(frozen=True)
-class DeltaOrder:
-    """What a move with ``delta=True`` tells its workers.
-
-    ``base``: the weight version the destination holds and the senders' bases must hold for the
-    routes to travel as deltas; None: an anchor (a full move). ``version``: the source's weight
-    version now; the senders' bases take it once their part is sent. ``where``: where the bases
-    are kept (:data:`DELTA_PLACES`)."""
-
-    base: int | None
-    version: int
-    where: str = "host"
 
 
 @dataclass
@@ -93,22 +75,3 @@ def snapshot(base: Base | None, held: RankLayout, buffers: dict[str, torch.Tenso
     for k, b in buffers.items():
         copies[k].copy_(b)
     return Base(held, order.version, copies)
-
-
-def summary(results: list[dict], order: DeltaOrder | None) -> dict | None:
-    """``ReallocStats.delta`` of a move that carried ``order``: ``mode`` (``"delta"``, or
-    ``"anchor"``: a full move), ``base_version``, the buckets that travelled as deltas, whole
-    (their delta would not have been smaller, or the sender had no base of that version) and
-    again whole after a missed checksum (``repaired``), ``bytes`` (what the routes carry in
-    full) and ``wire_bytes`` (what travelled: headers, deltas, whole buckets, flags; for an
-    anchor, every byte moved between workers), and ``base_bytes_per_actor``: the largest
-    sender's base, the memory this costs."""
-    if order is None:
-        return None
-    out = {"mode": "delta" if order.base is not None else "anchor", "base_version": order.base}
-    out.update({k: sum(r.get("delta", {}).get(k, 0) for r in results) for k in DELTA_COUNTERS})
-    if order.base is None:
-        moved = sum(r["bytes"]["intra"] + r["bytes"]["inter"] for r in results)
-        out["bytes"] = out["wire_bytes"] = moved
-    out["base_bytes_per_actor"] = max((r.get("delta_base_bytes", 0) for r in results), default=0)
-    return out

@@ -14,6 +14,7 @@ import numpy as np
 import ray
 import torch
 
+from actors.records import DELTA_COUNTERS
 from realloc.layout import RankLayout
 from realloc.plan import Piece, Plan, bucket_nbytes
 from realloc.plan.slices import PlanSlice, slice_plan
@@ -217,12 +218,6 @@ def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
     if len(views) != 1 or not views[0].is_contiguous():
         return None
     return views[0].reshape(-1).view(torch.uint8)
-
-
-#: What :class:`DeltaSides` counts of the buckets it receives: all of them, those whose delta
-#: landed, those that travelled whole, those sent again whole after a missed checksum, the bytes
-#: that travelled, the bytes the buckets hold.
-DELTA_COUNTERS = ("buckets", "delta", "whole", "repaired", "wire_bytes", "bytes")
 
 
 @dataclass

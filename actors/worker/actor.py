@@ -36,10 +36,11 @@ import torch
 from actors import metrics
 from actors.errors import StaleOperationError
 from actors.lanes import CONTROL
+from actors.records import DeltaOrder, KeepOrder, ShardChange
 from actors.trace import clock_reading
 from actors.wire import communicator
 from actors.wire.communicator import Communicators
-from actors.wire.delta import Base, DeltaOrder, sender_base, snapshot
+from actors.wire.delta import Base, sender_base, snapshot
 from actors.wire.executor import (
     Cuts,
     DeltaSides,
@@ -55,8 +56,8 @@ from actors.wire.executor import (
 from actors.wire.transport import Transport, backend_for, connect_rendezvous, host_rendezvous, wire_device
 from actors.wire.zero_copy import BufferAllocator, handle_identity, open_handles
 from actors.worker.checkpoint import CheckpointMixin
-from actors.worker.context import ShardChange, ShardContext
-from actors.worker.kept import KeepOrder, Resident, copy_into, to_host
+from actors.worker.context import ShardContext
+from actors.worker.kept import Resident, copy_into, to_host
 from actors.worker.parallel import ParallelGroups
 from actors.worker.staging import StagingMixin
 from realloc.boxes import box_index

@@ -31,10 +31,11 @@ import torch
 
 from actors.errors import StaleOperationError
 from actors.lanes import CONTROL, STAGE
+from actors.records import KeepOrder, ShardChange
 from actors.wire.executor import Phases
 from actors.wire.transport import Transport, host_rendezvous
-from actors.worker.context import ShardChange, ShardContext
-from actors.worker.kept import KeepOrder, Resident
+from actors.worker.context import ShardContext
+from actors.worker.kept import Resident
 from realloc.layout import RankLayout
 from realloc.shards import ShardStore, buffers_nbytes, zero_padding
 
@@ -107,7 +108,7 @@ class StagingMixin:
     ) -> dict:
         """This worker's part of a staged update: prepare its shadow set (if it receives), run the
         plan over the staged world into it, and report. The serving buffers are only read.
-        ``delta``: an :class:`~actors.wire.delta.DeltaOrder` (a staged copy with ``delta=True``).
+        ``delta``: an :class:`~actors.records.DeltaOrder` (a staged copy with ``delta=True``).
         ``convert``: the layout the shadow set ends in when the plan brings it in the sender's
         weight format (converted here, before it is ready)."""
         st = self._realloc
