@@ -23,7 +23,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from actors.wire.executor import DeltaSides, PeerView, Staging, StepRunner
+from actors.wire.delta import DeltaSides
+from actors.wire.executor import Staging, StepRunner
+from actors.wire.shares import PeerView
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
 from realloc.plan.slices import slice_plan

@@ -335,7 +335,8 @@ def _plan_for_steps():
 
 def _steps_worker(rank: int, port: int, n: int, ahead: int) -> None:
     import actors.wire.executor as executor
-    from actors.wire.executor import PeerView, Staging, StepRunner
+    from actors.wire.executor import Staging, StepRunner
+    from actors.wire.shares import PeerView
     from realloc.plan.slices import slice_plan
     from realloc.shards import ShardStore, allocate_buffers, copy_local, execute_in_process
 

@@ -28,7 +28,7 @@ from actors import metrics
 from actors.errors import HookError, ReallocationError
 from actors.records import CheckpointFault, ShardChange
 from actors.remote import each_result, fire, gather
-from actors.wire.executor import PeerView, worker_shares
+from actors.wire.shares import PeerView, worker_shares
 from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError

@@ -39,7 +39,7 @@ from actors.errors import ReallocationError
 from actors.records import DELTA_COUNTERS, DeltaOrder, KeepOrder, PhaseResult
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
 from actors.trace import slowest
-from actors.wire.executor import PeerView, worker_shares
+from actors.wire.shares import PeerView, worker_shares
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 

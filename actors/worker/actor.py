@@ -40,19 +40,9 @@ from actors.records import DeltaOrder, KeepOrder, ShardChange
 from actors.trace import clock_reading
 from actors.wire import communicator
 from actors.wire.communicator import Communicators
-from actors.wire.delta import Base, sender_base, snapshot
-from actors.wire.executor import (
-    Cuts,
-    DeltaSides,
-    PeerTable,
-    PeerView,
-    Phases,
-    Staging,
-    StepRunner,
-    collector_paused,
-    is_zero_copy,
-    received_share,
-)
+from actors.wire.delta import Base, DeltaSides, sender_base, snapshot
+from actors.wire.executor import Cuts, Phases, Staging, StepRunner, collector_paused, received_share
+from actors.wire.shares import PeerTable, PeerView, is_zero_copy
 from actors.wire.transport import Transport, backend_for, connect_rendezvous, host_rendezvous, wire_device
 from actors.wire.zero_copy import BufferAllocator, handle_identity, open_handles
 from actors.worker.checkpoint import CheckpointMixin
