@@ -356,7 +356,7 @@ class StagingMixin:
 
 
 class _StagedOp:
-    """The slice of a :class:`~actors.worker.PendingOp` that ``ShardWorker._run`` uses, over a shadow set."""
+    """The slice of a :class:`~actors.worker.actor.PendingOp` that ``ShardWorker._run`` uses, over a shadow set."""
 
     def __init__(self, staged: StagedSet):
         self.id, self.dst, self.buffers = staged.id, staged.dst, staged.buffers
