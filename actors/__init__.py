@@ -3,16 +3,15 @@
 Only hands names on; each is defined in the module named beside it.
 """
 
-from actors.checkpoint import CheckpointManager, HFExportStats, LoadStats, SaveHandle, SaveStats
-from actors.ckpt_worker import CheckpointFault
 from actors.config import GroupConfig
-from actors.context import ShardChange, ShardContext
+from actors.driver.checkpoint import CheckpointManager, HFExportStats, LoadStats, SaveHandle, SaveStats
+from actors.driver.fleet import Fleet, FleetUpdate
+from actors.driver.group import ModelGroup, ReallocStats
+from actors.driver.staged import StagedUpdate
 from actors.errors import GroupBusyError, HookError, ReallocationError, StaleOperationError
-from actors.fleet import Fleet, FleetUpdate
-from actors.group import ModelGroup, ReallocStats
-from actors.resident import ResidentLayout
-from actors.staged import StagedUpdate
+from actors.records import CheckpointFault, ResidentLayout, ShardChange
 from actors.worker import ShardWorker
+from actors.worker.context import ShardContext
 
 __all__ = [
     "CheckpointFault",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.delta import DELTA_PLACES
+from actors.records import DELTA_PLACES
 from realloc._checks import check_finite, check_int
 from realloc.plan import DEFAULT_BUCKET_BYTES, Bandwidths
 
@@ -40,7 +40,7 @@ class GroupConfig:
     ``delta``: ``"host"`` or ``"device"`` lets this group's moves run with ``delta=True``
     (``copy_to``, ``reallocate`` back to a kept layout): every worker keeps a copy of the weights
     it last sent (one shard: its base) in host memory or beside its buffers, and only the
-    elements that changed since travel (actors/delta.py); None (the default) keeps nothing.
+    elements that changed since travel (actors/wire/delta.py); None (the default) keeps nothing.
     ``delta_anchor_every``: with it, every this-many-th move into the same destination is a full
     copy (an anchor), whatever the bookkeeping says (1: every move).
 

@@ -18,7 +18,7 @@ Ray dashboard and any Prometheus/Grafana set-up show them:
 * ``realloc_weight_version{model}``: recorded on the driver, the weight version a group holds
   (a staged update's source version once it is committed);
 * ``realloc_checkpoint_seconds{model,op}``: recorded on the driver at the successful end of each
-  checkpoint operation of :class:`~actors.checkpoint.CheckpointManager`, its wall time; ``op``
+  checkpoint operation of :class:`~actors.driver.checkpoint.CheckpointManager`, its wall time; ``op``
   ``save`` (writes, replication and removal of older iterations; an async save when its
   ``wait`` finishes), ``restore`` / ``reshard`` (a ``load``, by the method it took),
   ``import_hf``, ``export_hf``; ``realloc_checkpoint_wall_seconds_total{model,op}`` their exact sum;

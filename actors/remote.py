@@ -9,7 +9,7 @@ or hung process: the one the others are waiting for) and workers that are merely
 
 Deadlines: a call's deadline (:class:`Deadline`, ``timeout_s`` of the group) bounds the wait for
 the answers; its failure path (the diagnosis here, then the operation's aborts and clean-up in
-:mod:`actors.protocol` and :mod:`actors.group`) shares one fixed window of
+:mod:`actors.driver.protocol` and :mod:`actors.driver.group`) shares one fixed window of
 :data:`FAILURE_GRACE_S` opened by the first failure, and waits for nothing beyond it: a silent
 worker's abort is sent and queued, not awaited. So a failed call raises within its deadline plus
 ``FAILURE_GRACE_S``.

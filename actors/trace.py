@@ -1,7 +1,7 @@
 """A move's trace: every worker's phases and steps on the driver's clock, as Chrome trace JSON.
 
-Each worker records the timeline of the move it runs as it runs it (``actors/executor.py``,
-:class:`~actors.executor.Phases`: its phases, each step's exchange with its peers, its local
+Each worker records the timeline of the move it runs as it runs it (``actors/wire/executor.py``,
+:class:`~actors.wire.executor.Phases`: its phases, each step's exchange with its peers, its local
 copies); the driver gathers the timelines on request (``ModelGroup.last_trace()``) and this module
 puts them on one clock and writes them in the Chrome trace event format, which Perfetto
 (ui.perfetto.dev) and ``chrome://tracing`` open:
@@ -123,7 +123,7 @@ def gather_trace(move: MoveRef, deadline: Deadline, staged: bool = False) -> Mov
 class WorkerTimeline:
     """One worker's part of a move: its actor name, its node (index into ``MoveTrace.nodes``), its
     clock's offset from the driver's (seconds to subtract) and its record
-    (:meth:`~actors.executor.Phases.record`)."""
+    (:meth:`~actors.wire.executor.Phases.record`)."""
 
     name: str
     node: int

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.group import ModelGroup
+from actors.driver.group import ModelGroup
 from realloc import ModelSpec, Topology
 from realloc_tools.cluster import ray_for_command
 

@@ -3,7 +3,7 @@
 For 2 and 4 processes (torch.multiprocessing spawn, one machine, one TCPStore opened by the
 parent on an OS-chosen port), each rank measures:
 
-  private       ``actors.communicator.private_group`` (what the transport builds: a ProcessGroup
+  private       ``actors.wire.communicator.private_group`` (what the transport builds: a ProcessGroup
                 on a PrefixStore with a gloo backend, never registered in torch's ``_world``)
   init_pg       ``dist.init_process_group(backend="gloo", store=...)`` (the default group)
   new_group     ``dist.new_group(all ranks)`` after ``init_process_group`` (not counted)
@@ -45,7 +45,7 @@ def _sync(store: dist.Store, key: str, n: int) -> None:
 
 
 def _worker(rank: int, port: int, n: int, reps: int, nbytes: int) -> None:
-    from actors import communicator
+    from actors.wire import communicator
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=TIMEOUT_S)

@@ -19,9 +19,9 @@ ray = pytest.importorskip("ray")
 
 from simulated import lose_node, simulated_cluster
 
-from actors.checkpoint import CheckpointManager
-from actors.ckpt_worker import CheckpointFault
-from actors.zero_copy import sweep_stale_buffers
+from actors.driver.checkpoint import CheckpointManager
+from actors.records import CheckpointFault
+from actors.wire.zero_copy import sweep_stale_buffers
 from realloc import ModelSpec, Placement, Topology
 from realloc.ckpt.errors import CheckpointError, MissingShardsError
 from realloc.ckpt.hf import INDEX_FILE, scan_hf_dir

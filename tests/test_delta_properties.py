@@ -2,7 +2,7 @@
 
 Every worker of a random plan (tests/test_planner_properties.py's strategies: reallocations and
 copies between disjoint worker sets, random placements and bucket sizes) runs its routes as
-deltas (``actors/executor.py``, ``StepRunner`` with ``DeltaSides``) in a thread of this process,
+deltas (``actors/wire/executor.py``, ``StepRunner`` with ``DeltaSides``) in a thread of this process,
 over an in-memory transport written here (one FIFO per ordered pair; it shares no code with the
 project's). Sources hold version 2 of random weights, their bases and the destinations' bases
 version 1 (the oracle's slices, tests/oracle.py, of the same full tensors before and after a
@@ -23,7 +23,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from actors.executor import DeltaSides, PeerView, Staging, StepRunner
+from actors.wire.delta import DeltaSides
+from actors.wire.executor import Staging, StepRunner
+from actors.wire.shares import PeerView
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
 from realloc.plan.slices import slice_plan

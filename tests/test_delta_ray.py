@@ -1,4 +1,4 @@
-"""Delta moves with real Ray actors and gloo (actors/delta.py, issue 24): only the elements that
+"""Delta moves with real Ray actors and gloo (actors/wire/delta.py, issue 24): only the elements that
 changed travel, checksummed, and the destination is bit-identical to the source after every
 move, also when someone tried to make it otherwise: a destination changed behind the driver's
 back, a skipped version, a restarted worker, a worker killed during a delta move."""

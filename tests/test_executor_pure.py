@@ -1,10 +1,10 @@
-"""The worker-side executor's helpers that need no Ray (actors/executor.py)."""
+"""The worker-side executor's helpers that need no Ray (actors/wire/executor.py)."""
 
 import gc
 
 import pytest
 
-from actors.executor import collector_paused
+from actors.wire.executor import collector_paused
 
 
 @pytest.mark.parametrize("enabled", [True, False])

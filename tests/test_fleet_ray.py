@@ -1,4 +1,4 @@
-"""An elastic rollout fleet with real Ray actors (actors/fleet.py): replicas updated as one while
+"""An elastic rollout fleet with real Ray actors (actors/driver/fleet.py): replicas updated as one while
 they serve, and a replica that joins mid-run seeded from the serving replicas, not the trainer.
 A replica dying during an update: tests/test_staged_faults_ray.py."""
 

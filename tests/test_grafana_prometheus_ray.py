@@ -77,7 +77,7 @@ def saved_bytes(saves) -> dict[tuple[str, str], float]:
 
 def test_dashboard_queries_return_the_moves_numbers(tmp_path, monkeypatch):
     from actors import ModelGroup
-    from actors.checkpoint import CheckpointManager
+    from actors.driver.checkpoint import CheckpointManager
 
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "1000")  # before the cluster's processes start
     dashboard = grafana.shipped()

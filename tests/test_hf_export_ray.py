@@ -17,8 +17,8 @@ ray = pytest.importorskip("ray")
 from simulated import simulated_cluster
 
 from actors import ModelGroup
-from actors.checkpoint import CheckpointManager
-from actors.zero_copy import sweep_stale_buffers
+from actors.driver.checkpoint import CheckpointManager
+from actors.wire.zero_copy import sweep_stale_buffers
 from realloc import Topology
 from realloc.ckpt.hf import INDEX_FILE, SINGLE_FILE
 from realloc.spec import decoder_spec, hf_config_of, spec_from_hf_config

@@ -22,11 +22,11 @@ ray = pytest.importorskip("ray")
 
 from simulated import simulated_cluster
 
-import actors.checkpoint as checkpoint_module
+import actors.driver.checkpoint as checkpoint_module
 from actors import HookError, ModelGroup, ShardWorker
-from actors.checkpoint import CheckpointManager
+from actors.driver.checkpoint import CheckpointManager
 from actors.errors import ReallocationError
-from actors.zero_copy import sweep_stale_buffers
+from actors.wire.zero_copy import sweep_stale_buffers
 from realloc import Topology
 from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.hf import INDEX_FILE, export_state, save_hf_dir

@@ -28,7 +28,7 @@ ray = pytest.importorskip("ray")
 from actors import ModelGroup, ShardWorker
 from actors.config import GroupConfig
 from actors.errors import ReallocationError
-from actors.zero_copy import sweep_stale_buffers
+from actors.wire.zero_copy import sweep_stale_buffers
 from realloc import ModelSpec, Placement, Topology
 from realloc.ckpt.errors import CheckpointError
 from realloc.ckpt.hf import save_hf_dir

@@ -76,7 +76,7 @@ def test_the_refresh_follows_the_report_interval_and_survives_a_failing_gauge(mo
 
 
 def test_checkpoint_stats_become_seconds_and_bytes_by_kind(monkeypatch):
-    from actors.checkpoint import LoadStats, SaveStats
+    from actors.driver.checkpoint import LoadStats, SaveStats
 
     inst = {k: FakeInstrument() for k in ("ckpt_seconds", "ckpt_bytes")}
     monkeypatch.setattr(metrics, "_driver_instruments", lambda: inst)

@@ -18,8 +18,8 @@ ray = pytest.importorskip("ray")
 
 from simulated import lose_node, simulated_cluster
 
-from actors.checkpoint import CheckpointManager
-from actors.zero_copy import sweep_stale_buffers
+from actors.driver.checkpoint import CheckpointManager
+from actors.wire.zero_copy import sweep_stale_buffers
 from realloc import Topology
 from realloc.spec import load_spec
 

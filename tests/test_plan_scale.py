@@ -141,7 +141,7 @@ def test_piece_table_of_engine_conventions(options, topology):
 
 
 def test_an_rl_loop_alternating_two_layouts_plans_each_direction_once():
-    from actors.group import _plan
+    from actors.driver.group import _plan
     from realloc.plan import Bandwidths
 
     spec = FSDP8.spec()
@@ -176,7 +176,7 @@ def test_cyclic_schedule_only_where_it_costs_few_steps():
 def test_expert_process_groups_follow_megatrons_expert_mesh(topology):
     """Written from Megatron-core's RankGenerator(tp=etp, ep, dp=edp, pp, order "tp-ep-dp-pp"):
     inside a stage, rank = etp_rank + etp * (ep_rank + ep * edp_rank)."""
-    from actors.parallel import GroupRanks
+    from actors.worker.parallel import GroupRanks
     from realloc.spec import load_spec
 
     spec = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
@@ -201,7 +201,7 @@ def test_expert_process_groups_follow_megatrons_expert_mesh(topology):
 def test_expert_process_groups_follow_torchtitans_sparse_mesh(topology):
     """Written from torchtitan's ParallelDims.build_mesh: the world unflattened as (pp,
     dp_replicate, efsdp, ep), ep fastest; edp: the efsdp x dp_replicate ranks of one ep rank."""
-    from actors.parallel import GroupRanks
+    from actors.worker.parallel import GroupRanks
     from realloc.spec import load_spec
 
     spec = load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny-moe.json"))
@@ -224,7 +224,7 @@ def test_expert_process_groups_follow_torchtitans_sparse_mesh(topology):
 @pytest.mark.parametrize("topology", ["dp=2,fsdp=2,tp=2,pp=2", "dp=1,fsdp=4", "dp=2,tp=2"])
 def test_expert_process_groups_without_expert_parallelism_hold_the_rank(topology):
     """No expert parallelism (fsdp included): ep is the rank alone, etp its tp group, edp its dp group."""
-    from actors.parallel import GroupRanks
+    from actors.worker.parallel import GroupRanks
 
     layout = Layout(ModelSpec.preset("tiny"), Topology.parse(topology))
     for rank in range(layout.topology.world_size):

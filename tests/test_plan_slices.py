@@ -159,7 +159,7 @@ def test_a_slice_shipped_to_another_worker_is_refused():
 
 def test_a_fresh_slice_answers_two_threads_at_once():
     """A worker reads its slice from two threads from the start (local copies run beside the
-    transfers, actors/worker.py ``_run``): the first lookups of segment lists, racing, must all
+    transfers, actors/worker/actor.py ``_run``): the first lookups of segment lists, racing, must all
     find their lists (a 64-worker Ray move once failed with ``KeyError: segment list 9 is not in
     worker 57's slice`` while the other thread was still filling the index)."""
     import sys

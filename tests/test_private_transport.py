@@ -1,4 +1,4 @@
-"""The private transport (actors/communicator.py, actors/transport.py) beside user code that owns
+"""The private transport (actors/wire/communicator.py, actors/wire/transport.py) beside user code that owns
 torch.distributed's default group. Pure torch, no Ray: processes from torch.multiprocessing spawn
 over gloo, one TCPStore opened by the test on an OS-chosen port; every wait has a timeout."""
 
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors import communicator
-from actors.communicator import Communicators, private_group
-from actors.transport import HostStaging, Transport, check_in, check_in_keys
+from actors.wire import communicator
+from actors.wire.communicator import Communicators, private_group
+from actors.wire.transport import HostStaging, Transport, check_in, check_in_keys
 
 CPU = torch.device("cpu")
 TIMEOUT_S = 10.0
@@ -334,8 +334,9 @@ def _plan_for_steps():
 
 
 def _steps_worker(rank: int, port: int, n: int, ahead: int) -> None:
-    import actors.executor as executor
-    from actors.executor import PeerView, Staging, StepRunner
+    import actors.wire.executor as executor
+    from actors.wire.executor import Staging, StepRunner
+    from actors.wire.shares import PeerView
     from realloc.plan.slices import slice_plan
     from realloc.shards import ShardStore, allocate_buffers, copy_local, execute_in_process
 
@@ -368,7 +369,7 @@ def test_plan_steps_over_gloo_with_messages_posted_ahead(ahead):
     exchanged (0: one at a time) among staged ones, fan-out steps included: each worker ends with
     exactly the in-process executor's destination, and nothing waits forever (pairs that send to
     each other in one step each hold a staged send and a staged receive)."""
-    import actors.executor as executor
+    import actors.wire.executor as executor
 
     a, b, plan = _plan_for_steps()
     pairs = {(s, src, dst) for s, src, dst, _ in plan.routes()}

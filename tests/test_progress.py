@@ -132,10 +132,10 @@ def test_cli_log_options():
 def test_cli_logging_shows_this_projects_records_and_only_warnings_of_others():
     code = (
         "import logging; from realloc_tools.cli import configure_logging; configure_logging('DEBUG'); "
-        "logging.getLogger('actors.checkpoint').debug('ours at debug'); "
+        "logging.getLogger('actors.driver.checkpoint').debug('ours at debug'); "
         "logging.getLogger('ray').info('ray at info'); logging.getLogger('ray').warning('ray at warning')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "DEBUG actors.checkpoint: ours at debug" in proc.stderr and "ray at warning" in proc.stderr
+    assert "DEBUG actors.driver.checkpoint: ours at debug" in proc.stderr and "ray at warning" in proc.stderr
     assert "ray at info" not in proc.stderr

@@ -1,7 +1,7 @@
 """Operation logs and progress bars of checkpoints and HF import/export with real Ray actors.
 
 One simulated cluster (two nodes of 4 CPUs) and one group of 8 workers for the module; tests run
-in file order. ``actors.checkpoint.Progress`` is replaced by a subclass that remembers every
+in file order. ``actors.driver.checkpoint.Progress`` is replaced by a subclass that remembers every
 operation, so a test reads what each step's bar counted.
 """
 
@@ -17,10 +17,10 @@ ray = pytest.importorskip("ray")
 
 from simulated import simulated_cluster
 
-from actors import checkpoint
-from actors.checkpoint import CheckpointManager
-from actors.ckpt_worker import CheckpointFault
-from actors.zero_copy import sweep_stale_buffers
+from actors.driver import checkpoint
+from actors.driver.checkpoint import CheckpointManager
+from actors.records import CheckpointFault
+from actors.wire.zero_copy import sweep_stale_buffers
 from realloc import ModelSpec, Topology
 from realloc.ckpt.errors import CheckpointError
 from realloc.progress import PROGRESS_ENV, Progress
@@ -58,7 +58,7 @@ def made(monkeypatch) -> list[Progress]:
     return made
 
 
-def messages(caplog, level: int = logging.INFO, logger: str = "actors.checkpoint") -> list[str]:
+def messages(caplog, level: int = logging.INFO, logger: str = "actors.driver.checkpoint") -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == level]
 
 
@@ -73,7 +73,7 @@ def check_end(record: str, what: str, nbytes: int, seconds: float) -> None:
 
 def test_save_and_load_log_start_and_end_with_bytes_and_seconds(env, made, caplog, capsys, monkeypatch):
     monkeypatch.delenv(PROGRESS_ENV, raising=False)  # stderr is not a terminal here: no bars
-    caplog.set_level(logging.INFO, logger="actors.checkpoint")
+    caplog.set_level(logging.INFO, logger="actors.driver.checkpoint")
     g, m = env.group, env.manager
     stats = m.save(1).wait()
     what = f"checkpoint save of iteration 1 (run {RUN}, sync)"
@@ -102,7 +102,7 @@ def test_save_and_load_log_start_and_end_with_bytes_and_seconds(env, made, caplo
 
 
 def test_async_save_logs_its_end_when_waited_and_a_failed_save_its_failure(env, caplog):
-    caplog.set_level(logging.INFO, logger="actors.checkpoint")
+    caplog.set_level(logging.INFO, logger="actors.driver.checkpoint")
     m = env.manager
     handle = m.save(2, is_async=True)
     what = f"checkpoint save of iteration 2 (run {RUN}, async)"
@@ -123,7 +123,7 @@ def test_async_save_logs_its_end_when_waited_and_a_failed_save_its_failure(env, 
 
 def test_hf_export_import_and_resharding_load_show_bars_and_log(env, made, caplog, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv(PROGRESS_ENV, "1")  # bars forced on: they go to stderr
-    caplog.set_level(logging.DEBUG, logger="actors.checkpoint")
+    caplog.set_level(logging.DEBUG, logger="actors.driver.checkpoint")
     g, m = env.group, env.manager
     g.init_synthetic(SEED)
     m.export_hf(tmp_path, max_shard_bytes=300_000)
@@ -168,9 +168,9 @@ def test_hf_export_import_and_resharding_load_show_bars_and_log(env, made, caplo
 
 
 def test_a_move_logs_its_plan_at_debug(env, caplog):
-    caplog.set_level(logging.DEBUG, logger="actors.group")
+    caplog.set_level(logging.DEBUG, logger="actors.driver.group")
     env.group.reallocate(GEN)
-    debug = messages(caplog, logging.DEBUG, "actors.group")
+    debug = messages(caplog, logging.DEBUG, "actors.driver.group")
     assert any(re.search(r"planned in [\d.]+ s: \d+ routes in \d+ steps: \d+ bytes inter-node", d) for d in debug), (
         debug
     )

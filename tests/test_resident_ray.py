@@ -1,4 +1,4 @@
-"""Resident layouts (``reallocate(..., keep=)``, actors/resident.py) in real Ray workers.
+"""Resident layouts (``reallocate(..., keep=)``, actors/worker/kept.py) in real Ray workers.
 
 What must hold: a move back to a kept layout moves nothing only when the weights did not change
 since it was kept (the weight version); otherwise the kept buffers are rewritten in place (same

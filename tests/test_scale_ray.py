@@ -25,7 +25,7 @@ SRC, DST = "tp=2,pp=2,dp=*", "tp=2,dp=*"
 
 
 def test_32_workers_move_both_ways_with_flat_per_worker_costs():
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     spec = ModelSpec.preset("tiny")
     src, dst = scale_bench.scaled(SRC, WORKERS), scale_bench.scaled(DST, WORKERS)

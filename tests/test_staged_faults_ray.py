@@ -1,6 +1,6 @@
 """Staged updates under real faults: the serving weights never change unless every worker switches.
 
-A staged update (actors/staged.py) moves new weights into a *shadow* set while the destination
+A staged update (actors/driver/staged.py) moves new weights into a *shadow* set while the destination
 serves ``call(..., writes=False)``; a failure anywhere (a dead sender or receiver, a stopped
 worker past the deadline, a worker dying in the switch) must leave every live worker serving
 exactly what it served (or, in the switch, roll every live worker back), name the worker at

@@ -1,4 +1,4 @@
-"""Staged updates with real Ray actors (actors/staged.py): the generator serves while the next
+"""Staged updates with real Ray actors (actors/driver/staged.py): the generator serves while the next
 weights arrive, switches them in between two calls or at safe points inside one, and carries
 weight versions. Faults: tests/test_staged_faults_ray.py; the fleet: tests/test_fleet_ray.py."""
 
@@ -149,7 +149,7 @@ def test_generator_serves_during_staging_and_switches_at_commit(trainer):
 
 
 def _shm_files(group: str) -> set[str]:
-    """The shared-memory buffer files of ``group``'s workers (actors/zero_copy.py names them)."""
+    """The shared-memory buffer files of ``group``'s workers (actors/wire/zero_copy.py names them)."""
     name = re.compile(rf"realloc-p\d+-{re.escape(group)}-[0-9a-f]{{12}}-")
     return {f for f in os.listdir("/dev/shm") if name.match(f)}
 

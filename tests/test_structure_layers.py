@@ -6,6 +6,13 @@
 - No private name (leading ``_``) imported from another module: the underscore means "this file
   only". A module whose own name starts with ``_`` (``realloc/spec/_hf_fields.py``) is private
   to its package and its names are public inside it.
+- ``actors/`` says which process runs the code (issue 36): ``driver/`` (the driver process),
+  ``worker/`` (each worker actor), ``wire/`` (the data plane both ends of a route run), and at the
+  top the records that cross the Ray boundary and the helpers both sides share (:data:`ACTORS_TOP`).
+  The top imports none of the three folders; ``wire/`` imports neither ``worker/`` nor
+  ``driver/`` (so any process can run it: tests/test_wire_plain_process.py); ``worker/`` imports
+  nothing of ``driver/``; and ``driver/`` reaches the worker only through the package face
+  ``actors.worker`` (the actor class it starts and ``RESERVED_METHODS``), never a module inside it.
 
 Run as a script for the numbers quoted in docs/architecture.md::
 
@@ -168,6 +175,69 @@ def private_imports() -> list[str]:
     return sorted(offenders)
 
 
+#: The folders of ``actors/``, by the process that runs them.
+ACTORS_PARTS = ("driver", "worker", "wire")
+#: The modules at the top of ``actors/``: records and helpers both sides use (the face, ``actors``
+#: itself, hands names on and may import anything).
+ACTORS_TOP = (
+    "actors.config",
+    "actors.errors",
+    "actors.lanes",
+    "actors.metrics",
+    "actors.records",
+    "actors.remote",
+    "actors.trace",
+)
+#: What each part of ``actors/`` may import from ``actors/`` (besides itself); ``"actors.worker"``
+#: alone is the worker package's face (``actors/worker/__init__.py``), not a module inside it.
+ACTORS_MAY_IMPORT = {
+    "top": ("top",),
+    "wire": ("top",),
+    "worker": ("top", "wire"),
+    "driver": ("top", "wire", "worker face"),
+}
+
+
+def actors_part(module: str) -> str | None:
+    """Where ``module`` sits in ``actors/``: ``"face"`` (``actors``), ``"top"``, ``"worker face"``
+    (``actors.worker``), a folder of :data:`ACTORS_PARTS`, or ``"unplaced"`` (a module of
+    ``actors/`` in none of them); None outside ``actors/``."""
+    if module == "actors":
+        return "face"
+    if not module.startswith("actors."):
+        return None
+    if module in ACTORS_TOP:
+        return "top"
+    if module == "actors.worker":
+        return "worker face"
+    folder = module.split(".")[1]
+    return folder if folder in ACTORS_PARTS else "unplaced"
+
+
+def actors_layer_violations(graph: dict[str, set[str]] | None = None) -> list[str]:
+    """``importer -> imported (why)`` for every import inside ``actors/`` that the floors above
+    forbid, and every module of ``actors/`` outside the tree."""
+    graph = import_graph() if graph is None else graph
+    found = []
+    for module in sorted(graph):
+        part = actors_part(module)
+        if part is None or part == "face":
+            continue
+        if part == "unplaced":
+            found.append(f"{module}: not in {', '.join(ACTORS_PARTS)}/ nor at the top ({', '.join(ACTORS_TOP)})")
+            continue
+        own = "worker" if part == "worker face" else part
+        allowed = {own, *ACTORS_MAY_IMPORT.get(own, ())}
+        if part == "worker face":
+            allowed.add("worker")
+        for target in sorted(graph[module]):
+            where = actors_part(target)
+            if where is None or where in allowed or (where == "worker face" and own == "worker"):
+                continue
+            found.append(f"{module} -> {target} ({own} may import {', '.join(sorted(allowed - {own}))} only)")
+    return found
+
+
 def installed_top_level_names() -> list[str]:
     """The top-level packages ``pip install`` of this checkout installs: setuptools' own package
     finder run with ``pyproject.toml``'s ``packages.find`` include list."""
@@ -193,6 +263,31 @@ def test_no_private_names_imported_across_modules():
     assert not offenders, "private names imported from another module:\n" + "\n".join(offenders)
 
 
+def test_actors_says_which_process_runs_the_code():
+    for part in ACTORS_PARTS:
+        assert (ROOT / "actors" / part / "__init__.py").is_file(), f"actors/{part}/ is not a package"
+    violations = actors_layer_violations()
+    assert not violations, "imports across the floors of actors/:\n" + "\n".join(violations)
+
+
+def test_the_floor_rule_refuses_what_it_should():
+    graph = {
+        "actors": {"actors.driver.group", "actors.worker.actor"},
+        "actors.records": set(),
+        "actors.wire.executor": {"actors.records", "actors.worker.actor"},  # wire -> worker: refused
+        "actors.worker": {"actors.worker.actor"},
+        "actors.worker.actor": {"actors.wire.executor", "actors.driver.group"},  # worker -> driver: refused
+        "actors.driver.group": {"actors.worker", "actors.wire.executor", "actors.worker.kept"},  # a worker module
+        "actors.stray": set(),  # outside the tree
+    }
+    assert actors_layer_violations(graph) == [
+        "actors.driver.group -> actors.worker.kept (driver may import top, wire, worker face only)",
+        "actors.stray: not in driver, worker, wire/ nor at the top (" + ", ".join(ACTORS_TOP) + ")",
+        "actors.wire.executor -> actors.worker.actor (wire may import top only)",
+        "actors.worker.actor -> actors.driver.group (worker may import top, wire only)",
+    ]
+
+
 def test_the_reader_sees_what_it_should():
     # Function-local imports count, TYPE_CHECKING-only ones do not; a known import is an edge.
     tree = ast.parse(
@@ -212,6 +307,10 @@ def main() -> int:
     private = private_imports()
     print(f"private names imported across modules: {len(private)}")
     for line in private:
+        print("  " + line)
+    layers = actors_layer_violations()
+    print(f"imports across the floors of actors/ (driver/, worker/, wire/, top): {len(layers)}")
+    for line in layers:
         print("  " + line)
     print("installed top-level names: " + ", ".join(installed_top_level_names()))
     return 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actors.errors import GroupBusyError, ReallocationError, StaleOperationError
-from actors.transport import process_group_environment
+from actors.wire.transport import process_group_environment
 from actors.worker import detach_result
 from realloc import Layout, ModelSpec, Placement, Topology, plan_reallocation
 from realloc.plan import Plan, Route

@@ -1,7 +1,7 @@
 """Local checkpoints: rank files, replication cliques, retrieval and resharding plans, HF import/export.
 
-Pure Python and torch (no Ray): the Ray workers (``actors.ckpt_worker``) and the driver
-(``actors.checkpoint``) call into these modules; tests run them in-process.
+Pure Python and torch (no Ray): the Ray workers (``actors.worker.checkpoint``) and the driver
+(``actors.driver.checkpoint``) call into these modules; tests run them in-process.
 """
 
 from realloc.ckpt.catalog import Candidate, Catalog

@@ -567,7 +567,7 @@ def save_hf_dir(
 ) -> list[Path]:
     """Write full tensors held here as a HF safetensors directory (index json when several files).
 
-    Staged and swapped in like the workers' export (``actors.checkpoint.CheckpointManager.export_hf``,
+    Staged and swapped in like the workers' export (``actors.driver.checkpoint.CheckpointManager.export_hf``,
     same file layout and naming): tensors go in the given order, each file atomically, ``extra``
     JSON files (``config.json``) next, the index last, all verified before the directory at
     ``path`` is replaced (its other files stay).

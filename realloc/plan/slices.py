@@ -142,7 +142,7 @@ class PlanSlice:
 
     def unpack(self) -> None:
         """Unpack every part's segment table and index the lists now (a worker does it as it
-        receives its slice, ``actors.executor.received_share``, before its threads read it)."""
+        receives its slice, ``actors.wire.executor.received_share``, before its threads read it)."""
         for part in self.parts:
             part.segments  # noqa: B018 - the property unpacks and keeps it
         self._index()

@@ -1,6 +1,6 @@
 """Lossless deltas of packed buckets: the changed words of a bucket, and a checksum of the whole.
 
-A delta move (issue 24; ``actors/executor.py``, :meth:`StepRunner` with a :class:`DeltaSides`)
+A delta move (issue 24; ``actors/wire/delta.py``, a :class:`DeltaRoute` over :class:`DeltaSides`)
 packs every bucket twice on the sender, from its current weights and from the copy of the
 weights it last sent (the *base*), and sends only the words that differ. The receiver packs the
 same bucket from what it holds (the same base, if nothing went wrong), writes the changed words

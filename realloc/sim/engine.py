@@ -1,6 +1,6 @@
 """A plan's steps run on a model of a cluster (:class:`~realloc.sim.cluster.Cluster`).
 
-The executor's semantics (actors/executor.py ``StepRunner``): each worker runs only its steps, in
+The executor's semantics (actors/wire/executor.py ``StepRunner``): each worker runs only its steps, in
 order; in a step it posts its send and its receive together and finishes both before its next
 step; there is no barrier between steps. So a route starts when both its ends have finished their
 previous steps, and takes
@@ -38,7 +38,7 @@ __all__ = ["RESOURCES", "SimResult", "list_sizes", "route_arrays", "simulate"]
 
 #: What can bind a move (critical path shares and floors are named so).
 RESOURCES = ("receiver NIC", "sender NIC", "NVLink", "local copy", "host", "latency")
-#: A piece of at least this many bytes travels as its own message (actors/executor.py
+#: A piece of at least this many bytes travels as its own message (actors/wire/executor.py
 #: ``DIRECT_MIN_BYTES``' default; the sim layer imports no torch, so it keeps its own copy).
 DIRECT_MIN_BYTES = 256 << 10
 GB = 1e9

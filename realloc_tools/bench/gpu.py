@@ -4,7 +4,7 @@ copy bandwidth measured in the same run.
 Every worker holds its shards in CUDA memory (``use_gpu=True``, ``gpus_per_worker=1/workers``):
 the RLHF case where the trainer and the generation engine run on the same GPUs (colocated, as in
 veRL's hybrid engine). A move is then all device-to-device copies: each worker reads its boxes
-straight out of its peers' buffers through CUDA IPC (``actors/zero_copy.py``) and out of its own
+straight out of its peers' buffers through CUDA IPC (``actors/wire/zero_copy.py``) and out of its own
 (local copies). Nothing crosses a network, so the bound is the GPU's memory bandwidth:
 
 * ``hbm_copy_gbps``: one large contiguous ``copy_`` in one worker, timed with CUDA events (bytes
@@ -125,7 +125,7 @@ def bench_gpu(
     zero_copy: bool = True,
     seed: int = 0,
 ) -> dict:
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     workers = transitions[0][0].world_size
     report: dict[str, Any] = {

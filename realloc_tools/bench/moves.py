@@ -140,7 +140,7 @@ def _bench_moves(
 ) -> None:
     """The moves (every transition both ways, the baselines, the probes, the resident loop) on
     one group of the transitions' actors, into ``report``; the group is shut down after."""
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     workers = transitions[0][0].world_size
     group = ModelGroup.create(spec, transitions[0][0], name="bench", bucket_bytes=bucket_bytes, timeout_s=900)
@@ -247,7 +247,7 @@ def _bench_moves(
 
 #: Untimed round trips of ours before a transition's timed ones. The first moves of a new layout
 #: pair free the buffers of the pair before (peers drop their mappings of them two operations
-#: later, actors/worker.py ``MAPPINGS_KEPT_OPS``): with one warm-up round trip the first timed
+#: later, actors/worker/actor.py ``MAPPINGS_KEPT_OPS``): with one warm-up round trip the first timed
 #: move still paid that (``dp=2,tp=2,pp=2 -> tp=2,pp=4`` on bench-1gb, 2026-11-24: prepare 136 ms
 #: on the slowest worker, wall 156 ms for 57 ms of execute; 0 ms and 52 ms from the next move on).
 #: An RL loop pays it once per pair, not per iteration.
@@ -339,7 +339,7 @@ def _bench_transition(
 def _bench_resident(
     group, layouts: Layouts, src: Topology, dst: Topology, repeats: int, without: list[dict]
 ) -> tuple[dict, bool]:
-    """The RL loop with kept layouts (``reallocate(..., keep=)``, actors/resident.py): per
+    """The RL loop with kept layouts (``reallocate(..., keep=)``, actors/worker/kept.py): per
     iteration a 'training step' that counts as a change of the weights (it writes nothing, so the
     digests still verify), the move to ``dst``, the move back. ``in_place``: both layouts kept
     on the device, so the move there refreshes the kept ``dst`` buffers and the move back adopts

@@ -3,14 +3,14 @@ Ray actors (issue 26, item 2: "runs with many workers").
 
 For each worker count ``N`` of ``--workers`` it starts a local Ray with ``N / --nodes-of``
 simulated nodes (real raylets on this machine, ``--nodes-of`` CPU slots each), creates a
-:class:`~actors.group.ModelGroup` of a tiny model on ``N`` workers in ``--src`` (``*`` stands for
+:class:`~actors.driver.group.ModelGroup` of a tiny model on ``N`` workers in ``--src`` (``*`` stands for
 what fills the world: ``tp=2,pp=2,dp=*`` is ``dp=N/4``), fills it with synthetic weights and
 moves it ``--src -> --dst -> --src ...``, verifying every worker's shards bit-exact after every
 move (``ModelGroup.verify_synthetic``). Per move it records:
 
 * the driver's wall time around ``reallocate`` and the driver process's CPU time over it
   (``time.process_time``: planning, shipping the plan, Ray calls and their replies);
-* what ``reallocate`` returned (:class:`~actors.group.ReallocStats`: bytes by link kind, plan
+* what ``reallocate`` returned (:class:`~actors.driver.group.ReallocStats`: bytes by link kind, plan
   seconds, the slowest worker's own seconds);
 * per worker, the point-to-point messages and bytes it sent and received
   (:func:`actors.communicator.traffic` before and after, read with ``group.run``): ``data``
@@ -188,7 +188,7 @@ def scale_run(
 ) -> dict:
     """Start Ray (unless ``address``), a group of ``workers``, the moves (each counted on
     ``progress``); returns the run's record."""
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     src, dst = scaled(src_text, workers), scaled(dst_text, workers)
     nodes = workers // nodes_of
@@ -287,7 +287,7 @@ def serialized_bytes(value: Any) -> int:
 
 
 def _read_traffic(ctx) -> dict:
-    from actors.communicator import traffic
+    from actors.wire.communicator import traffic
 
     return traffic()
 
@@ -343,7 +343,7 @@ def plan_reference(spec, src_text: str, dst_text: str, workers: int, nodes_of: i
     without starting any: each worker's data messages (every route's buckets, one message at each
     end: what the workers post without zero-copy reads), a bound on its control messages (one
     fan-out readiness message per peer it notifies or waits for), and the largest object the
-    driver's own shipping code (``actors.protocol.worker_plan_refs``) puts for a worker. Needs
+    driver's own shipping code (``actors.driver.protocol.worker_plan_refs``) puts for a worker. Needs
     Ray initialised (the shipping code ``ray.put``s)."""
     from realloc.layout import Layout
     from realloc.plan import DEFAULT_BUCKET_BYTES, Placement, plan_reallocation
@@ -385,8 +385,8 @@ class _World:
 
 
 def shipped_bytes(plan, src, dst, placement) -> int:
-    """The largest object ``actors.protocol.worker_plan_refs`` puts for one worker of ``plan``."""
-    from actors import protocol
+    """The largest object ``actors.driver.protocol.worker_plan_refs`` puts for one worker of ``plan``."""
+    from actors.driver import protocol
 
     n = placement.num_workers
     with counting_puts() as puts:

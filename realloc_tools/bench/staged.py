@@ -246,7 +246,7 @@ def _bench_staged(
     layout and its digests must equal the generator's."""
     import psutil
 
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
 
     started = time.perf_counter()
     out: dict[str, Any] = {

@@ -116,8 +116,8 @@ def run_ckpt_demo(args: argparse.Namespace) -> int:
         )
     import ray
 
-    from actors.checkpoint import CheckpointManager
-    from actors.group import ModelGroup
+    from actors.driver.checkpoint import CheckpointManager
+    from actors.driver.group import ModelGroup
 
     world = train.world_size
     # Default: node-local RAM (/dev/shm), as the manager's own default, in a directory of its own.
@@ -218,7 +218,7 @@ def run_ckpt_demo(args: argparse.Namespace) -> int:
             ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-            from actors.zero_copy import sweep_stale_buffers
+            from actors.wire.zero_copy import sweep_stale_buffers
 
             sweep_stale_buffers()  # killed workers cannot unlink their shared-memory buffers
         if args.root is None:

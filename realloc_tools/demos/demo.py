@@ -62,7 +62,7 @@ def verify_against_reference(group, reference: dict[str, torch.Tensor]) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     import json
 
-    from actors.group import ModelGroup
+    from actors.driver.group import ModelGroup
     from realloc.shards.synthetic import synthetic_state_dict
     from realloc.spec import load_spec
 

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from actors import ModelGroup
-    from actors.checkpoint import CheckpointManager
+    from actors.driver.checkpoint import CheckpointManager
     from realloc import ModelSpec, Topology
 
     port = free_port()

@@ -31,39 +31,19 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, NoReturn, Sequence
 
 import ray
 
-from actors.delta import DeltaOrder
-from actors.delta import summary as delta_summary
 from actors.errors import ReallocationError
-from actors.executor import PeerView, worker_shares
+from actors.records import DELTA_COUNTERS, DeltaOrder, KeepOrder, PhaseResult
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
-from actors.resident import KeepOrder
 from actors.trace import slowest
+from actors.wire.shares import PeerView, worker_shares
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    """What the workers of one operation reported, summed (bytes received by link kind)."""
-
-    bytes_local: int
-    bytes_intra_node: int
-    bytes_inter_node: int
-    peak_extra_bytes_per_actor: int
-    seconds: float = 0.0  # the slowest worker's own execution time (run_plan)
-    resident_in_place_bytes: int = 0  # the largest worker's kept layouts on its device
-    resident_host_bytes: int = 0  # ... and in host memory
-    refreshed: bool = False  # the destination was a kept layout, written in place
-    delta: dict | None = None  # a move with delta=True: actors.delta.summary
-    slowest: dict | None = None  # the slowest worker and its slowest phase (actors.trace.slowest)
-    phases: tuple = ()  # each worker's seconds by phase, where its report has them
 
 
 class Operation:
@@ -160,8 +140,8 @@ class Operation:
         rolls a committed one back: afterwards every live worker holds the old layout, as after a
         failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
         rewrites destination buffers that other workers may still be reading. ``keep``: every
-        worker keeps the layout it leaves resident (actors/resident.py). ``delta``: a move with
-        ``delta=True`` (actors/delta.py). ``convert``: the layout the destination workers convert
+        worker keeps the layout it leaves resident (actors/worker/kept.py). ``delta``: a move with
+        ``delta=True`` (actors/wire/delta.py). ``convert``: the layout the destination workers convert
         into before committing (realloc/plan/formats.py; the plan's destination is that layout in
         the source's weight format).
         """
@@ -284,3 +264,22 @@ def _merge(acc: list | None, new: list[dict]) -> list[dict]:
         a["staging_bytes"] = max(a["staging_bytes"], b["staging_bytes"])
         a["phases"] = b.get("phases")  # a worker's phases so far, the later phase's included
     return acc
+
+
+def delta_summary(results: list[dict], order: DeltaOrder | None) -> dict | None:
+    """``ReallocStats.delta`` of a move that carried ``order``: ``mode`` (``"delta"``, or
+    ``"anchor"``: a full move), ``base_version``, the buckets that travelled as deltas, whole
+    (their delta would not have been smaller, or the sender had no base of that version) and
+    again whole after a missed checksum (``repaired``), ``bytes`` (what the routes carry in
+    full) and ``wire_bytes`` (what travelled: headers, deltas, whole buckets, flags; for an
+    anchor, every byte moved between workers), and ``base_bytes_per_actor``: the largest
+    sender's base, the memory this costs."""
+    if order is None:
+        return None
+    out = {"mode": "delta" if order.base is not None else "anchor", "base_version": order.base}
+    out.update({k: sum(r.get("delta", {}).get(k, 0) for r in results) for k in DELTA_COUNTERS})
+    if order.base is None:
+        moved = sum(r["bytes"]["intra"] + r["bytes"]["inter"] for r in results)
+        out["bytes"] = out["wire_bytes"] = moved
+    out["base_bytes_per_actor"] = max((r.get("delta_base_bytes", 0) for r in results), default=0)
+    return out

@@ -4,7 +4,7 @@
 * :data:`CONTROL` (one thread): pings and status, answered even while the default thread is
   blocked in a transfer or a long user call;
 * :data:`STAGE` (one thread): a staged update's transfer into the shadow buffers
-  (actors/staged_worker.py), beside the user's calls on the serving buffers.
+  (actors/worker/staging.py), beside the user's calls on the serving buffers.
 """
 
 from __future__ import annotations

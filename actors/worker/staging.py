@@ -1,7 +1,7 @@
 """The worker's side of staged updates: weights that arrive while the worker serves.
 
 A staged update (``ModelGroup.copy_to(..., stage=True)``, ``reallocate(..., stage=True)``,
-driver side in :mod:`actors.staged`) writes a *shadow* set of this worker's buffers on the
+driver side in :mod:`actors.driver.staged`) writes a *shadow* set of this worker's buffers on the
 worker's ``stage`` thread (a Ray concurrency group of its own) over a transport of its own,
 while the default thread keeps running the user's calls on the serving buffers. Nothing the
 worker serves changes until the update is switched in:
@@ -29,12 +29,13 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from actors.context import ShardChange, ShardContext
 from actors.errors import StaleOperationError
-from actors.executor import Phases
-from actors.resident import KeepOrder, Resident
-from actors.threads import CONTROL, STAGE
-from actors.transport import Transport
+from actors.lanes import CONTROL, STAGE
+from actors.records import KeepOrder, ShardChange
+from actors.wire.executor import Phases
+from actors.wire.transport import Transport
+from actors.worker.context import ShardContext
+from actors.worker.kept import Resident
 from realloc.layout import RankLayout
 from realloc.shards import ShardStore, buffers_nbytes, zero_padding
 
@@ -106,7 +107,7 @@ class StagingMixin:
     ) -> dict:
         """This worker's part of a staged update: prepare its shadow set (if it receives), run the
         plan over the staged world into it, and report. The serving buffers are only read.
-        ``delta``: an :class:`~actors.delta.DeltaOrder` (a staged copy with ``delta=True``).
+        ``delta``: an :class:`~actors.records.DeltaOrder` (a staged copy with ``delta=True``).
         ``convert``: the layout the shadow set ends in when the plan brings it in the sender's
         weight format (converted here, before it is ready)."""
         st = self._realloc
@@ -354,7 +355,7 @@ class StagingMixin:
 
 
 class _StagedOp:
-    """The slice of a :class:`~actors.worker.PendingOp` that ``ShardWorker._run`` uses, over a shadow set."""
+    """The slice of a :class:`~actors.worker.actor.PendingOp` that ``ShardWorker._run`` uses, over a shadow set."""
 
     def __init__(self, staged: StagedSet):
         self.id, self.dst, self.buffers = staged.id, staged.dst, staged.buffers

@@ -15,8 +15,10 @@ group, a replacement, and every ``run``/``call`` unless told ``writes=False``). 
 ``"host"`` (copied to host memory, pinned on GPUs, and the device buffers freed, so generation
 gets the device memory back; on CPU workers this is a private copy and buys nothing).
 
-This module holds the worker-side record and copies and the driver-side record; the protocol
-steps are ``ShardWorker.op_run``/``op_adopt`` and ``ModelGroup.reallocate``.
+This module holds the worker-side record and copies; the order (:class:`~actors.records.KeepOrder`,
+:data:`~actors.records.KEEP_MODES`) and the driver-side record (:class:`~actors.records.ResidentLayout`)
+are in :mod:`actors.records`; the protocol steps are ``ShardWorker.op_run``/``op_adopt`` and
+``ModelGroup.reallocate``.
 """
 
 from __future__ import annotations
@@ -25,29 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from realloc.layout import Layout, RankLayout
+from realloc.layout import RankLayout
 from realloc.shards import buffers_nbytes
-
-#: Where ``keep`` puts the buffers of the layout a group leaves.
-KEEP_MODES = ("in_place", "host")
-
-
-def check_keep(keep: object) -> str | None:
-    """``keep`` itself, or ``ValueError`` naming the allowed values."""
-    if keep is None or keep in KEEP_MODES:
-        return keep
-    raise ValueError(
-        f"keep={keep!r} is not a resident mode; allowed: None (free the old layout), "
-        f"{', '.join(repr(m) for m in KEEP_MODES)}"
-    )
-
-
-@dataclass(frozen=True)
-class KeepOrder:
-    """What a worker keeps when it commits a move: where, tagged with the weights' ``version``."""
-
-    where: str
-    version: int
 
 
 @dataclass
@@ -84,18 +65,3 @@ def copy_into(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> int
     if any(t.is_cuda for t in dst.values()):
         torch.cuda.synchronize()
     return buffers_nbytes(src.values())
-
-
-@dataclass(frozen=True)
-class ResidentLayout:
-    """The driver's record of one kept layout (``ModelGroup.resident_layouts()``).
-
-    ``version``: the weight version its buffers hold; ``fresh``: equal to the group's current
-    version (moving there adopts, no traffic); ``where``: ``"in_place"`` or ``"host"``;
-    ``bytes_per_worker``: the largest worker's kept bytes."""
-
-    layout: Layout
-    version: int
-    where: str
-    bytes_per_worker: int
-    fresh: bool = False

@@ -1,4 +1,8 @@
-"""Executing one worker's share of a plan over the transport (and zero-copy reads)."""
+"""Executing one worker's share of a plan over the transport (and zero-copy reads): the
+:class:`StepRunner`, its bucket :class:`Staging` and :class:`Cuts`, and the recorder of its
+timeline (:class:`Phases`). Its share and peers are :mod:`actors.wire.shares`; delta routes are
+:mod:`actors.wire.delta`. Nothing here needs a ``ShardWorker``: any process holding a store and
+a transport runs it (``tests/test_wire_plain_process.py``)."""
 
 from __future__ import annotations
 
@@ -8,81 +12,17 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-import numpy as np
 import ray
 import torch
 
-from realloc.layout import RankLayout
-from realloc.plan import Piece, Plan, bucket_nbytes
-from realloc.plan.slices import PlanSlice, slice_plan
+from actors.wire.delta import DeltaRoute, DeltaSides
+from actors.wire.shares import PeerTable, PeerView, is_zero_copy
+from realloc.plan import Piece, bucket_nbytes
+from realloc.plan.slices import PlanSlice
 from realloc.shards import ShardStore, local_copies, pack_copies, unpack_copies
-from realloc.shards import delta as deltas
 from realloc.shards.copy_program import ProgramCache
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """What a worker needs to know of another worker for one plan (sent by the driver)."""
-
-    world_rank: int
-    node: str
-    src: RankLayout | None  # what it holds (sends from) in this plan, None: not a source
-    dst: RankLayout | None  # what it will hold (receives into), None: not a destination
-    src_handles: Any = None  # zero-copy handles of its buffers, when on my node
-    dst_handles: Any = None
-    #: Whether it exports zero-copy handles (set when the handles travel between the workers
-    #: themselves, ``ShardWorker.op_run``, instead of inside this view). None: decided by the
-    #: presence of the handles above.
-    shared: bool | None = None
-
-
-def is_zero_copy(peers: list[PeerView], sender: int, receiver: int, forward: bool) -> bool:
-    """Whether a route is a direct read of the sender's buffers by the receiver (for a worker that
-    can map same-node buffers). Both ends evaluate it on the same shared data, so they agree."""
-    a, b = peers[sender], peers[receiver]
-    if a.node != b.node:
-        return False
-    if a.shared is not None:  # buffers exist exactly where the layout does
-        return a.shared and (a.dst if forward else a.src) is not None
-    return (a.dst_handles if forward else a.src_handles) is not None
-
-
-class PeerTable:
-    """The peers of one worker for one plan, as its slice ships them: every worker's world rank
-    and node (two small arrays), and the full :class:`PeerView` (layouts, handles) of itself and
-    of the same-node peers it exchanges with, the only ones whose buffers it may map. Indexed
-    like the list of every worker's view it stands for; a view it does not hold in full is
-    rebuilt from the arrays (a worker on another node: never mapped)."""
-
-    def __init__(self, ranks: np.ndarray, node_of: np.ndarray, nodes: tuple[str, ...], views: dict[int, PeerView]):
-        self.ranks, self.node_of, self.nodes, self.views = ranks, node_of, nodes, views
-
-    def __len__(self) -> int:
-        return len(self.ranks)
-
-    def __getitem__(self, worker: int) -> PeerView:
-        view = self.views.get(worker)
-        if view is None:
-            view = PeerView(int(self.ranks[worker]), self.nodes[self.node_of[worker]], None, None, shared=False)
-        return view
-
-
-def worker_shares(plan: Plan, peers: list[PeerView]) -> list[tuple[PlanSlice, PeerTable]]:
-    """What each worker of ``plan`` receives: its :class:`~realloc.plan.slices.PlanSlice` and its
-    :class:`PeerTable` (``peers[i]``: worker ``i``'s full view), cut once for all workers."""
-    nodes = tuple(sorted({v.node for v in peers}))
-    index = {n: i for i, n in enumerate(nodes)}
-    ranks = np.array([v.world_rank for v in peers], dtype=np.int32)
-    node_of = np.array([index[v.node] for v in peers], dtype=np.int32)
-    out = []
-    for piece in slice_plan(plan):
-        me = piece.worker
-        near = [w for w in piece.peers() if node_of[w] == node_of[me]]
-        views = {w: peers[w] for w in (me, *near)}
-        out.append((piece, PeerTable(ranks, node_of, nodes, views)))
-    return out
 
 
 def received_share(box: list, me: int) -> tuple[PlanSlice, PeerTable]:
@@ -219,47 +159,6 @@ def _direct_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
     return views[0].reshape(-1).view(torch.uint8)
 
 
-#: What :class:`DeltaSides` counts of the buckets it receives: all of them, those whose delta
-#: landed, those that travelled whole, those sent again whole after a missed checksum, the bytes
-#: that travelled, the bytes the buckets hold.
-DELTA_COUNTERS = ("buckets", "delta", "whole", "repaired", "wire_bytes", "bytes")
-
-
-@dataclass
-class DeltaSides:
-    """What a worker needs to run its routes as deltas (issue 24; ``realloc/shards/delta.py``).
-
-    ``src_base``: the weights this worker last sent, in the layout it sends from now (None: it has
-    none that match the move's base version; it sends every bucket whole). ``dst_base``: what its
-    destination held before the move, in the destination's layout (its serving buffers for a
-    copy, the kept layout itself for a refresh in place; None: nothing usable, every delta it
-    receives fails its checksum and is sent again whole). ``stats`` counts buckets and wire bytes.
-
-    Per bucket, in lockstep with the peer: a header ``[whole 0 / delta 1, payload bytes, entries,
-    checksum of the new bucket]``, then the payload (the delta, or the packed bucket). After a
-    route's last bucket the receiver returns one flag per bucket (its delta missed the checksum),
-    and the sender sends those buckets whole. Staging: five slots of one bucket (``delta-new``,
-    ``delta-base``, ``delta-out`` on the sending side, ``delta-in``, ``delta-patch`` on the
-    receiving side); a bucket packed for a delta has the gaps between its pieces zeroed, so a
-    sender's and a receiver's packed bucket agree byte for byte when their weights do.
-    """
-
-    src_base: ShardStore | None
-    dst_base: ShardStore | None
-    stats: dict = field(default_factory=lambda: dict.fromkeys(DELTA_COUNTERS, 0))
-
-
-def _same_memory(a: ShardStore, b: ShardStore) -> bool:
-    """Whether two stores share buffer memory (a kept layout refreshed in place is both a
-    destination and its own base: two store objects over the same tensors)."""
-    mine = {t.untyped_storage().data_ptr() for t in a.buffers.values()}
-    return any(t.untyped_storage().data_ptr() in mine for t in b.buffers.values())
-
-
-#: Bytes of a delta bucket's header: four int64.
-DELTA_HEADER = 4
-
-
 @dataclass
 class Cuts:
     """One plan's segment lists cut into buckets and messages, and this worker's copies of it
@@ -355,7 +254,9 @@ class StepRunner:
                 else:
                     recv = (src, j)
         if send or recv:
-            done += self._transfer(send, recv, forward) if self.delta is None else self._delta(send, recv, forward)
+            done += (
+                self._transfer(send, recv, forward) if self.delta is None else DeltaRoute(self).run(send, recv, forward)
+            )
         if self.timeline is not None:
             self.timeline.step(
                 s,
@@ -472,143 +373,10 @@ class StepRunner:
                 nxt, sending = outgoing(i + 1, "a")
             if self.on_bucket is not None:
                 self.on_bucket()
-        return self._received(recv)
+        return self.received(recv)
 
-    def _received(self, recv) -> list[tuple[str, int]]:
+    def received(self, recv) -> list[tuple[str, int]]:
         """What a step's receive ``(sender, segment list)`` brought, by link kind (none without one)."""
         if not recv:
             return []
         return [("intra" if self.peers[recv[0]].node == self.my_node else "inter", self.list_bytes(recv[1]))]
-
-    # -- delta routes (DeltaSides) ---------------------------------------------------------
-    def _delta(self, send, recv, forward: bool) -> list[tuple[str, int]]:
-        """This step's send and receive as deltas, bucket by bucket, then the repair of the
-        buckets whose delta missed its checksum (see :class:`DeltaSides`)."""
-        d, st = self.delta, self.delta.stats
-        new_from = self.dst if forward else self.src
-        base_from = d.src_base
-        if forward:  # a fan-out sender forwards its destination: its base is what that held, if not overwritten
-            base_from = d.dst_base if d.dst_base is not None and not _same_memory(d.dst_base, self.dst) else None
-        send_b = self.buckets(send[1]) if send else []
-        recv_b = self.buckets(recv[1]) if recv else []
-        to = self.peers[send[0]].world_rank if send else None
-        frm = self.peers[recv[0]].world_rank if recv else None
-        bad: list[int] = []
-
-        side = "dst" if forward else "src"  # the layout the sent buckets are packed from
-
-        def packed(slot: str, store: ShardStore, layout: str, j: int, i: int, bucket: list) -> torch.Tensor:
-            """Bucket ``i`` of segment list ``j`` packed from ``store`` (in the ``layout`` side's
-            layout: the program key names it) into staging slot ``slot``."""
-            out = self.staging.get(slot, bucket_nbytes(bucket))
-            self.cuts.programs.run(
-                ("delta-pack", j, i, layout),
-                lambda: pack_copies(store, bucket, out),
-                {"staging": out},
-                store.buffers,
-            )
-            gaps = self.cuts.gaps.get((j, i))
-            if gaps is None:
-                gaps = self.cuts.gaps[j, i] = deltas.gap_positions(bucket, self.device)
-            if gaps.numel():
-                out[gaps] = 0  # what an earlier bucket left between the pieces: both ends compare zeros
-            return out
-
-        def unpacked(j: int, i: int, bucket: list, data: torch.Tensor) -> None:
-            self.cuts.programs.run(
-                ("delta-unpack", j, i),
-                lambda: unpack_copies(self.dst, bucket, data),
-                self.dst.buffers,
-                {"staging": data},
-            )
-
-        header_in = torch.empty(DELTA_HEADER, dtype=torch.int64, device=self.device)
-        for i in range(max(len(send_b), len(recv_b))):
-            out = payload = None
-            if i < len(send_b):
-                new = packed("delta-new", new_from, side, send[1], i, send_b[i])
-                entries = None
-                if base_from is not None:
-                    base = packed("delta-base", base_from, side, send[1], i, send_b[i])
-                    slot = self.staging.get("delta-out", new.numel())
-                    entries = deltas.encode(new, base, slot)
-                if entries is None:
-                    payload, head = new, [0, new.numel(), 0, 0]
-                else:
-                    payload = slot[: deltas.delta_nbytes(entries, new.numel())]
-                    head = [1, payload.numel(), entries, deltas.checksum(new)]
-                out = (to, torch.tensor(head, dtype=torch.int64, device=self.device))
-            into = (frm, header_in) if i < len(recv_b) else None
-            for r in self.transport.exchange(out, into):
-                r.wait()
-            kind, size, entries, check = header_in.tolist() if into is not None else (0, 0, 0, 0)
-            landing = self.staging.get("delta-in", size) if into is not None and size else None
-            ops_out = (to, payload) if out is not None and payload.numel() else None
-            ops_in = (frm, landing) if landing is not None else None
-            if ops_out or ops_in:
-                for r in self.transport.exchange(ops_out, ops_in):
-                    r.wait()
-            if into is not None:
-                bucket = recv_b[i]
-                st["buckets"] += 1
-                st["bytes"] += bucket_nbytes(bucket)
-                st["wire_bytes"] += 8 * DELTA_HEADER + size
-                if kind == 0:
-                    st["whole"] += 1
-                    if size:
-                        unpacked(recv[1], i, bucket, landing)
-                elif d.dst_base is None:
-                    bad.append(i)
-                else:
-                    patch = packed("delta-patch", d.dst_base, "dst", recv[1], i, bucket)
-                    deltas.apply(landing if landing is not None else patch[:0], entries, patch)
-                    if deltas.checksum(patch) == check:
-                        st["delta"] += 1
-                        unpacked(recv[1], i, bucket, patch)
-                    else:
-                        bad.append(i)
-            if self.on_bucket is not None:
-                self.on_bucket()
-        self._repair(
-            send,
-            recv,
-            send_b,
-            recv_b,
-            bad,
-            lambda i: packed("delta-new", new_from, side, send[1], i, send_b[i]),
-            unpacked,
-        )
-        return self._received(recv)
-
-    def _repair(self, send, recv, send_b, recv_b, bad, packed_new, unpacked) -> None:
-        """After a delta route: one flag per received bucket goes back to its sender (1: its delta
-        missed the checksum), and the flagged buckets travel whole (``packed_new(i)``: sent
-        bucket ``i`` packed)."""
-        to = self.peers[send[0]].world_rank if send else None
-        frm = self.peers[recv[0]].world_rank if recv else None
-        flags_in = torch.zeros(len(send_b), dtype=torch.uint8, device=self.device) if send_b else None
-        flags_out = None
-        if recv_b:
-            flags_out = torch.zeros(len(recv_b), dtype=torch.uint8)
-            flags_out[bad] = 1
-            flags_out = flags_out.to(self.device)
-            self.delta.stats["wire_bytes"] += len(recv_b)
-        for r in self.transport.exchange(
-            (frm, flags_out) if flags_out is not None else None, (to, flags_in) if flags_in is not None else None
-        ):
-            r.wait()
-        resend = flags_in.nonzero().view(-1).tolist() if flags_in is not None else []
-        for k in range(max(len(resend), len(bad))):
-            out = into = None
-            if k < len(resend):
-                i = resend[k]
-                out = (to, packed_new(i))
-            if k < len(bad):
-                i = bad[k]
-                into = (frm, self.staging.get("delta-in", bucket_nbytes(recv_b[i])))
-            for r in self.transport.exchange(out, into):
-                r.wait()
-            if into is not None:
-                unpacked(recv[1], bad[k], recv_b[bad[k]], into[1])
-                self.delta.stats["repaired"] += 1
-                self.delta.stats["wire_bytes"] += into[1].numel()

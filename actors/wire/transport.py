@@ -7,7 +7,7 @@ NCCL refuses to pair two ranks of one device) are staged through pinned host mem
 (:class:`HostStaging`), which the CPU suite also runs by staging host tensors. One process group per world and generation (re-created only
 after a failure or when the set of actors changes), never one per step or per pair.
 
-The group is *private* (``actors/communicator.py``, built like vLLM's stateless process groups):
+The group is *private* (``actors/wire/communicator.py``, built like vLLM's stateless process groups):
 a ``ProcessGroup`` on a ``PrefixStore(prefix, store)`` with a gloo or NCCL backend registered
 on it, never registered in torch's global state. So the worker process stays free for user code
 that owns torch.distributed's default group (Megatron, FSDP, a vLLM engine): the transport never
@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from actors import communicator
+from actors.wire import communicator
 
 
 def host_rendezvous(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -1,7 +1,7 @@
 """The process groups user code gets on a worker: dp, fsdp, tp, pp and the expert groups of the current layout.
 
 Each model group has its own rendezvous store (hosted by its rank-0 worker) and, on every
-worker, one :class:`~actors.communicator.Communicators` cache of private process groups over
+worker, one :class:`~actors.wire.communicator.Communicators` cache of private process groups over
 it. :class:`ParallelGroups` names the groups of one rank of one layout:
 
 * ``tp``: the ranks that share this rank's data-parallel coordinates and pipeline stage;

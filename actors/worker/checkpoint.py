@@ -7,7 +7,6 @@ other nodes go over the group's process group, as plans from the one planner.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -17,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.executor import StepRunner, received_share
-from realloc._checks import check_nonneg
+from actors.records import CheckpointFault
+from actors.wire.executor import StepRunner, received_share
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.files import (
     buffers_from_bytes,
@@ -33,30 +32,6 @@ from realloc.ckpt.manifest import CheckpointId, Manifest
 from realloc.ckpt.replication import file_param
 from realloc.ckpt.reshard import Key, ReadTask, box_of_local, boxes_store
 from realloc.shards import ShardStore, copy_local
-
-FAULT_MODES = ("raise", "exit")
-
-
-@dataclass(frozen=True)
-class CheckpointFault:
-    """Test hook: rank ``rank`` fails after writing its tensors file, before its manifest.
-
-    ``mode="raise"`` raises inside the write; ``mode="exit"`` kills the worker process there
-    (a crash in the middle of a save).
-    """
-
-    rank: int
-    mode: str = "raise"
-
-    def __post_init__(self) -> None:
-        if self.mode not in FAULT_MODES:
-            raise ValueError(f"fault mode {self.mode!r} is not one of {FAULT_MODES}")
-        check_nonneg("fault rank", self.rank)
-
-    def trigger(self) -> None:
-        if self.mode == "exit":
-            os._exit(17)
-        raise RuntimeError(f"injected checkpoint fault on rank {self.rank}")
 
 
 @dataclass

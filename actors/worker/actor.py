@@ -1,6 +1,6 @@
 """The Ray actor that owns one worker's shards and runs its part of every operation.
 
-State changes follow the driver's protocol (``actors/protocol.py``, docs/architecture.md):
+State changes follow the driver's protocol (``actors/driver/protocol.py``, docs/architecture.md):
 
 * ``op_prepare(op, dst)``: allocate destination buffers for ``dst`` (this worker's rank of the
   new layout, or ``None`` for a worker that only sends). The current buffers are untouched.
@@ -33,30 +33,17 @@ from typing import Any, Callable
 import ray
 import torch
 
-from actors import communicator, metrics
-from actors.ckpt_worker import CheckpointMixin
-from actors.communicator import Communicators
-from actors.context import ShardChange, ShardContext
-from actors.delta import Base, DeltaOrder, sender_base, snapshot
+from actors import metrics
 from actors.errors import StaleOperationError
-from actors.executor import (
-    Cuts,
-    DeltaSides,
-    PeerTable,
-    PeerView,
-    Phases,
-    Staging,
-    StepRunner,
-    collector_paused,
-    is_zero_copy,
-    received_share,
-)
-from actors.parallel import ParallelGroups
-from actors.resident import KeepOrder, Resident, copy_into, to_host
-from actors.staged_worker import StagingMixin
-from actors.threads import CONTROL
+from actors.lanes import CONTROL
+from actors.records import DeltaOrder, KeepOrder, ShardChange
 from actors.trace import clock_reading
-from actors.transport import (
+from actors.wire import communicator
+from actors.wire.communicator import Communicators
+from actors.wire.delta import Base, DeltaSides, sender_base, snapshot
+from actors.wire.executor import Cuts, Phases, Staging, StepRunner, collector_paused, received_share
+from actors.wire.shares import PeerTable, PeerView, is_zero_copy
+from actors.wire.transport import (
     Transport,
     backend_for,
     check_in,
@@ -65,7 +52,12 @@ from actors.transport import (
     host_rendezvous,
     wire_device,
 )
-from actors.zero_copy import BufferAllocator, handle_identity, open_handles
+from actors.wire.zero_copy import BufferAllocator, handle_identity, open_handles
+from actors.worker.checkpoint import CheckpointMixin
+from actors.worker.context import ShardContext
+from actors.worker.kept import Resident, copy_into, to_host
+from actors.worker.parallel import ParallelGroups
+from actors.worker.staging import StagingMixin
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
 from realloc.plan.slices import PlanSlice
@@ -234,11 +226,11 @@ class WorkerState:
         self.mapped: dict[tuple, tuple[int, Any]] = {}  # peer buffers kept mapped: key -> (last op, value)
         self.runs = 0
         self.copier: ThreadPoolExecutor | None = None
-        self.kept: dict[Layout, Resident] = {}  # kept layouts (actors/resident.py)
+        self.kept: dict[Layout, Resident] = {}  # kept layouts (actors/worker/kept.py)
         self.phases = Phases()  # the last move's (op_run, op_execute)
         self.stage_phases = Phases()  # the last staged update's transfer (stage_run)
-        self.ckpt_state = None  # actors/ckpt_worker.py
-        # staged updates (actors/staged_worker.py): the weight version served, the pending update,
+        self.ckpt_state = None  # actors/worker/checkpoint.py
+        # staged updates (actors/worker/staging.py): the weight version served, the pending update,
         # its own world, the spare shadow set (double buffering) and the safe points of this call
         self.version = 0
         self.staged = None
@@ -247,7 +239,7 @@ class WorkerState:
         self.stage_world_id: str | None = None
         self.shadow_spare: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
         self.safe_points = 0
-        self.delta_base: Base | None = None  # what this worker last sent, for delta moves (actors/delta.py)
+        self.delta_base: Base | None = None  # what this worker last sent, for delta moves (actors/wire/delta.py)
 
     @property
     def layout(self) -> Layout | None:
@@ -293,7 +285,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
     Subclass it to run your own code in the workers (``ModelGroup.create(..., worker_cls=Mine)``):
     the driver calls your public methods with ``group.call("method", ...)``; your state (a model,
     an optimizer) lives across reallocations; ``self.context()`` is the current
-    :class:`~actors.context.ShardContext` (shards, views, ``bind``, dp/tp/pp groups); and
+    :class:`~actors.worker.context.ShardContext` (shards, views, ``bind``, dp/tp/pp groups); and
     :meth:`on_shards_changed` runs after every committed change of the shards (rebind there).
 
     Attributes are yours: the library keeps its state under ``self._realloc`` alone
@@ -303,7 +295,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
     ``self.communicators`` read the worker's current ones until your class assigns them.
 
     Reserved: ``_realloc``, and the names of the methods defined here and in
-    :class:`~actors.ckpt_worker.CheckpointMixin` (:data:`RESERVED_METHODS`: ``abort_world``,
+    :class:`~actors.worker.checkpoint.CheckpointMixin` (:data:`RESERVED_METHODS`: ``abort_world``,
     ``activity``, ``after_change``, ``context``, ``get_boxes``, ``info``, ``inject_fault``, ``join``,
     ``join_groups``, ``last_phases``, ``open_group_rendezvous``, ``open_rendezvous``, ``ping``, ``run``,
     ``set_layout``, ``shutdown``, ``source_digest``, ``trim_memory``, ``user_call``,
@@ -334,7 +326,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         it may use ``ctx.groups``. Override it; the default does nothing."""
 
     def context(self) -> ShardContext:
-        """The current layout's :class:`~actors.context.ShardContext` of this worker."""
+        """The current layout's :class:`~actors.worker.context.ShardContext` of this worker."""
         store = self._store_now()
         st = self._realloc
         layout = st.held.layout
@@ -754,9 +746,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         fan-out read of a peer's destination buffers waits for that peer's "phase 0 done" message
         instead of a driver barrier. The commit at the end is the protocol's: if any worker fails,
         the driver aborts every live worker, which rolls a committed one back (``op_abort``).
-        ``keep``: keep the layout left behind resident (actors/resident.py); if the destination
+        ``keep``: keep the layout left behind resident (actors/worker/kept.py); if the destination
         layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
-        ``delta``: a move with ``delta=True`` (actors/delta.py). ``convert``: the layout this worker
+        ``delta``: a move with ``delta=True`` (actors/wire/delta.py). ``convert``: the layout this worker
         ends in when the plan's destination is that layout in another weight format (the
         receivers convert, realloc/plan/formats.py): converted before the commit. A plan whose
         source is another format than the one held is converted from it before sending.
@@ -803,7 +795,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         workers' timelines to the driver's clock with it); answered on the control thread."""
         return clock_reading()
 
-    # -- resident layouts (actors/resident.py) ----------------------------------------------
+    # -- resident layouts (actors/worker/kept.py) ----------------------------------------------
     def _keep(self, op: PendingOp, order: KeepOrder) -> None:
         """Keep the layout ``op`` committed away from (its rollback) resident, as ``order`` says."""
         if op.rollback is None:
@@ -904,8 +896,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         timeline: Phases | None = None,
     ) -> dict:
         """``op``'s part of ``wp`` over ``transport`` (default: the world's; a staged update runs
-        over its own, actors/staged_worker.py). ``delta``: run the routes as deltas when it names
-        a base version, and keep what was sent as the new base (actors/delta.py). ``timeline``: the
+        over its own, actors/worker/staging.py). ``delta``: run the routes as deltas when it names
+        a base version, and keep what was sent as the new base (actors/wire/delta.py). ``timeline``: the
         operation's :class:`Phases` (``op_run``'s is the worker's last trace; default: a new one)."""
         timeline = Phases() if timeline is None else timeline
         transport = self._realloc.transport if transport is None else transport

@@ -1,5 +1,5 @@
 """Driver side of local checkpoints: save with clique replication, find, load (restore or reshard),
-and Hugging Face import/export, for one :class:`~actors.group.ModelGroup`.
+and Hugging Face import/export, for one :class:`~actors.driver.group.ModelGroup`.
 
 Example (a running group)::
 
@@ -25,11 +25,10 @@ from typing import Any
 import ray
 
 from actors import metrics
-from actors.ckpt_worker import CheckpointFault
-from actors.context import ShardChange
 from actors.errors import HookError, ReallocationError
-from actors.executor import PeerView, worker_shares
+from actors.records import CheckpointFault, ShardChange
 from actors.remote import each_result, fire, gather
+from actors.wire.shares import PeerView, worker_shares
 from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
 from realloc.ckpt.errors import CheckpointError, MissingShardsError

@@ -3,7 +3,7 @@
 ``trainer.copy_to(generator, stage=True)`` (or ``group.reallocate(dst, stage=True)``) returns a
 :class:`StagedUpdate` at once. A driver thread moves the bytes into a *shadow* set of the
 destination's buffers, on the workers' stage thread and over a world of its own
-(actors/staged_worker.py), while the destination serves ``call(..., writes=False)`` on the
+(actors/worker/staging.py), while the destination serves ``call(..., writes=False)`` on the
 weights it has committed. The protocol (docs/architecture.md, "Staged updates"):
 
 1. ``staging``: the transfer runs. The source is held (its lock: its weights cannot change
@@ -36,11 +36,10 @@ from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 from actors import metrics
-from actors.context import ShardChange
+from actors.driver.protocol import worker_plan_refs
 from actors.errors import ReallocationError
-from actors.protocol import worker_plan_refs
+from actors.records import KeepOrder, ResidentLayout, ShardChange
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle, undo
-from actors.resident import KeepOrder, ResidentLayout
 from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
@@ -57,7 +56,7 @@ class StagedUpdate:
     """One staged update of ``dest`` (from ``source``; the same group for a staged move).
 
     ``version``: the weight version it brings; ``state``: one of :data:`STATES`; ``stats``: the
-    transfer's :class:`~actors.group.ReallocStats` once staged; ``pause_seconds``: how long the
+    transfer's :class:`~actors.driver.group.ReallocStats` once staged; ``pause_seconds``: how long the
     commit held the destination's calls (``at="now"``); ``error``: why it failed.
     """
 
@@ -85,7 +84,7 @@ class StagedUpdate:
         self.id = uuid.uuid4().hex[:12]
         self.convert = convert  # the receivers convert into this layout (realloc/plan/formats.py)
         self.delta = delta
-        self.delta_order = None  # decided once the source is held (actors/delta.py)
+        self.delta_order = None  # decided once the source is held (actors/wire/delta.py)
         self.sent_layout = source.layout
         self.source, self.dest, self.target, self.keep = source, dest, target, keep
         self.version_of, self.hold_source = version_of, hold_source

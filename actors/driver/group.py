@@ -12,7 +12,7 @@ Example (8 CPU workers; on a GPU cluster pass ``use_gpu=True``)::
     stats = policy.reallocate(Topology(dp=4, tp=2))   # train layout -> generation layout
     outputs = policy.run(lambda ctx: ctx.tensors["lm_head.weight"].shape)
 
-Every state change runs the protocol of :mod:`actors.protocol` (prepare, execute, commit or
+Every state change runs the protocol of :mod:`actors.driver.protocol` (prepare, execute, commit or
 abort), one operation at a time per group: a second call from another thread waits for the
 first (up to the group's timeout, then :class:`~actors.errors.GroupBusyError`). Bad arguments
 raise ``ValueError`` before any worker is contacted.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import pickle
 import threading
 import time
@@ -35,25 +34,30 @@ from typing import Any, Callable, Iterator, Sequence
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
 from actors import metrics
-from actors.checkpoint import CheckpointManager
 from actors.config import GroupConfig
-from actors.context import ShardChange
-from actors.delta import DeltaOrder
-from actors.delta import summary as delta_summary
+from actors.driver.checkpoint import CheckpointManager
+from actors.driver.launch import (
+    check_arguments,
+    check_worker_cls,
+    discard,
+    placement_of,
+    remote_class,
+    start_worker,
+    start_workers,
+    user_methods,
+)
+from actors.driver.protocol import Operation, delta_summary
+from actors.driver.staged import StagedUpdate
+from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
-from actors.protocol import Operation
+from actors.records import DeltaOrder, KeepOrder, ResidentLayout, ShardChange, check_keep
 from actors.remote import Deadline, Workers, call_all, diagnose, each_result, gather, settle
-from actors.resident import KeepOrder, ResidentLayout, check_keep
-from actors.staged import StagedUpdate
-from actors.threads import CONCURRENCY_GROUPS
 from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
-from actors.worker import RESERVED_METHODS, ShardWorker
-from actors.world import World
-from actors.zero_copy import sweep_stale_buffers
+from actors.wire.zero_copy import sweep_stale_buffers
+from actors.worker import ShardWorker
 from realloc._checks import check_nonneg, is_int
 from realloc.boxes import box_index
 from realloc.layout import Layout, Topology
@@ -78,11 +82,11 @@ class ReallocStats:
     ``resident_use``: ``"adopted"`` (the destination was a kept layout holding the current
     weights: nothing moved), ``"refreshed"`` (a kept layout's buffers were written in place) or
     None; ``resident_*_bytes_per_actor``: the largest worker's kept layouts afterwards, on its
-    device and in host memory (actors/resident.py). ``version``: the destination's weight
-    version afterwards. For a staged update (actors/staged.py) ``pause_seconds`` is 0 (nobody
+    device and in host memory (actors/worker/kept.py). ``version``: the destination's weight
+    version afterwards. For a staged update (actors/driver/staged.py) ``pause_seconds`` is 0 (nobody
     waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
     the largest worker's shadow set. ``delta``: for a move with ``delta=True``, what travelled
-    (:func:`actors.delta.summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
+    (:func:`actors.driver.protocol.delta_summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
     against ``bytes``, the senders' base memory); None otherwise. ``conversion``: for a copy
     between weight formats, where they were converted (``"source"``: before sending, the wire
     carrying the destination's format; ``"destination"``: after receiving); None otherwise.
@@ -193,7 +197,7 @@ class ModelGroup:
         self._resident: dict[Layout, ResidentLayout] = {}
         self._lock = threading.RLock()
         self._closed = False
-        # staged updates (actors/staged.py): the pending one, and the operations changing the group
+        # staged updates (actors/driver/staged.py): the pending one, and the operations changing the group
         self._staged = None
         self._state_lock = threading.Lock()
         self._changing = 0
@@ -205,7 +209,7 @@ class ModelGroup:
         #: code (ctx.groups; e.g. a rank stopped in a safe point's all-reduce, whose peer timed
         #: out): they are re-formed before the next call on every worker (_repair_user_groups)
         self._user_groups_broken = False
-        # delta moves (actors/delta.py): the (layout, version) every worker's base holds, as far
+        # delta moves (actors/wire/delta.py): the (layout, version) every worker's base holds, as far
         # as the driver knows, and the deltas this group received in a row since a full copy
         self._sent: tuple[Layout, int] | None = None
         self._deltas = 0
@@ -270,7 +274,7 @@ class ModelGroup:
                 )
             options["weight_format"] = weight_format
         layout = _as_layout(spec, topology, options)
-        _check_worker_cls(worker_cls)
+        check_worker_cls(worker_cls)
         if config is not None and settings:
             raise ValueError(f"give either config= or settings, not both (got {sorted(settings)})")
         if config is None:
@@ -286,40 +290,29 @@ class ModelGroup:
             raise ValueError(
                 f"group name must be a non-empty string without '/', ':' or surrounding spaces, got {name!r}"
             )
-        n = layout.topology.world_size
-        _check_capacity(n, config)
-        _check_name_free(name)
-        pg = placement_group([config.bundle() for _ in range(n)], strategy=config.strategy, name=f"realloc-{name}")
-        actors: list = []
+        launched = start_workers(name, spec, layout.topology.world_size, config, worker_cls)
         try:
-            ready, _ = ray.wait([pg.ready()], timeout=config.timeout_s)
-            if not ready:
-                raise ReallocationError(
-                    f"placement group for {n} workers ({config.bundle()} each) not ready after {config.timeout_s:.0f}s "
-                    f"(available now: {_summary(ray.available_resources())}); nothing was started"
-                )
-            remote_cls = _remote_class(config, worker_cls)
-            names = [f"realloc:{name}:rank{r}" for r in range(n)]
-            for r in range(n):
-                actors.append(_start_worker(remote_cls, names[r], pg, r, name, spec, config))
-            workers = Workers(tuple(actors), tuple(names))
-            infos = call_all(workers, "info", timeout_s=config.timeout_s + 60, what=f"start workers of {name!r}")
-            placement = _placement_of(infos)
-            group = cls(name, layout, config, workers, placement, pg, infos, worker_cls)
+            group = cls(
+                name, layout, config, launched.workers, launched.placement, launched.pg, launched.infos, worker_cls
+            )
             gather(
-                workers,
-                [a.set_layout.remote(layout.at(r)) for r, a in enumerate(actors)],
+                launched.workers,
+                [a.set_layout.remote(layout.at(r)) for r, a in enumerate(launched.workers.actors)],
                 config.timeout_s,
                 "allocate shards",
             )
             group._form_user_groups()
             group._announce(ShardChange("create", layout))
         except BaseException:
-            for a in actors:
-                ray.kill(a)
-            remove_placement_group(pg)
+            discard(launched.workers.actors, launched.pg)
             raise
-        log.info("group %s: %d workers on %d nodes in layout %s", name, n, placement.num_nodes, layout)
+        log.info(
+            "group %s: %d workers on %d nodes in layout %s",
+            name,
+            layout.topology.world_size,
+            launched.placement.num_nodes,
+            layout,
+        )
         return group
 
     # -- views ---------------------------------------------------------------------------
@@ -359,7 +352,7 @@ class ModelGroup:
         """Hold the groups' locks; wait for each up to its timeout, or up to ``deadline`` (the
         call's, which the operation run under the locks then shares).
 
-        A group with a staged update pending (actors/staged.py) refuses operations that change
+        A group with a staged update pending (actors/driver/staged.py) refuses operations that change
         it (``GroupBusyError``) unless ``staged_ok`` (calls, reads, the update's own steps); one
         committed at safe points is first switched in on every worker."""
         groups = sorted({id(g): g for g in (self, *others)}.values(), key=id)  # one global order: no deadlock
@@ -399,7 +392,7 @@ class ModelGroup:
         return max(self.version + 1, source.version)
 
     def _delta_order(self, delta: bool, dest: "ModelGroup", holds: int | None) -> DeltaOrder | None:
-        """The :class:`~actors.delta.DeltaOrder` of a move from this group with ``delta`` into
+        """The :class:`~actors.records.DeltaOrder` of a move from this group with ``delta`` into
         ``dest`` (this group itself for a refresh of a kept layout), which holds this group's
         weights of version ``holds`` (None: not known to hold any): a delta when every worker's
         base is of this layout and that version and ``dest`` is not due a full copy, else an anchor."""
@@ -644,7 +637,7 @@ class ModelGroup:
     def run(self, fn: Callable, *args: Any, writes: bool = True, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every worker against its local shards, in place.
 
-        ``ctx`` is a :class:`~actors.context.ShardContext`. Writes into ``ctx.tensors`` change the
+        ``ctx`` is a :class:`~actors.worker.context.ShardContext`. Writes into ``ctx.tensors`` change the
         weights directly (user code, not an atomic operation). Returned tensors that are views of
         the worker's buffers are copied first, so only their own bytes travel. ``writes=False``
         promises that ``fn`` does not change the weights: kept layouts stay current
@@ -652,7 +645,7 @@ class ModelGroup:
         """
         if not callable(fn):
             raise ValueError(f"run needs a callable fn(ctx, ...), got {type(fn).__name__}")
-        _check_arguments(fn, 1, args, kwargs, f"run: {getattr(fn, '__name__', type(fn).__name__)}")
+        check_arguments(fn, 1, args, kwargs, f"run: {getattr(fn, '__name__', type(fn).__name__)}")
         _check_writes(writes)
         shipped = _shipped("run", fn, args, kwargs)
         with self._exclusive("run user function", staged_ok=True):
@@ -676,14 +669,14 @@ class ModelGroup:
         Example:
             >>> losses = group.call("train_step", batch)  # doctest: +SKIP
         """
-        allowed = _user_methods(self.worker_cls)
+        allowed = user_methods(self.worker_cls)
         if not isinstance(method, str) or method not in allowed:
             raise ValueError(
                 f"{method!r} is not a method of worker class {self.worker_cls.__name__}; "
                 f"callable: {allowed or 'none (pass worker_cls= to ModelGroup.create)'}"
             )
         own = inspect.isfunction(inspect.getattr_static(self.worker_cls, method))  # takes self first
-        _check_arguments(
+        check_arguments(
             getattr(self.worker_cls, method), int(own), args, kwargs, f"{self.worker_cls.__name__}.{method}"
         )
         ranks = self._check_ranks(ranks)
@@ -891,18 +884,18 @@ class ModelGroup:
         not awaited. An ``on_shards_changed`` hook after a successful move has its own ``timeout_s``.
 
         ``keep="in_place"`` or ``"host"`` keeps the layout left behind resident (on the device,
-        or copied to host memory), tagged with the weight version (actors/resident.py). Moving
+        or copied to host memory), tagged with the weight version (actors/worker/kept.py). Moving
         to a kept layout that still holds the current weights adopts it (no traffic); to one
         that is stale, writes into its buffers (same memory). :meth:`release_resident` frees them.
 
-        ``stage=True`` returns a :class:`~actors.staged.StagedUpdate` at once: the new layout is
+        ``stage=True`` returns a :class:`~actors.driver.staged.StagedUpdate` at once: the new layout is
         written into a shadow set (a layout kept in place is refreshed as that set) while the group
         serves ``call(..., writes=False)`` in its current layout; ``update.commit()`` switches every
         worker to it between two calls (``keep`` then applies to the layout left; ``"in_place"``
         only), ``update.abort()`` drops it.
 
         ``delta=True`` (a group created with ``GroupConfig(delta=...)``): moving back to a stale
-        kept layout sends only the elements that changed since it was kept (actors/delta.py);
+        kept layout sends only the elements that changed since it was kept (actors/wire/delta.py);
         every other move is a full one (an anchor) that sets the workers' bases for the next.
         ``stats.delta`` says which. Not with ``stage=True``.
         """
@@ -1086,16 +1079,16 @@ class ModelGroup:
         :meth:`reallocate` (a failure raises within it plus ``FAILURE_GRACE_S``). ``other`` takes
         this group's weight version (``max(other.version + 1, self.version)``: never going back).
 
-        ``stage=True`` returns a :class:`~actors.staged.StagedUpdate` at once: the bytes move into
+        ``stage=True`` returns a :class:`~actors.driver.staged.StagedUpdate` at once: the bytes move into
         a shadow set of ``other``'s buffers while ``other`` keeps serving ``call(...,
         writes=False)``; ``update.commit()`` (or ``commit(at="safe_point")``) switches them in,
-        ``update.abort()`` drops them (actors/staged.py). This group is held until the bytes left it.
+        ``update.abort()`` drops them (actors/driver/staged.py). This group is held until the bytes left it.
 
         ``delta=True`` (this group created with ``GroupConfig(delta=...)``): when ``other`` holds
         the weights this group last sent it (nothing wrote them since), only the elements that
         changed travel, checksummed per bucket (a miss sends that bucket whole); otherwise, and
         every ``delta_anchor_every``-th time, a full copy (an anchor). ``other`` ends bit-identical
-        to this group either way; ``stats.delta`` says what travelled (actors/delta.py).
+        to this group either way; ``stats.delta`` says what travelled (actors/wire/delta.py).
         """
         if not isinstance(other, ModelGroup):
             raise ValueError(f"copy_to needs another ModelGroup, got {type(other).__name__}")
@@ -1198,7 +1191,7 @@ class ModelGroup:
         hold_source: bool = True,
         delta: bool = False,
     ) -> StagedUpdate:
-        """Start a staged update of ``dest`` from this group (actors/staged.py). ``version_of()``:
+        """Start a staged update of ``dest`` from this group (actors/driver/staged.py). ``version_of()``:
         the version it brings, read once the source is held (``hold_source=False``: the caller
         holds it, as a fleet update does for all its replicas); ``timeout_s`` bounds the transfer
         (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``."""
@@ -1302,11 +1295,11 @@ class ModelGroup:
             if not dead:
                 self._repair_user_groups()  # nobody died, but a failed call may have broken them
                 return []
-            remote_cls = _remote_class(self.config, self.worker_cls)
+            remote_cls = remote_class(self.config, self.worker_cls)
             actors, names = list(self.workers.actors), list(self.workers.names)
             for r in dead:
                 ray.kill(actors[r])
-                actors[r] = _start_worker(
+                actors[r] = start_worker(
                     remote_cls,
                     f"{names[r]}:gen{int(time.time() * 1000)}",
                     self._pg,
@@ -1323,7 +1316,7 @@ class ModelGroup:
             fresh = call_all(fresh_workers, "info", timeout_s=self.timeout_s + 60, what="start replacement workers")
             for r, info in zip(dead, fresh):
                 self.infos[r] = info
-            self.placement = _placement_of(self.infos)
+            self.placement = placement_of(self.infos)
             gather(
                 fresh_workers,
                 [actors[r].set_layout.remote(self.layout.at(r)) for r in dead],
@@ -1467,104 +1460,6 @@ def _slowest_fields(worst: dict | None) -> dict:
     }
 
 
-def _start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, config: GroupConfig):
-    """One worker actor, named, in bundle ``bundle`` of the group's placement group."""
-    args, kwargs = _worker_args(group, spec, config.zero_copy, config.backend)
-    return remote_cls.options(
-        name=actor_name,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-    ).remote(*args, **kwargs)
-
-
-def _worker_args(group: str, spec: ModelSpec | None, zero_copy: bool, backend: str | None) -> tuple[tuple, dict]:
-    """What every worker class is started with: ``worker_cls(group, spec, zero_copy, backend=...)``."""
-    return (group, spec, zero_copy), {"backend": backend}
-
-
-def _placement_of(infos: list[dict]) -> Placement:
-    """The planner's placement from the workers' own reports (real Ray node ids)."""
-    return Placement(tuple(i["node_id"] for i in infos), tuple(i["device"] for i in infos))
-
-
-def _remote_class(config: GroupConfig, worker_cls: type = ShardWorker):
-    """The actor class with the group's resources; per-actor options (name, bundle) come on top.
-
-    The control concurrency group answers pings while the default group is busy in a transfer;
-    the stage group runs staged transfers beside the user's calls (actors/threads.py).
-    """
-    return ray.remote(
-        num_cpus=config.cpus_per_worker,
-        num_gpus=config.num_gpus,
-        runtime_env=config.runtime_env,
-        max_restarts=0,
-        concurrency_groups=CONCURRENCY_GROUPS,
-    )(worker_cls)
-
-
-def _check_worker_cls(worker_cls: object) -> None:
-    if not isinstance(worker_cls, type) or not issubclass(worker_cls, ShardWorker):
-        raise ValueError(f"worker_cls must be a subclass of actors.ShardWorker, got {worker_cls!r}"[:200])
-    own = [c for c in worker_cls.__mro__ if c is not object and not issubclass(ShardWorker, c)]  # the user's classes
-    clashes = sorted(
-        {n for c in own for n in vars(c) if (n in _RESERVED and n != "on_shards_changed") or n == "_realloc"}
-    )
-    if clashes:
-        raise ValueError(
-            f"worker_cls {worker_cls.__name__} redefines methods the protocol relies on: {clashes}; "
-            "rename them (only on_shards_changed is meant to be overridden; _realloc holds the "
-            "library's state; the reserved names are actors.worker.RESERVED_METHODS)"
-        )
-    if worker_cls.__init__ is ShardWorker.__init__:
-        return
-    signature = _signature(worker_cls.__init__)
-    if signature is None:
-        return  # no signature to check (not Python code): starting the workers tells
-    args, kwargs = _worker_args("group", None, True, None)
-    try:
-        signature.bind(None, *args, **kwargs)
-    except TypeError as err:
-        raise ValueError(
-            f"worker_cls {worker_cls.__name__}.__init__{signature} cannot take what every worker is "
-            f"started with, {worker_cls.__name__}(group, spec, zero_copy, backend=...): {err}; allowed: "
-            "no __init__ of your own, or def __init__(self, *args, **kwargs) that calls "
-            "super().__init__(*args, **kwargs) (parameters of your own need defaults)"
-        ) from None
-
-
-#: Names of ShardWorker's methods (the driver and the worker call them): a subclass must not
-#: redefine them, and ``call`` refuses them. Attributes are free: the library's state is ``_realloc``.
-_RESERVED = RESERVED_METHODS
-
-
-def _user_methods(worker_cls: type) -> list[str]:
-    """Public methods the user's subclass adds (what ``ModelGroup.call`` may call)."""
-    return sorted(
-        n for n in dir(worker_cls) if not n.startswith("_") and n not in _RESERVED and callable(getattr(worker_cls, n))
-    )
-
-
-def _check_arguments(fn: Callable, leading: int, args: tuple, kwargs: dict, what: str) -> None:
-    """``ValueError`` when ``fn`` cannot take ``leading`` arguments (self, ctx) then ``args`` and
-    ``kwargs``: on the driver, before any traffic (not a ``TypeError`` from every worker)."""
-    signature = _signature(fn)
-    if signature is None:
-        return  # no signature to check (not Python code): the call itself tells
-    try:
-        signature.bind(*[None] * leading, *args, **kwargs)
-    except TypeError as err:
-        raise ValueError(f"{what}{signature} cannot take these arguments: {err}") from None
-
-
-def _signature(fn: Callable) -> inspect.Signature | None:
-    """``fn``'s signature as its author wrote it (without the ``_ray_trace_ctx`` parameter Ray adds
-    to the methods of an actor class), or ``None`` when it has none."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    return signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"])
-
-
 #: Arguments of ``call``/``run`` up to this size (pickled) travel inside the call itself (Ray
 #: inlines them); larger ones are put into the object store once for all workers. Putting even
 #: empty arguments there cost a generator call on bench-1gb 13.6 ms instead of ~4 ms: the workers
@@ -1610,41 +1505,3 @@ def _check_writes(writes: object) -> None:
 
 def _check_seed(seed: object) -> None:
     check_nonneg("seed", seed)
-
-
-def _check_capacity(n: int, config: GroupConfig) -> None:
-    """``ValueError`` when the cluster as it is cannot ever hold ``n`` bundles (instead of waiting)."""
-    if not ray.is_initialized():
-        raise ValueError("Ray is not initialised: call ray.init() (or ray.init(address=...)) first")
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    for resource, amount in config.bundle().items():
-        if amount <= 0:
-            continue
-        per_node = [math.floor(r.get(resource, 0) / amount + 1e-9) for r in nodes]
-        fits = sum(per_node)
-        if config.strategy == "STRICT_PACK":
-            fits = max(per_node, default=0)
-        elif config.strategy == "STRICT_SPREAD":
-            fits = sum(1 for k in per_node if k > 0)
-        if fits < n:
-            total = sum(r.get(resource, 0) for r in nodes)
-            raise ValueError(
-                f"the cluster cannot hold {n} workers of {amount:g} {resource} each with strategy "
-                f"{config.strategy}: its {len(nodes)} live nodes have {total:g} {resource} in all and fit {fits} "
-                "(add nodes, or lower cpus_per_worker)"
-            )
-
-
-def _check_name_free(name: str) -> None:
-    try:
-        ray.get_actor(f"realloc:{name}:rank0")
-    except ValueError:
-        return
-    raise ValueError(
-        f"a group named {name!r} is already running (its actors hold the names realloc:{name}:rank*); "
-        "shut it down or choose another name"
-    )
-
-
-def _summary(resources: dict) -> dict:
-    return {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")}

@@ -1,8 +1,8 @@
 """An elastic rollout fleet: several generator groups (replicas) updated as one.
 
 Asynchronous RL serves generation from several replicas of one model, each its own
-:class:`~actors.group.ModelGroup` (its own layout, e.g. tp=2), that keep generating while the
-trainer's next weights arrive (staged updates, :mod:`actors.staged`). A :class:`Fleet`:
+:class:`~actors.driver.group.ModelGroup` (its own layout, e.g. tp=2), that keep generating while the
+trainer's next weights arrive (staged updates, :mod:`actors.driver.staged`). A :class:`Fleet`:
 
 * ``fleet.stage(trainer)`` stages the trainer's weights into every replica, one replica after
   the other (the trainer sends each its bytes; the replicas serve meanwhile) and returns a
@@ -29,10 +29,10 @@ import logging
 import threading
 from typing import Sequence
 
+from actors.driver.group import ModelGroup, ReallocStats
+from actors.driver.staged import COMMIT_AT, StagedUpdate
 from actors.errors import GroupBusyError, ReallocationError
-from actors.group import ModelGroup, ReallocStats
 from actors.remote import FAILURE_GRACE_S, Deadline, diagnose
-from actors.staged import COMMIT_AT, StagedUpdate
 from realloc.spec.formats import unformatted
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class FleetUpdate:
 
     The source is held from the first replica's staging to the last one's, so every replica gets
     the same weights, of ``version`` (the source's). ``updates``: replica name -> its
-    :class:`~actors.staged.StagedUpdate`; ``errors``: replica name -> why it got no update;
+    :class:`~actors.driver.staged.StagedUpdate`; ``errors``: replica name -> why it got no update;
     ``skipped``: replicas that were busy (another operation, a call that writes) and keep serving
     what they served; the others with an error were dropped from the fleet.
     """

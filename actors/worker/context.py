@@ -1,4 +1,5 @@
-"""What user code sees on a worker: the shard context and the record of a shard change.
+"""What user code sees on a worker: the shard context (the record of a shard change it is told
+of, :class:`~actors.records.ShardChange`, crosses the Ray boundary: it is in actors/records.py).
 
 User code runs on the workers in three ways: ``group.run(fn)`` calls ``fn(ctx, ...)``;
 ``group.call("method")`` calls a method of the user's worker subclass, which reads
@@ -13,46 +14,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from actors.parallel import ParallelGroups
+from actors.worker.parallel import ParallelGroups
 from realloc.layout import Layout, RankLayout, Topology
 from realloc.shards import BindReport, bind_module, fused_views, shard_views
-
-#: Kinds of :class:`ShardChange`.
-CHANGES = ("create", "reallocate", "copy", "fill", "load", "replace")
-
-
-@dataclass(frozen=True)
-class ShardChange:
-    """One committed change of a worker's shard tensors (the hook's second argument).
-
-    ``kind``: ``create`` (the group started), ``reallocate`` (new layout), ``copy`` (this
-    group received another group's weights: ``copy_to``), ``fill`` (new weights in the same
-    layout: ``init_synthetic``, ``load_state_dict``, HF import), ``load`` (checkpoint restore or
-    resharding load) or ``replace`` (this worker replaced a dead one: its weights are zeros until
-    the next load). ``old`` is the layout before (``None`` at creation). After every change the
-    shard tensors are new objects: views taken before are stale (the old buffers become the
-    rollback and are recycled later), so modules must be rebound. Except when ``same_storage``:
-    the move went to a layout kept in place (``reallocate(..., keep="in_place")``), and the
-    shard tensors view the very memory this layout had when it was last held, so modules bound
-    to it then (and CUDA graphs captured over them) are still valid.
-    """
-
-    kind: str
-    new: Layout
-    old: Layout | None = None
-    same_storage: bool = False
-    version: int | None = None  # the weight version the worker holds after the change
-
-    def __post_init__(self) -> None:
-        if self.kind not in CHANGES:
-            raise ValueError(f"unknown shard change {self.kind!r}; allowed: {', '.join(CHANGES)}")
-
-    @property
-    def layout_changed(self) -> bool:
-        return self.old is None or self.old != self.new
-
-    def __str__(self) -> str:
-        return f"{self.kind} ({self.old} -> {self.new})" if self.old is not None else f"{self.kind} ({self.new})"
 
 
 @dataclass
@@ -66,7 +30,7 @@ class ShardContext:
     place of q/k/v/gate/up, :func:`realloc.shards.fused.fused_views` with ``convention="megatron"``.)
     ``layout`` is the group's layout value, ``shards`` the rank's shards (global offsets) and
     ``groups`` the dp/fsdp/tp/pp process groups of this rank of the layout
-    (:class:`~actors.parallel.ParallelGroups`). ``version`` is the weight version these tensors
+    (:class:`~actors.worker.parallel.ParallelGroups`). ``version`` is the weight version these tensors
     hold (record it with every token generated). Everything here is valid until the next change
     (which :meth:`safe_point` may bring: it updates this context in place).
     """
