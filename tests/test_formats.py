@@ -329,6 +329,25 @@ def test_an_fp8_checkpoint_without_its_scales_is_refused(tmp_path):
         hf_weight_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}})
 
 
+def test_a_bf16_checkpoint_with_stale_scales_is_refused_naming_them(tmp_path):
+    """A bf16 checkpoint that still carries ``*_scale_inv`` tensors of an earlier FP8 export: read
+    into an FP8 layout, its weights were quantized with their own scales and then those scales
+    overwritten with the stale ones (weights served 3x too large, no error). The checkpoint's
+    dtypes say the weights are not quantized, so the scales beside them are refused, named, by
+    the driver's check (before any traffic), for any layout."""
+    d = oracle.Decoder(256, 512, 1, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="bfloat16")
+    full = oracle.full_tensors(d, 7)
+    stale = dict(full)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    stale[name + "_scale_inv"] = oracle.fp8_block_quantize(full[name] * 3)[1]
+    save_hf_dir(stale, tmp_path)
+    tensors = scan_hf_dir(tmp_path)
+    for spec in (d.spec(), formatted(d.spec(), "fp8_block128")):
+        with pytest.raises(ValueError, match=rf"{name}_scale_inv' beside '{name}' \(bfloat16\)") as err:
+            match_spec(tensors, spec)
+        assert pickle.loads(pickle.dumps(err.value)).args == err.value.args
+
+
 MOE = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
 
 

@@ -134,7 +134,26 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
     holds quantized values whose scales live elsewhere), nor floats cast into integers. A block-FP8
     weight (``float8_e4m3fn``) needs its ``weight_scale_inv`` beside it; the scales of a weight the
     import quantizes (a block-FP8 layout read from a bf16 checkpoint) map to nothing.
+
+    A checkpoint's tensors are read as the format its own dtypes say: a ``<weight>_scale_inv``
+    holds block scales only beside a ``float8_e4m3fn`` weight. One beside a weight of another dtype
+    (a bf16 checkpoint that kept the scales of an earlier FP8 export) is refused, naming it: read
+    as scales, it would overwrite the scales an FP8 layout computes for that weight.
     """
+    stale = sorted(
+        n
+        for n in tensors
+        if n.endswith("_scale_inv") and (w := n[: -len("_scale_inv")]) in tensors and tensors[w].dtype != FP8
+    )
+    if stale:
+        w = stale[0][: -len("_scale_inv")]
+        raise ValueError(
+            f"HF checkpoint holds {len(stale)} block-scale tensor(s) beside weights that are not float8_e4m3fn, "
+            f"e.g. {stale[0]!r} beside {w!r} ({tensors[w].dtype}): block scales belong only to a float8_e4m3fn "
+            "weight, so these are stale (left from an earlier FP8 export?) and would be read over the scales "
+            "of the weights as the checkpoint holds them. Remove them from the checkpoint, or export the "
+            "weights in FP8 with their scales"
+        )
     mapping, problems = {}, []
     by_name = spec.by_name
     for p in spec.params:
@@ -142,8 +161,8 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
         found = next((n for n in names if n in tensors), None)
         weight = p.name[: -len("_scale_inv")] if p.name.endswith("_scale_inv") else None
         quantizes = weight in by_name and weight in tensors and by_name[weight].dtype == FP8
-        if found is None and quantizes and tensors[weight].dtype != FP8:
-            continue  # the block scales of a weight the import quantizes: written with it
+        if quantizes and tensors[weight].dtype != FP8:
+            continue  # the block scales of a weight the import quantizes: written with it, never read
         if found is not None and tensors[found].dtype == FP8:  # a block-FP8 checkpoint's weight
             scales = tensors.get(scale_name(found))
             grid = tuple(-(-n // BLOCK) for n in p.shape)
