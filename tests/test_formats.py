@@ -20,7 +20,13 @@ from realloc.layout import Layout, Topology
 from realloc.plan import Placement
 from realloc.plan.formats import conversion
 from realloc.shards import ShardStore, allocate_buffers, fused_views
-from realloc.shards.convert import dequantize_blocks, quantize_blocks
+from realloc.shards.convert import (
+    NonFiniteBlock,
+    check_finite_blocks,
+    convert_store,
+    dequantize_blocks,
+    quantize_blocks,
+)
 from realloc.shards.local_executor import move_in_process
 from realloc.spec.formats import WEIGHT_FORMATS, formatted, hf_weight_format, quantized, scale_name
 
@@ -346,6 +352,39 @@ def test_a_bf16_checkpoint_with_stale_scales_is_refused_naming_them(tmp_path):
         with pytest.raises(ValueError, match=rf"{name}_scale_inv' beside '{name}' \(bfloat16\)") as err:
             match_spec(tensors, spec)
         assert pickle.loads(pickle.dumps(err.value)).args == err.value.args
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("src_topology", ["tp=2", "fsdp=2"])
+def test_an_inf_or_nan_in_a_weight_to_quantize_is_refused_naming_the_block(bad, src_topology):
+    """One inf/NaN in a weight quantized to block FP8 made its whole 128 x 128 block NaN (scale
+    inf or NaN) with no error. The quantizer refuses it naming the tensor and the block (global
+    block indices, whichever rank's box holds it), on the senders (tp=2 holds whole blocks) and
+    on the receivers (FSDP chunks cut blocks); the pure quantizer too."""
+    d = oracle.Decoder(256, 512, 1, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="float32")
+    spec, name = d.spec(), "model.layers.0.mlp.gate_proj.weight"
+    full = oracle.full_tensors(d, 2)
+    full[name][300, 200] = bad  # rows 256.. are tp rank 1's: block (2, 1) of the weight
+    src = Layout(spec, Topology.parse(src_topology))
+    t = src.topology
+    stores = {r: fill(src, r, oracle.local_tensors(d, full, t.dp, t.tp, t.pp, [[0]], r, fsdp=t.fsdp)) for r in range(2)}
+    dst = Layout(spec, Topology(dp=2), weight_format="fp8_block128")
+    dst_stores = {r + 2: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(2)}
+    block = rf"{name}: block \(2, 1\) \(rows \[256, 384\), columns \[128, 256\)\) holds inf or NaN"
+    with pytest.raises(NonFiniteBlock, match=block) as err:
+        move_in_process(src, dst, stores, dst_stores, Placement.blocks(4, 2), src_workers=[0, 1], dst_workers=[2, 3])
+    assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
+    with pytest.raises(NonFiniteBlock, match=r"^w: block \(2, 1\)"):
+        check_finite_blocks(quantize_blocks(full[name])[1], "w")
+    if t.tp == 2:  # a sender collects them instead, writing on (it must finish its routes, then fail)
+        wire = Layout(spec, t, weight_format="fp8_block128")
+        out, failed = ShardStore(wire.shards(1), allocate_buffers(wire, 1)), []
+        assert convert_store(stores[1], out, *dtypes(src, wire), failed) > 0
+        assert [str(e) for e in failed] == [str(err.value)]
+
+
+def dtypes(src: Layout, dst: Layout) -> tuple[dict, dict]:
+    return {p.name: p.dtype for p in dst.spec.params}, {p.name: p.dtype for p in src.spec.params}
 
 
 MOE = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
