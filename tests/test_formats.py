@@ -472,3 +472,18 @@ def test_vllm_fused_fp8_expert_buffers(dst_topology):
         ):
             assert same_bits(views[pre + name], stack(source, 1, experts, t.expert_tp, etp_rank)), (r, name)
         assert views[pre + "w13_weight_scale_inv"].shape == (len(experts), 2 * -(-256 // t.expert_tp // 128), 2)
+
+
+@pytest.mark.parametrize("topology", ["tp=1", "dp=2,ep=2,etp=1", "tp=2,ep=1,etp=2"])
+def test_fused_moe_fp8_refuses_an_expert_ffn_that_is_not_whole_blocks_at_any_etp(topology):
+    """vLLM's Fp8MoEMethod.create_weights (vllm/model_executor/layers/quantization/fp8.py) refuses
+    a FusedMoE whose moe_intermediate_size / etp is not a multiple of 128, even at etp=1 (192 rows
+    here: the gate's last block would be partial inside w13_weight). Per-expert tensors
+    (expert_order='hf') stay accepted where every rank holds whole blocks."""
+    moe = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=192, shared_inter=256, dense_layers=1)
+    topo = Topology.parse(topology)
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight has 192 rows.*multiple of 128, at any etp"):
+        Layout(moe.spec(), topo, expert_order="vllm", weight_format="fp8_block128")
+    if topo.expert_tp == 1:
+        Layout(moe.spec(), topo, weight_format="fp8_block128")
+    Layout(moe.spec(), topo, expert_order="vllm")  # bf16 FusedMoE has no such rule

@@ -8,10 +8,18 @@ the block edge, so every block of a weight lies on one rank and its scale travel
 layout of a block format is refused the same way, before any traffic: every rank's box of a
 quantized weight must start on a block boundary and end on one (or at the tensor's end), and its
 scales' box is then exactly the blocks of that box.
+
+vLLM's ``FusedMoE`` buffers (``expert_order="vllm"``) are stricter: ``Fp8MoEMethod.create_weights``
+(``vllm/model_executor/layers/quantization/fp8.py``; ``validate_fp8_block_shape_moe`` in
+``.../quantization/utils/fp8_utils.py`` in later versions) refuses an expert ffn per partition,
+``moe_intermediate_size / etp``, that is not a multiple of the block edge at ANY expert tp, 1
+included: ``w13_weight`` stacks gate and up, so the gate's last block may not be partial (its
+scales would run into the up's). Such a layout is refused the same way.
 """
 
 from __future__ import annotations
 
+from realloc.layout.conventions import expert_projection
 from realloc.layout.topology import Topology
 from realloc.spec import ModelSpec
 from realloc.spec.formats import BLOCK, FP8, scale_name
@@ -37,6 +45,8 @@ def check_block_layout(spec: ModelSpec, topology: Topology, qkv_order: str, expe
             "FusedMoE's buffers, expert_order='vllm')"
         )
     by_name = spec.by_name
+    if expert_order == "vllm":
+        _check_fused_moe_blocks(spec, topology, fmt)
     seen: set[tuple] = set()
     for p in spec.params:
         if p.dtype != FP8 or p.tp_dim is None:
@@ -66,3 +76,23 @@ def check_block_layout(spec: ModelSpec, topology: Topology, qkv_order: str, expe
                 f"quantized weight to be a multiple of {BLOCK} along its split dimension; choose a "
                 f"{kind} that splits dim {p.tp_dim} of size {size} into multiples of {BLOCK}"
             )
+
+
+def _check_fused_moe_blocks(spec: ModelSpec, topology: Topology, fmt: str) -> None:
+    """vLLM's rule for block-FP8 ``FusedMoE`` (module docstring): every routed expert's gate/up
+    rows per expert-tp partition (``intermediate_size_per_partition``) a multiple of the block."""
+    etp = topology.expert_tp
+    for p in spec.params:
+        if p.expert is None or p.dtype != FP8 or expert_projection(p) == 2:
+            continue
+        per = p.shape[0] // etp if p.shape[0] % etp == 0 else None
+        if per is not None and per % BLOCK == 0:
+            continue
+        raise ValueError(
+            f"weight_format={fmt!r} with expert_order='vllm': {p.name} has {p.shape[0]} rows, "
+            f"{p.shape[0] / etp:g} per expert tensor parallel rank (etp={etp}); vLLM's block-FP8 FusedMoE "
+            f"(Fp8MoEMethod.create_weights, vllm/model_executor/layers/quantization/fp8.py) refuses an "
+            f"expert intermediate size per partition that is not a multiple of {BLOCK}, at any etp (w13_weight "
+            f"stacks gate and up block for block). Choose an etp that splits {p.shape[0]} into multiples of "
+            f"{BLOCK}, or expert_order='hf' (per-expert tensors)"
+        )
