@@ -8,7 +8,9 @@ Every destination buffer must equal that, bit for bit, whichever side converted.
 
 from __future__ import annotations
 
+import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,8 @@ from realloc.shards.convert import (
     quantize_blocks,
 )
 from realloc.shards.local_executor import move_in_process
+from realloc.shards.synthetic import synthetic_state_dict
+from realloc.spec import spec_from_hf_config
 from realloc.spec.formats import WEIGHT_FORMATS, formatted, hf_weight_format, quantized, scale_name
 
 try:
@@ -36,6 +40,7 @@ except ImportError:  # pytest put tests/ itself on sys.path
     import oracle
 
 B = oracle.FP8_BLOCK
+CONFIGS = Path(__file__).parent / "data" / "configs"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -487,3 +492,74 @@ def test_fused_moe_fp8_refuses_an_expert_ffn_that_is_not_whole_blocks_at_any_etp
     if topo.expert_tp == 1:
         Layout(moe.spec(), topo, weight_format="fp8_block128")
     Layout(moe.spec(), topo, expert_order="vllm")  # bf16 FusedMoE has no such rule
+
+
+DEEPSEEK_V3 = {  # a small DeepSeek-V3 (MLA with q LoRA, a dense layer, routed + shared experts, router bias)
+    "model_type": "deepseek_v3",
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "n_routed_experts": 2,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_deepseek_mla_kv_a_proj_with_mqa_is_quantized_as_vllm_and_the_checkpoint_hold_it(tmp_path):
+    """vLLM builds ``kv_a_proj_with_mqa`` with the quant config (a ReplicatedLinear, or part of
+    ``fused_qkv_a_proj``: vllm/model_executor/models/deepseek_v2.py) and DeepSeek-V3's published
+    checkpoint holds it in e4m3 with ``weight_scale_inv`` [ceil(576/128), 56]; it was left in bf16.
+    A DeepSeek-V3-style FP8 checkpoint now imports into an FP8 layout as written, its scales too."""
+    spec = spec_from_hf_config(DEEPSEEK_V3)
+    fp8 = formatted(spec, "fp8_block128")
+    attn = "model.layers.0.self_attn."
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert fp8.by_name[f"{attn}{proj}.weight"].dtype == "float8_e4m3fn", proj
+        assert fp8.by_name[f"{attn}{proj}.weight_scale_inv"].shape == tuple(
+            -(-n // B) for n in spec.by_name[f"{attn}{proj}.weight"].shape
+        )
+    assert fp8.by_name[attn + "kv_a_layernorm.weight"].dtype == "bfloat16"
+    published = formatted(spec_from_hf_config(json.loads((CONFIGS / "DeepSeek-V3.json").read_text())), "fp8_block128")
+    assert published.by_name[scale_name(attn + "kv_a_proj_with_mqa.weight")].shape == (5, 56)
+    written, full = {}, synthetic_state_dict(spec, 3)
+    for p in spec.params:  # the published format: every quantized weight e4m3 with its scales
+        t = full[p.name]
+        if quantized(p):
+            written[p.name], written[scale_name(p.name)] = oracle.fp8_block_quantize(t)
+        else:
+            written[p.name] = t
+    save_hf_dir(written, tmp_path)
+    layout = Layout(spec, Topology(), weight_format="fp8_block128")
+    tensors = scan_hf_dir(tmp_path)
+    store = ShardStore(layout.shards(0), allocate_buffers(layout, 0))
+    load_shards(tmp_path, tensors, match_spec(tensors, layout.spec), layout.shards(0), store)
+    got = store.shard_tensors()
+    assert set(got) == set(written)
+    assert all(same_bits(got[n], written[n]) for n in written)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "fp8_block128+bfloat16"])
+def test_cast_formats_keep_deepseek_v3s_router_bias_in_float32(fmt):
+    """transformers keeps ``e_score_correction_bias`` in float32 (``_keep_in_fp32_modules_strict``,
+    models/deepseek_v3/modeling_deepseek_v3.py) and vLLM creates it float32
+    (vllm/model_executor/models/deepseek_v2.py): a cast format casts every other floating tensor."""
+    spec = spec_from_hf_config({**DEEPSEEK_V3, "torch_dtype": "float32"})
+    out = formatted(spec, fmt)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert spec.by_name[bias].dtype == out.by_name[bias].dtype == "float32"
+    cast = fmt.rpartition("+")[2]
+    assert out.by_name["model.layers.1.mlp.gate.weight"].dtype == cast
+    assert out.by_name["model.norm.weight"].dtype == cast
