@@ -563,3 +563,43 @@ def test_cast_formats_keep_deepseek_v3s_router_bias_in_float32(fmt):
     cast = fmt.rpartition("+")[2]
     assert out.by_name["model.layers.1.mlp.gate.weight"].dtype == cast
     assert out.by_name["model.norm.weight"].dtype == cast
+
+
+@pytest.mark.parametrize("src_fmt,dst_fmt", [(None, "fp8_block128"), ("fp8_block128", None)])
+def test_moves_between_formats_with_balanced_pipeline_stages(src_fmt, dst_fmt):
+    """``pp_split="balanced"`` splits by bytes, so the same rule gives other stages in another
+    format (3/3/2 for float32, 2/4/2 in FP8 here): the wire layout took the rule again and the
+    move raised KeyError. The wire now keeps the converting side's own stages; every shard equals
+    the oracle's, read with each side's own stages."""
+    d = oracle.Decoder(256, 512, 8, 2, 2, 128, 1000, dtype="float32", norm_dtype="float32")
+    spec = d.spec()
+    src = Layout(spec, Topology(pp=3, pp_split="balanced"), weight_format=src_fmt)
+    dst = Layout(spec, Topology(pp=3, pp_split="balanced"), weight_format=dst_fmt)
+    assert src.layer_counts != dst.layer_counts  # the case: other stages in the other format
+    full = oracle.full_tensors(d, 1)
+    src_full, src_scales = formatted_full(d, full, src_fmt)
+    dst_full, dst_scales = formatted_full(d, full, dst_fmt)
+    if src_fmt is not None:  # FP8 -> float32: what the FP8 side holds, dequantized
+        dst_full = {
+            n: oracle.fp8_block_dequantize(t, src_scales[n], torch.float32) if n in src_scales else t
+            for n, t in src_full.items()
+        }
+    stages = {id(lay): [list(r) for r in lay.stages] for lay in (src, dst)}
+
+    def local(lay, tensors, scales, r):
+        out = oracle.local_tensors(d, tensors, 1, 1, 3, stages[id(lay)], r)
+        out.update({n + "_scale_inv": s for n, s in scales.items() if n in out})
+        return out
+
+    src_stores = {r: fill(src, r, local(src, src_full, src_scales, r)) for r in range(3)}
+    dst_stores = {r + 3: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(3)}
+    out = move_in_process(
+        src, dst, src_stores, dst_stores, Placement.blocks(6, 3), src_workers=[0, 1, 2], dst_workers=[3, 4, 5]
+    )
+    assert out["conversion"] == conversion(src, dst).where
+    assert conversion(src, dst).wire.layer_counts == (src if out["conversion"] == "source" else dst).layer_counts
+    for r in range(3):
+        want, got = local(dst, dst_full, dst_scales, r), dst_stores[r + 3].shard_tensors()
+        assert set(got) == set(want)
+        for slot in want:
+            assert same_bits(got[slot], want[slot]), (r, slot)

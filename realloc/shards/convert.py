@@ -188,8 +188,10 @@ def convert_rank(
     failed: list[NonFiniteBlock] | None = None,
 ) -> int:
     """:func:`convert_store` for rank ``rank`` of two layouts of one topology (formats may differ)."""
-    if src_layout.topology != dst_layout.topology:
-        raise ValueError(f"a conversion keeps the topology: {src_layout.topology} -> {dst_layout.topology}")
+    if src_layout.key[1:] != dst_layout.key[1:]:  # all but the (formatted) spec: the same placement
+        raise ValueError(
+            f"a conversion keeps the placement (topology, stages, conventions): {src_layout} -> {dst_layout}"
+        )
     return convert_store(
         src,
         dst,
