@@ -603,3 +603,91 @@ def test_moves_between_formats_with_balanced_pipeline_stages(src_fmt, dst_fmt):
         assert set(got) == set(want)
         for slot in want:
             assert same_bits(got[slot], want[slot]), (r, slot)
+
+
+def test_fused_views_of_an_fp8_layout_with_float32_biases():
+    """A Llama with MLP and q/k/v biases in float32, served in block FP8: the biases share the
+    float32 buffer with the scales, and ``gate_proj.bias`` sat between the up weight's scales and
+    ``up_proj.bias`` (fused_views raised). Now vLLM's ``gate_up_proj.bias`` and ``qkv_proj.bias``
+    are one view each, ``[gate; up]`` / ``[q; k; v]`` of the rank, and the scales of gate and up
+    stay adjacent too."""
+    llama = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "torch_dtype": "float32",
+    }
+    layout = Layout(spec_from_hf_config(llama), Topology(tp=2), weight_format="fp8_block128")
+    for r in range(2):
+        bufs = allocate_buffers(layout, r)
+        for t in bufs.values():
+            t.view(torch.uint8).copy_(torch.randint(0, 255, (t.view(torch.uint8).numel(),), dtype=torch.uint8))
+        views = fused_views(layout.at(r), bufs)
+        pre = "model.layers.0."
+        for fused, parts in (
+            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+            ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ):
+            bias = views[pre + fused + ".bias"]
+            assert bias.dtype == torch.float32 and bias.data_ptr() == views[pre + parts[0] + ".bias"].data_ptr()
+            assert same_bits(bias, torch.cat([views[pre + p + ".bias"] for p in parts]))
+            assert same_bits(views[pre + fused + ".weight"], torch.cat([views[pre + p + ".weight"] for p in parts]))
+        gate_s, up_s = views[pre + "mlp.gate_proj.weight_scale_inv"], views[pre + "mlp.up_proj.weight_scale_inv"]
+        assert up_s.data_ptr() == gate_s.data_ptr() + gate_s.numel() * 4  # [gate; up] scales adjacent
+
+
+def test_fused_views_of_deepseek_mla_without_q_lora():
+    """DeepSeek-V2-Lite (``q_lora_rank=None``): ``q_proj`` beside ``kv_a_proj_with_mqa``, no k/v.
+    vLLM has no qkv_proj there (deepseek_v2.py: q_proj is its own ColumnParallelLinear) nor Megatron
+    a linear_qkv; fused_views raised for the missing k/v. The dense layer's gate_up_proj remains."""
+    lite = {
+        "model_type": "deepseek_v2",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+    }
+    layout = Layout(spec_from_hf_config(lite), Topology(tp=2))
+    for convention, fc1 in (("vllm", "mlp.gate_up_proj.weight"), ("megatron", "mlp.linear_fc1.weight")):
+        views = fused_views(layout.at(1), allocate_buffers(layout, 1), convention=convention)
+        assert not any("qkv" in n for n in views)
+        gate, up = views["model.layers.0.mlp.gate_proj.weight"], views["model.layers.0.mlp.up_proj.weight"]
+        assert views["model.layers.0." + fc1].shape == (gate.shape[0] + up.shape[0], 32)
+
+
+def test_expert_views_with_megatron_qkv_and_vllm_experts():
+    """``qkv_order="megatron"`` with ``expert_order="vllm"``: the vLLM convention cannot give
+    qkv_proj (a slot held as several per-group shards) and the Megatron one gave no expert views.
+    The Megatron convention now gives linear_qkv and FusedMoE's w13_weight / w2_weight, equal to
+    the oracle's vLLM stacks."""
+    dst = Layout(MOE.spec(), Topology.parse("dp=2,ep=2,etp=1"), qkv_order="megatron", expert_order="vllm")
+    _, _, bufs, _ = moe_into(dst, 6)
+    full = oracle.moe_full_tensors(MOE, 6)
+    t = dst.topology
+    for r in range(t.world_size):
+        with pytest.raises(ValueError, match="use convention='megatron'"):
+            fused_views(dst.at(r), bufs[r])
+        views = fused_views(dst.at(r), bufs[r], convention="megatron")
+        etp_rank, ep_rank, _, _ = oracle.expert_mesh_coords(r, t.dp, t.tp, t.pp, t.ep, t.expert_tp)
+        experts = oracle.local_experts(MOE.experts, t.ep, ep_rank)
+        pre = "model.layers.1.mlp.experts."
+        assert same_bits(views[pre + "w13_weight"], oracle.vllm_w13(full, 1, experts, t.expert_tp, etp_rank))
+        assert same_bits(views[pre + "w2_weight"], oracle.vllm_w2(full, 1, experts, t.expert_tp, etp_rank))
+        assert "model.layers.1.self_attention.linear_qkv.weight" in views
