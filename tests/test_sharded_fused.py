@@ -31,6 +31,7 @@ except ImportError:  # pytest put tests/ itself on sys.path
     from test_planner_properties import placements, stages_of, topologies
     from test_zero3 import check_layout_buffers, check_zero3_reallocation, zero3_topologies
 
+EMBED = "model.embed_tokens.weight"
 GQA = oracle.Decoder(
     hidden=4,
     intermediate=6,
@@ -180,3 +181,21 @@ def test_fused_sharded_views():
         )
         assert list(flat) == list(want)
         assert {n: v.shape for n, v in flat.items()} == {n: v.shape for n, v in want.items()}
+
+
+def test_megatron_fsdp2_chunks_the_vocabulary_padded_to_a_multiple_of_tp():
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp
+    (Megatron-LM's ``_vocab_size_with_padding``, megatron/training/tokenizer/tokenizer.py) even with
+    a multiple of 1: V=17 at tp=4 is 20 rows, 5 per tp rank, tp rank 3 holding real rows 15, 16 and
+    3 padding rows. Megatron-FSDP (qkv_order='megatron' with fsdp) chunks that padded [5, hidden]
+    tensor: chunks of 3 rows, fsdp rank 0 holds rows 15, 16 (and a padding row), fsdp rank 1 only
+    padding. The real rows were chunked instead (one row each). Every buffer against the oracle."""
+    d = dataclasses.replace(GQA, vocab=17, kv_heads=4, intermediate=8)
+    topo = Topology(fsdp=2, tp=4)
+    check_layout_buffers(d, topo, 1, "megatron")
+    lay = Layout(d.spec(), topo, qkv_order="megatron")
+    held = {}
+    for rank in (3, 7):  # tp rank 3, fsdp ranks 0 and 1
+        [s] = [s for s in lay.shards(rank) if s.slot == EMBED] or [None]
+        held[rank] = (s.offsets[0], s.sizes[0], s.local_shape[0]) if s is not None and s.sizes[0] else None
+    assert held == {3: (15, 2, 3), 7: None}
