@@ -382,7 +382,7 @@ class Layout:
                     shards = []
                     stacked = self._expert_pieces(tp_boxes, tp_rank, fsdp_rank)  # routed experts cut their own way
                     first = 0
-                    for unit in engine_params(tp_boxes, self.fused_sharded):  # realloc.layout.sharded
+                    for unit in engine_params(tp_boxes, self.fused_sharded, self.expert_order == "hf"):  # .sharded
                         if first in stacked:  # stacked experts (realloc.layout.stacked), torchtitan's (.torchtitan)
                             p, name, slot = unit[0][:3]
                             pieces = [(p, name, slot, o, z, local) for (o, z), local in stacked[first]]

@@ -207,7 +207,7 @@ def _sharded_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Te
     device = next((b.device for b in buffers.values()), torch.device("cpu"))
     views: dict[str, torch.Tensor] = {}
     for storage, slot in layout.stage_slots(layout.topology.coords(rank_layout.rank)[2]):
-        name = megatron_fused_name(slot)
+        name = megatron_fused_name(slot, layout.expert_order == "hf")
         if name is None or name in views:
             continue
         p = layout.spec.by_name[storage]
