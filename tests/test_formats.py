@@ -691,3 +691,40 @@ def test_expert_views_with_megatron_qkv_and_vllm_experts():
         assert same_bits(views[pre + "w13_weight"], oracle.vllm_w13(full, 1, experts, t.expert_tp, etp_rank))
         assert same_bits(views[pre + "w2_weight"], oracle.vllm_w2(full, 1, experts, t.expert_tp, etp_rank))
         assert "model.layers.1.self_attention.linear_qkv.weight" in views
+
+
+@pytest.mark.parametrize("dst_topology", ["tp=1", "tp=2", "dp=2,tp=2"])
+def test_transformers_fp8_experts_stacks(dst_topology):
+    """FP8 with ``expert_order="hf_stacked"`` was refused, though transformers 5 runs it:
+    ``FP8Experts`` (src/transformers/integrations/finegrained_fp8.py) holds ``gate_up_proj``
+    ``[E, 2 * inter, hidden]`` and ``down_proj`` in e4m3 beside ``gate_up_proj_scale_inv``
+    ``[E, ceil(2 * inter / 128), ceil(hidden / 128)]`` and ``down_proj_scale_inv``. Moved from a bf16
+    trainer, each is one view of the rank's buffers equal to the oracle's stacks of the quantized
+    tensors and of their scales (per expert its gate rows then its up rows; tp: the rank's rows)."""
+    dst = Layout(MOE.spec(), Topology.parse(dst_topology), expert_order="hf_stacked", weight_format="fp8_block128")
+    quant, scales, bufs, out = moe_into(dst, 9)
+    assert out["conversion"] == "source"
+    t, pre, experts = dst.topology, "model.layers.1.mlp.experts.", range(MOE.experts)
+    for r in range(t.world_size):
+        views = fused_views(dst.at(r), bufs[r])
+        tp_rank = r % t.tp
+        for name, stack, source in (
+            ("gate_up_proj", oracle.vllm_w13, quant),
+            ("gate_up_proj_scale_inv", oracle.vllm_w13, scales),
+            ("down_proj", oracle.vllm_w2, quant),
+            ("down_proj_scale_inv", oracle.vllm_w2, scales),
+        ):
+            assert same_bits(views[pre + name], stack(source, 1, experts, t.tp, tp_rank)), (r, name)
+        inter = 256 // t.tp
+        assert views[pre + "gate_up_proj_scale_inv"].shape == (MOE.experts, -(-2 * inter // B), 2)
+    moe = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=192, shared_inter=256, dense_layers=1)
+    with pytest.raises(ValueError, match="FP8Experts .* cannot hold an expert intermediate size per partition"):
+        Layout(moe.spec(), Topology(), expert_order="hf_stacked", weight_format="fp8_block128")
+
+
+def test_megatron_block_fp8_is_refused_saying_why():
+    """Megatron-core's block FP8 is Transformer Engine's Float8BlockwiseQTensor (padded scales, a
+    transposed copy, TE's quantizer): not this format; the refusal says so and what to do."""
+    spec = oracle.Decoder(256, 512, 2, 2, 2, 128, 100).spec()
+    with pytest.raises(ValueError, match=r"Float8BlockwiseQTensor.*padded to a multiple of 4.*qkv_order='hf'"):
+        Layout(spec, Topology(), qkv_order="megatron", weight_format="fp8_block128")
