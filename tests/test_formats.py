@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from realloc.ckpt.hf import load_shards, match_spec, save_hf_dir, scan_hf_dir
+from realloc.ckpt.hf import check_declared_format, load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
 from realloc.plan.formats import conversion
@@ -390,6 +390,28 @@ def test_an_inf_or_nan_in_a_weight_to_quantize_is_refused_naming_the_block(bad, 
 
 def dtypes(src: Layout, dst: Layout) -> tuple[dict, dict]:
     return {p.name: p.dtype for p in dst.spec.params}, {p.name: p.dtype for p in src.spec.params}
+
+
+def test_a_checkpoint_whose_config_and_dtypes_disagree_is_refused(tmp_path):
+    """A checkpoint is read as the format its config.json and its dtypes both say: a bf16 re-export
+    that kept DeepSeek-V3's FP8 quantization_config, or FP8 weights under a config without one, are
+    refused naming a tensor; agreeing ones (or no config.json) pass."""
+    d = oracle.Decoder(256, 512, 1, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="bfloat16")
+    full, spec = oracle.full_tensors(d, 8), d.spec()
+    fp8_config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    save_hf_dir(full, tmp_path / "bf16", extra={"config.json": fp8_config})
+    with pytest.raises(
+        ValueError, match=r"declares fp8_block128 .* e\.g\. 'model\.layers\.0\.self_attn\.q_proj\.weight'"
+    ):
+        check_declared_format(tmp_path / "bf16", scan_hf_dir(tmp_path / "bf16"), spec)
+    written = fp8_checkpoint(d, full, tmp_path / "fp8")
+    save_hf_dir(written, tmp_path / "fp8", extra={"config.json": {"model_type": "llama"}})
+    with pytest.raises(ValueError, match=r"declares no quantization_config, but .* float8_e4m3fn"):
+        check_declared_format(tmp_path / "fp8", scan_hf_dir(tmp_path / "fp8"), formatted(spec, "fp8_block128"))
+    save_hf_dir(written, tmp_path / "ok", extra={"config.json": fp8_config})
+    check_declared_format(tmp_path / "ok", scan_hf_dir(tmp_path / "ok"), spec)
+    save_hf_dir(full, tmp_path / "plain", extra={"config.json": {"model_type": "llama"}})
+    check_declared_format(tmp_path / "plain", scan_hf_dir(tmp_path / "plain"), spec)
 
 
 MOE = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
