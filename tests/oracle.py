@@ -416,7 +416,7 @@ def local_tensors(
         if fsdp == 1:  # (fused, without sharded data parallelism: Megatron's tp-local tensors)
             out[slot] = local
             continue
-        held = sharded_dp_part(d, p, local, tp_rank, fsdp, fsdp_rank, split, pad_multiple, pad_value)
+        held = sharded_dp_part(d, p, local, tp_rank, fsdp, fsdp_rank, split, pad_multiple, pad_value, fused)
         if held is not None:
             out[slot] = held
     return out
@@ -432,12 +432,15 @@ def sharded_dp_part(
     split: str,
     pad_multiple: int,
     pad_value,
+    megatron: bool = False,
 ) -> "torch.Tensor | None":
     """What fsdp rank ``fsdp_rank`` holds of a tp-local tensor: its ZeRO-3 partition, or its FSDP2
     chunk (``None`` where torch.chunk gives none). torchtitan's vocabulary-parallel DTensor (FSDP2,
-    no padding multiple) holds the real rows only; Megatron's padded shard (pad_multiple > 1) and
+    no padding multiple) holds the real rows only; Megatron's padded shard (pad_multiple > 1, or
+    any multiple for Megatron's own model, ``megatron``: Megatron-LM's ``_vocab_size_with_padding``
+    pads to ``make_vocab_size_divisible_by * tp``, so with multiple 1 to a multiple of tp) and
     DeepSpeed's flattened one keep their padding rows."""
-    if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1:
+    if p.rule == "vocab" and split == "fsdp2" and pad_multiple == 1 and not megatron:
         per = local.shape[0]
         local = local.narrow(0, 0, max(0, min(per, d.vocab - tp_rank * per)))
     if split == "zero3":

@@ -8,20 +8,30 @@ Every destination buffer must equal that, bit for bit, whichever side converted.
 
 from __future__ import annotations
 
+import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from realloc.ckpt.hf import load_shards, match_spec, save_hf_dir, scan_hf_dir
+from realloc.ckpt.hf import check_declared_format, load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
 from realloc.plan.formats import conversion
 from realloc.shards import ShardStore, allocate_buffers, fused_views
-from realloc.shards.convert import dequantize_blocks, quantize_blocks
+from realloc.shards.convert import (
+    NonFiniteBlock,
+    check_finite_blocks,
+    convert_store,
+    dequantize_blocks,
+    quantize_blocks,
+)
 from realloc.shards.local_executor import move_in_process
+from realloc.shards.synthetic import synthetic_state_dict
+from realloc.spec import spec_from_hf_config
 from realloc.spec.formats import WEIGHT_FORMATS, formatted, hf_weight_format, quantized, scale_name
 
 try:
@@ -30,6 +40,7 @@ except ImportError:  # pytest put tests/ itself on sys.path
     import oracle
 
 B = oracle.FP8_BLOCK
+CONFIGS = Path(__file__).parent / "data" / "configs"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -329,6 +340,80 @@ def test_an_fp8_checkpoint_without_its_scales_is_refused(tmp_path):
         hf_weight_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}})
 
 
+def test_a_bf16_checkpoint_with_stale_scales_is_refused_naming_them(tmp_path):
+    """A bf16 checkpoint that still carries ``*_scale_inv`` tensors of an earlier FP8 export: read
+    into an FP8 layout, its weights were quantized with their own scales and then those scales
+    overwritten with the stale ones (weights served 3x too large, no error). The checkpoint's
+    dtypes say the weights are not quantized, so the scales beside them are refused, named, by
+    the driver's check (before any traffic), for any layout."""
+    d = oracle.Decoder(256, 512, 1, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="bfloat16")
+    full = oracle.full_tensors(d, 7)
+    stale = dict(full)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    stale[name + "_scale_inv"] = oracle.fp8_block_quantize(full[name] * 3)[1]
+    save_hf_dir(stale, tmp_path)
+    tensors = scan_hf_dir(tmp_path)
+    for spec in (d.spec(), formatted(d.spec(), "fp8_block128")):
+        with pytest.raises(ValueError, match=rf"{name}_scale_inv' beside '{name}' \(bfloat16\)") as err:
+            match_spec(tensors, spec)
+        assert pickle.loads(pickle.dumps(err.value)).args == err.value.args
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("src_topology", ["tp=2", "fsdp=2"])
+def test_an_inf_or_nan_in_a_weight_to_quantize_is_refused_naming_the_block(bad, src_topology):
+    """One inf/NaN in a weight quantized to block FP8 made its whole 128 x 128 block NaN (scale
+    inf or NaN) with no error. The quantizer refuses it naming the tensor and the block (global
+    block indices, whichever rank's box holds it), on the senders (tp=2 holds whole blocks) and
+    on the receivers (FSDP chunks cut blocks); the pure quantizer too."""
+    d = oracle.Decoder(256, 512, 1, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="float32")
+    spec, name = d.spec(), "model.layers.0.mlp.gate_proj.weight"
+    full = oracle.full_tensors(d, 2)
+    full[name][300, 200] = bad  # rows 256.. are tp rank 1's: block (2, 1) of the weight
+    src = Layout(spec, Topology.parse(src_topology))
+    t = src.topology
+    stores = {r: fill(src, r, oracle.local_tensors(d, full, t.dp, t.tp, t.pp, [[0]], r, fsdp=t.fsdp)) for r in range(2)}
+    dst = Layout(spec, Topology(dp=2), weight_format="fp8_block128")
+    dst_stores = {r + 2: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(2)}
+    block = rf"{name}: block \(2, 1\) \(rows \[256, 384\), columns \[128, 256\)\) holds inf or NaN"
+    with pytest.raises(NonFiniteBlock, match=block) as err:
+        move_in_process(src, dst, stores, dst_stores, Placement.blocks(4, 2), src_workers=[0, 1], dst_workers=[2, 3])
+    assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
+    with pytest.raises(NonFiniteBlock, match=r"^w: block \(2, 1\)"):
+        check_finite_blocks(quantize_blocks(full[name])[1], "w")
+    if t.tp == 2:  # a sender collects them instead, writing on (it must finish its routes, then fail)
+        wire = Layout(spec, t, weight_format="fp8_block128")
+        out, failed = ShardStore(wire.shards(1), allocate_buffers(wire, 1)), []
+        assert convert_store(stores[1], out, *dtypes(src, wire), failed) > 0
+        assert [str(e) for e in failed] == [str(err.value)]
+
+
+def dtypes(src: Layout, dst: Layout) -> tuple[dict, dict]:
+    return {p.name: p.dtype for p in dst.spec.params}, {p.name: p.dtype for p in src.spec.params}
+
+
+def test_a_checkpoint_whose_config_and_dtypes_disagree_is_refused(tmp_path):
+    """A checkpoint is read as the format its config.json and its dtypes both say: a bf16 re-export
+    that kept DeepSeek-V3's FP8 quantization_config, or FP8 weights under a config without one, are
+    refused naming a tensor; agreeing ones (or no config.json) pass."""
+    d = oracle.Decoder(256, 512, 1, 2, 2, 128, 100, dtype="bfloat16", norm_dtype="bfloat16")
+    full, spec = oracle.full_tensors(d, 8), d.spec()
+    fp8_config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    save_hf_dir(full, tmp_path / "bf16", extra={"config.json": fp8_config})
+    with pytest.raises(
+        ValueError, match=r"declares fp8_block128 .* e\.g\. 'model\.layers\.0\.self_attn\.q_proj\.weight'"
+    ):
+        check_declared_format(tmp_path / "bf16", scan_hf_dir(tmp_path / "bf16"), spec)
+    written = fp8_checkpoint(d, full, tmp_path / "fp8")
+    save_hf_dir(written, tmp_path / "fp8", extra={"config.json": {"model_type": "llama"}})
+    with pytest.raises(ValueError, match=r"declares no quantization_config, but .* float8_e4m3fn"):
+        check_declared_format(tmp_path / "fp8", scan_hf_dir(tmp_path / "fp8"), formatted(spec, "fp8_block128"))
+    save_hf_dir(written, tmp_path / "ok", extra={"config.json": fp8_config})
+    check_declared_format(tmp_path / "ok", scan_hf_dir(tmp_path / "ok"), spec)
+    save_hf_dir(full, tmp_path / "plain", extra={"config.json": {"model_type": "llama"}})
+    check_declared_format(tmp_path / "plain", scan_hf_dir(tmp_path / "plain"), spec)
+
+
 MOE = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
 
 
@@ -414,3 +499,254 @@ def test_vllm_fused_fp8_expert_buffers(dst_topology):
         ):
             assert same_bits(views[pre + name], stack(source, 1, experts, t.expert_tp, etp_rank)), (r, name)
         assert views[pre + "w13_weight_scale_inv"].shape == (len(experts), 2 * -(-256 // t.expert_tp // 128), 2)
+
+
+@pytest.mark.parametrize("topology", ["tp=1", "dp=2,ep=2,etp=1", "tp=2,ep=1,etp=2"])
+def test_fused_moe_fp8_refuses_an_expert_ffn_that_is_not_whole_blocks_at_any_etp(topology):
+    """vLLM's Fp8MoEMethod.create_weights (vllm/model_executor/layers/quantization/fp8.py) refuses
+    a FusedMoE whose moe_intermediate_size / etp is not a multiple of 128, even at etp=1 (192 rows
+    here: the gate's last block would be partial inside w13_weight). Per-expert tensors
+    (expert_order='hf') stay accepted where every rank holds whole blocks."""
+    moe = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=192, shared_inter=256, dense_layers=1)
+    topo = Topology.parse(topology)
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight has 192 rows.*multiple of 128, at any etp"):
+        Layout(moe.spec(), topo, expert_order="vllm", weight_format="fp8_block128")
+    if topo.expert_tp == 1:
+        Layout(moe.spec(), topo, weight_format="fp8_block128")
+    Layout(moe.spec(), topo, expert_order="vllm")  # bf16 FusedMoE has no such rule
+
+
+DEEPSEEK_V3 = {  # a small DeepSeek-V3 (MLA with q LoRA, a dense layer, routed + shared experts, router bias)
+    "model_type": "deepseek_v3",
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "n_routed_experts": 2,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_deepseek_mla_kv_a_proj_with_mqa_is_quantized_as_vllm_and_the_checkpoint_hold_it(tmp_path):
+    """vLLM builds ``kv_a_proj_with_mqa`` with the quant config (a ReplicatedLinear, or part of
+    ``fused_qkv_a_proj``: vllm/model_executor/models/deepseek_v2.py) and DeepSeek-V3's published
+    checkpoint holds it in e4m3 with ``weight_scale_inv`` [ceil(576/128), 56]; it was left in bf16.
+    A DeepSeek-V3-style FP8 checkpoint now imports into an FP8 layout as written, its scales too."""
+    spec = spec_from_hf_config(DEEPSEEK_V3)
+    fp8 = formatted(spec, "fp8_block128")
+    attn = "model.layers.0.self_attn."
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert fp8.by_name[f"{attn}{proj}.weight"].dtype == "float8_e4m3fn", proj
+        assert fp8.by_name[f"{attn}{proj}.weight_scale_inv"].shape == tuple(
+            -(-n // B) for n in spec.by_name[f"{attn}{proj}.weight"].shape
+        )
+    assert fp8.by_name[attn + "kv_a_layernorm.weight"].dtype == "bfloat16"
+    published = formatted(spec_from_hf_config(json.loads((CONFIGS / "DeepSeek-V3.json").read_text())), "fp8_block128")
+    assert published.by_name[scale_name(attn + "kv_a_proj_with_mqa.weight")].shape == (5, 56)
+    written, full = {}, synthetic_state_dict(spec, 3)
+    for p in spec.params:  # the published format: every quantized weight e4m3 with its scales
+        t = full[p.name]
+        if quantized(p):
+            written[p.name], written[scale_name(p.name)] = oracle.fp8_block_quantize(t)
+        else:
+            written[p.name] = t
+    save_hf_dir(written, tmp_path)
+    layout = Layout(spec, Topology(), weight_format="fp8_block128")
+    tensors = scan_hf_dir(tmp_path)
+    store = ShardStore(layout.shards(0), allocate_buffers(layout, 0))
+    load_shards(tmp_path, tensors, match_spec(tensors, layout.spec), layout.shards(0), store)
+    got = store.shard_tensors()
+    assert set(got) == set(written)
+    assert all(same_bits(got[n], written[n]) for n in written)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "fp8_block128+bfloat16"])
+def test_cast_formats_keep_deepseek_v3s_router_bias_in_float32(fmt):
+    """transformers keeps ``e_score_correction_bias`` in float32 (``_keep_in_fp32_modules_strict``,
+    models/deepseek_v3/modeling_deepseek_v3.py) and vLLM creates it float32
+    (vllm/model_executor/models/deepseek_v2.py): a cast format casts every other floating tensor."""
+    spec = spec_from_hf_config({**DEEPSEEK_V3, "torch_dtype": "float32"})
+    out = formatted(spec, fmt)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert spec.by_name[bias].dtype == out.by_name[bias].dtype == "float32"
+    cast = fmt.rpartition("+")[2]
+    assert out.by_name["model.layers.1.mlp.gate.weight"].dtype == cast
+    assert out.by_name["model.norm.weight"].dtype == cast
+
+
+@pytest.mark.parametrize("src_fmt,dst_fmt", [(None, "fp8_block128"), ("fp8_block128", None)])
+def test_moves_between_formats_with_balanced_pipeline_stages(src_fmt, dst_fmt):
+    """``pp_split="balanced"`` splits by bytes, so the same rule gives other stages in another
+    format (3/3/2 for float32, 2/4/2 in FP8 here): the wire layout took the rule again and the
+    move raised KeyError. The wire now keeps the converting side's own stages; every shard equals
+    the oracle's, read with each side's own stages."""
+    d = oracle.Decoder(256, 512, 8, 2, 2, 128, 1000, dtype="float32", norm_dtype="float32")
+    spec = d.spec()
+    src = Layout(spec, Topology(pp=3, pp_split="balanced"), weight_format=src_fmt)
+    dst = Layout(spec, Topology(pp=3, pp_split="balanced"), weight_format=dst_fmt)
+    assert src.layer_counts != dst.layer_counts  # the case: other stages in the other format
+    full = oracle.full_tensors(d, 1)
+    src_full, src_scales = formatted_full(d, full, src_fmt)
+    dst_full, dst_scales = formatted_full(d, full, dst_fmt)
+    if src_fmt is not None:  # FP8 -> float32: what the FP8 side holds, dequantized
+        dst_full = {
+            n: oracle.fp8_block_dequantize(t, src_scales[n], torch.float32) if n in src_scales else t
+            for n, t in src_full.items()
+        }
+    stages = {id(lay): [list(r) for r in lay.stages] for lay in (src, dst)}
+
+    def local(lay, tensors, scales, r):
+        out = oracle.local_tensors(d, tensors, 1, 1, 3, stages[id(lay)], r)
+        out.update({n + "_scale_inv": s for n, s in scales.items() if n in out})
+        return out
+
+    src_stores = {r: fill(src, r, local(src, src_full, src_scales, r)) for r in range(3)}
+    dst_stores = {r + 3: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(3)}
+    out = move_in_process(
+        src, dst, src_stores, dst_stores, Placement.blocks(6, 3), src_workers=[0, 1, 2], dst_workers=[3, 4, 5]
+    )
+    assert out["conversion"] == conversion(src, dst).where
+    assert conversion(src, dst).wire.layer_counts == (src if out["conversion"] == "source" else dst).layer_counts
+    for r in range(3):
+        want, got = local(dst, dst_full, dst_scales, r), dst_stores[r + 3].shard_tensors()
+        assert set(got) == set(want)
+        for slot in want:
+            assert same_bits(got[slot], want[slot]), (r, slot)
+
+
+def test_fused_views_of_an_fp8_layout_with_float32_biases():
+    """A Llama with MLP and q/k/v biases in float32, served in block FP8: the biases share the
+    float32 buffer with the scales, and ``gate_proj.bias`` sat between the up weight's scales and
+    ``up_proj.bias`` (fused_views raised). Now vLLM's ``gate_up_proj.bias`` and ``qkv_proj.bias``
+    are one view each, ``[gate; up]`` / ``[q; k; v]`` of the rank, and the scales of gate and up
+    stay adjacent too."""
+    llama = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "torch_dtype": "float32",
+    }
+    layout = Layout(spec_from_hf_config(llama), Topology(tp=2), weight_format="fp8_block128")
+    for r in range(2):
+        bufs = allocate_buffers(layout, r)
+        for t in bufs.values():
+            t.view(torch.uint8).copy_(torch.randint(0, 255, (t.view(torch.uint8).numel(),), dtype=torch.uint8))
+        views = fused_views(layout.at(r), bufs)
+        pre = "model.layers.0."
+        for fused, parts in (
+            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+            ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ):
+            bias = views[pre + fused + ".bias"]
+            assert bias.dtype == torch.float32 and bias.data_ptr() == views[pre + parts[0] + ".bias"].data_ptr()
+            assert same_bits(bias, torch.cat([views[pre + p + ".bias"] for p in parts]))
+            assert same_bits(views[pre + fused + ".weight"], torch.cat([views[pre + p + ".weight"] for p in parts]))
+        gate_s, up_s = views[pre + "mlp.gate_proj.weight_scale_inv"], views[pre + "mlp.up_proj.weight_scale_inv"]
+        assert up_s.data_ptr() == gate_s.data_ptr() + gate_s.numel() * 4  # [gate; up] scales adjacent
+
+
+def test_fused_views_of_deepseek_mla_without_q_lora():
+    """DeepSeek-V2-Lite (``q_lora_rank=None``): ``q_proj`` beside ``kv_a_proj_with_mqa``, no k/v.
+    vLLM has no qkv_proj there (deepseek_v2.py: q_proj is its own ColumnParallelLinear) nor Megatron
+    a linear_qkv; fused_views raised for the missing k/v. The dense layer's gate_up_proj remains."""
+    lite = {
+        "model_type": "deepseek_v2",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+    }
+    layout = Layout(spec_from_hf_config(lite), Topology(tp=2))
+    for convention, fc1 in (("vllm", "mlp.gate_up_proj.weight"), ("megatron", "mlp.linear_fc1.weight")):
+        views = fused_views(layout.at(1), allocate_buffers(layout, 1), convention=convention)
+        assert not any("qkv" in n for n in views)
+        gate, up = views["model.layers.0.mlp.gate_proj.weight"], views["model.layers.0.mlp.up_proj.weight"]
+        assert views["model.layers.0." + fc1].shape == (gate.shape[0] + up.shape[0], 32)
+
+
+def test_expert_views_with_megatron_qkv_and_vllm_experts():
+    """``qkv_order="megatron"`` with ``expert_order="vllm"``: the vLLM convention cannot give
+    qkv_proj (a slot held as several per-group shards) and the Megatron one gave no expert views.
+    The Megatron convention now gives linear_qkv and FusedMoE's w13_weight / w2_weight, equal to
+    the oracle's vLLM stacks."""
+    dst = Layout(MOE.spec(), Topology.parse("dp=2,ep=2,etp=1"), qkv_order="megatron", expert_order="vllm")
+    _, _, bufs, _ = moe_into(dst, 6)
+    full = oracle.moe_full_tensors(MOE, 6)
+    t = dst.topology
+    for r in range(t.world_size):
+        with pytest.raises(ValueError, match="use convention='megatron'"):
+            fused_views(dst.at(r), bufs[r])
+        views = fused_views(dst.at(r), bufs[r], convention="megatron")
+        etp_rank, ep_rank, _, _ = oracle.expert_mesh_coords(r, t.dp, t.tp, t.pp, t.ep, t.expert_tp)
+        experts = oracle.local_experts(MOE.experts, t.ep, ep_rank)
+        pre = "model.layers.1.mlp.experts."
+        assert same_bits(views[pre + "w13_weight"], oracle.vllm_w13(full, 1, experts, t.expert_tp, etp_rank))
+        assert same_bits(views[pre + "w2_weight"], oracle.vllm_w2(full, 1, experts, t.expert_tp, etp_rank))
+        assert "model.layers.1.self_attention.linear_qkv.weight" in views
+
+
+@pytest.mark.parametrize("dst_topology", ["tp=1", "tp=2", "dp=2,tp=2"])
+def test_transformers_fp8_experts_stacks(dst_topology):
+    """FP8 with ``expert_order="hf_stacked"`` was refused, though transformers 5 runs it:
+    ``FP8Experts`` (src/transformers/integrations/finegrained_fp8.py) holds ``gate_up_proj``
+    ``[E, 2 * inter, hidden]`` and ``down_proj`` in e4m3 beside ``gate_up_proj_scale_inv``
+    ``[E, ceil(2 * inter / 128), ceil(hidden / 128)]`` and ``down_proj_scale_inv``. Moved from a bf16
+    trainer, each is one view of the rank's buffers equal to the oracle's stacks of the quantized
+    tensors and of their scales (per expert its gate rows then its up rows; tp: the rank's rows)."""
+    dst = Layout(MOE.spec(), Topology.parse(dst_topology), expert_order="hf_stacked", weight_format="fp8_block128")
+    quant, scales, bufs, out = moe_into(dst, 9)
+    assert out["conversion"] == "source"
+    t, pre, experts = dst.topology, "model.layers.1.mlp.experts.", range(MOE.experts)
+    for r in range(t.world_size):
+        views = fused_views(dst.at(r), bufs[r])
+        tp_rank = r % t.tp
+        for name, stack, source in (
+            ("gate_up_proj", oracle.vllm_w13, quant),
+            ("gate_up_proj_scale_inv", oracle.vllm_w13, scales),
+            ("down_proj", oracle.vllm_w2, quant),
+            ("down_proj_scale_inv", oracle.vllm_w2, scales),
+        ):
+            assert same_bits(views[pre + name], stack(source, 1, experts, t.tp, tp_rank)), (r, name)
+        inter = 256 // t.tp
+        assert views[pre + "gate_up_proj_scale_inv"].shape == (MOE.experts, -(-2 * inter // B), 2)
+    moe = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=192, shared_inter=256, dense_layers=1)
+    with pytest.raises(ValueError, match="FP8Experts .* cannot hold an expert intermediate size per partition"):
+        Layout(moe.spec(), Topology(), expert_order="hf_stacked", weight_format="fp8_block128")
+
+
+def test_megatron_block_fp8_is_refused_saying_why():
+    """Megatron-core's block FP8 is Transformer Engine's Float8BlockwiseQTensor (padded scales, a
+    transposed copy, TE's quantizer): not this format; the refusal says so and what to do."""
+    spec = oracle.Decoder(256, 512, 2, 2, 2, 128, 100).spec()
+    with pytest.raises(ValueError, match=r"Float8BlockwiseQTensor.*padded to a multiple of 4.*qkv_order='hf'"):
+        Layout(spec, Topology(), qkv_order="megatron", weight_format="fp8_block128")

@@ -190,3 +190,37 @@ def test_a_staged_conversion_is_on_the_staged_trace_not_on_the_previous_move(clu
     finally:
         trainer.shutdown()
         gen.shutdown()
+
+
+def test_an_inf_in_a_weight_to_quantize_aborts_the_move_and_the_generator_keeps_its_weights(cluster):
+    """One inf in a trainer weight quantized to block FP8 made its whole 128 x 128 block NaN on the
+    generator, with no error. Now the move fails naming the tensor and the block, converted on the
+    senders (tp=2: they finish their routes, then fail, so no peer waits) or on the receivers (FSDP),
+    plain or staged, and aborts like any failed move: the generator keeps its old weights."""
+    tp = ModelGroup.create(SPEC, "tp=2", name="fmt-inf-tp")
+    fsdp = ModelGroup.create(SPEC, "fsdp=2", name="fmt-inf-fsdp")
+    gen = ModelGroup.create(SPEC, "dp=2", name="fmt-inf-gen", weight_format="fp8_block128")
+    try:
+        tp.init_synthetic(3)
+        tp.copy_to(gen)
+        before = expected_fp8(tp.state_dict())
+        name = "model.layers.1.self_attn.o_proj.weight"
+        state = tp.state_dict()
+        state[name][130, 5] = float("inf")
+        for trainer in (tp, fsdp):
+            trainer.load_state_dict(state)
+        block = rf"{name}: block \(1, 0\) .* holds inf or NaN"
+        for trainer in (tp, fsdp):  # converted on the senders, then on the receivers
+            with pytest.raises(ReallocationError, match=block):
+                trainer.copy_to(gen)
+            holds(gen, before)
+            with pytest.raises(ReallocationError, match=block):
+                trainer.copy_to(gen, stage=True).wait()  # staged: the shadow set is dropped
+            holds(gen, before)
+        state[name][130, 5] = 1.0  # fixed: the next move goes through
+        tp.load_state_dict(state)
+        assert tp.copy_to(gen).conversion == "source"
+        holds(gen, expected_fp8(state))
+    finally:
+        for g in (tp, fsdp, gen):
+            g.shutdown()

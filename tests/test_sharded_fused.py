@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from realloc.layout import Layout, Topology
 from realloc.plan import Placement
-from realloc.shards import allocate_buffers, flat_views, fused_views, shard_views
+from realloc.shards import ShardStore, allocate_buffers, flat_views, fused_views, shard_views
+from realloc.shards.local_executor import move_in_process
 
 try:
     from tests import oracle
@@ -31,6 +32,7 @@ except ImportError:  # pytest put tests/ itself on sys.path
     from test_planner_properties import placements, stages_of, topologies
     from test_zero3 import check_layout_buffers, check_zero3_reallocation, zero3_topologies
 
+EMBED = "model.embed_tokens.weight"
 GQA = oracle.Decoder(
     hidden=4,
     intermediate=6,
@@ -180,3 +182,65 @@ def test_fused_sharded_views():
         )
         assert list(flat) == list(want)
         assert {n: v.shape for n, v in flat.items()} == {n: v.shape for n, v in want.items()}
+
+
+def test_megatron_fsdp2_chunks_the_vocabulary_padded_to_a_multiple_of_tp():
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp
+    (Megatron-LM's ``_vocab_size_with_padding``, megatron/training/tokenizer/tokenizer.py) even with
+    a multiple of 1: V=17 at tp=4 is 20 rows, 5 per tp rank, tp rank 3 holding real rows 15, 16 and
+    3 padding rows. Megatron-FSDP (qkv_order='megatron' with fsdp) chunks that padded [5, hidden]
+    tensor: chunks of 3 rows, fsdp rank 0 holds rows 15, 16 (and a padding row), fsdp rank 1 only
+    padding. The real rows were chunked instead (one row each). Every buffer against the oracle."""
+    d = dataclasses.replace(GQA, vocab=17, kv_heads=4, intermediate=8)
+    topo = Topology(fsdp=2, tp=4)
+    check_layout_buffers(d, topo, 1, "megatron")
+    lay = Layout(d.spec(), topo, qkv_order="megatron")
+    held = {}
+    for rank in (3, 7):  # tp rank 3, fsdp ranks 0 and 1
+        [s] = [s for s in lay.shards(rank) if s.slot == EMBED] or [None]
+        held[rank] = (s.offsets[0], s.sizes[0], s.local_shape[0]) if s is not None and s.sizes[0] else None
+    assert held == {3: (15, 2, 3), 7: None}
+
+
+MOE = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=256, shared_inter=256, dense_layers=1)
+
+
+@pytest.mark.parametrize("topology", ["fsdp=2", "fsdp=4", "fsdp=3,fsdp_split=zero3"])
+def test_megatron_fsdp_shards_each_experts_linear_fc1_whole(topology):
+    """Megatron's MoE layer holds ONE linear_fc1 [gate; up] per routed expert (SequentialMLP,
+    megatron/core/transformer/moe/experts.py) and for the shared experts (SharedExpertMLP,
+    .../moe/shared_experts.py). Under Megatron-FSDP / ZeRO-3 (qkv_order='megatron' with fsdp) the
+    fsdp ranks cut those fused tensors, as they cut the dense linear_fc1; gate and up were sharded
+    as two tensors (fsdp=2: rank 0 held gate[:128] and up[:128] instead of the whole gate).
+    Moved from a tp=1 layout in process; every expert's fused chunk / partition against the oracle."""
+    spec, full = MOE.spec(), oracle.moe_full_tensors(MOE, 2)
+    src = Layout(spec, Topology())
+    store = ShardStore(src.shards(0), allocate_buffers(src, 0))
+    for slot, view in store.shard_tensors().items():
+        view.copy_(full[slot])
+    dst = Layout(spec, Topology.parse(topology), qkv_order="megatron")
+    t = dst.topology
+    bufs = {r: allocate_buffers(dst, r) for r in range(t.world_size)}
+    move_in_process(
+        src,
+        dst,
+        {0: store},
+        {r + 1: ShardStore(dst.shards(r), bufs[r]) for r in range(t.world_size)},
+        Placement.blocks(1 + t.world_size, 1),
+        src_workers=[0],
+        dst_workers=list(range(1, 1 + t.world_size)),
+    )
+    pre = "model.layers.1.mlp."
+    fc1 = {f"{pre}experts.local_experts.{e}.linear_fc1.weight": f"{pre}experts.{e}." for e in range(MOE.experts)}
+    fc1[f"{pre}shared_experts.linear_fc1.weight"] = f"{pre}shared_expert."
+    for r in range(t.world_size):
+        flat = flat_views(dst.at(r), bufs[r])
+        views = None if t.fsdp_split == "zero3" else fused_views(dst.at(r), bufs[r], convention="megatron")
+        for name, part in fc1.items():
+            local = torch.cat([full[part + "gate_proj.weight"], full[part + "up_proj.weight"]])
+            if t.fsdp_split == "zero3":
+                assert torch.equal(flat[name], oracle.zero3_part(local, t.fsdp, r)), (r, name)
+                continue
+            want = oracle.fsdp_chunk(local, t.fsdp, r)
+            assert torch.equal(views[name], want), (r, name)
+            assert part + "gate_proj.weight" not in views  # a part of linear_fc1, no view of its own

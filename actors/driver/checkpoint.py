@@ -37,6 +37,7 @@ from realloc.ckpt.hf import (
     DEFAULT_MAX_SHARD_BYTES,
     GENERATION_CONFIG_FILE,
     begin_hf_dir,
+    check_declared_format,
     check_export_dir,
     check_max_shard_bytes,
     check_ties,
@@ -636,7 +637,9 @@ class CheckpointManager:
         Checked on the driver first, before any traffic (``ValueError``): every tensor present
         with the model's shape, no change of dtype kind (float dtypes are cast, integers never
         become floats), and a checkpoint that holds both names of a tied pair holds the same
-        bytes under both (:func:`~realloc.ckpt.hf.check_ties`). Each rank then reads only its own
+        bytes under both (:func:`~realloc.ckpt.hf.check_ties`); tensors read as the format their
+        dtypes and ``config.json`` say, both agreeing (a ``*_scale_inv`` only beside a float8 weight:
+        :func:`~realloc.ckpt.hf.match_spec`, :func:`~realloc.ckpt.hf.check_declared_format`). Each rank then reads only its own
         slices, checking that each tensor is still what the driver scanned; a file changed in
         between fails the import (:class:`~actors.errors.ReallocationError`, the weights as before).
 
@@ -648,6 +651,7 @@ class CheckpointManager:
         with Progress(log, f"HF import from {path}") as prog:
             tensors = scan_hf_dir(path)
             mapping = match_spec(tensors, g.spec)
+            check_declared_format(path, tensors, g.spec)
             check_ties(path, tensors, g.spec)
             started = time.perf_counter()
             prog.step("read shards", sum(s.nbytes for r in range(g.num_workers) for s in g.layout.shards(r)))

@@ -71,7 +71,7 @@ from realloc.shards import (
     local_copies,
     zero_padding,
 )
-from realloc.shards.convert import block_box, convert_rank, in_format, write_box
+from realloc.shards.convert import NonFiniteBlock, block_box, convert_rank, in_format, write_box
 from realloc.shards.synthetic import synthetic_box
 from realloc.spec import ModelSpec
 from realloc.spec.formats import FP8, scale_name, unformatted
@@ -901,8 +901,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         operation's :class:`Phases` (``op_run``'s is the worker's last trace; default: a new one)."""
         timeline = Phases() if timeline is None else timeline
         transport = self._realloc.transport if transport is None else transport
+        # a sender converting into the plan's format collects blocks it cannot quantize (inf/NaN)
+        # and fails after the transfers, not before: its peers would wait for its routes until
+        # their collective timed out. The move then aborts like any failed one (nothing commits)
+        failed: list[NonFiniteBlock] = []
         src, converted = (
-            self._source_store(wp.peers[me].src, timeline) if wp.peers[me].src is not None else (None, False)
+            self._source_store(wp.peers[me].src, timeline, failed) if wp.peers[me].src is not None else (None, False)
         )
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
@@ -985,6 +989,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             if converted:  # a copy in the plan's weight format, made for sending: never the serving buffers
                 self._realloc.allocator.release(src.buffers)
         timeline.mark("local copies")
+        if failed:
+            raise failed[0]
         result = self._finished(op, moved)
         timeline.mark("device sync")
         if sides is not None:
@@ -993,17 +999,18 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             result["delta_base_bytes"] = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
 
-    def _source_store(self, src: RankLayout, timeline: Phases) -> tuple[ShardStore, bool]:
+    def _source_store(self, src: RankLayout, timeline: Phases, failed: list | None = None) -> tuple[ShardStore, bool]:
         """What this worker sends from, and whether it is a converted copy: its buffers, or (a
         plan in another weight format than the one held, realloc/plan/formats.py) a converted
         copy of them in fresh buffers (released after the transfers; its time is marked on the
-        ``timeline`` of the operation sending it)."""
+        ``timeline`` of the operation sending it). ``failed``: where blocks that cannot be
+        quantized are collected (:func:`~realloc.shards.convert.convert_store`)."""
         held = self._realloc.held
         if src == held:
             return self._store_now(), False
         if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
             raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
-        return self._converted(held, self._store_now(), src, timeline), True
+        return self._converted(held, self._store_now(), src, timeline, failed), True
 
     def _convert_destination(self, op: PendingOp, final: Layout, timeline: Phases) -> None:
         """Convert what ``op`` received (the destination in the sender's weight format) into
@@ -1014,17 +1021,21 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.allocator.release(op.buffers)
         op.dst, op.buffers = target, store.buffers
 
-    def _converted(self, have: RankLayout, store: ShardStore, want: RankLayout, timeline: Phases) -> ShardStore:
+    def _converted(
+        self, have: RankLayout, store: ShardStore, want: RankLayout, timeline: Phases, failed: list | None = None
+    ) -> ShardStore:
         """``store`` (rank ``have``) converted into fresh buffers of ``want``: the same rank in
-        another weight format (realloc/shards/convert.py); the buffers go back on failure. The
-        time is marked ``convert`` on ``timeline``: the operation running it (never another's)."""
+        another weight format (realloc/shards/convert.py); the buffers go back on failure (a
+        block of inf/NaN to quantize raises :class:`~realloc.shards.convert.NonFiniteBlock`,
+        or is collected in ``failed``). The time is marked ``convert`` on ``timeline``: the
+        operation running it (never another's)."""
         if self._take_fault("exit_in_convert") is not None:
             os._exit(1)
         buffers = self._realloc.allocator.allocate(want.buffer_numels(), zero=False)
         out = ShardStore(want.shards(), buffers)
         zero_padding(out)
         try:
-            convert_rank(have.layout, want.layout, want.rank, store, out)
+            convert_rank(have.layout, want.layout, want.rank, store, out, failed)
         except BaseException:
             self._realloc.allocator.release(buffers)
             raise

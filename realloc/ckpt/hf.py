@@ -41,7 +41,7 @@ from realloc.layout import Shard
 from realloc.shards import TORCH_DTYPES, ShardStore
 from realloc.shards.convert import block_box, dequantize_blocks, write_box
 from realloc.spec import DTYPE_BYTES, ModelSpec
-from realloc.spec.formats import BLOCK, FP8, scale_name
+from realloc.spec.formats import BLOCK, FP8, hf_weight_format, quantized, scale_name, unformatted
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,7 +134,26 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
     holds quantized values whose scales live elsewhere), nor floats cast into integers. A block-FP8
     weight (``float8_e4m3fn``) needs its ``weight_scale_inv`` beside it; the scales of a weight the
     import quantizes (a block-FP8 layout read from a bf16 checkpoint) map to nothing.
+
+    A checkpoint's tensors are read as the format its own dtypes say: a ``<weight>_scale_inv``
+    holds block scales only beside a ``float8_e4m3fn`` weight. One beside a weight of another dtype
+    (a bf16 checkpoint that kept the scales of an earlier FP8 export) is refused, naming it: read
+    as scales, it would overwrite the scales an FP8 layout computes for that weight.
     """
+    stale = sorted(
+        n
+        for n in tensors
+        if n.endswith("_scale_inv") and (w := n[: -len("_scale_inv")]) in tensors and tensors[w].dtype != FP8
+    )
+    if stale:
+        w = stale[0][: -len("_scale_inv")]
+        raise ValueError(
+            f"HF checkpoint holds {len(stale)} block-scale tensor(s) beside weights that are not float8_e4m3fn, "
+            f"e.g. {stale[0]!r} beside {w!r} ({tensors[w].dtype}): block scales belong only to a float8_e4m3fn "
+            "weight, so these are stale (left from an earlier FP8 export?) and would be read over the scales "
+            "of the weights as the checkpoint holds them. Remove them from the checkpoint, or export the "
+            "weights in FP8 with their scales"
+        )
     mapping, problems = {}, []
     by_name = spec.by_name
     for p in spec.params:
@@ -142,8 +161,8 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
         found = next((n for n in names if n in tensors), None)
         weight = p.name[: -len("_scale_inv")] if p.name.endswith("_scale_inv") else None
         quantizes = weight in by_name and weight in tensors and by_name[weight].dtype == FP8
-        if found is None and quantizes and tensors[weight].dtype != FP8:
-            continue  # the block scales of a weight the import quantizes: written with it
+        if quantizes and tensors[weight].dtype != FP8:
+            continue  # the block scales of a weight the import quantizes: written with it, never read
         if found is not None and tensors[found].dtype == FP8:  # a block-FP8 checkpoint's weight
             scales = tensors.get(scale_name(found))
             grid = tuple(-(-n // BLOCK) for n in p.shape)
@@ -171,6 +190,47 @@ def match_spec(tensors: Mapping[str, HFTensor], spec: ModelSpec) -> dict[str, st
             f"HF checkpoint does not fit model {spec.name!r}: {len(problems)} problems, e.g. {problems[:3]}"
         )
     return mapping
+
+
+def check_declared_format(path: "str | Path", tensors: Mapping[str, HFTensor], spec: ModelSpec) -> None:
+    """``ValueError`` when a checkpoint's ``config.json`` (if it has one) and its tensors' dtypes
+    say different formats: a checkpoint is read as the format both say, never as one of them.
+
+    A ``quantization_config`` of block FP8 (:func:`~realloc.spec.formats.hf_weight_format`) with a
+    weight it quantizes that is not ``float8_e4m3fn`` (a bf16 re-export that kept the FP8 config),
+    or no ``quantization_config`` beside ``float8_e4m3fn`` tensors (transformers would not read them
+    as quantized), is refused naming a tensor; so is a quantization this project does not read.
+    """
+    where = Path(path) / CONFIG_FILE
+    if not where.is_file():
+        return
+    try:
+        config = json.loads(where.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where} is not a readable JSON config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    fmt, excluded = hf_weight_format(config)
+    fp8 = sorted(n for n, t in tensors.items() if t.dtype == FP8)
+    if fmt is None and fp8:
+        raise ValueError(
+            f"{where} declares no quantization_config, but the checkpoint holds {len(fp8)} float8_e4m3fn "
+            f"tensors, e.g. {fp8[0]!r}: the config and the dtypes disagree about the format. Add the block-FP8 "
+            "quantization_config (quant_method 'fp8', weight_block_size [128, 128]) or dequantize the weights"
+        )
+    if fmt is not None:
+        wrong = [
+            p.name
+            for p in unformatted(spec).params
+            if quantized(p, excluded) and p.name in tensors and tensors[p.name].dtype != FP8
+        ]
+        if wrong:
+            raise ValueError(
+                f"{where} declares {fmt} (quantization_config {config['quantization_config']!r}), but {len(wrong)} "
+                f"weights it quantizes are not float8_e4m3fn, e.g. {wrong[0]!r} ({tensors[wrong[0]].dtype}): the "
+                "config and the dtypes disagree about the format (a re-export in another dtype that kept the FP8 "
+                "config?). Fix config.json or the weights"
+            )
 
 
 def check_ties(

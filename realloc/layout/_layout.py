@@ -169,9 +169,13 @@ class Layout:
     def sharded_padding(self) -> bool:
         """Whether the fsdp ranks cut the *padded* tp-local tensor (vocabulary padding rows part of
         the sharded parameter): always under ZeRO-3 (DeepSpeed flattens Megatron's padded local
-        tensor), under FSDP2 when ``vocab_pad_multiple > 1`` (Megatron's padded vocabulary);
-        FSDP2 with ``vocab_pad_multiple=1`` chunks the real rows (a DTensor's local tensor)."""
-        return self.topology.fsdp_split == "zero3" or self.vocab_pad_multiple > 1
+        tensor), under FSDP2 when ``vocab_pad_multiple > 1`` (Megatron's padded vocabulary) or the
+        model is Megatron's (``qkv_order="megatron"``: Megatron-LM pads the vocabulary to a multiple
+        of ``make_vocab_size_divisible_by * tp`` whatever the multiple, 1 included, so a tp that
+        does not divide it still gives padded local tensors: ``_vocab_size_with_padding`` in
+        megatron/training/tokenizer/tokenizer.py); FSDP2 of an HF-named model with
+        ``vocab_pad_multiple=1`` chunks the real rows (a DTensor's local tensor)."""
+        return self.topology.fsdp_split == "zero3" or self.vocab_pad_multiple > 1 or self.fused_sharded
 
     @property
     def fused_sharded(self) -> bool:
@@ -378,7 +382,7 @@ class Layout:
                     shards = []
                     stacked = self._expert_pieces(tp_boxes, tp_rank, fsdp_rank)  # routed experts cut their own way
                     first = 0
-                    for unit in engine_params(tp_boxes, self.fused_sharded):  # realloc.layout.sharded
+                    for unit in engine_params(tp_boxes, self.fused_sharded, self.expert_order == "hf"):  # .sharded
                         if first in stacked:  # stacked experts (realloc.layout.stacked), torchtitan's (.torchtitan)
                             p, name, slot = unit[0][:3]
                             pieces = [(p, name, slot, o, z, local) for (o, z), local in stacked[first]]

@@ -129,8 +129,10 @@ def check_options(
         _megatron_groups(q, k, v, tp)
 
 
-def qkv_triples(spec: "ModelSpec") -> list[tuple["ParamSpec", "ParamSpec", "ParamSpec"]]:
-    """``(q, k, v)`` parameter specs of every layer (weights and, separately, biases)."""
+def qkv_triples(spec: "ModelSpec", strict: bool = True) -> list[tuple["ParamSpec", "ParamSpec", "ParamSpec"]]:
+    """``(q, k, v)`` parameter specs of every layer (weights and, separately, biases). A q
+    without k and v (DeepSeek MLA without q LoRA: ``q_proj`` beside ``kv_a_proj_with_mqa``) is
+    a ``ValueError`` when ``strict``, else no triple (there is no q/k/v to fuse)."""
     by_name = spec.by_name
     out = []
     for p in spec.params:
@@ -139,6 +141,8 @@ def qkv_triples(spec: "ModelSpec") -> list[tuple["ParamSpec", "ParamSpec", "Para
             continue
         names = [f"{m['prefix']}self_attn.{x}_proj.{m['suffix']}" for x in "kv"]
         missing = [n for n in names if n not in by_name]
+        if missing and not strict and len(missing) == 2:
+            continue
         if missing:
             raise ValueError(f"qkv_order='megatron': {p.name} has no {missing[0]} to fuse with")
         out.append((p, by_name[names[0]], by_name[names[1]]))
@@ -208,26 +212,32 @@ def fused_mlp_order(entries: list[tuple]) -> list[tuple]:
     ``gate_proj.bias`` moved to just after its ``up_proj.weight``: the weights ``[gate; up]`` and the
     biases ``[gate; up]`` adjacent, as vLLM's ``gate_up_proj.weight`` / ``.bias`` and Megatron's
     ``linear_fc1.weight`` / ``.bias`` (a gate bias without an up weight after it stays in place).
+    In a block-FP8 layout the gate bias follows the up weight's scales (``..._scale_inv``, right
+    after the up weight): float32 biases and scales share a buffer, and the scales ``[gate; up]``
+    and the biases ``[gate; up]`` stay adjacent each.
 
     Example:
         >>> e = [(None, n, n) for n in ("m.gate_proj.weight", "m.gate_proj.bias", "m.up_proj.weight", "m.up_proj.bias")]
         >>> [x[2] for x in fused_mlp_order(e)]
         ['m.gate_proj.weight', 'm.up_proj.weight', 'm.gate_proj.bias', 'm.up_proj.bias']
     """
-    ups = {
-        m["prefix"]
-        for e in entries
-        if (m := _GATE_UP.match(e[2])) and m["part"] == "up_proj" and m["suffix"] == "weight"
-    }
+    # the entry each gate bias follows: the up weight, or its block-FP8 scales right after it (a
+    # float32 bias must not sit between the gate's and the up's scales, nor split from the up bias)
+    anchors: dict[str, str] = {}
+    for e in entries:
+        m = _GATE_UP.match(e[2].removesuffix("_scale_inv"))
+        if m and m["part"] == "up_proj" and m["suffix"] == "weight":
+            anchors[m["prefix"]] = e[2]
     out, held = [], {}
     for entry in entries:
         m = _GATE_UP.match(entry[2])
-        if m and m["part"] == "gate_proj" and m["suffix"] == "bias" and m["prefix"] in ups:
+        if m and m["part"] == "gate_proj" and m["suffix"] == "bias" and m["prefix"] in anchors:
             held.setdefault(m["prefix"], []).append(entry)
             continue
         out.append(entry)
-        if m and m["part"] == "up_proj" and m["suffix"] == "weight":
-            out += held.pop(m["prefix"], [])
+        a = _GATE_UP.match(entry[2].removesuffix("_scale_inv"))
+        if a and anchors.get(a["prefix"]) == entry[2]:
+            out += held.pop(a["prefix"], [])
     return out + [e for rest in held.values() for e in rest]
 
 

@@ -8,10 +8,18 @@ the block edge, so every block of a weight lies on one rank and its scale travel
 layout of a block format is refused the same way, before any traffic: every rank's box of a
 quantized weight must start on a block boundary and end on one (or at the tensor's end), and its
 scales' box is then exactly the blocks of that box.
+
+vLLM's ``FusedMoE`` buffers (``expert_order="vllm"``) are stricter: ``Fp8MoEMethod.create_weights``
+(``vllm/model_executor/layers/quantization/fp8.py``; ``validate_fp8_block_shape_moe`` in
+``.../quantization/utils/fp8_utils.py`` in later versions) refuses an expert ffn per partition,
+``moe_intermediate_size / etp``, that is not a multiple of the block edge at ANY expert tp, 1
+included: ``w13_weight`` stacks gate and up, so the gate's last block may not be partial (its
+scales would run into the up's). Such a layout is refused the same way.
 """
 
 from __future__ import annotations
 
+from realloc.layout.conventions import expert_projection
 from realloc.layout.topology import Topology
 from realloc.spec import ModelSpec
 from realloc.spec.formats import BLOCK, FP8, scale_name
@@ -30,13 +38,26 @@ def check_block_layout(spec: ModelSpec, topology: Topology, qkv_order: str, expe
             "(tensor/expert/pipeline parallel, as vLLM holds them); FSDP/ZeRO-3 chunks would split "
             "blocks from their scales. Use fsdp=1 for the block-FP8 side"
         )
-    if qkv_order != "hf" or expert_order not in ("hf", "vllm"):
+    if qkv_order != "hf":
         raise ValueError(
-            f"weight_format={fmt!r} with qkv_order={qkv_order!r}, expert_order={expert_order!r}: block-FP8 "
-            "layouts hold vLLM's layers (qkv_order='hf'; experts per tensor, expert_order='hf', or in "
-            "FusedMoE's buffers, expert_order='vllm')"
+            f"weight_format={fmt!r} with qkv_order={qkv_order!r}: Megatron-core's block FP8 is not this "
+            "format. It holds linear_qkv as Transformer Engine's Float8BlockwiseQTensor "
+            "(transformer_engine/pytorch/tensor/float8_blockwise_tensor.py): row-wise FP8 data with a "
+            "rowwise_scale_inv whose inner dimension is padded to a multiple of 4 (Float8BlockQuantizer."
+            "get_scale_shape), a column-wise (transposed) copy with its own scales, and TE's quantizer "
+            "rules (amax_epsilon, force_pow_2_scales), not vLLM's / DeepSeek's per_block_cast_to_fp8 with "
+            "one weight_scale_inv per weight, so no layout here holds it bit for bit. Block-FP8 layouts "
+            "use qkv_order='hf' (vLLM's qkv_proj); keep Megatron's side in bf16 and let the copy convert"
+        )
+    if expert_order not in ("hf", "vllm", "hf_stacked"):
+        raise ValueError(
+            f"weight_format={fmt!r} with expert_order={expert_order!r}: block-FP8 layouts hold experts per "
+            "tensor (expert_order='hf'), in vLLM's FusedMoE buffers ('vllm') or in transformers 5's "
+            "FP8Experts stacks ('hf_stacked'); torchtitan's stacks are a training layout (FSDP)"
         )
     by_name = spec.by_name
+    if expert_order in ("vllm", "hf_stacked"):
+        _check_fused_moe_blocks(spec, topology, fmt, expert_order)
     seen: set[tuple] = set()
     for p in spec.params:
         if p.dtype != FP8 or p.tp_dim is None:
@@ -66,3 +87,31 @@ def check_block_layout(spec: ModelSpec, topology: Topology, qkv_order: str, expe
                 f"quantized weight to be a multiple of {BLOCK} along its split dimension; choose a "
                 f"{kind} that splits dim {p.tp_dim} of size {size} into multiples of {BLOCK}"
             )
+
+
+def _check_fused_moe_blocks(spec: ModelSpec, topology: Topology, fmt: str, order: str = "vllm") -> None:
+    """vLLM's rule for block-FP8 ``FusedMoE`` (module docstring): every routed expert's gate/up
+    rows per expert-tp partition (``intermediate_size_per_partition``) a multiple of the block.
+    transformers 5's ``FP8Experts`` (src/transformers/integrations/finegrained_fp8.py) needs the
+    same: its ``gate_up_proj_scale_inv`` has ``ceil(2 * inter / 128)`` rows per expert, the gate's
+    scale rows then the up's only when the gate is whole blocks."""
+    etp = topology.expert_tp
+    for p in spec.params:
+        if p.expert is None or p.dtype != FP8 or expert_projection(p) == 2:
+            continue
+        per = p.shape[0] // etp if p.shape[0] % etp == 0 else None
+        if per is not None and per % BLOCK == 0:
+            continue
+        engine = (
+            "vLLM's block-FP8 FusedMoE (Fp8MoEMethod.create_weights, vllm/model_executor/layers/quantization/"
+            "fp8.py) refuses"
+            if order == "vllm"
+            else "transformers 5's FP8Experts (src/transformers/integrations/finegrained_fp8.py) cannot hold"
+        )
+        raise ValueError(
+            f"weight_format={fmt!r} with expert_order={order!r}: {p.name} has {p.shape[0]} rows, "
+            f"{p.shape[0] / etp:g} per expert tensor parallel rank (etp={etp}); {engine} an expert "
+            f"intermediate size per partition that is not a multiple of {BLOCK}, at any etp (the gate_up "
+            f"stack holds gate and up block for block). Choose an etp that splits {p.shape[0]} into multiples "
+            f"of {BLOCK}, or expert_order='hf' (per-expert tensors)"
+        )

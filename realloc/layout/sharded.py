@@ -29,39 +29,62 @@ from realloc.layout.zero3 import check_parts, zero3_parts_pieces
 __all__ = ["engine_params", "fsdp2_parts_pieces", "megatron_fused_name", "sharded_pieces"]
 
 _FUSED = re.compile(
-    r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn\.(?P<qkv>[qkv])_proj|mlp\.(?P<fc1>gate|up)_proj)\.(?P<suffix>weight|bias)$"
+    r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn\.(?P<qkv>[qkv])_proj"
+    r"|(?:mlp|block_sparse_moe)\.(?:(?P<shared>shared_experts?)\.|experts\.(?P<expert>\d+)\.)?"
+    r"(?P<fc1>gate_proj|up_proj|w1|w3))\.(?P<suffix>weight|bias)$"
 )
 
 
-def megatron_fused_name(slot: str) -> "str | None":
+def megatron_fused_name(slot: str, routed: bool = True) -> "str | None":
     """The Megatron-core parameter a slot is part of when Megatron's model holds it fused, else None:
     q/k/v -> ``model.layers.N.self_attention.linear_qkv.{weight,bias}`` (megatron/core/transformer/
     attention.py ``SelfAttention.linear_qkv``), gate/up -> ``model.layers.N.mlp.linear_fc1.{weight,bias}``
-    (megatron/core/transformer/mlp.py, gated linear unit).
+    (megatron/core/transformer/mlp.py, gated linear unit). MoE layers hold one ``linear_fc1``
+    (an ``MLP`` with the gated linear unit) per expert too: the shared experts' ``[gate; up]`` is
+    ``model.layers.N.mlp.shared_experts.linear_fc1`` (megatron/core/transformer/moe/shared_experts.py
+    ``SharedExpertMLP``; HF ``mlp.shared_expert`` / ``mlp.shared_experts``), and routed expert
+    ``E``'s is ``model.layers.N.mlp.experts.local_experts.E.linear_fc1`` (``SequentialMLP`` in
+    megatron/core/transformer/moe/experts.py; ``E`` is the global index, Megatron's local one
+    under expert parallelism 1, the only one FSDP composes with here). ``routed=False``: routed
+    experts are not per-expert parameters (stacked by the layout's ``expert_order``).
 
     Example:
         >>> megatron_fused_name("model.layers.3.self_attn.k_proj.bias"), megatron_fused_name("model.layers.0.mlp.up_proj.weight")
         ('model.layers.3.self_attention.linear_qkv.bias', 'model.layers.0.mlp.linear_fc1.weight')
+        >>> megatron_fused_name("model.layers.1.mlp.experts.2.gate_proj.weight")
+        'model.layers.1.mlp.experts.local_experts.2.linear_fc1.weight'
         >>> megatron_fused_name("model.layers.0.mlp.down_proj.weight") is None
         True
     """
     m = _FUSED.match(slot)
     if not m:
         return None
-    module = "self_attention.linear_qkv" if m["qkv"] else "mlp.linear_fc1"
+    if m["qkv"]:
+        module = "self_attention.linear_qkv"
+    elif m["shared"]:
+        module = "mlp.shared_experts.linear_fc1"
+    elif m["expert"] is not None:
+        if not routed:
+            return None
+        module = f"mlp.experts.local_experts.{m['expert']}.linear_fc1"
+    elif m["fc1"] in ("w1", "w3"):
+        return None  # Mixtral's w1/w3 are only routed experts'
+    else:
+        module = "mlp.linear_fc1"
     return f"model.layers.{m['layer']}.{module}.{m['suffix']}"
 
 
-def engine_params(entries: list[tuple], fused: bool) -> list[list[tuple]]:
+def engine_params(entries: list[tuple], fused: bool, routed: bool = True) -> list[list[tuple]]:
     """A coordinate's entries ``(param spec, name, slot, ...)`` in buffer order -> the engine's
     parameters, each the list of its parts: one entry each, or with ``fused`` (Megatron's model,
     ``Layout(qkv_order="megatron")``) the consecutive entries of one :func:`megatron_fused_name` as
-    one parameter (``linear_qkv``: every local query group's q, k, v boxes; ``linear_fc1``: gate, up).
+    one parameter (``linear_qkv``: every local query group's q, k, v boxes; ``linear_fc1``: gate,
+    up, of the dense MLP, the shared experts and, with ``routed``, each routed expert).
     """
     out: list[list[tuple]] = []
     last = None
     for entry in entries:
-        name = megatron_fused_name(entry[2]) if fused else None
+        name = megatron_fused_name(entry[2], routed) if fused else None
         if name is not None and name == last:
             out[-1].append(entry)
         else:

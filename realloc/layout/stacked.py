@@ -49,7 +49,10 @@ def stacked_name(p) -> str:
         'model.layers.3.mlp.experts.gate_up_proj'
     """
     kind = "down_proj" if expert_projection(p, "hf_stacked") == 2 else "gate_up_proj"
-    return f"model.layers.{p.layer}.mlp.experts.{kind}"
+    # a block-FP8 layout's scales: FP8Experts' gate_up_proj_scale_inv / down_proj_scale_inv
+    # (src/transformers/integrations/finegrained_fp8.py), stacked as their weights
+    scales = "_scale_inv" if p.name.endswith("_scale_inv") else ""
+    return f"model.layers.{p.layer}.mlp.experts.{kind}{scales}"
 
 
 def _stacks(entries: list[tuple]) -> dict[tuple, list[int]]:

@@ -17,11 +17,15 @@ Each falls back to the other when its wire layout cannot exist (an FP8 source de
 destination whose tp splits blocks converts on the senders); when neither can (two block formats
 whose topologies each split the other's blocks), ``ValueError`` names both reasons.
 * ``None``: both layouts hold one format; the plan is the whole move.
+
+The wire layout is the converting side's placement exactly (its pipeline stages included, pinned
+as a ``layer_split`` where a rule chose them: ``pp_split="balanced"`` depends on the bytes of the
+format), in the other side's format.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from realloc.layout import Layout
 from realloc.spec.formats import unformatted
@@ -54,6 +58,17 @@ def _without_format(layout: Layout) -> dict:
     return options
 
 
+def _in_format(spec, layout: Layout) -> Layout:
+    """``layout``'s placement of every element (topology, stages, conventions) holding the tensors
+    of ``spec``, a formatted spec of the same model. The stages are pinned to ``layout``'s own:
+    ``pp_split="balanced"`` splits by bytes, so the rule applied to another format's bytes could
+    give other stages (3/3/2 in bf16, 2/4/2 in FP8), and the wire would not be ``layout``'s ranks."""
+    topology = layout.topology
+    if topology.layer_split is None and topology.pp > 1:
+        topology = replace(topology, layer_split=layout.layer_counts)
+    return Layout(spec, topology, **_without_format(layout))
+
+
 def conversion(src: Layout, dst: Layout) -> Conversion:
     """Where a move from ``src`` to ``dst`` converts formats (module docstring).
 
@@ -81,9 +96,9 @@ def conversion(src: Layout, dst: Layout) -> Conversion:
     for where in sides:
         try:
             if where == "source":
-                wire = Layout(dst.spec, src.topology, **_without_format(src))
+                wire = _in_format(dst.spec, src)
             else:
-                wire = Layout(src.spec, dst.topology, **_without_format(dst))
+                wire = _in_format(src.spec, dst)
         except ValueError as e:
             problems.append(f"the {where} ranks cannot convert ({e})")
             continue

@@ -14,7 +14,9 @@ Rules followed, bit for bit:
   ``use_ue8m0=False``): per 128 x 128 block, ``amax = |x|.float().amax().clamp(1e-4)``,
   ``scale = amax / 448.0``, values ``(x * (1.0 / scale)).to(float8_e4m3fn)``; the scale is what
   the checkpoint and vLLM store as ``weight_scale_inv``. A box of whole blocks quantizes exactly
-  as the full tensor does, then sliced.
+  as the full tensor does, then sliced. A block holding an ``inf`` or a ``NaN`` has no finite
+  scale (vLLM's rule makes the whole block NaN): :func:`write_box` and :func:`convert_store`
+  refuse it with :class:`NonFiniteBlock`, naming the tensor and the block.
 * **Dequantize** (:func:`dequantize_blocks`): DeepSeek-V3's ``weight_dequant``
   (``inference/kernel.py``, used by ``inference/fp8_cast_bf16.py``): ``x.float() * scale`` per
   block, stored in the destination dtype.
@@ -31,6 +33,8 @@ from realloc.spec.formats import BLOCK, FP8, scale_name
 
 __all__ = [
     "FP8_MAX",
+    "NonFiniteBlock",
+    "check_finite_blocks",
     "block_box",
     "convert_rank",
     "convert_store",
@@ -42,6 +46,28 @@ __all__ = [
 
 #: Largest finite float8_e4m3fn value (the scale maps a block's amax to it).
 FP8_MAX = 448.0
+
+
+class NonFiniteBlock(ValueError):
+    """A weight to quantize holds ``inf`` or ``NaN`` in a block: its scale would be ``inf`` or
+    ``NaN`` and the whole block NaN on the FP8 side. Names the tensor and the block; pickles."""
+
+
+def check_finite_blocks(scale: torch.Tensor, name: str, offsets: tuple[int, ...] = (0, 0)) -> None:
+    """:class:`NonFiniteBlock` unless every block scale of ``name`` is finite; ``scale``: the
+    scales of the blocks of a box of the weight starting at ``offsets`` (whole blocks)."""
+    bad = ~torch.isfinite(scale)
+    if not bool(bad.any()):
+        return
+    count = int(bad.sum())
+    row, col = (int(i) for i in bad.nonzero()[0])
+    r0, c0 = offsets[0] // BLOCK + row, offsets[1] // BLOCK + col
+    raise NonFiniteBlock(
+        f"{name}: block ({r0}, {c0}) (rows [{r0 * BLOCK}, {(r0 + 1) * BLOCK}), columns [{c0 * BLOCK}, "
+        f"{(c0 + 1) * BLOCK})) holds inf or NaN ({count} such block(s) in this box): its block-FP8 scale would be "
+        f"{float(scale[row, col])} and the whole {BLOCK} x {BLOCK} block NaN. Nothing was converted into "
+        "the FP8 weights; fix the source weights (a diverged step?) before copying them"
+    )
 
 
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -93,20 +119,45 @@ def in_format(value: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tens
     return value.to(TORCH_DTYPES[dtype]), None
 
 
-def write_box(store: ShardStore, param: str, offsets, sizes, value: torch.Tensor, dtype: str) -> None:
+def write_box(
+    store: ShardStore,
+    param: str,
+    offsets,
+    sizes,
+    value: torch.Tensor,
+    dtype: str,
+    failed: list[NonFiniteBlock] | None = None,
+) -> None:
     """Write a box of a model's tensor into ``store``, which holds ``param`` as ``dtype``
-    (:func:`in_format`: a quantized weight's scales with it)."""
+    (:func:`in_format`: a quantized weight's scales with it). A quantized box with a block of
+    ``inf`` / ``NaN`` raises :class:`NonFiniteBlock` before anything is written, or, when
+    ``failed`` is a list, is written and its error appended there (for a caller that must finish
+    a collective before it fails)."""
     value, scale = in_format(value, dtype)
     if scale is not None:
+        try:
+            check_finite_blocks(scale, param, tuple(offsets))
+        except NonFiniteBlock as e:
+            if failed is None:
+                raise
+            failed.append(e)
         store.write(scale_name(param), *block_box(offsets, sizes), scale)
     store.write(param, offsets, sizes, value)
 
 
-def convert_store(src: ShardStore, dst: ShardStore, dtypes: dict[str, str], src_dtypes: dict[str, str]) -> int:
+def convert_store(
+    src: ShardStore,
+    dst: ShardStore,
+    dtypes: dict[str, str],
+    src_dtypes: dict[str, str],
+    failed: list[NonFiniteBlock] | None = None,
+) -> int:
     """Write every box ``dst`` holds from the same box of ``src`` (one topology, another format).
 
     ``dtypes`` / ``src_dtypes``: each parameter's dtype on either side (the layouts' specs). A
-    quantized weight's scales are written with it. Returns the bytes written into ``dst``.
+    quantized weight's scales are written with it. Returns the bytes written into ``dst``. A
+    weight with ``inf`` / ``NaN`` in a block it quantizes raises :class:`NonFiniteBlock` (or, with
+    ``failed`` a list, is collected there: :func:`write_box`).
     """
     written = 0
     done: set[tuple] = set()
@@ -123,15 +174,28 @@ def convert_store(src: ShardStore, dst: ShardStore, dtypes: dict[str, str], src_
         if have == FP8 and want != FP8:
             scale = src.view(scale_name(param), *block_box(offsets, sizes))
             value = dequantize_blocks(value, scale, TORCH_DTYPES[want])
-        write_box(dst, param, offsets, sizes, value, want)
+        write_box(dst, param, offsets, sizes, value, want, failed)
         written += value.numel() * TORCH_DTYPES[want].itemsize
     return written
 
 
-def convert_rank(src_layout: Layout, dst_layout: Layout, rank: int, src: ShardStore, dst: ShardStore) -> int:
+def convert_rank(
+    src_layout: Layout,
+    dst_layout: Layout,
+    rank: int,
+    src: ShardStore,
+    dst: ShardStore,
+    failed: list[NonFiniteBlock] | None = None,
+) -> int:
     """:func:`convert_store` for rank ``rank`` of two layouts of one topology (formats may differ)."""
-    if src_layout.topology != dst_layout.topology:
-        raise ValueError(f"a conversion keeps the topology: {src_layout.topology} -> {dst_layout.topology}")
+    if src_layout.key[1:] != dst_layout.key[1:]:  # all but the (formatted) spec: the same placement
+        raise ValueError(
+            f"a conversion keeps the placement (topology, stages, conventions): {src_layout} -> {dst_layout}"
+        )
     return convert_store(
-        src, dst, {p.name: p.dtype for p in dst_layout.spec.params}, {p.name: p.dtype for p in src_layout.spec.params}
+        src,
+        dst,
+        {p.name: p.dtype for p in dst_layout.spec.params},
+        {p.name: p.dtype for p in src_layout.spec.params},
+        failed,
     )

@@ -130,8 +130,10 @@ def fused_views(
     if several:
         raise ValueError(
             f"{rank_layout}: vLLM's fused views need one shard per slot, but {several[0]} is held as "
-            f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron'"
+            f"several (qkv_order={rank_layout.layout.qkv_order!r}); use convention='megatron' (Megatron's "
+            "linear_qkv / linear_fc1 and the layout's expert views)"
         )
+    spec_names = rank_layout.layout.spec.by_name
     layers = rank_layout.layout.stages[rank_layout.layout.topology.coords(rank_layout.rank)[2]]
     if rank_layout.layout.expert_order in ("hf_stacked", "torchtitan") and rank_layout.layout.topology.fsdp > 1:
         layers = []  # FSDP2 of transformers / torchtitan: q/k/v and gate/up are separate chunked tensors
@@ -140,21 +142,28 @@ def fused_views(
         for fused, parts in FUSED_PARTS.items():
             name = prefix + fused
             shards = [by_slot.get(prefix + part) for part in parts]
-            if all(s is None for s in shards):
-                continue
+            if all(s is None for s in shards) or any(prefix + part not in spec_names for part in parts):
+                continue  # no such fused tensor in the model (DeepSeek MLA's q_proj has no k/v)
             if any(s is None for s in shards):
                 missing = [prefix + p for p, s in zip(parts, shards) if s is None]
                 raise ValueError(
                     f"{rank_layout}: cannot build {name}: the rank holds some of its parts but not {missing}"
                 )
             views[name] = fused_view(name, shards, buffers, rank_layout)
-    if rank_layout.layout.expert_order == "vllm":
-        views.update(_expert_views(rank_layout, buffers, _vllm_expert_name))
-    elif rank_layout.layout.expert_order == "hf_stacked":
-        views.update(_stacked_expert_views(rank_layout, buffers))
-    elif rank_layout.layout.expert_order == "torchtitan":
-        views.update(_torchtitan_expert_views(rank_layout, buffers))
-    return views
+    return views | _expert_order_views(rank_layout, buffers)
+
+
+def _expert_order_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stacked expert views of the layout's ``expert_order`` (none for ``"hf"``): the same in
+    either convention, since the attention's order does not change where the experts sit."""
+    order = rank_layout.layout.expert_order
+    if order == "vllm":
+        return _expert_views(rank_layout, buffers, _vllm_expert_name)
+    if order == "hf_stacked":
+        return _stacked_expert_views(rank_layout, buffers)
+    if order == "torchtitan":
+        return _torchtitan_expert_views(rank_layout, buffers)
+    return {}
 
 
 def _vllm_expert_name(p) -> str:
@@ -198,7 +207,7 @@ def _sharded_fused_views(rank_layout: RankLayout, buffers: Mapping[str, torch.Te
     device = next((b.device for b in buffers.values()), torch.device("cpu"))
     views: dict[str, torch.Tensor] = {}
     for storage, slot in layout.stage_slots(layout.topology.coords(rank_layout.rank)[2]):
-        name = megatron_fused_name(slot)
+        name = megatron_fused_name(slot, layout.expert_order == "hf")
         if name is None or name in views:
             continue
         p = layout.spec.by_name[storage]
@@ -256,7 +265,7 @@ def megatron_fused_views(
 ) -> dict[str, torch.Tensor]:
     """:func:`~realloc.shards.views.shard_views` plus Megatron-core's ``linear_qkv`` and ``linear_fc1``
     views of every layer the rank holds."""
-    views = shard_views(rank_layout, buffers, padding=padding)
+    views = shard_views(rank_layout, buffers, padding=padding) | _expert_order_views(rank_layout, buffers)
     layout = rank_layout.layout
     if layout.fused_sharded:
         return views | _sharded_fused_views(rank_layout, buffers)
@@ -266,7 +275,7 @@ def megatron_fused_views(
     by_slot: dict[str, list] = {}
     for shard in held:
         by_slot.setdefault(shard.slot, []).append(shard)
-    for q, k, v in qkv_triples(spec):
+    for q, k, v in qkv_triples(spec, strict=False):  # DeepSeek MLA has no linear_qkv
         if q.layer is None or q.layer not in layout.stages[pp_rank]:
             continue
         boxes = []

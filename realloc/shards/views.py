@@ -88,8 +88,9 @@ def shard_views(
     views = {}
     pieces = Counter(s.slot for s in rank_layout.shards())
     fused = rank_layout.layout.fused_sharded  # parts of Megatron's fused parameters: no view of their own
+    routed = rank_layout.layout.expert_order == "hf"  # routed experts' linear_fc1 per expert (else stacked)
     for shard in rank_layout.shards():
-        if pieces[shard.slot] > 1 or (fused and megatron_fused_name(shard.slot)):
+        if pieces[shard.slot] > 1 or (fused and megatron_fused_name(shard.slot, routed)):
             continue
         local = local_tensor(shard, buffers)
         if not padding:
@@ -119,7 +120,7 @@ def _with_empty_chunks(
     by_name = rank_layout.layout.spec.by_name
     out = {}
     for name, slot in rank_layout.layout.stage_slots(pp_rank):
-        if fused and megatron_fused_name(slot):
+        if fused and megatron_fused_name(slot, rank_layout.layout.expert_order == "hf"):
             continue  # a part of linear_qkv / linear_fc1: realloc.shards.fused.fused_views
         if slot in views:
             out[slot] = views[slot]
@@ -173,7 +174,7 @@ def flat_spans(rank_layout: RankLayout) -> dict[str, tuple[str, int, int]]:
         if stacked and p.expert is not None:
             name = stacked_name(p)  # ZeRO-3's stacked ds_tensor
         else:
-            name = (fused and megatron_fused_name(s.slot)) or s.slot
+            name = (fused and megatron_fused_name(s.slot, layout.expert_order == "hf")) or s.slot
         span = spans.setdefault(name, [s.dtype, s.buffer_offset, s.buffer_offset])
         if span[2] != s.buffer_offset or span[0] != s.dtype:
             raise ValueError(f"{rank_layout}: the shards of {name} are not consecutive in one buffer")

@@ -4,7 +4,9 @@ A trainer holds bf16 weights (often fp32 masters); a generation engine serves th
 quantized. A *weight format* names what a layout holds (docs/conventions.md "Weight formats"):
 
 * a dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``): every floating tensor cast to it,
-  element by element, bit-identical to ``tensor.to(dtype)``;
+  element by element, bit-identical to ``tensor.to(dtype)``, except those the engines keep in
+  float32 whatever they serve (DeepSeek-V3's router ``e_score_correction_bias``), kept as the
+  spec holds them;
 * ``"fp8_block128"``: DeepSeek-V3 / vLLM block FP8. Every quantized weight (:func:`quantized`)
   is held as ``float8_e4m3fn`` values beside a ``float32`` tensor ``<weight>_scale_inv`` of one
   scale per 128 x 128 block (``[ceil(rows / 128), ceil(cols / 128)]``); the other tensors keep
@@ -46,9 +48,18 @@ WEIGHT_FORMATS = CASTS + ("fp8_block128",) + tuple(f"fp8_block128+{d}" for d in 
 
 _FLOATING = ("float32", "bfloat16", "float16", "float64")
 # Linear layers' weights: attention and MLP projections (HF ``*_proj``, Mixtral ``w1``/``w2``/``w3``),
-# routed and shared experts alike. Routers (``mlp.gate``, ``shared_expert_gate``), norms,
-# embeddings and the head are not linear layers vLLM's Fp8LinearMethod / Fp8MoEMethod quantize.
-_LINEAR = re.compile(r"(_proj|\.w[123])\.weight$")
+# routed and shared experts alike, and DeepSeek MLA's ``kv_a_proj_with_mqa`` (vLLM quantizes it:
+# a ReplicatedLinear, or part of ``fused_qkv_a_proj``, built with the quant_config in
+# vllm/model_executor/models/deepseek_v2.py; DeepSeek-V3's published checkpoint holds it in e4m3
+# with ``weight_scale_inv``). Routers (``mlp.gate``, ``shared_expert_gate``), norms, embeddings and
+# the head are not linear layers vLLM's Fp8LinearMethod / Fp8MoEMethod quantize.
+_LINEAR = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
+# Tensors the engines hold in float32 whatever dtype the rest is served in, so no cast format casts
+# them: DeepSeek-V3's router bias (transformers' ``_keep_in_fp32_modules_strict =
+# ["e_score_correction_bias"]`` in models/deepseek_v3/modeling_deepseek_v3.py; vLLM's
+# ``nn.Parameter(torch.empty(n_routed_experts, dtype=torch.float32))`` in
+# vllm/model_executor/models/deepseek_v2.py).
+_KEEP_FP32 = re.compile(r"(^|\.)e_score_correction_bias$")
 
 
 def check_weight_format(weight_format: object) -> str | None:
@@ -112,7 +123,7 @@ def formatted(spec: ModelSpec, weight_format: str | None, excluded: tuple[str, .
     for p in base.params:
         if fp8 and quantized(p, excluded):
             params += [replace(p, dtype=FP8), _scale_param(p)]
-        elif cast and p.dtype in _FLOATING:
+        elif cast and p.dtype in _FLOATING and not _KEEP_FP32.search(p.name):
             params.append(replace(p, dtype=cast))
         else:
             params.append(p)
