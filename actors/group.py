@@ -46,7 +46,7 @@ from actors.delta import DeltaOrder
 from actors.delta import summary as delta_summary
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.protocol import Operation
-from actors.remote import Deadline, Workers, call_all, diagnose, each_result, gather, settle
+from actors.remote import Deadline, Workers, call_all, check_timeout, diagnose, each_result, gather, settle
 from actors.resident import KeepOrder, ResidentLayout, check_keep
 from actors.staged import StagedUpdate
 from actors.threads import CONCURRENCY_GROUPS
@@ -965,7 +965,9 @@ class ModelGroup:
         ``chrome://tracing``; ``.steps()`` lists the steps. ``ValueError`` when there is no such
         move, or when one of its workers has run another move since (its timeline is gone); a
         dead or silent worker raises the group's usual error, naming it, within ``timeout_s``
-        (default: the group's)."""
+        (default: the group's; a finite positive number of seconds)."""
+        if timeout_s is not None:
+            check_timeout(timeout_s)
         with self._exclusive("gather the last move's trace", staged_ok=True):
             move = self._last_move
             if move is None:

@@ -225,6 +225,15 @@ def test_staged_refusals_change_nothing(trainer):
         trainer.init_synthetic(11)
         update = trainer.copy_to(gen, stage=True)
         update.wait()
+        for timeout in ("5", float("inf"), 0, True):  # issue 36: a string was accepted by both
+            with pytest.raises(
+                ValueError, match=rf"timeout_s must be a finite positive number of seconds, got {timeout!r}"
+            ):
+                update.wait(timeout_s=timeout)
+            with pytest.raises(
+                ValueError, match=rf"timeout_s must be a finite positive number of seconds, got {timeout!r}"
+            ):
+                update.trace(timeout_s=timeout)
         with pytest.raises(ValueError, match="allowed: 'now', 'safe_point'"):
             update.commit(at="later")
         for change in (
