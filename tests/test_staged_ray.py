@@ -299,6 +299,29 @@ def test_versions_in_stats_hooks_and_contexts(trainer):
         gen.shutdown()
 
 
+def test_the_hook_sees_one_version_per_change(trainer):
+    """Issue 36: ``on_shards_changed(ctx, change)`` saw ``ctx.version`` 0 and ``change.version`` 1
+    after ``init_synthetic``, 1 and 2 after a plain ``copy_to`` (the worker still had the version
+    of its last call); after every kind of change both are the group's version now."""
+    gen = ModelGroup.create(SPEC, Topology(tp=2), name="st-gen-1v", worker_cls=Gen)
+    try:
+        gen.init_synthetic(20)
+        trainer.init_synthetic(21)
+        trainer.copy_to(gen)
+        gen.reallocate(Topology(dp=2))
+        trainer.run(lambda ctx: None)  # a write: the trainer's version moves on
+        update = trainer.copy_to(gen, stage=True)
+        update.wait()
+        update.commit()
+        gen.init_synthetic(22)
+        for seen in gen.call("seen", writes=False):
+            assert [kind for kind, _, _ in seen] == ["create", "fill", "copy", "reallocate", "copy", "fill"]
+            assert [change for _, change, _ in seen] == [ctx for _, _, ctx in seen], seen
+            assert seen[-1][1] == gen.version
+    finally:
+        gen.shutdown()
+
+
 def test_reads_after_a_safe_point_commit_see_the_committed_version(trainer):
     """Reading the weights outside a call (verify, shard_boxes, state_dict) after
     ``commit(at="safe_point")`` and before any call must see the committed version, not the old
