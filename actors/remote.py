@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import ray
 
 from actors.errors import ReallocationError
+from realloc._checks import check_finite
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,28 @@ FAILURE_GRACE_S = 5.0
 PING_SECONDS = 3.0
 
 
+def check_timeout(value: object, name: str = "timeout_s") -> float:
+    """``value`` as seconds if it is a finite positive number (the one check of every timeout a
+    caller gives: nothing waits forever, and a string is no number of seconds), else a
+    ``ValueError`` naming ``name`` and what is allowed.
+
+    Example:
+        >>> check_timeout(float("inf"))
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout_s must be a finite positive number of seconds, got inf
+    """
+    return float(check_finite(name, value, positive=True, allowed="a finite positive number of seconds"))
+
+
 class Deadline:
     """One deadline for a whole call (lock wait, world formation, every step of the operation),
     and one window of :data:`FAILURE_GRACE_S` for its failure path, opened by the first failure
-    and shared by everything that runs after it (diagnosis, aborts, clean-up)."""
+    and shared by everything that runs after it (diagnosis, aborts, clean-up). ``seconds``: a
+    finite positive number (:func:`check_timeout`)."""
 
     def __init__(self, seconds: float):
-        self.seconds = float(seconds)
+        self.seconds = check_timeout(seconds)
         self.at = time.monotonic() + self.seconds
         self._grace_ends: float | None = None
 

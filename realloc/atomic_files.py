@@ -55,7 +55,13 @@ def check_output_file(path: "str | os.PathLike", what: str) -> Path:
     Traceback (most recent call last):
     ...
     ValueError: --trace '/' is a directory; give a file name
+    >>> check_output_file(None, "trace path")
+    Traceback (most recent call last):
+    ...
+    ValueError: trace path must be a file path (a str or os.PathLike), got None
     """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise ValueError(f"{what} must be a file path (a str or os.PathLike), got {path!r}"[:200])
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{what} {str(path)!r} is a directory; give a file name")

@@ -25,7 +25,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from actors import ModelGroup, ShardWorker
+from actors import Fleet, ModelGroup, ShardWorker
 from actors.config import GroupConfig
 from actors.errors import ReallocationError
 from actors.wire.zero_copy import sweep_stale_buffers
@@ -901,6 +901,37 @@ case(
     "export_hf config of another model",
     lambda e: e.ckpt.export_hf(e.tmp / "x", config=hf_config_of(MINI)),
     r"HF config does not describe model 'tiny'",
+)
+
+
+# timeouts and the fleet (issue 36): every timeout is a finite positive number of seconds.
+T = "timeouts"
+case(T, "Fleet(None)", lambda e: Fleet(None), r"replicas must be a ModelGroup or a sequence of ModelGroups, got None")
+case(T, "Fleet of a string", lambda e: Fleet("inv-ref"), r"replicas must be a ModelGroup or a sequence of")
+case(
+    T,
+    "Fleet timeout_s as a string",
+    lambda e: Fleet([e.ref], timeout_s="10"),
+    r"timeout_s must be a finite positive number of seconds, got '10'",
+)
+case(
+    T,
+    "Fleet timeout_s infinite",
+    lambda e: Fleet([e.ref], timeout_s=float("inf")),
+    r"timeout_s must be a finite positive number of seconds, got inf",
+)
+case(T, "Fleet timeout_s 0", lambda e: Fleet([e.ref], timeout_s=0), r"timeout_s must be a finite positive number")
+case(
+    T,
+    "last_trace timeout_s as a string",
+    lambda e: e.policy.last_trace(timeout_s="5"),
+    r"timeout_s must be a finite positive number of seconds, got '5'",
+)
+case(
+    T,
+    "last_trace timeout_s infinite",
+    lambda e: e.policy.last_trace(timeout_s=float("inf")),
+    r"timeout_s must be a finite positive number of seconds, got inf",
 )
 
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from test_plan_scale import large_form
 from test_planner_properties import check_execution_matches_oracle, fsdp_reallocations, make_plan, reallocations
 
-from realloc import ModelSpec, Placement, Topology, plan_reallocation
+from realloc import Layout, ModelSpec, Placement, Topology, plan_reallocation
 from realloc.plan import Plan, Route, Segment
 from realloc.plan.slices import PlanSlice, slice_plan
 
@@ -27,11 +27,25 @@ def worker_routes(plan: Plan, w: int) -> list[tuple[int, int, int, int]]:
     return sorted((s, a, b, j) for s, a, b, j in plan.routes() if w in (a, b))
 
 
-def check_slices(plan: Plan) -> list[PlanSlice]:
+def held_layouts(case, w: int) -> tuple:
+    """Worker ``w``'s ``(source, destination)`` rank layouts in ``case`` (None: none)."""
+    spec = case.d.spec()
+    out = []
+    for topo, workers in ((case.src, case.src_workers), (case.dst, case.dst_workers)):
+        ranks = workers if workers is not None else list(range(topo.world_size))
+        out.append(Layout(spec, topo, case.pad).at(ranks.index(w)) if w in ranks else None)
+    return tuple(out)
+
+
+def check_slices(plan: Plan, case=None) -> list[PlanSlice]:
+    """Every slice against the plan; with ``case``, every segment a worker reads or writes is
+    held by the layout it reads or writes (``PlanSlice.check_held`` refuses no valid slice)."""
     slices = slice_plan(plan)
     assert [p.worker for p in slices] == list(range(len(plan.nodes)))
     for w, piece in enumerate(slices):
         piece.validate(len(plan.nodes))
+        if case is not None:
+            piece.check_held(*held_layouts(case, w))
         got = sorted((s, *r) for s, rs in piece.routes_by_step().items() for r in rs)
         assert got == worker_routes(plan, w)
         assert sorted(piece.local) == sorted(j for v, j in plan.local_copies if v == w)
@@ -93,7 +107,7 @@ def rebuilt(plan: Plan, slices: list[PlanSlice]) -> Plan:
 @given(reallocations())
 def test_slices_are_the_plan_per_worker_and_execute_bit_exact(case):
     plan = make_plan(case)
-    check_execution_matches_oracle(case, rebuilt(plan, check_slices(plan)))
+    check_execution_matches_oracle(case, rebuilt(plan, check_slices(plan, case)))
 
 
 @settings(max_examples=25, deadline=None)
@@ -101,7 +115,7 @@ def test_slices_are_the_plan_per_worker_and_execute_bit_exact(case):
 def test_slices_of_large_form_plans(case):
     with large_form():
         plan = make_plan(case)
-    check_execution_matches_oracle(case, rebuilt(plan, check_slices(plan)))
+    check_execution_matches_oracle(case, rebuilt(plan, check_slices(plan, case)))
 
 
 def test_slice_is_proportional_to_own_routes():
@@ -134,6 +148,10 @@ def _send_twice(d):
         (lambda d: d.update(forward_from=d["num_steps"] + 1), "forward_from"),
         (lambda d: d.update(worker=4), "worker ids"),
         (lambda d: d["parts"][0]["range_hi"].__setitem__(0, 10**6), "ranges lie outside"),
+        (lambda d: d.update(bucket_bytes=0), "bucket_bytes must be an integer of at least 16, got 0"),
+        (lambda d: d["parts"][0]["segments"][0].__setitem__(1, "float12"), "segment dtype 'float12'"),
+        (lambda d: d["parts"][0]["segments"][0][2][0][1].__setitem__(0, 0), "segment box"),
+        (lambda d: d["parts"][0]["segments"][0][2][0][0].__setitem__(0, -1), "segment box"),
     ],
 )
 def test_malformed_slices_are_refused_before_any_traffic(change, words):
@@ -144,6 +162,82 @@ def test_malformed_slices_are_refused_before_any_traffic(change, words):
     change(data)
     with pytest.raises(ValueError, match=words):
         PlanSlice.from_json(data)
+
+
+def _first_run(part: int, change):
+    """A change of the first run of segments of part ``part`` of a slice's JSON:
+    ``change(run, shape)`` (``run``: ``[params, dtype, cells]``; ``shape``: its first
+    parameter's shape in the tiny model)."""
+    spec = ModelSpec.preset("tiny")
+
+    def apply(d):
+        run = d["parts"][part]["segments"][0]
+        change(run, spec.by_name[run[0][0]].shape)
+
+    return apply
+
+
+def _set_dtype(run, shape):
+    run[1] = "float32" if run[1] != "float32" else "bfloat16"
+
+
+def _rename(run, shape):
+    run[0][0] = "model.layers.0.mlp.nope.weight"
+
+
+def _outside(run, shape):
+    run[2][0][0][0] = shape[0]  # first dim's offset at the tensor's end, any size: outside
+
+
+def _larger(run, shape):
+    run[2][0][0][0], run[2][0][1][0] = 0, shape[0] + 1  # the whole first dim and one more
+
+
+def _not_held(run, shape):
+    # worker 0 holds rows 0.. of a tp=4 shard of most tensors; its last row is held by worker 3
+    offsets, sizes = run[2][0]
+    offsets[:] = [s - 1 for s in shape]
+    sizes[:] = [1] * len(shape)
+
+
+@pytest.mark.parametrize("part", [0, 1], ids=["sent", "received"])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (_set_dtype, r"segment dtype '\w+' of '[\w.]+' does not match its layout's dtype"),
+        (_rename, "segment param 'model.layers.0.mlp.nope.weight' is not a parameter of 'tiny'"),
+        (_outside, r"segment box offsets=\(\d+, .* lies outside '[\w.]+' of shape"),
+        (_larger, r"segment box offsets=\(0, .* sizes=\(\d+, .* lies outside '[\w.]+' of shape"),
+    ],
+)
+def test_a_slice_naming_what_its_worker_cannot_hold_is_refused(part, change, words):
+    """Issue 36: a slice whose segments name a dtype other than the layout's, an unknown
+    parameter, a box outside its tensor or larger than it passed ``validate`` and reached the
+    worker, which wrote reinterpreted bytes (dtype) or failed mid-transfer with the shard
+    store's bare ``KeyError``. ``check_held`` (run by the worker as it receives its slice,
+    ``actors.executor.received_share``) refuses each, naming the field."""
+    spec = ModelSpec.preset("tiny")
+    src, dst = Topology(tp=4), Topology(dp=2, tp=2)
+    plan = plan_reallocation(spec, src, dst, Placement.blocks(4, 2))
+    held = Layout(spec, src).at(0), Layout(spec, dst).at(0)
+    data = slice_plan(plan, [0])[0].to_json()
+    PlanSlice.from_json(json.loads(json.dumps(data))).check_held(*held)  # as cut: valid
+    _first_run(part, change)(data)
+    piece = PlanSlice.from_json(data)  # well formed: only the layouts tell
+    with pytest.raises(ValueError, match=words):
+        piece.check_held(*held)
+    piece.check_held(None, None)  # sides without a layout (a checkpoint worker's files): unchecked
+
+
+def test_a_box_the_worker_does_not_hold_is_refused():
+    spec = ModelSpec.preset("tiny")
+    src, dst = Topology(tp=4), Topology(dp=2, tp=2)
+    plan = plan_reallocation(spec, src, dst, Placement.blocks(4, 2))
+    held = Layout(spec, src).at(0), Layout(spec, dst).at(0)
+    data = slice_plan(plan, [0])[0].to_json()
+    _first_run(1, _not_held)(data)
+    with pytest.raises(ValueError, match=r"segment box .* is in no shard of worker 0's destination \(rank 0 of"):
+        PlanSlice.from_json(data).check_held(*held)
 
 
 def test_a_slice_shipped_to_another_worker_is_refused():

@@ -225,6 +225,15 @@ def test_staged_refusals_change_nothing(trainer):
         trainer.init_synthetic(11)
         update = trainer.copy_to(gen, stage=True)
         update.wait()
+        for timeout in ("5", float("inf"), 0, True):  # issue 36: a string was accepted by both
+            with pytest.raises(
+                ValueError, match=rf"timeout_s must be a finite positive number of seconds, got {timeout!r}"
+            ):
+                update.wait(timeout_s=timeout)
+            with pytest.raises(
+                ValueError, match=rf"timeout_s must be a finite positive number of seconds, got {timeout!r}"
+            ):
+                update.trace(timeout_s=timeout)
         with pytest.raises(ValueError, match="allowed: 'now', 'safe_point'"):
             update.commit(at="later")
         for change in (
@@ -286,6 +295,29 @@ def test_versions_in_stats_hooks_and_contexts(trainer):
         stats = trainer.copy_to(gen)  # versions never go back
         assert stats.version == gen.version == trainer.version + 2
         assert all(seen[-1][:2] == ("copy", gen.version) for seen in gen.call("seen", writes=False))
+    finally:
+        gen.shutdown()
+
+
+def test_the_hook_sees_one_version_per_change(trainer):
+    """Issue 36: ``on_shards_changed(ctx, change)`` saw ``ctx.version`` 0 and ``change.version`` 1
+    after ``init_synthetic``, 1 and 2 after a plain ``copy_to`` (the worker still had the version
+    of its last call); after every kind of change both are the group's version now."""
+    gen = ModelGroup.create(SPEC, Topology(tp=2), name="st-gen-1v", worker_cls=Gen)
+    try:
+        gen.init_synthetic(20)
+        trainer.init_synthetic(21)
+        trainer.copy_to(gen)
+        gen.reallocate(Topology(dp=2))
+        trainer.run(lambda ctx: None)  # a write: the trainer's version moves on
+        update = trainer.copy_to(gen, stage=True)
+        update.wait()
+        update.commit()
+        gen.init_synthetic(22)
+        for seen in gen.call("seen", writes=False):
+            assert [kind for kind, _, _ in seen] == ["create", "fill", "copy", "reallocate", "copy", "fill"]
+            assert [change for _, change, _ in seen] == [ctx for _, _, ctx in seen], seen
+            assert seen[-1][1] == gen.version
     finally:
         gen.shutdown()
 

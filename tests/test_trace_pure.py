@@ -93,6 +93,18 @@ def test_bad_trace_paths_are_refused(tmp_path):
         chrome_trace([])
 
 
+@pytest.mark.parametrize("path", [123, None, b"t.json", ["t.json"]], ids=repr)
+def test_a_trace_path_that_is_no_path_is_refused(tmp_path, monkeypatch, path):
+    """Issue 36: ``last_trace().write(123)`` and ``write(None)`` raised a bare ``TypeError`` from
+    ``pathlib``; the path argument is named now, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"trace path must be a file path \(a str or os\.PathLike\), got "):
+        _move().write(path)
+    with pytest.raises(ValueError, match=r"trace path must be a file path"):
+        write_chrome_trace(path, [_move()])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_slowest_names_the_worker_and_its_phase():
     got = slowest(["a", "b", "c"], [{"x": 1.0, "y": 0.5}, {"x": 0.2, "y": 2.0}, None])
     assert got == {"worker": "b", "seconds": 2.2, "phase": "y", "phase_seconds": 2.0}

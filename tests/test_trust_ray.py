@@ -233,6 +233,50 @@ def test_blend_with_a_bool_is_refused_and_the_destination_untouched(cluster):
         b.shutdown()
 
 
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda runs: setattr(runs, "names", [("model.nope.weight",) * len(n) for n in runs.names]), "param"),
+        (lambda runs: setattr(runs, "dtypes", ["float64" for _ in runs.dtypes]), "dtype"),
+        (lambda runs: runs.sizes.__iadd__(1000), "box"),
+    ],
+    ids=["unknown parameter", "dtype", "box larger than its tensor"],
+)
+def test_a_malformed_slice_is_refused_by_its_worker_before_any_traffic(cluster, monkeypatch, change, words):
+    """Issue 36: a plan slice naming an unknown parameter, another dtype than the layout's or a
+    box larger than its tensor reached a real worker, which failed mid-transfer with the shard
+    store's bare ``KeyError`` (or, for the dtype, moved bytes as another dtype). Each worker now
+    refuses its slice as it receives it (``actors.executor.received_share``), with a
+    ``ValueError`` naming the field, and every worker still holds its old shards, exactly."""
+    import actors.protocol as protocol
+
+    cut = protocol.worker_shares
+
+    def malformed(plan, peers):
+        shares = cut(plan, peers)
+        parts = {id(part): part for piece, _ in shares for part in piece.parts}
+        for part in parts.values():
+            change(part.runs)
+        return shares
+
+    g = make("bad-slice", "tp=2", seed=4)
+    try:
+        before, layout = boxes_of(g, range(2)), g.layout
+        with monkeypatch.context() as patch:
+            patch.setattr(protocol, "worker_shares", malformed)
+            with pytest.raises(ReallocationError, match=rf"ValueError: plan slice segment list \d+: segment {words}"):
+                g.reallocate("dp=2")
+        assert g.layout == layout and worker_layouts(g) == expected_layouts(g)
+        after = boxes_of(g, range(2))
+        for r in range(2):
+            assert [(p, o, s) for p, o, s, _ in after[r]] == [(p, o, s) for p, o, s, _ in before[r]]
+            assert all(torch.equal(a[3], b[3]) for a, b in zip(after[r], before[r]))
+        g.reallocate("dp=2")  # the same move, cut right: it runs
+        assert g.verify_synthetic(4) == {}
+    finally:
+        g.shutdown()
+
+
 def test_run_returns_views_as_their_own_bytes(cluster):
     g = make("views", "tp=2")
     try:

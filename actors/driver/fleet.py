@@ -32,7 +32,7 @@ from typing import Sequence
 from actors.driver.group import ModelGroup, ReallocStats
 from actors.driver.staged import COMMIT_AT, StagedUpdate
 from actors.errors import GroupBusyError, ReallocationError
-from actors.remote import FAILURE_GRACE_S, Deadline, diagnose
+from actors.remote import FAILURE_GRACE_S, Deadline, check_timeout, diagnose
 from realloc.spec.formats import unformatted
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,12 @@ class Fleet:
     """
 
     def __init__(self, replicas: Sequence[ModelGroup], *, timeout_s: float | None = None):
+        if not isinstance(replicas, ModelGroup) and (
+            isinstance(replicas, (str, bytes)) or not hasattr(replicas, "__iter__")
+        ):
+            raise ValueError(f"replicas must be a ModelGroup or a sequence of ModelGroups, got {replicas!r}"[:200])
+        if timeout_s is not None:
+            check_timeout(timeout_s)
         replicas = list(replicas) if not isinstance(replicas, ModelGroup) else [replicas]
         if not replicas or not all(isinstance(r, ModelGroup) for r in replicas):
             raise ValueError(f"a fleet needs one or more ModelGroups, got {replicas!r}"[:200])
@@ -54,8 +60,6 @@ class Fleet:
             raise ValueError("a fleet lists each replica group once")
         for r in replicas[1:]:
             replicas[0].spec.check_same_as(r.spec)  # one weight format: a joining replica is seeded from another
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.replicas: list[ModelGroup] = replicas
         self.timeout_s = timeout_s
         self.dropped: list[tuple[ModelGroup, ReallocationError]] = []

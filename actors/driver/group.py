@@ -54,7 +54,7 @@ from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.records import DeltaOrder, KeepOrder, ResidentLayout, ShardChange, check_keep
-from actors.remote import Deadline, Workers, call_all, diagnose, each_result, gather, settle
+from actors.remote import Deadline, Workers, call_all, check_timeout, diagnose, each_result, gather, settle
 from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
 from actors.wire.zero_copy import sweep_stale_buffers
 from actors.worker import ShardWorker
@@ -1007,7 +1007,9 @@ class ModelGroup:
         ``chrome://tracing``; ``.steps()`` lists the steps. ``ValueError`` when there is no such
         move, or when one of its workers has run another move since (its timeline is gone); a
         dead or silent worker raises the group's usual error, naming it, within ``timeout_s``
-        (default: the group's)."""
+        (default: the group's; a finite positive number of seconds)."""
+        if timeout_s is not None:
+            check_timeout(timeout_s)
         with self._exclusive("gather the last move's trace", staged_ok=True):
             move = self._last_move
             if move is None:

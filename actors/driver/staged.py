@@ -39,7 +39,7 @@ from actors import metrics
 from actors.driver.protocol import worker_plan_refs
 from actors.errors import ReallocationError
 from actors.records import KeepOrder, ResidentLayout, ShardChange
-from actors.remote import FAILURE_GRACE_S, Deadline, Workers, fire, gather, settle, undo
+from actors.remote import FAILURE_GRACE_S, Deadline, Workers, check_timeout, fire, gather, settle, undo
 from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
@@ -252,7 +252,10 @@ class StagedUpdate:
     def wait(self, timeout_s: float | None = None):
         """Wait for the transfer; returns its stats, or raises its :class:`ReallocationError`
         (the serving weights untouched). ``timeout_s``: give up waiting (``TimeoutError``; the
-        transfer goes on, bounded by the update's own deadline)."""
+        transfer goes on, bounded by the update's own deadline; a finite positive number of
+        seconds)."""
+        if timeout_s is not None:
+            check_timeout(timeout_s)
         limit = self.deadline.remaining() + FAILURE_GRACE_S + 5.0 if timeout_s is None else timeout_s
         if not self._finished.wait(limit):
             raise TimeoutError(f"staged update {self.label} still transferring after {limit:.1f}s")
@@ -264,7 +267,10 @@ class StagedUpdate:
         """The timeline of this update's transfer (every worker's phases and steps on the
         driver's clock, as ``ModelGroup.last_trace`` gives a move's: actors/trace.py), gathered
         now. ``ValueError`` before the transfer ended or after it failed, or when a worker has
-        run another staged update since."""
+        run another staged update since. ``timeout_s``: a finite positive number of seconds
+        (default: the update's)."""
+        if timeout_s is not None:
+            check_timeout(timeout_s)
         if self.move is None:
             raise ValueError(
                 f"staged update {self.label} is {self.state}: its trace is there once the transfer has staged it"

@@ -27,11 +27,13 @@ from realloc.shards.copy_program import ProgramCache
 
 def received_share(box: list, me: int) -> tuple[PlanSlice, PeerTable]:
     """This worker's ``(PlanSlice, PeerTable)`` from ``box`` (``[ObjectRef]``), checked (it is
-    worker ``me``'s slice and holds nothing malformed: ``ValueError`` before any traffic) and
-    unpacked."""
+    worker ``me``'s slice and holds nothing malformed, and every segment it sends, receives or
+    copies is in a shard of the layout it reads or writes, with that shard's dtype:
+    ``ValueError`` naming the field, before any traffic) and unpacked."""
     plan, peers = ray.get(box[0])
     plan.validate(len(peers), me)
     plan.unpack()  # before any thread of the worker reads it
+    plan.check_held(peers[me].src, peers[me].dst)
     return plan, peers
 
 

@@ -360,7 +360,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         )
 
     def after_change(self, change: ShardChange) -> None:
-        """Driver entry point of the hook (after the commit of ``change``)."""
+        """Driver entry point of the hook (after the commit of ``change``). The version the
+        change brings (``change.version``, the group's after it) is the one this worker serves
+        from now on: the hook's context carries the same (a fill or a copy moved the group's
+        version on the driver while the worker still had the one of its last call)."""
+        if change.version is not None:
+            self._realloc.version = change.version
         try:
             self.on_shards_changed(self.context(), change)
         finally:

@@ -27,8 +27,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from realloc.plan.records import Piece, Plan, Segment, buckets
+from realloc._checks import check_int
+from realloc.boxes import contains
+from realloc.layout import RankLayout, Shard
+from realloc.plan.records import BUCKET_ALIGN, Piece, Plan, Segment, buckets
 from realloc.plan.tables import PackedRuns, SegmentTable, StepTable, distinct, expand, list_ranges
+from realloc.spec import DTYPE_BYTES
 
 __all__ = ["ListPart", "PlanSlice", "shipping_stats", "slice_plan"]
 
@@ -45,6 +49,7 @@ class ListPart:
     range_hi: np.ndarray
     runs: PackedRuns
     _segments: SegmentTable | None = field(default=None, repr=False)
+    _rows: tuple | None = field(default=None, repr=False)  # runs.segment_rows(), once per process
 
     @property
     def segments(self) -> SegmentTable:
@@ -54,7 +59,7 @@ class ListPart:
         return self._segments
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_segments": None}  # what ships is the packed form
+        return {**self.__dict__, "_segments": None, "_rows": None}  # what ships is the packed form
 
     def segment_list(self, k: int) -> list[Segment]:
         out: list[Segment] = []
@@ -69,6 +74,87 @@ class ListPart:
             and (int(self.range_lo.min()) < 0 or int(self.range_hi.max()) > n or np.any(self.range_hi < self.range_lo))
         ):
             raise ValueError("malformed plan slice: a segment list's ranges lie outside its segments")
+        runs = self.runs
+        unknown = sorted(set(runs.dtypes) - set(DTYPE_BYTES))
+        if unknown:
+            raise ValueError(f"plan slice segment dtype {unknown[0]!r} is not one of {sorted(DTYPE_BYTES)}")
+        width = runs.offsets.shape[1] if runs.offsets.ndim == 2 else 0
+        real = np.arange(width) < runs.ndim.reshape(-1, 1)  # the columns of each cell's dims
+        if len(runs.ndim) and (
+            int(runs.ndim.min()) < 1 or np.any((runs.offsets < 0) & real) or np.any((runs.sizes < 1) & real)
+        ):
+            raise ValueError(
+                "plan slice segment box (offsets, sizes) is invalid: every box has at least one "
+                "dimension, offsets of at least 0 and sizes of at least 1"
+            )
+
+    def check_held(self, lists: np.ndarray, held: RankLayout, side: str) -> None:
+        """``ValueError`` (:meth:`PlanSlice.check_held`) unless every segment of this part's
+        lists among ``lists`` lies in a shard of ``held`` of its parameter, with its dtype."""
+        k = np.flatnonzero(np.isin(self.list_ids, lists))
+        if not len(k):
+            return
+        ranges = expand(self.list_ptr[k].astype(np.int64), (self.list_ptr[k + 1] - self.list_ptr[k]).astype(np.int64))
+        runs = self.runs
+        if self._rows is None:
+            self._rows = runs.segment_rows()
+        params, param, dtype, row = self._rows
+        edges = np.zeros(len(param) + 1, dtype=np.int64)
+        np.add.at(edges, self.range_lo[ranges], 1)
+        np.add.at(edges, self.range_hi[ranges], -1)
+        needed = np.cumsum(edges[:-1]) > 0
+        by_param: dict[str, list[Shard]] = {}
+        for shard in held.shards():
+            by_param.setdefault(shard.param, []).append(shard)
+        # Parameters whose shards here have the same boxes and dtypes (the layers of a stage)
+        # form one class: whether a cell is held is decided per class, cell and dtype, then
+        # looked up per segment (a slice has up to millions of segments, a few thousand cells).
+        classes: dict[tuple, int] = {}
+        of_param = np.fromiter(
+            (
+                classes.setdefault(tuple((sh.dtype, sh.offsets, sh.sizes) for sh in by_param.get(p, ())), len(classes))
+                for p in params
+            ),
+            dtype=np.int64,
+            count=len(params),
+        )
+        rows = len(runs.ndim)
+        cell_lo = runs.offsets.astype(np.int64)
+        cell_hi = cell_lo + runs.sizes
+        cell_ndim = runs.ndim.astype(np.int64)
+        dtype_ids = {d: i for i, d in enumerate(runs.dtypes)}
+        held_cells = np.zeros((len(classes), max(len(runs.dtypes), 1), rows), dtype=bool)
+        for c, shards in enumerate(classes):
+            for kind, offsets, sizes in shards:
+                d, n = dtype_ids.get(kind), len(offsets)
+                if d is None or n > cell_lo.shape[1]:
+                    continue
+                held_cells[c, d] |= (
+                    (cell_ndim == n)
+                    & np.all(cell_lo[:, :n] >= offsets, axis=1)
+                    & np.all(cell_hi[:, :n] <= np.add(offsets, sizes), axis=1)
+                )
+        inside = held_cells.reshape(-1)[(of_param[param] * held_cells.shape[1] + dtype) * rows + row]
+        seg_ndim = runs.ndim[row]
+        bad = np.flatnonzero(needed & ~inside)
+        if len(bad):
+            i = int(bad[0])
+            n = int(seg_ndim[i])
+            seg = Segment(
+                params[param[i]],
+                tuple(runs.offsets[row[i], :n].tolist()),
+                tuple(runs.sizes[row[i], :n].tolist()),
+                runs.dtypes[dtype[i]],
+            )
+            j = next(
+                int(self.list_ids[q])
+                for q in k.tolist()
+                if any(
+                    self.range_lo[r] <= i < self.range_hi[r]
+                    for r in range(int(self.list_ptr[q]), int(self.list_ptr[q + 1]))
+                )
+            )
+            _refuse_segment(seg, j, held, by_param, side)
 
     def to_json(self) -> dict:
         return {
@@ -163,8 +249,11 @@ class PlanSlice:
         """``ValueError`` naming the first inconsistency, before the worker touches a buffer: it is
         worker ``worker``'s slice (when given); route ends are workers of the plan (of
         ``num_workers`` executors when given) and this worker is one of them; steps lie within the plan; in each step it sends at most once and receives at
-        most once; every segment list it names is in the slice; ranges lie inside its segments."""
+        most once; every segment list it names is in the slice; ranges lie inside its segments;
+        ``bucket_bytes`` is an integer of at least ``BUCKET_ALIGN``; segments have known dtypes and
+        non-empty boxes. What the workers hold is checked by :meth:`check_held`."""
         n = self.num_workers
+        check_int("plan slice bucket_bytes", self.bucket_bytes, BUCKET_ALIGN)
         if worker is not None and worker != self.worker:
             raise ValueError(f"plan slice of worker {self.worker} was shipped to worker {worker}")
         if num_workers is not None and num_workers != n:
@@ -196,6 +285,33 @@ class PlanSlice:
         missing = named.difference(*(p.list_ids.tolist() for p in self.parts))
         if missing:
             raise ValueError(f"malformed plan slice: segment list(s) {sorted(missing)[:5]} are not in it")
+
+    def check_held(self, src: RankLayout | None, dst: RankLayout | None) -> None:
+        """``ValueError`` naming the first segment this worker could not address, before any
+        traffic: a parameter its layout lacks, a dtype other than the layout's, a box outside its
+        tensor or outside every shard the worker holds of it (unchecked, the shard store raises a
+        bare ``KeyError`` mid-transfer, or a dtype mismatch reinterprets the bytes).
+
+        ``src``/``dst``: the layouts the worker sends from and receives into (None: not checked,
+        as a checkpoint worker's file stores). A route of step ``s`` is read from ``dst`` from
+        ``forward_from`` on (:meth:`reads_destination`), from ``src`` before; received routes and
+        local copies are written into ``dst``; local copies are read from ``src``. (A zero-copy
+        read of a same-node peer reads the list that peer checked against its own layout.) Array
+        work per part and side: no segment object is made unless one is refused. Call after
+        :meth:`validate`."""
+        needs: dict[bool, set[int]] = {False: set(self.local), True: set(self.local)}
+        for (a, b, j), s in zip(self.routes.reshape(-1, 3).tolist(), self.route_steps.tolist()):
+            if a == self.worker:
+                needs[self.reads_destination(s)].add(j)
+            if b == self.worker:
+                needs[True].add(j)
+        for destination, held in ((False, src), (True, dst)):
+            lists = needs[destination]
+            if held is not None and lists:
+                named = np.fromiter(lists, dtype=np.int64, count=len(lists))
+                side = "destination" if destination else "source"
+                for part in self.parts:
+                    part.check_held(named, held, f"worker {self.worker}'s {side} ({{}})")
 
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -230,6 +346,30 @@ class PlanSlice:
             raise ValueError(f"malformed plan slice JSON: {err!r}") from None
         out.validate()
         return out
+
+
+def _refuse_segment(seg: Segment, j: int, held: RankLayout, by_param: dict[str, list[Shard]], side: str) -> None:
+    """The ``ValueError`` for segment ``seg`` of list ``j``, which no shard of ``side`` (a format
+    string for ``held``) holds."""
+    side = side.format(held)
+    where = f"plan slice segment list {j}: segment"
+    param = held.layout.spec.by_name.get(seg.param)
+    shards = by_param.get(seg.param, ())
+    if param is None and not shards:
+        raise ValueError(f"{where} param {seg.param!r} is not a parameter of {held.layout.spec.name!r}")
+    dtypes = sorted({sh.dtype for sh in shards} or {param.dtype})
+    if seg.dtype not in dtypes:
+        raise ValueError(
+            f"{where} dtype {seg.dtype!r} of {seg.param!r} does not match its layout's dtype {dtypes[0]!r}"
+        )
+    shape = param.shape if param is not None else None
+    if shape is not None and (
+        len(seg.offsets) != len(shape) or not contains((tuple(0 for _ in shape), shape), seg.box)
+    ):
+        raise ValueError(
+            f"{where} box offsets={seg.offsets} sizes={seg.sizes} lies outside {seg.param!r} of shape {tuple(shape)}"
+        )
+    raise ValueError(f"{where} box offsets={seg.offsets} sizes={seg.sizes} of {seg.param!r} is in no shard of {side}")
 
 
 # -- cutting ------------------------------------------------------------------------------------

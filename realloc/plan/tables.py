@@ -249,6 +249,21 @@ class PackedRuns:
             self.sizes[rows],
         )
 
+    def segment_rows(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """Every segment of the table as arrays, in the table's order, without a segment object:
+        ``(params, param, dtype, row)``, segment ``i`` being parameter ``params[param[i]]`` of
+        dtype ``dtypes[dtype[i]]`` with the cell of row ``row[i]`` (``offsets``, ``sizes``,
+        ``ndim``). A run's segments go parameter by parameter, cell by cell (:class:`SegmentTable`)."""
+        lengths = np.fromiter((len(n) for n in self.names), dtype=np.int64, count=len(self.names))
+        name_ptr = np.cumsum(lengths) - lengths
+        cells = np.diff(self.cell_ptr)[self.run_cells].astype(np.int64)
+        per_run = lengths[self.run_names] * cells
+        run = np.repeat(np.arange(len(per_run)), per_run)
+        i = np.arange(int(per_run.sum()), dtype=np.int64) - (np.cumsum(per_run) - per_run)[run]
+        param = name_ptr[self.run_names[run]] + i // cells[run]
+        row = self.cell_ptr[self.run_cells[run]] + i % cells[run]
+        return [p for names in self.names for p in names], param, self.run_dtypes[run].astype(np.int64), row
+
     def run_sizes(self) -> np.ndarray:
         """Segments per run."""
         lengths = np.fromiter((len(n) for n in self.names), dtype=np.int64, count=len(self.names))
