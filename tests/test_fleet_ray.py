@@ -10,9 +10,9 @@ import time
 
 import pytest
 import ray
-from simulated import simulated_cluster
+from simulated import simulated_cluster, wait_for_dead_workers
 
-from actors import Fleet, ModelGroup, ShardWorker
+from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
 from realloc import ModelSpec, Topology
 
 pytestmark = pytest.mark.slow
@@ -150,4 +150,42 @@ def test_idle_replicas_take_the_next_update_over_one_world(cluster):
         assert all(r.verify_synthetic(33) == {} for r in replicas)
     finally:
         for g in [trainer, *replicas]:
+            g.shutdown()
+
+
+def test_a_fleet_update_that_staged_no_replica_is_an_error_not_a_success(cluster, monkeypatch):
+    """Issue 36, defect 5: an update that updated no replica returned from ``wait()`` as if it had
+    succeeded (``{}``). Now it raises, saying why each replica got nothing: here the only replica
+    died (dropped), and then a defect inside the staging thread (a failing ping) that used to end
+    the thread silently. Nothing of the replicas changes either way."""
+    trainer = ModelGroup.create(SPEC, Topology(dp=2), name="fl-none-trainer")
+    alive = ModelGroup.create(SPEC, Topology(tp=2), name="fl-none-alive")
+    lost = ModelGroup.create(SPEC, Topology(tp=2), name="fl-none-lost")
+    try:
+        trainer.init_synthetic(41)
+        alive.init_synthetic(40)
+        lost.init_synthetic(40)
+        fleet = Fleet([lost])
+        ray.kill(lost.actors[1])
+        wait_for_dead_workers(lost)
+        update = fleet.stage(trainer)
+        with pytest.raises(ReallocationError, match=r"staged no replica.*dropped from the fleet: \['fl-none-lost'\]"):
+            update.wait()
+        assert fleet.replicas == [] and update.updates == {}
+
+        fleet = Fleet([alive])
+        before = alive.version
+
+        def broken_ping(replicas):
+            raise RuntimeError("ping failed")
+
+        monkeypatch.setattr(fleet, "_ping", broken_ping)
+        with pytest.raises(
+            ReallocationError, match=r"failed before any replica was staged \(RuntimeError: ping failed\)"
+        ):
+            fleet.stage(trainer).wait()
+        assert fleet.replicas == [alive] and alive.version == before
+        assert alive.verify_synthetic(40) == {}
+    finally:
+        for g in (trainer, alive, lost):
             g.shutdown()

@@ -206,6 +206,7 @@ class FleetUpdate:
         self.skipped: list[str] = []
         self.ended = False
         self._version: int | None = None
+        self._failure: BaseException | None = None  # what ended the staging thread unexpectedly
         self._staged = threading.Event()
         self._thread = threading.Thread(target=self._stage_all, name="realloc-fleet-stage", daemon=True)
 
@@ -242,6 +243,8 @@ class FleetUpdate:
             for replica in self.replicas:
                 self.errors.setdefault(replica.name, err)
                 self.skipped.append(replica.name)
+        except BaseException as err:  # a defect, not a fault of a replica: wait() raises it, never {}
+            self._failure = err
         finally:
             self._staged.set()
 
@@ -280,9 +283,24 @@ class FleetUpdate:
         self.fleet.drop(replica, err)
 
     def wait(self) -> dict[str, ReallocStats]:
-        """Wait until every replica is staged, skipped or dropped; the staged ones' stats by name."""
+        """Wait until every replica is staged, skipped or dropped; the staged ones' stats by name.
+        An update that staged no replica is no success: it raises :class:`ReallocationError`
+        saying why each replica got nothing (every replica keeps serving what it served)."""
         if not self._staged.wait(self.deadline.remaining() + FAILURE_GRACE_S + 5.0):
             raise TimeoutError("fleet update: staging did not end within the fleet's deadline")
+        if self._failure is not None:
+            raise ReallocationError(
+                f"fleet update from {self.source.name!r} failed before any replica was staged "
+                f"({type(self._failure).__name__}: {self._failure}); no replica was touched: each keeps "
+                "serving what it served"
+            ) from self._failure
+        if not self.updates:
+            why = "; ".join(f"{name}: {err}" for name, err in self.errors.items()) or "the fleet has no replica"
+            raise ReallocationError(
+                f"fleet update from {self.source.name!r} staged no replica; each keeps serving what it "
+                f"served (skipped as busy: {self.skipped}; dropped from the fleet: "
+                f"{[n for n in self.errors if n not in self.skipped]}): {why}"
+            )
         return {name: u.stats for name, u in self.updates.items()}
 
     def commit(self, at: str = "safe_point") -> list[str]:
