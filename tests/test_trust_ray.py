@@ -248,7 +248,7 @@ def test_a_malformed_slice_is_refused_by_its_worker_before_any_traffic(cluster, 
     store's bare ``KeyError`` (or, for the dtype, moved bytes as another dtype). Each worker now
     refuses its slice as it receives it (``actors.executor.received_share``), with a
     ``ValueError`` naming the field, and every worker still holds its old shards, exactly."""
-    import actors.protocol as protocol
+    import actors.driver.protocol as protocol
 
     cut = protocol.worker_shares
 

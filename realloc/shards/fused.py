@@ -142,7 +142,10 @@ def fused_views(
         for fused, parts in FUSED_PARTS.items():
             name = prefix + fused
             shards = [by_slot.get(prefix + part) for part in parts]
-            if all(s is None for s in shards) or any(prefix + part not in spec_names for part in parts):
+            in_model = [prefix + part in spec_names for part in parts]
+            if all(s is None for s in shards) or (
+                fused.startswith("self_attn.qkv") and in_model == [True, False, False]
+            ):
                 continue  # no such fused tensor in the model (DeepSeek MLA's q_proj has no k/v)
             if any(s is None for s in shards):
                 missing = [prefix + p for p, s in zip(parts, shards) if s is None]
