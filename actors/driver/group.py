@@ -53,6 +53,7 @@ from actors.driver.protocol import Operation, delta_summary
 from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
+from actors.lanes import LANES, MOVE, Lane
 from actors.records import DeltaOrder, KeepOrder, ResidentLayout, ShardChange, check_keep
 from actors.remote import Deadline, Workers, call_all, diagnose, each_result, gather, settle
 from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
@@ -192,7 +193,8 @@ class ModelGroup:
     ):
         self.name, self.layout, self.config, self.worker_cls = name, layout, config, worker_cls
         self.workers, self.placement, self._pg, self.infos = workers, placement, pg, infos
-        self.world: World | None = None
+        #: the world of each lane (actors/lanes.py) this group's workers are in, reused while alive
+        self.worlds: dict[Lane, World | None] = dict.fromkeys(LANES)
         self.version = 0
         self._resident: dict[Layout, ResidentLayout] = {}
         self._lock = threading.RLock()
@@ -204,7 +206,6 @@ class ModelGroup:
         self._writing = 0  # calls that write, running
         #: (source group, its version) when the weights are an unchanged copy of that source's
         self.origin: tuple[str, int] | None = None
-        self.stage_world: World | None = None
         #: a call or run failed: a collective of it may have broken the process groups of user
         #: code (ctx.groups; e.g. a rank stopped in a safe point's all-reduce, whose peer timed
         #: out): they are re-formed before the next call on every worker (_repair_user_groups)
@@ -1323,7 +1324,7 @@ class ModelGroup:
                 self.timeout_s,
                 "allocate shards of replacement workers",
             )
-            for world in (self.world, self.stage_world):
+            for world in self.worlds.values():
                 if world is not None:
                     world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
@@ -1331,24 +1332,28 @@ class ModelGroup:
             self._announce(ShardChange("replace", self.layout, self.layout), dead)
             return dead
 
-    def _ensure_world(
-        self, groups: list["ModelGroup"], deadline: Deadline | None = None, staged: bool = False
+    def world_for(
+        self, lane: Lane, groups: Sequence["ModelGroup"] | None = None, deadline: Deadline | None = None
     ) -> World:
-        """The world over ``groups``' workers (reused while alive); ``staged``: the staged updates' own."""
-        slot = "stage_world" if staged else "world"
+        """The world of ``lane`` over ``groups``' workers (default: this group's alone; this group
+        comes first), reused while it is alive and every group is in it, else formed (within
+        ``deadline``) and recorded in each group's ``worlds[lane]``."""
+        groups = [self] if groups is None else list(groups)
+        if not groups or groups[0] is not self:
+            raise ValueError(f"world_for: the groups must start with {self.name!r}, got {[g.name for g in groups]}")
         actors = [a for g in groups for a in g.workers.actors]
-        current = getattr(groups[0], slot)
+        current = self.worlds[lane]
         if (
             current is not None
             and current.alive
-            and all(getattr(g, slot) is current for g in groups)
+            and all(g.worlds[lane] is current for g in groups)
             and current.covers(actors)
         ):
             return current
         workers = Workers(tuple(actors), tuple(n for g in groups for n in g.workers.names))
-        world = World.form(workers, max(g.timeout_s for g in groups), deadline, staged=staged)
+        world = World.form(workers, lane, max(g.timeout_s for g in groups), deadline)
         for g in groups:
-            setattr(g, slot, world)
+            g.worlds[lane] = world
         return world
 
     def shutdown(self) -> None:
@@ -1366,7 +1371,7 @@ class ModelGroup:
                 ray.kill(a)
             remove_placement_group(self._pg)
             sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
-            self.world = self.stage_world = None
+            self.worlds = dict.fromkeys(LANES)
         finally:
             if acquired:
                 self._lock.release()
@@ -1404,7 +1409,7 @@ def _move(
     plan_seconds = time.perf_counter() - plan_started
     log.debug("%s: planned in %.3f s: %s", op.what, plan_seconds, plan_summary(plan.stats))
     try:
-        world = groups[0]._ensure_world(groups, op.deadline)
+        world = groups[0].world_for(MOVE, groups, op.deadline)
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
         op.abort(err)
     if blend is None:
