@@ -74,9 +74,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelGroup", "ReallocStats", "ReallocationError", "GroupBusyError", "StagedUpdate"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReallocStats:
-    """What one ``reallocate``/``copy_to`` did, as measured on the workers.
+    """What one ``reallocate``/``copy_to`` did, as measured on the workers (built by keyword: 20 fields).
 
     ``seconds``: the transfers (both phases, the slowest worker's own clock); ``pause_seconds``:
     the whole call as the caller saw it (planning, the driver round trip, prepare, transfers, commit).
@@ -985,18 +985,18 @@ class ModelGroup:
         result = op.adopt(target, self.version, order)
         self._last_move = None  # nothing moved: no timeline
         return ReallocStats(
-            label,
-            0,
-            0,
-            result.bytes_local,
-            result.seconds,
-            0.0,
-            0,
-            {"adopted": True},
-            time.perf_counter() - started,
-            "adopted",
-            result.resident_in_place_bytes,
-            result.resident_host_bytes,
+            transition=label,
+            bytes_intra_node=0,
+            bytes_inter_node=0,
+            bytes_local=result.bytes_local,
+            seconds=result.seconds,
+            plan_seconds=0.0,
+            peak_extra_bytes_per_actor=0,
+            planned={"adopted": True},
+            pause_seconds=time.perf_counter() - started,
+            resident_use="adopted",
+            resident_in_place_bytes_per_actor=result.resident_in_place_bytes,
+            resident_host_bytes_per_actor=result.resident_host_bytes,
         )
 
     def last_trace(self, timeout_s: float | None = None) -> MoveTrace:
@@ -1219,15 +1219,15 @@ class ModelGroup:
 
         def make_stats(plan: Plan, plan_seconds: float, results: list[dict], started: float) -> ReallocStats:
             return ReallocStats(
-                label,
-                sum(r["bytes"]["intra"] for r in results),
-                sum(r["bytes"]["inter"] for r in results),
-                sum(r["bytes"]["local"] for r in results),
-                max(r["seconds"] for r in results),
-                plan_seconds,
-                max(r["staging_bytes"] + r["dst_bytes"] for r in results),
-                plan.stats,
-                0.0,
+                transition=label,
+                bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
+                bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+                bytes_local=sum(r["bytes"]["local"] for r in results),
+                seconds=max(r["seconds"] for r in results),
+                plan_seconds=plan_seconds,
+                peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+                planned=plan.stats,
+                pause_seconds=0.0,
                 delta=delta_summary(results, update.delta_order),
                 conversion=conv.where,
                 **_slowest_fields(slowest(workers.names, [r.get("phases") for r in results])),
@@ -1437,18 +1437,18 @@ def _move(
     for g in groups:
         g._last_move = move
     return ReallocStats(
-        label,
-        result.bytes_intra_node,
-        result.bytes_inter_node,
-        result.bytes_local,
-        seconds,
-        plan_seconds,
-        result.peak_extra_bytes_per_actor,
-        plan.stats,
-        pause,
-        "refreshed" if result.refreshed else None,
-        result.resident_in_place_bytes,
-        result.resident_host_bytes,
+        transition=label,
+        bytes_intra_node=result.bytes_intra_node,
+        bytes_inter_node=result.bytes_inter_node,
+        bytes_local=result.bytes_local,
+        seconds=seconds,
+        plan_seconds=plan_seconds,
+        peak_extra_bytes_per_actor=result.peak_extra_bytes_per_actor,
+        planned=plan.stats,
+        pause_seconds=pause,
+        resident_use="refreshed" if result.refreshed else None,
+        resident_in_place_bytes_per_actor=result.resident_in_place_bytes,
+        resident_host_bytes_per_actor=result.resident_host_bytes,
         delta=result.delta,
         **_slowest_fields(result.slowest),
     )
