@@ -95,9 +95,8 @@ class MoveRef:
 
 def gather_trace(move: MoveRef, deadline: Deadline) -> MoveTrace:
     """Ask every worker of ``move`` for its last timeline on ``move.lane`` (``ShardWorker.last_trace``)
-    and put them on the driver's clock. ``ValueError`` when a worker's
-    last one is another operation's (its timeline of ``move`` is gone); a dead or silent worker
-    raises :func:`~actors.remote.gather`'s error, naming it, by ``deadline``."""
+    and put them on the driver's clock. ``ValueError`` when a worker's last one is another
+    operation's (its timeline of ``move`` is gone); a dead or silent worker raises :func:`~actors.remote.gather`'s error, naming it, by ``deadline``."""
     what = f"gather the trace of {move.label}"
     records = gather(move.workers, [a.last_trace.remote(move.lane) for a in move.workers.actors], deadline, what)
     nodes = sorted(set(move.nodes), key=move.nodes.index)

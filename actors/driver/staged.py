@@ -205,7 +205,7 @@ class StagedUpdate:
             self.workers,
             tuple(self.placement.nodes),
             wall_spans(("staged transfer", started, time.perf_counter()), ("plan", t0, t0 + plan_seconds)),
-            STAGE,
+            lane=STAGE,
         )
         stats = self.make_stats(plan, plan_seconds, results, started)
         stats.version = self.version
