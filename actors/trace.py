@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from actors.lanes import MOVE, Lane
 from actors.remote import Deadline, Workers, gather
 from realloc.atomic_files import atomic_write, check_output_file
 
@@ -80,23 +81,24 @@ def wall_spans(*spans: tuple[str, float, float]) -> tuple[tuple[str, float, floa
 @dataclass(frozen=True)
 class MoveRef:
     """What a move's trace is gathered from: its label, its operation (or staged update) id, the
-    workers that ran it (plan order), their nodes (``Placement.nodes``) and the driver's spans
-    ``(name, start, end)`` on its wall clock."""
+    workers that ran it (plan order), their nodes (``Placement.nodes``), the driver's spans
+    ``(name, start, end)`` on its wall clock, and the lane it ran on (actors/lanes.py: a move's,
+    or a staged update's), whose timeline each worker keeps."""
 
     label: str
     op: str
     workers: Workers
     nodes: tuple[str, ...]
     driver: tuple[tuple[str, float, float], ...]
+    lane: Lane = MOVE
 
 
-def gather_trace(move: MoveRef, deadline: Deadline, staged: bool = False) -> MoveTrace:
-    """Ask every worker of ``move`` for its timeline (``ShardWorker.last_trace``; ``staged``: of
-    its last staged update) and put them on the driver's clock. ``ValueError`` when a worker's
-    last one is another operation's (its timeline of ``move`` is gone); a dead or silent worker
-    raises :func:`~actors.remote.gather`'s error, naming it, by ``deadline``."""
+def gather_trace(move: MoveRef, deadline: Deadline) -> MoveTrace:
+    """Ask every worker of ``move`` for its last timeline on ``move.lane`` (``ShardWorker.last_trace``)
+    and put them on the driver's clock. ``ValueError`` when a worker's last one is another
+    operation's (its timeline of ``move`` is gone); a dead or silent worker raises :func:`~actors.remote.gather`'s error, naming it, by ``deadline``."""
     what = f"gather the trace of {move.label}"
-    records = gather(move.workers, [a.last_trace.remote(staged) for a in move.workers.actors], deadline, what)
+    records = gather(move.workers, [a.last_trace.remote(move.lane) for a in move.workers.actors], deadline, what)
     nodes = sorted(set(move.nodes), key=move.nodes.index)
     offsets: dict[str, float] = {clock_domain(): 0.0}  # clock domain -> seconds ahead of the driver
     timelines = []

@@ -13,6 +13,7 @@ import ray
 from simulated import simulated_cluster, wait_for_dead_workers
 
 from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
+from actors.lanes import STAGE
 from realloc import ModelSpec, Topology
 
 pytestmark = pytest.mark.slow
@@ -143,8 +144,8 @@ def test_idle_replicas_take_the_next_update_over_one_world(cluster):
             update = fleet.stage(trainer)
             assert update.commit(at="safe_point") == ["fl-idle-r0", "fl-idle-r1"], update.errors
             assert update.version == trainer.version == fleet.version
-            worlds.append(trainer.stage_world.id)
-            assert all(r.stage_world is trainer.stage_world for r in replicas)
+            worlds.append(trainer.worlds[STAGE].id)
+            assert all(r.worlds[STAGE] is trainer.worlds[STAGE] for r in replicas)
         assert fleet.dropped == []
         assert len(set(worlds)) == 1, "each update formed a new staged world"
         assert all(r.verify_synthetic(33) == {} for r in replicas)

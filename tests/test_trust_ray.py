@@ -24,6 +24,7 @@ from simulated import simulated_cluster
 
 from actors import ModelGroup, ReallocationError
 from actors.errors import StaleOperationError
+from actors.lanes import MOVE
 from realloc import ModelSpec, Topology
 from realloc.ckpt.errors import CheckpointError, CorruptFileError, MissingShardsError
 from realloc.shards.synthetic import synthetic_state_dict
@@ -292,7 +293,7 @@ def test_a_world_is_left_when_its_actors_join_another(cluster):
     a, b, c = make("world-a", "tp=2"), make("world-b", "tp=2", seed=None), make("world-c", "dp=2", seed=None)
     try:
         a.copy_to(b)
-        ab = b.world
+        ab = b.worlds[MOVE]
         a.copy_to(c)
         assert not ab.alive  # a's actors left the a+b world: b must not reuse it
         with pytest.raises(StaleOperationError, match=r"is in world .*, not " + ab.id):  # a worker refuses it too

@@ -26,6 +26,7 @@ import ray
 
 from actors import metrics
 from actors.errors import HookError, ReallocationError
+from actors.lanes import MOVE
 from actors.records import CheckpointFault, ShardChange
 from actors.remote import each_result, fire, gather
 from actors.wire.shares import PeerView, worker_shares
@@ -815,7 +816,7 @@ class CheckpointManager:
         else:
             prog.step(mode, plan.stats.get("bytes_total", 0) + plan.stats.get("bytes_local_copy", 0))
             progress = each_result(lambda _, res: prog.advance(sum(res["bytes"].values())))
-        world = g._ensure_world([g])
+        world = g.world_for(MOVE)
         peers = [PeerView(world.rank_of(a), g.placement.nodes[i], None, None) for i, a in enumerate(g.actors)]
         plan.validate(g.num_workers)
         shares = [ray.put(share) for share in worker_shares(plan, peers)]

@@ -32,6 +32,7 @@ from typing import Sequence
 from actors.driver.group import ModelGroup, ReallocStats
 from actors.driver.staged import COMMIT_AT, StagedUpdate
 from actors.errors import GroupBusyError, ReallocationError
+from actors.lanes import STAGE
 from actors.remote import FAILURE_GRACE_S, Deadline, check_timeout, diagnose
 from realloc.spec.formats import unformatted
 
@@ -234,7 +235,7 @@ class FleetUpdate:
                 healthy = [r for r in self.replicas if id(r) not in gone and r not in silent]
                 try:  # one staged world over the source and every healthy replica, reused by each transfer
                     if healthy:
-                        source._ensure_world([source, *healthy], self.deadline, staged=True)
+                        source.world_for(STAGE, [source, *healthy], self.deadline)
                 except ReallocationError as err:  # e.g. one died since: each transfer forms its own world
                     log.info("fleet update: no world over every replica (%s); one per replica", err.message)
                 for replica in healthy + [r for r in self.replicas if r in silent]:  # the silent last

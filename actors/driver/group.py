@@ -53,6 +53,7 @@ from actors.driver.protocol import Operation, delta_summary
 from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
+from actors.lanes import LANES, MOVE, Lane
 from actors.records import DeltaOrder, KeepOrder, ResidentLayout, ShardChange, check_keep
 from actors.remote import Deadline, Workers, call_all, check_timeout, diagnose, each_result, gather, settle
 from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
@@ -73,9 +74,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelGroup", "ReallocStats", "ReallocationError", "GroupBusyError", "StagedUpdate"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReallocStats:
-    """What one ``reallocate``/``copy_to`` did, as measured on the workers.
+    """What one ``reallocate``/``copy_to`` did, as measured on the workers (built by keyword: 20 fields).
 
     ``seconds``: the transfers (both phases, the slowest worker's own clock); ``pause_seconds``:
     the whole call as the caller saw it (planning, the driver round trip, prepare, transfers, commit).
@@ -192,7 +193,8 @@ class ModelGroup:
     ):
         self.name, self.layout, self.config, self.worker_cls = name, layout, config, worker_cls
         self.workers, self.placement, self._pg, self.infos = workers, placement, pg, infos
-        self.world: World | None = None
+        #: the world of each lane (actors/lanes.py) this group's workers are in, reused while alive
+        self.worlds: dict[Lane, World | None] = dict.fromkeys(LANES)
         self.version = 0
         self._resident: dict[Layout, ResidentLayout] = {}
         self._lock = threading.RLock()
@@ -204,7 +206,6 @@ class ModelGroup:
         self._writing = 0  # calls that write, running
         #: (source group, its version) when the weights are an unchanged copy of that source's
         self.origin: tuple[str, int] | None = None
-        self.stage_world: World | None = None
         #: a call or run failed: a collective of it may have broken the process groups of user
         #: code (ctx.groups; e.g. a rank stopped in a safe point's all-reduce, whose peer timed
         #: out): they are re-formed before the next call on every worker (_repair_user_groups)
@@ -984,18 +985,18 @@ class ModelGroup:
         result = op.adopt(target, self.version, order)
         self._last_move = None  # nothing moved: no timeline
         return ReallocStats(
-            label,
-            0,
-            0,
-            result.bytes_local,
-            result.seconds,
-            0.0,
-            0,
-            {"adopted": True},
-            time.perf_counter() - started,
-            "adopted",
-            result.resident_in_place_bytes,
-            result.resident_host_bytes,
+            transition=label,
+            bytes_intra_node=0,
+            bytes_inter_node=0,
+            bytes_local=result.bytes_local,
+            seconds=result.seconds,
+            plan_seconds=0.0,
+            peak_extra_bytes_per_actor=0,
+            planned={"adopted": True},
+            pause_seconds=time.perf_counter() - started,
+            resident_use="adopted",
+            resident_in_place_bytes_per_actor=result.resident_in_place_bytes,
+            resident_host_bytes_per_actor=result.resident_host_bytes,
         )
 
     def last_trace(self, timeout_s: float | None = None) -> MoveTrace:
@@ -1220,15 +1221,15 @@ class ModelGroup:
 
         def make_stats(plan: Plan, plan_seconds: float, results: list[dict], started: float) -> ReallocStats:
             return ReallocStats(
-                label,
-                sum(r["bytes"]["intra"] for r in results),
-                sum(r["bytes"]["inter"] for r in results),
-                sum(r["bytes"]["local"] for r in results),
-                max(r["seconds"] for r in results),
-                plan_seconds,
-                max(r["staging_bytes"] + r["dst_bytes"] for r in results),
-                plan.stats,
-                0.0,
+                transition=label,
+                bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
+                bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+                bytes_local=sum(r["bytes"]["local"] for r in results),
+                seconds=max(r["seconds"] for r in results),
+                plan_seconds=plan_seconds,
+                peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+                planned=plan.stats,
+                pause_seconds=0.0,
                 delta=delta_summary(results, update.delta_order),
                 conversion=conv.where,
                 **_slowest_fields(slowest(workers.names, [r.get("phases") for r in results])),
@@ -1325,7 +1326,7 @@ class ModelGroup:
                 self.timeout_s,
                 "allocate shards of replacement workers",
             )
-            for world in (self.world, self.stage_world):
+            for world in self.worlds.values():
                 if world is not None:
                     world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
@@ -1333,24 +1334,28 @@ class ModelGroup:
             self._announce(ShardChange("replace", self.layout, self.layout), dead)
             return dead
 
-    def _ensure_world(
-        self, groups: list["ModelGroup"], deadline: Deadline | None = None, staged: bool = False
+    def world_for(
+        self, lane: Lane, groups: Sequence["ModelGroup"] | None = None, deadline: Deadline | None = None
     ) -> World:
-        """The world over ``groups``' workers (reused while alive); ``staged``: the staged updates' own."""
-        slot = "stage_world" if staged else "world"
+        """The world of ``lane`` over ``groups``' workers (default: this group's alone; this group
+        comes first), reused while it is alive and every group is in it, else formed (within
+        ``deadline``) and recorded in each group's ``worlds[lane]``."""
+        groups = [self] if groups is None else list(groups)
+        if not groups or groups[0] is not self:
+            raise ValueError(f"world_for: the groups must start with {self.name!r}, got {[g.name for g in groups]}")
         actors = [a for g in groups for a in g.workers.actors]
-        current = getattr(groups[0], slot)
+        current = self.worlds[lane]
         if (
             current is not None
             and current.alive
-            and all(getattr(g, slot) is current for g in groups)
+            and all(g.worlds[lane] is current for g in groups)
             and current.covers(actors)
         ):
             return current
         workers = Workers(tuple(actors), tuple(n for g in groups for n in g.workers.names))
-        world = World.form(workers, max(g.timeout_s for g in groups), deadline, staged=staged)
+        world = World.form(workers, lane, max(g.timeout_s for g in groups), deadline)
         for g in groups:
-            setattr(g, slot, world)
+            g.worlds[lane] = world
         return world
 
     def shutdown(self) -> None:
@@ -1368,7 +1373,7 @@ class ModelGroup:
                 ray.kill(a)
             remove_placement_group(self._pg)
             sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
-            self.world = self.stage_world = None
+            self.worlds = dict.fromkeys(LANES)
         finally:
             if acquired:
                 self._lock.release()
@@ -1406,7 +1411,7 @@ def _move(
     plan_seconds = time.perf_counter() - plan_started
     log.debug("%s: planned in %.3f s: %s", op.what, plan_seconds, plan_summary(plan.stats))
     try:
-        world = groups[0]._ensure_world(groups, op.deadline)
+        world = groups[0].world_for(MOVE, groups, op.deadline)
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
         op.abort(err)
     if blend is None:
@@ -1434,18 +1439,18 @@ def _move(
     for g in groups:
         g._last_move = move
     return ReallocStats(
-        label,
-        result.bytes_intra_node,
-        result.bytes_inter_node,
-        result.bytes_local,
-        seconds,
-        plan_seconds,
-        result.peak_extra_bytes_per_actor,
-        plan.stats,
-        pause,
-        "refreshed" if result.refreshed else None,
-        result.resident_in_place_bytes,
-        result.resident_host_bytes,
+        transition=label,
+        bytes_intra_node=result.bytes_intra_node,
+        bytes_inter_node=result.bytes_inter_node,
+        bytes_local=result.bytes_local,
+        seconds=seconds,
+        plan_seconds=plan_seconds,
+        peak_extra_bytes_per_actor=result.peak_extra_bytes_per_actor,
+        planned=plan.stats,
+        pause_seconds=pause,
+        resident_use="refreshed" if result.refreshed else None,
+        resident_in_place_bytes_per_actor=result.resident_in_place_bytes,
+        resident_host_bytes_per_actor=result.resident_host_bytes,
         delta=result.delta,
         **_slowest_fields(result.slowest),
     )

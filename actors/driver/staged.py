@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 from actors import metrics
 from actors.driver.protocol import worker_plan_refs
 from actors.errors import ReallocationError
+from actors.lanes import STAGE
 from actors.records import KeepOrder, ResidentLayout, ShardChange
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, check_timeout, fire, gather, settle, undo
 from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
@@ -172,7 +173,7 @@ class StagedUpdate:
         plan = self.make_plan()
         plan_seconds = time.perf_counter() - t0
         try:
-            world = self.groups[0]._ensure_world(self.groups, self.deadline, staged=True)
+            world = self.groups[0].world_for(STAGE, self.groups, self.deadline)
         except ReallocationError as err:
             self._abort(err)
         key, shares = worker_plan_refs(
@@ -204,6 +205,7 @@ class StagedUpdate:
             self.workers,
             tuple(self.placement.nodes),
             wall_spans(("staged transfer", started, time.perf_counter()), ("plan", t0, t0 + plan_seconds)),
+            lane=STAGE,
         )
         stats = self.make_stats(plan, plan_seconds, results, started)
         stats.version = self.version
@@ -275,7 +277,7 @@ class StagedUpdate:
             raise ValueError(
                 f"staged update {self.label} is {self.state}: its trace is there once the transfer has staged it"
             )
-        return gather_trace(self.move, Deadline(self.deadline.seconds if timeout_s is None else timeout_s), staged=True)
+        return gather_trace(self.move, Deadline(self.deadline.seconds if timeout_s is None else timeout_s))
 
     def commit(self, at: str = "now") -> None:
         """Switch the destination to the staged weights: ``at="now"`` (between two calls, all

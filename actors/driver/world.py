@@ -24,43 +24,46 @@ import uuid
 import weakref
 
 from actors.errors import ReallocationError
-from actors.remote import Deadline, Workers, call_all, fire, gather
+from actors.lanes import LANES, Lane
+from actors.remote import Deadline, Workers, fire, gather
 
 log = logging.getLogger(__name__)
 
-_LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()
-_LIVE_STAGED: "weakref.WeakSet[World]" = weakref.WeakSet()  # worlds of staged updates: a separate slot
+#: the live worlds of each lane (an actor is in one world per lane: each lane is a slot of its own)
+_LIVE: "dict[Lane, weakref.WeakSet[World]]" = {lane: weakref.WeakSet() for lane in LANES}
 
 
 class World:
-    def __init__(self, workers: Workers, backend: str, world_id: str):
+    def __init__(self, workers: Workers, backend: str, world_id: str, lane: Lane):
         self._rank = {a._actor_id: i for i, a in enumerate(workers.actors)}
-        self.workers, self.backend, self.id = workers, backend, world_id
+        self.workers, self.backend, self.id, self.lane = workers, backend, world_id, lane
         self.alive = True
 
     @staticmethod
-    def form(workers: Workers, timeout_s: float, deadline: Deadline | None = None, staged: bool = False) -> "World":
-        """A world over ``workers``; its collectives time out after ``timeout_s``. The driver waits
-        up to ``deadline`` (that of the operation forming it), or ``timeout_s`` for the store and
-        ``timeout_s + 30`` for the joins (the workers' own rendezvous timeout comes first).
+    def form(workers: Workers, lane: Lane, timeout_s: float, deadline: Deadline | None = None) -> "World":
+        """A world of ``lane`` (actors/lanes.py) over ``workers``; its collectives time out after
+        ``timeout_s``. The driver waits up to ``deadline`` (that of the operation forming it), or
+        ``timeout_s`` for the store and ``timeout_s + 30`` for the joins (the workers' own
+        rendezvous timeout comes first).
 
-        ``staged``: the world of staged updates, joined on the workers' stage thread (so a worker
-        busy in a user call joins it) into a slot of its own: forming one never breaks the
-        world moves use, only other staged worlds sharing an actor."""
+        The workers host the rendezvous and join on the lane's concurrency group, into the
+        lane's slot: forming a staged world (joined on the stage thread, so a worker busy in a
+        user call joins it) never breaks the world moves use, only other staged worlds sharing
+        an actor, and the other way round."""
         n = len(workers)
         world_id = uuid.uuid4().hex[:12]
         ids = {a._actor_id for a in workers.actors}
-        live = _LIVE_STAGED if staged else _LIVE
-        prefix = "stage_" if staged else ""
+        live = _LIVE[lane]
         for other in list(live):
             if other.alive and ids & set(other._rank):
                 other.mark_broken()  # its actors are about to leave it
         head = workers.subset([0])
-        addr, port = call_all(
-            head, f"{prefix}open_rendezvous", n, timeout_s, world_id, timeout_s=deadline or timeout_s, what="form world"
-        )[0]
-        join = "stage_join" if staged else "join"
-        refs = [getattr(a, join).remote(world_id, addr, port, r, n, timeout_s) for r, a in enumerate(workers.actors)]
+        host = lane.method(head.actors[0], "open_rendezvous").remote(lane, n, timeout_s, world_id)
+        addr, port = gather(head, [host], deadline or timeout_s, "form world")[0]
+        refs = [
+            lane.method(a, "join").remote(lane, world_id, addr, port, r, n, timeout_s)
+            for r, a in enumerate(workers.actors)
+        ]
         try:
             backends = gather(workers, refs, deadline or timeout_s + 30, "form world")
         except ReallocationError:
@@ -74,9 +77,9 @@ class World:
                 f"workers disagree on the backend ({sorted(set(backends))}): mixing GPU and CPU "
                 "workers in one world is not supported"
             )
-        world = World(workers, backends[0], world_id)
+        world = World(workers, backends[0], world_id, lane)
         live.add(world)
-        log.debug("formed world %s over %d workers (%s)", world_id, n, backends[0])
+        log.debug("formed %s world %s over %d workers (%s)", lane.name, world_id, n, backends[0])
         return world
 
     def rank_of(self, actor) -> int:

@@ -35,7 +35,7 @@ import torch
 
 from actors import metrics
 from actors.errors import StaleOperationError
-from actors.lanes import CONTROL
+from actors.lanes import CONTROL, LANES, MOVE, Lane
 from actors.records import DeltaOrder, KeepOrder, ShardChange
 from actors.trace import clock_reading
 from actors.wire import communicator
@@ -180,6 +180,27 @@ class _Background(threading.Thread):
         return self.result
 
 
+@dataclass
+class LaneState:
+    """One lane's state on a worker (actors/lanes.py): the transport of the lane's world and that
+    world's id (``join(lane, ...)``), the timeline of the lane's last transfer (``last_trace(lane)``:
+    ``op_run``/``op_execute`` on the move lane, ``stage_run`` on the stage lane) and its bucket
+    staging. The lanes run on different threads (the default one, the stage one), so none of this
+    is shared between them: a conversion marks its own lane's timeline, and a staged transfer
+    packs into buffers no move uses."""
+
+    staging: Staging
+    transport: Transport | None = None
+    world_id: str | None = None
+    phases: Phases = field(default_factory=Phases)
+
+    def leave(self) -> None:
+        """Leave the lane's world (its process group is destroyed)."""
+        if self.transport is not None:
+            self.transport.close()
+        self.transport, self.world_id = None, None
+
+
 class WorkerState:
     """The library's own state of one worker, kept under ONE attribute of it (``self._realloc``).
 
@@ -210,15 +231,14 @@ class WorkerState:
         self.held: RankLayout | None = None
         self.buffers: dict[str, torch.Tensor] | None = None
         self.op: PendingOp | None = None
-        self.transport: Transport | None = None
-        self.world_id: str | None = None
+        #: each lane's transport, world, timeline and bucket staging (actors/lanes.py: moves', staged updates')
+        self.lanes: dict[Lane, LaneState] = {lane: LaneState(Staging(self.device)) for lane in LANES}
         #: rendezvous stores this worker hosted lately, by world id (its join takes it from here;
         #: kept for an abort: a member resumed late reads the mark there), and the worlds whose
         #: formation the driver aborted
         self.hosted: OrderedDict[str, Any] = OrderedDict()
         self.aborted_worlds: OrderedDict[str, None] = OrderedDict()
         self.fault: tuple[str, float] | None = None
-        self.staging = Staging(self.device)
         self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
         self.communicators: Communicators | None = None
         self.group_rendezvous = None
@@ -227,16 +247,13 @@ class WorkerState:
         self.runs = 0
         self.copier: ThreadPoolExecutor | None = None
         self.kept: dict[Layout, Resident] = {}  # kept layouts (actors/worker/kept.py)
-        self.phases = Phases()  # the last move's (op_run, op_execute)
-        self.stage_phases = Phases()  # the last staged update's transfer (stage_run)
         self.ckpt_state = None  # actors/worker/checkpoint.py
         # staged updates (actors/worker/staging.py): the weight version served, the pending update,
-        # its own world, the spare shadow set (double buffering) and the safe points of this call
+        # the spare shadow set (double buffering) and the safe points of this call (their own
+        # world is the STAGE lane's)
         self.version = 0
         self.staged = None
         self.stage_lock = threading.RLock()
-        self.stage_transport: Transport | None = None
-        self.stage_world_id: str | None = None
         self.shadow_spare: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
         self.safe_points = 0
         self.delta_base: Base | None = None  # what this worker last sent, for delta moves (actors/wire/delta.py)
@@ -244,6 +261,13 @@ class WorkerState:
     @property
     def layout(self) -> Layout | None:
         return self.held.layout if self.held is not None else None
+
+    def lane(self, lane: Lane) -> "LaneState":
+        """The state of ``lane`` (``ValueError`` naming the lanes for an unknown one)."""
+        state = self.lanes.get(lane)
+        if state is None:
+            raise ValueError(f"worker of {self.group}: unknown lane {lane!r}; allowed: {', '.join(map(repr, LANES))}")
+        return state
 
     @property
     def rank(self) -> int | None:
@@ -296,10 +320,11 @@ class ShardWorker(CheckpointMixin, StagingMixin):
 
     Reserved: ``_realloc``, and the names of the methods defined here and in
     :class:`~actors.worker.checkpoint.CheckpointMixin` (:data:`RESERVED_METHODS`: ``abort_world``,
-    ``activity``, ``after_change``, ``context``, ``get_boxes``, ``info``, ``inject_fault``, ``join``,
-    ``join_groups``, ``last_phases``, ``open_group_rendezvous``, ``open_rendezvous``, ``ping``, ``run``,
-    ``set_layout``, ``shutdown``, ``source_digest``, ``trim_memory``, ``user_call``,
-    ``verify_synthetic``, the ``op_*``, ``ckpt_*`` and ``resident_*`` ones, and private helpers
+    ``activity``, ``after_change``, ``clock``, ``context``, ``get_boxes``, ``info``, ``inject_fault``,
+    ``join``, ``join_groups``, ``last_phases``, ``last_trace``, ``open_group_rendezvous``,
+    ``open_rendezvous``, ``ping``, ``run``, ``safe_point``, ``set_layout``, ``shutdown``,
+    ``source_digest``, ``trim_memory``, ``user_call``, ``verify_synthetic``, the ``op_*``,
+    ``ckpt_*``, ``resident_*`` and ``stage_*`` ones, and private helpers
     such as ``_run``, ``_keep``, ``_worker_plan``, ``_ckpt``): the driver and the worker call them.
     ``ModelGroup.create`` refuses a class that redefines one (only :meth:`on_shards_changed` is
     meant to be overridden), and a worker whose code assigns one as an attribute gets a
@@ -423,12 +448,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         """Operation counters (tests: invalid input must cause no traffic and no state change)."""
         return dict(self._realloc.counters)
 
-    def open_rendezvous(self, world_size: int, timeout_s: float, world_id: str) -> tuple[str, int]:
-        return self._host_rendezvous(world_size, timeout_s, world_id)
-
-    def _host_rendezvous(self, world_size: int, timeout_s: float, world_id: str) -> tuple[str, int]:
-        """Host the rendezvous store of ``world_id`` (rank 0 of a world being formed)."""
+    def open_rendezvous(self, lane: Lane, world_size: int, timeout_s: float, world_id: str) -> tuple[str, int]:
+        """Host the rendezvous store of ``world_id``, a world of ``lane`` (rank 0 of a world being
+        formed). The driver calls it on the lane's concurrency group (``World.form``: a staged
+        world's on the stage thread, beside a running user call)."""
         st = self._realloc
+        st.lane(lane)
         store = host_rendezvous(ray.util.get_node_ip_address(), world_size, timeout_s)
         st.hosted[world_id] = store
         while len(st.hosted) > 4:  # the last few (moves' and staged updates' worlds)
@@ -463,31 +488,40 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             except Exception:  # noqa: BLE001 - best effort: the members also time out on their own
                 log.debug("could not mark world %s aborted", world_id, exc_info=True)
 
-    def join(self, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float) -> str:
+    def join(
+        self, lane: Lane, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float
+    ) -> str:
+        """Join ``world_id``, the new world of ``lane``, leaving the lane's previous one (the other
+        lane's world stays: a staged world is a process group beside the one moves use). The
+        driver calls it on the lane's concurrency group (``World.form``). A formation the driver
+        aborted is refused, and leaves the lane's current world as it is."""
+        st = self._realloc
+        state = st.lane(lane)
         store = self._rendezvous(world_id, addr, port, world_size, timeout_s)
-        if self._realloc.transport is not None:
-            self._realloc.transport.close()
-            self._realloc.transport, self._realloc.world_id = None, None
-        self._realloc.transport = Transport(
+        state.leave()
+        state.transport = Transport(
             addr,
             port,
             world_rank,
             world_size,
-            self._realloc.device,
+            st.device,
             timeout_s,
             store=store,
-            prefix=f"realloc/{world_id}",
-            backend=self._realloc.backend,
+            prefix=f"{lane.prefix}/{world_id}",
+            backend=st.backend,
         )
-        self._realloc.world_id = world_id
-        return self._realloc.transport.backend
+        state.world_id = world_id
+        return state.transport.backend
 
-    def _check_world(self, world_id: str) -> None:
-        if self._realloc.transport is None or self._realloc.world_id != world_id:
+    def _check_world(self, world_id: str, lane: Lane = MOVE) -> "LaneState":
+        """``lane``'s state, if this worker is in ``world_id`` on it (``StaleOperationError`` if not)."""
+        state = self._realloc.lane(lane)
+        if state.transport is None or state.world_id != world_id:
             raise StaleOperationError(
-                f"worker of {self._realloc.group} is in world {self._realloc.world_id}, "
+                f"worker of {self._realloc.group} is in world {state.world_id} of the {lane.name} lane, "
                 f"not {world_id}: it joined another world since (re-form the world)"
             )
+        return state
 
     # -- weights -------------------------------------------------------------------------
     def set_layout(self, target: RankLayout) -> int:
@@ -646,16 +680,16 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         holders, 1: fan-out). ``share``: ``[ObjectRef of (PlanSlice, PeerTable)]``, this
         worker's alone (``Operation.execute_plan``)."""
         self._realloc.counters["execute"] += 1
-        self._check_world(world_id)
+        move = self._check_world(world_id)
         op = self._current_op(op_id)
         plan, peers = received_share(share, me)
-        if self._realloc.phases.op != op_id:
-            self._realloc.phases = Phases(op_id)
+        if move.phases.op != op_id:
+            move.phases = Phases(op_id)
         else:
-            self._realloc.phases.mark("driver barrier")  # since the previous phase: the driver's wait for all
-        result = self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase))
-        self._realloc.phases.mark(f"phase {phase}")
-        result["phases"] = dict(self._realloc.phases.seconds)
+            move.phases.mark("driver barrier")  # since the previous phase: the driver's wait for all
+        result = self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase, move))
+        move.phases.mark(f"phase {phase}")
+        result["phases"] = dict(move.phases.seconds)
         return result
 
     def _timed(self, op: PendingOp, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
@@ -677,7 +711,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         result["seconds"] = seconds
         return result
 
-    def _execute(self, op: PendingOp, plan: PlanSlice, me: int, peers: PeerTable, phase: int) -> dict:
+    def _execute(self, op: PendingOp, plan: PlanSlice, me: int, peers: PeerTable, phase: int, lane: LaneState) -> dict:
         src = self._store_now() if peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -688,7 +722,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             def copy_all() -> int:
                 started = time.perf_counter()
                 nbytes = sum(copy_local(src, dst, plan.segment_list(j)) for j in plan.local)
-                self._realloc.phases.local(started, time.perf_counter(), nbytes)
+                lane.phases.local(started, time.perf_counter(), nbytes)
                 return nbytes
 
             local_copies = _Background(copy_all)
@@ -696,7 +730,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         if stall:
             time.sleep(stall)
         runner = StepRunner(
-            self._realloc.transport,
+            lane.transport,
             self._realloc.device,
             plan,
             me,
@@ -705,8 +739,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             dst,
             self._peer_store,
             on_bucket=self._after_bucket,
-            staging=self._realloc.staging,
-            timeline=self._realloc.phases,
+            staging=lane.staging,
+            timeline=lane.phases,
         )
         try:
             for s, routes in plan.routes_by_step().items():
@@ -716,14 +750,14 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         finally:  # never leave a thread writing into buffers an abort is about to recycle
             if local_copies is not None:
                 moved["local"] += local_copies.join()
-        return self._finished(op, moved)
+        return self._finished(op, moved, lane)
 
-    def _finished(self, op: PendingOp, moved: dict[str, int]) -> dict:
+    def _finished(self, op: PendingOp, moved: dict[str, int], lane: LaneState) -> dict:
         """An execute phase's report, once its writes are complete (on a GPU: synchronised)."""
         if self._realloc.device.type == "cuda":
             torch.cuda.synchronize(self._realloc.device)
         dst_bytes = buffers_nbytes(op.buffers.values()) if op.buffers else 0
-        return {"bytes": moved, "staging_bytes": self._realloc.staging.nbytes, "dst_bytes": dst_bytes}
+        return {"bytes": moved, "staging_bytes": lane.staging.nbytes, "dst_bytes": dst_bytes}
 
     def _peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
         held = peer.dst if forward else peer.src
@@ -758,41 +792,39 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         receivers convert, realloc/plan/formats.py): converted before the commit. A plan whose
         source is another format than the one held is converted from it before sending.
         """
-        self._check_world(world_id)
-        self._realloc.phases = Phases(op_id)
+        move = self._check_world(world_id)
+        move.phases = Phases(op_id)
         worker_plan = self._worker_plan(key, plan_box, me)
         self.op_prepare(op_id, worker_plan.peers[me].dst, export=False)
         self._realloc.counters["execute"] += 1
         op = self._realloc.op
         self._realloc.runs += 1
         self._evict_mappings()
-        self._realloc.phases.mark("prepare")
-        result = self._timed(
-            op, tags, "all", lambda: self._run(op, worker_plan, me, delta=delta, timeline=self._realloc.phases)
-        )
+        move.phases.mark("prepare")
+        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, delta))
         if convert is not None and op.dst is not None:
-            self._convert_destination(op, convert, self._realloc.phases)
+            self._convert_destination(op, convert, move.phases)
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if keep is not None:
             self._keep(op, keep)
         self._unmap_device_sources()
         result["refreshed"] = op.refreshed
         result["resident"] = self.resident_bytes()
-        self._realloc.phases.mark("commit")
-        result["phases"] = dict(self._realloc.phases.seconds)
+        move.phases.mark("commit")
+        result["phases"] = dict(move.phases.seconds)
         return result
 
     def last_phases(self) -> dict[str, float]:
         """Seconds by phase of the last ``op_run`` on this worker (prepare, handles, transfers,
         fan-out, local copies, device sync, commit): where a move's time went."""
-        return dict(self._realloc.phases.seconds)
+        return dict(self._realloc.lanes[MOVE].phases.seconds)
 
-    def last_trace(self, staged: bool = False) -> dict:
-        """The timeline of this worker's last move (``op_run``, or the phases of ``op_execute``;
-        ``staged``: of its last staged update's transfer): :meth:`Phases.record` with this host's
-        clock domain (``ModelGroup.last_trace``, ``StagedUpdate.trace``)."""
-        phases = self._realloc.stage_phases if staged else self._realloc.phases
-        return {**phases.record(), "clock": clock_reading()}
+    def last_trace(self, lane: Lane = MOVE) -> dict:
+        """The timeline of this worker's last transfer on ``lane`` (the move lane's: ``op_run``, or
+        the phases of ``op_execute``; the stage lane's: the last staged update's ``stage_run``):
+        :meth:`Phases.record` with this host's clock domain (``ModelGroup.last_trace``,
+        ``StagedUpdate.trace``)."""
+        return {**self._realloc.lane(lane).phases.record(), "clock": clock_reading()}
 
     @ray.method(concurrency_group=CONTROL)
     def clock(self) -> dict:
@@ -891,21 +923,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.plans.move_to_end(key)
         return worker_plan
 
-    def _run(
-        self,
-        op: PendingOp,
-        wp: WorkerPlan,
-        me: int,
-        transport: Transport | None = None,
-        delta: DeltaOrder | None = None,
-        timeline: Phases | None = None,
-    ) -> dict:
-        """``op``'s part of ``wp`` over ``transport`` (default: the world's; a staged update runs
-        over its own, actors/worker/staging.py). ``delta``: run the routes as deltas when it names
-        a base version, and keep what was sent as the new base (actors/wire/delta.py). ``timeline``: the
-        operation's :class:`Phases` (``op_run``'s is the worker's last trace; default: a new one)."""
-        timeline = Phases() if timeline is None else timeline
-        transport = self._realloc.transport if transport is None else transport
+    def _run(self, op: PendingOp, wp: WorkerPlan, me: int, lane: LaneState, delta: DeltaOrder | None = None) -> dict:
+        """``op``'s part of ``wp`` on ``lane``: over its transport, through its bucket staging, marked
+        on its timeline (a move's, ``op_run``; a staged update's, actors/worker/staging.py).
+        ``delta``: run the routes as deltas when it names a base version, and keep what was sent
+        as the new base (actors/wire/delta.py)."""
+        timeline, transport = lane.phases, lane.transport
         # a sender converting into the plan's format collects blocks it cannot quantize (inf/NaN)
         # and fails after the transfers, not before: its peers would wait for its routes until
         # their collective timed out. The move then aborts like any failed one (nothing commits)
@@ -952,7 +975,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 dst,
                 lambda view, forward: opened[view.world_rank, forward],
                 on_bucket=self._after_bucket,
-                staging=self._realloc.staging,
+                staging=lane.staging,
                 cuts=wp.cuts,
                 delta=sides,
                 timeline=timeline,
@@ -996,7 +1019,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         timeline.mark("local copies")
         if failed:
             raise failed[0]
-        result = self._finished(op, moved)
+        result = self._finished(op, moved, lane)
         timeline.mark("device sync")
         if sides is not None:
             result["delta"] = sides.stats
@@ -1229,9 +1252,6 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._drop_op()
         self._realloc.staged = None
         self._realloc.shadow_spare = None
-        if self._realloc.stage_transport is not None:
-            self._realloc.stage_transport.close()
-            self._realloc.stage_transport = None
         self._realloc.kept.clear()
         self._realloc.mapped.clear()
         self._realloc.plans.clear()
@@ -1239,9 +1259,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             self._realloc.copier.shutdown(wait=True)
             self._realloc.copier = None
         self._realloc.allocator.release_all()
-        if self._realloc.transport is not None:
-            self._realloc.transport.close()
-            self._realloc.transport = None
+        for lane in self._realloc.lanes.values():
+            lane.leave()
         if self._realloc.communicators is not None:
             self._realloc.communicators.close()
             self._realloc.communicators = None

@@ -192,7 +192,7 @@ class CheckpointMixin:
         """
         started = time.perf_counter()
         state = self._ckpt()
-        self._check_world(world_id)
+        move = self._check_world(world_id)
         plan, peers = received_share(share, me)
         op = self._current_op(op_id) if mode in ("restore", "reshard") else None
         try:
@@ -223,7 +223,7 @@ class CheckpointMixin:
             moved = {"local": 0, "intra": 0, "inter": 0}
             for j in plan.local:
                 moved["local"] += copy_local(src, dst, plan.segment_list(j))
-            runner = StepRunner(self._realloc.transport, self._realloc.device, plan, me, peers, src, dst, None)
+            runner = StepRunner(move.transport, self._realloc.device, plan, me, peers, src, dst, None)
             for s, routes in plan.routes_by_step().items():
                 for kind, nbytes in runner.run_step(s, routes):
                     moved[kind] += nbytes

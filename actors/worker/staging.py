@@ -6,6 +6,8 @@ worker's ``stage`` thread (a Ray concurrency group of its own) over a transport 
 while the default thread keeps running the user's calls on the serving buffers. Nothing the
 worker serves changes until the update is switched in:
 
+* ``open_rendezvous(STAGE, ...)``/``join(STAGE, ...)`` (``ShardWorker``, dispatched on the stage
+  thread by ``World.form``): the staged updates' own world, the :data:`~actors.lanes.STAGE` lane.
 * ``stage_run``: receive (or send) this worker's part of the plan into the shadow set (reused
   from the previous update: double buffering). The serving buffers are untouched.
 * ``stage_arm``: the driver decided to commit; the worker switches at the next *safe point*
@@ -33,7 +35,6 @@ from actors.errors import StaleOperationError
 from actors.lanes import CONTROL, STAGE
 from actors.records import KeepOrder, ShardChange
 from actors.wire.executor import Phases
-from actors.wire.transport import Transport
 from actors.worker.context import ShardContext
 from actors.worker.kept import Resident
 from realloc.layout import RankLayout
@@ -62,36 +63,7 @@ class StagingMixin:
     """Staged updates on a :class:`~actors.worker.ShardWorker` (state in ``self._realloc``)."""
 
     # -- the staged transfer (stage thread) -------------------------------------------------
-    @ray.method(concurrency_group=STAGE)
-    def stage_open_rendezvous(self, world_size: int, timeout_s: float, world_id: str) -> tuple[str, int]:
-        return self._host_rendezvous(world_size, timeout_s, world_id)
-
-    @ray.method(concurrency_group=STAGE)
-    def stage_join(
-        self, world_id: str, addr: str, port: int, world_rank: int, world_size: int, timeout_s: float
-    ) -> str:
-        """Join the staged updates' own world (a process group beside the one moves use). A
-        formation the driver aborted is refused, and leaves the current staged world as it is."""
-        st = self._realloc
-        store = self._rendezvous(world_id, addr, port, world_size, timeout_s)
-        if st.stage_transport is not None:
-            st.stage_transport.close()
-            st.stage_transport, st.stage_world_id = None, None
-        st.stage_transport = Transport(
-            addr,
-            port,
-            world_rank,
-            world_size,
-            st.device,
-            timeout_s,
-            store=store,
-            prefix=f"realloc-staged/{world_id}",
-            backend=st.backend,
-        )
-        st.stage_world_id = world_id
-        return st.stage_transport.backend
-
-    @ray.method(concurrency_group=STAGE)
+    @ray.method(concurrency_group=STAGE.concurrency_group)
     def stage_run(
         self,
         update_id: str,
@@ -111,10 +83,7 @@ class StagingMixin:
         ``convert``: the layout the shadow set ends in when the plan brings it in the sender's
         weight format (converted here, before it is ready)."""
         st = self._realloc
-        if st.stage_transport is None or st.stage_world_id != world_id:
-            raise StaleOperationError(
-                f"worker of {st.group} is in staged world {st.stage_world_id}, not {world_id} (re-form it)"
-            )
+        lane = self._check_world(world_id, STAGE)
         wp = self._worker_plan(key, plan_box, me)
         dst = wp.peers[me].dst
         with st.stage_lock:
@@ -129,11 +98,11 @@ class StagingMixin:
                 buffers = self._shadow_for(dst)
                 staged = st.staged = StagedSet(update_id, version, dst, buffers, keep=keep)
         started = time.perf_counter()
-        st.stage_phases = Phases(update_id)
-        result = self._run(_StagedOp(staged), wp, me, st.stage_transport, delta, st.stage_phases)
+        lane.phases = Phases(update_id)
+        result = self._run(_StagedOp(staged), wp, me, lane, delta)
         if convert is not None and dst is not None:
             converted = _StagedOp(staged)
-            self._convert_destination(converted, convert, st.stage_phases)
+            self._convert_destination(converted, convert, lane.phases)
             with st.stage_lock:
                 staged.dst, staged.buffers = converted.dst, converted.buffers
             buffers = converted.buffers
@@ -142,7 +111,7 @@ class StagingMixin:
             if st.staged is staged:
                 staged.ready = True
         result["shadow_bytes"] = buffers_nbytes(buffers.values()) if buffers else 0
-        result["phases"] = dict(st.stage_phases.seconds)
+        result["phases"] = dict(lane.phases.seconds)
         return result
 
     def _shadow_for(self, dst: RankLayout) -> dict[str, torch.Tensor]:
@@ -163,7 +132,7 @@ class StagingMixin:
         zero_padding(ShardStore(dst.shards(), buffers))
         return buffers
 
-    @ray.method(concurrency_group=STAGE)
+    @ray.method(concurrency_group=STAGE.concurrency_group)
     def stage_arm(self, update_id: str) -> str:
         """Commit decided: switch at the next safe point the replica agrees on (or the next call
         the driver marks). Returns the layout this worker serves now."""
@@ -175,7 +144,7 @@ class StagingMixin:
             staged.armed = True
         return str(st.held)
 
-    @ray.method(concurrency_group=STAGE)
+    @ray.method(concurrency_group=STAGE.concurrency_group)
     def stage_abort(self, update_id: str) -> str | None:
         """Drop the shadow set of ``update_id`` (idempotent); the serving buffers were never touched.
         A switched update is undone by ``stage_unswitch`` (default thread), not here."""
