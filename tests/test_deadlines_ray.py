@@ -121,7 +121,7 @@ def test_a_busy_group_raises_within_the_deadline_with_its_layout(cluster):
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with g._exclusive("a long operation"):
+        with g.ledger.exclusive("a long operation"):
             held.set()
             release.wait(60)
 

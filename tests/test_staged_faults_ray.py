@@ -289,7 +289,7 @@ def test_a_worker_killed_in_the_switch_rolls_every_live_worker_back(cluster):
         assert "Rolled back" in message and f"serves version {version}" in message
         assert err.value.layout == str(layout)
         assert update.state == "failed" and gen.version == version and gen.layout == layout
-        assert gen._staged is None  # the group takes changes again
+        assert gen.ledger.staged is None  # the group takes changes again
         assert stage_status(gen, survivor) == {"version": version, "staged": None}
         assert_same_boxes({survivor: before[survivor]}, boxes_of(gen, [survivor]))
         assert serves(gen, [survivor]) == served[survivor : survivor + 1]
@@ -409,7 +409,7 @@ def test_a_fleet_drops_the_replica_that_died_and_the_others_serve_the_new_weight
             assert all(s["version"] == version for s in states)
             # committed at safe points: a switched update stays recorded until the next one
             assert all(s["staged"] is None or s["staged"]["switched"] for s in states), states
-        assert lost.version == old[lost.name][0][0] and lost._staged is None
+        assert lost.version == old[lost.name][0][0] and lost.ledger.staged is None
         assert serves(lost, [0]) == old[lost.name][:1]  # the dropped replica's survivor: untouched
         # The fleet takes the next update, committed between calls this time.
         trainer.init_synthetic(NEXT)

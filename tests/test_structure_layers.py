@@ -13,6 +13,11 @@
   ``driver/`` (so any process can run it: tests/test_wire_plain_process.py); ``worker/`` imports
   nothing of ``driver/``; and ``driver/`` reaches the worker only through the package face
   ``actors.worker`` (the actor class it starts and ``RESERVED_METHODS``), never a module inside it.
+- No private *attribute* of another module's class: ``x._name`` (``x`` not ``self``/``cls``) in a
+  module of ``actors/`` only for a private member of a class of that module (another instance
+  of its own class, as the ledger's ``exclusive`` takes several groups' locks). The modules a
+  group's state passes through (:data:`NO_PRIVATE_ATTRIBUTES`: staged updates, fleets,
+  checkpoints) use none at all; :data:`PRIVATE_ATTRIBUTES_ALLOWED` names the exceptions and why.
 
 Run as a script for the numbers quoted in docs/architecture.md::
 
@@ -238,6 +243,75 @@ def actors_layer_violations(graph: dict[str, set[str]] | None = None) -> list[st
     return found
 
 
+#: The modules of ``actors/`` a group's state passes through but does not own (its one writer is
+#: actors/driver/ledger.py): they touch no private attribute of anything but ``self``/``cls``,
+#: their own module's classes' included.
+NO_PRIVATE_ATTRIBUTES = ("actors.driver.staged", "actors.driver.fleet", "actors.driver.checkpoint")
+#: Private attributes other modules may still use, and why.
+#: (None now: world formation, the last one, is the public ``ModelGroup.world_for(lane, ...)``.)
+PRIVATE_ATTRIBUTES_ALLOWED: dict[str, str] = {}
+
+
+def class_privates(tree: ast.AST) -> set[str]:
+    """The private members (one leading ``_``, not dunder) of the classes defined in ``tree``:
+    methods and class attributes defined in their bodies, and attributes their methods assign
+    on ``self``/``cls``."""
+    names = set()
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for stmt in cls.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(stmt.name)
+            targets = (
+                stmt.targets
+                if isinstance(stmt, ast.Assign)
+                else [stmt.target]
+                if isinstance(stmt, ast.AnnAssign)
+                else []
+            )
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        for node in ast.walk(cls):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                names.add(node.attr)
+    return {n for n in names if _is_private(n)}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_attribute_uses(sources: dict[str, str] | None = None) -> list[str]:
+    """``module:line: expr`` for every read or write of a private attribute (``x._name``, ``x``
+    not ``self``/``cls``) in ``actors/`` that is a member of a class of another module of
+    ``actors/`` (and of none of the module's own), or, in :data:`NO_PRIVATE_ATTRIBUTES`, of
+    anything; :data:`PRIVATE_ATTRIBUTES_ALLOWED` left out. ``sources``: module -> its source text
+    (default: the files of ``actors/``)."""
+    if sources is None:
+        sources = {m: p.read_text() for m, p in project_modules().items() if m == "actors" or m.startswith("actors.")}
+    trees = {m: ast.parse(text) for m, text in sources.items()}
+    privates = {m: class_privates(tree) for m, tree in trees.items()}
+    found = []
+    for module, tree in sorted(trees.items()):
+        elsewhere = set().union(*(names for m, names in privates.items() if m != module))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in PRIVATE_ATTRIBUTES_ALLOWED:
+                continue
+            foreign = node.attr in elsewhere and node.attr not in privates[module]
+            if foreign or module in NO_PRIVATE_ATTRIBUTES:
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
+
+
 def installed_top_level_names() -> list[str]:
     """The top-level packages ``pip install`` of this checkout installs: setuptools' own package
     finder run with ``pyproject.toml``'s ``packages.find`` include list."""
@@ -288,6 +362,46 @@ def test_the_floor_rule_refuses_what_it_should():
     ]
 
 
+def test_no_private_attributes_of_another_modules_class():
+    offenders = private_attribute_uses()
+    assert not offenders, (
+        "private attributes used outside their class's module (or in a module that owns no state):\n"
+        + "\n".join(offenders)
+    )
+
+
+def test_the_private_attribute_rule_refuses_what_it_should(monkeypatch):
+    monkeypatch.setitem(PRIVATE_ATTRIBUTES_ALLOWED, "_ensure_world", "an exception, as the rule allows one")
+    sources = {
+        "actors.driver.group": (
+            "class ModelGroup:\n"
+            "    _kind = 'g'\n"
+            "    def __init__(self):\n        self._lock, self.ledger = None, None\n        self.__slot = 0\n"
+            "    def _announce(self, other):\n        other._lock = 1\n        return self._lock\n"
+            "    def _ensure_world(self):\n        pass\n"
+        ),
+        "actors.driver.staged": (
+            "def commit(dest, handle):\n"
+            "    dest._announce(dest)\n"  # another module's class: refused
+            "    dest._ensure_world()\n"  # allowed (PRIVATE_ATTRIBUTES_ALLOWED)
+            "    handle._refs\n"  # a strict module: refused even if nobody in actors/ defines it
+            "    dest.__class__\n"  # dunder: not private
+        ),
+        "actors.driver.world": (
+            "class World:\n    def __init__(self):\n        self._rank = {}\n"
+            "    def covers(self, other, actor):\n        return other._rank, actor._actor_id, other._lock\n"
+        ),
+    }
+    assert class_privates(ast.parse(sources["actors.driver.group"])) == {"_kind", "_lock", "_announce", "_ensure_world"}
+    # group.py's other._lock is its own class's (another instance): allowed; world.py's
+    # other._rank is its own, actor._actor_id nobody's in actors/ (Ray's handle), other._lock ModelGroup's
+    assert private_attribute_uses(sources) == [
+        "actors.driver.staged:2: dest._announce",
+        "actors.driver.staged:4: handle._refs",
+        "actors.driver.world:5: other._lock",
+    ]
+
+
 def test_the_reader_sees_what_it_should():
     # Function-local imports count, TYPE_CHECKING-only ones do not; a known import is an edge.
     tree = ast.parse(
@@ -311,6 +425,10 @@ def main() -> int:
     layers = actors_layer_violations()
     print(f"imports across the floors of actors/ (driver/, worker/, wire/, top): {len(layers)}")
     for line in layers:
+        print("  " + line)
+    attributes = private_attribute_uses()
+    print(f"private attributes of another module's class used in actors/: {len(attributes)}")
+    for line in attributes:
         print("  " + line)
     print("installed top-level names: " + ", ".join(installed_top_level_names()))
     return 0

@@ -20,7 +20,7 @@ import uuid
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -141,16 +141,20 @@ class SaveHandle:
         started: float,
         is_async: bool,
         progress: Progress,
+        finish: Callable[["SaveHandle"], "SaveStats"],
     ):
         self.manager, self.iteration, self.is_async = manager, iteration, is_async
-        self._refs, self._started, self._stats, self._error = refs, started, None, None
-        self._progress = progress  # its start and end records, its bars
+        #: the workers' write calls, when the save started (``time.perf_counter()``), and its
+        #: start and end records and bars
+        self.refs, self.started, self.progress = refs, started, progress
+        self._finish = finish  # the manager's replication and removal, under the group's lock
+        self._stats, self._error = None, None
 
     def done(self) -> bool:
         """Whether every worker finished writing (replication still runs in :meth:`wait`)."""
         if self._stats is not None or self._error is not None:
             return True
-        return not ray.wait(self._refs, num_returns=len(self._refs), timeout=0)[1]
+        return not ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[1]
 
     def wait(self) -> SaveStats:
         """Finish the save; raises :class:`CheckpointError` (files of this iteration removed) on failure."""
@@ -158,12 +162,12 @@ class SaveHandle:
             raise self._error
         if self._stats is None:
             try:
-                self._stats = self.manager._finish_save(self)
+                self._stats = self._finish(self)
                 metrics.record_checkpoint(self.manager.group.name, "save", self._stats)
             except BaseException as exc:
                 if isinstance(exc, CheckpointError):
                     self._error = exc
-                self._progress.fail(exc)
+                self.progress.fail(exc)
                 raise
         return self._stats
 
@@ -237,7 +241,7 @@ class CheckpointManager:
         g = self.group
         # The order check and the save run under one hold of the group's lock: a save racing in from
         # another thread sees the iteration this one saved (and its removal of older ones) or waits.
-        with g._exclusive(f"save iteration {iteration}"):
+        with g.ledger.exclusive(f"save iteration {iteration}"):
             self._finish_pending()
             if self._last_saved is not None and iteration <= self._last_saved:
                 raise ValueError(
@@ -259,7 +263,7 @@ class CheckpointManager:
                     )
                     for r, a in enumerate(g.actors)
                 ]
-                handle = SaveHandle(self, iteration, refs, started, is_async, prog)
+                handle = SaveHandle(self, iteration, refs, started, is_async, prog, self._finish_save)
                 if is_async:
                     try:  # the acknowledgements: every snapshot is taken
                         self._get(refs, f"save iteration {iteration}: snapshot")
@@ -274,12 +278,12 @@ class CheckpointManager:
         return handle
 
     def _finish_save(self, handle: SaveHandle) -> SaveStats:
-        with self.group._exclusive(f"save iteration {handle.iteration}"):
+        with self.group.ledger.exclusive(f"save iteration {handle.iteration}"):
             return self._finish_save_locked(handle)
 
     def _finish_save_locked(self, handle: SaveHandle) -> SaveStats:
-        g, iteration, prog = self.group, handle.iteration, handle._progress
-        refs = handle._refs
+        g, iteration, prog = self.group, handle.iteration, handle.progress
+        refs = handle.refs
         try:
             if handle.is_async:
                 refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
@@ -324,9 +328,9 @@ class CheckpointManager:
         self._last_saved = iteration
         stats = SaveStats(
             iteration=iteration,
-            write_seconds=written - handle._started,
+            write_seconds=written - handle.started,
             replicate_seconds=replicated - written,
-            total_seconds=time.perf_counter() - handle._started,
+            total_seconds=time.perf_counter() - handle.started,
             bytes_written=sum(file_bytes.values()),
             bytes_replicated_inter_node=moved["inter"],
             bytes_replicated_intra_node=moved["intra"],
@@ -390,7 +394,7 @@ class CheckpointManager:
             200
         """
         self._finish_pending()
-        with self.group._exclusive("find checkpoints"):
+        with self.group.ledger.exclusive("find checkpoints"):
             return self.catalog().latest_complete(self.group.spec)
 
     def load(self, iteration: int | None = None) -> LoadStats:
@@ -409,7 +413,7 @@ class CheckpointManager:
         which = "the newest iteration" if iteration is None else f"iteration {iteration}"
         with Progress(log, f"checkpoint load of {which} (run {self.run_id})") as prog:
             try:
-                with self.group._exclusive("load checkpoint"):
+                with self.group.ledger.exclusive("load checkpoint"):
                     stats = self._load(iteration, prog)
             except HookError:
                 raise  # the load committed; a user hook failed after it, as after any other change
@@ -656,7 +660,7 @@ class CheckpointManager:
             check_ties(path, tensors, g.spec)
             started = time.perf_counter()
             prog.step("read shards", sum(s.nbytes for r in range(g.num_workers) for s in g.layout.shards(r)))
-            read = g._fill(
+            read = g.fill(
                 f"import HF checkpoint {path}",
                 "hf",
                 str(path),
@@ -734,7 +738,7 @@ class CheckpointManager:
     ) -> list[Path]:
         g = self.group
         started = time.perf_counter()
-        with g._exclusive(f"export HF checkpoint {target}"):
+        with g.ledger.exclusive(f"export HF checkpoint {target}"):
             assignment = assign_writers(g.layout, g.placement, max_shard_bytes, writers)
             plan = self._plan(g.layout.groups(), assignment.needs(), param_table(g.spec))
             arenas = {w: assignment.arena(w) for w in assignment.writers}
@@ -832,7 +836,7 @@ class CheckpointManager:
                 world.mark_broken()
                 fire(g.workers, "ckpt_forget")
                 raise
-        op = g._weights_operation(f"{what} (run {self.run_id})", self.timeout_s)
+        op = g.weights_operation(f"{what} (run {self.run_id})", self.timeout_s)
         op.prepare()
         try:
             with progress:
@@ -847,7 +851,7 @@ class CheckpointManager:
             world.mark_broken()
             raise
         op.commit()
-        g._announce(ShardChange("load", g.layout, g.layout))
+        g.announce(ShardChange("load", g.layout, g.layout))
         return results
 
     def _get(self, refs: list, what: str, ranks: list[int] | None = None) -> list[Any]:

@@ -111,7 +111,7 @@ class Fleet:
             self.replicas[0].spec.check_same_as(group.spec)
             if self._update is not None and not self._update.ended:
                 raise ValueError("a fleet update is in progress: join after its commit")
-            dead, silent = self._ping(self.replicas)
+            dead, silent = _ping(self.replicas)
             for replica, err in dead:
                 self.drop(replica, err)
             if not self.replicas:
@@ -148,38 +148,6 @@ class Fleet:
         log.info("fleet: %s joined, seeded from %s with version %d", group.name, source.name, group.version)
         return stats
 
-    def _ping(
-        self, replicas: Sequence[ModelGroup]
-    ) -> tuple[list[tuple[ModelGroup, ReallocationError]], dict[ModelGroup, set[str]]]:
-        """Ping every worker of ``replicas`` at once: the replicas with a dead worker (each with
-        the error it is dropped with) and those with workers that did not answer (by name)."""
-        if not replicas:
-            return [], {}
-        workers = replicas[0].workers
-        for r in replicas[1:]:
-            workers = workers + r.workers
-        found = diagnose(workers)
-        dead, silent = [], {}
-        for r in replicas:
-            died = [n for n in r.workers.names if n in found.dead]
-            stuck = {n for n in r.workers.names if n in found.unresponsive}
-            if died:
-                dead.append(
-                    (
-                        r,
-                        ReallocationError(
-                            f"fleet: replica {r.name!r} has dead worker(s) {died}: dropped from the fleet (its live "
-                            f"workers still hold version {r.version}); replace_dead_workers(), then join it again",
-                            died,
-                            sorted(stuck),
-                            str(r.layout),
-                        ),
-                    )
-                )
-            elif stuck:
-                silent[r] = stuck
-        return dead, silent
-
     def drop(self, group: ModelGroup, error: ReallocationError) -> None:
         """Stop serving ``group`` as a replica (kept in ``dropped`` with ``error``)."""
         with self._lock:
@@ -187,6 +155,39 @@ class Fleet:
                 self.replicas = [r for r in self.replicas if r is not group]
                 self.dropped.append((group, error))
                 log.warning("fleet: replica %s dropped: %s", group.name, error)
+
+
+def _ping(
+    replicas: Sequence[ModelGroup],
+) -> tuple[list[tuple[ModelGroup, ReallocationError]], dict[ModelGroup, set[str]]]:
+    """Ping every worker of ``replicas`` at once: the replicas with a dead worker (each with
+    the error it is dropped with) and those with workers that did not answer (by name)."""
+    if not replicas:
+        return [], {}
+    workers = replicas[0].workers
+    for r in replicas[1:]:
+        workers = workers + r.workers
+    found = diagnose(workers)
+    dead, silent = [], {}
+    for r in replicas:
+        died = [n for n in r.workers.names if n in found.dead]
+        stuck = {n for n in r.workers.names if n in found.unresponsive}
+        if died:
+            dead.append(
+                (
+                    r,
+                    ReallocationError(
+                        f"fleet: replica {r.name!r} has dead worker(s) {died}: dropped from the fleet (its live "
+                        f"workers still hold version {r.version}); replace_dead_workers(), then join it again",
+                        died,
+                        sorted(stuck),
+                        str(r.layout),
+                    ),
+                )
+            )
+        elif stuck:
+            silent[r] = stuck
+    return dead, silent
 
 
 class FleetUpdate:
@@ -226,9 +227,9 @@ class FleetUpdate:
     def _stage_all(self) -> None:
         source = self.source
         try:
-            with source._exclusive(f"fleet update from {source.name}", deadline=self.deadline, staged_ok=True):
+            with source.ledger.exclusive(f"fleet update from {source.name}", deadline=self.deadline, staged_ok=True):
                 self._version = source.version
-                dead, silent = self.fleet._ping(self.replicas)
+                dead, silent = _ping(self.replicas)
                 for replica, err in dead:  # never staged: dropped now
                     self._drop(replica, err)
                 gone = {id(r) for r, _ in dead}
@@ -262,7 +263,7 @@ class FleetUpdate:
             )
             return
         try:
-            update = self.source._stage(
+            update = self.source.start_stage(
                 replica,
                 replica.layout,
                 lambda: replica.copy_version(self.source),

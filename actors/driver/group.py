@@ -24,11 +24,10 @@ import contextlib
 import inspect
 import logging
 import pickle
-import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterator, Sequence
 
@@ -49,6 +48,7 @@ from actors.driver.launch import (
     start_workers,
     user_methods,
 )
+from actors.driver.ledger import GroupLedger
 from actors.driver.protocol import Operation, delta_summary
 from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
@@ -191,29 +191,17 @@ class ModelGroup:
         infos: list[dict],
         worker_cls: type = ShardWorker,
     ):
-        self.name, self.layout, self.config, self.worker_cls = name, layout, config, worker_cls
+        self.name, self.config, self.worker_cls = name, config, worker_cls
         self.workers, self.placement, self._pg, self.infos = workers, placement, pg, infos
         #: the world of each lane (actors/lanes.py) this group's workers are in, reused while alive
         self.worlds: dict[Lane, World | None] = dict.fromkeys(LANES)
-        self.version = 0
-        self._resident: dict[Layout, ResidentLayout] = {}
-        self._lock = threading.RLock()
-        self._closed = False
-        # staged updates (actors/driver/staged.py): the pending one, and the operations changing the group
-        self._staged = None
-        self._state_lock = threading.Lock()
-        self._changing = 0
-        self._writing = 0  # calls that write, running
-        #: (source group, its version) when the weights are an unchanged copy of that source's
-        self.origin: tuple[str, int] | None = None
+        #: the group's state (layout, version, origin, kept layouts, delta bases, the pending staged
+        #: update, the locks): its one writer (actors/driver/ledger.py)
+        self.ledger = GroupLedger(name, layout, config, self._stage_states)
         #: a call or run failed: a collective of it may have broken the process groups of user
         #: code (ctx.groups; e.g. a rank stopped in a safe point's all-reduce, whose peer timed
         #: out): they are re-formed before the next call on every worker (_repair_user_groups)
         self._user_groups_broken = False
-        # delta moves (actors/wire/delta.py): the (layout, version) every worker's base holds, as far
-        # as the driver knows, and the deltas this group received in a row since a full copy
-        self._sent: tuple[Layout, int] | None = None
-        self._deltas = 0
         self._last_move: MoveRef | None = None  # what last_trace() gathers
 
     # -- creation ------------------------------------------------------------------------
@@ -303,7 +291,7 @@ class ModelGroup:
                 "allocate shards",
             )
             group._form_user_groups()
-            group._announce(ShardChange("create", layout))
+            group.announce(ShardChange("create", layout))
         except BaseException:
             discard(launched.workers.actors, launched.pg)
             raise
@@ -345,74 +333,32 @@ class ModelGroup:
     def timeout_s(self) -> float:
         return self.config.timeout_s
 
-    # -- one operation at a time ---------------------------------------------------------
-    @contextlib.contextmanager
-    def _exclusive(
-        self, what: str, *others: "ModelGroup", deadline: Deadline | None = None, staged_ok: bool = False
-    ) -> Iterator[None]:
-        """Hold the groups' locks; wait for each up to its timeout, or up to ``deadline`` (the
-        call's, which the operation run under the locks then shares).
+    # -- the group's state (actors/driver/ledger.py) --------------------------------------
+    @property
+    def layout(self) -> Layout:
+        """What every worker holds: the one value saying what the group is."""
+        return self.ledger.layout
 
-        A group with a staged update pending (actors/driver/staged.py) refuses operations that change
-        it (``GroupBusyError``) unless ``staged_ok`` (calls, reads, the update's own steps); one
-        committed at safe points is first switched in on every worker."""
-        groups = sorted({id(g): g for g in (self, *others)}.values(), key=id)  # one global order: no deadlock
-        taken, changing = [], []
-        try:
-            for g in groups:
-                if g._closed:
-                    raise ValueError(f"{what}: group {g.name!r} was shut down")
-                waited = time.monotonic()
-                if not g._lock.acquire(timeout=g.timeout_s if deadline is None else deadline.remaining()):
-                    raise GroupBusyError(
-                        f"{what}: group {g.name!r} stayed busy with another operation for "
-                        f"{time.monotonic() - waited:.0f}s; nothing was done",
-                        layout=str(g.layout),
-                    )
-                taken.append(g)
-                if g._closed:
-                    raise ValueError(f"{what}: group {g.name!r} was shut down")
-                if not staged_ok:
-                    g._enter_change(what, deadline or Deadline(g.timeout_s))
-                    changing.append(g)
-            yield
-        finally:
-            for g in reversed(changing):
-                with g._state_lock:
-                    g._changing -= 1
-            for g in reversed(taken):
-                g._lock.release()
+    @property
+    def version(self) -> int:
+        """The weights' version (never going back)."""
+        return self.ledger.version
+
+    @property
+    def origin(self) -> tuple[str, int] | None:
+        """(source group, its version) when the weights are an unchanged copy of that source's."""
+        return self.ledger.origin
 
     def copy_version(self, source: "ModelGroup") -> int:
         """The version a copy of ``source``'s weights gives this group: the source's, unless this
         group's own count is ahead (then the next one: versions never go back, so a kept layout
         tagged with a version is fresh only while nothing changed). A copy of the very weights this
         group already holds (the same source version, nothing written since) keeps its version."""
-        if self.origin == (source.name, source.version) and self.version == source.version:
-            return self.version
-        return max(self.version + 1, source.version)
+        return self.ledger.copy_version(source.ledger)
 
-    def _delta_order(self, delta: bool, dest: "ModelGroup", holds: int | None) -> DeltaOrder | None:
-        """The :class:`~actors.records.DeltaOrder` of a move from this group with ``delta`` into
-        ``dest`` (this group itself for a refresh of a kept layout), which holds this group's
-        weights of version ``holds`` (None: not known to hold any): a delta when every worker's
-        base is of this layout and that version and ``dest`` is not due a full copy, else an anchor."""
-        if not delta:
-            return None
-        sent = self._sent
-        base = None
-        if sent is not None and sent == (self.layout, holds) and dest._deltas + 1 < self.config.delta_anchor_every:
-            base = holds
-        return DeltaOrder(base, self.version, self.config.delta)
-
-    def _delta_done(self, sent: Layout, dest: "ModelGroup", order: DeltaOrder | None, ok: bool) -> None:
-        """After a move that carried ``order`` from this group's layout ``sent``: the workers' bases
-        hold what they sent (``ok``), or, after a failure, something the driver cannot name."""
-        if order is None:
-            return
-        self._sent = (sent, order.version) if ok else None
-        if ok:
-            dest._deltas = dest._deltas + 1 if order.base is not None else 0
+    def _stage_states(self) -> list[dict]:
+        """Every worker's staged state (``ShardWorker.stage_status``)."""
+        return call_all(self.workers, "stage_status", timeout_s=self.timeout_s, what=f"staged state ({self.name})")
 
     def _check_delta(self, delta: object, what: str) -> bool:
         if not isinstance(delta, bool):
@@ -423,75 +369,6 @@ class ModelGroup:
                 "create it with GroupConfig(delta='host') or GroupConfig(delta='device')"
             )
         return delta
-
-    def _settle_switch(self, deadline: Deadline | None = None) -> None:
-        """Before reading the weights outside a call (under the lock): an update committed at safe
-        points is switched in on every worker that has not reached one, so what is read is the
-        version the driver reports."""
-        staged = self._staged
-        if staged is not None and staged.state == "committed":
-            staged.finish_switch(deadline or Deadline(self.timeout_s))
-
-    def _enter_change(self, what: str, deadline: Deadline) -> None:
-        """Mark an operation that changes this group (under its lock), or refuse it while a staged
-        update is pending; one committed at safe points is switched in everywhere first."""
-        with self._state_lock:
-            staged = self._staged
-            if staged is None:
-                self._changing += 1
-                return
-            if staged.state != "committed":
-                raise GroupBusyError(
-                    f"{what}: group {self.name!r} has a staged update pending ({staged.label}, version "
-                    f"{staged.known_version}, {staged.state}); nothing was done: commit or abort it first",
-                    layout=str(self.layout),
-                )
-        staged.finish_switch(deadline)
-        with self._state_lock:
-            self._changing += 1
-
-    def _begin_stage(self, update) -> None:
-        """Register ``update`` as this group's pending staged update (``GroupBusyError`` when another
-        operation changes the group, a call that writes runs, or another staged update is pending).
-
-        The previous update, if committed at safe points, must be in on every worker first: the
-        workers that reached no safe point nor call since switch now, between calls (an idle
-        replica at once, a busy one when its running call returns; within the group's timeout)."""
-        while True:
-            with self._state_lock:
-                if self._closed:
-                    raise ValueError(f"stage update: group {self.name!r} was shut down")
-                pending = self._staged
-                if self._changing or self._writing or (pending is not None and pending.state != "committed"):
-                    doing = (
-                        f"staged update {pending.label} ({pending.state})"
-                        if pending is not None and pending.state != "committed"
-                        else "another operation or a call that writes"
-                    )
-                    raise GroupBusyError(
-                        f"stage update {update.label}: group {self.name!r} is busy with {doing}; nothing was done",
-                        layout=str(self.layout),
-                    )
-                if pending is None:
-                    self._staged = update
-                    return
-            states = call_all(
-                self.workers, "stage_status", timeout_s=self.timeout_s, what=f"staged state ({self.name})"
-            )
-            if all(st["staged"] is None or st["staged"]["switched"] for st in states):
-                self._end_stage(pending)  # every worker switched at a safe point
-            else:
-                pending.finish_switch(Deadline(self.timeout_s))
-
-    def _end_stage(self, update) -> None:
-        with self._state_lock:
-            if self._staged is update:
-                self._staged = None
-
-    def _switch_flag(self) -> "str | None":
-        """The staged update committed at safe points that the next call switches in first."""
-        staged = self._staged
-        return staged.id if staged is not None and staged.state == "committed" else None
 
     def _call(self, method: str, what: str, *args: Any) -> list[Any]:
         return call_all(
@@ -509,8 +386,9 @@ class ModelGroup:
             str(self.layout),
         )
 
-    def _weights_operation(self, what: str, timeout_s: "float | Deadline | None" = None) -> Operation:
-        """An operation that replaces this group's weights and keeps its layout."""
+    def weights_operation(self, what: str, timeout_s: "float | Deadline | None" = None) -> Operation:
+        """An operation that replaces this group's weights and keeps its layout (a checkpoint load:
+        actors/driver/checkpoint.py)."""
         return self._operation(
             self.layout,
             f"{what} ({self.name})",
@@ -522,7 +400,7 @@ class ModelGroup:
     def init_synthetic(self, seed: int = 0) -> None:
         """Fill every shard with the deterministic synthetic weights of ``seed`` (atomically)."""
         _check_seed(seed)
-        self._fill("initialise weights", "synthetic", seed)
+        self.fill("initialise weights", "synthetic", seed)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load full tensors held on the driver; each worker slices only its boxes (atomically).
@@ -532,7 +410,7 @@ class ModelGroup:
         ``torch.Tensor``s of the parameter's shape (a float dtype other than the parameter's is cast).
         """
         ref = ray.put(self._checked_state(state))
-        self._fill("load weights", "full", ref)
+        self.fill("load weights", "full", ref)
 
     def _checked_state(self, state: object) -> dict[str, torch.Tensor]:
         if not isinstance(state, Mapping):
@@ -566,7 +444,7 @@ class ModelGroup:
             out[p.name] = state[keys[0]].detach().to("cpu", TORCH_DTYPES[p.dtype]).contiguous()
         return out
 
-    def _fill(
+    def fill(
         self,
         what: str,
         how: str,
@@ -577,15 +455,16 @@ class ModelGroup:
         """New weights from each worker's local data (``ShardWorker.op_fill``), as one operation
         under one deadline (``timeout_s``, default the group's; the lock wait included); returns
         the bytes each worker wrote. ``on_result(rank, bytes)``: as each worker's write finishes
-        (a progress bar)."""
+        (a progress bar). :meth:`init_synthetic`, :meth:`load_state_dict` and a checkpoint load
+        (actors/driver/checkpoint.py) run it."""
         deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
-        with self._exclusive(what, deadline=deadline):
-            op = self._weights_operation(what, deadline)
+        with self.ledger.exclusive(what, deadline=deadline):
+            op = self.weights_operation(what, deadline)
             op.prepare()
             with each_result(on_result) if on_result is not None else contextlib.nullcontext():
                 written = op.call([a.op_fill.remote(op.id, how, *args) for a in self.workers.actors], "write shards")
             op.commit()
-            self._announce(ShardChange("fill", self.layout, self.layout))
+            self.announce(ShardChange("fill", self.layout, self.layout))
         return written
 
     def shard_boxes(
@@ -593,8 +472,8 @@ class ModelGroup:
     ) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]]:
         """Per rank, ``(param, offsets, sizes, tensor)`` of every box it holds, fetched to the driver."""
         ranks = self._check_ranks(ranks)
-        with self._exclusive("read shards", staged_ok=True):
-            self._settle_switch()
+        with self.ledger.exclusive("read shards", staged_ok=True):
+            self.ledger.settle_switch()
             boxes = call_all(
                 self.workers.subset(ranks), "get_boxes", timeout_s=self.timeout_s, what=f"read shards ({self.name})"
             )
@@ -630,8 +509,8 @@ class ModelGroup:
     def verify_synthetic(self, seed: int = 0) -> dict[int, list[str]]:
         """Per rank, the slots that differ from the synthetic weights of ``seed`` (empty: all good)."""
         _check_seed(seed)
-        with self._exclusive("verify weights", staged_ok=True):
-            self._settle_switch()
+        with self.ledger.exclusive("verify weights", staged_ok=True):
+            self.ledger.settle_switch()
             bad = self._call("verify_synthetic", "verify weights", seed)
         return {r: b for r, b in enumerate(bad) if b}
 
@@ -649,12 +528,12 @@ class ModelGroup:
         check_arguments(fn, 1, args, kwargs, f"run: {getattr(fn, '__name__', type(fn).__name__)}")
         _check_writes(writes)
         shipped = _shipped("run", fn, args, kwargs)
-        with self._exclusive("run user function", staged_ok=True):
+        with self.ledger.exclusive("run user function", staged_ok=True):
             self._repair_user_groups()
-            with self._writes("run", writes), self._user_code("run user function"):
-                switch = self._switch_flag()
+            with self.ledger.writes("run", writes), self._user_code("run user function"):
+                switch = self.ledger.switch_flag()
                 out = self._call("run", "run user function", *shipped, self.version, switch)
-                self._switched(switch)
+                self.ledger.switched(switch)
                 return out
 
     def call(
@@ -685,11 +564,11 @@ class ModelGroup:
         if not ranks:
             return []  # no worker runs it: nothing is sent, the weights stay as they are
         args, kwargs = _shipped(f"call({method!r})", args, kwargs)
-        with self._exclusive(f"call {method}", staged_ok=True):
+        with self.ledger.exclusive(f"call {method}", staged_ok=True):
             if len(ranks) == self.num_workers:  # a subset cannot re-form groups over every worker
                 self._repair_user_groups()
-            with self._writes(f"call({method!r})", writes), self._user_code(f"call {method}"):
-                switch = self._switch_flag() if len(ranks) == self.num_workers else None
+            with self.ledger.writes(f"call({method!r})", writes), self._user_code(f"call {method}"):
+                switch = self.ledger.switch_flag() if len(ranks) == self.num_workers else None
                 workers = self.workers.subset(ranks)
                 out = gather(
                     workers,
@@ -697,7 +576,7 @@ class ModelGroup:
                     self.timeout_s,
                     f"{self.worker_cls.__name__}.{method} ({self.name})",
                 )
-                self._switched(switch)
+                self.ledger.switched(switch)
                 return out
 
     @contextlib.contextmanager
@@ -740,53 +619,12 @@ class ModelGroup:
         self._user_groups_broken = False
         log.info("group %s: process groups of user code re-formed after a failed call", self.name)
 
-    @contextlib.contextmanager
-    def _writes(self, what: str, writes: bool) -> Iterator[None]:
-        """Around a call or run: one that writes moves the version on (even if it fails: the
-        weights may have changed) and is refused while a staged update is pending, whose version
-        would not include the write; a staged update cannot start while it runs."""
-        if not writes:
-            yield
-            return
-        with self._state_lock:
-            staged = self._staged
-            if staged is not None and staged.state in ("staging", "staged", "committing"):
-                raise GroupBusyError(
-                    f"{what} with writes=True: group {self.name!r} has a staged update pending ({staged.label}, "
-                    f"{staged.state}) whose version would not include the write; nothing was done: pass "
-                    "writes=False, or commit or abort the update first",
-                    layout=str(self.layout),
-                )
-            self._writing += 1
-            self.version += 1
-            self.origin = None
-        try:
-            yield
-        finally:
-            with self._state_lock:
-                self._writing -= 1
-            metrics.record_version(self.name, self.version)
-
-    def _switched(self, switch: "str | None") -> None:
-        """After a call that switched a staged update in on every worker: the update is over."""
-        if switch is not None:
-            with self._state_lock:
-                if self._staged is not None and self._staged.id == switch:
-                    self._staged = None
-
-    def _announce(self, change: ShardChange, ranks: Sequence[int] | None = None) -> None:
-        """Run the workers' ``on_shards_changed`` hook after ``change`` was committed (and
-        ``self.layout`` updated). A failing hook does not undo the change: the error says so.
-        Every change but a creation and a move is a change of the weights: the version moves on."""
-        if change.version is not None:  # a copy brings its source's version (never going back)
-            self.version = change.version
-        elif change.kind not in ("create", "reallocate"):
-            self.version += 1
-        if change.kind not in ("copy", "reallocate"):
-            self.origin = None
-        if change.version is None:
-            change = replace(change, version=self.version)
-        metrics.record_version(self.name, self.version)
+    def announce(self, change: ShardChange, ranks: Sequence[int] | None = None) -> None:
+        """Record ``change``, just committed, in the ledger (the version moves on:
+        :meth:`GroupLedger.changed <actors.driver.ledger.GroupLedger.changed>`), then run the
+        workers' ``on_shards_changed`` hook (all of them, or ``ranks``). A failing hook does not
+        undo the change: the error (:class:`~actors.errors.HookError`) says so."""
+        change = self.ledger.changed(change)
         if self.worker_cls.on_shards_changed is ShardWorker.on_shards_changed:
             return  # nothing to run: save the round trip
         workers = self.workers if ranks is None else self.workers.subset(ranks)
@@ -830,7 +668,7 @@ class ModelGroup:
         becomes the spare set the next move reuses to avoid page faults) and the spare shadow set of
         staged updates; e.g. before generation allocates its cache. Kept layouts and a pending staged
         update stay (:meth:`release_resident`). Returns the bytes freed."""
-        with self._exclusive("trim memory", staged_ok=True):
+        with self.ledger.exclusive("trim memory", staged_ok=True):
             return sum(self._call("trim_memory", "trim memory"))
 
     def activity(self) -> list[dict]:
@@ -918,9 +756,9 @@ class ModelGroup:
             if keep == "host":
                 raise ValueError("a staged move keeps the layout it leaves in place: keep=None or keep='in_place'")
             order = KeepOrder(keep, self.version) if keep is not None else None
-            return self._stage(self, target, lambda: self.version, order)
+            return self.start_stage(self, target, lambda: self.version, order)
         deadline = Deadline(self.timeout_s)
-        with self._exclusive("reallocate", deadline=deadline):
+        with self.ledger.exclusive("reallocate", deadline=deadline):
             if src is not None:
                 claimed = self.target(src)
                 if claimed != self.layout:
@@ -933,14 +771,16 @@ class ModelGroup:
                 f"group {self.name!r} stays in layout {before}",
                 deadline,
             )
-            record = self._resident.get(target)
+            record = self.ledger.kept(target)
             delta_order = None
             try:
                 if record is not None and record.version == self.version:
                     stats = self._adopt(op, target, order, f"{before} -> {target}", started)
                 else:
-                    delta_order = self._delta_order(
-                        delta, self, record.version if record is not None and record.where == "in_place" else None
+                    delta_order = self.ledger.delta_order(
+                        delta,
+                        self.ledger,
+                        record.version if record is not None and record.where == "in_place" else None,
                     )
                     stats = _move(
                         [self],
@@ -955,18 +795,18 @@ class ModelGroup:
                         delta=delta_order,
                     )
             except ReallocationError as err:
-                self._delta_done(before, self, delta_order, False)
-                self._resident.pop(target, None)  # no longer kept (the workers' aborts freed or restored it)
+                self.ledger.delta_done(before, self.ledger, delta_order, False)
+                self.ledger.forget_kept(target)  # no longer kept (the workers' aborts freed or restored it)
                 self._sync_resident(deadline.grace(), err.dead + err.unresponsive + err.waiting)  # ... and everywhere
                 raise
-            self._delta_done(before, self, delta_order, True)
-            self._resident.pop(target, None)  # adopted, or refreshed in place: the current layout now
+            self.ledger.delta_done(before, self.ledger, delta_order, True)
+            kept = None
             if order is not None:
-                self._resident[before] = ResidentLayout(
+                kept = ResidentLayout(
                     before, order.version, keep, max(before.rank_bytes(r) for r in range(self.num_workers))
                 )
-            self.layout = target
-            self._announce(
+            self.ledger.moved(target, kept)  # a kept copy of target (adopted, or refreshed in place) is current now
+            self.announce(
                 ShardChange(
                     "reallocate",
                     target,
@@ -1011,7 +851,7 @@ class ModelGroup:
         (default: the group's; a finite positive number of seconds)."""
         if timeout_s is not None:
             check_timeout(timeout_s)
-        with self._exclusive("gather the last move's trace", staged_ok=True):
+        with self.ledger.exclusive("gather the last move's trace", staged_ok=True):
             move = self._last_move
             if move is None:
                 raise ValueError(
@@ -1023,8 +863,8 @@ class ModelGroup:
     def resident_layouts(self) -> list[ResidentLayout]:
         """The layouts kept by ``reallocate(..., keep=)``, with their versions (``fresh``: moving
         there adopts them, nothing moves)."""
-        with self._exclusive("list kept layouts", staged_ok=True):
-            return [replace(r, fresh=r.version == self.version) for r in self._resident.values()]
+        with self.ledger.exclusive("list kept layouts", staged_ok=True):
+            return self.ledger.resident_layouts()
 
     def release_resident(
         self, layouts: "Sequence[Topology | str | Layout] | Topology | str | Layout | None" = None
@@ -1042,27 +882,25 @@ class ModelGroup:
                 f"string like 'dp=2,tp=4' or a realloc.Layout) or a sequence of them, "
                 f"got {type(layouts).__name__} {layouts!r}"[:300]
             )
-        with self._exclusive("release kept layouts"):
-            drop = list(self._resident) if layouts is None else list(dict.fromkeys(self.target(x) for x in layouts))
-            unknown = [str(x) for x in drop if x not in self._resident]
+        with self.ledger.exclusive("release kept layouts"):
+            drop = (
+                self.ledger.kept_layouts() if layouts is None else list(dict.fromkeys(self.target(x) for x in layouts))
+            )
+            unknown = [str(x) for x in drop if self.ledger.kept(x) is None]
             if unknown:
                 raise ValueError(
-                    f"group {self.name!r} keeps no layout {unknown}; kept: {[str(x) for x in self._resident] or 'none'}"
+                    f"group {self.name!r} keeps no layout {unknown}; kept: {[str(x) for x in self.ledger.kept_layouts()] or 'none'}"
                 )
             if not drop:
                 return
-            for layout in drop:
-                del self._resident[layout]
-            self._call("resident_sync", "release kept layouts", self._resident_known())
-
-    def _resident_known(self) -> list[tuple[Layout, int]]:
-        return [(layout, r.version) for layout, r in self._resident.items()]
+            self.ledger.release(drop)
+            self._call("resident_sync", "release kept layouts", self.ledger.resident_known())
 
     def _sync_resident(self, seconds: float = 30.0, busy: Sequence[str] = ()) -> None:
         """After a failure: every live worker frees the kept layouts the driver does not list (best
         effort). Waits up to ``seconds``, not for the workers named in ``busy`` (dead, silent, or
         still in a failed call): theirs is queued behind what they run."""
-        known = self._resident_known()
+        known = self.ledger.resident_known()
         refs = [a.resident_sync.remote(known) for a in self.workers.actors]
         idle = [i for i, n in enumerate(self.workers.names) if n not in busy]
         found = settle(self.workers.subset(idle), [refs[i] for i in idle], seconds)
@@ -1116,10 +954,10 @@ class ModelGroup:
                 "both sides; a plain or staged copy converts"
             )
         if stage:
-            return self._stage(other, other.layout, lambda: other.copy_version(self), None, delta=delta)
+            return self.start_stage(other, other.layout, lambda: other.copy_version(self), None, delta=delta)
         started = time.perf_counter()
         deadline = Deadline(max(self.timeout_s, other.timeout_s))
-        with self._exclusive("copy_to", other, deadline=deadline):
+        with self.ledger.exclusive("copy_to", other.ledger, deadline=deadline):
             conv = conversion(self.layout, other.layout)
             plan_src, plan_dst = conv.plan_sides(self.layout, other.layout)
             placement, make_plan = self._copy_plan(other, plan_src, plan_dst)
@@ -1133,7 +971,7 @@ class ModelGroup:
                 f"{other.name!r} keeps its previous weights and {self.name!r} is untouched",
                 str(other.layout),
             )
-            delta_order = self._delta_order(delta, other, self._copied_version(other))
+            delta_order = self.ledger.delta_order(delta, other.ledger, self.ledger.copied_version(other.ledger))
             try:
                 stats = _move(
                     [self, other],
@@ -1151,20 +989,16 @@ class ModelGroup:
                 )
                 stats.conversion = conv.where
             except ReallocationError:
-                self._delta_done(self.layout, other, delta_order, False)
+                self.ledger.delta_done(self.layout, other.ledger, delta_order, False)
                 raise
-            self._delta_done(self.layout, other, delta_order, True)
+            self.ledger.delta_done(self.layout, other.ledger, delta_order, True)
             version = other.copy_version(self)
             stats.version = version
             # a blend is no copy: its result is nobody's weights
-            other.origin = (self.name, self.version) if eta is None else None
-            other._announce(ShardChange("copy", other.layout, other.layout, version=version))
+            other.ledger.copied((self.name, self.version) if eta is None else None)
+            other.announce(ShardChange("copy", other.layout, other.layout, version=version))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
         return stats
-
-    def _copied_version(self, other: "ModelGroup") -> int | None:
-        """The version of this group's weights ``other`` holds unchanged, if it does."""
-        return other.origin[1] if other.origin is not None and other.origin[0] == self.name else None
 
     def _copy_plan(
         self, other: "ModelGroup", src: Layout | None = None, dst: Layout | None = None
@@ -1184,7 +1018,7 @@ class ModelGroup:
             self.config.bandwidths,
         )
 
-    def _stage(
+    def start_stage(
         self,
         dest: "ModelGroup",
         target: Layout,
@@ -1197,7 +1031,8 @@ class ModelGroup:
         """Start a staged update of ``dest`` from this group (actors/driver/staged.py). ``version_of()``:
         the version it brings, read once the source is held (``hold_source=False``: the caller
         holds it, as a fleet update does for all its replicas); ``timeout_s`` bounds the transfer
-        (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``."""
+        (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``.
+        ``reallocate``/``copy_to`` with ``stage=True`` and a fleet update (actors/driver/fleet.py) run it."""
         copy = dest is not self
         n = self.num_workers
         conv = conversion(self.layout, target)  # copies between weight formats (realloc/plan/formats.py)
@@ -1255,9 +1090,9 @@ class ModelGroup:
             delta,
             target if conv.where == "destination" else None,
         )
-        dest._begin_stage(update)
+        dest.ledger.begin_stage(update)
         if not copy:
-            self._resident.pop(target, None)  # a kept copy of the target becomes the shadow set
+            self.ledger.forget_kept(target)  # a kept copy of the target becomes the shadow set
         return update.start()
 
     def checkpoint_manager(
@@ -1293,7 +1128,7 @@ class ModelGroup:
         failed call may have broken them (a worker stopped in a collective, then resumed); the
         next call on every worker does that too.
         """
-        with self._exclusive("replace dead workers"):
+        with self.ledger.exclusive("replace dead workers"):
             dead = self.dead_workers()
             if not dead:
                 self._repair_user_groups()  # nobody died, but a failed call may have broken them
@@ -1312,8 +1147,7 @@ class ModelGroup:
                     self.config,
                 )
             self.workers = Workers(tuple(actors), tuple(names))
-            self._resident.clear()  # the fresh workers keep nothing: no kept layout is whole any more
-            self.origin, self._sent = None, None  # nor a copy's weights, nor a base for deltas
+            self.ledger.workers_replaced()  # no kept layout is whole any more, nor a copy nor a delta base
             self._sync_resident()
             fresh_workers = self.workers.subset(dead)
             fresh = call_all(fresh_workers, "info", timeout_s=self.timeout_s + 60, what="start replacement workers")
@@ -1331,7 +1165,7 @@ class ModelGroup:
                     world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
             self._user_groups_broken = False
-            self._announce(ShardChange("replace", self.layout, self.layout), dead)
+            self.announce(ShardChange("replace", self.layout, self.layout), dead)
             return dead
 
     def world_for(
@@ -1360,11 +1194,9 @@ class ModelGroup:
 
     def shutdown(self) -> None:
         """Stop the actors and release the placement group (waits for a running operation first)."""
-        if self._closed:
+        if self.ledger.closed:
             return
-        acquired = self._lock.acquire(timeout=self.timeout_s)
-        try:
-            self._closed = True
+        with self.ledger.closing():
             try:
                 ray.get([a.shutdown.remote() for a in self.workers.actors], timeout=30)
             except Exception:  # noqa: BLE001 - best effort: dead actors cannot clean up
@@ -1374,9 +1206,6 @@ class ModelGroup:
             remove_placement_group(self._pg)
             sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
             self.worlds = dict.fromkeys(LANES)
-        finally:
-            if acquired:
-                self._lock.release()
 
 
 # -- helpers -------------------------------------------------------------------------------

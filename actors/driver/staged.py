@@ -39,7 +39,7 @@ from actors import metrics
 from actors.driver.protocol import worker_plan_refs
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
-from actors.records import KeepOrder, ResidentLayout, ShardChange
+from actors.records import KeepOrder, ShardChange
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, check_timeout, fire, gather, settle, undo
 from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from realloc.layout import Layout, RankLayout
@@ -136,7 +136,7 @@ class StagedUpdate:
         started = time.perf_counter()
         try:
             held = (
-                self.source._exclusive(f"stage update {self.label}", deadline=self.deadline, staged_ok=True)
+                self.source.ledger.exclusive(f"stage update {self.label}", deadline=self.deadline, staged_ok=True)
                 if self.kind == "copy" and self.hold_source
                 else nullcontext()
             )
@@ -144,8 +144,9 @@ class StagedUpdate:
                 self._version = self.version_of()
                 self.source_version = self.source.version
                 self.sent_layout = self.source.layout
-                self.delta_order = self.source._delta_order(
-                    self.delta, self.dest, self.source._copied_version(self.dest)
+                source = self.source.ledger
+                self.delta_order = source.delta_order(
+                    self.delta, self.dest.ledger, source.copied_version(self.dest.ledger)
                 )
                 self._versioned.set()
                 self.stats = self._transfer(started)
@@ -164,7 +165,7 @@ class StagedUpdate:
         finally:
             if self.state == "failed":
                 self._sources_unknown()
-                self.dest._end_stage(self)
+                self.dest.ledger.end_stage(self)
             self._versioned.set()
             self._finished.set()
 
@@ -308,7 +309,7 @@ class StagedUpdate:
     def _commit_now(self) -> None:
         dest = self.dest
         deadline = Deadline(dest.timeout_s)
-        with dest._exclusive(f"commit staged update {self.label}", deadline=deadline, staged_ok=True):
+        with dest.ledger.exclusive(f"commit staged update {self.label}", deadline=deadline, staged_ok=True):
             t0 = time.perf_counter()  # from here the destination's calls wait: the pause
             workers = dest.workers
             try:
@@ -320,10 +321,10 @@ class StagedUpdate:
                 )
             except ReallocationError as err:
                 self._roll_back(err, deadline)
-            self._committed()
-            dest._end_stage(self)
+            self.dest.ledger.commit_staged(self)
+            dest.ledger.end_stage(self)
             try:
-                dest._announce(ShardChange(self.kind, self.target, self.before, version=self.version))
+                dest.announce(ShardChange(self.kind, self.target, self.before, version=self.version))
             finally:
                 self.pause_seconds = time.perf_counter() - t0  # the switch and the hook
                 metrics.record_pause(dest.name, "commit_staged", self.pause_seconds)
@@ -336,7 +337,7 @@ class StagedUpdate:
         found = undo(workers, cause, "stage_unswitch", self.id, seconds=deadline.grace())
         self._set("failed")
         self._sources_unknown()
-        dest._end_stage(self)
+        dest.ledger.end_stage(self)
         state = (
             f"Rolled back: every live worker whose rollback ran serves version {dest.version} in layout "
             f"{dest.layout} again"
@@ -360,7 +361,7 @@ class StagedUpdate:
         try:
             gather(workers, refs, deadline, f"commit staged update {self.label} at safe points: arm")
         except ReallocationError as err:
-            self._committed()  # the decision stands: every armed live worker switches
+            self.dest.ledger.commit_staged(self)  # the decision stands: every armed live worker switches
             raise ReallocationError(
                 f"{err.message}. Committed: every live, armed worker of {dest.name!r} switches to version "
                 f"{self.version} at its next safe point (or next call); dead: {err.dead}, not answering pings: "
@@ -373,32 +374,12 @@ class StagedUpdate:
                 str(dest.layout),
                 err.waiting,
             ) from err
-        self._committed()
-
-    def _committed(self) -> None:
-        dest = self.dest
-        with dest._state_lock:
-            self.state = "committed"
-            if self.kind == "reallocate":
-                dest._resident.pop(self.target, None)
-                if self.keep is not None:
-                    dest._resident[self.before] = ResidentLayout(
-                        self.before,
-                        self.keep.version,
-                        self.keep.where,
-                        max(self.before.rank_bytes(r) for r in range(dest.num_workers)),
-                    )
-            dest.layout = self.target
-            dest.version = self.version
-            if self.kind == "copy":
-                dest.origin = (self.source.name, self.source_version)
-        self.source._delta_done(self.sent_layout, dest, self.delta_order, True)
-        metrics.record_version(dest.name, dest.version)
+        self.dest.ledger.commit_staged(self)
 
     def _sources_unknown(self) -> None:
         """A failed or dropped update: the senders may have taken what they sent as their delta base."""
         if self.delta_order is not None:
-            self.source._delta_done(self.sent_layout, self.dest, self.delta_order, False)
+            self.source.ledger.delta_done(self.sent_layout, self.dest.ledger, self.delta_order, False)
 
     def abort(self) -> None:
         """Drop the staged weights (waiting for the transfer to end first); the serving ones never
@@ -419,7 +400,7 @@ class StagedUpdate:
             [a.stage_abort.remote(self.id) for a in self.workers.actors],
             self.dest.timeout_s,
         )
-        self.dest._end_stage(self)
+        self.dest.ledger.end_stage(self)
         if found.dead or found.unresponsive or found.failed:
             raise ReallocationError(
                 f"abort of staged update {self.label}: {found.describe() or f'failed on {list(found.failed)}'}. "
@@ -437,7 +418,7 @@ class StagedUpdate:
         workers = self.dest.workers
         found = settle(workers, [a.stage_switch.remote(self.id) for a in workers.actors], deadline.remaining())
         fire(workers, "stage_finish", self.id)
-        self.dest._end_stage(self)
+        self.dest.ledger.end_stage(self)
         if found.failed:
             raise ReallocationError(
                 f"finish staged update {self.label}: the switch failed on {list(found.failed)}: their state is "
