@@ -180,7 +180,7 @@ def test_a_fleet_update_that_staged_no_replica_is_an_error_not_a_success(cluster
         def broken_ping(replicas):
             raise RuntimeError("ping failed")
 
-        monkeypatch.setattr(fleet, "_ping", broken_ping)
+        monkeypatch.setattr("actors.driver.fleet._ping", broken_ping)
         with pytest.raises(
             ReallocationError, match=r"failed before any replica was staged \(RuntimeError: ping failed\)"
         ):
