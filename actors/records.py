@@ -1,6 +1,7 @@
 """Records that cross the Ray boundary between the driver and the workers, and their checks.
 
-The orders a driver sends with a move (:class:`KeepOrder`, :class:`DeltaOrder`), the change a
+The orders a driver sends with a move (:class:`MoveOrder` of a :class:`KeepOrder`, a
+:class:`DeltaOrder`, a conversion and a blend), the change a
 worker's hook is told of (:class:`ShardChange`), the checkpoint fault a test injects
 (:class:`CheckpointFault`), the schema of a worker's delta counters (:data:`DELTA_COUNTERS`),
 and what the driver sums the workers' reports into (:class:`PhaseResult`) and records of a kept
@@ -75,6 +76,27 @@ class DeltaOrder:
     base: int | None
     version: int
     where: str = "host"
+
+
+@dataclass(frozen=True)
+class MoveOrder:
+    """What a move tells its workers besides the plan (``Operation.run_plan`` ->
+    ``ShardWorker.op_run``, ``StagedUpdate`` -> ``stage_run``), in one record.
+
+    ``keep``: keep the layout left behind resident (:class:`KeepOrder`); ``delta``: a move with
+    ``delta=True`` (:class:`DeltaOrder`); ``convert``: the layout the destination workers convert
+    into before committing (realloc/plan/formats.py); ``blend``: a blending commit's weight
+    (``copy_to(eta=)``; the driver commits it, after every worker finished: it never travels in
+    ``op_run``). All None: a plain move."""
+
+    keep: KeepOrder | None = None
+    delta: DeltaOrder | None = None
+    convert: Layout | None = None
+    blend: float | None = None
+
+
+#: The order of a plain move: nothing kept, no delta, no conversion, no blend.
+PLAIN_MOVE = MoveOrder()
 
 
 #: What :class:`DeltaSides` counts of the buckets it receives: all of them, those whose delta

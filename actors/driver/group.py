@@ -54,7 +54,7 @@ from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.lanes import LANES, MOVE, Lane
-from actors.records import DeltaOrder, KeepOrder, ResidentLayout, ShardChange, check_keep
+from actors.records import PLAIN_MOVE, KeepOrder, MoveOrder, ResidentLayout, ShardChange, check_keep
 from actors.remote import Deadline, Workers, call_all, check_timeout, diagnose, each_result, gather, settle
 from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
 from actors.wire.zero_copy import sweep_stale_buffers
@@ -791,8 +791,7 @@ class ModelGroup:
                         self.name,
                         f"{before} -> {target}",
                         started,
-                        keep=order,
-                        delta=delta_order,
+                        order=MoveOrder(keep=order, delta=delta_order),
                     )
             except ReallocationError as err:
                 self.ledger.delta_done(before, self.ledger, delta_order, False)
@@ -982,9 +981,11 @@ class ModelGroup:
                     f"{self.name}->{other.name}",
                     label,
                     started,
-                    blend=eta,
-                    delta=delta_order,
-                    convert=other.layout if conv.where == "destination" else None,
+                    order=MoveOrder(
+                        delta=delta_order,
+                        convert=other.layout if conv.where == "destination" else None,
+                        blend=eta,
+                    ),
                     converting=conv.where is not None,
                 )
                 stats.conversion = conv.where
@@ -1074,21 +1075,20 @@ class ModelGroup:
             self,
             dest,
             target,
-            version_of,
-            keep,
-            workers,
-            srcs,
-            dsts,
-            placement,
-            shared,
-            make_plan,
-            groups,
-            label,
-            make_stats,
-            timeout_s,
-            hold_source,
-            delta,
-            target if conv.where == "destination" else None,
+            MoveOrder(keep=keep, convert=target if conv.where == "destination" else None),
+            version_of=version_of,
+            workers=workers,
+            srcs=srcs,
+            dsts=dsts,
+            placement=placement,
+            shared=shared,
+            make_plan=make_plan,
+            groups=groups,
+            label=label,
+            make_stats=make_stats,
+            timeout_s=timeout_s,
+            hold_source=hold_source,
+            delta=delta,
         )
         dest.ledger.begin_stage(update)
         if not copy:
@@ -1220,17 +1220,16 @@ def _move(
     model: str,
     label: str,
     started: float,
-    blend: float | None = None,
-    keep: KeepOrder | None = None,
-    delta: DeltaOrder | None = None,
-    convert: Layout | None = None,
+    *,
+    order: MoveOrder = PLAIN_MOVE,
     converting: bool = False,
 ) -> ReallocStats:
-    """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
+    """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker;
+    with ``order.blend``: prepare, both phases, then the driver's commit, which blends).
 
     ``converting``: the plan moves one side's weights in the other side's format (no zero-copy
-    reads then: a peer's buffers are not in the plan's format); ``convert``: the layout the
-    destination workers convert into before committing.
+    reads then: a peer's buffers are not in the plan's format); ``order``: what the workers keep,
+    the delta, the layout the destination workers convert into before committing, the blend.
 
     The caller holds the groups' locks and changes its state only after this returns. Every wait,
     forming the world included, shares ``op.deadline``; any failure aborts ``op``.
@@ -1243,9 +1242,9 @@ def _move(
         world = groups[0].world_for(MOVE, groups, op.deadline)
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
         op.abort(err)
-    if blend is None:
+    if order.blend is None:
         shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
-        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, order)
         if any(result.phases):
             log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(result.phases))
         seconds = result.seconds
@@ -1254,7 +1253,7 @@ def _move(
         t0 = time.perf_counter()
         result = op.execute_plan(world, plan, srcs, placement, {"model": model})
         seconds = time.perf_counter() - t0
-        op.commit(blend=blend)
+        op.commit(blend=order.blend)
     ended = time.perf_counter()
     pause = ended - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)

@@ -36,7 +36,7 @@ from typing import Any, NoReturn, Sequence
 import ray
 
 from actors.errors import ReallocationError
-from actors.records import DELTA_COUNTERS, DeltaOrder, KeepOrder, PhaseResult
+from actors.records import DELTA_COUNTERS, PLAIN_MOVE, DeltaOrder, KeepOrder, MoveOrder, PhaseResult
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
 from actors.trace import slowest
 from actors.wire.shares import PeerView, worker_shares
@@ -127,9 +127,7 @@ class Operation:
         placement: Placement,
         shared: Sequence[bool],
         tags: dict,
-        keep: KeepOrder | None = None,
-        delta: DeltaOrder | None = None,
-        convert: Layout | None = None,
+        order: MoveOrder = PLAIN_MOVE,
     ) -> PhaseResult:
         """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
         and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
@@ -139,25 +137,31 @@ class Operation:
         commits when its own part is done. Any failure anywhere aborts every live worker, which
         rolls a committed one back: afterwards every live worker holds the old layout, as after a
         failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
-        rewrites destination buffers that other workers may still be reading. ``keep``: every
-        worker keeps the layout it leaves resident (actors/worker/kept.py). ``delta``: a move with
-        ``delta=True`` (actors/wire/delta.py). ``convert``: the layout the destination workers convert
-        into before committing (realloc/plan/formats.py; the plan's destination is that layout in
-        the source's weight format).
+        rewrites destination buffers that other workers may still be reading (an ``order`` with a
+        ``blend`` is a ``ValueError``). ``order``: the :class:`~actors.records.MoveOrder` every
+        worker gets: ``keep``, every worker keeps the layout it leaves resident
+        (actors/worker/kept.py); ``delta``, a move with ``delta=True`` (actors/wire/delta.py);
+        ``convert``, the layout the destination workers convert into before committing
+        (realloc/plan/formats.py; the plan's destination is that layout in the source's weight format).
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
+        if order.blend is not None:
+            raise ValueError(
+                f"run_plan commits on each worker when its part is done: no blend (got blend={order.blend!r}); "
+                "a blend goes through prepare, execute_plan and commit(blend=)"
+            )
         key, shares = worker_plan_refs(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
             refs = [
-                a.op_run.remote(self.id, world.id, key, [shares[i]], i, {**tags, "rank": str(i)}, keep, delta, convert)
+                a.op_run.remote(self.id, world.id, key, [shares[i]], i, {**tags, "rank": str(i)}, order)
                 for i, a in enumerate(self.workers.actors)
             ]
             results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return _phase_result(results, max(r["seconds"] for r in results), delta, self.workers.names)
+        return _phase_result(results, max(r["seconds"] for r in results), order.delta, self.workers.names)
 
     def adopt(self, layout: Layout, version: int, keep: KeepOrder | None = None) -> PhaseResult:
         """Steps 1-3 of a move to a kept ``layout`` that holds weight ``version`` (``op_adopt``:

@@ -36,7 +36,7 @@ import torch
 from actors import metrics
 from actors.errors import StaleOperationError
 from actors.lanes import CONTROL, LANES, MOVE, Lane
-from actors.records import DeltaOrder, KeepOrder, ShardChange
+from actors.records import PLAIN_MOVE, DeltaOrder, KeepOrder, MoveOrder, ShardChange
 from actors.trace import clock_reading
 from actors.wire import communicator
 from actors.wire.communicator import Communicators
@@ -772,9 +772,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         plan_box: list,
         me: int,
         tags: dict,
-        keep: KeepOrder | None = None,
-        delta: DeltaOrder | None = None,
-        convert: Layout | None = None,
+        order: MoveOrder = PLAIN_MOVE,
     ) -> dict:
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
@@ -785,7 +783,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         fan-out read of a peer's destination buffers waits for that peer's "phase 0 done" message
         instead of a driver barrier. The commit at the end is the protocol's: if any worker fails,
         the driver aborts every live worker, which rolls a committed one back (``op_abort``).
-        ``keep``: keep the layout left behind resident (actors/worker/kept.py); if the destination
+        ``order`` (:class:`~actors.records.MoveOrder`; its ``blend`` is never set here): ``keep``,
+        keep the layout left behind resident (actors/worker/kept.py); if the destination
         layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
         ``delta``: a move with ``delta=True`` (actors/wire/delta.py). ``convert``: the layout this worker
         ends in when the plan's destination is that layout in another weight format (the
@@ -801,12 +800,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.runs += 1
         self._evict_mappings()
         move.phases.mark("prepare")
-        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, delta))
-        if convert is not None and op.dst is not None:
-            self._convert_destination(op, convert, move.phases)
+        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, order.delta))
+        if order.convert is not None and op.dst is not None:
+            self._convert_destination(op, order.convert, move.phases)
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
-        if keep is not None:
-            self._keep(op, keep)
+        if order.keep is not None:
+            self._keep(op, order.keep)
         self._unmap_device_sources()
         result["refreshed"] = op.refreshed
         result["resident"] = self.resident_bytes()
