@@ -49,14 +49,14 @@ from actors.driver.launch import (
     user_methods,
 )
 from actors.driver.ledger import GroupLedger
-from actors.driver.protocol import Operation, delta_summary
+from actors.driver.protocol import Operation
 from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.lanes import LANES, MOVE, Lane
-from actors.records import PLAIN_MOVE, KeepOrder, MoveOrder, ResidentLayout, ShardChange, check_keep
+from actors.records import PLAIN_MOVE, KeepOrder, MoveOrder, PhaseResult, ResidentLayout, ShardChange, check_keep
 from actors.remote import Deadline, Workers, call_all, check_timeout, diagnose, each_result, gather, settle
-from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
+from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from actors.wire.zero_copy import sweep_stale_buffers
 from actors.worker import ShardWorker
 from realloc._checks import check_nonneg, is_int
@@ -87,7 +87,7 @@ class ReallocStats:
     version afterwards. For a staged update (actors/driver/staged.py) ``pause_seconds`` is 0 (nobody
     waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
     the largest worker's shadow set. ``delta``: for a move with ``delta=True``, what travelled
-    (:func:`actors.driver.protocol.delta_summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
+    (:func:`actors.records.delta_summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
     against ``bytes``, the senders' base memory); None otherwise. ``conversion``: for a copy
     between weight formats, where they were converted (``"source"``: before sending, the wire
     carrying the destination's format; ``"destination"``: after receiving); None otherwise.
@@ -1055,20 +1055,20 @@ class ModelGroup:
 
         shared = [info["zero_copy"] and conv.where is None for g in groups for info in g.infos]
 
-        def make_stats(plan: Plan, plan_seconds: float, results: list[dict], started: float) -> ReallocStats:
+        def make_stats(plan: Plan, plan_seconds: float, result: PhaseResult) -> ReallocStats:
             return ReallocStats(
                 transition=label,
-                bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-                bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-                bytes_local=sum(r["bytes"]["local"] for r in results),
-                seconds=max(r["seconds"] for r in results),
+                bytes_intra_node=result.bytes_intra_node,
+                bytes_inter_node=result.bytes_inter_node,
+                bytes_local=result.bytes_local,
+                seconds=result.seconds,
                 plan_seconds=plan_seconds,
-                peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+                peak_extra_bytes_per_actor=result.peak_extra_bytes_per_actor,
                 planned=plan.stats,
                 pause_seconds=0.0,
-                delta=delta_summary(results, update.delta_order),
+                delta=result.delta,
                 conversion=conv.where,
-                **_slowest_fields(slowest(workers.names, [r.get("phases") for r in results])),
+                **_slowest_fields(result.slowest),
             )
 
         update = StagedUpdate(

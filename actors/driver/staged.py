@@ -40,7 +40,7 @@ from actors import metrics
 from actors.driver.protocol import worker_plan_refs
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
-from actors.records import DeltaOrder, KeepOrder, MoveOrder, ShardChange
+from actors.records import DeltaOrder, KeepOrder, MoveOrder, PhaseResult, ShardChange
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, check_timeout, fire, gather, settle, undo
 from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from realloc.layout import Layout, RankLayout
@@ -224,9 +224,10 @@ class StagedUpdate:
             wall_spans(("staged transfer", started, time.perf_counter()), ("plan", t0, t0 + plan_seconds)),
             lane=STAGE,
         )
-        stats = self.make_stats(plan, plan_seconds, results, started)
+        result = PhaseResult.of(results, self.workers.names, delta=self.order.delta)
+        stats = self.make_stats(plan, plan_seconds, result)
         stats.version = self.version
-        stats.shadow_bytes_per_actor = max(r["shadow_bytes"] for r in results)
+        stats.shadow_bytes_per_actor = result.shadow_bytes
         return stats
 
     def _untouched(self) -> str:
