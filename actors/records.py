@@ -1,9 +1,11 @@
 """Records that cross the Ray boundary between the driver and the workers, and their checks.
 
-The orders a driver sends with a move (:class:`KeepOrder`, :class:`DeltaOrder`), the change a
+The orders a driver sends with a move (:class:`MoveOrder` of a :class:`KeepOrder`, a
+:class:`DeltaOrder`, a conversion and a blend), the change a
 worker's hook is told of (:class:`ShardChange`), the checkpoint fault a test injects
 (:class:`CheckpointFault`), the schema of a worker's delta counters (:data:`DELTA_COUNTERS`),
-and what the driver sums the workers' reports into (:class:`PhaseResult`) and records of a kept
+what a worker reports of its part of a move (:class:`WorkerReport`) and what the driver sums
+the reports into (:meth:`PhaseResult.of`, the one summation), and records of a kept
 layout (:class:`ResidentLayout`). Both sides import them; this module imports nothing of
 ``actors`` (it sits at the bottom of the package's import order, below ``wire/``, ``worker/``
 and ``driver/``) and no torch.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 from realloc._checks import check_nonneg
 from realloc.layout import Layout
@@ -75,6 +78,27 @@ class DeltaOrder:
     base: int | None
     version: int
     where: str = "host"
+
+
+@dataclass(frozen=True)
+class MoveOrder:
+    """What a move tells its workers besides the plan (``Operation.run_plan`` ->
+    ``ShardWorker.op_run``, ``StagedUpdate`` -> ``stage_run``), in one record.
+
+    ``keep``: keep the layout left behind resident (:class:`KeepOrder`); ``delta``: a move with
+    ``delta=True`` (:class:`DeltaOrder`); ``convert``: the layout the destination workers convert
+    into before committing (realloc/plan/formats.py); ``blend``: a blending commit's weight
+    (``copy_to(eta=)``; the driver commits it, after every worker finished: it never travels in
+    ``op_run``). All None: a plain move."""
+
+    keep: KeepOrder | None = None
+    delta: DeltaOrder | None = None
+    convert: Layout | None = None
+    blend: float | None = None
+
+
+#: The order of a plain move: nothing kept, no delta, no conversion, no blend.
+PLAIN_MOVE = MoveOrder()
 
 
 #: What :class:`DeltaSides` counts of the buckets it receives: all of them, those whose delta
@@ -153,9 +177,74 @@ class CheckpointFault:
 # -- the workers' reports, summed by the driver (actors/driver/protocol.py) -----------------------
 
 
+@dataclass
+class WorkerReport:
+    """What one worker reports of its part of a move (``op_run``, ``op_execute``, ``op_adopt``,
+    ``stage_run``); the worker fills it in as its part goes on, the driver sums the workers'
+    with :meth:`PhaseResult.of`.
+
+    ``bytes``: the bytes it received by link kind (``local``, ``intra``, ``inter``);
+    ``staging_bytes``/``dst_bytes``: its bucket staging and new destination buffers (the extra
+    memory the move cost it); ``seconds``: its own execution time; ``phases``: its seconds by phase
+    (actors/wire/executor.py ``Phases``); ``refreshed``: it wrote a kept layout's buffers in place;
+    ``resident``: the bytes of its kept layouts by place (``in_place``, ``host``); ``delta``: its
+    :data:`DELTA_COUNTERS` (a delta move that named a base); ``delta_base_bytes``: its delta base
+    (a move that carried a :class:`DeltaOrder`); ``shadow_bytes``: its shadow set (a staged update)."""
+
+    bytes: dict
+    staging_bytes: int = 0
+    dst_bytes: int = 0
+    seconds: float = 0.0
+    phases: dict | None = None
+    refreshed: bool = False
+    resident: dict | None = None
+    delta: dict | None = None
+    delta_base_bytes: int = 0
+    shadow_bytes: int = 0
+
+    def merge(self, later: "WorkerReport") -> None:
+        """Add ``later`` (the same worker's next execute phase) into this report: its bytes, the
+        larger staging, its phases (a worker's phases so far, the later phase's included)."""
+        for k in self.bytes:
+            self.bytes[k] += later.bytes[k]
+        self.staging_bytes = max(self.staging_bytes, later.staging_bytes)
+        self.phases = later.phases
+
+
+def slowest(names: Sequence[str], phases: Sequence[dict | None]) -> dict | None:
+    """The worker whose phases took longest, in seconds, and its longest phase:
+    ``{"worker", "seconds", "phase", "phase_seconds"}``; None without phases."""
+    timed = [(sum(p.values()), n, p) for n, p in zip(names, phases) if p]
+    if not timed:
+        return None
+    seconds, name, worst = max(timed, key=lambda t: t[0])
+    phase = max(worst, key=worst.get)
+    return {"worker": name, "seconds": seconds, "phase": phase, "phase_seconds": worst[phase]}
+
+
+def delta_summary(reports: Sequence[WorkerReport], order: DeltaOrder | None) -> dict | None:
+    """``ReallocStats.delta`` of a move that carried ``order``: ``mode`` (``"delta"``, or
+    ``"anchor"``: a full move), ``base_version``, the buckets that travelled as deltas, whole
+    (their delta would not have been smaller, or the sender had no base of that version) and
+    again whole after a missed checksum (``repaired``), ``bytes`` (what the routes carry in
+    full) and ``wire_bytes`` (what travelled: headers, deltas, whole buckets, flags; for an
+    anchor, every byte moved between workers), and ``base_bytes_per_actor``: the largest
+    sender's base, the memory this costs."""
+    if order is None:
+        return None
+    out = {"mode": "delta" if order.base is not None else "anchor", "base_version": order.base}
+    out.update({k: sum((r.delta or {}).get(k, 0) for r in reports) for k in DELTA_COUNTERS})
+    if order.base is None:
+        moved = sum(r.bytes["intra"] + r.bytes["inter"] for r in reports)
+        out["bytes"] = out["wire_bytes"] = moved
+    out["base_bytes_per_actor"] = max((r.delta_base_bytes for r in reports), default=0)
+    return out
+
+
 @dataclass(frozen=True)
 class PhaseResult:
-    """What the workers of one operation reported, summed (bytes received by link kind)."""
+    """What the workers of one operation reported, summed (bytes received by link kind):
+    :meth:`of`."""
 
     bytes_local: int
     bytes_intra_node: int
@@ -165,6 +254,36 @@ class PhaseResult:
     resident_in_place_bytes: int = 0  # the largest worker's kept layouts on its device
     resident_host_bytes: int = 0  # ... and in host memory
     refreshed: bool = False  # the destination was a kept layout, written in place
-    delta: dict | None = None  # a move with delta=True: actors.driver.protocol.delta_summary
+    delta: dict | None = None  # a move with delta=True: delta_summary
     slowest: dict | None = None  # the slowest worker and its slowest phase (actors.trace.slowest)
     phases: tuple = ()  # each worker's seconds by phase, where its report has them
+    shadow_bytes: int = 0  # the largest worker's shadow set (a staged update)
+
+    @classmethod
+    def of(
+        cls,
+        reports: Sequence[WorkerReport],
+        names: Sequence[str] = (),
+        *,
+        timed: bool = True,
+        delta: DeltaOrder | None = None,
+    ) -> "PhaseResult":
+        """The workers' ``reports`` summed: bytes by link kind added, the largest extra memory
+        (staging and destination buffers) and kept layouts, ``refreshed`` if any was. ``names``:
+        the workers', to name the slowest (reports with phases); ``timed``: ``seconds`` is the
+        slowest worker's own (else 0: the caller times it); ``delta``: the order the move carried
+        (:func:`delta_summary`)."""
+        return cls(
+            bytes_local=sum(r.bytes["local"] for r in reports),
+            bytes_intra_node=sum(r.bytes["intra"] for r in reports),
+            bytes_inter_node=sum(r.bytes["inter"] for r in reports),
+            peak_extra_bytes_per_actor=max(r.staging_bytes + r.dst_bytes for r in reports),
+            seconds=max(r.seconds for r in reports) if timed else 0.0,
+            resident_in_place_bytes=max(((r.resident or {}).get("in_place", 0) for r in reports), default=0),
+            resident_host_bytes=max(((r.resident or {}).get("host", 0) for r in reports), default=0),
+            refreshed=any(r.refreshed for r in reports),
+            delta=delta_summary(reports, delta),
+            slowest=slowest(names, [r.phases for r in reports]) if names else None,
+            phases=tuple(r.phases for r in reports),
+            shadow_bytes=max(r.shadow_bytes for r in reports),
+        )

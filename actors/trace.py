@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from actors.lanes import MOVE, Lane
+from actors.records import slowest  # noqa: F401 - actors.trace.slowest, as before
 from actors.remote import Deadline, Workers, gather
 from realloc.atomic_files import atomic_write, check_output_file
 
@@ -58,17 +59,6 @@ def clock_offset(samples: Sequence[tuple[float, float, float]]) -> float:
         raise ValueError("no clock samples")
     sent, reading, answered = min(samples, key=lambda s: s[2] - s[0])
     return reading - (sent + answered) / 2
-
-
-def slowest(names: Sequence[str], phases: Sequence[dict | None]) -> dict | None:
-    """The worker whose phases took longest, in seconds, and its longest phase:
-    ``{"worker", "seconds", "phase", "phase_seconds"}``; None without phases."""
-    timed = [(sum(p.values()), n, p) for n, p in zip(names, phases) if p]
-    if not timed:
-        return None
-    seconds, name, worst = max(timed, key=lambda t: t[0])
-    phase = max(worst, key=worst.get)
-    return {"worker": name, "seconds": seconds, "phase": phase, "phase_seconds": worst[phase]}
 
 
 def wall_spans(*spans: tuple[str, float, float]) -> tuple[tuple[str, float, float], ...]:

@@ -27,7 +27,7 @@ import ray
 from actors import metrics
 from actors.errors import HookError, ReallocationError
 from actors.lanes import MOVE
-from actors.records import CheckpointFault, ShardChange
+from actors.records import CheckpointFault, PhaseResult, ShardChange, WorkerReport
 from actors.remote import each_result, fire, gather
 from actors.wire.shares import PeerView, worker_shares
 from realloc._checks import check_finite
@@ -314,9 +314,8 @@ class CheckpointManager:
                 ]
                 exchanged = self._exchange(plan, "replicate", payloads, f"save iteration {iteration}: replicate", prog)
                 finish = max(res["finish_seconds"] for res in exchanged)
-                for res in exchanged:
-                    moved["intra"] += res["bytes"]["intra"]
-                    moved["inter"] += res["bytes"]["inter"]
+                replicated_bytes = _moved(exchanged)
+                moved = {"intra": replicated_bytes.bytes_intra_node, "inter": replicated_bytes.bytes_inter_node}
             else:
                 self._call_all("ckpt_forget", f"save iteration {iteration}")
             replicated = time.perf_counter()
@@ -608,6 +607,7 @@ class CheckpointManager:
         corrupt: list[str],
         max_reader: int,
     ) -> LoadStats:
+        moved = _moved(results)
         return LoadStats(
             iteration=iteration,
             method=method,
@@ -617,9 +617,9 @@ class CheckpointManager:
             exchange_seconds=exchange_seconds,
             total_seconds=0.0,
             bytes_read=read_bytes,
-            bytes_local=sum(r["bytes"]["local"] for r in results),
-            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+            bytes_local=moved.bytes_local,
+            bytes_intra_node=moved.bytes_intra_node,
+            bytes_inter_node=moved.bytes_inter_node,
             corrupt_copies=corrupt,
             max_reader_bytes=max_reader,
             install_seconds=max(r["finish_seconds"] for r in results),
@@ -766,6 +766,7 @@ class CheckpointManager:
             written = finish_hf_dir(
                 staged, {n: expected[n] for n in order}, assignment.weight_map(), g.spec.total_bytes(), extra
             )
+        moved = _moved(results)
         self.last_hf_export = HFExportStats(
             path=str(target),
             files=reports,
@@ -775,9 +776,9 @@ class CheckpointManager:
             write_seconds=max(res["finish_seconds"] for res in results),
             total_seconds=time.perf_counter() - started,
             bytes_written=sum(f["bytes"] for f in reports),
-            bytes_local=sum(r["bytes"]["local"] for r in results),
-            bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-            bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
+            bytes_local=moved.bytes_local,
+            bytes_intra_node=moved.bytes_intra_node,
+            bytes_inter_node=moved.bytes_inter_node,
             max_writer_bytes=max(assignment.loads().values()),
         )
         metrics.record_checkpoint(g.name, "export_hf", self.last_hf_export)
@@ -871,3 +872,9 @@ class CheckpointManager:
         chosen = sorted(first.values())
         refs = [getattr(g.actors[r], method).remote(str(self.root), self.run_id, **kwargs) for r in chosen]
         return self._get(refs, what, ranks=chosen)
+
+
+def _moved(results: list[dict]) -> PhaseResult:
+    """The bytes the workers' exchange reports (``ckpt_exchange``) received, by link kind, summed
+    as a move's are (:meth:`~actors.records.PhaseResult.of`)."""
+    return PhaseResult.of([WorkerReport(r["bytes"]) for r in results], timed=False)

@@ -49,14 +49,14 @@ from actors.driver.launch import (
     user_methods,
 )
 from actors.driver.ledger import GroupLedger
-from actors.driver.protocol import Operation, delta_summary
+from actors.driver.protocol import Operation
 from actors.driver.staged import StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.lanes import LANES, MOVE, Lane
-from actors.records import DeltaOrder, KeepOrder, ResidentLayout, ShardChange, check_keep
+from actors.records import PLAIN_MOVE, KeepOrder, MoveOrder, PhaseResult, ResidentLayout, ShardChange, check_keep
 from actors.remote import Deadline, Workers, call_all, check_timeout, diagnose, each_result, gather, settle
-from actors.trace import MoveRef, MoveTrace, gather_trace, slowest, wall_spans
+from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from actors.wire.zero_copy import sweep_stale_buffers
 from actors.worker import ShardWorker
 from realloc._checks import check_nonneg, is_int
@@ -87,7 +87,7 @@ class ReallocStats:
     version afterwards. For a staged update (actors/driver/staged.py) ``pause_seconds`` is 0 (nobody
     waited: the switch's pause is ``StagedUpdate.pause_seconds``) and ``shadow_bytes_per_actor``
     the largest worker's shadow set. ``delta``: for a move with ``delta=True``, what travelled
-    (:func:`actors.driver.protocol.delta_summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
+    (:func:`actors.records.delta_summary`: ``mode`` ``"delta"`` or ``"anchor"``, buckets, ``wire_bytes``
     against ``bytes``, the senders' base memory); None otherwise. ``conversion``: for a copy
     between weight formats, where they were converted (``"source"``: before sending, the wire
     carrying the destination's format; ``"destination"``: after receiving); None otherwise.
@@ -791,8 +791,7 @@ class ModelGroup:
                         self.name,
                         f"{before} -> {target}",
                         started,
-                        keep=order,
-                        delta=delta_order,
+                        order=MoveOrder(keep=order, delta=delta_order),
                     )
             except ReallocationError as err:
                 self.ledger.delta_done(before, self.ledger, delta_order, False)
@@ -982,9 +981,11 @@ class ModelGroup:
                     f"{self.name}->{other.name}",
                     label,
                     started,
-                    blend=eta,
-                    delta=delta_order,
-                    convert=other.layout if conv.where == "destination" else None,
+                    order=MoveOrder(
+                        delta=delta_order,
+                        convert=other.layout if conv.where == "destination" else None,
+                        blend=eta,
+                    ),
                     converting=conv.where is not None,
                 )
                 stats.conversion = conv.where
@@ -1054,41 +1055,40 @@ class ModelGroup:
 
         shared = [info["zero_copy"] and conv.where is None for g in groups for info in g.infos]
 
-        def make_stats(plan: Plan, plan_seconds: float, results: list[dict], started: float) -> ReallocStats:
+        def make_stats(plan: Plan, plan_seconds: float, result: PhaseResult) -> ReallocStats:
             return ReallocStats(
                 transition=label,
-                bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-                bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-                bytes_local=sum(r["bytes"]["local"] for r in results),
-                seconds=max(r["seconds"] for r in results),
+                bytes_intra_node=result.bytes_intra_node,
+                bytes_inter_node=result.bytes_inter_node,
+                bytes_local=result.bytes_local,
+                seconds=result.seconds,
                 plan_seconds=plan_seconds,
-                peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
+                peak_extra_bytes_per_actor=result.peak_extra_bytes_per_actor,
                 planned=plan.stats,
                 pause_seconds=0.0,
-                delta=delta_summary(results, update.delta_order),
+                delta=result.delta,
                 conversion=conv.where,
-                **_slowest_fields(slowest(workers.names, [r.get("phases") for r in results])),
+                **_slowest_fields(result.slowest),
             )
 
         update = StagedUpdate(
             self,
             dest,
             target,
-            version_of,
-            keep,
-            workers,
-            srcs,
-            dsts,
-            placement,
-            shared,
-            make_plan,
-            groups,
-            label,
-            make_stats,
-            timeout_s,
-            hold_source,
-            delta,
-            target if conv.where == "destination" else None,
+            MoveOrder(keep=keep, convert=target if conv.where == "destination" else None),
+            version_of=version_of,
+            workers=workers,
+            srcs=srcs,
+            dsts=dsts,
+            placement=placement,
+            shared=shared,
+            make_plan=make_plan,
+            groups=groups,
+            label=label,
+            make_stats=make_stats,
+            timeout_s=timeout_s,
+            hold_source=hold_source,
+            delta=delta,
         )
         dest.ledger.begin_stage(update)
         if not copy:
@@ -1220,17 +1220,16 @@ def _move(
     model: str,
     label: str,
     started: float,
-    blend: float | None = None,
-    keep: KeepOrder | None = None,
-    delta: DeltaOrder | None = None,
-    convert: Layout | None = None,
+    *,
+    order: MoveOrder = PLAIN_MOVE,
     converting: bool = False,
 ) -> ReallocStats:
-    """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker).
+    """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker;
+    with ``order.blend``: prepare, both phases, then the driver's commit, which blends).
 
     ``converting``: the plan moves one side's weights in the other side's format (no zero-copy
-    reads then: a peer's buffers are not in the plan's format); ``convert``: the layout the
-    destination workers convert into before committing.
+    reads then: a peer's buffers are not in the plan's format); ``order``: what the workers keep,
+    the delta, the layout the destination workers convert into before committing, the blend.
 
     The caller holds the groups' locks and changes its state only after this returns. Every wait,
     forming the world included, shares ``op.deadline``; any failure aborts ``op``.
@@ -1243,9 +1242,9 @@ def _move(
         world = groups[0].world_for(MOVE, groups, op.deadline)
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
         op.abort(err)
-    if blend is None:
+    if order.blend is None:
         shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
-        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, keep, delta, convert)
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, order)
         if any(result.phases):
             log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(result.phases))
         seconds = result.seconds
@@ -1254,7 +1253,7 @@ def _move(
         t0 = time.perf_counter()
         result = op.execute_plan(world, plan, srcs, placement, {"model": model})
         seconds = time.perf_counter() - t0
-        op.commit(blend=blend)
+        op.commit(blend=order.blend)
     ended = time.perf_counter()
     pause = ended - started
     log.debug("%s: %s in %.3fs", op.what, label, pause)

@@ -36,9 +36,8 @@ from typing import Any, NoReturn, Sequence
 import ray
 
 from actors.errors import ReallocationError
-from actors.records import DELTA_COUNTERS, DeltaOrder, KeepOrder, PhaseResult
+from actors.records import PLAIN_MOVE, KeepOrder, MoveOrder, PhaseResult, WorkerReport
 from actors.remote import Deadline, Workers, as_deadline, gather, undo
-from actors.trace import slowest
 from actors.wire.shares import PeerView, worker_shares
 from realloc.layout import Layout, RankLayout
 from realloc.plan import Placement, Plan
@@ -113,11 +112,11 @@ class Operation:
                     a.op_execute.remote(self.id, world.id, [shares[i]], i, phase, {**tags, "rank": str(i)})
                     for i, a in enumerate(self.workers.actors)
                 ]
-                results = _merge(results, gather(self.workers, refs, self.deadline, f"{self.what}: transfer"))
+                results = _merged(results, gather(self.workers, refs, self.deadline, f"{self.what}: transfer"))
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return _phase_result(results, names=self.workers.names)
+        return PhaseResult.of(results, self.workers.names, timed=False)
 
     def run_plan(
         self,
@@ -127,9 +126,7 @@ class Operation:
         placement: Placement,
         shared: Sequence[bool],
         tags: dict,
-        keep: KeepOrder | None = None,
-        delta: DeltaOrder | None = None,
-        convert: Layout | None = None,
+        order: MoveOrder = PLAIN_MOVE,
     ) -> PhaseResult:
         """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
         and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
@@ -139,25 +136,31 @@ class Operation:
         commits when its own part is done. Any failure anywhere aborts every live worker, which
         rolls a committed one back: afterwards every live worker holds the old layout, as after a
         failed commit of :meth:`commit`. Not for blending commits (``copy_to(eta=)``): a blend
-        rewrites destination buffers that other workers may still be reading. ``keep``: every
-        worker keeps the layout it leaves resident (actors/worker/kept.py). ``delta``: a move with
-        ``delta=True`` (actors/wire/delta.py). ``convert``: the layout the destination workers convert
-        into before committing (realloc/plan/formats.py; the plan's destination is that layout in
-        the source's weight format).
+        rewrites destination buffers that other workers may still be reading (an ``order`` with a
+        ``blend`` is a ``ValueError``). ``order``: the :class:`~actors.records.MoveOrder` every
+        worker gets: ``keep``, every worker keeps the layout it leaves resident
+        (actors/worker/kept.py); ``delta``, a move with ``delta=True`` (actors/wire/delta.py);
+        ``convert``, the layout the destination workers convert into before committing
+        (realloc/plan/formats.py; the plan's destination is that layout in the source's weight format).
         """
         if self.handles is not None:
             raise RuntimeError("run_plan replaces prepare/execute/commit; this operation is already prepared")
+        if order.blend is not None:
+            raise ValueError(
+                f"run_plan commits on each worker when its part is done: no blend (got blend={order.blend!r}); "
+                "a blend goes through prepare, execute_plan and commit(blend=)"
+            )
         key, shares = worker_plan_refs(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
             refs = [
-                a.op_run.remote(self.id, world.id, key, [shares[i]], i, {**tags, "rank": str(i)}, keep, delta, convert)
+                a.op_run.remote(self.id, world.id, key, [shares[i]], i, {**tags, "rank": str(i)}, order)
                 for i, a in enumerate(self.workers.actors)
             ]
             results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")
         except ReallocationError as err:
             world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
-        return _phase_result(results, max(r["seconds"] for r in results), delta, self.workers.names)
+        return PhaseResult.of(results, self.workers.names, delta=order.delta)
 
     def adopt(self, layout: Layout, version: int, keep: KeepOrder | None = None) -> PhaseResult:
         """Steps 1-3 of a move to a kept ``layout`` that holds weight ``version`` (``op_adopt``:
@@ -165,7 +168,7 @@ class Operation:
         which puts its current buffers back and keeps the adopted ones resident again."""
         refs = [a.op_adopt.remote(self.id, layout, version, keep) for a in self.workers.actors]
         results = self.call(refs, "adopt the kept layout")
-        return _phase_result(results, seconds=max(r["seconds"] for r in results))
+        return PhaseResult.of(results)
 
     def commit(self, blend: float | None = None) -> None:
         """Step 3: every worker adopts; any failure rolls every live worker back."""
@@ -236,50 +239,10 @@ def worker_plan_refs(
     return entry[0], entry[1]
 
 
-def _phase_result(
-    results: list[dict], seconds: float = 0.0, delta: DeltaOrder | None = None, names: Sequence[str] = ()
-) -> PhaseResult:
-    """The workers' reports summed; ``names``: the workers', to name the slowest (reports with phases)."""
-    return PhaseResult(
-        bytes_local=sum(r["bytes"]["local"] for r in results),
-        bytes_intra_node=sum(r["bytes"]["intra"] for r in results),
-        bytes_inter_node=sum(r["bytes"]["inter"] for r in results),
-        peak_extra_bytes_per_actor=max(r["staging_bytes"] + r["dst_bytes"] for r in results),
-        seconds=seconds,
-        resident_in_place_bytes=max((r.get("resident", {}).get("in_place", 0) for r in results), default=0),
-        resident_host_bytes=max((r.get("resident", {}).get("host", 0) for r in results), default=0),
-        refreshed=any(r.get("refreshed", False) for r in results),
-        delta=delta_summary(results, delta),
-        slowest=slowest(names, [r.get("phases") for r in results]) if names else None,
-        phases=tuple(r.get("phases") for r in results),
-    )
-
-
-def _merge(acc: list | None, new: list[dict]) -> list[dict]:
+def _merged(acc: list[WorkerReport] | None, new: list[WorkerReport]) -> list[WorkerReport]:
+    """Each worker's report of the phases so far, with its report of the next phase added."""
     if acc is None:
         return new
     for a, b in zip(acc, new):
-        for k in a["bytes"]:
-            a["bytes"][k] += b["bytes"][k]
-        a["staging_bytes"] = max(a["staging_bytes"], b["staging_bytes"])
-        a["phases"] = b.get("phases")  # a worker's phases so far, the later phase's included
+        a.merge(b)
     return acc
-
-
-def delta_summary(results: list[dict], order: DeltaOrder | None) -> dict | None:
-    """``ReallocStats.delta`` of a move that carried ``order``: ``mode`` (``"delta"``, or
-    ``"anchor"``: a full move), ``base_version``, the buckets that travelled as deltas, whole
-    (their delta would not have been smaller, or the sender had no base of that version) and
-    again whole after a missed checksum (``repaired``), ``bytes`` (what the routes carry in
-    full) and ``wire_bytes`` (what travelled: headers, deltas, whole buckets, flags; for an
-    anchor, every byte moved between workers), and ``base_bytes_per_actor``: the largest
-    sender's base, the memory this costs."""
-    if order is None:
-        return None
-    out = {"mode": "delta" if order.base is not None else "anchor", "base_version": order.base}
-    out.update({k: sum(r.get("delta", {}).get(k, 0) for r in results) for k in DELTA_COUNTERS})
-    if order.base is None:
-        moved = sum(r["bytes"]["intra"] + r["bytes"]["inter"] for r in results)
-        out["bytes"] = out["wire_bytes"] = moved
-    out["base_bytes_per_actor"] = max((r.get("delta_base_bytes", 0) for r in results), default=0)
-    return out

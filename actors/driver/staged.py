@@ -33,13 +33,14 @@ import threading
 import time
 import uuid
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from actors import metrics
 from actors.driver.protocol import worker_plan_refs
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
-from actors.records import KeepOrder, ShardChange
+from actors.records import DeltaOrder, KeepOrder, MoveOrder, PhaseResult, ShardChange
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, check_timeout, fire, gather, settle, undo
 from actors.trace import MoveRef, MoveTrace, gather_trace, wall_spans
 from realloc.layout import Layout, RankLayout
@@ -66,8 +67,9 @@ class StagedUpdate:
         source: Any,
         dest: Any,
         target: Layout,
+        order: MoveOrder,
+        *,
         version_of: Callable[[], int],
-        keep: KeepOrder | None,
         workers: Workers,
         srcs: Sequence[RankLayout | None],
         dsts: Sequence[RankLayout | None],
@@ -80,14 +82,19 @@ class StagedUpdate:
         timeout_s: float | None = None,
         hold_source: bool = True,
         delta: bool = False,
-        convert: Layout | None = None,
     ):
+        if order.blend is not None or order.delta is not None:
+            raise ValueError(
+                f"a staged update's order names what to keep and convert into; its delta order is decided "
+                f"once the source is held (delta=True) and it never blends, got {order!r}"
+            )
         self.id = uuid.uuid4().hex[:12]
-        self.convert = convert  # the receivers convert into this layout (realloc/plan/formats.py)
+        # keep: what the switch keeps; convert: the receivers convert into this layout
+        # (realloc/plan/formats.py); delta: set once the source is held (actors/wire/delta.py)
+        self.order = order
         self.delta = delta
-        self.delta_order = None  # decided once the source is held (actors/wire/delta.py)
         self.sent_layout = source.layout
-        self.source, self.dest, self.target, self.keep = source, dest, target, keep
+        self.source, self.dest, self.target = source, dest, target
         self.version_of, self.hold_source = version_of, hold_source
         self._version: int | None = None
         self.source_version: int | None = None  # the source's version when it was held
@@ -107,6 +114,16 @@ class StagedUpdate:
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._stage, name=f"realloc-stage-{self.id}", daemon=True)
+
+    @property
+    def keep(self) -> KeepOrder | None:
+        """What the switch keeps of the layout it leaves (None: nothing)."""
+        return self.order.keep
+
+    @property
+    def delta_order(self) -> DeltaOrder | None:
+        """The delta order the transfer carries: None until the source is held, or without delta."""
+        return self.order.delta
 
     def __repr__(self) -> str:
         return f"StagedUpdate({self.label}, version {self.known_version}, {self.state})"
@@ -145,8 +162,9 @@ class StagedUpdate:
                 self.source_version = self.source.version
                 self.sent_layout = self.source.layout
                 source = self.source.ledger
-                self.delta_order = source.delta_order(
-                    self.delta, self.dest.ledger, source.copied_version(self.dest.ledger)
+                self.order = replace(
+                    self.order,
+                    delta=source.delta_order(self.delta, self.dest.ledger, source.copied_version(self.dest.ledger)),
                 )
                 self._versioned.set()
                 self.stats = self._transfer(started)
@@ -189,9 +207,7 @@ class StagedUpdate:
                 i,
                 {"model": self.label, "rank": str(i)},
                 self.version,
-                self.keep,
-                self.delta_order,
-                self.convert,
+                self.order,
             )
             for i, a in enumerate(self.workers.actors)
         ]
@@ -208,9 +224,10 @@ class StagedUpdate:
             wall_spans(("staged transfer", started, time.perf_counter()), ("plan", t0, t0 + plan_seconds)),
             lane=STAGE,
         )
-        stats = self.make_stats(plan, plan_seconds, results, started)
+        result = PhaseResult.of(results, self.workers.names, delta=self.order.delta)
+        stats = self.make_stats(plan, plan_seconds, result)
         stats.version = self.version
-        stats.shadow_bytes_per_actor = max(r["shadow_bytes"] for r in results)
+        stats.shadow_bytes_per_actor = result.shadow_bytes
         return stats
 
     def _untouched(self) -> str:

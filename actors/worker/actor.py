@@ -36,7 +36,7 @@ import torch
 from actors import metrics
 from actors.errors import StaleOperationError
 from actors.lanes import CONTROL, LANES, MOVE, Lane
-from actors.records import DeltaOrder, KeepOrder, ShardChange
+from actors.records import PLAIN_MOVE, DeltaOrder, KeepOrder, MoveOrder, ShardChange, WorkerReport
 from actors.trace import clock_reading
 from actors.wire import communicator
 from actors.wire.communicator import Communicators
@@ -675,7 +675,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             )
             self._realloc.allocator.release(op.buffers)
 
-    def op_execute(self, op_id: str, world_id: str, share: list, me: int, phase: int, tags: dict) -> dict:
+    def op_execute(self, op_id: str, world_id: str, share: list, me: int, phase: int, tags: dict) -> WorkerReport:
         """Run phase ``phase`` of this worker's slice of a plan (0: local copies and routes from
         holders, 1: fan-out). ``share``: ``[ObjectRef of (PlanSlice, PeerTable)]``, this
         worker's alone (``Operation.execute_plan``)."""
@@ -689,10 +689,10 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             move.phases.mark("driver barrier")  # since the previous phase: the driver's wait for all
         result = self._timed(op, tags, phase, lambda: self._execute(op, plan, me, peers, phase, move))
         move.phases.mark(f"phase {phase}")
-        result["phases"] = dict(move.phases.seconds)
+        result.phases = dict(move.phases.seconds)
         return result
 
-    def _timed(self, op: PendingOp, tags: dict, phase: "int | str", run: Callable[[], dict]) -> dict:
+    def _timed(self, op: PendingOp, tags: dict, phase: "int | str", run: Callable[[], WorkerReport]) -> WorkerReport:
         """``run()`` (an execute phase of ``op``), timed and counted into ``op`` and the metrics."""
         started = time.perf_counter()
         metrics.in_flight(tags, +1)
@@ -702,16 +702,18 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         finally:
             metrics.in_flight(tags, -1)
         seconds = time.perf_counter() - started
-        for kind, n in result["bytes"].items():
+        for kind, n in result.bytes.items():
             op.moved[kind] += n
         op.seconds += seconds
         op.tags = tags
-        metrics.record_phase(tags, phase, result["bytes"], seconds)
-        log.debug("%s op %s phase %s: %s in %.3fs", self._realloc.group, op.id, phase, result["bytes"], seconds)
-        result["seconds"] = seconds
+        metrics.record_phase(tags, phase, result.bytes, seconds)
+        log.debug("%s op %s phase %s: %s in %.3fs", self._realloc.group, op.id, phase, result.bytes, seconds)
+        result.seconds = seconds
         return result
 
-    def _execute(self, op: PendingOp, plan: PlanSlice, me: int, peers: PeerTable, phase: int, lane: LaneState) -> dict:
+    def _execute(
+        self, op: PendingOp, plan: PlanSlice, me: int, peers: PeerTable, phase: int, lane: LaneState
+    ) -> WorkerReport:
         src = self._store_now() if peers[me].src is not None else None
         dst = op.store()
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -752,12 +754,12 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 moved["local"] += local_copies.join()
         return self._finished(op, moved, lane)
 
-    def _finished(self, op: PendingOp, moved: dict[str, int], lane: LaneState) -> dict:
+    def _finished(self, op: PendingOp, moved: dict[str, int], lane: LaneState) -> WorkerReport:
         """An execute phase's report, once its writes are complete (on a GPU: synchronised)."""
         if self._realloc.device.type == "cuda":
             torch.cuda.synchronize(self._realloc.device)
         dst_bytes = buffers_nbytes(op.buffers.values()) if op.buffers else 0
-        return {"bytes": moved, "staging_bytes": lane.staging.nbytes, "dst_bytes": dst_bytes}
+        return WorkerReport(moved, staging_bytes=lane.staging.nbytes, dst_bytes=dst_bytes)
 
     def _peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
         held = peer.dst if forward else peer.src
@@ -772,10 +774,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         plan_box: list,
         me: int,
         tags: dict,
-        keep: KeepOrder | None = None,
-        delta: DeltaOrder | None = None,
-        convert: Layout | None = None,
-    ) -> dict:
+        order: MoveOrder = PLAIN_MOVE,
+    ) -> WorkerReport:
         """A whole plan in one call: prepare, both execute phases, commit (``Operation.run_plan``).
 
         ``plan_box`` is ``[ObjectRef of (PlanSlice, PeerTable)]``, this worker's share of the plan
@@ -785,7 +785,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         fan-out read of a peer's destination buffers waits for that peer's "phase 0 done" message
         instead of a driver barrier. The commit at the end is the protocol's: if any worker fails,
         the driver aborts every live worker, which rolls a committed one back (``op_abort``).
-        ``keep``: keep the layout left behind resident (actors/worker/kept.py); if the destination
+        ``order`` (:class:`~actors.records.MoveOrder`; its ``blend`` is never set here): ``keep``,
+        keep the layout left behind resident (actors/worker/kept.py); if the destination
         layout is a kept one, the plan writes into its buffers (``refreshed`` in the result).
         ``delta``: a move with ``delta=True`` (actors/wire/delta.py). ``convert``: the layout this worker
         ends in when the plan's destination is that layout in another weight format (the
@@ -801,17 +802,17 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.runs += 1
         self._evict_mappings()
         move.phases.mark("prepare")
-        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, delta))
-        if convert is not None and op.dst is not None:
-            self._convert_destination(op, convert, move.phases)
+        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, order.delta))
+        if order.convert is not None and op.dst is not None:
+            self._convert_destination(op, order.convert, move.phases)
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
-        if keep is not None:
-            self._keep(op, keep)
+        if order.keep is not None:
+            self._keep(op, order.keep)
         self._unmap_device_sources()
-        result["refreshed"] = op.refreshed
-        result["resident"] = self.resident_bytes()
+        result.refreshed = op.refreshed
+        result.resident = self.resident_bytes()
         move.phases.mark("commit")
-        result["phases"] = dict(move.phases.seconds)
+        result.phases = dict(move.phases.seconds)
         return result
 
     def last_phases(self) -> dict[str, float]:
@@ -846,7 +847,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.kept[held.layout] = Resident(held, buffers, order.version, order.where)
         op.kept = held.layout
 
-    def op_adopt(self, op_id: str, layout: Layout, version: int, keep: KeepOrder | None = None) -> dict:
+    def op_adopt(self, op_id: str, layout: Layout, version: int, keep: KeepOrder | None = None) -> WorkerReport:
         """Prepare and commit a move to the kept ``layout`` in one call: its buffers become the
         current ones (from host memory: copied back to the device first). No byte travels.
 
@@ -871,13 +872,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         if keep is not None:
             self._keep(op, keep)
         seconds = time.perf_counter() - started
-        return {
-            "bytes": dict(op.moved),
-            "staging_bytes": 0,
-            "dst_bytes": 0,
-            "seconds": seconds,
-            "resident": self.resident_bytes(),
-        }
+        return WorkerReport(dict(op.moved), seconds=seconds, resident=self.resident_bytes())
 
     def _on_device(self, kept: Resident) -> dict[str, torch.Tensor]:
         """A kept layout's buffers on the device: themselves, or a copy of the host copy."""
@@ -923,7 +918,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.plans.move_to_end(key)
         return worker_plan
 
-    def _run(self, op: PendingOp, wp: WorkerPlan, me: int, lane: LaneState, delta: DeltaOrder | None = None) -> dict:
+    def _run(
+        self, op: PendingOp, wp: WorkerPlan, me: int, lane: LaneState, delta: DeltaOrder | None = None
+    ) -> WorkerReport:
         """``op``'s part of ``wp`` on ``lane``: over its transport, through its bucket staging, marked
         on its timeline (a move's, ``op_run``; a staged update's, actors/worker/staging.py).
         ``delta``: run the routes as deltas when it names a base version, and keep what was sent
@@ -1022,9 +1019,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         result = self._finished(op, moved, lane)
         timeline.mark("device sync")
         if sides is not None:
-            result["delta"] = sides.stats
+            result.delta = sides.stats
         if delta is not None:
-            result["delta_base_bytes"] = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
+            result.delta_base_bytes = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
 
     def _source_store(self, src: RankLayout, timeline: Phases, failed: list | None = None) -> tuple[ShardStore, bool]:

@@ -33,7 +33,7 @@ import torch
 
 from actors.errors import StaleOperationError
 from actors.lanes import CONTROL, STAGE
-from actors.records import KeepOrder, ShardChange
+from actors.records import PLAIN_MOVE, KeepOrder, MoveOrder, ShardChange, WorkerReport
 from actors.wire.executor import Phases
 from actors.worker.context import ShardContext
 from actors.worker.kept import Resident
@@ -73,15 +73,15 @@ class StagingMixin:
         me: int,
         tags: dict,
         version: int,
-        keep=None,
-        delta=None,
-        convert=None,
-    ) -> dict:
+        order: MoveOrder = PLAIN_MOVE,
+    ) -> WorkerReport:
         """This worker's part of a staged update: prepare its shadow set (if it receives), run the
         plan over the staged world into it, and report. The serving buffers are only read.
-        ``delta``: an :class:`~actors.records.DeltaOrder` (a staged copy with ``delta=True``).
-        ``convert``: the layout the shadow set ends in when the plan brings it in the sender's
-        weight format (converted here, before it is ready)."""
+        ``order`` (:class:`~actors.records.MoveOrder`; never a blend): ``keep``, what the switch
+        keeps of the layout it leaves; ``delta``, a staged copy with ``delta=True``; ``convert``,
+        the layout the shadow set ends in when the plan brings it in the sender's weight format
+        (converted here, before it is ready)."""
+        keep, delta, convert = order.keep, order.delta, order.convert
         st = self._realloc
         lane = self._check_world(world_id, STAGE)
         wp = self._worker_plan(key, plan_box, me)
@@ -106,12 +106,12 @@ class StagingMixin:
             with st.stage_lock:
                 staged.dst, staged.buffers = converted.dst, converted.buffers
             buffers = converted.buffers
-        result["seconds"] = time.perf_counter() - started
+        result.seconds = time.perf_counter() - started
         with st.stage_lock:
             if st.staged is staged:
                 staged.ready = True
-        result["shadow_bytes"] = buffers_nbytes(buffers.values()) if buffers else 0
-        result["phases"] = dict(lane.phases.seconds)
+        result.shadow_bytes = buffers_nbytes(buffers.values()) if buffers else 0
+        result.phases = dict(lane.phases.seconds)
         return result
 
     def _shadow_for(self, dst: RankLayout) -> dict[str, torch.Tensor]:
