@@ -22,26 +22,49 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-#: The longest test modules (seconds in `.ci/run` with `--durations`, 2026-11-27), run first: the
-#: two pytest processes (`-n 2 --dist loadfile`, pyproject.toml) take a module at a time in
-#: collection order, so the long ones starting last left one process running alone at the end.
-LONGEST_FIRST = (
-    "test_bench.py",
-    "test_staged_faults_ray.py",
-    "test_delta_ray.py",
-    "test_trust_ray.py",
-    "test_your_model_ray.py",
-    "test_scale_ray.py",
-    "test_staged_ray.py",
-    "test_deadlines_ray.py",
-    "test_resident_ray.py",
-    "test_ray_head.py",
-    "test_formats_ray.py",
-    "test_grafana_prometheus_ray.py",
+#: Test modules run in the two pytest processes (`-n 2 --dist loadgroup`, pyproject.toml) as
+#: work units: each unit goes whole to one process. A unit is one module, or here several Ray
+#: modules asking for the same simulated cluster shape (tests/simulated.py keeps a cluster between
+#: the modules of a process that ask for the same shape). Units start longest first (seconds in the
+#: suite run under `--durations=0`, 2026-11-27), so no long one starts last and leaves one process
+#: running alone at the end; a unit's modules run in the order written.
+UNITS = (
+    (
+        "ray-2x4-staged",
+        ("test_staged_faults_ray.py", "test_fleet_ray.py", "test_staged_ray.py", "test_deadlines_ray.py"),
+    ),
+    (
+        "ray-2x4-moves",
+        (
+            "test_delta_ray.py",
+            "test_resident_ray.py",
+            "test_formats_ray.py",
+            "test_progress_ray.py",
+            "test_invalid_api.py",
+        ),
+    ),
+    ("bench", ("test_bench.py",)),
+    ("ray-4x2", ("test_conventions_ray.py", "test_trust_ray.py")),  # trust adds and removes a node: last
+    ("ray-2x2", ("test_zero3_ray.py", "test_your_model_ray.py", "test_worker_class_trust_ray.py", "test_fsdp2_ray.py")),
+    ("scale", ("test_scale_ray.py",)),
+    ("ray-head", ("test_ray_head.py",)),
+    ("ray-cluster", ("test_ray_cluster.py",)),
+    ("ray-3x4", ("test_moe_ray.py", "test_ckpt_ray.py")),
+    ("grafana", ("test_grafana_prometheus_ray.py",)),
+    ("ray-1x4", ("test_hf_export_ray.py", "test_hf_trust_ray.py")),
 )
+_UNIT_OF = {
+    module: (rank, unit, order) for rank, (unit, modules) in enumerate(UNITS) for order, module in enumerate(modules)
+}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
-    """Longest modules first (a stable sort: each module's tests keep their order, and stay together)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+    """Every item in its unit (an ``xdist_group`` mark), the listed units first and longest first;
+    a stable sort, so each module's tests keep their order."""
+    last = len(UNITS)
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            _, unit, _ = _UNIT_OF.get(item.path.name, (last, item.path.name, 0))
+            item.add_marker(pytest.mark.xdist_group(unit))
+    items.sort(key=lambda item: _UNIT_OF.get(item.path.name, (last, "", 0))[::2])

@@ -1,8 +1,11 @@
-"""A simulated multi-node Ray cluster for the integration tests (one per test module)."""
+"""A simulated multi-node Ray cluster for the integration tests (kept between the modules of one
+pytest process that ask for the same shape)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import socket
 from types import SimpleNamespace
 from typing import Iterator
@@ -10,24 +13,85 @@ from typing import Iterator
 import ray
 from ray.cluster_utils import Cluster
 
+#: The cluster this test process keeps between modules: ``(key, cluster, added nodes)``, or None.
+#: Starting a simulated cluster (a GCS, a raylet, a dashboard agent and a runtime-env agent per
+#: node) is most of a Ray module's setup on these 2 cores; modules asking for the same shape
+#: reuse it (tests/conftest.py sends them to the same pytest process).
+_kept: tuple | None = None
+
+
+def _key(nodes: int, cpus_per_node: int, gpus_per_node: int) -> tuple:
+    # RAY_* variables are read by the cluster's processes when they start (a test that sets one,
+    # e.g. the metrics report interval, gets a cluster started with it)
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("RAY_")))
+    return nodes, cpus_per_node, gpus_per_node, env
+
+
+def _intact(cluster: Cluster, added: list) -> bool:
+    """Every node the cluster was started with, and only those, with all their processes alive."""
+    now = cluster.list_all_nodes()
+    started = [cluster.head_node, *added]
+    return [n.unique_id for n in now] == [n.unique_id for n in started] and all(
+        n.remaining_processes_alive() for n in now
+    )
+
+
+def _discard() -> None:
+    global _kept
+    if _kept is not None:
+        _, cluster, _ = _kept
+        _kept = None
+        cluster.shutdown()
+
+
+atexit.register(_discard)
+
 
 @contextlib.contextmanager
 def simulated_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Iterator[SimpleNamespace]:
     """``nodes`` raylets of ``cpus_per_node`` CPU slots each (distinct node ids, one machine), a
-    head without CPUs, and this process connected as the driver; all of it torn down afterwards.
-    ``gpus_per_node``: GPUs each raylet announces (on a one-GPU machine every node hands out the
-    same device, so two simulated nodes share it)."""
+    head without CPUs, and this process connected as the driver. ``gpus_per_node``: GPUs each
+    raylet announces (on a one-GPU machine every node hands out the same device, so two
+    simulated nodes share it).
+
+    On exit the driver disconnects, and Ray kills every actor it created. The cluster itself is
+    kept for the next module of this process that asks for the same shape, unless the module
+    changed it (a node added, removed or killed): then it is shut down."""
+    global _kept
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False})
+    key = _key(nodes, cpus_per_node, gpus_per_node)
+    if _kept is not None and not (_kept[0] == key and _intact(_kept[1], _kept[2])):
+        _discard()
+    if _kept is None:
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False})
+        try:
+            added = [c.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node) for _ in range(nodes)]
+        except BaseException:
+            c.shutdown()
+            raise
+        _kept = (key, c, added)
+    _, c, added = _kept
     try:
-        added = [c.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node) for _ in range(nodes)]
         ray.init(address=c.address, log_to_driver=False)
         c.wait_for_nodes()
-        yield SimpleNamespace(cluster=c, nodes=added)
+        _wait_for_free_cpus(nodes * cpus_per_node)
+        yield SimpleNamespace(cluster=c, nodes=list(added))
     finally:
         ray.shutdown()
-        c.shutdown()
+        if not _intact(c, added):
+            _discard()
+
+
+def _wait_for_free_cpus(total: int, timeout_s: float = 60) -> None:
+    """Until the CPU slots the previous module's actors held are free again (Ray kills a
+    departed driver's actors asynchronously)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (free := ray.available_resources().get("CPU", 0)) < total:
+        assert time.monotonic() < deadline, f"the kept cluster has {free} of {total} CPU slots free after {timeout_s} s"
+        time.sleep(0.2)
 
 
 def free_port() -> int:

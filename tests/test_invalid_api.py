@@ -25,6 +25,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from simulated import simulated_cluster
+
 from actors import Fleet, ModelGroup, ShardWorker
 from actors.config import GroupConfig
 from actors.errors import ReallocationError
@@ -54,18 +56,8 @@ FAST_S = 10.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(NODES):
-        c.add_node(num_cpus=CPUS_PER_NODE)
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(NODES, CPUS_PER_NODE) as c:
+        yield c.cluster
 
 
 @pytest.fixture(scope="module")
