@@ -464,6 +464,19 @@ def full_tensors(d: Decoder, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def changed_version(full: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """``full`` with about ``fraction`` of its elements changed (the next weight version, for deltas):
+    each chosen element ``x`` becomes ``x * 1.5 + 0.25``, computed in float64 and rounded once."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in full.items():
+        mask = torch.rand(t.shape, generator=g) < fraction
+        new = t.clone()
+        new[mask] = (t[mask].double() * 1.5 + 0.25).to(t.dtype)
+        out[name] = new
+    return out
+
+
 def index_tensors(d: Decoder) -> dict[str, torch.Tensor]:
     """Global tensors whose elements are their own flat index (int64)."""
     return {p.name: torch.arange(p.numel, dtype=torch.int64).reshape(p.shape) for p in params(d)}

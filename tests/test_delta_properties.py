@@ -158,31 +158,20 @@ def _stores(d, topo: Topology, layout: Layout, full, workers, pad):
     return out
 
 
-def _changed(full: dict, fraction: float, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in full.items():
-        mask = torch.rand(t.shape, generator=g) < fraction
-        new = t.clone()
-        new[mask] = (t[mask].double() * 1.5 + 0.25).to(t.dtype)
-        out[name] = new
-    return out
-
-
 def run_delta_plan(case: Case, fraction: float, seed: int, faults: dict) -> dict:
     """Run ``case``'s plan as a delta from version 1 to 2; returns the summed DeltaSides stats
     after checking every destination against the oracle's version 2."""
     d, spec = case.d, case.d.spec()
     plan = make_plan(case)
     v1 = oracle.full_tensors(d, seed=7)
-    v2 = _changed(v1, fraction, seed)
+    v2 = oracle.changed_version(v1, fraction, seed)
     src_workers = case.src_workers or list(range(case.src.world_size))
     dst_workers = case.dst_workers or list(range(case.dst.world_size))
     a, b = Layout(spec, case.src, case.pad), Layout(spec, case.dst, case.pad)
     src = _stores(d, case.src, a, v2, src_workers, case.pad)
     src_base = _stores(d, case.src, a, v1, src_workers, case.pad)
     dst_base = _stores(d, case.dst, b, v1, dst_workers, case.pad)
-    other = _stores(d, case.src, a, _changed(v1, 0.05, seed + 1), src_workers, case.pad)
+    other = _stores(d, case.src, a, oracle.changed_version(v1, 0.05, seed + 1), src_workers, case.pad)
     if faults.get("in_place"):  # a kept layout refreshed in place: the destination is its own base
         dst = {w: ShardStore(b.shards(r), dst_base[w].buffers) for r, w in enumerate(dst_workers)}
     else:

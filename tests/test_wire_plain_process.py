@@ -66,21 +66,9 @@ def _store(full: dict, topo: Topology, rank: int) -> ShardStore:
     return store
 
 
-def _changed(full: dict, fraction: float, seed: int) -> dict:
-    """``full`` with about ``fraction`` of its elements changed (the next weight version)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in full.items():
-        mask = torch.rand(t.shape, generator=g) < fraction
-        new = t.clone()
-        new[mask] = t[mask] * 1.5 + 0.25
-        out[name] = new
-    return out
-
-
 def _versions() -> tuple[dict, dict]:
     v1 = oracle.full_tensors(DECODER, seed=7)
-    return v1, _changed(v1, 0.02, seed=3)
+    return v1, oracle.changed_version(v1, 0.02, seed=3)
 
 
 def _worker(rank: int, port: int, n: int, case: str, share, out: str) -> None:
