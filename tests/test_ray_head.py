@@ -40,7 +40,7 @@ def _stop_head(temp_dir: str, gcs: str) -> None:
     ]
     for p in procs:
         p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=20)
+    _, alive = psutil.wait_procs(procs, timeout=5)  # then killed: nothing of theirs is kept
     for p in alive:
         p.kill()
     shutil.rmtree(temp_dir, ignore_errors=True)
