@@ -15,7 +15,7 @@ from actors.lanes import CONCURRENCY_GROUPS, LANES, MOVE, STAGE, Lane
 from actors.remote import Workers
 from actors.wire.executor import Phases, Staging
 from actors.worker import RESERVED_METHODS, ShardWorker, WorkerState
-from actors.worker.actor import LaneState
+from actors.worker.state import LaneState
 
 
 def test_the_lanes_differ_in_group_and_prefix_and_survive_pickling():

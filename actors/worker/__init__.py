@@ -6,6 +6,7 @@ and the records of :mod:`actors.records`.
 defined in :mod:`actors.worker.actor`.
 """
 
-from actors.worker.actor import RESERVED_METHODS, ShardWorker, WorkerState, detach_result
+from actors.worker.actor import RESERVED_METHODS, ShardWorker, detach_result
+from actors.worker.state import WorkerState
 
 __all__ = ["RESERVED_METHODS", "ShardWorker", "WorkerState", "detach_result"]

@@ -22,12 +22,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import pickle
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import ray
@@ -35,29 +31,28 @@ import torch
 
 from actors import metrics
 from actors.errors import StaleOperationError
-from actors.lanes import CONTROL, LANES, MOVE, Lane
+from actors.lanes import CONTROL, MOVE, Lane
 from actors.records import PLAIN_MOVE, DeltaOrder, KeepOrder, MoveOrder, ShardChange, WorkerReport
 from actors.trace import clock_reading
-from actors.wire import communicator
 from actors.wire.communicator import Communicators
-from actors.wire.delta import Base, DeltaSides, sender_base, snapshot
-from actors.wire.executor import Cuts, Phases, Staging, StepRunner, collector_paused, received_share
-from actors.wire.shares import PeerTable, PeerView, is_zero_copy
+from actors.wire.delta import DeltaSides, sender_base, snapshot
+from actors.wire.executor import Phases, StepRunner, collector_paused, received_share
+from actors.wire.shares import PeerTable, PeerView
 from actors.wire.transport import (
     Transport,
-    backend_for,
     check_in,
     check_in_keys,
     connect_rendezvous,
     host_rendezvous,
-    wire_device,
 )
-from actors.wire.zero_copy import BufferAllocator, handle_identity, open_handles
+from actors.wire.zero_copy import open_handles
+from actors.worker import handles
 from actors.worker.checkpoint import CheckpointMixin
 from actors.worker.context import ShardContext
 from actors.worker.kept import Resident, copy_into, to_host
 from actors.worker.parallel import ParallelGroups
 from actors.worker.staging import StagingMixin
+from actors.worker.state import Background, LaneState, PendingOp, WorkerPlan, WorkerState
 from realloc.boxes import box_index
 from realloc.layout import Layout, RankLayout
 from realloc.plan.slices import PlanSlice
@@ -78,200 +73,8 @@ from realloc.spec.formats import FP8, scale_name, unformatted
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit", "exit_in_switch", "exit_in_convert")
-#: ``op_run``: bytes of one zero-copy handle message (length + pickle), and its message tags
-#: (plan steps use tag 0).
-HANDLE_BYTES = 1 << 14
-HANDLES_TAG, READY_TAG = 1, 2
-#: Plans (with their peers and this worker's routes) kept per worker, and how many operations a
-#: peer's mapped buffer stays mapped without being read.
-PLANS_KEPT, MAPPINGS_KEPT_OPS = 8, 2
-
-
-@dataclass
-class WorkerPlan:
-    """A plan as one worker runs it in ``op_run``, computed once per plan and world from its slice
-    (realloc/plan/slices.py) and cached: its routes by step, its local copies, and whom it
-    exchanges zero-copy handles and readiness with (decided from the peers' ``shared`` flags,
-    identically at both ends). Everything here is O(this worker's routes)."""
-
-    plan: PlanSlice
-    peers: PeerTable
-    routes: dict[int, list[tuple[int, int, int]]]
-    local: list[int]
-    #: peer -> which of its buffers this worker maps (forward flags: False its source, True its
-    #: destination); it receives exactly these handles from that peer and opens each once
-    read_from: dict[int, tuple[bool, ...]]
-    #: peer -> which of this worker's buffers that peer maps (it is sent exactly these handles)
-    read_by: dict[int, tuple[bool, ...]]
-    wait_ready: dict[int, list[int]]  # fan-out step -> peers whose phase 0 must be done before it
-    notify: list[int]  # peers that read this worker's destination buffers in fan-out steps
-    cuts: Cuts = field(default_factory=Cuts)  # its buckets and messages, cut on the first run
-
-    @staticmethod
-    def make(plan: PlanSlice, peers: PeerTable, me: int) -> "WorkerPlan":
-        routes = plan.routes_by_step()
-        read_from: dict[int, set[bool]] = {}
-        read_by: dict[int, set[bool]] = {}
-        notify, wait_ready = set(), {}
-        for s, step in routes.items():
-            forward = plan.reads_destination(s)
-            for a, b, _ in step:
-                if not is_zero_copy(peers, a, b, forward):
-                    continue
-                if b == me:
-                    read_from.setdefault(a, set()).add(forward)
-                    if forward:
-                        wait_ready.setdefault(s, []).append(a)
-                if a == me:
-                    read_by.setdefault(b, set()).add(forward)
-                    if forward:
-                        notify.add(b)
-        return WorkerPlan(
-            plan,
-            peers,
-            routes,
-            list(plan.local),
-            {p: tuple(sorted(f)) for p, f in sorted(read_from.items())},
-            {p: tuple(sorted(f)) for p, f in sorted(read_by.items())},
-            wait_ready,
-            sorted(notify),
-        )
-
-
-@dataclass
-class PendingOp:
-    """This worker's part of one driver operation (named record of the pending state)."""
-
-    id: str
-    dst: RankLayout | None  # what this worker will hold; None: it only sends
-    buffers: dict[str, torch.Tensor] | None  # destination buffers (written by the operation)
-    committed: bool = False
-    rollback: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
-    moved: dict[str, int] = field(default_factory=lambda: {"local": 0, "intra": 0, "inter": 0})
-    seconds: float = 0.0
-    tags: dict = field(default_factory=dict)  # metric tags of its execute phases
-    kept: Layout | None = None  # the layout this operation's commit kept resident (keep=...)
-    adopted: Resident | None = None  # the resident layout this operation adopted (op_adopt)
-    refreshed: bool = False  # its destination buffers are a kept layout's (written in place)
-
-    def store(self) -> ShardStore | None:
-        return ShardStore(self.dst.shards(), self.buffers) if self.dst is not None else None
-
-
-class _Background(threading.Thread):
-    """Runs ``fn`` in a thread; ``join()`` returns its result or raises its exception."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        super().__init__(daemon=True)
-        self.fn, self.result, self.error = fn, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as err:  # noqa: BLE001 - re-raised in join
-            self.error = err
-
-    def join(self, timeout: float | None = None) -> Any:
-        super().join(timeout)
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-@dataclass
-class LaneState:
-    """One lane's state on a worker (actors/lanes.py): the transport of the lane's world and that
-    world's id (``join(lane, ...)``), the timeline of the lane's last transfer (``last_trace(lane)``:
-    ``op_run``/``op_execute`` on the move lane, ``stage_run`` on the stage lane) and its bucket
-    staging. The lanes run on different threads (the default one, the stage one), so none of this
-    is shared between them: a conversion marks its own lane's timeline, and a staged transfer
-    packs into buffers no move uses."""
-
-    staging: Staging
-    transport: Transport | None = None
-    world_id: str | None = None
-    phases: Phases = field(default_factory=Phases)
-
-    def leave(self) -> None:
-        """Leave the lane's world (its process group is destroyed)."""
-        if self.transport is not None:
-            self.transport.close()
-        self.transport, self.world_id = None, None
-
-
-class WorkerState:
-    """The library's own state of one worker, kept under ONE attribute of it (``self._realloc``).
-
-    A subclass of :class:`ShardWorker` is the user's code: it may name its own state anything
-    (``self.group``, ``self.device``, ``self.spec``, ``self.layout``, ``self.rank``,
-    ``self.buffers``, ``self.transport``...) without touching what moves, verifies and fills rely on.
-    """
-
-    def __init__(
-        self, group: str, spec: ModelSpec, zero_copy: bool, device: str | None = None, backend: str | None = None
-    ):
-        self.group, self.spec = group, spec
-        self.specs_checked = [spec]  # the last spec objects found equal to it (the check is a deep compare)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
-        self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
-        #: The process groups' backend (GroupConfig.backend) and the device their tensors live on:
-        #: the buffers' device for NCCL, host memory for gloo (GPU buffers are staged through it).
-        self.backend = backend if backend is not None else backend_for(self.device)
-        if self.backend not in ("nccl", "gloo") or (self.backend == "nccl" and self.device.type != "cuda"):
-            raise ValueError(
-                f"backend {self.backend!r} cannot serve buffers on {self.device}; allowed: 'gloo', "
-                "or 'nccl' for CUDA buffers"
-            )
-        self.wire = wire_device(self.backend, self.device)
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.allocator = BufferAllocator(self.device, zero_copy, group)
-        self.held: RankLayout | None = None
-        self.buffers: dict[str, torch.Tensor] | None = None
-        self.op: PendingOp | None = None
-        #: each lane's transport, world, timeline and bucket staging (actors/lanes.py: moves', staged updates')
-        self.lanes: dict[Lane, LaneState] = {lane: LaneState(Staging(self.device)) for lane in LANES}
-        #: rendezvous stores this worker hosted lately, by world id (its join takes it from here;
-        #: kept for an abort: a member resumed late reads the mark there), and the worlds whose
-        #: formation the driver aborted
-        self.hosted: OrderedDict[str, Any] = OrderedDict()
-        self.aborted_worlds: OrderedDict[str, None] = OrderedDict()
-        self.fault: tuple[str, float] | None = None
-        self.counters = {"prepare": 0, "execute": 0, "commit": 0, "abort": 0}
-        self.communicators: Communicators | None = None
-        self.group_rendezvous = None
-        self.plans: OrderedDict[str, WorkerPlan] = OrderedDict()
-        self.mapped: dict[tuple, tuple[int, Any]] = {}  # peer buffers kept mapped: key -> (last op, value)
-        self.runs = 0
-        self.copier: ThreadPoolExecutor | None = None
-        self.kept: dict[Layout, Resident] = {}  # kept layouts (actors/worker/kept.py)
-        self.ckpt_state = None  # actors/worker/checkpoint.py
-        # staged updates (actors/worker/staging.py): the weight version served, the pending update,
-        # the spare shadow set (double buffering) and the safe points of this call (their own
-        # world is the STAGE lane's)
-        self.version = 0
-        self.staged = None
-        self.stage_lock = threading.RLock()
-        self.shadow_spare: tuple[RankLayout, dict[str, torch.Tensor]] | None = None
-        self.safe_points = 0
-        self.delta_base: Base | None = None  # what this worker last sent, for delta moves (actors/wire/delta.py)
-
-    @property
-    def layout(self) -> Layout | None:
-        return self.held.layout if self.held is not None else None
-
-    def lane(self, lane: Lane) -> "LaneState":
-        """The state of ``lane`` (``ValueError`` naming the lanes for an unknown one)."""
-        state = self.lanes.get(lane)
-        if state is None:
-            raise ValueError(f"worker of {self.group}: unknown lane {lane!r}; allowed: {', '.join(map(repr, LANES))}")
-        return state
-
-    @property
-    def rank(self) -> int | None:
-        return self.held.rank if self.held is not None else None
+#: Plans (with their peers and this worker's routes) kept per worker.
+PLANS_KEPT = 8
 
 
 class _Unset:
@@ -596,22 +399,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         update's switch arrives (``stage_switch``), before it switches; ``("exit_in_convert", 0)``
         kills it when it converts weight formats (realloc/plan/formats.py). ``stall`` and
         ``exit_after_buckets`` apply to staged transfers too."""
-        if kind not in FAULTS:
-            raise ValueError(f"unknown fault {kind!r}; allowed: {', '.join(FAULTS)}")
-        self._realloc.fault = (kind, value)
-
-    def _take_fault(self, kind: str) -> float | None:
-        if self._realloc.fault and self._realloc.fault[0] == kind:
-            value, self._realloc.fault = self._realloc.fault[1], None
-            return value
-        return None
-
-    def _after_bucket(self) -> None:
-        if self._realloc.fault and self._realloc.fault[0] == "exit_after_buckets":
-            remaining = self._realloc.fault[1] - 1
-            self._realloc.fault = ("exit_after_buckets", remaining)
-            if remaining <= 0:
-                os._exit(1)
+        self._realloc.faults.arm(kind, value)
 
     # -- the protocol --------------------------------------------------------------------
     def op_prepare(self, op_id: str, dst: RankLayout | None, export: bool = True) -> dict | None:
@@ -641,7 +429,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.op = PendingOp(op_id, dst, buffers, refreshed=refreshed)
         if self._realloc.device.type == "cuda":
             torch.cuda.synchronize(self._realloc.device)  # peers read these bytes from other processes
-            # CUDA IPC handles are made per reader and opened once each (_swap_handles): never
+            # CUDA IPC handles are made per reader and opened once each (handles.swap_handles): never
             # broadcast through the driver. Without them the driver-run phases (op_execute)
             # carry every route over the transport.
             return {"dst": None, "src": None} if export else None
@@ -727,8 +515,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 lane.phases.local(started, time.perf_counter(), nbytes)
                 return nbytes
 
-            local_copies = _Background(copy_all)
-        stall = self._take_fault("stall")
+            local_copies = Background(copy_all)
+        stall = self._realloc.faults.take("stall")
         if stall:
             time.sleep(stall)
         runner = StepRunner(
@@ -740,7 +528,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             src,
             dst,
             self._peer_store,
-            on_bucket=self._after_bucket,
+            on_bucket=self._realloc.faults.after_bucket,
             staging=lane.staging,
             timeline=lane.phases,
         )
@@ -763,8 +551,8 @@ class ShardWorker(CheckpointMixin, StagingMixin):
 
     def _peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
         held = peer.dst if forward else peer.src
-        handles = peer.dst_handles if forward else peer.src_handles
-        return ShardStore(held.shards(), open_handles(handles))
+        exported = peer.dst_handles if forward else peer.src_handles
+        return ShardStore(held.shards(), open_handles(exported))
 
     def op_run(
         self,
@@ -800,7 +588,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.counters["execute"] += 1
         op = self._realloc.op
         self._realloc.runs += 1
-        self._evict_mappings()
+        handles.evict_mappings(self._realloc)
         move.phases.mark("prepare")
         result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, order.delta))
         if order.convert is not None and op.dst is not None:
@@ -808,7 +596,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
         if order.keep is not None:
             self._keep(op, order.keep)
-        self._unmap_device_sources()
+        handles.unmap_device_sources(self._realloc)
         result.refreshed = op.refreshed
         result.resident = self.resident_bytes()
         move.phases.mark("commit")
@@ -960,7 +748,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         sent: list = []
         ok = False
         try:
-            opened = self._swap_handles(wp, op, transport) if (wp.read_from or wp.read_by) else {}
+            opened = handles.swap_handles(self._realloc, wp, op, transport) if (wp.read_from or wp.read_by) else {}
             timeline.mark("handles")
             runner = StepRunner(
                 transport,
@@ -971,13 +759,13 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 src,
                 dst,
                 lambda view, forward: opened[view.world_rank, forward],
-                on_bucket=self._after_bucket,
+                on_bucket=self._realloc.faults.after_bucket,
                 staging=lane.staging,
                 cuts=wp.cuts,
                 delta=sides,
                 timeline=timeline,
             )
-            stall = self._take_fault("stall")
+            stall = self._realloc.faults.take("stall")
             if stall:
                 time.sleep(stall)
             steps = sorted(wp.routes)
@@ -988,7 +776,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             timeline.mark("transfers")
             # Phase 0 is done here: tell the peers that read my destination buffers (fan-out reads
             # forward only cells received over routes, never local copies: planner, step 2).
-            sent, ready = self._post_ready(wp, wp.peers, transport)
+            sent, ready = handles.post_ready(self._realloc, wp, wp.peers, transport)
             timeline.mark("ready")
             for s in (s for s in steps if s >= forward_from):
                 for peer in wp.wait_ready.get(s, ()):
@@ -1054,7 +842,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         block of inf/NaN to quantize raises :class:`~realloc.shards.convert.NonFiniteBlock`,
         or is collected in ``failed``). The time is marked ``convert`` on ``timeline``: the
         operation running it (never another's)."""
-        if self._take_fault("exit_in_convert") is not None:
+        if self._realloc.faults.take("exit_in_convert") is not None:
             os._exit(1)
         buffers = self._realloc.allocator.allocate(want.buffer_numels(), zero=False)
         out = ShardStore(want.shards(), buffers)
@@ -1079,97 +867,6 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             elif st.held == me.dst and st.buffers is not None:
                 dst_base = ShardStore(st.held.shards(), st.buffers)
         return DeltaSides(sender_base(st.delta_base, me.src, order), dst_base)
-
-    def _swap_handles(self, wp: WorkerPlan, op: PendingOp, transport: Transport) -> dict[tuple[int, bool], ShardStore]:
-        """Send each peer that maps my buffers the handles of exactly the buffers it reads, made
-        for it alone; receive mine and open each once. Returns the opened stores by (the peer's
-        world rank, forward).
-
-        One export per reader and buffer, each opened exactly once: a CUDA IPC export carries a
-        reference count that the producer's freed block waits on (torch keeps it allocated, in
-        its IPC limbo, until the count drops). An export nobody opens never drops it (every
-        freed layout leaked: bench-gpu ran out of memory on llama-7b after a few moves); one
-        opened by two readers drops it twice and frees the block under the second."""
-        outs = []
-        for p, sides in wp.read_by.items():
-            mine = {
-                "src": self._realloc.allocator.export(self._realloc.buffers) if False in sides else None,
-                "dst": self._realloc.allocator.export(op.buffers) if True in sides else None,
-            }
-            outs.append((wp.peers[p].world_rank, _handle_message(mine, self._realloc.wire)))
-        ins = {p: torch.empty(HANDLE_BYTES, dtype=torch.uint8, device=self._realloc.wire) for p in wp.read_from}
-        for work in communicator.post(
-            transport.pg,
-            self._realloc.wire,
-            outs,
-            [(wp.peers[p].world_rank, t) for p, t in ins.items()],
-            HANDLES_TAG,
-        ):
-            work.wait()
-        opened = {}
-        for p, t in ins.items():
-            raw = t.cpu().numpy().tobytes()
-            h = pickle.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-            view = replace(wp.peers[p], src_handles=h["src"], dst_handles=h["dst"])
-            for forward in wp.read_from[p]:
-                opened[view.world_rank, forward] = self._mapped_peer_store(view, forward)
-        return opened
-
-    def _post_ready(self, wp: WorkerPlan, peers: list[PeerView], transport: Transport) -> tuple[list, dict[int, Any]]:
-        """Post "phase 0 done" to my fan-out readers and the receives of my fan-out senders' ones."""
-        senders = sorted({p for ps in wp.wait_ready.values() for p in ps})
-        if not senders and not wp.notify:
-            return [], {}
-        if wp.notify and self._realloc.device.type == "cuda":
-            torch.cuda.synchronize(self._realloc.device)  # my phase-0 writes land before a reader in another process
-        wire = self._realloc.wire
-        one = torch.ones(1, dtype=torch.uint8, device=wire)
-        works = communicator.post(
-            transport.pg,
-            wire,
-            [(peers[p].world_rank, one) for p in wp.notify],
-            [(peers[p].world_rank, torch.empty(1, dtype=torch.uint8, device=wire)) for p in senders],
-            READY_TAG,
-        )
-        if len(works) == len(wp.notify) + len(senders):  # one Work per message (gloo)
-            return works[: len(wp.notify)], dict(zip(senders, works[len(wp.notify) :]))
-        # one coalesced Work for all (NCCL): the first fan-out read waits for every message
-        return list(works), {p: works[0] for p in senders} if works else {}
-
-    def _mapped_peer_store(self, peer: PeerView, forward: bool) -> ShardStore:
-        """A same-node peer's buffers as a store, kept mapped across operations: an RL loop
-        alternating two layouts reads the same files every time (no page-table faults per op).
-
-        CUDA handles are opened every time (each export carries a fresh IPC reference count that
-        only opening releases), but the open storage kept here makes torch's IPC cache answer
-        them without ``cudaIpcOpenMemHandle`` (0.16 s for a first open on an H100)."""
-        held = peer.dst if forward else peer.src
-        handles = peer.dst_handles if forward else peer.src_handles
-        key = (held, tuple(sorted((d, *handle_identity(h)) for d, h in handles.items())))
-        entry = self._realloc.mapped.get(key)
-        if entry is not None and all(h[0] == "shm" for h in handles.values()):
-            store = entry[1]
-        else:
-            store = ShardStore(held.shards(), open_handles(handles))
-        self._realloc.mapped[key] = (self._realloc.runs, store, forward)
-        return store
-
-    def _evict_mappings(self) -> None:
-        mapped, runs = self._realloc.mapped, self._realloc.runs
-        for key in [k for k, (last, _, _) in mapped.items() if last < runs - MAPPINGS_KEPT_OPS]:
-            del mapped[key]
-
-    def _unmap_device_sources(self) -> None:
-        """After a move on a GPU, let go of the peers' source buffers it read: they are those
-        peers' rollback now, freed at the next operation, and a block another process still
-        maps stays allocated (torch keeps it in its IPC limbo) instead of serving the next
-        allocation. Their destination buffers, which they hold now, stay mapped: the next move
-        reads them as sources without opening them again."""
-        if self._realloc.device.type != "cuda":
-            return
-        mapped, runs = self._realloc.mapped, self._realloc.runs
-        for key in [k for k, (last, _, forward) in mapped.items() if not (forward and last == runs)]:
-            del mapped[key]
 
     def op_fill(self, op_id: str, how: str, *args: Any) -> int:
         """Write the destination buffers of ``op_id`` from local data: ``("synthetic", seed)``,
@@ -1203,7 +900,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         is given: ``eta * new + (1 - eta) * old``); the old buffers become the rollback."""
         self._realloc.counters["commit"] += 1
         op = self._current_op(op_id)
-        if self._take_fault("exit_in_commit") is not None:
+        if self._realloc.faults.take("exit_in_commit") is not None:
             os._exit(1)
         if op.dst is not None:
             if blend is not None:
@@ -1215,7 +912,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         total = sum(op.moved.values())
         if total:
             metrics.record_operation(op.tags, total, op.seconds)
-        if self._take_fault("exit_after_commit") is not None:
+        if self._realloc.faults.take("exit_after_commit") is not None:
             os._exit(1)
         return str(self._realloc.held)
 
@@ -1288,17 +985,6 @@ def _check_names(worker: ShardWorker, where: str) -> None:
             f"{where} assigned attribute(s) {shadowing} of the worker: those names are methods the "
             "library calls (ShardWorker's reserved names); the attributes were removed, rename them"
         )
-
-
-def _handle_message(handles: dict, device: torch.device) -> torch.Tensor:
-    """Pickled zero-copy handles as a fixed-size byte tensor on ``device`` (8-byte length first)."""
-    raw = pickle.dumps(handles)
-    if len(raw) + 8 > HANDLE_BYTES:
-        raise RuntimeError(f"zero-copy handles of {len(raw)} bytes exceed the {HANDLE_BYTES}-byte message")
-    out = torch.frombuffer(
-        bytearray(len(raw).to_bytes(8, "little") + raw + bytes(HANDLE_BYTES - 8 - len(raw))), dtype=torch.uint8
-    )
-    return out.to(device)
 
 
 def detach_result(value: Any) -> Any:

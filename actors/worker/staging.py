@@ -179,7 +179,7 @@ class StagingMixin:
         """Switch to the shadow set of ``update_id`` now (the serving set becomes the rollback).
         Idempotent: an update already switched at a safe point reports so."""
         st = self._realloc
-        if self._take_fault("exit_in_switch") is not None:
+        if self._realloc.faults.take("exit_in_switch") is not None:
             os._exit(1)
         with st.stage_lock:
             staged = self._staged(update_id)
@@ -324,7 +324,7 @@ class StagingMixin:
 
 
 class _StagedOp:
-    """The slice of a :class:`~actors.worker.actor.PendingOp` that ``ShardWorker._run`` uses, over a shadow set."""
+    """The slice of a :class:`~actors.worker.state.PendingOp` that ``ShardWorker._run`` uses, over a shadow set."""
 
     def __init__(self, staged: StagedSet):
         self.id, self.dst, self.buffers = staged.id, staged.dst, staged.buffers

@@ -247,7 +247,7 @@ def _bench_moves(
 
 #: Untimed round trips of ours before a transition's timed ones. The first moves of a new layout
 #: pair free the buffers of the pair before (peers drop their mappings of them two operations
-#: later, actors/worker/actor.py ``MAPPINGS_KEPT_OPS``): with one warm-up round trip the first timed
+#: later, actors/worker/handles.py ``MAPPINGS_KEPT_OPS``): with one warm-up round trip the first timed
 #: move still paid that (``dp=2,tp=2,pp=2 -> tp=2,pp=4`` on bench-1gb, 2026-11-24: prepare 136 ms
 #: on the slowest worker, wall 156 ms for 57 ms of execute; 0 ms and 52 ms from the next move on).
 #: An RL loop pays it once per pair, not per iteration.
