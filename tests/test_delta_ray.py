@@ -56,7 +56,7 @@ def cluster():
         yield c
 
 
-def _groups(name: str, anchor_every: int = 10):
+def _groups(name: str, anchor_every: int = 10, timeout_s: float = 20):
     trainer = ModelGroup.create(
         SPEC,
         Topology(tp=2),
@@ -66,7 +66,7 @@ def _groups(name: str, anchor_every: int = 10):
         zero_copy=False,
         delta="host",
         delta_anchor_every=anchor_every,
-        timeout_s=20,
+        timeout_s=timeout_s,
     )
     gen = ModelGroup.create(
         SPEC,
@@ -75,7 +75,7 @@ def _groups(name: str, anchor_every: int = 10):
         worker_cls=Gen,
         bucket_bytes=BUCKET,
         zero_copy=False,
-        timeout_s=20,
+        timeout_s=timeout_s,
     )
     trainer.init_synthetic(seed=1)
     return trainer, gen
@@ -143,7 +143,7 @@ def test_corrupted_destination_and_skipped_version_end_exact(cluster):
 
 
 def test_restarted_workers_and_a_worker_killed_mid_delta(cluster):
-    trainer, gen = _groups("dr")
+    trainer, gen = _groups("dr", timeout_s=8)  # survivors of each death wait in gloo until it: short
     try:
         trainer.copy_to(gen, delta=True)
         trainer.call("nudge", 1, 0.02)

@@ -111,7 +111,7 @@ def test_copy_to_reference_and_blend(group, spec):
 
 
 def test_worker_death_is_reported_and_sources_survive(cluster, spec):
-    g = ModelGroup.create(spec, Topology(dp=2, tp=2), name="doomed", timeout_s=15)
+    g = ModelGroup.create(spec, Topology(dp=2, tp=2), name="doomed", timeout_s=8)
     try:
         g.init_synthetic(seed=3)
         g.reallocate(Topology(dp=4))  # forms the process group
@@ -138,7 +138,7 @@ def test_worker_death_is_reported_and_sources_survive(cluster, spec):
 
 def test_worker_exit_mid_transfer(cluster, spec):
     g = ModelGroup.create(
-        spec, Topology(tp=4), name="crash", timeout_s=15, bucket_bytes=4096, zero_copy=False
+        spec, Topology(tp=4), name="crash", timeout_s=8, bucket_bytes=4096, zero_copy=False
     )  # every route through gloo buckets
     try:
         g.init_synthetic(seed=4)

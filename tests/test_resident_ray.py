@@ -182,7 +182,7 @@ def test_bad_keep_is_refused_before_any_traffic(cluster):
 
 
 def test_a_death_during_adoption_leaves_the_survivors_in_the_current_layout(cluster):
-    g = make("adopt-fault")
+    g = make("adopt-fault", timeout_s=8)  # survivors of the death wait in gloo until it (ShardWorker's timeout): short
     try:
         g.reallocate(GEN, keep="in_place")
         ray.get(g.actors[1].inject_fault.remote("exit_in_commit", 0))
@@ -204,7 +204,9 @@ def test_a_death_during_adoption_leaves_the_survivors_in_the_current_layout(clus
 
 
 def test_a_death_during_a_refresh_leaves_the_old_layout_and_frees_the_half_written_one(cluster):
-    g = make("refresh-fault", bucket_bytes=4096, zero_copy=False)
+    g = make(
+        "refresh-fault", bucket_bytes=4096, zero_copy=False, timeout_s=8
+    )  # survivors of the death wait in gloo until it (ShardWorker's timeout): short
     try:
         g.reallocate(GEN, keep="in_place")
         g.reallocate(TRAIN, keep="in_place")  # adopted; the generation layout is kept now

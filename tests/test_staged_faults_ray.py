@@ -43,7 +43,7 @@ TINY = ModelSpec.preset("tiny")  # 4 layers, tied embedding, vocab 1001: ~1.6 MB
 OLD, NEW, NEXT = 1, 2, 3  # synthetic seeds: the generators' weights, the trainer's, a later trainer's
 #: The groups' timeout_s: it also bounds how long a survivor of a kill stays blocked in a gloo
 #: receive from the dead peer (its shadow set is dropped when that returns), so keep it short.
-TIMEOUT_S = 15.0
+TIMEOUT_S = 10.0
 SHORT_TIMEOUT_S = 8.0  # the stopped-worker case: the deadline under test
 #: The driver's own work around the waits on a loaded 2-core machine (planning, sending, the error).
 SLACK_S = 3.0

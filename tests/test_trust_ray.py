@@ -114,7 +114,9 @@ def test_reallocate_accepts_strings_and_equivalent_explicit_splits(cluster):
 
 @pytest.mark.parametrize("fault", ["exit_in_commit", "exit_after_commit"])
 def test_a_worker_dying_at_commit_leaves_every_survivor_in_the_old_layout(cluster, tmp_path, fault):
-    g = make(f"commit-{fault.replace('_', '-')}", "dp=2,tp=2")
+    g = make(
+        f"commit-{fault.replace('_', '-')}", "dp=2,tp=2", timeout_s=8
+    )  # survivors of the death wait in gloo until it (ShardWorker's timeout): short
     try:
         manager = g.checkpoint_manager(root=str(tmp_path), run_id="commit", factor=2)
         manager.save(1)
@@ -145,7 +147,9 @@ def worker_layouts_of(group: ModelGroup, rank: int) -> str:
 
 
 def test_a_kill_mid_transfer_rolls_back_and_names_the_dead_worker(cluster):
-    g = make("killed", "tp=4", bucket_bytes=4096, zero_copy=False)
+    g = make(
+        "killed", "tp=4", bucket_bytes=4096, zero_copy=False, timeout_s=8
+    )  # survivors of the death wait in gloo until it (ShardWorker's timeout): short
     try:
         g.reallocate(Topology(dp=2, tp=2))
         ray.get(g.actors[2].inject_fault.remote("exit_after_buckets", 3))
