@@ -4,8 +4,8 @@ The orders a driver sends with a move (:class:`MoveOrder` of a :class:`KeepOrder
 :class:`DeltaOrder`, a conversion and a blend), the change a
 worker's hook is told of (:class:`ShardChange`), the checkpoint fault a test injects
 (:class:`CheckpointFault`), the schema of a worker's delta counters (:data:`DELTA_COUNTERS`),
-what a worker reports of its part of a move (:class:`WorkerReport`) and what the driver sums
-the reports into (:meth:`PhaseResult.of`, the one summation), and records of a kept
+what a worker reports of its part of a move (:class:`WorkerReport`) or of a checkpoint plan
+(:class:`ExchangeReport`) and what the driver sums the reports into (:meth:`PhaseResult.of`, the one summation), and records of a kept
 layout (:class:`ResidentLayout`). Both sides import them; this module imports nothing of
 ``actors`` (it sits at the bottom of the package's import order, below ``wire/``, ``worker/``
 and ``driver/``) and no torch.
@@ -14,7 +14,7 @@ and ``driver/``) and no torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from realloc._checks import check_nonneg
@@ -175,6 +175,21 @@ class CheckpointFault:
 
 
 # -- the workers' reports, summed by the driver (actors/driver/protocol.py) -----------------------
+
+
+@dataclass
+class ExchangeReport:
+    """What one worker reports of its part of a checkpoint plan (``ckpt_exchange``): ``bytes``,
+    the bytes it received by link kind (``local``, ``intra``, ``inter``, as a move's); ``seconds``,
+    its exchange; ``finish_seconds``, what came after it (files written, buffers unpacked);
+    ``files``, the safetensors files it wrote (an HF export: name, bytes, tensors, writer, node);
+    ``replicas``, the rank files of other workers it wrote to its node (a save's replication)."""
+
+    bytes: dict
+    seconds: float
+    finish_seconds: float
+    files: list = field(default_factory=list)
+    replicas: int = 0
 
 
 @dataclass

@@ -6,10 +6,10 @@ and the copies in and out must be exact."""
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
 import traceback
 
+import processes
 import pytest
 import torch
 
@@ -84,9 +84,7 @@ def spawn_workers(worker, world: int, *args, timeout: float = 90) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # spawn, not fork: the pytest process may hold Ray and torch threads by now, and a forked
-    # child can inherit a lock one of them held (the CI run of 2026-11-24 hung here for 90 s)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes.context()  # a fork server's children, not fork (tests/processes.py)
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:

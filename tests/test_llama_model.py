@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import processes
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,9 +65,6 @@ CFG_PP = LlamaConfig(
 )
 
 TIMEOUT_S = 60
-# spawn, not fork: by the time this module runs the pytest process may hold Ray and torch threads,
-# and a forked child can inherit a lock one of them held (tests/test_dtensor.py hung so in CI)
-START_METHOD = "spawn"
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -150,7 +148,7 @@ def run_workers(job: str, world: int, args, tmp_path: Path) -> list:
         args=(world, _free_port(), job, args, str(tmp_path)),
         nprocs=world,
         join=False,
-        start_method=START_METHOD,
+        start_method=processes.start_method(),
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import time
 
+import processes
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +26,9 @@ def _spawn(fn, n: int, *args, timeout_s: float = 60.0) -> None:
     store = dist.TCPStore(
         "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
-    ctx = mp.start_processes(_entry, args=(fn, store.port, n, args), nprocs=n, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(fn, store.port, n, args), nprocs=n, join=False, start_method=processes.start_method()
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=max(0.05, deadline - time.monotonic())):

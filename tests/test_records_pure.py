@@ -114,3 +114,25 @@ def test_a_report_merges_the_next_execute_phase():
     assert first.staging_bytes == 128 and first.dst_bytes == 500  # the destination: the first phase's
     assert first.phases == later.phases  # the phases so far, the later one's included
     assert pickle.loads(pickle.dumps(first)) == first
+
+
+def test_an_exchange_report_pickles_and_sums_as_a_moves_bytes():
+    """A worker's part of a checkpoint plan (``ckpt_exchange``) is a record, not a bare dict: it
+    crosses the Ray boundary by pickle, and its bytes sum as a move's do."""
+    import pickle
+
+    from actors.records import ExchangeReport, PhaseResult, WorkerReport
+
+    reports = [
+        ExchangeReport({"local": 4, "intra": 8, "inter": 0}, seconds=0.5, finish_seconds=0.1, replicas=2),
+        ExchangeReport(
+            {"local": 0, "intra": 0, "inter": 16},
+            seconds=0.25,
+            finish_seconds=0.2,
+            files=[{"name": "model-00001-of-00001.safetensors", "bytes": 16}],
+        ),
+    ]
+    assert pickle.loads(pickle.dumps(reports)) == reports
+    summed = PhaseResult.of([WorkerReport(r.bytes) for r in reports], timed=False)
+    assert (summed.bytes_local, summed.bytes_intra_node, summed.bytes_inter_node) == (4, 8, 16)
+    assert reports[0].files == [] and reports[1].replicas == 0

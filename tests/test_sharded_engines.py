@@ -20,11 +20,11 @@ values are its own).
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 import socket
 import traceback
 
+import processes
 import pytest
 import torch
 
@@ -114,7 +114,7 @@ def run(engine: str, world: int, tensors: dict[str, torch.Tensor]) -> dict[int, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")  # not fork: see tests/test_dtensor.py
+    ctx = processes.context()  # a fork server's children, not fork (tests/processes.py)
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(engine, r, world, port, tensors, queue)) for r in range(world)]
     for p in procs:

@@ -21,6 +21,7 @@ import json
 import time
 from pathlib import Path
 
+import processes
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,7 +125,7 @@ def _run(case: str, shares: list, out: Path, timeout_s: float = 120.0) -> None:
         args=(store.port, len(shares), case, shares, str(out)),
         nprocs=len(shares),
         join=False,
-        start_method="spawn",
+        start_method=processes.start_method(),
     )
     deadline = time.monotonic() + timeout_s
     try:

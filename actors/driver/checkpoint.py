@@ -27,7 +27,7 @@ import ray
 from actors import metrics
 from actors.errors import HookError, ReallocationError
 from actors.lanes import MOVE
-from actors.records import CheckpointFault, PhaseResult, ShardChange, WorkerReport
+from actors.records import CheckpointFault, ExchangeReport, PhaseResult, ShardChange, WorkerReport
 from actors.remote import each_result, fire, gather
 from actors.wire.shares import PeerView, worker_shares
 from realloc._checks import check_finite
@@ -313,7 +313,7 @@ class CheckpointManager:
                     for w in range(g.num_workers)
                 ]
                 exchanged = self._exchange(plan, "replicate", payloads, f"save iteration {iteration}: replicate", prog)
-                finish = max(res["finish_seconds"] for res in exchanged)
+                finish = max(res.finish_seconds for res in exchanged)
                 replicated_bytes = _moved(exchanged)
                 moved = {"intra": replicated_bytes.bytes_intra_node, "inter": replicated_bytes.bytes_inter_node}
             else:
@@ -599,7 +599,7 @@ class CheckpointManager:
     def _load_stats(
         iteration: int,
         method: str,
-        results: list[dict],
+        results: list[ExchangeReport],
         exchange_seconds: float,
         read_bytes: int,
         read_seconds: float,
@@ -622,7 +622,7 @@ class CheckpointManager:
             bytes_inter_node=moved.bytes_inter_node,
             corrupt_copies=corrupt,
             max_reader_bytes=max_reader,
-            install_seconds=max(r["finish_seconds"] for r in results),
+            install_seconds=max(r.finish_seconds for r in results),
         )
 
     # -- Hugging Face ----------------------------------------------------------------------
@@ -754,7 +754,7 @@ class CheckpointManager:
                         f"HF export to {str(target)!r} failed; what was there before is unchanged. Cause: {exc}"
                     ) from exc
                 exchanged = time.perf_counter()
-                reports = [f for res in results for f in res["written"]]
+                reports = [f for res in results for f in res.files]
                 check_reported(assignment, reports)
             except BaseException:
                 staged.discard()
@@ -773,7 +773,7 @@ class CheckpointManager:
             writers=assignment.writers,
             plan_seconds=planned - started,
             exchange_seconds=exchanged - planned,
-            write_seconds=max(res["finish_seconds"] for res in results),
+            write_seconds=max(res.finish_seconds for res in results),
             total_seconds=time.perf_counter() - started,
             bytes_written=sum(f["bytes"] for f in reports),
             bytes_local=moved.bytes_local,
@@ -796,7 +796,7 @@ class CheckpointManager:
             bandwidths=config.bandwidths,
         )
 
-    def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str, prog: Progress) -> list[dict]:
+    def _exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str, prog: Progress) -> list[ExchangeReport]:
         """Run a checkpoint plan on every worker. ``restore``/``reshard`` write new weights, so they
         run as one operation of the protocol (prepare, exchange, commit, or abort everywhere);
         ``replicate``/``export`` only read them.
@@ -809,18 +809,20 @@ class CheckpointManager:
             "%s: %s; slowest: %s",
             what,
             mode,
-            phase_summary([{"exchange": r["seconds"], "finish": r["finish_seconds"]} for r in results]),
+            phase_summary([{"exchange": r.seconds, "finish": r.finish_seconds} for r in results]),
         )
         return results
 
-    def _run_exchange(self, plan: Plan, mode: str, payloads: list[dict], what: str, prog: Progress) -> list[dict]:
+    def _run_exchange(
+        self, plan: Plan, mode: str, payloads: list[dict], what: str, prog: Progress
+    ) -> list[ExchangeReport]:
         g = self.group
         log.debug("%s: %s plan: %s", what, mode, plan_summary(plan.stats))
         if mode == "export":
-            progress = each_result(lambda _, res: prog.advance(sum(f["bytes"] for f in res["written"])))
+            progress = each_result(lambda _, res: prog.advance(sum(f["bytes"] for f in res.files)))
         else:
             prog.step(mode, plan.stats.get("bytes_total", 0) + plan.stats.get("bytes_local_copy", 0))
-            progress = each_result(lambda _, res: prog.advance(sum(res["bytes"].values())))
+            progress = each_result(lambda _, res: prog.advance(sum(res.bytes.values())))
         world = g.world_for(MOVE)
         peers = [PeerView(world.rank_of(a), g.placement.nodes[i], None, None) for i, a in enumerate(g.actors)]
         plan.validate(g.num_workers)
@@ -874,7 +876,7 @@ class CheckpointManager:
         return self._get(refs, what, ranks=chosen)
 
 
-def _moved(results: list[dict]) -> PhaseResult:
+def _moved(results: list[ExchangeReport]) -> PhaseResult:
     """The bytes the workers' exchange reports (``ckpt_exchange``) received, by link kind, summed
     as a move's are (:meth:`~actors.records.PhaseResult.of`)."""
-    return PhaseResult.of([WorkerReport(r["bytes"]) for r in results], timed=False)
+    return PhaseResult.of([WorkerReport(r.bytes) for r in results], timed=False)

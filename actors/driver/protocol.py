@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import ray
 
@@ -150,15 +150,22 @@ class Operation:
                 f"run_plan commits on each worker when its part is done: no blend (got blend={order.blend!r}); "
                 "a blend goes through prepare, execute_plan and commit(blend=)"
             )
-        key, shares = worker_plan_refs(plan, world, self.workers.actors, srcs, self.dsts, placement, shared)
         try:
-            refs = [
-                a.op_run.remote(self.id, world.id, key, [shares[i]], i, {**tags, "rank": str(i)}, order)
-                for i, a in enumerate(self.workers.actors)
-            ]
-            results = gather(self.workers, refs, self.deadline, f"{self.what}: prepare, transfer and commit")
+            results = run_shares(
+                self.workers,
+                world,
+                plan,
+                srcs,
+                self.dsts,
+                placement,
+                shared,
+                self.deadline,
+                f"{self.what}: prepare, transfer and commit",
+                lambda a, i, key, share: a.op_run.remote(
+                    self.id, world.id, key, share, i, {**tags, "rank": str(i)}, order
+                ),
+            )
         except ReallocationError as err:
-            world.mark_broken()  # peers may be stuck mid-collective: the next operation forms a fresh world
             self.abort(err)
         return PhaseResult.of(results, self.workers.names, delta=order.delta)
 
@@ -237,6 +244,32 @@ def worker_plan_refs(
     while len(_WORKER_PLANS) > _WORKER_PLANS_KEPT:
         _WORKER_PLANS.popitem(last=False)
     return entry[0], entry[1]
+
+
+def run_shares(
+    workers: Workers,
+    world,
+    plan: Plan,
+    srcs: Sequence[RankLayout | None],
+    dsts: Sequence[RankLayout | None],
+    placement: Placement,
+    shared: Sequence[bool],
+    deadline: Deadline,
+    what: str,
+    send: Callable[[Any, int, str, list], Any],
+) -> list[WorkerReport]:
+    """Every worker's share of ``plan`` run in one call per worker, on either lane: ``send(actor,
+    i, key, [share])`` is the remote call that runs worker ``i``'s share (``op_run`` for a move,
+    ``stage_run`` for a staged update); their reports, gathered within ``deadline``. A failure
+    marks ``world`` broken (peers may be stuck mid-collective: the next operation forms a fresh
+    world) and raises the :class:`ReallocationError` for the caller's undo."""
+    key, shares = worker_plan_refs(plan, world, workers.actors, srcs, dsts, placement, shared)
+    try:
+        refs = [send(a, i, key, [shares[i]]) for i, a in enumerate(workers.actors)]
+        return gather(workers, refs, deadline, what)
+    except ReallocationError:
+        world.mark_broken()
+        raise
 
 
 def _merged(acc: list[WorkerReport] | None, new: list[WorkerReport]) -> list[WorkerReport]:

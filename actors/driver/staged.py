@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from actors import metrics
-from actors.driver.protocol import worker_plan_refs
+from actors.driver.protocol import run_shares
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
 from actors.records import DeltaOrder, KeepOrder, MoveOrder, PhaseResult, ShardChange
@@ -195,26 +195,22 @@ class StagedUpdate:
             world = self.groups[0].world_for(STAGE, self.groups, self.deadline)
         except ReallocationError as err:
             self._abort(err)
-        key, shares = worker_plan_refs(
-            plan, world, self.workers.actors, self.srcs, self.dsts, self.placement, self.shared
-        )
-        refs = [
-            a.stage_run.remote(
-                self.id,
-                world.id,
-                key,
-                [shares[i]],
-                i,
-                {"model": self.label, "rank": str(i)},
-                self.version,
-                self.order,
+        try:  # the move lane's code (actors/driver/protocol.py), on the stage lane's world and call
+            results = run_shares(
+                self.workers,
+                world,
+                plan,
+                self.srcs,
+                self.dsts,
+                self.placement,
+                self.shared,
+                self.deadline,
+                f"staged update {self.label}: transfer",
+                lambda a, i, key, share: a.stage_run.remote(
+                    self.id, world.id, key, share, i, {"model": self.label, "rank": str(i)}, self.version, self.order
+                ),
             )
-            for i, a in enumerate(self.workers.actors)
-        ]
-        try:
-            results = gather(self.workers, refs, self.deadline, f"staged update {self.label}: transfer")
         except ReallocationError as err:
-            world.mark_broken()
             self._abort(err)
         self.move = MoveRef(
             f"staged {self.label}",

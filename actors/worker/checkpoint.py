@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.records import CheckpointFault
+from actors.records import CheckpointFault, ExchangeReport
 from actors.wire.executor import StepRunner, received_share
 from realloc.ckpt.errors import CorruptFileError
 from realloc.ckpt.files import (
@@ -177,8 +177,9 @@ class CheckpointMixin:
         me: int,
         mode: str,
         payload: dict[str, Any],
-    ) -> dict:
-        """Run my part of a checkpoint plan, then finish it. ``share``: ``[ObjectRef of my
+    ) -> ExchangeReport:
+        """Run my part of a checkpoint plan, then finish it (what it did: an
+        :class:`~actors.records.ExchangeReport`). ``share``: ``[ObjectRef of my
         (PlanSlice, PeerTable)]``, my share of the plan alone (realloc/plan/slices.py).
 
         ``mode``: ``"replicate"`` (send my new file, write the files I receive to my node; no
@@ -231,27 +232,26 @@ class CheckpointMixin:
                 torch.cuda.synchronize(self._realloc.device)
             exchanged = time.perf_counter()
             local = bool(plan.local)
+            files, replicas = [], 0
             if mode == "export":
-                written = (
-                    []
-                    if arena is None
-                    else [
+                if arena is not None:
+                    files = [
                         {**f, "writer": self._realloc.rank, "node": self._realloc.node_id}
                         for f in arena.write(data, payload["root"])
                     ]
-                )
             else:
-                written = self._finish_exchange(mode, payload, incoming, dst, op, local)
+                replicas = self._finish_exchange(mode, payload, incoming, dst, op, local)
         finally:
             state.sources.clear()
             if mode == "replicate":
                 state.saves.pop(payload["iteration"], None)
-        return {
-            "bytes": moved,
-            "seconds": exchanged - started,
-            "finish_seconds": time.perf_counter() - exchanged,
-            "written": written,
-        }
+        return ExchangeReport(
+            moved,
+            seconds=exchanged - started,
+            finish_seconds=time.perf_counter() - exchanged,
+            files=files,
+            replicas=replicas,
+        )
 
     def _finish_exchange(
         self, mode: str, payload: dict, incoming: dict[int, Manifest], dst: ShardStore | None, op, local: bool
