@@ -33,6 +33,7 @@ UNITS = (
         "ray-2x4-staged",
         ("test_staged_faults_ray.py", "test_fleet_ray.py", "test_staged_ray.py", "test_deadlines_ray.py"),
     ),
+    ("ray-4x2", ("test_conventions_ray.py", "test_trust_ray.py")),  # trust adds and removes a node: last
     (
         "ray-2x4-moves",
         (
@@ -44,14 +45,33 @@ UNITS = (
         ),
     ),
     ("bench", ("test_bench.py",)),
-    ("ray-4x2", ("test_conventions_ray.py", "test_trust_ray.py")),  # trust adds and removes a node: last
     ("ray-2x2", ("test_zero3_ray.py", "test_your_model_ray.py", "test_worker_class_trust_ray.py", "test_fsdp2_ray.py")),
     ("scale", ("test_scale_ray.py",)),
+    ("ray-3x4", ("test_moe_ray.py", "test_ckpt_ray.py")),
     ("ray-head", ("test_ray_head.py",)),
     ("ray-cluster", ("test_ray_cluster.py",)),
-    ("ray-3x4", ("test_moe_ray.py", "test_ckpt_ray.py")),
     ("grafana", ("test_grafana_prometheus_ray.py",)),
     ("ray-1x4", ("test_hf_export_ray.py", "test_hf_trust_ray.py")),
+    ("ray-2x3", ("test_async_rl_example_ray.py",)),
+    ("ray-2x5", ("test_trace_ray.py",)),
+    # the longest modules without Ray, so that the last units are the short ones
+    *(
+        (name, (name,))
+        for name in (
+            "test_planner_properties.py",
+            "test_formats.py",
+            "test_layout.py",
+            "test_stacked_experts_engine.py",
+            "test_llama_model.py",
+            "test_private_transport.py",
+            "test_experts.py",
+            "test_torchtitan_experts_engine.py",
+            "test_sharded_fused.py",
+            "test_plan_scale.py",
+            "test_torchtitan_experts.py",
+            "test_dtensor.py",
+        )
+    ),
 )
 _UNIT_OF = {
     module: (rank, unit, order) for rank, (unit, modules) in enumerate(UNITS) for order, module in enumerate(modules)
