@@ -78,13 +78,17 @@ _UNIT_OF = {
 }
 
 
+def _unit_of(item) -> tuple[int, str, int]:
+    """``(rank, unit, order)`` of ``item``'s module: its place in :data:`UNITS`, or a unit of its
+    own after all of them."""
+    return _UNIT_OF.get(item.path.name, (len(UNITS), item.path.name, 0))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     """Every item in its unit (an ``xdist_group`` mark), the listed units first and longest first;
     a stable sort, so each module's tests keep their order."""
-    last = len(UNITS)
     for item in items:
         if not any(item.iter_markers("xdist_group")):
-            _, unit, _ = _UNIT_OF.get(item.path.name, (last, item.path.name, 0))
-            item.add_marker(pytest.mark.xdist_group(unit))
-    items.sort(key=lambda item: _UNIT_OF.get(item.path.name, (last, "", 0))[::2])
+            item.add_marker(pytest.mark.xdist_group(_unit_of(item)[1]))
+    items.sort(key=lambda item: (_unit_of(item)[0], _unit_of(item)[2]))

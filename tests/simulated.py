@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import os
 import socket
+import time
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -86,8 +87,6 @@ def simulated_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) ->
 def _wait_for_free_cpus(total: int, timeout_s: float = 60) -> None:
     """Until the CPU slots the previous module's actors held are free again (Ray kills a
     departed driver's actors asynchronously)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while (free := ray.available_resources().get("CPU", 0)) < total:
         assert time.monotonic() < deadline, f"the kept cluster has {free} of {total} CPU slots free after {timeout_s} s"
@@ -103,8 +102,6 @@ def free_port() -> int:
 
 def wait_for_dead_workers(group, timeout_s: float = 60) -> list[int]:
     """Poll until Ray reports some of ``group``'s workers dead (after a node was removed)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not (dead := group.dead_workers()):
         assert time.monotonic() < deadline, "Ray never noticed the lost node"
