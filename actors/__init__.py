@@ -8,6 +8,7 @@ from actors.driver.checkpoint import CheckpointManager, HFExportStats, LoadStats
 from actors.driver.fleet import Fleet, FleetUpdate
 from actors.driver.group import ModelGroup, ReallocStats
 from actors.driver.staged import StagedUpdate
+from actors.driver.vllm import VLLMEngine, VLLMUpdate, VLLMUpdateStats
 from actors.errors import GroupBusyError, HookError, ReallocationError, StaleOperationError
 from actors.records import CheckpointFault, ResidentLayout, ShardChange
 from actors.worker import ShardWorker
@@ -34,4 +35,7 @@ __all__ = [
     "ShardWorker",
     "StagedUpdate",
     "StaleOperationError",
+    "VLLMEngine",
+    "VLLMUpdate",
+    "VLLMUpdateStats",
 ]

@@ -424,9 +424,16 @@ case(R, "plan_to None", lambda e: e.policy.plan_to(None), r"a layout is a reallo
 
 # copy_to: the other group and the blend factor.
 K = "copy_to"
-case(K, "other a string", lambda e: e.policy.copy_to("h"), r"copy_to needs another ModelGroup, got str")
-case(K, "other None", lambda e: e.policy.copy_to(None), r"copy_to needs another ModelGroup, got NoneType")
-case(K, "other a layout", lambda e: e.policy.copy_to(e.ref.layout), r"copy_to needs another ModelGroup, got Layout")
+case(K, "other a string", lambda e: e.policy.copy_to("h"), r"copy_to needs another ModelGroup or a CopyTarget, got str")
+case(
+    K, "other None", lambda e: e.policy.copy_to(None), r"copy_to needs another ModelGroup or a CopyTarget, got NoneType"
+)
+case(
+    K,
+    "other a layout",
+    lambda e: e.policy.copy_to(e.ref.layout),
+    r"copy_to needs another ModelGroup or a CopyTarget, got Layout",
+)
 case(K, "other itself", lambda e: e.policy.copy_to(e.policy), r"copy_to needs another group; use reallocate")
 case(K, "other of another model", lambda e: e.policy.copy_to(e.other), r"model specs 'tiny' and 'mini' differ")
 case(K, "from a group of another model", lambda e: e.other.copy_to(e.policy), r"model specs 'mini' and 'tiny' differ")

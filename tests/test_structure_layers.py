@@ -180,8 +180,8 @@ def private_imports() -> list[str]:
     return sorted(offenders)
 
 
-#: The folders of ``actors/``, by the process that runs them.
-ACTORS_PARTS = ("driver", "worker", "wire")
+#: The folders of ``actors/``, by the process that runs them (``vllm``: inside vLLM's processes).
+ACTORS_PARTS = ("driver", "worker", "wire", "vllm")
 #: The modules at the top of ``actors/``: records and helpers both sides use (the face, ``actors``
 #: itself, hands names on and may import anything).
 ACTORS_TOP = (
@@ -193,29 +193,31 @@ ACTORS_TOP = (
     "actors.remote",
     "actors.trace",
 )
-#: What each part of ``actors/`` may import from ``actors/`` (besides itself); ``"actors.worker"``
-#: alone is the worker package's face (``actors/worker/__init__.py``), not a module inside it.
+#: What each part of ``actors/`` may import from ``actors/`` (besides itself); ``"<part> face"``
+#: is a package's ``__init__`` alone (``actors.worker``: the worker's names; ``actors.vllm``: the
+#: messages both ends of the vLLM backend read, with no vLLM import), not a module inside it.
 ACTORS_MAY_IMPORT = {
     "top": ("top",),
     "wire": ("top",),
     "worker": ("top", "wire"),
-    "driver": ("top", "wire", "worker face"),
+    "vllm": ("top", "wire"),
+    "driver": ("top", "wire", "worker face", "vllm face"),
 }
 
 
 def actors_part(module: str) -> str | None:
-    """Where ``module`` sits in ``actors/``: ``"face"`` (``actors``), ``"top"``, ``"worker face"``
-    (``actors.worker``), a folder of :data:`ACTORS_PARTS`, or ``"unplaced"`` (a module of
-    ``actors/`` in none of them); None outside ``actors/``."""
+    """Where ``module`` sits in ``actors/``: ``"face"`` (``actors``), ``"top"``, a part's face
+    (``actors.worker``: ``"worker face"``), a folder of :data:`ACTORS_PARTS`, or ``"unplaced"``
+    (a module of ``actors/`` in none of them); None outside ``actors/``."""
     if module == "actors":
         return "face"
     if not module.startswith("actors."):
         return None
     if module in ACTORS_TOP:
         return "top"
-    if module == "actors.worker":
-        return "worker face"
     folder = module.split(".")[1]
+    if module == f"actors.{folder}" and folder in ACTORS_PARTS and folder != "wire" and folder != "driver":
+        return f"{folder} face"
     return folder if folder in ACTORS_PARTS else "unplaced"
 
 
@@ -231,15 +233,15 @@ def actors_layer_violations(graph: dict[str, set[str]] | None = None) -> list[st
         if part == "unplaced":
             found.append(f"{module}: not in {', '.join(ACTORS_PARTS)}/ nor at the top ({', '.join(ACTORS_TOP)})")
             continue
-        own = "worker" if part == "worker face" else part
-        allowed = {own, *ACTORS_MAY_IMPORT.get(own, ())}
-        if part == "worker face":
-            allowed.add("worker")
+        own = part.removesuffix(" face")
+        allowed = {own, f"{own} face", *ACTORS_MAY_IMPORT.get(own, ())}
         for target in sorted(graph[module]):
             where = actors_part(target)
-            if where is None or where in allowed or (where == "worker face" and own == "worker"):
+            if where is None or where in allowed:
                 continue
-            found.append(f"{module} -> {target} ({own} may import {', '.join(sorted(allowed - {own}))} only)")
+            found.append(
+                f"{module} -> {target} ({own} may import {', '.join(sorted(allowed - {own, own + ' face'}))} only)"
+            )
     return found
 
 
@@ -352,11 +354,16 @@ def test_the_floor_rule_refuses_what_it_should():
         "actors.worker": {"actors.worker.actor"},
         "actors.worker.actor": {"actors.wire.executor", "actors.driver.group"},  # worker -> driver: refused
         "actors.driver.group": {"actors.worker", "actors.wire.executor", "actors.worker.kept"},  # a worker module
+        "actors.driver.vllm": {"actors.vllm", "actors.vllm.engine"},  # the vLLM face: yes; its engine: no
+        "actors.vllm": {"actors.vllm.messages"},
+        "actors.vllm.engine": {"actors.wire.executor", "actors.worker.actor"},  # vLLM's process runs no ShardWorker
         "actors.stray": set(),  # outside the tree
     }
     assert actors_layer_violations(graph) == [
-        "actors.driver.group -> actors.worker.kept (driver may import top, wire, worker face only)",
-        "actors.stray: not in driver, worker, wire/ nor at the top (" + ", ".join(ACTORS_TOP) + ")",
+        "actors.driver.group -> actors.worker.kept (driver may import top, vllm face, wire, worker face only)",
+        "actors.driver.vllm -> actors.vllm.engine (driver may import top, vllm face, wire, worker face only)",
+        "actors.stray: not in " + ", ".join(ACTORS_PARTS) + "/ nor at the top (" + ", ".join(ACTORS_TOP) + ")",
+        "actors.vllm.engine -> actors.worker.actor (vllm may import top, wire only)",
         "actors.wire.executor -> actors.worker.actor (wire may import top only)",
         "actors.worker.actor -> actors.driver.group (worker may import top, wire only)",
     ]

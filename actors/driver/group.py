@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import ray
 import torch
@@ -169,6 +169,16 @@ def _plan(
         bucket_bytes=bucket_bytes,
         bandwidths=bandwidths,
     )
+
+
+@runtime_checkable
+class CopyTarget(Protocol):
+    """A destination of :meth:`ModelGroup.copy_to` that is not a model group: an inference engine
+    realloc updates through the engine's own API (actors/driver/vllm.py ``VLLMEngine``).
+    ``receive_copy(source, stage)`` moves ``source``'s weights in; with ``stage=True`` it returns
+    the update (``wait``/``commit``/``abort``) at once, otherwise its stats once committed."""
+
+    def receive_copy(self, source: "ModelGroup", stage: bool) -> Any: ...
 
 
 class ModelGroup:
@@ -930,8 +940,14 @@ class ModelGroup:
         every ``delta_anchor_every``-th time, a full copy (an anchor). ``other`` ends bit-identical
         to this group either way; ``stats.delta`` says what travelled (actors/wire/delta.py).
         """
+        if isinstance(other, CopyTarget):  # an inference engine (actors/driver/vllm.py VLLMEngine)
+            if eta is not None or delta is not False:
+                raise ValueError(f"copy_to {other!r} copies the weights as they are: no eta, no delta=True yet")
+            if not isinstance(stage, bool):
+                raise ValueError(f"stage must be True or False, got {stage!r}")
+            return other.receive_copy(self, stage)
         if not isinstance(other, ModelGroup):
-            raise ValueError(f"copy_to needs another ModelGroup, got {type(other).__name__}")
+            raise ValueError(f"copy_to needs another ModelGroup or a CopyTarget, got {type(other).__name__}")
         if other is self:
             raise ValueError("copy_to needs another group; use reallocate to change this group's layout")
         if not isinstance(stage, bool):

