@@ -33,3 +33,26 @@ def start_method() -> str:
 def context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context the tests start their processes with."""
     return multiprocessing.get_context(start_method())
+
+
+def host_store():
+    """A TCPStore server on a port the OS picks, for the processes' gloo group (hold it until they
+    are done: its port is theirs). Picking a free port and letting rank 0 bind it later races with
+    every other process binding ports meanwhile (a CI run of 2026-11-27 lost to EADDRINUSE)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120)
+    )
+
+
+def init_group(port: int, rank: int, world: int) -> None:
+    """Join the gloo group whose store :func:`host_store` serves on ``port`` (in a child)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

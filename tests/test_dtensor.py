@@ -6,7 +6,6 @@ and the copies in and out must be exact."""
 
 from __future__ import annotations
 
-import socket
 import traceback
 
 import processes
@@ -46,7 +45,7 @@ def _worker(rank: int, world: int, port: int, tp: int, queue) -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        processes.init_group(port, rank, world)
         torch.manual_seed(0)
         model = MLP()
         full = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -81,9 +80,8 @@ def _worker(rank: int, world: int, port: int, tp: int, queue) -> None:
 def spawn_workers(worker, world: int, *args, timeout: float = 90) -> dict:
     """Run ``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes (a gloo
     group on a free port); rank -> what each put on the queue after ``(rank, "ok", ...)``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = processes.host_store()  # the group's rendezvous, on a port no one else can take
+    port = store.port
     ctx = processes.context()  # a fork server's children, not fork (tests/processes.py)
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
@@ -100,6 +98,7 @@ def spawn_workers(worker, world: int, *args, timeout: float = 90) -> dict:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store
     return results
 
 

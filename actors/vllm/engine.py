@@ -40,6 +40,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -51,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (
 from actors.lanes import STAGE
 from actors.vllm.bake import Bake, bake
 from actors.vllm.messages import OPS, control_key, decode
+from actors.wire.delta import DeltaSides
 from actors.wire.executor import Staging, StepRunner, checked_share
 from actors.wire.transport import Transport, check_in, connect_rendezvous
 from realloc.shards import ShardStore
@@ -84,6 +86,8 @@ class ReallocUpdateInfo(WeightTransferUpdateInfo):
     world_rank: int = -1
     world_size: int = 0
     share: str = ""
+    base: int | None = None
+    keep_base: bool = False
 
 
 @dataclass
@@ -99,6 +103,9 @@ class _Round:
     aborted: bool = False
     seconds: float = 0.0
     received: int = 0
+    delta: DeltaSides | None = None
+    keep_base: bool = False
+    shadow_rank: Any = None  # the RankLayout of the shadow set
 
 
 class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocUpdateInfo]):
@@ -114,6 +121,9 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         self.index = -1
         self.round: _Round | None = None
         self.committed = 0  # the version of the last commit (0: the weights vLLM loaded)
+        #: the shadow set of the last commit, kept as the next delta's base (``keep_base``), and its rank
+        self.held: ShardStore | None = None
+        self.held_rank = None
         self._by_module: list[tuple[torch.nn.Module, list]] = []
 
     # -- init -------------------------------------------------------------------------------
@@ -131,9 +141,13 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         try:
             layout = bake(self.model, params, self.device)
         except Exception as err:  # the trainer's model is not the one vLLM serves: say so to the driver
+            # A refusal, not a failure of the worker: answered through the store, and the RPC
+            # returns (vLLM 0.32's executor leaves the answer of a second failing worker queued,
+            # and the next RPC reads it: a refusal raised on every worker would poison the engine)
             message = f"vLLM worker {index}: {err}: the trainer's model is not the one vLLM serves"
             control.set(control_key(init_info.engine_id, "worker", index), json.dumps({"error": message}))
-            raise ValueError(message) from err
+            log.warning("realloc: %s", message)
+            return
         self.layout, self.info, self.index, self.control = layout, init_info, index, control
         modules = dict(self.model.named_modules())
         grouped: dict[str, list] = {}
@@ -177,13 +191,23 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         if rnd.thread is not None:
             raise RuntimeError(f"realloc: update {rnd.update_id} is already staging in this round")
         info = update_info
-        plan, peers = checked_share(*decode(info.share), info.world_rank)
-        dst = peers[info.world_rank].dst
-        if dst is None:
-            raise ValueError(f"realloc: worker {self.index} receives nothing in update {info.update_id}")
-        self._check_boxes(dst)
+        rnd.update_id, rnd.version = info.update_id, info.version
+        try:
+            plan, peers = checked_share(*decode(info.share), info.world_rank)
+            dst = peers[info.world_rank].dst
+            if dst is None:
+                raise ValueError(f"realloc: worker {self.index} receives nothing in update {info.update_id}")
+            self._check_boxes(dst)
+        except Exception as err:  # refused before any traffic: answered through the store (see init)
+            rnd.error = f"{type(err).__name__}: {err}"
+            self._post(rnd)
+            return
         shadow = ShardStore(dst.shards(), allocate_buffers(dst.layout, dst.rank))
-        rnd.update_id, rnd.version, rnd.shadow = info.update_id, info.version, shadow
+        rnd.shadow, rnd.shadow_rank = shadow, dst
+        rnd.keep_base = info.keep_base
+        if info.base is not None:  # deltas against what this worker committed last, if that is the base
+            same = self.held is not None and self.held_rank == dst and self.committed == info.base
+            rnd.delta = DeltaSides(None, self.held if same else None)  # no base: every bucket is resent whole
         rnd.thread = threading.Thread(
             target=self._stage, args=(rnd, info, plan, peers), name=f"realloc-stage-{info.update_id}", daemon=True
         )
@@ -209,15 +233,9 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
                 prefix=f"{STAGE.prefix}/{info.world_id}",
                 backend="gloo",
             )
+            cpu = torch.device("cpu")
             runner = StepRunner(
-                transport,
-                torch.device("cpu"),
-                plan,
-                info.world_rank,
-                peers,
-                None,
-                rnd.shadow,
-                staging=Staging(torch.device("cpu")),
+                transport, cpu, plan, info.world_rank, peers, None, rnd.shadow, staging=Staging(cpu), delta=rnd.delta
             )
             for step, routes in sorted(plan.routes_by_step().items()):
                 for _, nbytes in runner.run_step(step, routes):
@@ -231,16 +249,21 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
             if transport is not None:
                 transport.close()
             rnd.seconds = time.perf_counter() - started
+        self._post(rnd)
+
+    def _post(self, rnd: _Round) -> None:
+        """The outcome of ``rnd``'s transfer, for the driver (the error or None, bytes, seconds)."""
         outcome = {
             "error": rnd.error,
             "received_bytes": rnd.received,
-            "shadow_bytes": sum(b.numel() * b.element_size() for b in rnd.shadow.buffers.values()),
+            "shadow_bytes": sum(b.numel() * b.element_size() for b in rnd.shadow.buffers.values()) if rnd.shadow else 0,
             "seconds": rnd.seconds,
+            "delta": rnd.delta.stats if rnd.delta is not None else None,
         }
         try:
-            self.control.set(control_key(self.info.engine_id, info.update_id, self.index), json.dumps(outcome))
+            self.control.set(control_key(self.info.engine_id, rnd.update_id, self.index), json.dumps(outcome))
         except Exception:  # noqa: BLE001 - the driver's wait then names this worker
-            log.warning("realloc: could not post the outcome of update %s", info.update_id, exc_info=True)
+            log.warning("realloc: could not post the outcome of update %s", rnd.update_id, exc_info=True)
 
     def finish_weight_update(self) -> None:
         self._check_init()
@@ -256,6 +279,10 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
             )
         self._commit(rnd.shadow)
         self.committed = rnd.version
+        if rnd.keep_base:
+            self.held, self.held_rank = rnd.shadow, rnd.shadow_rank
+        else:
+            self.held = self.held_rank = None
 
     # -- the commit -----------------------------------------------------------------------------
     @torch.no_grad()

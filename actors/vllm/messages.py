@@ -41,12 +41,25 @@ def init_payload(host: str, port: int, engine_id: str, params: list, timeout_s: 
 
 
 def stage_payload(
-    update_id: str, version: int, world_id: str, addr: str, port: int, rank: int, size: int, share: Any
+    update_id: str,
+    version: int,
+    world_id: str,
+    addr: str,
+    port: int,
+    rank: int,
+    size: int,
+    share: Any,
+    base: int | None = None,
+    keep_base: bool = False,
 ) -> dict:
     """One worker's ``update_weights`` payload that stages an update: the update's id and
-    version, the world to join (its rendezvous, the worker's rank in it, its size) and the
-    worker's share of the plan (its ``(PlanSlice, PeerTable)``)."""
+    version, the world to join (its rendezvous, the worker's rank in it, its size), the worker's
+    share of the plan (its ``(PlanSlice, PeerTable)``); ``base``: the routes travel as deltas
+    against the weights of that version the worker committed last (None: whole); ``keep_base``:
+    keep this update's weights as the next delta's base."""
     return {
+        "base": base,
+        "keep_base": keep_base,
         "op": "stage",
         "update_id": update_id,
         "version": version,

@@ -134,6 +134,16 @@ def add_bench_parser(subparsers) -> None:
         help="run the weight-format measurement alone: the trainer (--src) copied into a generator "
         "(--dst) in its own format, then in this one (e.g. fp8_block128; realloc_tools/format_bench.py)",
     )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="run the vLLM measurement alone: a trainer group updating a real vLLM engine with realloc's "
+        "backend beside vLLM's reload_weights path (realloc_tools/bench/vllm.py; needs vLLM)",
+    )
+    p.add_argument("--vllm-tp", type=int, default=2, help="the vLLM engine's tensor parallel size (default 2)")
+    p.add_argument(
+        "--vllm-size", default="small", help="the vLLM measurement's Llama: tiny or small (default small, 236 MiB)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--trace",
@@ -198,6 +208,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.trace is not None and (args.delta or args.weight_format is not None):
         raise ValueError("--trace traces the transitions' moves; it does not go with --delta or --weight-format")
+    if args.vllm:
+        return run_vllm_bench(args)
     if args.delta:
         return run_delta_bench(args)
     if args.weight_format is not None:
@@ -296,6 +308,30 @@ def run_delta_bench(args: argparse.Namespace) -> int:
     else:
         print(format_rows(rows))
     return 0 if all(r["exact"] for r in rows) else 1
+
+
+def run_vllm_bench(args: argparse.Namespace) -> int:
+    """``--vllm``: realloc's vLLM backend beside vLLM's ``reload_weights``; exit 1 unless the engine's
+    outputs after both methods were identical on the same weights."""
+    from realloc_tools.bench.vllm import SIZES, format_report, measure
+    from realloc_tools.cluster import ray_for_command
+
+    if args.vllm_size not in SIZES:
+        raise ValueError(f"--vllm-size must be one of {sorted(SIZES)}, got {args.vllm_size!r}")
+    if args.vllm_tp not in (1, 2, 4, 8):
+        raise ValueError(f"--vllm-tp must be 1, 2, 4 or 8, got {args.vllm_tp}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"--vllm needs vLLM (pip install -e '.[vllm]'): {err}") from None
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        with ray_for_command(args.address, 1, 4) as where:
+            log_line(f"vllm bench on {where}")
+            report = measure(args.vllm_size, args.vllm_tp, args.repeats, log_line)
+    print(json.dumps({"vllm": report}) if args.json else format_report(report))
+    return 0 if report["exact"] else 1
 
 
 def run_format_bench(args: argparse.Namespace) -> int:
