@@ -41,14 +41,19 @@ CASES = (
 def _bake(rank: int, tp: int, cases: list, out: str) -> None:
     """One vLLM worker process of tp size ``tp``: every case's model built by vLLM, then baked."""
     os.environ.update(vm.VLLM_ENV)
+    os.environ["VLLM_DIST_IDENT"] = (
+        f"realloc-test-{os.getppid()}"  # the tp group's shared-memory name (the executor sets it)
+    )
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
     from actors.vllm.bake import bake
 
+    _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does before it builds the model
     torch.set_num_threads(1)
     found = {}
     for i, (name, path, params) in enumerate(cases):
@@ -104,6 +109,9 @@ def baked(tmp_path_factory):
         path = vm.save_llama(root / name, vocab=vocab, arch=arch)
         specs[name] = spec_from_hf_config(path)
         cases.append((name, str(path), [[p.name, list(p.shape), p.dtype] for p in specs[name].params]))
+    # the MoE model first: vLLM creates its expert-parallel group only when the model that
+    # initializes the parallel state has experts
+    cases.sort(key=lambda c: "moe" not in c[0])
     for tp in (1, 2):
         _run(tp, cases, root)
     found = {tp: [json.loads((root / f"tp{tp}-rank{r}.json").read_text()) for r in range(tp)] for tp in (1, 2)}
