@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     )
     engine = VLLMEngine.of(llm, timeout_s=60)
     reference = Reference(path)
-    first = str(engine.version)
+    first = llm.get_weight_version()  # vLLM's label of the weights it loaded
     reference.versions[first] = trainer.state_dict()
     failures, worst, served, updates = [], 0.0, set(), []
     for step in range(args.steps):
