@@ -45,7 +45,10 @@ UNITS = (
         ),
     ),
     ("bench", ("test_bench.py",)),
-    ("ray-1x4", ("test_vllm_backend_ray.py", "test_hf_export_ray.py", "test_hf_trust_ray.py")),
+    (
+        "ray-1x4",
+        ("test_vllm_backend_ray.py", "test_vllm_frontends_ray.py", "test_hf_export_ray.py", "test_hf_trust_ray.py"),
+    ),
     ("ray-2x2", ("test_zero3_ray.py", "test_your_model_ray.py", "test_worker_class_trust_ray.py", "test_fsdp2_ray.py")),
     ("scale", ("test_scale_ray.py",)),
     ("ray-3x4", ("test_moe_ray.py", "test_ckpt_ray.py")),
@@ -58,6 +61,7 @@ UNITS = (
     *(
         (name, (name,))
         for name in (
+            "test_vllm_layouts.py",
             "test_planner_properties.py",
             "test_formats.py",
             "test_layout.py",

@@ -91,7 +91,11 @@ def test_vllm_copy_to_serves_the_trainer_weights_exactly(setup):
     trainer.copy_to(engine)
     before = vm.greedy(llm)
     trainer.load_state_dict(new)
+    vm.poison_materialized_memory(llm)  # the padding a commit must zero cannot be zero by luck
     stats = trainer.copy_to(engine)
+    # vLLM pads the vocabulary (1000 -> 1024 rows): the padding the commit rebuilt is zero, as vLLM's
+    # loader leaves it (checked before vLLM's own reload below writes it again)
+    assert vm.padding_rows(llm, 1000) == [[0.0, 0.0], [0.0, 0.0]]
     after = vm.greedy(llm)
     assert stats.version == trainer.version == engine.version
     assert all(spans == [(str(trainer.version), 0, len(t))] for t, _, spans in after), after

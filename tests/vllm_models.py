@@ -8,8 +8,13 @@ from pathlib import Path
 
 import torch
 
-#: vLLM on this machine: 1 GiB of KV cache, no CPU binding (one NUMA node, tp=2)
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+#: vLLM on this machine: 1 GiB of KV cache, no CPU binding (one NUMA node, tp=2); functions as
+#: collective_rpc methods (the tests read the workers' tensors: :func:`padding_rows`)
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
 PROMPTS = [[1, 5, 9, 20, 33], [7, 300, 2, 11]]
 
 
@@ -104,3 +109,43 @@ def save_weights(base: Path, state: dict, out: Path) -> Path:
     shutil.copytree(base, out, dirs_exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     return out
+
+
+def _padding_rows(worker, real: int) -> list[float]:
+    """In a vLLM worker: the largest magnitude in the padding rows of its embedding and lm head."""
+    model = worker.model_runner.model
+    out = []
+    for t in (model.model.embed_tokens.weight, model.lm_head.weight):
+        start = model.model.embed_tokens.shard_indices.org_vocab_start_index
+        rows = max(0, real - start)
+        out.append(float(t[rows:].abs().max()) if t.shape[0] > rows else 0.0)
+    return out
+
+
+def padding_rows(llm, vocab: int) -> list[list[float]]:
+    """Per worker, the largest magnitude in its embedding's and lm head's padding rows."""
+    import functools
+
+    return llm.collective_rpc(functools.partial(_padding_rows, real=vocab))
+
+
+def _poison(worker) -> None:
+    from vllm.model_executor.model_loader.reload import meta
+
+    if getattr(meta, "_realloc_poisoned", False):
+        return
+    real = meta.materialize_meta_tensor
+
+    def poisoned(t):
+        out = real(t)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    meta.materialize_meta_tensor, meta._realloc_poisoned = poisoned, True
+
+
+def poison_materialized_memory(llm) -> None:
+    """Make every tensor vLLM's layerwise reload materializes NaN in the workers (it is
+    uninitialized memory, which is often zero by luck): whatever a commit leaves unwritten shows."""
+    llm.collective_rpc(_poison)

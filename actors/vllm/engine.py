@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import traceback
@@ -124,7 +125,7 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         #: the shadow set of the last commit, kept as the next delta's base (``keep_base``), and its rank
         self.held: ShardStore | None = None
         self.held_rank = None
-        self._by_module: list[tuple[torch.nn.Module, list]] = []
+        self._by_module: list[tuple[torch.nn.Module, list, set[str]]] = []  # module, its copies, tensors to zero
 
     # -- init -------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: ReallocInitInfo) -> None:
@@ -153,7 +154,9 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         grouped: dict[str, list] = {}
         for s in self.layout.scatters:
             grouped.setdefault(s.module, []).append(s)
-        self._by_module = [(modules[m], scatters) for m, scatters in grouped.items()]
+        self._by_module = [
+            (modules[m], scatters, _partly_written(modules[m], scatters)) for m, scatters in grouped.items()
+        ]
         world = get_world_group().world_size
         described = {
             "index": self.index,
@@ -301,14 +304,15 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
 
         with torch.device(self.device):
             initialize_layerwise_reload(self.model)
-            for layer, scatters in self._by_module:
+            for layer, scatters, partly in self._by_module:
                 info = LAYERWISE_INFO[layer]
                 materialize_layer(layer, info)
                 if hasattr(layer, "_already_called_process_weights_after_loading"):
                     delattr(layer, "_already_called_process_weights_after_loading")
-                for t in get_layer_tensors(layer).values():
+                for name, t in get_layer_tensors(layer).items():
                     t.weight_loader = _get_original_loader(t)
-                    t.data.zero_()  # what no copy writes is padding: vLLM's loaders zero it
+                    if name in partly:  # what no copy writes is padding: vLLM's loaders zero it
+                        t.data.zero_()
                 for s in scatters:
                     dst = getattr(layer, s.param).data.as_strided(s.shape, s.stride, s.offset)
                     dst.copy_(shadow.view(s.name, s.offsets, s.sizes).reshape(s.shape))
@@ -347,6 +351,18 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         if rnd is not None:
             rnd.aborted = True
         self.control = None
+
+
+def _partly_written(module: torch.nn.Module, scatters: list) -> set[str]:
+    """The tensors of ``module`` the copies do not cover whole (a padded vocabulary): zeroed
+    before a commit writes them (materialized memory is uninitialized)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    params, buffers = get_layerwise_info(module).restore_metadata  # model format (the kernel's may differ)
+    written: dict[str, int] = {}
+    for s in scatters:
+        written[s.param] = written.get(s.param, 0) + math.prod(s.shape)
+    return {n for n, t in {**params, **buffers}.items() if written.get(n, 0) < t.numel()}
 
 
 def _pid() -> int:
