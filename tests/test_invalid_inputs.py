@@ -390,13 +390,6 @@ CLI_CASES = [
         r"--dst dp=1,tp=6,pp=1: vocab_pad_rule='vllm': model.embed_tokens.weight of 1001 rows .* which tp=6 does not divide",
     ),
     (
-        "vllm bench unknown size",
-        ["bench", "--vllm", "--vllm-size", "huge"],
-        r"--vllm-size must be one of \['small', 'tiny'\], got 'huge'",
-    ),
-    ("vllm bench tp 3", ["bench", "--vllm", "--vllm-tp", "3"], r"--vllm-tp must be 1, 2, 4 or 8, got 3"),
-    ("vllm bench no repeats", ["bench", "--vllm", "--repeats", "0"], r"--repeats must be at least 1, got 0"),
-    (
         "verify too large",
         plan_args("dp=2", "tp=2", "--verify", model="llama-7b"),
         r"--verify would hold about .* GiB .* limit is 2 GiB",
