@@ -211,6 +211,24 @@ def test_vllm_delta_updates_move_only_the_changed_elements_and_serve_the_same_we
     assert again.delta is not None and again.delta["repaired"] == 0
 
 
+def test_vllm_aborted_update_leaves_the_served_weights_and_the_next_one_commits(setup):
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    old, new = vm.perturbed(setup["base"], seed=12), vm.perturbed(setup["base"], seed=13)
+    trainer.load_state_dict(old)
+    trainer.copy_to(engine)
+    served, version = vm.greedy(llm), engine.version
+    trainer.load_state_dict(new)
+    for stage_first in (True, False):  # aborted once staged, and while the bytes still leave the trainer
+        update = trainer.copy_to(engine, stage=True)
+        if stage_first:
+            update.wait()
+        update.abort()
+        assert update.state == "aborted" and engine.version == version
+        assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(served)
+    trainer.copy_to(engine)
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-abort"))
+
+
 def test_vllm_update_past_its_deadline_fails_naming_the_waiting_ranks_and_the_engine_keeps_serving(setup):
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
     old, new = vm.perturbed(setup["base"], seed=6), vm.perturbed(setup["base"], seed=7)

@@ -414,9 +414,19 @@ class VLLMUpdate:
         return self.stats
 
     def abort(self) -> None:
-        """Drop the staged weights; the engine keeps serving its version."""
+        """Drop the staged weights; the engine keeps serving its version. While the bytes still
+        leave the trainer, it waits for its ranks first (within the deadline): the trainer stays
+        held until nothing reads its weights any more."""
         if self.ended:
             return
+        if self.state == "staging":
+            try:
+                gather(self.trainer.workers, self._runs, self.deadline, f"update {self.engine.name}: abort")
+            except ReallocationError:
+                log.warning(
+                    "update %s of %s: the trainer's ranks failed while it was aborted", self.id, self.engine.name
+                )
+            self.trainer.ledger.delta_done(self.trainer.layout, self.engine, self.order, False)
         self._release()
         self._close_round()
         self.state = "aborted"
