@@ -180,8 +180,9 @@ def private_imports() -> list[str]:
     return sorted(offenders)
 
 
-#: The folders of ``actors/``, by the process that runs them (``vllm``: inside vLLM's processes).
-ACTORS_PARTS = ("driver", "worker", "wire", "vllm")
+#: The folders of ``actors/``, by the process that runs them (``vllm``: inside vLLM's processes;
+#: ``trainer``: inside the user's trainer processes, whose rank 0 drives the update).
+ACTORS_PARTS = ("driver", "worker", "wire", "vllm", "trainer")
 #: The modules at the top of ``actors/``: records and helpers both sides use (the face, ``actors``
 #: itself, hands names on and may import anything).
 ACTORS_TOP = (
@@ -202,6 +203,7 @@ ACTORS_MAY_IMPORT = {
     "worker": ("top", "wire"),
     "vllm": ("top", "wire"),
     "driver": ("top", "wire", "worker face", "vllm face"),
+    "trainer": ("top", "wire", "driver", "vllm face"),
 }
 
 

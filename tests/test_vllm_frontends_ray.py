@@ -23,10 +23,12 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 ray = pytest.importorskip("ray")
 
+import user_trainers as ut
 import vllm_models as vm
 from safetensors.torch import load_file
 from simulated import simulated_cluster
@@ -102,6 +104,26 @@ def test_vllm_async_llm_completes_an_update(model):
         ref = vm.save_weights(model["path"], new, model["root"] / "ref-async")
         run(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ref)}))
         assert run(greedy("reference")) == after
+
+        # a one-rank trainer of this process (a plain transformers model) through vLLM's trainer API
+        from transformers import AutoModelForCausalLM
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from actors.trainer import ReallocTrainerInitInfo, ShardSource
+
+        plain = AutoModelForCausalLM.from_pretrained(model["path"], dtype=torch.float32)
+        plain.load_state_dict(vm.perturbed(model["base"], seed=13), strict=False)
+        sender = WeightTransferTrainerFactory.trainer_init(
+            ReallocTrainerInitInfo(rank=0, name="plain", timeout_s=TIMEOUT_S),
+            client=AsyncLLMClient(llm, loop),
+            source=ShardSource(plain),
+        )
+        assert sender.send_weights() == 1
+        served = run(greedy("plain"))
+        assert served != after, "the update changed nothing"
+        ref = vm.save_weights(model["path"], dict(plain.state_dict()), model["root"] / "ref-plain")
+        run(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ref)}))
+        assert run(greedy("plain-reference")) == served
     finally:
         llm.shutdown()
         loop.call_soon_threadsafe(loop.stop)
@@ -139,13 +161,42 @@ main()
 """
 
 
-def test_vllm_serve_completes_an_update_through_its_http_routes(model):
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+class Server:
+    """A ``vllm serve`` of the module's model (tp=2) and what the tests ask of it over HTTP."""
 
+    def __init__(self, model: dict, process: subprocess.Popen, base: str):
+        self.model, self.process, self.base = model, process, base
+
+    def greedy(self) -> list:
+        out = []
+        for p in vm.PROMPTS:
+            body = {
+                "model": str(self.model["path"]),
+                "prompt": p,
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,  # no tokenizer: tokens as "token_id:<id>"
+            }
+            choice = _post(f"{self.base}/v1/completions", body)["choices"][0]
+            out.append((choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]))
+        return out
+
+    def reference(self, state: dict, tag: str) -> list:
+        """What the server generates once vLLM's own loader reloaded ``state`` (the oracle)."""
+        ref = vm.save_weights(self.model["path"], state, self.model["root"] / f"ref-{tag}")
+        _post(f"{self.base}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(ref)}})
+        return self.greedy()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """``vllm serve --weight-transfer-config '{"backend": "realloc"}'`` at tp=2, with vLLM's dev
+    routes (``/collective_rpc``: the oracle's reload)."""
     port = _port()
     env = {**os.environ, **vm.VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}
     log = open(model["root"] / "serve.log", "w")
-    server = subprocess.Popen(
+    process = subprocess.Popen(
         [
             sys.executable,
             "-c",
@@ -162,6 +213,8 @@ def test_vllm_serve_completes_an_update_through_its_http_routes(model):
             "128",
             "--max-num-seqs",
             "4",
+            "--tensor-parallel-size",
+            "2",
             "--distributed-executor-backend",
             "mp",
             "--weight-transfer-config",
@@ -181,41 +234,121 @@ def test_vllm_serve_completes_an_update_through_its_http_routes(model):
                         break
             except OSError:
                 pass
-            assert server.poll() is None, (model["root"] / "serve.log").read_text()[-3000:]
+            assert process.poll() is None, (model["root"] / "serve.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "vllm serve did not come up within 180 s"
             time.sleep(0.5)
-
-        def greedy():
-            out = []
-            for p in vm.PROMPTS:
-                body = {
-                    "model": str(model["path"]),
-                    "prompt": p,
-                    "max_tokens": 8,
-                    "temperature": 0,
-                    "logprobs": 1,
-                    "return_tokens_as_token_ids": True,  # no tokenizer: tokens as "token_id:<id>"
-                }
-                choice = _post(f"{base}/v1/completions", body)["choices"][0]
-                out.append((choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]))
-            return out
-
-        trainer = model["trainer"]
-        engine = VLLMEngine(HTTPVLLMWeightSyncClient(base), timeout_s=TIMEOUT_S)
-        before = greedy()
-        new = vm.perturbed(model["base"], seed=12)
-        trainer.load_state_dict(new)
-        stats = trainer.copy_to(engine)
-        after = greedy()
-        assert engine.version == stats.version
-        assert after != before, "the update changed nothing"
-        ref = vm.save_weights(model["path"], new, model["root"] / "ref-http")
-        _post(f"{base}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(ref)}})
-        assert greedy() == after
+        yield Server(model, process, base)
     finally:
-        server.terminate()
+        process.terminate()
         try:
-            server.wait(30)
+            process.wait(30)
         except subprocess.TimeoutExpired:
-            server.kill()
+            process.kill()
         log.close()
+
+
+def test_vllm_serve_completes_an_update_through_its_http_routes(model, server):
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    trainer = model["trainer"]
+    engine = VLLMEngine(HTTPVLLMWeightSyncClient(server.base), timeout_s=TIMEOUT_S)
+    before = server.greedy()
+    new = vm.perturbed(model["base"], seed=12)
+    trainer.load_state_dict(new)
+    stats = trainer.copy_to(engine)
+    after = server.greedy()
+    assert engine.version == stats.version
+    assert after != before, "the update changed nothing"
+    assert server.reference(new, "http") == after
+
+
+# -- issue 38: trainers realloc did not start (plain Ray actors, FSDP2) call vLLM's trainer API ------------
+
+
+@pytest.fixture(scope="module")
+def fsdp(model):
+    """An FSDP2 trainer (fsdp=2) in two plain Ray actors: the framework's, not realloc's."""
+    ranks = ut.start_fsdp(model["path"], world=2)
+    yield ranks
+    for r in ranks:
+        ray.kill(r)
+
+
+def _sent(ranks, url: str, timeout_s: float = TIMEOUT_S, **declared) -> list[dict]:
+    ray.get([r.init_transfer.remote(url, timeout_s, **declared) for r in ranks], timeout=120)
+    return ray.get([r.send.remote() for r in ranks], timeout=120)
+
+
+def test_vllm_fsdp2_trainer_in_plain_ray_actors_updates_the_server_shard_to_shard(server, fsdp):
+    before = server.greedy()
+    ray.get([r.train.remote(seed=1) for r in fsdp], timeout=120)
+    ray.get([r.init_transfer.remote(server.base, TIMEOUT_S) for r in fsdp], timeout=120)
+    served = []
+    for round_ in (1, 2):
+        if round_ == 2:
+            ray.get([r.train.remote(seed=2) for r in fsdp], timeout=120)
+        sent = ray.get([r.send.remote() for r in fsdp], timeout=120)
+        assert [s["version"] for s in sent] == [round_, round_], sent
+        served.append(server.greedy())
+        assert served[-1] == server.reference(ray.get([r.full_state.remote() for r in fsdp])[0], f"fsdp-{round_}")
+    assert served[0] != before and served[1] != served[0], "an update changed nothing"
+    # each rank sent from its own shards (half of the model; the norms vLLM's ranks both hold, twice
+    # at most), never the model: no gather
+    held = ray.get([r.holds_bytes.remote() for r in fsdp])
+    model_bytes = sum(held)
+    assert sum(s["sent_bytes"] for s in sent) >= model_bytes
+    for s, h in zip(sent, held):
+        assert h <= 0.5 * model_bytes and 0 < s["sent_bytes"] < 0.51 * model_bytes, (sent, held)
+    # each vLLM worker (tp=2) received its half of the model
+    assert all(0.4 * model_bytes < b < 0.6 * model_bytes for b in sent[0]["received_bytes"]), sent
+
+
+def test_vllm_fsdp2_trainer_with_tensor_parallelism_updates_the_server(model, server):
+    ranks = ut.start_fsdp(model["path"], world=4, tp=2)
+    try:
+        ray.get([r.train.remote(seed=3) for r in ranks], timeout=120)
+        layouts = ray.get([r.init_transfer.remote(server.base, TIMEOUT_S, name="fsdp-tp") for r in ranks])
+        assert layouts == ["dp=1,fsdp=2,tp=2,pp=1"] * 4
+        sent = ray.get([r.send.remote() for r in ranks], timeout=120)
+        assert [s["version"] for s in sent] == [1] * 4
+        full = ray.get([r.full_state.remote() for r in ranks])[0]
+        assert server.greedy() == server.reference(full, "fsdp-tp")
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_vllm_trainer_declaration_that_its_tensors_contradict_is_refused_on_every_rank(server, fsdp):
+    before = server.greedy()
+    refs = [r.init_transfer.remote(server.base, TIMEOUT_S, topology="tp=2") for r in fsdp]
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError, match="declared topology dp=1,tp=2,pp=1 is not what"):
+            ray.get(ref, timeout=120)
+    assert server.greedy() == before  # nothing moved
+
+
+def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_restarted_trainer_updates(
+    model, server, fsdp
+):
+    ray.get([r.init_transfer.remote(server.base, 8.0) for r in fsdp], timeout=120)
+    ray.get([r.send.remote() for r in fsdp], timeout=120)
+    served = server.greedy()
+    ray.get([r.train.remote(seed=4) for r in fsdp], timeout=120)
+    ray.get(fsdp[1].pid.remote())
+    head = fsdp[0].send.remote()  # rank 0 opens the round; the engine's workers join its world
+    time.sleep(1.0)
+    ray.kill(fsdp[1])  # rank 1 dies before its bytes left it
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        ray.get(head, timeout=60)
+    assert "vllm serves version" in str(err.value) and "untouched" in str(err.value), err.value
+    assert server.greedy() == served, "the served weights changed"
+    # the documented repair: the trainer's ranks restarted (a new process group); its next update commits
+    fresh = ut.start_fsdp(model["path"], world=2)
+    try:
+        ray.get([r.train.remote(seed=5) for r in fresh], timeout=120)
+        sent = _sent(fresh, server.base)
+        assert sent[0]["version"] == 1
+        assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fresh])[0], "fresh")
+    finally:
+        for r in fresh:
+            ray.kill(r)

@@ -53,7 +53,7 @@ from actors.vllm import ABORT, control_key, init_payload, stage_payload
 from actors.wire.shares import PeerView, worker_shares
 from actors.wire.transport import host_rendezvous
 from realloc.layout import Layout, Topology
-from realloc.plan import Placement, Plan, plan_reallocation
+from realloc.plan import Bandwidths, Placement, Plan, plan_reallocation
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ class VLLMEngine:
         self._store = None
         self._plans: dict[Layout, Plan] = {}
         self._pending: VLLMUpdate | None = None
+        self._open = False  # a round is open on the engine (started, not finished)
 
     @classmethod
     def of(cls, llm: Any, **kwargs: Any) -> "VLLMEngine":
@@ -170,8 +171,9 @@ class VLLMEngine:
         return f"VLLMEngine({self.name!r}, layout={self.layout}, version={self.version})"
 
     # -- init: the engine's layout, from its workers ----------------------------------------------
-    def _init(self, spec) -> None:
-        """Bake and check the engine's layout for ``spec`` (once; a later trainer must match it)."""
+    def init(self, spec) -> None:
+        """Bake and check the engine's layout for ``spec`` (once; a later trainer must match it):
+        ``ValueError`` naming the tensor where the engine's loaders and realloc's vLLM layout differ."""
         if self.layout is not None:
             self.layout.spec.check_same_as(spec)
             return
@@ -260,25 +262,124 @@ class VLLMEngine:
         one more delta in a row, or an anchor (the trainer's ledger counts them for its anchor cadence)."""
         self.deltas = self.deltas + 1 if order.base is not None else 0
 
-    def _plan(self, trainer: Any) -> tuple[Plan, float]:
-        plan = self._plans.get(trainer.layout)
+    # -- one round, whoever the trainer is (a ModelGroup: VLLMUpdate; ranks of the user's trainer
+    # processes: actors/trainer/engine.py) ---------------------------------------------------------
+    def plan_from(
+        self, spec, layout: Layout, nodes: tuple[str, ...], bucket_bytes: int, bandwidths=None
+    ) -> tuple[Plan, float]:
+        """The plan from a trainer of ``layout`` (its ranks on ``nodes``) to this engine's workers
+        (world ranks ``len(nodes)`` on) and the seconds planning took (0: cached)."""
+        key = (layout, nodes)
+        plan = self._plans.get(key)
         if plan is not None:
             return plan, 0.0
         started = time.perf_counter()
-        n, m = trainer.num_workers, len(self.workers)
-        placement = Placement(tuple(trainer.placement.nodes) + (self.node,) * m)
+        n, m = len(nodes), len(self.workers)
         plan = plan_reallocation(
-            trainer.spec,
-            trainer.layout,
+            spec,
+            layout,
             self.layout,
-            placement,
+            Placement(tuple(nodes) + (self.node,) * m),
             src_workers=range(n),
             dst_workers=range(n, n + m),
-            bucket_bytes=trainer.config.bucket_bytes,
-            bandwidths=trainer.config.bandwidths,
+            bucket_bytes=bucket_bytes,
+            bandwidths=bandwidths if bandwidths is not None else Bandwidths(),
         )
-        self._plans = {trainer.layout: plan}
+        self._plans = {key: plan}
         return plan, time.perf_counter() - started
+
+    def shares(self, plan: Plan, layout: Layout, nodes: tuple[str, ...]) -> list:
+        """Every world rank's share of ``plan``: the trainer's ``len(nodes)`` ranks, then the workers'."""
+        n, m = len(nodes), len(self.workers)
+        srcs = [layout.at(r) for r in range(n)] + [None] * m
+        dsts = [None] * n + [self.layout.at(r) for r in range(m)]
+        every = tuple(nodes) + (self.node,) * m
+        return worker_shares(plan, [PeerView(i, every[i], srcs[i], dsts[i], shared=False) for i in range(n + m)])
+
+    def open_round(
+        self, update_id: str, version: int, world: str, addr: str, port: int, shares: list, base, delta: bool
+    ) -> None:
+        """Start a round on the engine and hand each worker its share (world ranks after the
+        trainer's): the workers join world ``world`` at ``addr:port`` and receive on a thread."""
+        m = len(self.workers)
+        n = len(shares) - m
+        self.client.start_weight_update()
+        self._open = True
+        self.client.update_weights(
+            [
+                stage_payload(update_id, version, world, addr, port, n + j, n + m, shares[n + j], base, delta)
+                for j in range(m)
+            ]
+        )
+
+    def outcomes(self, update_id: str, deadline: Deadline) -> list[dict]:
+        """Each worker's report of round ``update_id`` (within ``deadline``); a
+        :class:`~actors.errors.ReallocationError` naming the workers whose transfer failed."""
+        outcomes = [self._read((update_id, w["index"]), "report its transfer", deadline) for w in self.workers]
+        failed = [(w["index"], o["error"]) for w, o in zip(self.workers, outcomes) if o["error"]]
+        if failed:
+            raise ReallocationError(
+                f"{self.name}: the transfer failed on vLLM worker(s) " + "; ".join(f"{i}: {e}" for i, e in failed)
+            )
+        return outcomes
+
+    def switch(self, version: int, origin: tuple[str, int] | None) -> float:
+        """Commit the staged round: every worker switches in between two forward steps, the
+        outputs are labelled ``version``; ``origin``: whose weights it now serves. Its seconds."""
+        started = time.perf_counter()
+        self._open = False
+        try:
+            self.client.finish_weight_update(weight_version=str(version))
+        except BaseException as err:
+            self.origin = None
+            raise ReallocationError(
+                f"{self.name}: the commit of version {version} failed ({type(err).__name__}: {err}); "
+                "workers may differ: reload the engine's weights (collective_rpc('reload_weights')) or restart it"
+            ) from err
+        self.version, self.origin = version, origin
+        return time.perf_counter() - started
+
+    def close_round(self) -> None:
+        """Drop an open round (its staged bytes); the engine serves what it served."""
+        if self._open:
+            self._open = False
+            self.client.update_weights(ABORT)
+            self.client.finish_weight_update(None)
+
+    def failed(self, err: BaseException, trainer: str) -> BaseException:
+        """The error to raise for an update from ``trainer`` that failed with ``err``, the round
+        closed: it names what failed and says what the engine serves now."""
+        gone = self.dead_workers()
+        if gone and not isinstance(err, ValueError):
+            err = ReallocationError(
+                f"{'; '.join(gone)} during the update of {self.name}; "
+                f"{getattr(err, 'message', f'{type(err).__name__}: {err}')}",
+                list(dict.fromkeys([*getattr(err, "dead", []), *gone])),
+                getattr(err, "unresponsive", []),
+                None,
+                getattr(err, "waiting", []),
+            )
+        note = ""
+        try:
+            self.close_round()
+        except BaseException as closing:  # noqa: BLE001 - said in the error
+            note = f" (closing the engine's round failed too: {type(closing).__name__}: {closing})"
+        state = f"{self.name} serves version {self.version}, untouched{note}"
+        if gone:
+            state = (
+                f"{self.name} lost {len(gone)} worker(s): vLLM ends an engine that loses a worker, restart it; "
+                f"the trainer {trainer!r} is untouched{note}"
+            )
+        if isinstance(err, ReallocationError):
+            out = ReallocationError(
+                f"{err.message}. {state}", err.dead, err.unresponsive, str(self.layout), err.waiting
+            )
+        elif isinstance(err, ValueError):
+            return err
+        else:
+            out = ReallocationError(f"update of {self.name} failed: {type(err).__name__}: {err}. {state}")
+        out.__cause__ = err
+        return out
 
 
 class VLLMUpdate:
@@ -303,20 +404,19 @@ class VLLMUpdate:
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(trainer.ledger.exclusive(f"update {engine.name}", deadline=self.deadline))
         try:
-            engine._init(trainer.spec)
+            engine.init(trainer.spec)
             self.version = trainer.version
             self.stats = VLLMUpdateStats(self.version)
             holds = engine.origin[1] if engine.origin is not None and engine.origin[0] == trainer.name else None
             self.order = trainer.ledger.delta_order(delta, engine, holds)
             base = self.order.base if self.order is not None else None
             self._started = time.perf_counter()
-            plan, self.stats.plan_seconds = engine._plan(trainer)
-            n, m = trainer.num_workers, len(engine.workers)
-            srcs = [trainer.layout.at(r) for r in range(n)] + [None] * m
-            dsts = [None] * n + [engine.layout.at(r) for r in range(m)]
-            nodes = tuple(trainer.placement.nodes) + (engine.node,) * m
-            peers = [PeerView(i, nodes[i], srcs[i], dsts[i], shared=False) for i in range(n + m)]
-            shares = worker_shares(plan, peers)
+            nodes = tuple(trainer.placement.nodes)
+            plan, self.stats.plan_seconds = engine.plan_from(
+                trainer.spec, trainer.layout, nodes, trainer.config.bucket_bytes, trainer.config.bandwidths
+            )
+            shares = engine.shares(plan, trainer.layout, nodes)
+            n, m = len(nodes), len(engine.workers)
             world = uuid.uuid4().hex[:12]
             head = trainer.workers.actors[0]
             addr, port = gather(
@@ -329,14 +429,7 @@ class VLLMUpdate:
                 STAGE.method(a, "join").remote(STAGE, world, addr, port, r, n + m, engine.timeout_s)
                 for r, a in enumerate(trainer.workers.actors)
             ]
-            engine.client.start_weight_update()
-            self._opened = True
-            engine.client.update_weights(
-                [
-                    stage_payload(self.id, self.version, world, addr, port, n + j, n + m, shares[n + j], base, delta)
-                    for j in range(m)
-                ]
-            )
+            engine.open_round(self.id, self.version, world, addr, port, shares, base, delta)
             gather(trainer.workers, joins, self.deadline, f"update {engine.name}: form the world")
             self._runs = [
                 a.stage_run.remote(
@@ -372,16 +465,7 @@ class VLLMUpdate:
                 raise
             self.trainer.ledger.delta_done(self.trainer.layout, self.engine, self.order, True)
             self._release()
-            outcomes = [
-                self.engine._read((self.id, w["index"]), "report its transfer", self.deadline)
-                for w in self.engine.workers
-            ]
-            failed = [(w["index"], o["error"]) for w, o in zip(self.engine.workers, outcomes) if o["error"]]
-            if failed:
-                raise ReallocationError(
-                    f"{self.engine.name}: the transfer failed on vLLM worker(s) "
-                    + "; ".join(f"{i}: {e}" for i, e in failed)
-                )
+            outcomes = self.engine.outcomes(self.id, self.deadline)
         except BaseException as err:
             self._fail(err)
         self.stats.received_bytes = [o["received_bytes"] for o in outcomes]
@@ -397,19 +481,11 @@ class VLLMUpdate:
         """Switch the staged weights in on every worker (one RPC between two forward steps) and
         label the engine's outputs with the version."""
         self.wait()
-        started = time.perf_counter()
         try:
-            self.engine.client.finish_weight_update(weight_version=str(self.version))
-        except BaseException as err:
+            self.stats.commit_seconds = self.engine.switch(self.version, (self.trainer.name, self.version))
+        except BaseException:
             self.state = "failed"
-            self.engine.origin = None
-            raise ReallocationError(
-                f"{self.engine.name}: the commit of version {self.version} failed ({type(err).__name__}: {err}); "
-                "workers may differ: reload the engine's weights (collective_rpc('reload_weights')) or restart it"
-            ) from err
-        self.stats.commit_seconds = time.perf_counter() - started
-        self.engine.version = self.version
-        self.engine.origin = (self.trainer.name, self.version)
+            raise
         self.state = "committed"
         return self.stats
 
@@ -428,50 +504,17 @@ class VLLMUpdate:
                 )
             self.trainer.ledger.delta_done(self.trainer.layout, self.engine, self.order, False)
         self._release()
-        self._close_round()
+        self.engine.close_round()
         self.state = "aborted"
 
     # -- failure -------------------------------------------------------------------------------------
     def _release(self) -> None:
         self._hold.close()
 
-    def _close_round(self) -> None:
-        if getattr(self, "_opened", False):
-            self._opened = False
-            self.engine.client.update_weights(ABORT)
-            self.engine.client.finish_weight_update(None)
-
     def _fail(self, err: BaseException):
         self.state = "failed"
         self._release()
-        gone = self.engine.dead_workers()
-        if gone and not isinstance(err, ValueError):
-            err = ReallocationError(
-                f"{'; '.join(gone)} during the update of {self.engine.name}; "
-                f"{getattr(err, 'message', f'{type(err).__name__}: {err}')}",
-                list(dict.fromkeys([*getattr(err, "dead", []), *gone])),
-                getattr(err, "unresponsive", []),
-                None,
-                getattr(err, "waiting", []),
-            )
-        note = ""
-        try:
-            self._close_round()
-        except BaseException as closing:  # noqa: BLE001 - said in the error
-            note = f" (closing the engine's round failed too: {type(closing).__name__}: {closing})"
-        state = f"{self.engine.name} serves version {self.engine.version}, untouched{note}"
-        if gone:
-            state = (
-                f"{self.engine.name} lost {len(gone)} worker(s): vLLM ends an engine that loses a worker, restart it; "
-                f"the trainer {self.trainer.name!r} is untouched{note}"
-            )
-        if isinstance(err, ReallocationError):
-            raise ReallocationError(
-                f"{err.message}. {state}", err.dead, err.unresponsive, str(self.engine.layout), err.waiting
-            ) from err
-        if isinstance(err, ValueError):
-            raise err
-        raise ReallocationError(f"update of {self.engine.name} failed: {type(err).__name__}: {err}. {state}") from err
+        raise self.engine.failed(err, self.trainer.name)
 
 
 def vllm_layout(spec, tp: int) -> Layout:
@@ -528,9 +571,10 @@ def _ip_of_this_host() -> str:
 
 
 def _node_of(ip: str) -> str:
-    """The Ray node id of the host at ``ip`` (this process's node when several nodes share it)."""
+    """The Ray node id of the host at ``ip`` (this process's node when several nodes share it);
+    without Ray, the address itself names the node."""
     if not ray.is_initialized():
-        return "local"
+        return ip
     here = ray.get_runtime_context().get_node_id()
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerAddress") == ip]
     if len(nodes) == 1:

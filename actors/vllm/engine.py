@@ -55,7 +55,7 @@ from actors.vllm.bake import Bake, bake
 from actors.vllm.messages import OPS, control_key, decode
 from actors.wire.delta import DeltaSides
 from actors.wire.executor import Staging, StepRunner, checked_share
-from actors.wire.transport import Transport, check_in, connect_rendezvous
+from actors.wire.transport import connect_rendezvous, join_world
 from realloc.shards import ShardStore
 from realloc.shards.store import allocate_buffers
 
@@ -223,18 +223,15 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         timeout_s = self.info.timeout_s
         transport = None
         try:
-            store = connect_rendezvous(info.addr, info.port, info.world_size, timeout_s)
-            check_in(store, info.world_id, info.world_size, timeout_s, lambda: rnd.aborted)
-            transport = Transport(
+            transport = join_world(
                 info.addr,
                 info.port,
+                info.world_id,
                 info.world_rank,
                 info.world_size,
-                torch.device("cpu"),
                 timeout_s,
-                store=store,
-                prefix=f"{STAGE.prefix}/{info.world_id}",
-                backend="gloo",
+                STAGE.prefix,
+                lambda: rnd.aborted,
             )
             cpu = torch.device("cpu")
             runner = StepRunner(

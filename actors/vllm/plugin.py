@@ -29,10 +29,15 @@ def check_version(version: str) -> None:
 
 
 def register() -> None:
-    """Register ``realloc`` in vLLM's weight-transfer engine factory (once per process)."""
+    """Register ``realloc`` in vLLM's weight-transfer engine factory and its trainer factory
+    (once per process; the trainer side also registers itself when ``actors.trainer`` is imported)."""
     import vllm
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     check_version(vllm.__version__)
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "actors.vllm.engine", "ReallocWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND, "actors.trainer.engine", "ReallocTrainerWeightTransferEngine"
+        )

@@ -251,3 +251,34 @@ def _interface_of(addr: str) -> str | None:
         if any(a.address == addr for a in addrs):
             return name
     return None
+
+
+def join_world(
+    addr: str,
+    port: int,
+    world_id: str,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    prefix: str,
+    aborted: Callable[[], bool] = lambda: False,
+    store: dist.TCPStore | None = None,
+) -> Transport:
+    """Join world ``world_id`` (rendezvous ``addr:port``; ``store``: the host's own) as ``rank`` of
+    ``size`` over gloo on host memory: check in (leaving when ``aborted()``), then the transport,
+    keyed ``<prefix>/<world id>``. What a process outside realloc's actors runs (a vLLM worker, a
+    user's trainer rank)."""
+    if store is None:
+        store = connect_rendezvous(addr, port, size, timeout_s)
+    check_in(store, world_id, size, timeout_s, aborted)
+    return Transport(
+        addr,
+        port,
+        rank,
+        size,
+        torch.device("cpu"),
+        timeout_s,
+        store=store,
+        prefix=f"{prefix}/{world_id}",
+        backend="gloo",
+    )

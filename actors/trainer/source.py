@@ -1,0 +1,199 @@
+"""What one trainer rank holds, read from its module as it is: realloc's ``WeightSource``.
+
+A trainer that realloc did not start (FSDP2 in a framework's Ray actors, a torchrun job) hands
+its module to :class:`ShardSource`. Nothing is gathered: the rank's layout is read from the
+tensors where they say it, and declared where they cannot:
+
+* **DTensors** (FSDP2 ``fully_shard``, with or without tensor parallelism: torchtitan's
+  composition). The device mesh gives the topology (``realloc.shards.dtensor.mesh_topology``:
+  dimension names ``dp_replicate``/``dp``, ``dp_shard``/``fsdp``, ``tp``) and the rank's
+  coordinates give its realloc rank; each local tensor must be exactly its box in that layout,
+  computed with torch's own rule (``realloc.shards.dtensor.check_boxes``).
+* **Plain tensors**: the whole model on one rank (default), or a declaration
+  (``topology="tp=2"``, ``rank=``) of what each rank's local tensors are; every tensor's shape
+  must then be its shard's in the declared layout.
+
+Every refusal (a parameter the model spec does not have or misses, a global shape or dtype
+that differs, a declaration the tensors contradict, a local box that is not the layout's) is a
+``ValueError`` naming the parameter, raised before any byte moves.
+
+The same object is a vLLM ``WeightSource``: iterating it gathers every full tensor, as vLLM's
+``ModuleSource`` does, so vLLM's own backends (``nccl``) can be run on it side by side; realloc's
+trainer engine (:mod:`actors.trainer.engine`) never iterates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
+
+from realloc.layout import Layout, RankLayout, Topology
+from realloc.shards import ShardStore
+from realloc.shards.dtensor import MESH_NAMES, check_boxes, mesh_topology, read_local
+from realloc.shards.store import allocate_buffers
+from realloc.spec import ModelSpec
+from realloc.spec.hf_config import spec_from_hf_config
+
+
+@dataclass
+class Holdings:
+    """One rank's part of the trainer: the layout of all ranks, this rank in it, its local
+    tensors (by parameter name) and a flat copy of them the wire sends from (refreshed per round)."""
+
+    layout: Layout
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    store: ShardStore
+
+    @property
+    def me(self) -> RankLayout:
+        return self.layout.at(self.rank)
+
+    def refresh(self) -> int:
+        """Copy the local tensors into the store (the weights as they are now); bytes copied."""
+        return read_local(self.store.shard_tensors(), self.me, self.tensors)
+
+
+class ShardSource(WeightSource):
+    """A trainer rank's weights as it holds them (see the module's docstring).
+
+    ``module``: the rank's model (DTensor parameters, or plain ones). ``spec``: the model's
+    :class:`~realloc.spec.ModelSpec` (default: from ``module.config``, a transformers config, in
+    the parameters' dtype). ``topology``/``rank``: the declaration for plain local tensors (a
+    topology string such as ``"tp=2"`` and this rank's realloc rank in it); with DTensors, a
+    topology given must be the mesh's.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        spec: ModelSpec | None = None,
+        topology: "str | Topology | None" = None,
+        rank: int | None = None,
+    ):
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"ShardSource needs the trainer rank's torch.nn.Module, got {type(module).__name__}")
+        if spec is not None and not isinstance(spec, ModelSpec):
+            raise ValueError(f"spec must be a realloc ModelSpec or None, got {type(spec).__name__}")
+        if topology is not None and not isinstance(topology, (str, Topology)):
+            raise ValueError(f"topology must be a topology string (e.g. 'tp=2') or None, got {topology!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rank must be a non-negative int or None, got {rank!r}")
+        self.module = module
+        self.declared = Topology.parse(topology) if isinstance(topology, str) else topology
+        self.declared_rank = rank
+        self.spec = spec if spec is not None else _spec_of(module)
+        self._holdings: Holdings | None = None
+
+    # -- vLLM's WeightSource (what vLLM's own backends read) ---------------------------------------
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.module.named_parameters()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.module.named_parameters():
+            yield name, materialize_full_tensor(param)
+
+    # -- realloc ------------------------------------------------------------------------------------
+    def holdings(self) -> Holdings:
+        """This rank's :class:`Holdings` (read and checked once; ``ValueError`` naming what differs)."""
+        if self._holdings is None:
+            self._holdings = self._read()
+        return self._holdings
+
+    def _read(self) -> Holdings:
+        tensors = dict(self.module.named_parameters())
+        _check_names(self.spec, tensors)
+        from torch.distributed.tensor import DTensor
+
+        meshes = [t.device_mesh for t in tensors.values() if isinstance(t, DTensor)]
+        if meshes:
+            mesh = max(meshes, key=lambda m: m.ndim)  # FSDP2 with tp: the (dp_shard, tp) mesh; norms: its dp part
+            topology = mesh_topology(mesh)
+            if self.declared is not None and _sizes(self.declared) != _sizes(topology):
+                raise ValueError(
+                    f"the declared topology {self.declared} is not what the DTensors' device mesh says ({topology})"
+                )
+            rank = _mesh_rank(mesh, topology)
+            if self.declared_rank is not None and self.declared_rank != rank:
+                raise ValueError(
+                    f"the declared rank {self.declared_rank} is not this rank's place in the device mesh ({rank})"
+                )
+            layout = Layout(self.spec, self.declared or topology)
+            check_boxes(layout.at(rank), tensors)
+        else:
+            topology = self.declared or Topology()
+            if topology.world_size > 1 and self.declared_rank is None:
+                raise ValueError(f"a declared topology ({topology}) needs this rank's rank= as well")
+            rank = self.declared_rank or 0
+            layout = Layout(self.spec, topology)
+            _check_plain(layout.at(rank), tensors)
+        me = layout.at(rank)
+        held = {s.slot for s in me.shards()}
+        missing = sorted(held - set(tensors))
+        if missing:
+            raise ValueError(f"rank {rank} of {layout} holds {missing[:5]} but the module has no such parameter")
+        store = ShardStore(me.shards(), allocate_buffers(layout, rank))
+        return Holdings(layout, rank, tensors, store)
+
+
+def _spec_of(module: torch.nn.Module) -> ModelSpec:
+    config = getattr(module, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        raise ValueError(
+            f"{type(module).__name__} has no transformers config to read the model from: give ShardSource(spec=...)"
+        )
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the module's parameters have dtypes {sorted(map(str, dtypes))}: give ShardSource(spec=...)")
+    return spec_from_hf_config(config.to_dict(), dtype=str(dtypes.pop()).removeprefix("torch."))
+
+
+def _check_names(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """``ValueError`` unless the module's parameters are the spec's, with its global shapes and dtypes."""
+    want = {p.name: p for p in spec.params}
+    extra = sorted(set(tensors) - set(want) - set(spec.aliases))
+    if extra:
+        raise ValueError(f"the module has parameters {extra[:5]} that model {spec.name!r} does not ({len(extra)})")
+    absent = sorted(set(want) - set(tensors))
+    if absent:
+        raise ValueError(f"the module has no parameter {absent[:5]} of model {spec.name!r} ({len(absent)} missing)")
+    for name, t in tensors.items():
+        p = want.get(name)
+        if p is None:
+            continue
+        if tuple(t.shape) != tuple(p.shape) or str(t.dtype).removeprefix("torch.") != p.dtype:
+            raise ValueError(
+                f"parameter {name} is {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}; model "
+                f"{spec.name!r} has {p.dtype} {tuple(p.shape)}"
+            )
+
+
+def _check_plain(rank: RankLayout, tensors: dict[str, torch.Tensor]) -> None:
+    """Plain local tensors: each must have its shard's shape in the declared layout."""
+    for s in rank.shards():
+        t = tensors.get(s.slot)
+        if t is not None and tuple(t.shape) != tuple(s.sizes):
+            raise ValueError(
+                f"parameter {s.slot} is {tuple(t.shape)} on this rank; rank {rank.rank} of {rank.layout} holds "
+                f"{tuple(s.sizes)} (offsets {tuple(s.offsets)}): the declared topology is not what the rank holds"
+            )
+
+
+def _sizes(t: Topology) -> tuple[int, int, int, int]:
+    return (t.dp, t.fsdp, t.tp, t.pp)
+
+
+def _mesh_rank(mesh, topology: Topology) -> int:
+    """This process's realloc rank: its coordinates in ``mesh``, in realloc's rank order (tp fastest)."""
+    coords = mesh.get_coordinate()
+    if coords is None:
+        raise ValueError("this process is not in the DTensors' device mesh")
+    names = mesh.mesh_dim_names or ("fsdp",)
+    at = {"dp": 0, "fsdp": 0, "tp": 0}
+    for name, c in zip(names, coords):
+        at[MESH_NAMES[name]] = int(c)
+    return at["tp"] + topology.tp * (at["fsdp"] + topology.fsdp * at["dp"])
