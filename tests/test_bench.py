@@ -141,6 +141,13 @@ def test_bad_options_are_usage_errors(capsys):
     assert main(["bench", "--staged-only", "--trace", "t.json"]) == 2
     assert main(["bench", "--weight-format", "fp8_block128", "--model", "tiny"]) == 2  # tp=2 splits its blocks
     assert "needs 12 actors" in capsys.readouterr().err
+    # the vLLM measurements: refused before Ray or vLLM start
+    assert main(["bench", "--vllm", "--vllm-trainer"]) == 2
+    assert "run one at a time" in capsys.readouterr().err
+    assert main(["bench", "--vllm-trainer", "--trainer-world", "3"]) == 2
+    assert "--trainer-world must be 1, 2, 4 or 8, got 3" in capsys.readouterr().err
+    assert main(["bench", "--vllm-trainer", "--vllm-size", "huge"]) == 2
+    assert main(["bench", "--vllm", "--vllm-tp", "3"]) == 2
 
 
 def test_transitions():

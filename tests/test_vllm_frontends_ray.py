@@ -268,21 +268,27 @@ def test_vllm_serve_completes_an_update_through_its_http_routes(model, server):
 @pytest.fixture(scope="module")
 def fsdp(model):
     """An FSDP2 trainer (fsdp=2) in two plain Ray actors: the framework's, not realloc's."""
-    ranks = ut.start_fsdp(model["path"], world=2)
+    ranks = ut.start_trainer(model["path"], world=2)
     yield ranks
     for r in ranks:
         ray.kill(r)
 
 
-def _sent(ranks, url: str, timeout_s: float = TIMEOUT_S, **declared) -> list[dict]:
-    ray.get([r.init_transfer.remote(url, timeout_s, **declared) for r in ranks], timeout=120)
+def _client(server):
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    return HTTPVLLMWeightSyncClient(server.base)
+
+
+def _sent(ranks, server, timeout_s: float = TIMEOUT_S, **declared) -> list[dict]:
+    ray.get([r.init_transfer.remote(_client(server), timeout_s, **declared) for r in ranks], timeout=120)
     return ray.get([r.send.remote() for r in ranks], timeout=120)
 
 
 def test_vllm_fsdp2_trainer_in_plain_ray_actors_updates_the_server_shard_to_shard(server, fsdp):
     before = server.greedy()
     ray.get([r.train.remote(seed=1) for r in fsdp], timeout=120)
-    ray.get([r.init_transfer.remote(server.base, TIMEOUT_S) for r in fsdp], timeout=120)
+    ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S) for r in fsdp], timeout=120)
     served = []
     for round_ in (1, 2):
         if round_ == 2:
@@ -304,10 +310,10 @@ def test_vllm_fsdp2_trainer_in_plain_ray_actors_updates_the_server_shard_to_shar
 
 
 def test_vllm_fsdp2_trainer_with_tensor_parallelism_updates_the_server(model, server):
-    ranks = ut.start_fsdp(model["path"], world=4, tp=2)
+    ranks = ut.start_trainer(model["path"], world=4, tp=2)
     try:
         ray.get([r.train.remote(seed=3) for r in ranks], timeout=120)
-        layouts = ray.get([r.init_transfer.remote(server.base, TIMEOUT_S, name="fsdp-tp") for r in ranks])
+        layouts = ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S, name="fsdp-tp") for r in ranks])
         assert layouts == ["dp=1,fsdp=2,tp=2,pp=1"] * 4
         sent = ray.get([r.send.remote() for r in ranks], timeout=120)
         assert [s["version"] for s in sent] == [1] * 4
@@ -320,7 +326,7 @@ def test_vllm_fsdp2_trainer_with_tensor_parallelism_updates_the_server(model, se
 
 def test_vllm_trainer_declaration_that_its_tensors_contradict_is_refused_on_every_rank(server, fsdp):
     before = server.greedy()
-    refs = [r.init_transfer.remote(server.base, TIMEOUT_S, topology="tp=2") for r in fsdp]
+    refs = [r.init_transfer.remote(_client(server), TIMEOUT_S, topology="tp=2") for r in fsdp]
     for ref in refs:
         with pytest.raises(ray.exceptions.RayTaskError, match="declared topology dp=1,tp=2,pp=1 is not what"):
             ray.get(ref, timeout=120)
@@ -330,7 +336,7 @@ def test_vllm_trainer_declaration_that_its_tensors_contradict_is_refused_on_ever
 def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_restarted_trainer_updates(
     model, server, fsdp
 ):
-    ray.get([r.init_transfer.remote(server.base, 8.0) for r in fsdp], timeout=120)
+    ray.get([r.init_transfer.remote(_client(server), 8.0) for r in fsdp], timeout=120)
     ray.get([r.send.remote() for r in fsdp], timeout=120)
     served = server.greedy()
     ray.get([r.train.remote(seed=4) for r in fsdp], timeout=120)
@@ -343,10 +349,10 @@ def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_
     assert "vllm serves version" in str(err.value) and "untouched" in str(err.value), err.value
     assert server.greedy() == served, "the served weights changed"
     # the documented repair: the trainer's ranks restarted (a new process group); its next update commits
-    fresh = ut.start_fsdp(model["path"], world=2)
+    fresh = ut.start_trainer(model["path"], world=2)
     try:
         ray.get([r.train.remote(seed=5) for r in fresh], timeout=120)
-        sent = _sent(fresh, server.base)
+        sent = _sent(fresh, server)
         assert sent[0]["version"] == 1
         assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fresh])[0], "fresh")
     finally:

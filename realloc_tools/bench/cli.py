@@ -140,6 +140,14 @@ def add_bench_parser(subparsers) -> None:
         help="run the vLLM measurement alone: a trainer group updating a real vLLM engine with realloc's "
         "backend beside vLLM's reload_weights path (realloc_tools/bench/vllm.py; needs vLLM)",
     )
+    p.add_argument(
+        "--vllm-trainer",
+        action="store_true",
+        help="run the vLLM trainer-side measurement alone: an FSDP2 trainer in plain Ray actors updating a real "
+        "vLLM engine with realloc's trainer engine beside vLLM's ModuleSource (full gather) path "
+        "(realloc_tools/bench/vllm_trainer.py; needs vLLM)",
+    )
+    p.add_argument("--trainer-world", type=int, default=2, help="--vllm-trainer: the trainer's ranks (default 2)")
     p.add_argument("--vllm-tp", type=int, default=2, help="the vLLM engine's tensor parallel size (default 2)")
     p.add_argument(
         "--vllm-size", default="small", help="the vLLM measurement's Llama: tiny or small (default small, 236 MiB)"
@@ -208,7 +216,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.trace is not None and (args.delta or args.weight_format is not None):
         raise ValueError("--trace traces the transitions' moves; it does not go with --delta or --weight-format")
-    if args.vllm:
+    if args.vllm or args.vllm_trainer:
         return run_vllm_bench(args)
     if args.delta:
         return run_delta_bench(args)
@@ -311,26 +319,36 @@ def run_delta_bench(args: argparse.Namespace) -> int:
 
 
 def run_vllm_bench(args: argparse.Namespace) -> int:
-    """``--vllm``: realloc's vLLM backend beside vLLM's ``reload_weights``; exit 1 unless the engine's
+    """``--vllm``: realloc's vLLM backend beside vLLM's ``reload_weights``; ``--vllm-trainer``: realloc's
+    trainer engine in an FSDP2 trainer beside vLLM's full-gather source. Exit 1 unless the engine's
     outputs after both methods were identical on the same weights."""
-    from realloc_tools.bench.vllm import SIZES, format_report, measure
+    from realloc_tools.bench import vllm, vllm_trainer
     from realloc_tools.cluster import ray_for_command
 
-    if args.vllm_size not in SIZES:
-        raise ValueError(f"--vllm-size must be one of {sorted(SIZES)}, got {args.vllm_size!r}")
+    if args.vllm and args.vllm_trainer:
+        raise ValueError("--vllm and --vllm-trainer are two measurements: run one at a time")
+    if args.vllm_size not in vllm.SIZES:
+        raise ValueError(f"--vllm-size must be one of {sorted(vllm.SIZES)}, got {args.vllm_size!r}")
     if args.vllm_tp not in (1, 2, 4, 8):
         raise ValueError(f"--vllm-tp must be 1, 2, 4 or 8, got {args.vllm_tp}")
+    if args.trainer_world not in (1, 2, 4, 8):
+        raise ValueError(f"--trainer-world must be 1, 2, 4 or 8, got {args.trainer_world}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     try:
-        import vllm  # noqa: F401
+        import vllm as _  # noqa: F401
     except ImportError as err:
         raise ValueError(f"--vllm needs vLLM (pip install -e '.[vllm]'): {err}") from None
+    key = "vllm_trainer" if args.vllm_trainer else "vllm"
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         with ray_for_command(args.address, 1, 4) as where:
-            log_line(f"vllm bench on {where}")
-            report = measure(args.vllm_size, args.vllm_tp, args.repeats, log_line)
-    print(json.dumps({"vllm": report}) if args.json else format_report(report))
+            log_line(f"{key} bench on {where}")
+            if args.vllm_trainer:
+                report = vllm_trainer.measure(args.vllm_size, args.vllm_tp, args.trainer_world, args.repeats, log_line)
+            else:
+                report = vllm.measure(args.vllm_size, args.vllm_tp, args.repeats, log_line)
+    formatted = vllm_trainer.format_report(report) if args.vllm_trainer else vllm.format_report(report)
+    print(json.dumps({key: report}) if args.json else formatted)
     return 0 if report["exact"] else 1
 
 
