@@ -229,6 +229,35 @@ def test_vllm_aborted_update_leaves_the_served_weights_and_the_next_one_commits(
     assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-abort"))
 
 
+def test_vllm_qwen3_moe_engine_serves_the_trainer_weights_exactly(setup):
+    """Qwen3-MoE at tp=2 (its own engine): ``FusedMoE``'s ``w13``/``w2`` (each expert's gate and up
+    fused, split over tp), the router, q/k norms and a padded vocabulary, through the same backend:
+    tokens and logprobs equal vLLM's own reload of the same weights."""
+    path = vm.save_llama(setup["root"] / "qwen3-moe", vocab=1000, arch="qwen3_moe")
+    llm = vm.start_llm(path, TP)
+    try:
+        spec = spec_from_hf_config(path)
+        trainer = ModelGroup.create(spec, Topology(tp=2), name="moe", config=GroupConfig(timeout_s=TIMEOUT_S))
+        try:
+            base = load_file(str(path / "model.safetensors"))
+            new = vm.perturbed(base, seed=21)
+            engine = VLLMEngine.of(llm, timeout_s=TIMEOUT_S)
+            before = vm.greedy(llm)
+            trainer.load_state_dict(new)
+            stats = trainer.copy_to(engine)
+            after = vm.greedy(llm)
+            assert stats.version == trainer.version and engine.layout.topology.tp == TP
+            assert any(".mlp.experts." in n for n in engine.workers[0]["boxes"])
+            assert tokens_and_logprobs(after) != tokens_and_logprobs(before), "the update changed nothing"
+            ref = vm.save_weights(path, new, setup["root"] / "ref-moe")
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ref)})
+            assert tokens_and_logprobs(after) == tokens_and_logprobs(vm.greedy(llm))
+        finally:
+            trainer.shutdown()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_vllm_update_past_its_deadline_fails_naming_the_waiting_ranks_and_the_engine_keeps_serving(setup):
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
     old, new = vm.perturbed(setup["base"], seed=6), vm.perturbed(setup["base"], seed=7)

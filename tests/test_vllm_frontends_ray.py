@@ -1,12 +1,19 @@
-"""The two other vLLM front ends complete an update through the realloc backend: ``AsyncLLM`` (on
-an event loop of its own thread, driven by :class:`~actors.driver.vllm.AsyncLLMClient`) and
-``vllm serve --weight-transfer-config '{"backend": "realloc"}'`` (its weight-transfer HTTP routes,
-driven by vLLM's own ``HTTPVLLMWeightSyncClient``). ``LLM`` is tests/test_vllm_backend_ray.py's.
+"""The two other vLLM front ends complete an update through the realloc backend, and trainers that
+realloc did not start update a served engine through vLLM's trainer API (actors/trainer/).
 
-tp=1 each (the tp=2 paths are the LLM module's). The oracle is the engine itself: after the
-update its greedy tokens and logprobs equal those it produces once vLLM's own loader reloaded the
-same weights (``reload_weights``; over HTTP through the dev ``/collective_rpc`` route), and they
-differ from what it served before.
+- ``AsyncLLM`` (Qwen3 with its q/k norms, tp=1, on an event loop of its own thread, driven by
+  :class:`~actors.driver.vllm.AsyncLLMClient`): a realloc trainer group, then a one-rank plain
+  transformers model of this process (``ShardSource``, vLLM's ``WeightTransferTrainerFactory``).
+- ``vllm serve --weight-transfer-config '{"backend": "realloc"}'`` (Llama, tp=2, one server for
+  the module, driven by vLLM's own ``HTTPVLLMWeightSyncClient``): a realloc trainer group; the
+  FSDP2 trainer of examples/fsdp2_vllm.py in plain Ray actors (fsdp=2, and fsdp=2 x tp=2), over two
+  rounds of training; a declaration its DTensors contradict, refused on every rank; a trainer
+  rank killed mid-transfer (the server keeps its weights) and a restarted trainer's next update.
+  (``LLM`` at tp=2 is tests/test_vllm_backend_ray.py's.)
+
+The oracle is the engine itself: after each update its greedy tokens and logprobs equal those it
+produces once vLLM's own loader reloaded the same weights (``reload_weights``; over HTTP through the
+dev ``/collective_rpc`` route), and they differ from what it served before.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ def model(tmp_path_factory):
 
 
 def test_vllm_async_llm_completes_an_update(model):
+    """AsyncLLM serving Qwen3 (its q/k norms) at tp=1: a trainer group and a one-rank plain trainer
+    of this process each update it exactly."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -65,10 +74,13 @@ def test_vllm_async_llm_completes_an_update(model):
     def run(coro, timeout=120):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
+    path = vm.save_llama(model["root"] / "qwen3", vocab=512, arch="qwen3")
+    base = load_file(str(path / "model.safetensors"))
+
     async def start():
         return AsyncLLM.from_engine_args(
             AsyncEngineArgs(
-                model=str(model["path"]),
+                model=str(path),
                 skip_tokenizer_init=True,
                 enforce_eager=True,
                 dtype="float32",
@@ -91,17 +103,17 @@ def test_vllm_async_llm_completes_an_update(model):
         return out
 
     llm = run(start())
+    trainer = ModelGroup.create(spec_from_hf_config(path), Topology(tp=2), name="qwen3", timeout_s=TIMEOUT_S)
     try:
-        trainer = model["trainer"]
         engine = VLLMEngine(AsyncLLMClient(llm, loop), timeout_s=TIMEOUT_S)
         before = run(greedy("before"))
-        new = vm.perturbed(model["base"], seed=11)
+        new = vm.perturbed(base, seed=11)
         trainer.load_state_dict(new)
         stats = trainer.copy_to(engine)
         after = run(greedy("after"))
         assert engine.version == stats.version == trainer.version
         assert after != before, "the update changed nothing"
-        ref = vm.save_weights(model["path"], new, model["root"] / "ref-async")
+        ref = vm.save_weights(path, new, model["root"] / "ref-async")
         run(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ref)}))
         assert run(greedy("reference")) == after
 
@@ -111,8 +123,8 @@ def test_vllm_async_llm_completes_an_update(model):
 
         from actors.trainer import ReallocTrainerInitInfo, ShardSource
 
-        plain = AutoModelForCausalLM.from_pretrained(model["path"], dtype=torch.float32)
-        plain.load_state_dict(vm.perturbed(model["base"], seed=13), strict=False)
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        plain.load_state_dict(vm.perturbed(base, seed=13), strict=False)
         sender = WeightTransferTrainerFactory.trainer_init(
             ReallocTrainerInitInfo(rank=0, name="plain", timeout_s=TIMEOUT_S),
             client=AsyncLLMClient(llm, loop),
@@ -121,10 +133,11 @@ def test_vllm_async_llm_completes_an_update(model):
         assert sender.send_weights() == 1
         served = run(greedy("plain"))
         assert served != after, "the update changed nothing"
-        ref = vm.save_weights(model["path"], dict(plain.state_dict()), model["root"] / "ref-plain")
+        ref = vm.save_weights(path, dict(plain.state_dict()), model["root"] / "ref-plain")
         run(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ref)}))
         assert run(greedy("plain-reference")) == served
     finally:
+        trainer.shutdown()
         llm.shutdown()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
