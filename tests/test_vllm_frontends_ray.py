@@ -359,6 +359,7 @@ def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_
     ray.kill(fsdp[1])  # rank 1 dies before its bytes left it
     with pytest.raises(ray.exceptions.RayTaskError) as err:
         ray.get(head, timeout=60)
+    assert "rank(s) [1] did not report their sends" in str(err.value), err.value  # the rank that died, named
     assert "vllm serves version" in str(err.value) and "untouched" in str(err.value), err.value
     assert server.greedy() == served, "the served weights changed"
     # the documented repair: the trainer's ranks restarted (a new process group); its next update commits

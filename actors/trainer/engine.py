@@ -128,10 +128,10 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         if size > 1:
             descs = [None] * size
             dist.all_gather_object(descs, desc, group=group)
-        refusal = _refusal(descs, size)
-        verdict: dict[str, Any] = {"error": refusal}
+        refused = refusal(descs, size)
+        verdict: dict[str, Any] = {"error": refused}
         engine = None
-        if init_info.rank == 0 and refusal is None:
+        if init_info.rank == 0 and refused is None:
             engine = cls(client=client, source=source, is_sender=True, info=init_info, size=size)
             try:
                 engine.start(descs)
@@ -215,17 +215,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                 raise
             self._post(f"round/{k}", opened)
             error = self._send_share(opened, deadline, rendezvous)
-            if error is not None:
-                raise ReallocationError(f"trainer {self.info.name!r} rank 0 could not send its share: {error}")
-            failed = []
-            for r in sorted(self.by_rank):
-                if r == 0:
-                    continue
-                report = self._read(f"sent/{k}/{r}", f"trainer rank {r} did not report its sends", deadline)
-                if report["error"]:
-                    failed.append(f"rank {r}: {report['error']}")
-            if failed:
-                raise ReallocationError(f"trainer {self.info.name!r} could not send: " + "; ".join(failed))
+            self._check_reports(k, error, deadline)
             outcomes = engine.outcomes(update_id, deadline)
             stats.seconds = time.perf_counter() - started
             stats.commit_seconds = engine.switch(version, (self.info.name, version))
@@ -241,6 +231,30 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         self.stats, self.version = stats, version
         self._post(f"verdict/{k}", {"version": version})
         return version
+
+    def _check_reports(self, k: int, error: str | None, deadline: Deadline) -> None:
+        """Rank 0: every other rank's report of round ``k`` (``error``: rank 0's own); a
+        :class:`~actors.errors.ReallocationError` naming the ranks that failed and those that did
+        not report (dead or stalled: read until the deadline, or 2 s more once rank 0 failed)."""
+        failed = [f"rank 0: {error}"] if error is not None else []
+        wait = Deadline(max(deadline.remaining(), 2.0)) if error is not None else deadline
+        silent = []
+        for r in sorted(self.by_rank):
+            if r == 0:
+                continue
+            try:
+                report = self._read(f"sent/{k}/{r}", f"trainer rank {r} did not report its sends", wait)
+            except ReallocationError:
+                silent.append(r)
+                continue
+            if report["error"]:
+                failed.append(f"rank {r}: {report['error']}")
+        if failed or silent:
+            said = [f"rank(s) {silent} did not report their sends within {self.info.timeout_s:.0f}s (dead or stalled)"]
+            raise ReallocationError(
+                f"trainer {self.info.name!r} could not send: " + "; ".join((said if silent else []) + failed),
+                unresponsive=[f"trainer rank {r}" for r in silent],
+            )
 
     def _send_share(self, opened: dict, deadline: Deadline, store=None) -> str | None:
         """Join the round's world and send this rank's routes from its local shards; the error
@@ -319,7 +333,7 @@ def _check_info(info: ReallocTrainerInitInfo, group, size: int) -> str | None:
     return None
 
 
-def _refusal(descs: list[dict], size: int) -> str | None:
+def refusal(descs: list[dict], size: int) -> str | None:
     """Why the ranks' holdings do not make one trainer (None: they do); the same on every rank."""
     for d in descs:
         if d["error"] is not None:

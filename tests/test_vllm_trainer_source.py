@@ -1,0 +1,115 @@
+"""A trainer rank's holdings read from its module (actors/trainer/source.py ``ShardSource``) and the
+trainer engine's refusals (actors/trainer/engine.py), in this process: no engine, no Ray. A
+refusal comes before any call of the client (a recorder that fails the test if called).
+
+The DTensor path (FSDP2, with and without tp) runs against a real vLLM in
+tests/test_vllm_frontends_ray.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
+
+import vllm_models as vm
+
+from actors.trainer import ReallocTrainerInitInfo, ReallocTrainerWeightTransferEngine, ShardSource
+from actors.trainer.engine import refusal
+from realloc.spec import spec_from_hf_config
+
+
+class Untouchable:
+    """A weight-sync client that fails the test if any of its methods is called."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the client was called ({name}) before the refusal")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = vm.save_llama(tmp_path_factory.mktemp("source") / "llama", vocab=512)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_a_plain_module_is_the_whole_model_on_one_rank_and_its_send_buffer_is_its_weights(llama):
+    _, model = llama
+    held = ShardSource(model).holdings()
+    assert str(held.layout.topology) == "dp=1,tp=1,pp=1" and held.rank == 0
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held.refresh() == nbytes
+    views = held.store.shard_tensors()
+    for name, p in model.named_parameters():
+        assert torch.equal(views[name], p.detach()), name
+
+
+@pytest.mark.parametrize(
+    "declared, match",
+    [
+        (
+            {"topology": "tp=2", "rank": 0},
+            r"parameter model.embed_tokens.weight is \(512, 128\) on this rank; rank 0 of dp=1,tp=2,pp=1 holds \(256, 128\)",
+        ),
+        ({"topology": "tp=2"}, r"a declared topology \(dp=1,tp=2,pp=1\) needs this rank's rank= as well"),
+        ({"topology": 2}, r"topology must be a topology string"),
+        ({"rank": -1}, r"rank must be a non-negative int or None, got -1"),
+        ({"spec": "llama"}, r"spec must be a realloc ModelSpec or None, got str"),
+    ],
+)
+def test_a_declaration_the_tensors_contradict_is_refused_naming_what(llama, declared, match):
+    _, model = llama
+    with pytest.raises(ValueError, match=match):
+        ShardSource(model, **declared).holdings()
+
+
+def test_a_module_that_is_not_the_models_is_refused_naming_the_parameter(llama):
+    path, model = llama
+    spec = spec_from_hf_config(path)
+    with pytest.raises(
+        ValueError,
+        match=r"parameter model.embed_tokens.weight is float32 \(512, 128\); model .llama. has bfloat16 \(512, 128\)",
+    ):
+        ShardSource(model, spec=spec_from_hf_config(path, dtype="bfloat16")).holdings()
+    extra = torch.nn.Module()
+    extra.add_module("inner", model)
+    with pytest.raises(ValueError, match=r"the module has parameters \['inner.lm_head.weight'"):
+        ShardSource(extra, spec=spec).holdings()
+    from transformers import AutoModelForCausalLM
+
+    short = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    del short.model.layers[1].mlp.up_proj
+    with pytest.raises(ValueError, match=r"no parameter \['model.layers.1.mlp.up_proj.weight'\]"):
+        ShardSource(short).holdings()
+    with pytest.raises(ValueError, match=r"has no transformers config"):
+        ShardSource(torch.nn.Linear(2, 2))
+
+
+def test_the_trainer_engine_refuses_bad_arguments_before_calling_the_engine(llama):
+    _, model = llama
+    init = ReallocTrainerWeightTransferEngine.trainer_init
+    with pytest.raises(ValueError, match=r"give source=ShardSource\(model\)"):
+        init(ReallocTrainerInitInfo(rank=0), client=Untouchable(), source=object())
+    for info, match in [
+        (ReallocTrainerInitInfo(rank=0, timeout_s=float("inf")), r"timeout_s must be a finite positive number"),
+        (ReallocTrainerInitInfo(rank=1), r"rank=1 but this process is rank 0"),
+        (ReallocTrainerInitInfo(rank=0, bucket_bytes=0), r"bucket_bytes must be a positive int, got 0"),
+        (ReallocTrainerInitInfo(rank=0, name=""), r"name must be a non-empty string"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            init(info, client=Untouchable(), source=ShardSource(model))
+    with pytest.raises(ValueError, match=r"trainer 'trainer': rank 0: .* needs this rank's rank= as well"):
+        init(ReallocTrainerInitInfo(rank=0), client=Untouchable(), source=ShardSource(model, topology="tp=2"))
+
+
+def test_ranks_that_do_not_make_one_trainer_are_refused_alike_on_every_rank():
+    ok = {"error": None, "layout": "dp=1,fsdp=2,tp=1,pp=1"}
+    assert refusal([{**ok, "rank": 0, "realloc_rank": 0}, {**ok, "rank": 1, "realloc_rank": 1}], 2) is None
+    assert refusal([{**ok, "rank": 0, "realloc_rank": 1}, {**ok, "rank": 1, "realloc_rank": 0}], 2) is None
+    twice = [{**ok, "rank": 0, "realloc_rank": 0}, {**ok, "rank": 1, "realloc_rank": 0}]
+    assert "are ranks [0, 0] of layout dp=1,fsdp=2,tp=1,pp=1" in refusal(twice, 2)
+    mixed = [{**ok, "rank": 0, "realloc_rank": 0}, {**ok, "rank": 1, "realloc_rank": 1, "layout": "dp=1,tp=2,pp=1"}]
+    assert "the ranks hold different layouts" in refusal(mixed, 2)
+    broken = [{**ok, "rank": 0, "realloc_rank": 0}, {"rank": 1, "error": "no such parameter"}]
+    assert refusal(broken, 2) == "rank 1: no such parameter"
