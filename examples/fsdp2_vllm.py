@@ -63,20 +63,13 @@ class TrainerRank:
 
     def setup(self, port: int) -> str:
         """Join the trainer's gloo group (rank 0's port), load and shard the model; its mesh."""
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         from transformers import AutoModelForCausalLM
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=self.rank,
-            world_size=self.world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        join_trainer_group(self.rank, self.world, port)
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
         if self.tp > 1:
             mesh = init_device_mesh("cpu", (self.world // self.tp, self.tp), mesh_dim_names=("dp_shard", "tp"))
@@ -159,12 +152,29 @@ class TrainerRank:
         )
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_trainer_group(rank: int, world: int, port: int) -> None:
+    """The trainer's own gloo process group (rank 0 listens on ``port``; one host here)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
 def start_trainer(path, world: int, tp: int = 1) -> list:
     """The framework's trainer: ``world`` :class:`TrainerRank` actors, set up (the model sharded)."""
     ranks = [TrainerRank.remote(str(path), r, world, tp) for r in range(world)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.get([r.setup.remote(port) for r in ranks], timeout=180)
     return ranks
 

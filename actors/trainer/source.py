@@ -12,6 +12,12 @@ tensors where they say it, and declared where they cannot:
 * **Plain tensors**: the whole model on one rank (default), or a declaration
   (``topology="tp=2"``, ``rank=``) of what each rank's local tensors are; every tensor's shape
   must then be its shard's in the declared layout.
+* **Megatron-core** (:meth:`ShardSource.megatron`): the declaration read from Megatron's parallel
+  state (tp, dp; tp fastest, as Megatron orders ranks), the parameters named as ``GPTModel``
+  names them (``realloc.shards.fused.MEGATRON_CORE_NAMES``) and held in Megatron's order
+  (``linear_qkv`` per query group, ``linear_fc1`` as ``[gate; up]``: ``Layout(qkv_order="megatron")``);
+  each local tensor must have its view's shape in that layout, and together they must write every
+  shard of the rank.
 
 Every refusal (a parameter the model spec does not have or misses, a global shape or dtype
 that differs, a declaration the tensors contradict, a local box that is not the layout's) is a
@@ -31,8 +37,10 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
 from realloc.layout import Layout, RankLayout, Topology
+from realloc.layout.sharded import megatron_fused_name
 from realloc.shards import ShardStore
 from realloc.shards.dtensor import MESH_NAMES, check_boxes, mesh_topology, read_local
+from realloc.shards.fused import megatron_core_view, megatron_fused_views
 from realloc.shards.store import allocate_buffers
 from realloc.spec import ModelSpec
 from realloc.spec.hf_config import spec_from_hf_config
@@ -47,6 +55,9 @@ class Holdings:
     rank: int
     tensors: dict[str, torch.Tensor]
     store: ShardStore
+    #: ``(local tensor, its view of the store)`` per parameter where the names are not the
+    #: layout's (Megatron-core's); None: the tensors are keyed by the layout's slots
+    copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def me(self) -> RankLayout:
@@ -54,7 +65,12 @@ class Holdings:
 
     def refresh(self) -> int:
         """Copy the local tensors into the store (the weights as they are now); bytes copied."""
-        return read_local(self.store.shard_tensors(), self.me, self.tensors)
+        if self.copies is None:
+            return read_local(self.store.shard_tensors(), self.me, self.tensors)
+        with torch.no_grad():
+            for local, view in self.copies:
+                view.copy_(local)
+        return sum(t.numel() * t.element_size() for t, _ in self.copies)
 
 
 class ShardSource(WeightSource):
@@ -74,7 +90,14 @@ class ShardSource(WeightSource):
         spec: ModelSpec | None = None,
         topology: "str | Topology | None" = None,
         rank: int | None = None,
+        naming: str = "hf",
     ):
+        if naming not in NAMINGS:
+            raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
+        if naming == "megatron" and (spec is None or topology is None or rank is None):
+            raise ValueError(
+                "naming='megatron' needs spec=, topology= and rank=: use ShardSource.megatron(model, spec)"
+            )
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"ShardSource needs the trainer rank's torch.nn.Module, got {type(module).__name__}")
         if spec is not None and not isinstance(spec, ModelSpec):
@@ -83,17 +106,35 @@ class ShardSource(WeightSource):
             raise ValueError(f"topology must be a topology string (e.g. 'tp=2') or None, got {topology!r}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ValueError(f"rank must be a non-negative int or None, got {rank!r}")
-        self.module = module
+        self.module, self.naming = module, naming
         self.declared = Topology.parse(topology) if isinstance(topology, str) else topology
         self.declared_rank = rank
         self.spec = spec if spec is not None else _spec_of(module)
         self._holdings: Holdings | None = None
 
+    @classmethod
+    def megatron(cls, module: torch.nn.Module, spec: ModelSpec) -> "ShardSource":
+        """A rank of a Megatron-core trainer (``GPTModel``, dense layers): the declaration read from
+        Megatron's parallel state (megatron/core/parallel_state.py: tp and dp sizes and ranks; rank
+        order tp fastest, then dp). ``spec``: the HF model it trains (``spec_from_hf_config``)."""
+        from megatron.core import parallel_state as ps
+
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if pp != 1:
+            raise ValueError(f"pipeline parallel Megatron trainers are not supported yet (pp={pp})")
+        tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+        rank = ps.get_tensor_model_parallel_rank() + tp * ps.get_data_parallel_rank()
+        return cls(module, spec=spec, topology=Topology(dp=dp, tp=tp), rank=rank, naming="megatron")
+
     # -- vLLM's WeightSource (what vLLM's own backends read) ---------------------------------------
     def metadata(self) -> list[ParamMeta]:
+        if self.naming == "megatron":
+            return [ParamMeta(p.name, getattr(torch, p.dtype), tuple(p.shape)) for p in self.spec.params]
         return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.module.named_parameters()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.naming == "megatron":
+            raise NotImplementedError("a Megatron-core source is not iterated whole: realloc's engine sends its shards")
         for name, param in self.module.named_parameters():
             yield name, materialize_full_tensor(param)
 
@@ -106,6 +147,8 @@ class ShardSource(WeightSource):
 
     def _read(self) -> Holdings:
         tensors = dict(self.module.named_parameters())
+        if self.naming == "megatron":
+            return _megatron_holdings(self.spec, self.declared, self.declared_rank, tensors)
         _check_names(self.spec, tensors)
         from torch.distributed.tensor import DTensor
 
@@ -138,6 +181,43 @@ class ShardSource(WeightSource):
             raise ValueError(f"rank {rank} of {layout} holds {missing[:5]} but the module has no such parameter")
         store = ShardStore(me.shards(), allocate_buffers(layout, rank))
         return Holdings(layout, rank, tensors, store)
+
+
+#: How the module names its parameters: ``"hf"`` (the checkpoint's names, as transformers and
+#: FSDP2 keep them) or ``"megatron"`` (Megatron-core's ``GPTModel``).
+NAMINGS = ("hf", "megatron")
+
+
+def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: dict[str, torch.Tensor]) -> Holdings:
+    """A Megatron-core rank: each parameter copied into its view of the store (Megatron's order)."""
+    layout = Layout(spec, topology, qkv_order="megatron")
+    me = layout.at(rank)
+    store = ShardStore(me.shards(), allocate_buffers(layout, rank))
+    views = megatron_fused_views(me, store.buffers)
+    copies, written = [], set()
+    for name, t in tensors.items():
+        target = megatron_core_view(name)
+        if target is None:
+            raise ValueError(
+                f"Megatron-core parameter {name} is not a dense GPT decoder's (realloc.shards.fused.MEGATRON_CORE_NAMES)"
+            )
+        view = views.get(target)
+        if view is None:
+            raise ValueError(f"Megatron-core parameter {name} ({target}) is not held by rank {rank} of {layout}")
+        if tuple(t.shape) != tuple(view.shape) or t.dtype != view.dtype:
+            raise ValueError(
+                f"Megatron-core parameter {name} is {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} on this "
+                f"rank; rank {rank} of {layout} holds {target} as {str(view.dtype).removeprefix('torch.')} "
+                f"{tuple(view.shape)}: the declaration (or the model) is not what the rank holds"
+            )
+        copies.append((t, view))
+        written.add(target)
+    unwritten = sorted(s.slot for s in me.shards() if (megatron_fused_name(s.slot) or s.slot) not in written)
+    if unwritten:
+        raise ValueError(
+            f"rank {rank} of {layout} holds {unwritten[:5]} but the Megatron-core model has no such parameter"
+        )
+    return Holdings(layout, rank, tensors, store, copies)
 
 
 def _spec_of(module: torch.nn.Module) -> ModelSpec:

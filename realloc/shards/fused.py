@@ -50,7 +50,14 @@ from realloc.layout.torchtitan import torchtitan_local_shape, torchtitan_name
 from realloc.shards.store import TORCH_DTYPES
 from realloc.shards.views import flat_spans, fused_view, shard_views
 
-__all__ = ["FUSED_CONVENTIONS", "FUSED_PARTS", "fused_views", "megatron_fused_views"]
+__all__ = [
+    "FUSED_CONVENTIONS",
+    "FUSED_PARTS",
+    "MEGATRON_CORE_NAMES",
+    "fused_views",
+    "megatron_core_view",
+    "megatron_fused_views",
+]
 
 #: vLLM's fused parameters of a Llama-style layer: fused suffix -> its parts, in order.
 #: (``stacked_params_mapping`` of vllm/model_executor/models/llama.py.)
@@ -311,3 +318,54 @@ def megatron_fused_views(
                 )
             views[name] = fused_view(name, [parts[0][0], parts[1][0]], buffers, rank_layout)
     return views
+
+
+#: Megatron-core ``GPTModel`` parameter names -> the names :func:`megatron_fused_views` gives
+#: (dense decoder layers). Followed: megatron/core/models/gpt/gpt_model.py (``embedding``,
+#: ``decoder``, ``output_layer``), megatron/core/models/gpt/gpt_layer_specs.py
+#: (``get_gpt_layer_local_spec``: ``input_layernorm``, ``pre_mlp_layernorm``, ``q_layernorm``/
+#: ``k_layernorm``; ``get_gpt_layer_with_transformer_engine_spec``: the norms fused into the next
+#: linear as ``layer_norm_weight``), megatron/core/transformer/attention.py (``linear_qkv``,
+#: ``linear_proj``), megatron/core/transformer/mlp.py (``linear_fc1``, ``linear_fc2``).
+MEGATRON_CORE_NAMES: tuple[tuple[str, str], ...] = (
+    (r"embedding\.word_embeddings\.weight", r"model.embed_tokens.weight"),
+    (r"decoder\.layers\.(\d+)\.input_layernorm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (
+        r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.layer_norm_weight",
+        r"model.layers.\1.input_layernorm.weight",
+    ),
+    (
+        r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(weight|bias)",
+        r"model.layers.\1.self_attention.linear_qkv.\2",
+    ),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(weight|bias)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"decoder\.layers\.(\d+)\.self_attention\.q_layernorm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"decoder\.layers\.(\d+)\.self_attention\.k_layernorm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(weight|bias)", r"model.layers.\1.mlp.linear_fc1.\2"),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
+    (r"decoder\.final_layernorm\.weight", r"model.norm.weight"),
+    (r"output_layer\.weight", r"lm_head.weight"),
+)
+
+
+def megatron_core_view(name: str) -> str | None:
+    """The :func:`megatron_fused_views` name of Megatron-core ``GPTModel`` parameter ``name``
+    (:data:`MEGATRON_CORE_NAMES`; None: not a dense decoder's).
+
+    Example:
+        >>> megatron_core_view("decoder.layers.3.self_attention.linear_qkv.weight")
+        'model.layers.3.self_attention.linear_qkv.weight'
+        >>> megatron_core_view("decoder.layers.0.mlp.linear_fc2.weight"), megatron_core_view("output_layer.weight")
+        ('model.layers.0.mlp.down_proj.weight', 'lm_head.weight')
+        >>> megatron_core_view("decoder.layers.0.mlp.experts.linear_fc1.weight0") is None
+        True
+    """
+    import re
+
+    for pattern, target in MEGATRON_CORE_NAMES:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return m.expand(target)
+    return None
