@@ -105,17 +105,20 @@ class TrainerRank:
         return float(loss.detach())
 
     # -- the integration: vLLM's trainer API with realloc's engine, on every rank -------------------
-    def init_transfer(self, client, timeout_s: float = 60.0, name: str = "policy", **declared) -> str:
+    def init_transfer(
+        self, client, timeout_s: float = 60.0, name: str = "policy", delta: bool = False, **declared
+    ) -> str:
         """``client``: vLLM's weight-sync client of the engine (``RayVLLMWeightSyncClient(actor)``,
-        ``HTTPVLLMWeightSyncClient(url)``); ``declared``: what the tensors cannot say (see
-        ``actors.trainer.ShardSource``). The layout realloc read from the DTensors."""
+        ``HTTPVLLMWeightSyncClient(url)``); ``delta``: after the first update only the changed
+        elements travel; ``declared``: what the tensors cannot say (see ``actors.trainer.ShardSource``).
+        The layout realloc read from the DTensors."""
         import torch.distributed as dist
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from actors.trainer import ReallocTrainerInitInfo, ShardSource
 
         self.sync = WeightTransferTrainerFactory.trainer_init(
-            ReallocTrainerInitInfo(rank=dist.get_rank(), name=name, timeout_s=timeout_s),
+            ReallocTrainerInitInfo(rank=dist.get_rank(), name=name, timeout_s=timeout_s, delta=delta),
             client=client,
             source=ShardSource(self.model, **declared),
         )
@@ -130,6 +133,7 @@ class TrainerRank:
             "version": version,
             "sent_bytes": self.sync.sent_bytes,
             "received_bytes": stats.received_bytes if stats else None,
+            "delta": stats.delta if stats else None,
         }
 
     # -- for the checks ---------------------------------------------------------------------------

@@ -322,6 +322,19 @@ def test_vllm_fsdp2_trainer_in_plain_ray_actors_updates_the_server_shard_to_shar
     assert all(0.4 * model_bytes < b < 0.6 * model_bytes for b in sent[0]["received_bytes"]), sent
 
 
+def test_vllm_fsdp2_trainer_delta_updates_send_only_the_changed_elements(server, fsdp):
+    ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S, name="fsdp-delta", delta=True) for r in fsdp])
+    first = ray.get([r.send.remote() for r in fsdp], timeout=120)  # whole: nothing to diff against yet
+    assert first[0]["delta"] is None
+    ray.get([r.__ray_call__.remote(ut.sparse_step, 7) for r in fsdp], timeout=60)
+    second = ray.get([r.send.remote() for r in fsdp], timeout=120)
+    counters = second[0]["delta"]
+    assert counters["delta"] > 0 and counters["repaired"] == 0, counters
+    assert counters["wire_bytes"] < 0.5 * counters["bytes"], counters
+    assert sum(s["sent_bytes"] for s in second) < 0.5 * sum(s["sent_bytes"] for s in first), (first, second)
+    assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "delta")
+
+
 def test_vllm_fsdp2_trainer_with_tensor_parallelism_updates_the_server(model, server):
     ranks = ut.start_trainer(model["path"], world=4, tp=2)
     try:

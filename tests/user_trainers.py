@@ -137,3 +137,16 @@ def start_megatron(config: dict, world: int) -> list:
     port = fsdp2_vllm.free_port()
     ray.get([r.setup.remote(port, config) for r in ranks], timeout=180)
     return ranks
+
+
+def sparse_step(rank, seed: int, fraction: float = 0.02) -> None:
+    """In a trainer rank: ``fraction`` of the elements of each of its local shards changed."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    g = torch.Generator().manual_seed(seed + rank.rank)
+    with torch.no_grad():
+        for p in rank.model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            mask = torch.rand(local.shape, generator=g) < fraction
+            local[mask] += 0.1

@@ -52,9 +52,11 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from actors.driver.vllm import VLLMEngine
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
+from actors.records import DeltaOrder
 from actors.remote import Deadline, check_timeout
 from actors.trainer.source import ShardSource
 from actors.vllm import decode, encode
+from actors.wire.delta import Base, DeltaSides, sender_base, snapshot
 from actors.wire.executor import Staging, StepRunner, checked_share
 from actors.wire.transport import connect_rendezvous, host_rendezvous, join_world, ray_node_ip
 from realloc.plan import DEFAULT_BUCKET_BYTES
@@ -71,14 +73,17 @@ POLL_S = 0.01
 class ReallocTrainerInitInfo(TrainerInitInfo):
     """``trainer_init``'s arguments (every rank): ``rank`` (keyword, vLLM's: this rank in
     ``group``; rank 0 drives), ``name`` (the trainer's, in errors and in ``VLLMEngine.origin``),
-    ``timeout_s`` (every wait of an update), ``bucket_bytes`` (the wire's buckets), ``group``
-    (the trainer's ``torch.distributed`` process group; default: the default group, none for a
+    ``timeout_s`` (every wait of an update), ``bucket_bytes`` (the wire's buckets), ``delta``
+    (after the first update, only the changed elements travel, checksummed per bucket: every
+    rank keeps a copy of what it last sent, its share of the model, as the base), ``group`` (the
+    trainer's ``torch.distributed`` process group; default: the default group, none for a
     one-rank trainer)."""
 
     backend: ClassVar[str] = BACKEND
     name: str = "trainer"
     timeout_s: float = 60.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    delta: bool = False
     group: Any = None
 
 
@@ -101,6 +106,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         self.nodes: tuple[str, ...] = ()
         self.control = None  # the control store (rank 0 hosts it)
         self.addr = ""
+        self.base: Base | None = None  # with delta=True: what this rank sent in the last committed update
 
     # -- init ------------------------------------------------------------------------------------
     @classmethod
@@ -179,8 +185,10 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         self._post(f"sent/{self.rounds}/{self.info.rank}", {"error": error, "bytes": self.sent_bytes})
         verdict = self._read(f"verdict/{self.rounds}", "trainer rank 0 did not end the update", deadline)
         if verdict.get("error"):
+            self.base = None
             raise ReallocationError(verdict["error"])
         self.version = verdict["version"]
+        self._keep_base()
         return self.version
 
     def _drive(self, k: int, version: int) -> int:
@@ -200,16 +208,20 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                 shares = engine.shares(plan, held.layout, self.nodes)
                 world = uuid.uuid4().hex[:12]
                 rendezvous = host_rendezvous(self.addr, len(shares), self.info.timeout_s)
+                # deltas against the version every rank kept, when the engine serves exactly it
+                serves = engine.origin == (self.info.name, self.version)
+                base = self.version if self.info.delta and self.base is not None and serves else None
                 opened = {
                     "update_id": update_id,
                     "version": version,
+                    "base": base,
                     "world": world,
                     "addr": self.addr,
                     "port": rendezvous.port,
                     "size": len(shares),
                     "shares": {str(r): encode(shares[w]) for r, w in self.by_rank.items()},
                 }
-                engine.open_round(update_id, version, world, self.addr, rendezvous.port, shares, None, False)
+                engine.open_round(update_id, version, world, self.addr, rendezvous.port, shares, base, self.info.delta)
             except BaseException as err:
                 self._post(f"round/{k}", {"error": f"{type(err).__name__}: {err}"})
                 raise
@@ -221,6 +233,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
             stats.commit_seconds = engine.switch(version, (self.info.name, version))
         except BaseException as err:
             failure = engine.failed(err, self.info.name)
+            self.base = None
             self._post(f"verdict/{k}", {"error": str(failure)})
             if failure is err:
                 raise
@@ -228,9 +241,19 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         stats.received_bytes = [o["received_bytes"] for o in outcomes]
         stats.shadow_bytes = [o["shadow_bytes"] for o in outcomes]
         stats.stage_seconds = [o["seconds"] for o in outcomes]
+        if base is not None:
+            stats.delta = {key: sum(o["delta"][key] for o in outcomes) for key in outcomes[0]["delta"]}
         self.stats, self.version = stats, version
+        self._keep_base()
         self._post(f"verdict/{k}", {"version": version})
         return version
+
+    def _keep_base(self) -> None:
+        """With ``delta``: the send buffer as committed at ``self.version``, the next update's base."""
+        if self.info.delta:
+            held = self.holdings
+            order = DeltaOrder(None, self.version, "host")
+            self.base = snapshot(self.base, held.me, held.store.buffers, order)
 
     def _check_reports(self, k: int, error: str | None, deadline: Deadline) -> None:
         """Rank 0: every other rank's report of round ``k`` (``error``: rank 0's own); a
@@ -270,10 +293,18 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                 opened["addr"], opened["port"], opened["world"], me, opened["size"], timeout, STAGE.prefix, store=store
             )
             cpu = torch.device("cpu")
-            runner = StepRunner(transport, cpu, plan, me, peers, self.holdings.store, None, staging=Staging(cpu))
+            sides = None
+            if opened.get("base") is not None:
+                order = DeltaOrder(opened["base"], opened["version"], "host")
+                sides = DeltaSides(sender_base(self.base, self.holdings.me, order), None)
+            runner = StepRunner(
+                transport, cpu, plan, me, peers, self.holdings.store, None, staging=Staging(cpu), delta=sides
+            )
             for step, routes in sorted(plan.routes_by_step().items()):
                 runner.run_step(step, routes)
                 self.sent_bytes += sum(runner.list_bytes(j) for src, _, j in routes if src == me)
+            if sides is not None:  # what went on the wire: deltas, headers, buckets resent whole
+                self.sent_bytes = sides.stats["wire_bytes"]
             return None
         except BaseException as err:  # noqa: BLE001 - reported to rank 0, which decides the round
             log.warning("realloc trainer rank %d: sending failed: %s", self.info.rank, err)
@@ -327,6 +358,8 @@ def _check_info(info: ReallocTrainerInitInfo, group, size: int) -> str | None:
         return f"bucket_bytes must be a positive int, got {info.bucket_bytes!r}"
     if not isinstance(info.name, str) or not info.name:
         return f"name must be a non-empty string, got {info.name!r}"
+    if not isinstance(info.delta, bool):
+        return f"delta must be True or False, got {info.delta!r}"
     here = dist.get_rank(group) if size > 1 else 0
     if info.rank != here:
         return f"rank={info.rank} but this process is rank {here} of the trainer's process group"
