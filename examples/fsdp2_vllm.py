@@ -269,21 +269,39 @@ def mismatches(reference, state: dict, outputs: list, version: int, tol: float) 
     return bad
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both examples take (this one and examples/megatron_vllm.py)."""
     parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by an update")
-    parser.add_argument("--world", type=int, default=2, help="trainer ranks")
-    parser.add_argument("--trainer-tp", type=int, default=1, help="tensor parallel size inside the trainer")
     parser.add_argument("--tp", type=int, default=2, help="the vLLM engine's tensor parallel size")
     parser.add_argument("--tol", type=float, default=1e-4, help="logprob tolerance against the reference")
+
+
+def start_engine(prefix: str, tp: int):
+    """Ray (local, or the job's cluster), a tiny random Llama in a new temporary folder, and the vLLM
+    actor serving it at ``tp``: ``(model folder, generator actor)``."""
+    ray.init(ignore_reinit_error=True, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    path = save_model(Path(tempfile.mkdtemp(prefix=prefix)) / "model")
+    return path, Generator.remote(str(path), tp)
+
+
+def verdict(failures: list[str]) -> int:
+    """Print the first mismatches and the verdict; the exit status (1 on any mismatch)."""
+    for line in failures[:10]:
+        print("MISMATCH", line, file=sys.stderr)
+    print("OK" if not failures else f"FAILED: {len(failures)} mismatches")
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_arguments(parser)
+    parser.add_argument("--world", type=int, default=2, help="trainer ranks")
+    parser.add_argument("--trainer-tp", type=int, default=1, help="tensor parallel size inside the trainer")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-    ray.init(ignore_reinit_error=True, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    root = Path(tempfile.mkdtemp(prefix="fsdp2-vllm-"))
-    path = save_model(root / "model")
-    generator = Generator.remote(str(path), args.tp)
+    path, generator = start_engine("fsdp2-vllm-", args.tp)
     ranks = start_trainer(path, args.world, args.trainer_tp)
     layout = ray.get([r.init_transfer.remote(RayVLLMWeightSyncClient(generator)) for r in ranks])[0]
     print(f"trainer {layout} ({args.world} plain Ray actors, FSDP2) -> vLLM tp={args.tp}")
@@ -308,10 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
-    for line in failures[:10]:
-        print("MISMATCH", line, file=sys.stderr)
-    print("OK" if not failures else f"FAILED: {len(failures)} mismatches")
-    return 1 if failures else 0
+    return verdict(failures)
 
 
 if __name__ == "__main__":
