@@ -113,3 +113,27 @@ def test_ranks_that_do_not_make_one_trainer_are_refused_alike_on_every_rank():
     assert "the ranks hold different layouts" in refusal(mixed, 2)
     broken = [{**ok, "rank": 0, "realloc_rank": 0}, {"rank": 1, "error": "no such parameter"}]
     assert refusal(broken, 2) == "rank 1: no such parameter"
+
+
+def test_a_bad_version_is_refused_and_the_other_ranks_round_ends_with_it(llama):
+    """Rank 0 refuses ``send_weights(version="2")`` before any traffic and posts the refusal as the
+    round's opening, so the other ranks' ``send_weights`` of that round raise it instead of
+    waiting (their round counters stay in step with rank 0's)."""
+    from actors.errors import ReallocationError
+    from actors.wire.transport import connect_rendezvous, host_rendezvous
+
+    _, model = llama
+    info = ReallocTrainerInitInfo(rank=0, timeout_s=5.0)
+    head = ReallocTrainerWeightTransferEngine(
+        client=Untouchable(), source=ShardSource(model), is_sender=True, info=info, size=2
+    )
+    head.control = host_rendezvous("127.0.0.1", 1, 5.0)
+    other = ReallocTrainerWeightTransferEngine(
+        client=None, source=ShardSource(model), is_sender=False, info=ReallocTrainerInitInfo(rank=1), size=2
+    )
+    other.control = connect_rendezvous("127.0.0.1", head.control.port, 1, 5.0)
+    with pytest.raises(ValueError, match=r"version must be a non-negative int or None, got '2'"):
+        head.send_weights(version="2")
+    with pytest.raises(ReallocationError, match=r"rank 0 could not start the update: ValueError: version must be"):
+        other.send_weights()
+    assert head.rounds == other.rounds == 1

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from actors.driver.vllm import VLLMEngine
+from actors.driver.vllm import VLLMEngine, VLLMUpdateStats
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
 from actors.records import DeltaOrder
@@ -176,7 +176,11 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         to label it with (default: the last one plus one)."""
         self.rounds += 1
         if self.is_sender:
-            return self._drive(self.rounds, self.version + 1 if version is None else int(version))
+            if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+                message = f"version must be a non-negative int or None, got {version!r}"
+                self._post(f"round/{self.rounds}", {"error": f"ValueError: {message}"})  # the other ranks' round ends
+                raise ValueError(message)
+            return self._drive(self.rounds, self.version + 1 if version is None else version)
         deadline = Deadline(self.info.timeout_s)
         opened = self._read(f"round/{self.rounds}", "trainer rank 0 did not open the update", deadline)
         if opened.get("error"):
@@ -193,8 +197,6 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
 
     def _drive(self, k: int, version: int) -> int:
         """Rank 0's round ``k`` (see the module's docstring)."""
-        from actors.driver.vllm import VLLMUpdateStats
-
         engine, held = self.engine, self.holdings
         deadline = Deadline(self.info.timeout_s)
         stats = VLLMUpdateStats(version)
