@@ -67,6 +67,24 @@ def tokens_and_logprobs(out):
     return [(t, lp) for t, lp, _ in out]
 
 
+def serving_old_holding_new(setup, old_seed: int, new_seed: int) -> tuple[list, int, dict]:
+    """The engine serving the weights of ``old_seed`` (committed), the trainer holding those of
+    ``new_seed``: what the engine serves, its version, and the new weights."""
+    engine, trainer = setup["engine"], setup["trainer"]
+    trainer.load_state_dict(vm.perturbed(setup["base"], seed=old_seed))
+    trainer.copy_to(engine)
+    served, version = vm.greedy(setup["llm"]), engine.version
+    new = vm.perturbed(setup["base"], seed=new_seed)
+    trainer.load_state_dict(new)
+    return served, version, new
+
+
+def stall(trainer, seconds: float) -> None:
+    """Every trainer rank stalls ``seconds`` in its next operation (the bytes wait in it)."""
+    for a in trainer.workers.actors:
+        ray.get(a.inject_fault.remote("stall", seconds))
+
+
 def test_vllm_workers_layout_is_derived_from_the_engine_and_matches_realloc_conventions(setup):
     engine, trainer = setup["engine"], setup["trainer"]
     trainer.load_state_dict(setup["base"])
@@ -110,14 +128,8 @@ def test_vllm_copy_to_serves_the_trainer_weights_exactly(setup):
 
 def test_vllm_staged_update_keeps_generating_during_the_transfer_and_switches_at_commit(setup):
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
-    old, new = vm.perturbed(setup["base"], seed=2), vm.perturbed(setup["base"], seed=3)
-    trainer.load_state_dict(old)
-    trainer.copy_to(engine)
-    served = vm.greedy(llm)
-    old_version = engine.version
-    trainer.load_state_dict(new)
-    for a in trainer.workers.actors:
-        ray.get(a.inject_fault.remote("stall", 3.0))
+    served, old_version, new = serving_old_holding_new(setup, 2, 3)
+    stall(trainer, 3.0)
     update = trainer.copy_to(engine, stage=True)
     started = time.monotonic()
     during = vm.greedy(llm)  # the trainer is stalled: the bytes have not left it
@@ -135,13 +147,8 @@ def test_vllm_staged_update_keeps_generating_during_the_transfer_and_switches_at
 
 def test_vllm_trainer_killed_mid_transfer_leaves_the_old_weights_and_the_next_update_succeeds(setup):
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
-    old, new = vm.perturbed(setup["base"], seed=4), vm.perturbed(setup["base"], seed=5)
-    trainer.load_state_dict(old)
-    trainer.copy_to(engine)
-    served, version = vm.greedy(llm), engine.version
-    trainer.load_state_dict(new)
-    for a in trainer.workers.actors:
-        ray.get(a.inject_fault.remote("stall", 2.0))
+    served, version, new = serving_old_holding_new(setup, 4, 5)
+    stall(trainer, 2.0)
     update = trainer.copy_to(engine, stage=True)
     victim = trainer.workers.actors[1]
     ray.kill(victim)
@@ -213,11 +220,7 @@ def test_vllm_delta_updates_move_only_the_changed_elements_and_serve_the_same_we
 
 def test_vllm_aborted_update_leaves_the_served_weights_and_the_next_one_commits(setup):
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
-    old, new = vm.perturbed(setup["base"], seed=12), vm.perturbed(setup["base"], seed=13)
-    trainer.load_state_dict(old)
-    trainer.copy_to(engine)
-    served, version = vm.greedy(llm), engine.version
-    trainer.load_state_dict(new)
+    served, version, new = serving_old_holding_new(setup, 12, 13)
     for stage_first in (True, False):  # aborted once staged, and while the bytes still leave the trainer
         update = trainer.copy_to(engine, stage=True)
         if stage_first:
@@ -260,13 +263,8 @@ def test_vllm_qwen3_moe_engine_serves_the_trainer_weights_exactly(setup):
 
 def test_vllm_update_past_its_deadline_fails_naming_the_waiting_ranks_and_the_engine_keeps_serving(setup):
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
-    old, new = vm.perturbed(setup["base"], seed=6), vm.perturbed(setup["base"], seed=7)
-    trainer.load_state_dict(old)
-    trainer.copy_to(engine)
-    served, version = vm.greedy(llm), engine.version
-    trainer.load_state_dict(new)
-    for a in trainer.workers.actors:
-        ray.get(a.inject_fault.remote("stall", TIMEOUT_S + 4))
+    served, version, _ = serving_old_holding_new(setup, 6, 7)
+    stall(trainer, TIMEOUT_S + 4)
     started = time.monotonic()
     with pytest.raises(ReallocationError) as err:
         trainer.copy_to(engine)
@@ -287,8 +285,7 @@ def test_vllm_worker_killed_mid_transfer_is_named_and_the_trainer_keeps_its_weig
     time.sleep(TIMEOUT_S)  # the last test's stalled ranks time out on their dead world first
     new = vm.perturbed(setup["base"], seed=8)
     trainer.load_state_dict(new)
-    for a in trainer.workers.actors:
-        ray.get(a.inject_fault.remote("stall", 2.0))
+    stall(trainer, 2.0)
     update = trainer.copy_to(engine, stage=True)
     victim = engine.workers[1]
     os.kill(victim["pid"], signal.SIGKILL)

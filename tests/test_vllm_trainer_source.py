@@ -125,11 +125,11 @@ def test_a_bad_version_is_refused_and_the_other_ranks_round_ends_with_it(llama):
     _, model = llama
     info = ReallocTrainerInitInfo(rank=0, timeout_s=5.0)
     head = ReallocTrainerWeightTransferEngine(
-        client=Untouchable(), source=ShardSource(model), is_sender=True, info=info, size=2
+        client=Untouchable(), source=ShardSource(model), is_sender=True, info=info
     )
     head.control = host_rendezvous("127.0.0.1", 1, 5.0)
     other = ReallocTrainerWeightTransferEngine(
-        client=None, source=ShardSource(model), is_sender=False, info=ReallocTrainerInitInfo(rank=1), size=2
+        client=None, source=ShardSource(model), is_sender=False, info=ReallocTrainerInitInfo(rank=1)
     )
     other.control = connect_rendezvous("127.0.0.1", head.control.port, 1, 5.0)
     with pytest.raises(ValueError, match=r"version must be a non-negative int or None, got '2'"):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from realloc_tools.bench import vllm as bench
+
 #: vLLM on this machine: 1 GiB of KV cache, no CPU binding (one NUMA node, tp=2); functions as
 #: collective_rpc methods (the tests read the workers' tensors: :func:`padding_rows`)
 VLLM_ENV = {
@@ -15,7 +17,6 @@ VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }
-PROMPTS = [[1, 5, 9, 20, 33], [7, 300, 2, 11]]
 
 
 #: The architectures :func:`save_llama` builds.
@@ -60,39 +61,17 @@ def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama"
     return path
 
 
-def start_llm(path: Path, tp: int, backend: str = "realloc"):
-    """An ``LLM`` on ``path`` with the weight-transfer ``backend``, float32, eager."""
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
+def start_llm(path: Path, tp: int):
+    """An ``LLM`` on ``path`` with the realloc backend, float32, eager (the bench's:
+    ``realloc_tools.bench.vllm.start_llm``), in this module's environment (:data:`VLLM_ENV`)."""
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
-    return LLM(
-        model=str(path),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp",
-        weight_transfer_config=WeightTransferConfig(backend=backend),
-    )
+    return bench.start_llm(path, tp)
 
 
-def greedy(llm, max_tokens: int = 8) -> list[tuple[list[int], list[float], list]]:
-    """Each prompt's greedy tokens, their logprobs and vLLM's weight-version spans."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    result = []
-    for o in outs:
-        c = o.outputs[0]
-        logprobs = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
-        spans = [(s.version, s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
-        result.append((list(c.token_ids), logprobs, spans))
-    return result
+#: The prompts every greedy check generates from, and the greedy run itself (each prompt's tokens,
+#: their logprobs and vLLM's weight-version spans): the bench's.
+PROMPTS, greedy = bench.PROMPTS, bench.greedy
 
 
 def perturbed(state: dict, seed: int, scale: float = 0.05) -> dict:

@@ -158,7 +158,8 @@ class VLLMEngine:
         self.workers: list[dict] = []
         self._id = uuid.uuid4().hex[:12]
         self._store = None
-        self._plans: dict[Layout, Plan] = {}
+        self._plans: dict[tuple, Plan] = {}  # (trainer layout, its nodes) -> the plan to this engine
+        self._shares: dict[tuple, tuple[Plan, list]] = {}  # the same key -> (that plan, its shares)
         self._pending: VLLMUpdate | None = None
         self._open = False  # a round is open on the engine (started, not finished)
 
@@ -289,12 +290,18 @@ class VLLMEngine:
         return plan, time.perf_counter() - started
 
     def shares(self, plan: Plan, layout: Layout, nodes: tuple[str, ...]) -> list:
-        """Every world rank's share of ``plan``: the trainer's ``len(nodes)`` ranks, then the workers'."""
+        """Every world rank's share of ``plan``: the trainer's ``len(nodes)`` ranks, then the
+        workers' (cut once per plan: they carry no per-round data)."""
+        cached = self._shares.get((layout, nodes))
+        if cached is not None and cached[0] is plan:
+            return cached[1]
         n, m = len(nodes), len(self.workers)
         srcs = [layout.at(r) for r in range(n)] + [None] * m
         dsts = [None] * n + [self.layout.at(r) for r in range(m)]
         every = tuple(nodes) + (self.node,) * m
-        return worker_shares(plan, [PeerView(i, every[i], srcs[i], dsts[i], shared=False) for i in range(n + m)])
+        out = worker_shares(plan, [PeerView(i, every[i], srcs[i], dsts[i], shared=False) for i in range(n + m)])
+        self._shares = {(layout, nodes): (plan, out)}
+        return out
 
     def open_round(
         self, update_id: str, version: int, world: str, addr: str, port: int, shares: list, base, delta: bool

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from actors.trainer.source import ShardSource
 from actors.vllm import decode, encode
 from actors.wire.delta import Base, DeltaSides, sender_base, snapshot
 from actors.wire.executor import Staging, StepRunner, checked_share
-from actors.wire.transport import connect_rendezvous, host_rendezvous, join_world, ray_node_ip
+from actors.wire.transport import address_toward, connect_rendezvous, host_rendezvous, join_world, ray_node_ip
 from realloc.plan import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
@@ -94,16 +93,17 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
 
     init_info_cls = ReallocTrainerInitInfo
 
-    def __init__(self, *, client, source: ShardSource, is_sender: bool, info: ReallocTrainerInitInfo, size: int):
+    def __init__(self, *, client, source: ShardSource, is_sender: bool, info: ReallocTrainerInitInfo):
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.info, self.size = info, size
+        self.info = info
         self.holdings = source.holdings()
         self.rounds = 0
         self.version = 0
         self.stats = None
         self.sent_bytes = 0
         self.engine: VLLMEngine | None = None
-        self.nodes: tuple[str, ...] = ()
+        self.nodes: tuple[str, ...] = ()  # rank 0: each trainer rank's node, in realloc rank order
+        self.by_rank: dict[int, int] = {}  # rank 0: trainer rank -> its realloc (world) rank
         self.control = None  # the control store (rank 0 hosts it)
         self.addr = ""
         self.base: Base | None = None  # with delta=True: what this rank sent in the last committed update
@@ -123,7 +123,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         group = init_info.group
         size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         problem = _check_info(init_info, group, size)
-        desc: dict[str, Any] = {"rank": init_info.rank, "error": problem, "node": _node(), "ip": _host_ip()}
+        desc: dict[str, Any] = {"rank": init_info.rank, "error": problem, "node": _node()}
         if problem is None:
             try:
                 held = source.holdings()
@@ -138,7 +138,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         verdict: dict[str, Any] = {"error": refused}
         engine = None
         if init_info.rank == 0 and refused is None:
-            engine = cls(client=client, source=source, is_sender=True, info=init_info, size=size)
+            engine = cls(client=client, source=source, is_sender=True, info=init_info)
             try:
                 engine.start(descs)
                 verdict.update(addr=engine.addr, port=engine.control.port)
@@ -155,7 +155,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                 raise ReallocationError(f"trainer {init_info.name!r}: {message}")
             raise ValueError(f"trainer {init_info.name!r}: {message}")
         if engine is None:
-            engine = cls(client=client, source=source, is_sender=False, info=init_info, size=size)
+            engine = cls(client=client, source=source, is_sender=False, info=init_info)
             engine.control = connect_rendezvous(verdict["addr"], verdict["port"], 1, init_info.timeout_s)
         return engine
 
@@ -163,7 +163,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         """Rank 0: the engine's handle (its layout baked and checked) and the control store."""
         order = sorted(descs, key=lambda d: d["realloc_rank"])
         self.nodes = tuple(d["node"] for d in order)
-        self.by_rank = {d["rank"]: d["realloc_rank"] for d in descs}  # trainer rank -> world rank
+        self.by_rank = {d["rank"]: d["realloc_rank"] for d in descs}
         self.addr = _host_ip()
         self.engine = VLLMEngine(self.client, name="vllm", timeout_s=self.info.timeout_s)
         self.engine.init(self.source.spec)
@@ -396,15 +396,8 @@ def _node() -> str:
 
 
 def _host_ip() -> str:
-    ip = ray_node_ip()
-    if ip:
-        return ip
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+    """This host's address: its Ray node's inside Ray, else the one on its default route."""
+    return ray_node_ip() or address_toward("10.255.255.255")
 
 
 if BACKEND not in WeightTransferTrainerFactory._registry:

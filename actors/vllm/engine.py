@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 import traceback
@@ -55,7 +56,7 @@ from actors.vllm.bake import Bake, bake
 from actors.vllm.messages import OPS, control_key, decode
 from actors.wire.delta import DeltaSides
 from actors.wire.executor import Staging, StepRunner, checked_share
-from actors.wire.transport import connect_rendezvous, join_world
+from actors.wire.transport import address_toward, connect_rendezvous, join_world
 from realloc.shards import ShardStore
 from realloc.shards.store import allocate_buffers
 
@@ -169,8 +170,8 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
             "boxes": {n: [[list(o), list(s)] for o, s in b] for n, b in self.layout.boxes().items()},
             "unread": list(self.layout.unread),
             "missing": list(self.layout.missing),
-            "pid": _pid(),
-            "ip": _ip(init_info.store_host),
+            "pid": os.getpid(),
+            "ip": address_toward(init_info.store_host),
         }
         self.control.set(control_key(init_info.engine_id, "worker", self.index), json.dumps(described))
 
@@ -360,21 +361,3 @@ def _partly_written(module: torch.nn.Module, scatters: list) -> set[str]:
     for s in scatters:
         written[s.param] = written.get(s.param, 0) + math.prod(s.shape)
     return {n for n, t in {**params, **buffers}.items() if written.get(n, 0) < t.numel()}
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
-
-
-def _ip(toward: str) -> str:
-    """This host's address on the route to ``toward`` (the driver's control store)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((toward, 1))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import time
 from typing import Callable
@@ -240,6 +241,16 @@ def ray_node_ip() -> str | None:
     if ray is None or not ray.is_initialized():
         return None
     return ray.util.get_node_ip_address()
+
+
+def address_toward(peer: str) -> str:
+    """This host's address on the route to ``peer`` (no packet is sent; 127.0.0.1 without a route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def _interface_of(addr: str) -> str | None:

@@ -125,29 +125,56 @@ def save_model(path: Path, size: str) -> Path:
     return path
 
 
-def _greedy(llm) -> list:
+def start_llm(path: Path, tp: int):
+    """An ``LLM`` on ``path`` with realloc's weight-transfer backend: float32, eager, token ids in
+    and out (no tokenizer), 1 GiB of KV cache and no CPU binding unless the environment says
+    otherwise (tests/vllm_models.py starts its engines with it too)."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+        weight_transfer_config=WeightTransferConfig(backend="realloc"),
+    )
+
+
+def greedy(llm, max_tokens: int = 8) -> list[tuple[list[int], list[float], list]]:
+    """Each of :data:`PROMPTS`' greedy tokens, their logprobs and vLLM's weight-version spans."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [
-        (list(o.outputs[0].token_ids), [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-        for o in outs
-    ]
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        logprobs = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+        spans = [(s.version, s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
+        result.append((list(c.token_ids), logprobs, spans))
+    return result
+
+
+def _outputs(llm) -> list:
+    """Greedy tokens and logprobs (not the version labels: the two methods label differently)."""
+    return [(t, lp) for t, lp, _ in greedy(llm)]
 
 
 def measure(size: str, tp: int, repeats: int, log: Callable[[str], None]) -> dict:
     """Both methods, ``repeats`` updates each on the same new weights; the report (see above)."""
     from safetensors.torch import load_file, save_file
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
 
     from actors import ModelGroup, VLLMEngine
     from realloc import Topology
     from realloc.spec import spec_from_hf_config
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = Path(tempfile.mkdtemp(prefix="realloc-vllm-bench-", dir=shm))
     try:
@@ -155,17 +182,7 @@ def measure(size: str, tp: int, repeats: int, log: Callable[[str], None]) -> dic
         base = load_file(str(path / "model.safetensors"))
         model_bytes = sum(t.numel() * t.element_size() for t in base.values())
         log(f"vllm bench: {size} Llama, {model_bytes / 2**20:.0f} MiB float32, engine tp={tp}, trainer tp=2")
-        llm = LLM(
-            model=str(path),
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=4,
-            tensor_parallel_size=tp,
-            distributed_executor_backend="mp",
-            weight_transfer_config=WeightTransferConfig(backend="realloc"),
-        )
+        llm = start_llm(path, tp)
         client = _TimedClient(llm)
         engine = VLLMEngine(client, timeout_s=300)
         trainer = ModelGroup.create(spec_from_hf_config(path), Topology(tp=2), name="trainer", timeout_s=300)
@@ -192,7 +209,7 @@ def measure(size: str, tp: int, repeats: int, log: Callable[[str], None]) -> dic
                         "extra_rss_bytes": rss.extra(),
                     }
                 )
-                ours = _greedy(llm)
+                ours = _outputs(llm)
                 with RssSampler(pids) as rss:
                     started = time.perf_counter()
                     state = trainer.state_dict()
@@ -211,7 +228,7 @@ def measure(size: str, tp: int, repeats: int, log: Callable[[str], None]) -> dic
                     }
                 )
                 shutil.rmtree(out)
-                exact &= _greedy(llm) == ours
+                exact &= _outputs(llm) == ours
                 log(f"repeat {r}: realloc {seconds:.3f} s, reload_weights {now - started:.3f} s, same outputs: {exact}")
         finally:
             trainer.shutdown()
