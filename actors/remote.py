@@ -227,10 +227,13 @@ def gather(
                 found = diagnose(workers, min(PING_SECONDS, deadline.grace()))
                 name = workers.names[index[r]]
                 late = [workers.names[index[p]] for p in pending]
-                if found:
-                    _fail(f"{what}: {found.describe()}", found, late, state, layout, err)
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
-                _fail(f"{what} failed on {name}: {type(cause).__name__}: {cause}", found, late, state, layout, err)
+                raised = f"{what} failed on {name}: {type(cause).__name__}: {cause}"
+                if found.dead:  # a death explains the failed calls of its peers
+                    _fail(f"{what}: {found.describe()}", found, late, state, layout, err)
+                # the call itself raised: its error leads, and the silent peers follow (a peer
+                # still starting, or stopped, must not hide why the call failed)
+                _fail(f"{raised}; {found.describe()}" if found else raised, found, late, state, layout, err)
             if on_result is not None:
                 try:
                     on_result(index[r], results[index[r]])

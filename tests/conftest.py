@@ -91,8 +91,10 @@ def _unit_of(item) -> tuple[int, str, int]:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     """Every item in its unit (an ``xdist_group`` mark), the listed units first and longest first;
-    a stable sort, so each module's tests keep their order."""
+    inside a module the tests sharing kept groups (the ``kept_groups`` fixture, tests/simulated.py
+    ``KeptGroups``) first, so the groups live through them and are shut once; a stable sort,
+    so the rest keeps its order."""
     for item in items:
         if not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(_unit_of(item)[1]))
-    items.sort(key=lambda item: (_unit_of(item)[0], _unit_of(item)[2]))
+    items.sort(key=lambda item: (*_unit_of(item)[::2], str(item.path), "kept_groups" not in item.fixturenames))

@@ -114,3 +114,60 @@ def lose_node(env, node_id: str, group) -> list[int]:
     and ``nodes``) and wait until ``group`` sees its workers dead; returns their ranks."""
     env.cluster.remove_node(next(n for n in env.nodes if n.node_id == node_id))
     return wait_for_dead_workers(group)
+
+
+class KeptGroups:
+    """Groups the tests of one module take in turn: starting a worker is ~1.7 CPU-seconds on this
+    machine (importing torch most of it) and most of a Ray test's cost, while bringing a kept group
+    to a layout and a seed's weights is a tenth of a second. ``make(name, topology, seed)`` creates
+    a group; :meth:`take` returns the kept group of that name, checked and brought to
+    ``topology`` with ``seed``'s weights (or a new one when the kept one is not healthy: a dead
+    worker, an update staged, a failed step). A test that kills, stops or replaces workers, or
+    needs other settings, makes its own group. :meth:`close` at the module's end."""
+
+    def __init__(self, make):
+        self._make = make
+        self._kept: dict = {}
+
+    def take(self, name: str, topology: str, seed: "int | None" = 1):
+        from realloc import Topology
+
+        group = self._kept.pop(name, None)
+        if group is not None:
+            try:
+                assert not group.dead_workers() and group.ledger.staged is None and not group.ledger.closed
+                group.release_resident()
+                if group.layout.topology != Topology.parse(topology):
+                    group.reallocate(topology)
+                if seed is not None:
+                    group.init_synthetic(seed)
+            except Exception:  # noqa: BLE001 - a previous test left it broken: start a new one
+                group.shutdown()
+                group = None
+        if group is None:
+            self._room(Topology.parse(topology).world_size)
+            group = self._make(name, topology, seed=seed)
+        self._kept[name] = group
+        return group
+
+    def _room(self, workers: int) -> None:
+        """Shut kept groups down, least recently taken first, until ``workers`` CPU slots are free."""
+        import ray
+
+        while self._kept and ray.available_resources().get("CPU", 0) < workers:
+            self._kept.pop(next(iter(self._kept))).shutdown()
+            _wait_for_free_cpus(min(workers, _total_cpus()), timeout_s=30)
+
+    def close(self) -> None:
+        """Shut every kept group down (before a test that needs the cluster's slots for its own)."""
+        for group in self._kept.values():
+            group.shutdown()
+        if self._kept:
+            self._kept.clear()
+            _wait_for_free_cpus(_total_cpus(), timeout_s=30)
+
+
+def _total_cpus() -> int:
+    import ray
+
+    return int(ray.cluster_resources().get("CPU", 0))

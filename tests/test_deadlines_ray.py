@@ -138,3 +138,41 @@ def test_a_busy_group_raises_within_the_deadline_with_its_layout(cluster):
         release.set()
         holder.join(60)
         g.shutdown()
+
+
+# -- a call that raised is reported with its error, even when a peer does not answer pings -------
+
+
+@ray.remote(num_cpus=0)
+class _Answering:
+    """A worker stand-in: ``call`` raises or sleeps; one thread, so a ping waits behind a sleep."""
+
+    def call(self, fail: bool, seconds: float) -> None:
+        if fail:
+            raise ValueError("the worker's own reason")
+        time.sleep(seconds)
+
+    def ping(self) -> dict:
+        return {}
+
+
+def test_a_raised_call_leads_the_error_when_a_peer_is_silent(cluster):
+    """Found by a CI run: worker 0's start raised while worker 1 was still starting (no answer to
+    the ping within its seconds); the error said only that worker 1 was silent and hid worker 0's
+    ValueError. Now the raised error leads and the silent peer is still named."""
+    from actors.remote import Workers, gather
+
+    actors = [_Answering.remote(), _Answering.remote()]
+    try:
+        ray.get([a.ping.remote() for a in actors], timeout=60)
+        workers = Workers(tuple(actors), ("w0", "w1"))
+        refs = [actors[0].call.remote(True, 0), actors[1].call.remote(False, 20)]
+        with pytest.raises(ReallocationError) as info:
+            gather(workers, refs, 30, "start workers")
+        text = str(info.value)
+        assert text.startswith("start workers failed on w0: ValueError: the worker's own reason"), text
+        assert "['w1'] are alive but did not answer a ping" in text, text
+        assert info.value.unresponsive == ["w1"] and isinstance(info.value.__cause__, ray.exceptions.RayTaskError)
+    finally:
+        for a in actors:
+            ray.kill(a)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from simulated import simulated_cluster
+from simulated import KeptGroups, simulated_cluster
 
 from actors import ModelGroup, ReallocationError
 from actors.errors import StaleOperationError
@@ -46,6 +46,23 @@ def make(name: str, topology: str, seed: int | None = 1, **kwargs) -> ModelGroup
     if seed is not None:
         g.init_synthetic(seed)
     return g
+
+
+#: Groups of 2 ("pair-a", "pair-b", "pair-c") and 4 workers ("quad") the tests that kill, stop
+#: and patch nothing share (tests/simulated.py); a test making its own group frees their slots first.
+KEPT = KeptGroups(make)
+
+
+@pytest.fixture(scope="module")
+def kept_groups(cluster):
+    yield KEPT
+    KEPT.close()
+
+
+def own(name: str, topology: str, seed: int | None = 1, **kwargs) -> ModelGroup:
+    """A group of the test's own (the cluster's 8 slots are shared with the kept groups)."""
+    KEPT.close()
+    return make(name, topology, seed, **kwargs)
 
 
 def boxes_of(group: ModelGroup, ranks) -> dict:
@@ -77,8 +94,8 @@ def expected_layouts(group: ModelGroup) -> list[str]:
 
 
 def test_vocab_padding_survives_reallocation_and_copy(cluster):
-    padded = make("pad64", "dp=2,pp=2", vocab_pad_multiple=64)
-    plain = make("pad1", "tp=2", seed=None)
+    padded = own("pad64", "dp=2,pp=2", vocab_pad_multiple=64)
+    plain = own("pad1", "tp=2", seed=None)
     try:
         padded.reallocate(Topology(dp=4))  # zero-copy peers used to rebuild the layout without its pad
         assert padded.verify_synthetic(1) == {}
@@ -96,17 +113,14 @@ def test_vocab_padding_survives_reallocation_and_copy(cluster):
         plain.shutdown()
 
 
-def test_reallocate_accepts_strings_and_equivalent_explicit_splits(cluster):
-    g = make("names", "dp=2,pp=2")
-    try:
-        g.reallocate("dp=4", src="dp=2,tp=1,pp=2")  # used to refuse: "is in layout X, not X"
-        g.reallocate(Topology(dp=2, pp=2), src=Topology(dp=4))
-        g.reallocate("dp=4", src=Topology(dp=2, pp=2, layer_split=(2, 2)))  # the effective split
-        with pytest.raises(ValueError, match=r"holds layout dp=4,tp=1,pp=1, but src says dp=2,tp=1,pp=2"):
-            g.reallocate("dp=2,pp=2", src="dp=2,pp=2")
-        assert g.verify_synthetic(1) == {}
-    finally:
-        g.shutdown()
+def test_reallocate_accepts_strings_and_equivalent_explicit_splits(kept_groups):
+    g = kept_groups.take("quad", "dp=2,pp=2")
+    g.reallocate("dp=4", src="dp=2,tp=1,pp=2")  # used to refuse: "is in layout X, not X"
+    g.reallocate(Topology(dp=2, pp=2), src=Topology(dp=4))
+    g.reallocate("dp=4", src=Topology(dp=2, pp=2, layer_split=(2, 2)))  # the effective split
+    with pytest.raises(ValueError, match=r"holds layout dp=4,tp=1,pp=1, but src says dp=2,tp=1,pp=2"):
+        g.reallocate("dp=2,pp=2", src="dp=2,pp=2")
+    assert g.verify_synthetic(1) == {}
 
 
 # -- defect 2 and the fault matrix: a worker dies between transfer and commit, or during it -----
@@ -114,7 +128,7 @@ def test_reallocate_accepts_strings_and_equivalent_explicit_splits(cluster):
 
 @pytest.mark.parametrize("fault", ["exit_in_commit", "exit_after_commit"])
 def test_a_worker_dying_at_commit_leaves_every_survivor_in_the_old_layout(cluster, tmp_path, fault):
-    g = make(
+    g = own(
         f"commit-{fault.replace('_', '-')}", "dp=2,tp=2", timeout_s=8
     )  # survivors of the death wait in gloo until it (ShardWorker's timeout): short
     try:
@@ -147,7 +161,7 @@ def worker_layouts_of(group: ModelGroup, rank: int) -> str:
 
 
 def test_a_kill_mid_transfer_rolls_back_and_names_the_dead_worker(cluster):
-    g = make(
+    g = own(
         "killed", "tp=4", bucket_bytes=4096, zero_copy=False, timeout_s=8
     )  # survivors of the death wait in gloo until it (ShardWorker's timeout): short
     try:
@@ -165,37 +179,34 @@ def test_a_kill_mid_transfer_rolls_back_and_names_the_dead_worker(cluster):
 # -- defect 3: one operation at a time per group -----------------------------------------------
 
 
-def test_concurrent_calls_never_interleave(cluster):
-    g = make("busy", "dp=2,tp=2")
-    try:
-        targets = ["dp=4", "tp=4", "dp=2,tp=2", "dp=4"]
-        results, errors = [], []
+def test_concurrent_calls_never_interleave(kept_groups):
+    g = kept_groups.take("quad", "dp=2,tp=2")
+    targets = ["dp=4", "tp=4", "dp=2,tp=2", "dp=4"]
+    results, errors = [], []
 
-        def move(dst: str) -> None:
-            try:
-                results.append((dst, g.reallocate(dst)))
-            except Exception as exc:  # noqa: BLE001 - collected and asserted below
-                errors.append(exc)
+    def move(dst: str) -> None:
+        try:
+            results.append((dst, g.reallocate(dst)))
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
 
-        threads = [threading.Thread(target=move, args=(t,)) for t in targets]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
-        assert len(results) == len(targets)  # every call did its move, one after the other
-        assert g.verify_synthetic(1) == {}
-        assert worker_layouts(g) == expected_layouts(g)
-        assert str(g.layout.topology) == Topology.parse(results[-1][0]).__str__()
-    finally:
-        g.shutdown()
+    threads = [threading.Thread(target=move, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert len(results) == len(targets)  # every call did its move, one after the other
+    assert g.verify_synthetic(1) == {}
+    assert worker_layouts(g) == expected_layouts(g)
+    assert str(g.layout.topology) == Topology.parse(results[-1][0]).__str__()
 
 
 # -- defect 12: a stopped worker is named ------------------------------------------------------
 
 
 def test_a_stopped_worker_is_named_and_the_group_recovers(cluster):
-    g = make("stopped", "dp=2,tp=2", timeout_s=8)
+    g = own("stopped", "dp=2,tp=2", timeout_s=8)
     pid = ray.get(g.actors[3].info.remote())["pid"]
     try:
         g.reallocate(Topology(dp=4))
@@ -225,17 +236,13 @@ def test_a_stopped_worker_is_named_and_the_group_recovers(cluster):
 # -- defects 8, 13, 15 and pickling across Ray --------------------------------------------------
 
 
-def test_blend_with_a_bool_is_refused_and_the_destination_untouched(cluster):
-    a, b = make("blend-a", "tp=2"), make("blend-b", "dp=2", seed=5)
-    try:
-        with pytest.raises(ValueError, match=r"eta must be a number within \[0, 1\], got True"):
-            a.copy_to(b, eta=True)  # used to zero b, then fail
-        assert b.verify_synthetic(5) == {}
-        a.copy_to(b, eta=1.0)
-        assert b.verify_synthetic(1) == {}
-    finally:
-        a.shutdown()
-        b.shutdown()
+def test_blend_with_a_bool_is_refused_and_the_destination_untouched(kept_groups):
+    a, b = kept_groups.take("pair-a", "tp=2"), kept_groups.take("pair-b", "dp=2", seed=5)
+    with pytest.raises(ValueError, match=r"eta must be a number within \[0, 1\], got True"):
+        a.copy_to(b, eta=True)  # used to zero b, then fail
+    assert b.verify_synthetic(5) == {}
+    a.copy_to(b, eta=1.0)
+    assert b.verify_synthetic(1) == {}
 
 
 @pytest.mark.parametrize(
@@ -264,7 +271,7 @@ def test_a_malformed_slice_is_refused_by_its_worker_before_any_traffic(cluster, 
             change(part.runs)
         return shares
 
-    g = make("bad-slice", "tp=2", seed=4)
+    g = own("bad-slice", "tp=2", seed=4)  # its own: a kept group has this move's slices cut already
     try:
         before, layout = boxes_of(g, range(2)), g.layout
         with monkeypatch.context() as patch:
@@ -282,53 +289,47 @@ def test_a_malformed_slice_is_refused_by_its_worker_before_any_traffic(cluster, 
         g.shutdown()
 
 
-def test_run_returns_views_as_their_own_bytes(cluster):
-    g = make("views", "tp=2")
-    try:
-        returned = g.run(lambda ctx: list(ctx.tensors.values()))  # views of the worker's flat buffers
-        for tensors in returned:
-            for t in tensors:
-                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # not the whole buffer
-    finally:
-        g.shutdown()
+def test_run_returns_views_as_their_own_bytes(kept_groups):
+    g = kept_groups.take("pair-a", "tp=2")
+    returned = g.run(lambda ctx: list(ctx.tensors.values()))  # views of the worker's flat buffers
+    for tensors in returned:
+        for t in tensors:
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # not the whole buffer
 
 
-def test_a_world_is_left_when_its_actors_join_another(cluster):
-    a, b, c = make("world-a", "tp=2"), make("world-b", "tp=2", seed=None), make("world-c", "dp=2", seed=None)
-    try:
-        a.copy_to(b)
-        ab = b.worlds[MOVE]
-        a.copy_to(c)
-        assert not ab.alive  # a's actors left the a+b world: b must not reuse it
-        with pytest.raises(StaleOperationError, match=r"is in world .*, not " + ab.id):  # a worker refuses it too
-            ray.get(a.actors[0].op_execute.remote("x", ab.id, None, 0, 0, {}))
-        b.init_synthetic(3)
-        b.copy_to(a)
-        b.reallocate(Topology(dp=2))
-        assert a.verify_synthetic(3) == {} and b.verify_synthetic(3) == {}
-        assert c.verify_synthetic(1) == {}
-    finally:
-        for g in (a, b, c):
-            g.shutdown()
+def test_a_world_is_left_when_its_actors_join_another(kept_groups):
+    a, b, c = (
+        kept_groups.take("pair-a", "tp=2"),
+        kept_groups.take("pair-b", "tp=2", seed=None),
+        kept_groups.take("pair-c", "dp=2", seed=None),
+    )
+    a.copy_to(b)
+    ab = b.worlds[MOVE]
+    a.copy_to(c)
+    assert not ab.alive  # a's actors left the a+b world: b must not reuse it
+    with pytest.raises(StaleOperationError, match=r"is in world .*, not " + ab.id):  # a worker refuses it too
+        ray.get(a.actors[0].op_execute.remote("x", ab.id, None, 0, 0, {}))
+    b.init_synthetic(3)
+    b.copy_to(a)
+    b.reallocate(Topology(dp=2))
+    assert a.verify_synthetic(3) == {} and b.verify_synthetic(3) == {}
+    assert c.verify_synthetic(1) == {}
 
 
-def test_checkpoint_errors_raised_on_workers_reach_the_driver(cluster):
+def test_checkpoint_errors_raised_on_workers_reach_the_driver(kept_groups):
     def _raise_corrupt(ctx):  # nested: pickled by value, the workers cannot import this module
         raise CorruptFileError("some/path", "sha256 mismatch")
 
     def _raise_missing(ctx):
         raise MissingShardsError("lost", ["w offsets=(0,) sizes=(4,)"])
 
-    g = make("errors", "tp=2")
-    try:
-        for fn, name in ((_raise_corrupt, "CorruptFileError"), (_raise_missing, "MissingShardsError")):
-            with pytest.raises(ReallocationError) as err:
-                g.run(fn)
-            assert name in str(err.value) and "Unserializable" not in str(err.value)
-        assert pickle.loads(pickle.dumps(err.value)).dead == []
-        assert g.verify_synthetic(1) == {}
-    finally:
-        g.shutdown()
+    g = kept_groups.take("pair-a", "tp=2")
+    for fn, name in ((_raise_corrupt, "CorruptFileError"), (_raise_missing, "MissingShardsError")):
+        with pytest.raises(ReallocationError) as err:
+            g.run(fn)
+        assert name in str(err.value) and "Unserializable" not in str(err.value)
+    assert pickle.loads(pickle.dumps(err.value)).dead == []
+    assert g.verify_synthetic(1) == {}
 
 
 # -- checkpoints: huge iterations, edited and corrupt manifests, a node lost mid-save ------------
@@ -338,69 +339,60 @@ def _manifest(manager, node: str, iteration: int, rank: int) -> Path:
     return manager.node_dir(node) / f"iter_{iteration:08d}" / f"rank_{rank:05d}.json"
 
 
-def test_huge_iteration_numbers_are_saved_found_and_loaded(cluster, tmp_path):
-    g = make("huge", "dp=2,tp=2")
-    try:
-        manager = g.checkpoint_manager(root=str(tmp_path), run_id="huge", factor=2)
-        manager.save(99_999_999)
-        manager.save(100_000_000)  # used to report success, delete 99_999_999 and be invisible
-        assert manager.find_latest() == 100_000_000
-        g.init_synthetic(7)
-        manager.load()
-        assert g.verify_synthetic(1) == {}
-        with pytest.raises(ValueError, match=r"iteration must be a non-negative integer"):
-            manager.save(2**63)
-    finally:
-        g.shutdown()
+def test_huge_iteration_numbers_are_saved_found_and_loaded(kept_groups, tmp_path):
+    g = kept_groups.take("quad", "dp=2,tp=2")
+    manager = g.checkpoint_manager(root=str(tmp_path), run_id="huge", factor=2)
+    manager.save(99_999_999)
+    manager.save(100_000_000)  # used to report success, delete 99_999_999 and be invisible
+    assert manager.find_latest() == 100_000_000
+    g.init_synthetic(7)
+    manager.load()
+    assert g.verify_synthetic(1) == {}
+    with pytest.raises(ValueError, match=r"iteration must be a non-negative integer"):
+        manager.save(2**63)
 
 
 @pytest.mark.parametrize("node_index", [0, 1])
-def test_an_edited_checksum_on_one_node_does_not_discard_the_intact_copy(cluster, tmp_path, node_index):
-    g = make(f"sha-{node_index}", "tp=2,pp=2")  # dp=1: each rank file exists once per node
-    try:
-        manager = g.checkpoint_manager(root=str(tmp_path), run_id="sha", factor=2)
-        manager.save(1)
-        nodes = sorted(set(g.placement.nodes))
-        path = _manifest(manager, nodes[node_index], 1, 0)
-        data = json.loads(path.read_text())
-        sha = data["file"]["sha256"]
-        data["file"]["sha256"] = ("0" if sha[0] != "0" else "1") + sha[1:]
-        path.write_text(json.dumps(data))
-        g.init_synthetic(9)
-        stats = manager.load()  # used to raise MissingShardsError
-        assert g.verify_synthetic(1) == {}
-        assert all("rank 0" in c for c in stats.corrupt_copies)
-    finally:
-        g.shutdown()
+def test_an_edited_checksum_on_one_node_does_not_discard_the_intact_copy(kept_groups, tmp_path, node_index):
+    g = kept_groups.take("quad", "tp=2,pp=2")  # dp=1: each rank file exists once per node
+    manager = g.checkpoint_manager(root=str(tmp_path), run_id="sha", factor=2)
+    manager.save(1)
+    nodes = sorted(set(g.placement.nodes))
+    path = _manifest(manager, nodes[node_index], 1, 0)
+    data = json.loads(path.read_text())
+    sha = data["file"]["sha256"]
+    data["file"]["sha256"] = ("0" if sha[0] != "0" else "1") + sha[1:]
+    path.write_text(json.dumps(data))
+    g.init_synthetic(9)
+    stats = manager.load()  # used to raise MissingShardsError
+    assert g.verify_synthetic(1) == {}
+    assert all("rank 0" in c for c in stats.corrupt_copies)
 
 
-def test_an_edited_shard_table_is_refused_and_the_other_copy_used(cluster, tmp_path):
-    g = make("table", "dp=2,tp=2")
-    try:
-        manager = g.checkpoint_manager(root=str(tmp_path), run_id="table", factor=2)
-        manager.save(1)
-        node = g.placement.nodes[0]
-        path = _manifest(manager, node, 1, 0)
-        data = json.loads(path.read_text())
-        for record in data["shards"]:
-            if record[0].endswith("q_proj.weight"):
-                record[2][0] += 48  # shift the box by 4 heads: valid JSON, checksums untouched
-                break
-        path.write_text(json.dumps(data))
-        assert any("rank_00000" in p or "rank 0" in p or "shard record" in p for p in manager.catalog([1]).problems)
-        g.reallocate(Topology(tp=4))
-        g.init_synthetic(9)
-        manager.load()  # a resharding load: used to return wrong q_proj rows on four ranks
-        assert g.verify_synthetic(1) == {}
-    finally:
-        g.shutdown()
+def test_an_edited_shard_table_is_refused_and_the_other_copy_used(kept_groups, tmp_path):
+    g = kept_groups.take("quad", "dp=2,tp=2")
+    manager = g.checkpoint_manager(root=str(tmp_path), run_id="table", factor=2)
+    manager.save(1)
+    node = g.placement.nodes[0]
+    path = _manifest(manager, node, 1, 0)
+    data = json.loads(path.read_text())
+    for record in data["shards"]:
+        if record[0].endswith("q_proj.weight"):
+            record[2][0] += 48  # shift the box by 4 heads: valid JSON, checksums untouched
+            break
+    path.write_text(json.dumps(data))
+    assert any("rank_00000" in p or "rank 0" in p or "shard record" in p for p in manager.catalog([1]).problems)
+    g.reallocate(Topology(tp=4))
+    g.init_synthetic(9)
+    manager.load()  # a resharding load: used to return wrong q_proj rows on four ranks
+    assert g.verify_synthetic(1) == {}
 
 
 def test_a_node_removed_mid_save_keeps_the_previous_iteration(cluster, tmp_path):
     c = cluster.cluster
     spare = c.add_node(num_cpus=2)  # room for the replacements
     c.wait_for_nodes()
-    g = make("midsave", "dp=2,tp=2", timeout_s=20)
+    g = own("midsave", "dp=2,tp=2", timeout_s=20)
     try:
         manager = g.checkpoint_manager(root=str(tmp_path), run_id="midsave", factor=2)
         manager.save(1)

@@ -129,3 +129,27 @@ def test_a_stage_payload_carries_the_share_as_text_and_back():
     assert all(isinstance(v, (str, int, bool)) for v in payload.values())  # JSON for the HTTP front end
     assert decode(payload["share"]) == share and payload["base"] == 6 and payload["keep_base"] is True
     assert decode(encode(None)) is None
+
+
+def test_a_round_whose_stage_thread_posted_but_has_not_exited_yet_commits():
+    """Found by a suite run: a worker's stage thread posts its outcome and only then exits; the
+    driver reads the outcome and commits at once, and the commit saw the thread still alive and
+    refused a fully staged round ("its transfer is still running"). A staged round commits."""
+    pytest.importorskip("vllm")
+    import threading
+
+    from actors.vllm.engine import ReallocWeightTransferEngine, _Round
+
+    finishing = threading.Event()
+    thread = threading.Thread(target=finishing.wait, daemon=True)  # a stage thread between its post and its exit
+    thread.start()
+    try:
+        engine = object.__new__(ReallocWeightTransferEngine)
+        engine.layout, engine.index, engine.committed, engine.held, engine.held_rank = object(), 0, 3, None, None
+        committed = []
+        engine._commit = committed.append
+        engine.round = _Round(update_id="u", version=4, thread=thread, shadow="the shadow set", staged=True)
+        engine.finish_weight_update()
+        assert committed == ["the shadow set"] and engine.committed == 4 and engine.round is None
+    finally:
+        finishing.set()

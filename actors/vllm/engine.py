@@ -271,7 +271,7 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         rnd, self.round = self.round, None
         if rnd is None or rnd.aborted or rnd.thread is None:
             return  # an aborted (or empty) round changes nothing
-        if rnd.thread.is_alive() or not rnd.staged:
+        if not rnd.staged:  # staged: every byte is in the shadow set (its thread may still be posting that)
             self.round = rnd if rnd.thread.is_alive() else None
             raise RuntimeError(
                 f"realloc: update {rnd.update_id} is not staged on worker {self.index} "
