@@ -530,3 +530,17 @@ def test_plan_reads_a_kimi_k2_config_as_deepseek_v3(capsys, tmp_path):
     assert main(["plan", "--model", str(tmp_path / "other.json"), "--src", "tp=1", "--dst", "dp=1"]) == 2
     err = capsys.readouterr().err
     assert "kimi_k2" in err and "DeepseekV3ForCausalLM" in err and err.count("\n") == 1
+
+
+def test_plan_cuts_worker_slices_only_when_asked(capsys):
+    """Issue 39: ``realloc plan`` cut and pickled every worker's slice for its report on every run
+    (2.5-3 s of a 2,048-rank command); now only with ``--slices``, which reports what shipping them costs."""
+    argv = ["plan", "--model", "tiny", "--src", "dp=2,tp=2", "--dst", "tp=4", "--gpus-per-node", "2"]
+    status, report = run_json(capsys, argv)
+    assert status == 0 and "slices" not in report
+    status, report = run_json(capsys, [*argv, "--slices"])
+    sl = report["slices"]
+    assert status == 0 and sl["max_bytes"] >= sl["mean_bytes"] > 0 and sl["max_routes"] > 0
+    assert sl["plan_pickle_bytes"] > 0 and sl["slice_seconds"] >= 0 and sl["prepare_seconds"] >= 0
+    assert main([*argv, "--slices"]) == 0
+    assert "per-worker slices       largest" in capsys.readouterr().out

@@ -171,6 +171,12 @@ def add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--full-stats", action="store_true", help="with --json, include per-node and per-rank byte tables")
     p.add_argument(
+        "--slices",
+        action="store_true",
+        help="also cut and pickle every worker's slice of the plan, as the driver ships them, and report their "
+        "sizes and times (seconds more at thousands of ranks)",
+    )
+    p.add_argument(
         "--verify",
         action="store_true",
         help="execute the plan in-process on random weights and check every destination shard (small models only)",
@@ -257,7 +263,8 @@ def run_plan(args: argparse.Namespace) -> int:
         gc.enable()
 
     report = plan_report(spec, src, dst, placement, plan, plan_seconds, full=args.full_stats)
-    report["slices"] = shipping_stats(plan)
+    if args.slices:
+        report["slices"] = shipping_stats(plan)
     if conv.where is not None:
         report["weight_formats"] = [args.src_weight_format, args.dst_weight_format]
         report["conversion"] = {"where": conv.where, "reason": conv.reason}
