@@ -106,19 +106,27 @@ class TrainerRank:
 
     # -- the integration: vLLM's trainer API with realloc's engine, on every rank -------------------
     def init_transfer(
-        self, client, timeout_s: float = 60.0, name: str = "policy", delta: bool = False, **declared
+        self,
+        client,
+        timeout_s: float = 60.0,
+        name: str = "policy",
+        delta: bool = False,
+        delta_anchor_every: int = 10,
+        **declared,
     ) -> str:
         """``client``: vLLM's weight-sync client of the engine (``RayVLLMWeightSyncClient(actor)``,
         ``HTTPVLLMWeightSyncClient(url)``); ``delta``: after the first update only the changed
-        elements travel; ``declared``: what the tensors cannot say (see ``actors.trainer.ShardSource``).
-        The layout realloc read from the DTensors."""
+        elements travel, and every ``delta_anchor_every``-th update is whole; ``declared``: what the
+        tensors cannot say (see ``actors.trainer.ShardSource``). The layout realloc read from the DTensors."""
         import torch.distributed as dist
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from actors.trainer import ReallocTrainerInitInfo, ShardSource
 
         self.sync = WeightTransferTrainerFactory.trainer_init(
-            ReallocTrainerInitInfo(rank=dist.get_rank(), name=name, timeout_s=timeout_s, delta=delta),
+            ReallocTrainerInitInfo(
+                rank=dist.get_rank(), name=name, timeout_s=timeout_s, delta=delta, delta_anchor_every=delta_anchor_every
+            ),
             client=client,
             source=ShardSource(self.model, **declared),
         )

@@ -323,7 +323,8 @@ def test_vllm_fsdp2_trainer_in_plain_ray_actors_updates_the_server_shard_to_shar
 
 
 def test_vllm_fsdp2_trainer_delta_updates_send_only_the_changed_elements(server, fsdp):
-    ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S, name="fsdp-delta", delta=True) for r in fsdp])
+    client = _client(server)
+    ray.get([r.init_transfer.remote(client, TIMEOUT_S, "fsdp-delta", True, delta_anchor_every=2) for r in fsdp])
     first = ray.get([r.send.remote() for r in fsdp], timeout=120)  # whole: nothing to diff against yet
     assert first[0]["delta"] is None
     ray.get([r.__ray_call__.remote(ut.sparse_step, 7) for r in fsdp], timeout=60)
@@ -333,6 +334,12 @@ def test_vllm_fsdp2_trainer_delta_updates_send_only_the_changed_elements(server,
     assert counters["wire_bytes"] < 0.5 * counters["bytes"], counters
     assert sum(s["sent_bytes"] for s in second) < 0.5 * sum(s["sent_bytes"] for s in first), (first, second)
     assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "delta")
+    # delta_anchor_every=2: the next update is whole again (an anchor), then served exactly
+    ray.get([r.__ray_call__.remote(ut.sparse_step, 8) for r in fsdp], timeout=60)
+    third = ray.get([r.send.remote() for r in fsdp], timeout=120)
+    assert third[0]["delta"] is None and third[0]["version"] == second[0]["version"] + 1, third
+    assert sum(s["sent_bytes"] for s in third) == sum(s["sent_bytes"] for s in first), (first, third)
+    assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "anchor")
 
 
 def test_vllm_fsdp2_trainer_with_tensor_parallelism_updates_the_server(model, server):

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 import vllm_models as vm
 
 from actors.trainer import ReallocTrainerInitInfo, ReallocTrainerWeightTransferEngine, ShardSource
-from actors.trainer.engine import refusal
+from actors.trainer.engine import delta_base, refusal
 from realloc.spec import spec_from_hf_config
 
 
@@ -96,6 +96,8 @@ def test_the_trainer_engine_refuses_bad_arguments_before_calling_the_engine(llam
         (ReallocTrainerInitInfo(rank=1), r"rank=1 but this process is rank 0"),
         (ReallocTrainerInitInfo(rank=0, bucket_bytes=0), r"bucket_bytes must be a positive int, got 0"),
         (ReallocTrainerInitInfo(rank=0, name=""), r"name must be a non-empty string"),
+        (ReallocTrainerInitInfo(rank=0, delta_anchor_every=0), r"delta_anchor_every must be an int >= 1, got 0"),
+        (ReallocTrainerInitInfo(rank=0, delta_anchor_every=True), r"delta_anchor_every must be an int >= 1"),
     ]:
         with pytest.raises(ValueError, match=match):
             init(info, client=Untouchable(), source=ShardSource(model))
@@ -137,3 +139,29 @@ def test_a_bad_version_is_refused_and_the_other_ranks_round_ends_with_it(llama):
     with pytest.raises(ReallocationError, match=r"rank 0 could not start the update: ValueError: version must be"):
         other.send_weights()
     assert head.rounds == other.rounds == 1
+
+
+def test_trainer_deltas_take_an_anchor_every_so_many_updates():
+    """Issue 38: a trainer's delta updates had no anchor cadence (every update after the first
+    travelled as a delta, for ever). Now, as a group's (GroupConfig.delta_anchor_every), every
+    ``delta_anchor_every``-th update into an engine is whole; and only an engine serving exactly the
+    trainer's last version, from bases every rank kept, gets a delta. Against a count by hand."""
+    from types import SimpleNamespace
+
+    info = ReallocTrainerInitInfo(rank=0, name="policy", delta=True, delta_anchor_every=3)
+    engine = SimpleNamespace(origin=None, deltas=0)
+    modes = []
+    for version in range(7):  # update `version + 1`, the engine then serving it
+        base = delta_base(info, version, version > 0, engine)
+        modes.append("delta" if base is not None else "anchor")
+        assert base in (None, version)
+        engine.deltas = engine.deltas + 1 if base is not None else 0  # VLLMEngine.received_delta
+        engine.origin = ("policy", version + 1)
+    assert modes == ["anchor", "delta", "delta", "anchor", "delta", "delta", "anchor"]
+    engine.deltas = 0
+    assert delta_base(info, 7, True, engine) == 7
+    assert delta_base(info, 7, False, engine) is None  # a rank lost its base (a failed update)
+    assert delta_base(info, 6, True, engine) is None  # the engine serves another version
+    assert delta_base(ReallocTrainerInitInfo(rank=0, name="policy"), 7, True, engine) is None  # no delta asked
+    every_time = ReallocTrainerInitInfo(rank=0, name="policy", delta=True, delta_anchor_every=1)
+    assert delta_base(every_time, 7, True, engine) is None

@@ -74,7 +74,9 @@ class ReallocTrainerInitInfo(TrainerInitInfo):
     ``group``; rank 0 drives), ``name`` (the trainer's, in errors and in ``VLLMEngine.origin``),
     ``timeout_s`` (every wait of an update), ``bucket_bytes`` (the wire's buckets), ``delta``
     (after the first update, only the changed elements travel, checksummed per bucket: every
-    rank keeps a copy of what it last sent, its share of the model, as the base), ``group`` (the
+    rank keeps a copy of what it last sent, its share of the model, as the base),
+    ``delta_anchor_every`` (with ``delta``: every this-many-th update into the engine is a full one,
+    an anchor, as :class:`~actors.config.GroupConfig`'s; 1: every update), ``group`` (the
     trainer's ``torch.distributed`` process group; default: the default group, none for a
     one-rank trainer)."""
 
@@ -83,6 +85,7 @@ class ReallocTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 60.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     delta: bool = False
+    delta_anchor_every: int = 10
     group: Any = None
 
 
@@ -210,9 +213,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                 shares = engine.shares(plan, held.layout, self.nodes)
                 world = uuid.uuid4().hex[:12]
                 rendezvous = host_rendezvous(self.addr, len(shares), self.info.timeout_s)
-                # deltas against the version every rank kept, when the engine serves exactly it
-                serves = engine.origin == (self.info.name, self.version)
-                base = self.version if self.info.delta and self.base is not None and serves else None
+                base = delta_base(self.info, self.version, self.base is not None, engine)
                 opened = {
                     "update_id": update_id,
                     "version": version,
@@ -246,6 +247,8 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         if base is not None:
             stats.delta = {key: sum(o["delta"][key] for o in outcomes) for key in outcomes[0]["delta"]}
         self.stats, self.version = stats, version
+        if self.info.delta:
+            engine.received_delta(DeltaOrder(base, version, "host"))  # one more delta in a row, or an anchor
         self._keep_base()
         self._post(f"verdict/{k}", {"version": version})
         return version
@@ -362,10 +365,22 @@ def _check_info(info: ReallocTrainerInitInfo, group, size: int) -> str | None:
         return f"name must be a non-empty string, got {info.name!r}"
     if not isinstance(info.delta, bool):
         return f"delta must be True or False, got {info.delta!r}"
+    every = info.delta_anchor_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        return f"delta_anchor_every must be an int >= 1, got {every!r}"
     here = dist.get_rank(group) if size > 1 else 0
     if info.rank != here:
         return f"rank={info.rank} but this process is rank {here} of the trainer's process group"
     return None
+
+
+def delta_base(info: ReallocTrainerInitInfo, version: int, kept: bool, engine: VLLMEngine) -> int | None:
+    """The base of the next update from the trainer ``info`` names, now at ``version`` (every rank
+    ``kept`` its share as sent then): that version when the update may travel as a delta (``delta``
+    on, the engine serving exactly the trainer's ``version``, not due an anchor), else None."""
+    serves = engine.origin == (info.name, version)
+    due = engine.deltas + 1 >= info.delta_anchor_every  # this update would be one delta too many in a row
+    return version if info.delta and kept and serves and not due else None
 
 
 def refusal(descs: list[dict], size: int) -> str | None:
