@@ -151,23 +151,19 @@ class KeptGroups:
         return group
 
     def _room(self, workers: int) -> None:
-        """Shut kept groups down, least recently taken first, until ``workers`` CPU slots are free."""
+        """Shut kept groups down, least recently taken first, until ``workers`` CPU slots are free
+        (a kept group holds one per worker)."""
         import ray
 
-        while self._kept and ray.available_resources().get("CPU", 0) < workers:
-            self._kept.pop(next(iter(self._kept))).shutdown()
-            _wait_for_free_cpus(min(workers, _total_cpus()), timeout_s=30)
+        while self._kept and (free := ray.available_resources().get("CPU", 0)) < workers:
+            group = self._kept.pop(next(iter(self._kept)))
+            group.shutdown()
+            # until its slots are back (Ray frees them asynchronously), so no second group goes for nothing
+            _wait_for_free_cpus(min(workers, free + group.num_workers), timeout_s=30)
 
     def close(self) -> None:
-        """Shut every kept group down (before a test that needs the cluster's slots for its own)."""
+        """Shut every kept group down (before a test that needs the cluster's slots for its own:
+        its placement group waits for them)."""
         for group in self._kept.values():
             group.shutdown()
-        if self._kept:
-            self._kept.clear()
-            _wait_for_free_cpus(_total_cpus(), timeout_s=30)
-
-
-def _total_cpus() -> int:
-    import ray
-
-    return int(ray.cluster_resources().get("CPU", 0))
+        self._kept.clear()

@@ -44,6 +44,7 @@ from actors import ModelGroup
 from actors.driver.vllm import AsyncLLMClient, VLLMEngine
 from realloc import Topology
 from realloc.spec import spec_from_hf_config
+from realloc_tools.bench.vllm import ENGINE_OPTIONS
 
 TIMEOUT_S = 30.0
 
@@ -79,16 +80,7 @@ def test_vllm_async_llm_completes_an_update(model):
 
     async def start():
         return AsyncLLM.from_engine_args(
-            AsyncEngineArgs(
-                model=str(path),
-                skip_tokenizer_init=True,
-                enforce_eager=True,
-                dtype="float32",
-                max_model_len=128,
-                max_num_seqs=4,
-                distributed_executor_backend="mp",
-                weight_transfer_config={"backend": "realloc"},
-            )
+            AsyncEngineArgs(model=str(path), weight_transfer_config={"backend": "realloc"}, **ENGINE_OPTIONS)
         )
 
     async def greedy(tag):

@@ -125,6 +125,18 @@ def save_model(path: Path, size: str) -> Path:
     return path
 
 
+#: The engine options of every vLLM engine the bench and the tests start (with the model, its tp
+#: and the realloc backend): float32, eager, token ids in and out, at most 4 sequences of 128 tokens.
+ENGINE_OPTIONS = {
+    "skip_tokenizer_init": True,
+    "enforce_eager": True,
+    "dtype": "float32",
+    "max_model_len": 128,
+    "max_num_seqs": 4,
+    "distributed_executor_backend": "mp",
+}
+
+
 def start_llm(path: Path, tp: int):
     """An ``LLM`` on ``path`` with realloc's weight-transfer backend: float32, eager, token ids in
     and out (no tokenizer), 1 GiB of KV cache and no CPU binding unless the environment says
@@ -136,14 +148,9 @@ def start_llm(path: Path, tp: int):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return LLM(
         model=str(path),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
         tensor_parallel_size=tp,
-        distributed_executor_backend="mp",
         weight_transfer_config=WeightTransferConfig(backend="realloc"),
+        **ENGINE_OPTIONS,
     )
 
 
