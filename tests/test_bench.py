@@ -177,6 +177,14 @@ def test_bench_gpu_options_and_transitions(capsys):
     assert "same number of ranks" in capsys.readouterr().err
     assert main(["bench-gpu", "--repeats", "0"]) == 2
     assert main(["bench-gpu", "--model", "tiny", "--transitions", "tp=8->dp=8"]) == 2  # tiny has 12 heads
+    assert main(["bench-gpu", "--weight-format", "fp4"]) == 2
+    assert "fp4" in capsys.readouterr().err
+    assert main(["bench-gpu", "--weight-format", "fp8_block128", "--format-dst", "tp=8"]) == 2
+    assert "not whole 128-blocks" in capsys.readouterr().err  # llama-7b's 11008 / 8
+    assert main(["bench-gpu", "--delta", "--delta-steps", "0"]) == 2
+    assert "--delta-steps must be at least 1" in capsys.readouterr().err
+    assert main(["bench-gpu", "--delta", "--delta-model", "no-such-model"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["bench-gpu", "--transitions", "fsdp=8->tp=8"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err

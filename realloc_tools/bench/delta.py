@@ -34,7 +34,7 @@ class AdamTrainer(ShardWorker):
             g = torch.Generator().manual_seed(seed * 7919 + sum(map(ord, name)) + 131 * ctx.tp_rank)
             master = torch.ones(t.shape) if "norm" in name else torch.randn(t.shape, generator=g) * 0.02
             t.copy_(master.to(t.dtype))
-            self._masters[name] = torch.nn.Parameter(master)
+            self._masters[name] = torch.nn.Parameter(master.to(t.device))
         self._optimizer = torch.optim.AdamW(list(self._masters.values()), lr=lr, weight_decay=0.01)
         self._seed = seed
 
@@ -44,7 +44,7 @@ class AdamTrainer(ShardWorker):
         changed = total = 0
         for name, p in self._masters.items():
             g = torch.Generator().manual_seed(self._seed * 104729 + step * 1009 + sum(map(ord, name)) + ctx.tp_rank)
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.randn(p.shape, generator=g).to(p.device)
         self._optimizer.step()
         for name, p in self._masters.items():
             t = ctx.tensors[name]
@@ -64,8 +64,9 @@ class DigestGen(ShardWorker):
         return [delta.checksum(t.reshape(-1).view(torch.uint8)) for t in self.context().tensors.values()]
 
 
-def measure(spec, lrs: list[float], steps: int, bucket_bytes: int, log=print) -> list[dict]:
-    """The per-step rows of one model (Ray must be up with two nodes of 4 CPU slots)."""
+def measure(spec, lrs: list[float], steps: int, bucket_bytes: int, log=print, **settings) -> list[dict]:
+    """The per-step rows of one model (Ray must be up with two nodes of 4 CPU slots, or one of 8).
+    ``settings`` are the groups' other :class:`~actors.GroupConfig` fields (bench-gpu: ``use_gpu``)."""
     rows = []
     for lr in lrs:
         trainer = ModelGroup.create(
@@ -76,9 +77,16 @@ def measure(spec, lrs: list[float], steps: int, bucket_bytes: int, log=print) ->
             bucket_bytes=bucket_bytes,
             zero_copy=False,
             delta="host",
+            **settings,
         )
         gen = ModelGroup.create(
-            spec, GENERATOR, name="delta-gen", worker_cls=DigestGen, bucket_bytes=bucket_bytes, zero_copy=False
+            spec,
+            GENERATOR,
+            name="delta-gen",
+            worker_cls=DigestGen,
+            bucket_bytes=bucket_bytes,
+            zero_copy=False,
+            **settings,
         )
         try:
             trainer.call("adam_setup", lr, 0)

@@ -22,11 +22,20 @@ from realloc.layout import Topology
 
 
 def measure(
-    spec, src: Topology, dst: Topology, weight_format: str, repeats: int, bucket_bytes: int, seed: int = 0, log=print
+    spec,
+    src: Topology,
+    dst: Topology,
+    weight_format: str,
+    repeats: int,
+    bucket_bytes: int,
+    seed: int = 0,
+    log=print,
+    **settings,
 ) -> list[dict]:
-    """One row per generator format (the model's own, then ``weight_format``); Ray must be up."""
+    """One row per generator format (the model's own, then ``weight_format``); Ray must be up.
+    ``settings`` are the groups' other :class:`~actors.GroupConfig` fields (bench-gpu: ``use_gpu``)."""
     rows = []
-    trainer = ModelGroup.create(spec, src, name="format-trainer", bucket_bytes=bucket_bytes)
+    trainer = ModelGroup.create(spec, src, name="format-trainer", bucket_bytes=bucket_bytes, **settings)
     try:
         trainer.init_synthetic(seed)
         for fmt in (None, weight_format):
@@ -36,6 +45,7 @@ def measure(
                 name="format-gen",
                 weight_format=fmt,
                 bucket_bytes=bucket_bytes,
+                **settings,
             )
             try:
                 trainer.copy_to(gen)  # warm-up: plans, the process group

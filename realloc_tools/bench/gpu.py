@@ -70,6 +70,29 @@ def add_bench_gpu_parser(subparsers) -> None:
         default="on",
         help="off: every route through the gloo transport, staged through pinned host memory",
     )
+    p.add_argument(
+        "--weight-format",
+        help="then copy a trainer (--format-src) into a generator (--format-dst) holding this format (e.g. "
+        "fp8_block128), beside the same copy in the model's dtypes: `realloc bench --weight-format` on the GPU",
+    )
+    p.add_argument("--format-src", default="fsdp=8", help="the --weight-format copy's trainer layout (default fsdp=8)")
+    p.add_argument(
+        "--format-dst",
+        default="tp=2",
+        help="the --weight-format copy's generator layout (default tp=2: llama-7b's MLP splits into whole 128-blocks)",
+    )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="then time delta copies on the GPU: a trainer stepping AdamW into a generator, "
+        "copy_to(delta=True) beside a full copy after every step: `realloc bench --delta` on the GPU",
+    )
+    p.add_argument(
+        "--delta-model",
+        default="bench-1gb",
+        help="the delta copies' model (default bench-1gb: its fp32 masters and AdamW state sit beside the moves')",
+    )
+    p.add_argument("--delta-steps", type=int, default=3, help="AdamW steps per learning rate of --delta (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench_gpu)
@@ -83,7 +106,9 @@ def parse_gpu_transitions(text: str | None) -> list[tuple[Topology, Topology]]:
 
 
 def run_bench_gpu(args: argparse.Namespace) -> int:
+    from realloc.layout import Layout
     from realloc.spec import load_spec
+    from realloc.spec.formats import check_weight_format
 
     spec = load_spec(args.model)
     transitions = parse_gpu_transitions(args.transitions)
@@ -91,6 +116,15 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
         a.check(spec)
         b.check(spec)
     check_run_args(args)
+    copy = None
+    if args.weight_format is not None:
+        check_weight_format(args.weight_format)
+        copy = (Topology.parse(args.format_src), Topology.parse(args.format_dst))
+        copy[0].check(spec)
+        Layout(spec, copy[1], weight_format=args.weight_format)  # the format's block rule
+    if args.delta_steps < 1:
+        raise ValueError(f"--delta-steps must be at least 1, got {args.delta_steps}")
+    delta_spec = load_spec(args.delta_model) if args.delta else None
     if args.address is None and not torch.cuda.is_available():
         raise ValueError("bench-gpu needs a CUDA device on this machine (or --address of a Ray cluster with GPUs)")
     report = bench_gpu(
@@ -102,6 +136,10 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
         probe_bytes=int(args.probe_mb * MB),
         zero_copy=args.zero_copy == "on",
         seed=args.seed,
+        weight_format=args.weight_format,
+        format_copy=copy,
+        delta_spec=delta_spec,
+        delta_steps=args.delta_steps,
     )
     print(json.dumps(report) if args.json else format_gpu_report(report))
     return 0 if report["verified"] else 1
@@ -124,10 +162,22 @@ def bench_gpu(
     probe_bytes: int = 2048 * MB,
     zero_copy: bool = True,
     seed: int = 0,
+    weight_format: str | None = None,
+    format_copy: tuple[Topology, Topology] | None = None,
+    delta_spec=None,
+    delta_steps: int = 3,
 ) -> dict:
+    """The moves of ``transitions`` on workers sharing the GPU; then, with ``weight_format``, the
+    copy ``format_copy`` (trainer layout, generator layout) between two groups into that format
+    beside the model's dtypes (:func:`realloc_tools.bench.formats.measure`), and with
+    ``delta_spec`` delta copies beside full ones (:func:`realloc_tools.bench.delta.measure`),
+    every group on the same GPU, each part after the last one's workers have left it."""
     from actors.driver.group import ModelGroup
+    from realloc_tools.bench import delta, formats
 
     workers = transitions[0][0].world_size
+    copy_workers = sum(t.world_size for t in format_copy) if weight_format and format_copy else 0
+    slots = max(workers, copy_workers, 8 if delta_spec is not None else 0)
     report: dict[str, Any] = {
         "model": spec.name,
         "model_bytes": spec.total_bytes(),
@@ -138,7 +188,7 @@ def bench_gpu(
         "zero_copy": zero_copy,
     }
     started = time.perf_counter()
-    with ray_for_command(address, 1, workers + 1, gpus_per_node=1) as where:
+    with ray_for_command(address, 1, slots + 1, gpus_per_node=1) as where:
         group = ModelGroup.create(
             spec,
             transitions[0][0],
@@ -177,12 +227,41 @@ def bench_gpu(
             report["verified"] = ok
         finally:
             group.shutdown()
+        on_gpu = {"use_gpu": True, "timeout_s": 600}
+        if weight_format is not None:
+            _wait_for_gpu_memory()
+            src, dst = format_copy
+            share = {**on_gpu, "gpus_per_worker": 1 / copy_workers, "zero_copy": zero_copy}
+            rows = formats.measure(spec, src, dst, weight_format, repeats, bucket_bytes, seed, _log, **share)
+            report["weight_format"] = rows
+            report["verified"] &= all(r["verified"] for r in rows)
+        if delta_spec is not None:
+            _wait_for_gpu_memory()
+            lrs = [1e-6, 3e-6]
+            rows = delta.measure(delta_spec, lrs, delta_steps, bucket_bytes, _log, **on_gpu, gpus_per_worker=1 / 8)
+            report["delta"] = rows
+            report["verified"] &= all(r["exact"] for r in rows)
     hbm = [d["fraction_of_hbm"] for d in report["directions"]]
     report["worst_fraction_of_hbm"] = min(hbm)
     report["worst_execute_fraction_of_hbm"] = min(d["execute_fraction_of_hbm"] for d in report["directions"])
     report["goal_80_percent_of_hbm"] = report["worst_fraction_of_hbm"] >= 0.8
     report["total_seconds"] = time.perf_counter() - started
     return report
+
+
+def _wait_for_gpu_memory(timeout_s: float = 60.0) -> None:
+    """Until the workers of the part before have left the GPU (their processes exit after
+    ``shutdown``, a while later): 90% of its memory free, or ``timeout_s`` passed (then the next
+    part runs on what is free, and says so if that is not enough)."""
+    if not torch.cuda.is_available():  # a driver without the GPU (--address): nothing to read
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free, total = torch.cuda.mem_get_info()
+        if free >= 0.9 * total or time.monotonic() > deadline:
+            _log(f"GPU memory free: {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
+            return
+        time.sleep(0.5)
 
 
 def _verified(group, seed: int) -> bool:
@@ -337,4 +416,12 @@ def format_gpu_report(r: dict) -> str:
         f"{r['worst_execute_fraction_of_hbm']:.0%} (execute); goal 80%: "
         f"{'met' if r['goal_80_percent_of_hbm'] else 'not met'}; verified: {r['verified']}"
     )
+    if "weight_format" in r:
+        from realloc_tools.bench.formats import format_rows
+
+        lines += ["copies between two groups on the GPU, by generator format:", format_rows(r["weight_format"])]
+    if "delta" in r:
+        from realloc_tools.bench.delta import format_rows
+
+        lines += ["delta copies on the GPU, beside full ones:", format_rows(r["delta"])]
     return "\n".join(lines)
