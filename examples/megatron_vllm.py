@@ -20,6 +20,7 @@ logprob that a single-process transformers reference gives it with the trainer's
 Run it directly (starts a local Ray and the engine; about a minute on 2 cores) or on a cluster::
 
     python examples/megatron_vllm.py
+    python examples/megatron_vllm.py --world 4 --pp 2      # 2 pipeline stages of tp=2
     RAY_ADDRESS=http://127.0.0.1:8265 ray job submit --working-dir . -- python examples/megatron_vllm.py
 
 Needs vLLM (``pip install -e ".[vllm]"``) and megatron-core (``pip install megatron-core``).
@@ -44,21 +45,23 @@ ray.cloudpickle.register_pickle_by_value(fsdp2_vllm)
 @ray.remote(num_cpus=0)
 class MegatronRank:
     """One rank of the framework's Megatron-core trainer: ``GPTModel`` with the local layer spec,
-    float32 on CPU, tensor parallel over ``world`` ranks, the Llama of HF ``config`` (a dict)."""
+    float32 on CPU, ``world`` ranks in ``pp`` pipeline stages of ``world // pp`` tensor parallel
+    ranks each, the Llama of HF ``config`` (a dict)."""
 
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world, self.model, self.sync = rank, world, None, None
+    def __init__(self, rank: int, world: int, pp: int = 1):
+        self.rank, self.world, self.pp, self.model, self.sync = rank, world, pp, None, None
 
     def setup(self, port: int, config: dict) -> dict:
-        """Join the trainer's group and Megatron's parallel state (tp = world), build the model
-        (Megatron's own initialization, seeded); its parameters' local shapes."""
+        """Join the trainer's group and Megatron's parallel state (tp = world / pp), build this
+        stage's model (Megatron's own initialization, seeded); its parameters' local shapes."""
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
 
         fsdp2_vllm.join_trainer_group(self.rank, self.world, port)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.world)
+        tp = self.world // self.pp
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=self.pp)
         torch.manual_seed(0)
         heads = config["num_attention_heads"]
         mcfg = TransformerConfig(
@@ -73,8 +76,10 @@ class MegatronRank:
             activation_func=torch.nn.functional.silu,
             normalization="RMSNorm",
             add_bias_linear=False,
-            tensor_model_parallel_size=self.world,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=self.pp,
             params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,  # what travels between stages
         )
         self.model = GPTModel(
             mcfg,
@@ -83,6 +88,8 @@ class MegatronRank:
             max_sequence_length=config["max_position_embeddings"],
             position_embedding_type="rope",
             share_embeddings_and_output_weights=False,
+            pre_process=parallel_state.is_pipeline_first_stage(),  # the embedding: the first stage's
+            post_process=parallel_state.is_pipeline_last_stage(),  # the final norm and the head: the last's
         )
         return {n: tuple(p.shape) for n, p in self.model.named_parameters()}
 
@@ -122,33 +129,37 @@ class MegatronRank:
         return {"version": version, "sent_bytes": self.sync.sent_bytes}
 
 
-def start_trainer(config: dict, world: int) -> list:
-    """The framework's Megatron trainer: ``world`` :class:`MegatronRank` actors, set up."""
-    ranks = [MegatronRank.remote(r, world) for r in range(world)]
+def start_trainer(config: dict, world: int, pp: int = 1) -> list:
+    """The framework's Megatron trainer: ``world`` :class:`MegatronRank` actors in ``pp`` stages, set up."""
+    ranks = [MegatronRank.remote(r, world, pp) for r in range(world)]
     port = fsdp2_vllm.free_port()
     ray.get([r.setup.remote(port, config) for r in ranks], timeout=180)
     return ranks
 
 
-def to_hf(locals_: list[dict], config: dict) -> dict:
-    """The HF state dict of a tensor-parallel ``GPTModel`` from every rank's local tensors (in tp
-    rank order): ``linear_qkv`` split per query group into q, k and v, ``linear_fc1`` into gate and
-    up, column-parallel tensors joined by rows and row-parallel ones by columns."""
+def to_hf(locals_: list[dict], config: dict, pp: int = 1) -> dict:
+    """The HF state dict of a ``GPTModel`` from every rank's local tensors (in rank order: tp
+    fastest, then the ``pp`` stages, each holding an equal share of the layers, numbered from 0):
+    ``linear_qkv`` split per query group into q, k and v, ``linear_fc1`` into gate and up,
+    column-parallel tensors joined by rows and row-parallel ones by columns."""
     heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // heads
     per = heads // groups
-    first = locals_[0]
+    tp, layers = len(locals_) // pp, config["num_hidden_layers"]
+    stages = [locals_[s * tp : (s + 1) * tp] for s in range(pp)]
     out = {
-        "model.embed_tokens.weight": torch.cat([t["embedding.word_embeddings.weight"] for t in locals_]),
-        "lm_head.weight": torch.cat([t["output_layer.weight"] for t in locals_]),
-        "model.norm.weight": first["decoder.final_layernorm.weight"],
+        "model.embed_tokens.weight": torch.cat([t["embedding.word_embeddings.weight"] for t in stages[0]]),
+        "lm_head.weight": torch.cat([t["output_layer.weight"] for t in stages[-1]]),
+        "model.norm.weight": stages[-1][0]["decoder.final_layernorm.weight"],
     }
-    for i in range(config["num_hidden_layers"]):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+    for i in range(layers):
+        stage, local = divmod(i, layers // pp)
+        first = stages[stage][0]
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
         out[hf + "input_layernorm.weight"] = first[mg + "input_layernorm.weight"]
         out[hf + "post_attention_layernorm.weight"] = first[mg + "pre_mlp_layernorm.weight"]
         qs, ks, vs, gates, ups = [], [], [], [], []
-        for t in locals_:
+        for t in stages[stage]:
             qkv = t[mg + "self_attention.linear_qkv.weight"]
             qkv = qkv.reshape(-1, per + 2, hd, qkv.shape[-1])  # local query groups
             qs.append(qkv[:, :per].reshape(-1, qkv.shape[-1]))
@@ -163,23 +174,26 @@ def to_hf(locals_: list[dict], config: dict) -> dict:
         out[hf + "mlp.gate_proj.weight"] = torch.cat(gates)
         out[hf + "mlp.up_proj.weight"] = torch.cat(ups)
         out[hf + "self_attn.o_proj.weight"] = torch.cat(
-            [t[mg + "self_attention.linear_proj.weight"] for t in locals_], 1
+            [t[mg + "self_attention.linear_proj.weight"] for t in stages[stage]], 1
         )
-        out[hf + "mlp.down_proj.weight"] = torch.cat([t[mg + "mlp.linear_fc2.weight"] for t in locals_], 1)
+        out[hf + "mlp.down_proj.weight"] = torch.cat([t[mg + "mlp.linear_fc2.weight"] for t in stages[stage]], 1)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     fsdp2_vllm.common_arguments(parser)
-    parser.add_argument("--world", type=int, default=2, help="trainer ranks (Megatron's tensor parallel size)")
+    parser.add_argument("--world", type=int, default=2, help="trainer ranks (tensor parallel x pipeline stages)")
+    parser.add_argument("--pp", type=int, default=1, help="Megatron's pipeline stages (default 1)")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
     path, generator = fsdp2_vllm.start_engine("megatron-vllm-", args.tp)
     config = json.loads((path / "config.json").read_text())
-    ranks = start_trainer(config, args.world)
+    if args.pp < 1 or args.world % args.pp or config["num_hidden_layers"] % args.pp:
+        parser.error(f"--pp must divide --world ({args.world}) and the model's {config['num_hidden_layers']} layers")
+    ranks = start_trainer(config, args.world, args.pp)
     layout = ray.get([r.init_transfer.remote(RayVLLMWeightSyncClient(generator), 60.0, str(path)) for r in ranks])[0]
     print(f"trainer {layout} (Megatron-core GPTModel, {args.world} plain Ray actors) -> vLLM tp={args.tp}")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -188,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.get([r.step.remote(step) for r in ranks])
         sent = ray.get([r.send.remote() for r in ranks])
         outputs = ray.get(generator.generate.remote(fsdp2_vllm.PROMPTS))
-        state = to_hf(ray.get([r.local_state.remote() for r in ranks]), config)  # for the check only
+        state = to_hf(ray.get([r.local_state.remote() for r in ranks]), config, args.pp)  # for the check only
         bad = fsdp2_vllm.mismatches(reference, state, outputs, sent[0]["version"], args.tol)
         failures += bad
         summary = {"step": step, "version": sent[0]["version"], "sent_bytes_per_rank": [s["sent_bytes"] for s in sent]}

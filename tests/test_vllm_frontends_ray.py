@@ -387,25 +387,26 @@ def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_
 
 
 def test_vllm_megatron_core_trainer_updates_the_server_from_its_own_tensors(model, server):
-    """Megatron-core (``GPTModel``, tp=2, gloo, CPU) in plain Ray actors: its ``linear_qkv`` (per
-    query group) and ``linear_fc1`` (``[gate; up]``) sent as they are, read through
-    ``ShardSource.megatron`` (Megatron's parallel state); the engine serves the HF weights they were
-    made from (tests/oracle.py's conversion, not realloc's)."""
+    """Megatron-core (``GPTModel``, tp=2 in each of 2 pipeline stages, gloo, CPU) in plain Ray
+    actors: its ``linear_qkv`` (per query group) and ``linear_fc1`` (``[gate; up]``) sent as they
+    are, each stage's layers numbered from 0 as Megatron numbers them, read through
+    ``ShardSource.megatron`` (Megatron's parallel state and layer offsets); the engine serves the HF
+    weights they were made from (tests/oracle.py's conversion, not realloc's)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     config = json.loads((model["path"] / "config.json").read_text())
-    ranks = ut.start_megatron(config, world=2)
+    ranks = ut.start_megatron(config, world=4, pp=2)
     try:
         new = vm.perturbed(model["base"], seed=31)
-        locals_ = [ut.megatron_locals(new, config, 2, i) for i in range(2)]
+        locals_ = [ut.megatron_locals(new, config, 2, i % 2, 2, i // 2) for i in range(4)]
         ray.get([r.__ray_call__.remote(ut.load_locals, t) for r, t in zip(ranks, locals_)], timeout=120)
         # a declaration the tensors contradict: refused naming the parameter
         said = ray.get(ranks[0].__ray_call__.remote(ut.holdings_error, str(model["path"]), topology="tp=1", rank=0))
         assert "Megatron-core parameter embedding.word_embeddings.weight is float32 (256, 128)" in said, said
         layouts = ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S, str(model["path"])) for r in ranks])
-        assert layouts == ["dp=1,tp=2,pp=1"] * 2
+        assert layouts == ["dp=1,tp=2,pp=2"] * 4
         before = server.greedy()
         sent = ray.get([r.send.remote() for r in ranks], timeout=120)
-        assert [s["version"] for s in sent] == [1, 1]
+        assert [s["version"] for s in sent] == [1] * 4
         after = server.greedy()
         assert after != before, "the update changed nothing"
         assert after == server.reference(new, "megatron")

@@ -165,3 +165,43 @@ def test_trainer_deltas_take_an_anchor_every_so_many_updates():
     assert delta_base(ReallocTrainerInitInfo(rank=0, name="policy"), 7, True, engine) is None  # no delta asked
     every_time = ReallocTrainerInitInfo(rank=0, name="policy", delta=True, delta_anchor_every=1)
     assert delta_base(every_time, 7, True, engine) is None
+
+
+def _module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose ``named_parameters()`` are ``tensors`` (dotted names as nested modules)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
+    return root
+
+
+def test_a_megatron_pipeline_stage_numbers_its_layers_from_zero_and_holds_the_models_layers_of_its_stage(llama):
+    """Megatron numbers a stage's layers from 0 (``decoder.layers.0`` of stage 1 is the model's
+    layer 1 of 2): each is written where the layout keeps that layer, the head and final norm on
+    the last stage; the first stage's embedding on the last stage is refused naming it."""
+    import json
+
+    import user_trainers as ut
+
+    path, model = llama
+    config = json.loads((path / "config.json").read_text())
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    spec = spec_from_hf_config(str(path))
+    last = ut.megatron_locals(full, config, 1, 0, 2, 1)
+    assert "decoder.layers.0.mlp.linear_fc2.weight" in last and "embedding.word_embeddings.weight" not in last
+    held = ShardSource(_module_of(last), spec=spec, topology="pp=2", rank=1, naming="megatron").holdings()
+    assert str(held.layout.topology) == "dp=1,tp=1,pp=2" and held.rank == 1
+    held.refresh()
+    stored = held.store.shard_tensors()
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"):
+        assert torch.equal(stored[name], full[name]), name
+    assert not any(".layers.0." in name for name in stored)
+    first = ut.megatron_locals(full, config, 1, 0, 2, 0)
+    with pytest.raises(ValueError, match=r"embedding\.word_embeddings\.weight .* is not held by rank 1"):
+        ShardSource(_module_of({**last, **first}), spec=spec, topology="pp=2", rank=1, naming="megatron").holdings()

@@ -44,10 +44,12 @@ def holdings_error(actor, path: str, **declared) -> str:
     return ""
 
 
-def megatron_locals(full: dict, config: dict, tp: int, tp_rank: int) -> dict:
-    """Megatron-core's local tensors of tp rank ``tp_rank`` from the HF state dict ``full``, by the
-    oracle's rules (tests/oracle.py ``megatron_linear_qkv``/``megatron_linear_fc1``; row and column
-    parallel splits), independent of realloc's layouts."""
+def megatron_locals(full: dict, config: dict, tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> dict:
+    """Megatron-core's local tensors of tp rank ``tp_rank`` of pipeline stage ``pp_rank`` (of
+    ``pp`` equal stages, its layers numbered from 0; the embedding on the first, the final norm and
+    the head on the last) from the HF state dict ``full``, by the oracle's rules (tests/oracle.py
+    ``megatron_linear_qkv``/``megatron_linear_fc1``; row and column parallel splits), independent
+    of realloc's layouts."""
     import oracle
 
     heads = config["num_attention_heads"]
@@ -60,13 +62,15 @@ def megatron_locals(full: dict, config: dict, tp: int, tp_rank: int) -> dict:
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         vocab=config["vocab_size"],
     )
-    out = {
-        "embedding.word_embeddings.weight": full["model.embed_tokens.weight"].chunk(tp)[tp_rank],
-        "output_layer.weight": full["lm_head.weight"].chunk(tp)[tp_rank],
-        "decoder.final_layernorm.weight": full["model.norm.weight"],
-    }
-    for i in range(d.layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+    out = {}
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = full["model.embed_tokens.weight"].chunk(tp)[tp_rank]
+    if pp_rank == pp - 1:
+        out["output_layer.weight"] = full["lm_head.weight"].chunk(tp)[tp_rank]
+        out["decoder.final_layernorm.weight"] = full["model.norm.weight"]
+    per = d.layers // pp
+    for local, i in enumerate(range(pp_rank * per, (pp_rank + 1) * per)):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
         out[mg + "input_layernorm.weight"] = full[hf + "input_layernorm.weight"]
         out[mg + "pre_mlp_layernorm.weight"] = full[hf + "post_attention_layernorm.weight"]
         out[mg + "self_attention.linear_qkv.weight"] = oracle.megatron_linear_qkv(d, full, i, tp, tp_rank)

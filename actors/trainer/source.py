@@ -30,6 +30,7 @@ trainer engine (:mod:`actors.trainer.engine`) never iterates it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -115,16 +116,27 @@ class ShardSource(WeightSource):
     @classmethod
     def megatron(cls, module: torch.nn.Module, spec: ModelSpec) -> "ShardSource":
         """A rank of a Megatron-core trainer (``GPTModel``, dense layers): the declaration read from
-        Megatron's parallel state (megatron/core/parallel_state.py: tp and dp sizes and ranks; rank
-        order tp fastest, then dp). ``spec``: the HF model it trains (``spec_from_hf_config``)."""
+        Megatron's parallel state (megatron/core/parallel_state.py: tp, dp and pp sizes and ranks;
+        rank order tp fastest, then dp, then pp, Megatron's default ``tp-cp-ep-dp-pp``) and each
+        stage's layers from Megatron's own offsets (megatron/core/transformer/transformer_layer.py
+        ``get_transformer_layer_offset``: uneven first and last stages become ``layer_split``).
+        ``spec``: the HF model it trains (``spec_from_hf_config``)."""
         from megatron.core import parallel_state as ps
 
-        pp = ps.get_pipeline_model_parallel_world_size()
-        if pp != 1:
-            raise ValueError(f"pipeline parallel Megatron trainers are not supported yet (pp={pp})")
+        if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+            raise ValueError(
+                "virtual pipeline stages (interleaved schedules) are not supported: a rank holds several "
+                "model chunks; give each chunk's module its own source"
+            )
         tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
-        rank = ps.get_tensor_model_parallel_rank() + tp * ps.get_data_parallel_rank()
-        return cls(module, spec=spec, topology=Topology(dp=dp, tp=tp), rank=rank, naming="megatron")
+        pp = ps.get_pipeline_model_parallel_world_size()
+        rank = ps.get_tensor_model_parallel_rank() + tp * (
+            ps.get_data_parallel_rank() + dp * ps.get_pipeline_model_parallel_rank()
+        )
+        split = megatron_layer_split(module.config, pp) if pp > 1 else None
+        uneven = split is not None and len(set(split)) > 1
+        topology = Topology(dp=dp, tp=tp, pp=pp, layer_split=split if uneven else None)
+        return cls(module, spec=spec, topology=topology, rank=rank, naming="megatron")
 
     # -- vLLM's WeightSource (what vLLM's own backends read) ---------------------------------------
     def metadata(self) -> list[ParamMeta]:
@@ -188,15 +200,39 @@ class ShardSource(WeightSource):
 NAMINGS = ("hf", "megatron")
 
 
+def megatron_layer_split(config, pp: int) -> tuple[int, ...]:
+    """Transformer layers per pipeline stage of a Megatron ``TransformerConfig``, by Megatron's
+    own offsets of each stage (``get_transformer_layer_offset(config, pp_rank=...)``)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offsets = [get_transformer_layer_offset(config, pp_rank=r) for r in range(pp)] + [config.num_layers]
+    return tuple(b - a for a, b in zip(offsets, offsets[1:]))
+
+
+def _global_layer_name(name: str, stage: list[int]) -> str:
+    """Megatron's stage-local ``decoder.layers.{i}.`` as the model's layer ``stage[i]``."""
+    m = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if m is None:
+        return name
+    local = int(m.group(1))
+    if local >= len(stage):
+        raise ValueError(
+            f"Megatron-core parameter {name}: this pipeline stage holds {len(stage)} layers, not layer {local}"
+        )
+    return f"decoder.layers.{stage[local]}.{name[m.end() :]}"
+
+
 def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: dict[str, torch.Tensor]) -> Holdings:
-    """A Megatron-core rank: each parameter copied into its view of the store (Megatron's order)."""
+    """A Megatron-core rank: each parameter copied into its view of the store (Megatron's order).
+    A pipeline stage numbers its layers from 0; they are the stage's layers of the layout."""
     layout = Layout(spec, topology, qkv_order="megatron")
     me = layout.at(rank)
+    stage = list(layout.stages[topology.coords(rank)[2]])
     store = ShardStore(me.shards(), allocate_buffers(layout, rank))
     views = megatron_fused_views(me, store.buffers)
     copies, written = [], set()
     for name, t in tensors.items():
-        target = megatron_core_view(name)
+        target = megatron_core_view(_global_layer_name(name, stage))
         if target is None:
             raise ValueError(
                 f"Megatron-core parameter {name} is not a dense GPT decoder's (realloc.shards.fused.MEGATRON_CORE_NAMES)"
