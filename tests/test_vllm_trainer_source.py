@@ -205,3 +205,29 @@ def test_a_megatron_pipeline_stage_numbers_its_layers_from_zero_and_holds_the_mo
     first = ut.megatron_locals(full, config, 1, 0, 2, 0)
     with pytest.raises(ValueError, match=r"embedding\.word_embeddings\.weight .* is not held by rank 1"):
         ShardSource(_module_of({**last, **first}), spec=spec, topology="pp=2", rank=1, naming="megatron").holdings()
+
+
+def test_a_megatron_expert_parallel_rank_holding_more_experts_than_its_block_is_refused(tmp_path):
+    """A Megatron rank of ep=2 (4 experts) with a third ``local_experts`` entry: refused naming the
+    parameter, before any byte moves. (Megatron's own MoE model read exactly:
+    tests/test_megatron_source.py.)"""
+    import json
+
+    import user_trainers as ut
+    from safetensors.torch import load_file
+
+    path = vm.save_llama(tmp_path / "moe", vocab=512, arch="qwen3_moe")
+    config = json.loads((path / "config.json").read_text())
+    full = load_file(path / "model.safetensors")
+    local = ut.megatron_moe_locals(full, config, [2, 3])
+    spec = spec_from_hf_config(str(path))
+    held = ShardSource(_module_of(local), spec=spec, topology="dp=2,ep=2", rank=1, naming="megatron").holdings()
+    assert held.layout.topology.ep == 2
+    extra = {
+        **local,
+        "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight": local[
+            "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+        ],
+    }
+    with pytest.raises(ValueError, match=r"local_experts\.2\.linear_fc1\.weight: this rank holds 2 routed experts"):
+        ShardSource(_module_of(extra), spec=spec, topology="dp=2,ep=2", rank=1, naming="megatron").holdings()

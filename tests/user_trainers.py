@@ -91,3 +91,37 @@ def sparse_step(rank, seed: int, fraction: float = 0.02) -> None:
             local = p.to_local() if isinstance(p, DTensor) else p
             mask = torch.rand(local.shape, generator=g) < fraction
             local[mask] += 0.1
+
+
+def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> dict:
+    """Megatron-core's local tensors (``GPTModel`` with ``SequentialMLP`` experts, tp=1, pp=1) of a
+    rank holding routed experts ``layer_experts`` of every layer, from the HF checkpoint ``full``
+    by Megatron's names, independent of realloc's layouts: q/k/v fused per query group,
+    ``[gate; up]`` per expert as ``local_experts.{j}``, the router as ``mlp.router``."""
+    import torch
+
+    heads, groups, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    per = heads // groups
+    out = {
+        "embedding.word_embeddings.weight": full["model.embed_tokens.weight"],
+        "output_layer.weight": full["lm_head.weight"],
+        "decoder.final_layernorm.weight": full["model.norm.weight"],
+    }
+    for i in range(config["num_hidden_layers"]):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (full[f"{hf}self_attn.{x}_proj.weight"] for x in "qkv")
+        h = q.shape[1]
+        qkv = torch.cat([q.reshape(groups, per * hd, h), k.reshape(groups, hd, h), v.reshape(groups, hd, h)], 1)
+        out[mg + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, h)
+        out[mg + "self_attention.linear_proj.weight"] = full[hf + "self_attn.o_proj.weight"]
+        out[mg + "self_attention.q_layernorm.weight"] = full[hf + "self_attn.q_norm.weight"]
+        out[mg + "self_attention.k_layernorm.weight"] = full[hf + "self_attn.k_norm.weight"]
+        out[mg + "input_layernorm.weight"] = full[hf + "input_layernorm.weight"]
+        out[mg + "pre_mlp_layernorm.weight"] = full[hf + "post_attention_layernorm.weight"]
+        out[mg + "mlp.router.weight"] = full[hf + "mlp.gate.weight"]
+        for j, e in enumerate(layer_experts):
+            x = f"{hf}mlp.experts.{e}."
+            fc1 = torch.cat([full[x + "gate_proj.weight"], full[x + "up_proj.weight"]])
+            out[f"{mg}mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1
+            out[f"{mg}mlp.experts.local_experts.{j}.linear_fc2.weight"] = full[x + "down_proj.weight"]
+    return out

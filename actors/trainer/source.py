@@ -13,8 +13,9 @@ tensors where they say it, and declared where they cannot:
   (``topology="tp=2"``, ``rank=``) of what each rank's local tensors are; every tensor's shape
   must then be its shard's in the declared layout.
 * **Megatron-core** (:meth:`ShardSource.megatron`): the declaration read from Megatron's parallel
-  state (tp, dp; tp fastest, as Megatron orders ranks), the parameters named as ``GPTModel``
-  names them (``realloc.shards.fused.MEGATRON_CORE_NAMES``) and held in Megatron's order
+  state (tp, dp, pp, ep and etp; tp fastest, as Megatron orders ranks; each stage's layers and each
+  expert-parallel rank's experts numbered from 0, as Megatron numbers them), the parameters named
+  as ``GPTModel`` names them (``realloc.shards.fused.MEGATRON_CORE_NAMES``) and held in Megatron's order
   (``linear_qkv`` per query group, ``linear_fc1`` as ``[gate; up]``: ``Layout(qkv_order="megatron")``);
   each local tensor must have its view's shape in that layout, and together they must write every
   shard of the rank.
@@ -115,9 +116,11 @@ class ShardSource(WeightSource):
 
     @classmethod
     def megatron(cls, module: torch.nn.Module, spec: ModelSpec) -> "ShardSource":
-        """A rank of a Megatron-core trainer (``GPTModel``, dense layers): the declaration read from
-        Megatron's parallel state (megatron/core/parallel_state.py: tp, dp and pp sizes and ranks;
-        rank order tp fastest, then dp, then pp, Megatron's default ``tp-cp-ep-dp-pp``) and each
+        """A rank of a Megatron-core trainer (``GPTModel``: dense layers, or MoE layers of
+        ``SequentialMLP`` experts): the declaration read from Megatron's parallel state
+        (megatron/core/parallel_state.py: tp, dp, pp, ep and etp sizes and ranks; rank order tp
+        fastest, then dp, then pp, Megatron's default ``tp-cp-ep-dp-pp``, and its expert mesh
+        ``tp-ep-dp-pp``, realloc's :meth:`~realloc.layout.Topology.expert_coords`) and each
         stage's layers from Megatron's own offsets (megatron/core/transformer/transformer_layer.py
         ``get_transformer_layer_offset``: uneven first and last stages become ``layer_split``).
         ``spec``: the HF model it trains (``spec_from_hf_config``)."""
@@ -135,7 +138,9 @@ class ShardSource(WeightSource):
         )
         split = megatron_layer_split(module.config, pp) if pp > 1 else None
         uneven = split is not None and len(set(split)) > 1
-        topology = Topology(dp=dp, tp=tp, pp=pp, layer_split=split if uneven else None)
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        experts = {"ep": ep, "etp": etp} if ep > 1 or etp != tp else {}  # the expert mesh: tp-ep-dp-pp
+        topology = Topology(dp=dp, tp=tp, pp=pp, layer_split=split if uneven else None, **experts)
         return cls(module, spec=spec, topology=topology, rank=rank, naming="megatron")
 
     # -- vLLM's WeightSource (what vLLM's own backends read) ---------------------------------------
@@ -209,8 +214,9 @@ def megatron_layer_split(config, pp: int) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip(offsets, offsets[1:]))
 
 
-def _global_layer_name(name: str, stage: list[int]) -> str:
-    """Megatron's stage-local ``decoder.layers.{i}.`` as the model's layer ``stage[i]``."""
+def _model_name(name: str, stage: list[int], experts: list[int]) -> str:
+    """Megatron's rank-local numbering as the model's: a stage's ``decoder.layers.{i}.`` is layer
+    ``stage[i]``, an expert-parallel rank's ``local_experts.{j}.`` its expert ``experts[j]``."""
     m = re.match(r"decoder\.layers\.(\d+)\.", name)
     if m is None:
         return name
@@ -219,23 +225,35 @@ def _global_layer_name(name: str, stage: list[int]) -> str:
         raise ValueError(
             f"Megatron-core parameter {name}: this pipeline stage holds {len(stage)} layers, not layer {local}"
         )
-    return f"decoder.layers.{stage[local]}.{name[m.end() :]}"
+    rest = name[m.end() :]
+    e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.", rest)
+    if e is not None:
+        j = int(e.group(1))
+        if j >= len(experts):
+            raise ValueError(
+                f"Megatron-core parameter {name}: this rank holds {len(experts)} routed experts, not {j + 1}"
+            )
+        rest = f"mlp.experts.local_experts.{experts[j]}.{rest[e.end() :]}"
+    return f"decoder.layers.{stage[local]}.{rest}"
 
 
 def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: dict[str, torch.Tensor]) -> Holdings:
     """A Megatron-core rank: each parameter copied into its view of the store (Megatron's order).
-    A pipeline stage numbers its layers from 0; they are the stage's layers of the layout."""
+    A pipeline stage numbers its layers from 0, an expert-parallel rank its routed experts: they
+    are the stage's layers and the rank's experts (a contiguous block) of the layout."""
     layout = Layout(spec, topology, qkv_order="megatron")
     me = layout.at(rank)
     stage = list(layout.stages[topology.coords(rank)[2]])
+    experts = sorted({e for s in me.shards() if (e := spec.by_name[s.param].expert) is not None})
     store = ShardStore(me.shards(), allocate_buffers(layout, rank))
     views = megatron_fused_views(me, store.buffers)
     copies, written = [], set()
     for name, t in tensors.items():
-        target = megatron_core_view(_global_layer_name(name, stage))
+        target = megatron_core_view(_model_name(name, stage, experts))
         if target is None:
             raise ValueError(
-                f"Megatron-core parameter {name} is not a dense GPT decoder's (realloc.shards.fused.MEGATRON_CORE_NAMES)"
+                f"Megatron-core parameter {name} is not a GPT decoder's that realloc maps "
+                "(realloc.shards.fused.MEGATRON_CORE_NAMES)"
             )
         view = views.get(target)
         if view is None:

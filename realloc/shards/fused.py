@@ -304,13 +304,17 @@ def megatron_fused_views(
                 f"with qkv_order='megatron' (it has qkv_order={layout.qkv_order!r})"
             )
         views[name] = fused_view(name, shards, buffers, rank_layout)
-    for layer in layout.stages[pp_rank]:
+    # linear_fc1 = [gate; up] of every dense MLP and of every routed expert the rank holds
+    # (SequentialMLP's local_experts.N.linear_fc1, megatron/core/transformer/moe/experts.py)
+    prefixes = sorted({slot[: -len("gate_proj.weight")] for slot in by_slot if slot.endswith(".gate_proj.weight")})
+    for prefix in prefixes:
         for suffix in ("weight", "bias"):  # linear_fc1.bias with mlp_bias
-            prefix = f"model.layers.{layer}.mlp."
             parts = [by_slot.get(f"{prefix}{part}.{suffix}", []) for part in ("gate_proj", "up_proj")]
             if not any(parts):
                 continue
-            name = f"{prefix}linear_fc1.{suffix}"
+            name = megatron_fused_name(f"{prefix}gate_proj.{suffix}")
+            if name is None:  # not a gate Megatron fuses
+                continue
             if [len(p) for p in parts] != [1, 1]:
                 raise ValueError(
                     f"{rank_layout}: cannot build {name}: the rank holds {len(parts[0])} gate and "
@@ -321,12 +325,15 @@ def megatron_fused_views(
 
 
 #: Megatron-core ``GPTModel`` parameter names -> the names :func:`megatron_fused_views` gives
-#: (dense decoder layers). Followed: megatron/core/models/gpt/gpt_model.py (``embedding``,
+#: (dense and MoE decoder layers; a routed expert's index is the model's, which the caller
+#: makes of Megatron's rank-local ``local_experts`` index). Followed: megatron/core/models/gpt/gpt_model.py (``embedding``,
 #: ``decoder``, ``output_layer``), megatron/core/models/gpt/gpt_layer_specs.py
 #: (``get_gpt_layer_local_spec``: ``input_layernorm``, ``pre_mlp_layernorm``, ``q_layernorm``/
 #: ``k_layernorm``; ``get_gpt_layer_with_transformer_engine_spec``: the norms fused into the next
 #: linear as ``layer_norm_weight``), megatron/core/transformer/attention.py (``linear_qkv``,
-#: ``linear_proj``), megatron/core/transformer/mlp.py (``linear_fc1``, ``linear_fc2``).
+#: ``linear_proj``), megatron/core/transformer/mlp.py (``linear_fc1``, ``linear_fc2``),
+#: megatron/core/transformer/moe/moe_layer.py (``router``) and moe/experts.py (``SequentialMLP``'s
+#: ``local_experts.N``: one MLP per expert; ``TEGroupedMLP``'s ``weightN`` are not mapped).
 MEGATRON_CORE_NAMES: tuple[tuple[str, str], ...] = (
     (r"embedding\.word_embeddings\.weight", r"model.embed_tokens.weight"),
     (r"decoder\.layers\.(\d+)\.input_layernorm\.weight", r"model.layers.\1.input_layernorm.weight"),
@@ -345,6 +352,15 @@ MEGATRON_CORE_NAMES: tuple[tuple[str, str], ...] = (
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_weight", r"model.layers.\1.post_attention_layernorm.weight"),
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(weight|bias)", r"model.layers.\1.mlp.linear_fc1.\2"),
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
+    (r"decoder\.layers\.(\d+)\.mlp\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
+    (
+        r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.(weight|bias)",
+        r"model.layers.\1.mlp.experts.local_experts.\2.linear_fc1.\3",
+    ),
+    (
+        r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.(weight|bias)",
+        r"model.layers.\1.mlp.experts.\2.down_proj.\3",
+    ),
     (r"decoder\.final_layernorm\.weight", r"model.norm.weight"),
     (r"output_layer\.weight", r"lm_head.weight"),
 )
@@ -352,13 +368,15 @@ MEGATRON_CORE_NAMES: tuple[tuple[str, str], ...] = (
 
 def megatron_core_view(name: str) -> str | None:
     """The :func:`megatron_fused_views` name of Megatron-core ``GPTModel`` parameter ``name``
-    (:data:`MEGATRON_CORE_NAMES`; None: not a dense decoder's).
+    (:data:`MEGATRON_CORE_NAMES`; None: not a decoder's this maps).
 
     Example:
         >>> megatron_core_view("decoder.layers.3.self_attention.linear_qkv.weight")
         'model.layers.3.self_attention.linear_qkv.weight'
         >>> megatron_core_view("decoder.layers.0.mlp.linear_fc2.weight"), megatron_core_view("output_layer.weight")
         ('model.layers.0.mlp.down_proj.weight', 'lm_head.weight')
+        >>> megatron_core_view("decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight")
+        'model.layers.1.mlp.experts.local_experts.5.linear_fc1.weight'
         >>> megatron_core_view("decoder.layers.0.mlp.experts.linear_fc1.weight0") is None
         True
     """
