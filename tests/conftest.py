@@ -62,6 +62,7 @@ UNITS = (
         (name, (name,))
         for name in (
             "test_vllm_layouts.py",
+            "test_megatron_source.py",
             "test_planner_properties.py",
             "test_formats.py",
             "test_layout.py",
