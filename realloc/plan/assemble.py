@@ -52,32 +52,18 @@ def _routes(router: Router):
     """The router's deliveries grouped into routes, sorted by ``(phase, src, dst)``:
     ``(phase, src, dst, starts, keys)``, route ``r`` carrying ``keys[starts[r]:starts[r + 1]]``
     in the order they were recorded (deliveries' arrays first, then the single sends)."""
-    counts = [d[1].size for d in router.deliveries]
-    phase, keys = (
-        np.concatenate(
-            [
-                np.repeat(np.array([d[i] for d in router.deliveries], dtype=ID), counts),
-                np.array(router.pending[i], dtype=ID),
-            ]
-        )
-        for i in (0, 3)
-    )
-    src, dst = (
-        np.concatenate(
-            [d[i].astype(ID, copy=False) for d in router.deliveries] + [np.array(router.pending[i], dtype=ID)]
-        )
-        for i in (1, 2)
+    counts = [d[0].size for d in router.deliveries]
+    route_of = np.concatenate([d[0] for d in router.deliveries] + [np.array(router.pending[0], router.route_dtype)])
+    keys = np.concatenate(
+        [np.repeat(np.array([d[1] for d in router.deliveries], dtype=ID), counts), np.array(router.pending[1], ID)]
     )
     width = router.placement.num_workers
-    if 2 * width * width >= 2**31:  # past 32,768 workers the route number needs 64 bits
-        phase = phase.astype(np.int64)
-    route_of = (phase * width + src) * width + dst
     order = np.argsort(route_of, kind="stable")
     route_of, keys = route_of[order], keys[order]
     new = np.ones(keys.size, dtype=bool)
     new[1:] = route_of[1:] != route_of[:-1]
     starts = np.flatnonzero(new)
-    first = route_of[starts]  # in route_of's dtype: 32-bit divisions below 32,768 workers
+    first = route_of[starts]  # 32-bit divisions below 32,768 workers
     rest = first // width
     return (rest // width).astype(np.int8), (rest % width).astype(ID), (first % width).astype(ID), starts, keys
 
