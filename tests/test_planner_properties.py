@@ -159,7 +159,52 @@ def check_plan(plan: Plan, shapes, dtypes, placement, hold: Masks, need: Masks) 
     check_each_needed_element_written_once(plan, shapes, hold, need)
     check_senders_hold_what_they_send(plan, shapes, hold)
     check_inter_node_bytes_meet_lower_bound(plan, shapes, dtypes, placement, hold, need)
-    assert plan.stats["num_buckets"] == sum(len(plan.buckets(j)) for _, _, _, j in plan.routes())
+    check_stats_from_routes(plan)
+    check_segment_lists_chain_ranges_that_do_not_meet(plan)
+
+
+def check_stats_from_routes(plan: Plan) -> None:
+    """The statistics the planner computes with arrays, recomputed one route at a time."""
+    nodes = plan.nodes
+    bw = plan.stats["bandwidths"]
+    send, recv, egress, ingress = (defaultdict(int) for _ in range(4))
+    slowest = defaultdict(float)
+    total = intra = 0
+    for step, src, dst, j in plan.routes():
+        n = plan.list_bytes(j)
+        total += n
+        send[str(src)] += n
+        recv[str(dst)] += n
+        if nodes[src] == nodes[dst]:
+            intra += n
+            slowest[step] = max(slowest[step], n / bw["intra_node"])
+        else:
+            egress[nodes[src]] += n
+            ingress[nodes[dst]] += n
+            slowest[step] = max(slowest[step], n / bw["inter_node"])
+    local = defaultdict(int)
+    for w, j in plan.local_copies:
+        local[w] += plan.list_bytes(j)
+    stats = plan.stats
+    assert (stats["bytes_total"], stats["bytes_intra_node"], stats["bytes_inter_node"]) == (total, intra, total - intra)
+    assert stats["rank_send_bytes"] == dict(send) and stats["rank_recv_bytes"] == dict(recv)
+    assert stats["node_egress_bytes"] == dict(egress) and stats["node_ingress_bytes"] == dict(ingress)
+    assert stats["max_node_egress_bytes"] == max(egress.values(), default=0)
+    assert stats["max_node_ingress_bytes"] == max(ingress.values(), default=0)
+    assert stats["bytes_local_copy"] == sum(local.values())
+    assert stats["num_steps"] == len(plan.steps) and stats["num_routes"] == sum(map(len, plan.steps))
+    assert stats["num_buckets"] == sum(len(plan.buckets(j)) for _, _, _, j in plan.routes())
+    seconds = sum(slowest[s] for s in range(len(plan.steps))) + max(local.values(), default=0) / bw["local_copy"]
+    assert stats["estimated_seconds"] == pytest.approx(seconds, rel=1e-12)
+
+
+def check_segment_lists_chain_ranges_that_do_not_meet(plan: Plan) -> None:
+    """A list of several keys chains their ranges of the segment table, a range that meets the
+    one before it merged into it (a list of ranges stands for the same ids either way)."""
+    for ids in plan.segment_lists:
+        ranges = getattr(ids, "ranges", None)
+        if ranges is not None:
+            assert all(a.stop != b.start for a, b in zip(ranges, ranges[1:])), ranges
 
 
 # -- reallocations between layouts -------------------------------------------------------------

@@ -18,9 +18,10 @@ from realloc.boxes import Box
 from realloc.layout import PieceTable
 from realloc.plan.inputs import ParamTable
 from realloc.plan.placement import Placement
+from realloc.plan.records import BUCKET_ALIGN
 from realloc.spec import DTYPE_BYTES
 
-__all__ = ["Bundle", "box_bytes", "bundles_of", "cells_bytes"]
+__all__ = ["Bundle", "box_bytes", "bundles_of", "cells_bytes", "cells_sizes"]
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Bundle:
     #: this bundle (the same kind of tensor in many layers shares one cell list).
     blocks: list[tuple[tuple[str, ...], str, list[Box]]]
     nbytes: int
+    #: ``nbytes`` with every cell padded to ``BUCKET_ALIGN``, as buckets lay them out (``records.buckets``)
+    padded: int
     holders: dict[str, list[int]]  # node -> holder workers (sorted)
     needers: dict[str, list[int]]  # node -> needing workers (sorted)
 
@@ -81,12 +84,12 @@ def bundles_of(
 
     bundles: list[Bundle] = []
     lower_bound = 0
-    sizes: dict[tuple[int, str], int] = {}  # (id of a cell list, dtype) -> bytes
+    sizes: dict[tuple[int, str], tuple[int, int]] = {}  # (id of a cell list, dtype) -> bytes, padded bytes
 
-    def cached_bytes(cells: list[Box], dtype: str) -> int:
+    def cached_sizes(cells: list[Box], dtype: str) -> tuple[int, int]:
         n = sizes.get((id(cells), dtype))
         if n is None:
-            n = sizes[id(cells), dtype] = cells_bytes(cells, dtype)
+            n = sizes[id(cells), dtype] = cells_sizes(cells, dtype)
         return n
 
     hold_maps: dict[frozenset, dict[str, list[int]]] = {}
@@ -95,13 +98,17 @@ def bundles_of(
         keyed.items(), key=lambda kv: min((order[b[0][0]], b[2][0]) for b in kv[1])
     ):
         blocks.sort(key=lambda b: order[b[0][0]])
-        nbytes = sum(len(names) * cached_bytes(cells, dtype) for names, dtype, cells in blocks)
+        nbytes = padded = 0
+        for names, dtype, cells in blocks:
+            size, aligned = cached_sizes(cells, dtype)
+            nbytes += len(names) * size
+            padded += len(names) * aligned
         if holders not in hold_maps:
             hold_maps[holders] = _node_map({w for gi in holders for w in holdings.groups[gi]}, placement)
         if needers not in need_maps:
             need_maps[needers] = _node_map({w for gi in needers for w in needs.groups[gi]}, placement)
         # bundles sharing a node map share the dict: nothing below mutates it
-        b = Bundle(blocks, nbytes, hold_maps[holders], need_maps[needers])
+        b = Bundle(blocks, nbytes, padded, hold_maps[holders], need_maps[needers])
         lower_bound += nbytes * (len(b.needers) - sum(1 for node in b.holders if node in b.needers))
         bundles.append(b)
     return bundles, lower_bound
@@ -109,6 +116,16 @@ def bundles_of(
 
 def cells_bytes(cells: list[Box], dtype: str) -> int:
     return sum(box_bytes(c, dtype) for c in cells)
+
+
+def cells_sizes(cells: list[Box], dtype: str) -> tuple[int, int]:
+    """``cells``' bytes, and their bytes with each cell padded to ``BUCKET_ALIGN`` (one pass)."""
+    nbytes = padded = 0
+    for c in cells:
+        n = box_bytes(c, dtype)
+        nbytes += n
+        padded += -(-n // BUCKET_ALIGN) * BUCKET_ALIGN
+    return nbytes, padded
 
 
 def _cut_cells(held: list[tuple[int, Box]], needed: list[tuple[int, Box]]) -> _Pattern:

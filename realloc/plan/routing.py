@@ -49,8 +49,10 @@ class _NeedNodes:
 class Router:
     """Steps 2 and 3: where each bundle's bytes come from and which worker they enter.
 
-    Deliveries are recorded as ``(phase, src, dst, key)`` with keys ``(bundle, part, parts)``;
-    phase 0 moves bytes from holders (intra or inter node), phase 1 fans them out inside a node.
+    Deliveries are recorded as ``(phase, src, dst, key)`` with keys ``(bundle, part, parts)``,
+    ``(phase, src, dst)`` as one route number ``(phase * W + src) * W + dst`` (``W`` workers, in
+    :attr:`route_dtype`); phase 0 moves bytes from holders (intra or inter node), phase 1 fans
+    them out inside a node.
     A bundle's remote deliveries are recorded as arrays at once, with the result of choosing the
     least-loaded sender and entry worker one delivery at a time (:meth:`_deliver`,
     :meth:`_senders`); copies inside a node that holds the bundle are chosen one at a time.
@@ -70,8 +72,10 @@ class Router:
         self.keys: list[tuple[int, int, int]] = []
         self.key_ids: dict[tuple[int, int, int], int] = {}
         self.key_bytes: list[int] = []
-        self.deliveries: list[tuple[int, np.ndarray, np.ndarray, int]] = []  # (phase, srcs, dsts, key)
-        self.pending: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        # past 32,767 workers a route number needs 64 bits
+        self.route_dtype = np.int32 if 2 * placement.num_workers**2 < 2**31 else np.int64
+        self.deliveries: list[tuple[np.ndarray, int]] = []  # (route numbers, key)
+        self.pending: tuple[list[int], list[int]] = ([], [])  # route numbers, keys: one at a time
         self.local: dict[int, list[int]] = defaultdict(list)  # worker -> key ids it copies locally
         # class (holder nodes) -> (bundle id, positions of its remote needing nodes in _NeedNodes)
         self.remote: dict[tuple[str, ...], list[tuple[int, np.ndarray]]] = defaultdict(list)
@@ -79,6 +83,8 @@ class Router:
         self._need_nodes: dict[int, _NeedNodes] = {}
         self._holder_workers: dict[int, np.ndarray | None] = {}
         self._splits: dict[tuple[int, int, int], list[Box]] = {}
+        self._holder_nodes: dict[int, tuple[str, ...]] = {}  # id of a holder map -> its nodes, sorted
+        self._remote_of: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
 
     # -- keys --------------------------------------------------------------------------------
     def _key(self, bid: int, part: int, parts: int) -> int:
@@ -120,8 +126,9 @@ class Router:
         return min(workers, key=lambda w: (int(load[w]), w))
 
     def _send(self, phase: int, src: int, dst: int, key: int) -> None:
-        for column, value in zip(self.pending, (phase, src, dst, key)):
-            column.append(value)
+        width = self.placement.num_workers
+        self.pending[0].append((phase * width + src) * width + dst)
+        self.pending[1].append(key)
         nbytes = self.key_bytes[key]
         self.egress[src] += nbytes
         self.ingress[dst] += nbytes
@@ -129,7 +136,8 @@ class Router:
     def _record(self, phase: int, src: np.ndarray, dst: np.ndarray, key: int) -> None:
         """``_send`` for many routes of one key at once."""
         if src.size:
-            self.deliveries.append((phase, src, dst, key))
+            width = self.placement.num_workers
+            self.deliveries.append(((phase * width + src.astype(self.route_dtype)) * width + dst, key))
             for load, ends in ((self.egress, src), (self.ingress, dst)):
                 if ends.size > load.size // 4:
                     load += np.bincount(ends, minlength=load.size) * self.key_bytes[key]
@@ -178,13 +186,21 @@ class Router:
                     self.local[w].append(whole)
                 else:
                     self._send(0, self._least(local_holders, self.egress), w, whole)
-        info = self._need_nodes_of(b.needers)
-        remote = info.everywhere
-        served = [info.position[n] for n in b.holders if n in info.position]
-        if served:
-            remote = np.delete(remote, served)
+        # bundles share their node maps: a holder map's nodes once per map, the needing nodes
+        # no holder serves once per need map and holder nodes
+        holder_nodes = self._holder_nodes.get(id(b.holders))
+        if holder_nodes is None:
+            holder_nodes = self._holder_nodes[id(b.holders)] = tuple(sorted(b.holders))
+        remote = self._remote_of.get((id(b.needers), holder_nodes))
+        if remote is None:
+            info = self._need_nodes_of(b.needers)
+            remote = info.everywhere
+            served = [info.position[n] for n in holder_nodes if n in info.position]
+            if served:
+                remote = np.delete(remote, sorted(served))
+            self._remote_of[id(b.needers), holder_nodes] = remote
         if remote.size:
-            self.remote[tuple(sorted(b.holders))].append((bid, remote))
+            self.remote[holder_nodes].append((bid, remote))
 
     # -- step 3 ------------------------------------------------------------------------------
     def assign_remote(self) -> None:
