@@ -73,8 +73,10 @@ DTYPES = (
 )
 
 
-def _check_group(where: str, master_address, master_port, world_size, timeout_s, packed_buffer_size_bytes) -> None:
-    """``ValueError`` naming the first field of a group's description that cannot work."""
+def _check_group(where: str, info) -> None:
+    """``ValueError`` naming the first field of a group's description (an init info) that cannot work."""
+    master_address, master_port, world_size = info.master_address, info.master_port, info.world_size
+    timeout_s, packed_buffer_size_bytes = info.timeout_s, info.packed_buffer_size_bytes
     if not isinstance(master_address, str) or not master_address:
         raise ValueError(f"{where}: master_address must be a host name or address, got {master_address!r}")
     if isinstance(master_port, bool) or not isinstance(master_port, int) or not 1 <= master_port <= 65535:
@@ -106,14 +108,7 @@ class GlooBcastInitInfo(WeightTransferInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
     def __post_init__(self) -> None:
-        _check_group(
-            "gloo_bcast init info",
-            self.master_address,
-            self.master_port,
-            self.world_size,
-            self.timeout_s,
-            self.packed_buffer_size_bytes,
-        )
+        _check_group("gloo_bcast init info", self)
         if isinstance(self.rank_offset, bool) or not isinstance(self.rank_offset, int):
             raise ValueError(
                 f"gloo_bcast init info: rank_offset must be an int in 1..world_size-1, got {self.rank_offset!r}"
@@ -143,14 +138,7 @@ class GlooBcastTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"gloo_bcast trainer init info: rank must be an int >= 0 (0 sends), got {self.rank!r}")
-        _check_group(
-            "gloo_bcast trainer init info",
-            self.master_address,
-            self.master_port,
-            self.world_size,
-            self.timeout_s,
-            self.packed_buffer_size_bytes,
-        )
+        _check_group("gloo_bcast trainer init info", self)
 
 
 @dataclass
@@ -207,7 +195,8 @@ def _broadcast(group, tensor: torch.Tensor, what: str, timeout_s: float, me: str
         group.broadcast([tensor], opts).wait()
     except Exception as err:  # noqa: BLE001 - gloo's timeout or a closed peer, named
         raise RuntimeError(
-            f"gloo_bcast: {me}: the broadcast of {what} did not complete within {timeout_s} s ({peers} did not answer): "
+            f"gloo_bcast: {me}: the broadcast of {what} did not complete: {peers} did not answer within {timeout_s} s, "
+            f"or left: "
             f"{type(err).__name__}: {err}"
         ) from None
 
