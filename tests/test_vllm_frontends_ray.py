@@ -326,8 +326,9 @@ def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights
     """``gloo_bcast`` (actors/vllm/gloo_bcast.py: our stand-in for vLLM's ``nccl`` protocol, over
     gloo): the FSDP2 trainer through vLLM's trainer API with vLLM's ``ModuleSource``, rank 0
     broadcasting every full tensor to both workers of a ``vllm serve`` started with that backend
-    (realloc_tools/bench/vllm_trainer.py's calls); the server then serves the trainer's weights
-    exactly (vLLM's reload of them), changed from before."""
+    (realloc_tools/bench/vllm_trainer.py's calls), packed (vLLM's trainer default) then one tensor
+    at a time by a new trainer engine; after each the server serves the trainer's weights exactly
+    (vLLM's reload of them), changed from before."""
     from realloc_tools.bench import vllm_trainer as vt
 
     with serving(model, "gloo_bcast") as bcast:
@@ -342,6 +343,14 @@ def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights
         # rank 0 broadcast the whole model to each of the 2 workers; each rank all-gathered its shards
         held = ray.get([r.holds_bytes.remote() for r in fsdp])
         assert sent == [held[0] + 2 * sum(held), held[1]], (sent, held)
+        # vLLM's other wire: one broadcast per tensor (a new trainer engine: the workers join its new group)
+        ray.get([r.__ray_call__.remote(vt._broadcast_init, _client(bcast), _port(), 3, TIMEOUT_S, False) for r in fsdp])
+        ray.get([r.train.remote(seed=10) for r in fsdp], timeout=120)
+        again = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=120)
+        assert again == sent
+        served = bcast.greedy()
+        assert served != after, "the update changed nothing"
+        assert served == bcast.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "bcast-unpacked")
         ray.get([r.__ray_call__.remote(lambda rank: rank.bcast.shutdown()) for r in fsdp])
 
 

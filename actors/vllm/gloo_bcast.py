@@ -249,6 +249,7 @@ class GlooBcastWeightTransferEngine(WeightTransferEngine[GlooBcastInitInfo, Gloo
                 f"gloo_bcast: this vLLM worker is rank {rank} of the group, whose world_size is {init_info.world_size}: "
                 f"world_size must be 1 + every worker of the engine ({pc.data_parallel_size} x {pc.world_size})"
             )
+        self.shutdown()  # a new trainer: a new group
         self.group = _join(
             init_info.master_address,
             init_info.master_port,

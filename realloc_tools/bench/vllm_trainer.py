@@ -107,9 +107,10 @@ def _all_gather_bytes(rank_self) -> int:
     return sent
 
 
-def _broadcast_init(rank_self, client, port: int, world_size: int, timeout_s: float) -> None:
+def _broadcast_init(rank_self, client, port: int, world_size: int, timeout_s: float, packed: bool = True) -> None:
     """In a trainer rank: vLLM's trainer API with the ``gloo_bcast`` backend over vLLM's
-    ``ModuleSource`` of the rank's module (rank 0 opens the group on ``port``)."""
+    ``ModuleSource`` of the rank's module (rank 0 opens the group on ``port``; ``packed``, vLLM's
+    trainer default, or one broadcast per tensor)."""
     import torch.distributed as dist
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -118,9 +119,11 @@ def _broadcast_init(rank_self, client, port: int, world_size: int, timeout_s: fl
     from actors.vllm.plugin import register
 
     register()
+    if getattr(rank_self, "bcast", None) is not None:
+        rank_self.bcast.shutdown()  # a new trainer engine replaces the last: its group closes
     rank_self.bcast = WeightTransferTrainerFactory.trainer_init(
         GlooBcastTrainerInitInfo(
-            "127.0.0.1", port, world_size, timeout_s=timeout_s, rank=dist.get_rank()
+            "127.0.0.1", port, world_size, timeout_s=timeout_s, packed=packed, rank=dist.get_rank()
         ),  # one host here
         client=client,
         source=ModuleSource(rank_self.model),
