@@ -9,6 +9,8 @@ realloc did not start update a served engine through vLLM's trainer API (actors/
   FSDP2 trainer of examples/fsdp2_vllm.py in plain Ray actors (fsdp=2, and fsdp=2 x tp=2), over two
   rounds of training; a declaration its DTensors contradict, refused on every rank; a trainer
   rank killed mid-transfer (the server keeps its weights) and a restarted trainer's next update.
+  The same FSDP2 trainer with vLLM's ``ModuleSource`` into a second ``vllm serve``, started with
+  ``gloo_bcast`` (actors/vllm/gloo_bcast.py: our stand-in for vLLM's ``nccl`` protocol, over gloo).
   (``LLM`` at tp=2 is tests/test_vllm_backend_ray.py's.)
 
 The oracle is the engine itself: after each update its greedy tokens and logprobs equal those it
