@@ -193,10 +193,10 @@ def start_trainer(path, world: int, tp: int = 1) -> list:
 
 @ray.remote(num_cpus=0)
 class Generator:
-    """The framework's vLLM actor: an ``LLM`` with ``WeightTransferConfig(backend="realloc")`` and
-    the methods vLLM's ``RayVLLMWeightSyncClient`` calls."""
+    """The framework's vLLM actor: an ``LLM`` with ``WeightTransferConfig(backend="realloc")`` (or
+    another ``backend``) and the methods vLLM's ``RayVLLMWeightSyncClient`` calls."""
 
-    def __init__(self, path: str, tp: int):
+    def __init__(self, path: str, tp: int, backend: str = "realloc"):
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -211,7 +211,7 @@ class Generator:
             max_num_seqs=4,
             tensor_parallel_size=tp,
             distributed_executor_backend="mp",
-            weight_transfer_config=WeightTransferConfig(backend="realloc"),
+            weight_transfer_config=WeightTransferConfig(backend=backend),
         )
 
     def init_weight_transfer_engine(self, request) -> None:

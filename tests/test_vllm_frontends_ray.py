@@ -9,6 +9,8 @@ realloc did not start update a served engine through vLLM's trainer API (actors/
   FSDP2 trainer of examples/fsdp2_vllm.py in plain Ray actors (fsdp=2, and fsdp=2 x tp=2), over two
   rounds of training; a declaration its DTensors contradict, refused on every rank; a trainer
   rank killed mid-transfer (the server keeps its weights) and a restarted trainer's next update.
+  The same FSDP2 trainer with vLLM's ``ModuleSource`` into a second ``vllm serve``, started with
+  ``gloo_bcast`` (actors/vllm/gloo_bcast.py: our stand-in for vLLM's ``nccl`` protocol, over gloo).
   (``LLM`` at tp=2 is tests/test_vllm_backend_ray.py's.)
 
 The oracle is the engine itself: after each update its greedy tokens and logprobs equal those it
@@ -19,6 +21,7 @@ dev ``/collective_rpc`` route), and they differ from what it served before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -198,9 +201,16 @@ class Server:
 def server(model):
     """``vllm serve --weight-transfer-config '{"backend": "realloc"}'`` at tp=2, with vLLM's dev
     routes (``/collective_rpc``: the oracle's reload)."""
+    with serving(model, "realloc") as s:
+        yield s
+
+
+@contextlib.contextmanager
+def serving(model, backend: str):
+    """``vllm serve`` of the module's model at tp=2 with weight-transfer ``backend``."""
     port = _port()
     env = {**os.environ, **vm.VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}
-    log = open(model["root"] / "serve.log", "w")
+    log = open(model["root"] / f"serve-{backend}.log", "w")
     process = subprocess.Popen(
         [
             sys.executable,
@@ -223,7 +233,7 @@ def server(model):
             "--distributed-executor-backend",
             "mp",
             "--weight-transfer-config",
-            '{"backend": "realloc"}',
+            json.dumps({"backend": backend}),
         ],
         env=env,
         stdout=log,
@@ -239,7 +249,7 @@ def server(model):
                         break
             except OSError:
                 pass
-            assert process.poll() is None, (model["root"] / "serve.log").read_text()[-3000:]
+            assert process.poll() is None, (model["root"] / f"serve-{backend}.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "vllm serve did not come up within 180 s"
             time.sleep(0.5)
         yield Server(model, process, base)
@@ -312,6 +322,38 @@ def test_vllm_fsdp2_trainer_in_plain_ray_actors_updates_the_server_shard_to_shar
         assert h <= 0.5 * model_bytes and 0 < s["sent_bytes"] < 0.51 * model_bytes, (sent, held)
     # each vLLM worker (tp=2) received its half of the model
     assert all(0.4 * model_bytes < b < 0.6 * model_bytes for b in sent[0]["received_bytes"]), sent
+
+
+def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights(model, fsdp):
+    """``gloo_bcast`` (actors/vllm/gloo_bcast.py: our stand-in for vLLM's ``nccl`` protocol, over
+    gloo): the FSDP2 trainer through vLLM's trainer API with vLLM's ``ModuleSource``, rank 0
+    broadcasting every full tensor to both workers of a ``vllm serve`` started with that backend
+    (realloc_tools/bench/vllm_trainer.py's calls), packed (vLLM's trainer default) then one tensor
+    at a time by a new trainer engine; after each the server serves the trainer's weights exactly
+    (vLLM's reload of them), changed from before."""
+    from realloc_tools.bench import vllm_trainer as vt
+
+    with serving(model, "gloo_bcast") as bcast:
+        before = bcast.greedy()
+        ray.get([r.train.remote(seed=9) for r in fsdp], timeout=120)
+        port = _port()
+        ray.get([r.__ray_call__.remote(vt._broadcast_init, _client(bcast), port, 3, TIMEOUT_S) for r in fsdp])
+        sent = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=120)
+        after = bcast.greedy()
+        assert after != before, "the update changed nothing"
+        assert after == bcast.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "bcast")
+        # rank 0 broadcast the whole model to each of the 2 workers; each rank all-gathered its shards
+        held = ray.get([r.holds_bytes.remote() for r in fsdp])
+        assert sent == [held[0] + 2 * sum(held), held[1]], (sent, held)
+        # vLLM's other wire: one broadcast per tensor (a new trainer engine: the workers join its new group)
+        ray.get([r.__ray_call__.remote(vt._broadcast_init, _client(bcast), _port(), 3, TIMEOUT_S, False) for r in fsdp])
+        ray.get([r.train.remote(seed=10) for r in fsdp], timeout=120)
+        again = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=120)
+        assert again == sent
+        served = bcast.greedy()
+        assert served != after, "the update changed nothing"
+        assert served == bcast.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "bcast-unpacked")
+        ray.get([r.__ray_call__.remote(lambda rank: rank.bcast.shutdown()) for r in fsdp])
 
 
 def test_vllm_fsdp2_trainer_delta_updates_send_only_the_changed_elements(server, fsdp):

@@ -105,6 +105,56 @@ def test_the_trainer_engine_refuses_bad_arguments_before_calling_the_engine(llam
         init(ReallocTrainerInitInfo(rank=0), client=Untouchable(), source=ShardSource(model, topology="tp=2"))
 
 
+def test_the_nccl_protocol_stand_in_refuses_bad_arguments_before_any_traffic(llama):
+    """``gloo_bcast`` (actors/vllm/gloo_bcast.py, our stand-in for vLLM's ``nccl`` protocol over
+    gloo): a bad init or update info is a ValueError naming the field and what is allowed, before
+    the client is called or a group is opened; the errors pickle."""
+    import pickle
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from actors.vllm.gloo_bcast import (
+        GlooBcastInitInfo,
+        GlooBcastTrainerInitInfo,
+        GlooBcastTrainerWeightTransferEngine,
+        GlooBcastUpdateInfo,
+    )
+
+    _, model = llama
+    ok = {"master_address": "127.0.0.1", "master_port": 29555, "world_size": 3}
+    for bad, match in [
+        ({"world_size": 1}, r"world_size must be an int >= 2 \(trainer rank 0 and the engine's workers\), got 1"),
+        ({"master_port": 0}, r"master_port must be a TCP port in 1..65535, got 0"),
+        ({"master_address": ""}, r"master_address must be a host name or address, got ''"),
+        ({"timeout_s": float("inf")}, r"timeout_s must be a positive finite number of seconds, got inf"),
+        ({"packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes must be an int > 0, got 0"),
+        ({"rank": -1}, r"rank must be an int >= 0 \(0 sends\), got -1"),
+    ]:
+        with pytest.raises(ValueError, match=match) as err:
+            GlooBcastTrainerInitInfo(**{"rank": 0, **ok, **bad})
+        assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
+    with pytest.raises(ValueError, match=r"rank_offset must be in 1..2 \(rank 0 is the trainer\), got 0"):
+        GlooBcastInitInfo(rank_offset=0, **ok)
+    with pytest.raises(ValueError, match=r"trainer_init needs a WeightSource"):
+        GlooBcastTrainerWeightTransferEngine.trainer_init(GlooBcastTrainerInitInfo(rank=0, **ok), client=Untouchable())
+    with pytest.raises(ValueError, match=r"init_info must be a GlooBcastTrainerInitInfo, got ReallocTrainerInitInfo"):
+        GlooBcastTrainerWeightTransferEngine.trainer_init(
+            ReallocTrainerInitInfo(rank=0), client=Untouchable(), source=ModuleSource(model)
+        )
+    with pytest.raises(ValueError, match=r"w: dtype must be one of \(.*'float32'.*\), got 'float33'"):
+        GlooBcastUpdateInfo(names=["w"], dtype_names=["float33"], shapes=[[2]])
+    with pytest.raises(ValueError, match=r"one entry per parameter, got 2, 1 and 2"):
+        GlooBcastUpdateInfo(names=["a", "b"], dtype_names=["float32"], shapes=[[2], [2]])
+    with pytest.raises(ValueError, match=r"w: shape must be a list of ints >= 0, got \[-1\]"):
+        GlooBcastUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[-1]])
+    # a rank other than 0 opens nothing and calls nothing: it only materializes tensors with rank 0
+    other = GlooBcastTrainerWeightTransferEngine.trainer_init(
+        GlooBcastTrainerInitInfo(rank=1, **ok), client=Untouchable(), source=ModuleSource(model)
+    )
+    other.send_weights()
+    assert other.group is None and other.sent_bytes == 0
+
+
 def test_ranks_that_do_not_make_one_trainer_are_refused_alike_on_every_rank():
     ok = {"error": None, "layout": "dp=1,fsdp=2,tp=1,pp=1"}
     assert refusal([{**ok, "rank": 0, "realloc_rank": 0}, {**ok, "rank": 1, "realloc_rank": 1}], 2) is None

@@ -1,4 +1,6 @@
-"""The ``vllm.general_plugins`` entry point of this package: registers the ``realloc`` backend.
+"""The ``vllm.general_plugins`` entry point of this package: registers the ``realloc`` backend, and
+``gloo_bcast``, our stand-in for vLLM's ``nccl`` protocol on CPU (:mod:`actors.vllm.gloo_bcast`: trainer
+rank 0 broadcasts every full tensor over gloo; realloc's code, for comparison, not vLLM's wire).
 
 vLLM loads general plugins in its front-end process, its engine-core process and every worker
 process (vllm/plugins/__init__.py ``load_general_plugins``, called from ``EngineArgs``,
@@ -17,6 +19,8 @@ from __future__ import annotations
 SUPPORTED = ("0.32",)
 #: The backend's name in ``WeightTransferConfig(backend=...)``.
 BACKEND = "realloc"
+#: Our stand-in for vLLM's ``nccl`` backend over gloo (``WeightTransferConfig(backend="gloo_bcast")``).
+GLOO_BCAST = "gloo_bcast"
 
 
 def check_version(version: str) -> None:
@@ -29,8 +33,9 @@ def check_version(version: str) -> None:
 
 
 def register() -> None:
-    """Register ``realloc`` in vLLM's weight-transfer engine factory and its trainer factory
-    (once per process; the trainer side also registers itself when ``actors.trainer`` is imported)."""
+    """Register ``realloc`` (and ``gloo_bcast``) in vLLM's weight-transfer engine factory and its
+    trainer factory (once per process; the trainer side of ``realloc`` also registers itself when
+    ``actors.trainer`` is imported)."""
     import vllm
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
@@ -41,3 +46,9 @@ def register() -> None:
         WeightTransferTrainerFactory.register_engine(
             BACKEND, "actors.trainer.engine", "ReallocTrainerWeightTransferEngine"
         )
+    for factory, cls in (
+        (WeightTransferEngineFactory, "GlooBcastWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "GlooBcastTrainerWeightTransferEngine"),
+    ):
+        if GLOO_BCAST not in factory._registry:
+            factory.register_engine(GLOO_BCAST, "actors.vllm.gloo_bcast", cls)

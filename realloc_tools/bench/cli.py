@@ -144,8 +144,8 @@ def add_bench_parser(subparsers) -> None:
         "--vllm-trainer",
         action="store_true",
         help="run the vLLM trainer-side measurement alone: an FSDP2 trainer in plain Ray actors updating a real "
-        "vLLM engine with realloc's trainer engine beside vLLM's ModuleSource (full gather) path "
-        "(realloc_tools/bench/vllm_trainer.py; needs vLLM)",
+        "vLLM engine with realloc's trainer engine beside vLLM's ModuleSource (full gather) path and vLLM's nccl "
+        "protocol over gloo (gloo_bcast, our stand-in) (realloc_tools/bench/vllm_trainer.py; needs vLLM)",
     )
     p.add_argument("--trainer-world", type=int, default=2, help="--vllm-trainer: the trainer's ranks (default 2)")
     p.add_argument("--vllm-tp", type=int, default=2, help="the vLLM engine's tensor parallel size (default 2)")
@@ -320,8 +320,9 @@ def run_delta_bench(args: argparse.Namespace) -> int:
 
 def run_vllm_bench(args: argparse.Namespace) -> int:
     """``--vllm``: realloc's vLLM backend beside vLLM's ``reload_weights``; ``--vllm-trainer``: realloc's
-    trainer engine in an FSDP2 trainer beside vLLM's full-gather source. Exit 1 unless the engine's
-    outputs after both methods were identical on the same weights."""
+    trainer engine in an FSDP2 trainer beside vLLM's full-gather source and vLLM's nccl protocol over
+    gloo (our stand-in). Exit 1 unless the engines' outputs after every method were identical on the
+    same weights."""
     from realloc_tools.bench import vllm, vllm_trainer
     from realloc_tools.cluster import ray_for_command
 
