@@ -23,6 +23,7 @@ from realloc.plan import Placement
 from realloc.plan.formats import conversion
 from realloc.shards import ShardStore, allocate_buffers, fused_views
 from realloc.shards.convert import (
+    Converted,
     NonFiniteBlock,
     check_finite_blocks,
     convert_store,
@@ -383,13 +384,13 @@ def test_an_inf_or_nan_in_a_weight_to_quantize_is_refused_naming_the_block(bad, 
         check_finite_blocks(quantize_blocks(full[name])[1], "w")
     if t.tp == 2:  # a sender collects them instead, writing on (it must finish its routes, then fail)
         wire = Layout(spec, t, weight_format="fp8_block128")
-        out, failed = ShardStore(wire.shards(1), allocate_buffers(wire, 1)), []
-        assert convert_store(stores[1], out, *dtypes(src, wire), failed) > 0
-        assert [str(e) for e in failed] == [str(err.value)]
+        out, source = ShardStore(wire.shards(1), allocate_buffers(wire, 1)), Converted(stores[1], *specs(src, wire))
+        assert convert_store(source, out) > 0
+        assert [str(e) for e in source.failed] == [str(err.value)]
 
 
-def dtypes(src: Layout, dst: Layout) -> tuple[dict, dict]:
-    return {p.name: p.dtype for p in dst.spec.params}, {p.name: p.dtype for p in src.spec.params}
+def specs(src: Layout, dst: Layout) -> tuple[dict, dict]:
+    return src.spec.by_name, dst.spec.by_name
 
 
 def test_a_checkpoint_whose_config_and_dtypes_disagree_is_refused(tmp_path):

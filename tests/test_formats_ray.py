@@ -152,8 +152,13 @@ def test_fsdp_trainer_converts_on_the_receivers_and_a_kill_keeps_the_old_weights
 
 
 def converted_on(trace) -> list[str]:
-    """The workers of ``trace`` whose timeline has a ``convert`` span."""
-    return [w.name for w in trace.workers if any(name == "convert" for name, _, _ in w.record["phases"])]
+    """The workers of ``trace`` whose timeline has a ``convert`` span: a receiver's phase, or a
+    sender's messages converted as they were packed."""
+    return [
+        w.name
+        for w in trace.workers
+        if w.record["convert"] or any(name == "convert" for name, _, _ in w.record["phases"])
+    ]
 
 
 def test_a_staged_conversion_is_on_the_staged_trace_not_on_the_previous_move(cluster):

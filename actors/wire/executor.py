@@ -21,7 +21,8 @@ from actors.wire.delta import DeltaRoute, DeltaSides
 from actors.wire.shares import PeerTable, PeerView, is_zero_copy
 from realloc.plan import Piece, bucket_nbytes
 from realloc.plan.slices import PlanSlice
-from realloc.shards import ShardStore, local_copies, pack_copies, unpack_copies
+from realloc.shards import ShardStore, local_copies, pack_copies, piece_view, unpack_copies
+from realloc.shards.convert import Converted
 from realloc.shards.copy_program import ProgramCache
 
 
@@ -65,6 +66,7 @@ class Phases:
         self.spans: list[tuple[str, float, float]] = []
         self.steps: list[tuple] = []  # (step, start, end, received from, bytes, link, sent to, bytes)
         self.locals: list[tuple[float, float, int]] = []  # (start, end, bytes)
+        self.converts: list[tuple[float, float, int]] = []  # (start, end, bytes), inside the steps
         self._wall, self._last = time.time(), time.perf_counter()
         self._origin = self._last
 
@@ -85,16 +87,22 @@ class Phases:
     def local(self, start: float, end: float, nbytes: int) -> None:
         self.locals.append((start, end, nbytes))
 
+    def convert(self, start: float, end: float, nbytes: int) -> None:
+        """A message's boxes converted into another weight format as they were packed."""
+        self.converts.append((start, end, nbytes))
+
     def record(self) -> dict:
         """This operation's timeline as plain data, times in seconds of this host's wall clock
         (``time.time()``): ``{"op", "phases": [[name, start, end]], "steps": [[step, start, end,
-        recv_peer, recv_bytes, link, send_peer, send_bytes]], "local": [[start, end, bytes]]}``."""
+        recv_peer, recv_bytes, link, send_peer, send_bytes]], "local": [[start, end, bytes]],
+        "convert": [[start, end, bytes]]}``."""
         shift = self._wall - self._origin
         return {
             "op": self.op,
             "phases": [[name, a + shift, b + shift] for name, a, b in self.spans],
             "steps": [[s, a + shift, b + shift, *rest] for s, a, b, *rest in self.steps],
             "local": [[a + shift, b + shift, n] for a, b, n in self.locals],
+            "convert": [[a + shift, b + shift, n] for a, b, n in self.converts],
         }
 
 
@@ -193,6 +201,9 @@ class StepRunner:
     segment lists, buckets and fan-out flag are the plan's. ``peers``: its :class:`PeerTable`
     (or a list of every worker's view). ``src``/``dst`` are this worker's stores (model buffers,
     checkpoint files read into memory, ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
+    ``convert``: ``src`` seen in the plan's weight format when it holds another (its sends are
+    converted message by message as they are packed, realloc/plan/formats.py; ``src`` is then
+    what it holds, and no converted copy of it exists).
     ``cuts``: a :class:`Cuts` of the same plan to reuse (the plan's buckets and messages are
     pure functions of it: a worker running one plan again does not cut them again).
     ``timeline``: the operation's :class:`Phases`, which records every step this worker runs.
@@ -213,6 +224,7 @@ class StepRunner:
         cuts: "Cuts | None" = None,
         delta: "DeltaSides | None" = None,
         timeline: Phases | None = None,
+        convert: Converted | None = None,
     ):
         self.transport, self.plan, self.me, self.peers, self.src, self.dst = transport, plan, me, peers, src, dst
         self.timeline = timeline
@@ -224,6 +236,7 @@ class StepRunner:
         self.cuts = cuts if cuts is not None else Cuts()
         self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
         self.delta = delta
+        self.convert = convert
 
     def buckets(self, j: int) -> list:
         if j not in self.cuts.buckets:
@@ -292,6 +305,7 @@ class StepRunner:
 
     def _transfer(self, send, recv, forward: bool) -> list[tuple[str, int]]:
         source = self.dst if forward else self.src
+        convert = None if forward else self.convert  # a fan-out forwards the plan's format
         send_b = self.messages(send[1]) if send else []
         recv_b = self.messages(recv[1]) if recv else []
         world = lambda peer: self.peers[peer].world_rank  # noqa: E731
@@ -300,11 +314,22 @@ class StepRunner:
         # that neither bucket i's send nor its receive is using, while bucket i is on the wire;
         # when both slots are taken (a packed send and a packed receive), after it has landed.
 
+        @functools.cache
+        def converted(i: int) -> tuple[list[Piece], list[Piece]]:
+            """Message ``i``'s pieces copied as they are and those converted as they are packed."""
+            if convert is None:
+                return send_b[i], []
+            return [p for p in send_b[i] if not convert.converts(p.param)], [
+                p for p in send_b[i] if convert.converts(p.param)
+            ]
+
         @functools.cache  # asked again for every message the window passes over (post_ahead)
         def direct_out(i: int) -> torch.Tensor | None:
-            """Message ``i``'s source view when it is one contiguous box (sent without a copy)."""
-            p = send_b[i][0]
-            return _direct_bytes([source.view(p.param, p.offsets, p.sizes)]) if len(send_b[i]) == 1 else None
+            """Message ``i``'s source view when it is one contiguous box copied as it is (sent
+            without a copy)."""
+            plain = converted(i)[0]
+            p = plain[0] if len(plain) == 1 == len(send_b[i]) else None
+            return _direct_bytes([source.view(p.param, p.offsets, p.sizes)]) if p is not None else None
 
         @functools.cache
         def direct_in(i: int) -> torch.Tensor | None:
@@ -314,18 +339,27 @@ class StepRunner:
 
         def outgoing(i: int, slot: str) -> tuple[torch.Tensor, str | None]:
             """Message ``i``'s bytes and the slot they occupy: the source view itself (no slot)
-            when it is one contiguous box, else packed into ``slot``."""
+            when it is one contiguous box, else packed into ``slot`` (its converted boxes
+            converted into it)."""
             direct = direct_out(i)
             if direct is not None:
                 return direct, None
             end = bucket_nbytes(send_b[i])
             staged = self.staging.get(slot, end)
-            self.cuts.programs.run(
-                ("pack", send[1], i, forward),
-                lambda: pack_copies(source, send_b[i], staged),
-                {"staging": staged},
-                source.buffers,
-            )
+            plain, changed = converted(i)
+            if plain:
+                self.cuts.programs.run(
+                    ("pack", send[1], i, forward, convert is not None),
+                    lambda: pack_copies(source, plain, staged),
+                    {"staging": staged},
+                    source.buffers,
+                )
+            if changed:
+                started = time.perf_counter()
+                for p in changed:
+                    convert.write(p.param, p.offsets, p.sizes, piece_view(staged, p))
+                if self.timeline is not None:
+                    self.timeline.convert(started, time.perf_counter(), sum(p.nbytes for p in changed))
             return staged[send_b[i][0].offset : end], slot
 
         # Messages posted ahead (index -> requests): on a transport that matches a pair's messages

@@ -66,7 +66,7 @@ from realloc.shards import (
     local_copies,
     zero_padding,
 )
-from realloc.shards.convert import NonFiniteBlock, block_box, convert_rank, in_format, write_box
+from realloc.shards.convert import Converted, block_box, convert_rank, in_format, write_box
 from realloc.shards.synthetic import synthetic_box
 from realloc.spec import ModelSpec
 from realloc.spec.formats import FP8, scale_name, unformatted
@@ -714,13 +714,13 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         ``delta``: run the routes as deltas when it names a base version, and keep what was sent
         as the new base (actors/wire/delta.py)."""
         timeline, transport = lane.phases, lane.transport
-        # a sender converting into the plan's format collects blocks it cannot quantize (inf/NaN)
-        # and fails after the transfers, not before: its peers would wait for its routes until
-        # their collective timed out. The move then aborts like any failed one (nothing commits)
-        failed: list[NonFiniteBlock] = []
-        src, converted = (
-            self._source_store(wp.peers[me].src, timeline, failed) if wp.peers[me].src is not None else (None, False)
-        )
+        # a sender converting into the plan's format converts as it packs, and collects the blocks
+        # it cannot quantize (inf/NaN) in ``convert.failed``: it fails after the transfers, not
+        # before (its peers would wait for its routes until their collective timed out); the move
+        # then aborts like any failed one (nothing commits)
+        src, convert = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else (None, None)
+        if convert is not None and wp.local:
+            raise ValueError(f"worker of {self._realloc.group}: a plan converting on its senders has no local copies")
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
         moved = {"local": 0, "intra": 0, "inter": 0}
@@ -764,6 +764,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 cuts=wp.cuts,
                 delta=sides,
                 timeline=timeline,
+                convert=convert,
             )
             stall = self._realloc.faults.take("stall")
             if stall:
@@ -799,11 +800,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                     moved["local"] += local.result()
                 else:
                     local.exception()
-            if converted:  # a copy in the plan's weight format, made for sending: never the serving buffers
-                self._realloc.allocator.release(src.buffers)
         timeline.mark("local copies")
-        if failed:
-            raise failed[0]
+        if convert is not None and convert.failed:
+            raise convert.failed[0]
         result = self._finished(op, moved, lane)
         timeline.mark("device sync")
         if sides is not None:
@@ -812,18 +811,19 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             result.delta_base_bytes = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
 
-    def _source_store(self, src: RankLayout, timeline: Phases, failed: list | None = None) -> tuple[ShardStore, bool]:
-        """What this worker sends from, and whether it is a converted copy: its buffers, or (a
-        plan in another weight format than the one held, realloc/plan/formats.py) a converted
-        copy of them in fresh buffers (released after the transfers; its time is marked on the
-        ``timeline`` of the operation sending it). ``failed``: where blocks that cannot be
-        quantized are collected (:func:`~realloc.shards.convert.convert_store`)."""
+    def _source_store(self, src: RankLayout) -> tuple[ShardStore, Converted | None]:
+        """What this worker sends from: its buffers, and, for a plan in another weight format than
+        the one held (realloc/plan/formats.py), those buffers seen in the plan's format (each
+        message converted as it is packed: :class:`~realloc.shards.convert.Converted`)."""
         held = self._realloc.held
         if src == held:
-            return self._store_now(), False
+            return self._store_now(), None
         if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
             raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
-        return self._converted(held, self._store_now(), src, timeline, failed), True
+        if self._realloc.faults.take("exit_in_convert") is not None:
+            os._exit(1)
+        store = self._store_now()
+        return store, Converted(store, held.layout.spec.by_name, src.layout.spec.by_name)
 
     def _convert_destination(self, op: PendingOp, final: Layout, timeline: Phases) -> None:
         """Convert what ``op`` received (the destination in the sender's weight format) into
@@ -834,21 +834,19 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.allocator.release(op.buffers)
         op.dst, op.buffers = target, store.buffers
 
-    def _converted(
-        self, have: RankLayout, store: ShardStore, want: RankLayout, timeline: Phases, failed: list | None = None
-    ) -> ShardStore:
+    def _converted(self, have: RankLayout, store: ShardStore, want: RankLayout, timeline: Phases) -> ShardStore:
         """``store`` (rank ``have``) converted into fresh buffers of ``want``: the same rank in
         another weight format (realloc/shards/convert.py); the buffers go back on failure (a
-        block of inf/NaN to quantize raises :class:`~realloc.shards.convert.NonFiniteBlock`,
-        or is collected in ``failed``). The time is marked ``convert`` on ``timeline``: the
-        operation running it (never another's)."""
+        block of inf/NaN to quantize raises :class:`~realloc.shards.convert.NonFiniteBlock`).
+        The time is marked ``convert`` on ``timeline``: the operation running it (never
+        another's)."""
         if self._realloc.faults.take("exit_in_convert") is not None:
             os._exit(1)
         buffers = self._realloc.allocator.allocate(want.buffer_numels(), zero=False)
         out = ShardStore(want.shards(), buffers)
         zero_padding(out)
         try:
-            convert_rank(have.layout, want.layout, want.rank, store, out, failed)
+            convert_rank(have.layout, want.layout, want.rank, store, out)
         except BaseException:
             self._realloc.allocator.release(buffers)
             raise

@@ -30,17 +30,22 @@ import torch
 from realloc.layout import Layout
 from realloc.shards.store import TORCH_DTYPES, ShardStore
 from realloc.spec.formats import BLOCK, FP8, scale_name
+from realloc.spec.model import ParamSpec
 
 __all__ = [
     "FP8_MAX",
+    "QUANTIZE_ROWS",
+    "Converted",
     "NonFiniteBlock",
-    "check_finite_blocks",
     "block_box",
+    "block_scales",
+    "check_finite_blocks",
     "convert_rank",
     "convert_store",
     "dequantize_blocks",
     "in_format",
     "quantize_blocks",
+    "quantize_into",
     "write_box",
 ]
 
@@ -70,27 +75,58 @@ def check_finite_blocks(scale: torch.Tensor, name: str, offsets: tuple[int, ...]
     )
 
 
-def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``x`` (2-D) zero-padded to whole blocks, seen as ``[rows/B, B, cols/B, B]``."""
+#: Rows a quantization converts at a time (through one float32 buffer of that many rows): a
+#: block row's bytes stay in the core's caches between the widening, the scaling and the cast.
+QUANTIZE_ROWS = 32
+
+
+def block_scales(x: torch.Tensor) -> torch.Tensor:
+    """The float32 block scales ``[ceil(m/128), ceil(n/128)]`` of 2-D ``x`` whose element (0, 0)
+    starts a block: ``amax(|block|).clamp(1e-4) / 448`` (vLLM's rule; a block of ``inf`` or
+    ``NaN`` gets a non-finite scale). The largest magnitude is ``max(max, -min)`` in the weight's
+    own dtype, reduced along the contiguous rows first: no ``abs`` copy and no float32 copy of the
+    block (the same value as vLLM's ``abs().float().amax()``: both are exact)."""
     m, n = x.shape
     rows, cols = -(-m // BLOCK), -(-n // BLOCK)
-    padded = x
-    if (rows * BLOCK, cols * BLOCK) != (m, n):
-        padded = torch.zeros((rows * BLOCK, cols * BLOCK), dtype=x.dtype, device=x.device)
-        padded[:m, :n] = x
-    return padded.view(rows, BLOCK, cols, BLOCK), m, n
+    whole = n // BLOCK
+    amax = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    for r in range(rows):
+        band = x[r * BLOCK : (r + 1) * BLOCK]
+        parts = [(slice(0, whole), band[:, : whole * BLOCK].unflatten(1, (whole, BLOCK)))] if whole else []
+        if whole < cols:  # a last block cut by the tensor's edge
+            parts.append((slice(whole, cols), band[:, whole * BLOCK :].unsqueeze(1)))
+        for k, part in parts:
+            hi = part.amax(dim=2).amax(dim=0)
+            lo = part.amin(dim=2).amin(dim=0)
+            amax[r, k] = torch.maximum(hi, lo.neg())
+    return amax.float().clamp(1e-4) / FP8_MAX
+
+
+def quantize_into(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, offsets: tuple[int, int] = (0, 0)) -> None:
+    """Write ``(x * (1.0 / scale)).to(float8_e4m3fn)`` block by block into ``out`` (float8, ``x``'s
+    shape): vLLM's values. ``offsets``: where ``x`` starts in the weight (any box), ``scale`` being
+    the scales of the blocks it touches (:func:`block_box`). The product is formed in float32 as
+    vLLM's is (a bf16 value widens exactly), ``QUANTIZE_ROWS`` rows at a time."""
+    m, n = x.shape
+    r0, c0 = (o % BLOCK for o in offsets)
+    inverse = (1.0 / scale.float()).repeat_interleave(BLOCK, 1)[:, c0 : c0 + n]
+    wide = torch.empty(min(m, QUANTIZE_ROWS), n, dtype=torch.float32, device=x.device)
+    r = 0
+    while r < m:
+        k = min(QUANTIZE_ROWS, m - r, BLOCK - (r0 + r) % BLOCK)  # never across a block row
+        chunk = wide[:k]
+        chunk.copy_(x[r : r + k])
+        chunk.mul_(inverse[(r0 + r) // BLOCK])
+        out[r : r + k].copy_(chunk)
+        r += k
 
 
 def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(float8 values of x's shape, float32 scales [ceil(m/128), ceil(n/128)])`` of 2-D ``x``."""
-    view, m, n = _blocks(x)
-    # vLLM takes abs().float().amax(): the largest magnitude is the same taken before the exact
-    # widening to fp32, without an fp32 copy of the whole block (22% faster on a CPU core)
-    amax = view.abs().amax(dim=(1, 3), keepdim=True).float().clamp(1e-4)
-    scale = amax / FP8_MAX
-    values = (view * (1.0 / scale)).to(torch.float8_e4m3fn)
-    values = values.view(view.size(0) * BLOCK, view.size(2) * BLOCK)[:m, :n]
-    return values, scale.view(view.size(0), view.size(2))
+    scale = block_scales(x)
+    values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    quantize_into(x, scale, values)
+    return values, scale
 
 
 def dequantize_blocks(
@@ -145,20 +181,65 @@ def write_box(
     store.write(param, offsets, sizes, value)
 
 
-def convert_store(
-    src: ShardStore,
-    dst: ShardStore,
-    dtypes: dict[str, str],
-    src_dtypes: dict[str, str],
-    failed: list[NonFiniteBlock] | None = None,
-) -> int:
-    """Write every box ``dst`` holds from the same box of ``src`` (one topology, another format).
+class Converted:
+    """A rank's store seen in another weight format of the same topology: each box converted from
+    the store when it is written out (:meth:`write`), so a sender converts bucket by bucket as it
+    packs (``actors/wire/executor.py``) and no converted copy of the rank exists.
 
-    ``dtypes`` / ``src_dtypes``: each parameter's dtype on either side (the layouts' specs). A
-    quantized weight's scales are written with it. Returns the bytes written into ``dst``. A
-    weight with ``inf`` / ``NaN`` in a block it quantizes raises :class:`NonFiniteBlock` (or, with
-    ``failed`` a list, is collected there: :func:`write_box`).
-    """
+    ``have`` / ``want``: each parameter's :class:`~realloc.spec.model.ParamSpec` in the store's
+    format and in the other (the layouts' specs, ``spec.by_name``). A quantized weight's block
+    scales are computed once per box of blocks asked for (its values' box and its scales' box
+    name the same blocks) and kept for the conversion's life: a 4-byte scale per 16,384 values.
+    A block of ``inf`` / ``NaN`` to quantize is written (NaN on the FP8 side, as vLLM's rule
+    makes it) and its :class:`NonFiniteBlock` appended to ``failed``, once: the caller finishes
+    its collectives, then fails."""
+
+    def __init__(self, store: ShardStore, have: dict[str, ParamSpec], want: dict[str, ParamSpec]):
+        self.store, self.have, self.want = store, have, want
+        # the scales this conversion computes: those of weights it quantizes (not held as such)
+        self.weights = {scale_name(n): n for n, p in want.items() if p.dtype == FP8 and scale_name(n) not in have}
+        self.failed: list[NonFiniteBlock] = []
+        self._scales: dict[tuple, torch.Tensor] = {}
+
+    def converts(self, param: str) -> bool:
+        """Whether ``param``'s boxes differ from the store's bytes (not a plain copy)."""
+        return param not in self.have or self.have[param].dtype != self.want[param].dtype
+
+    def scales(self, weight: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The block scales of the box of blocks ``(offsets, sizes)`` of ``weight`` (in blocks)."""
+        key = (weight, offsets, sizes)
+        scale = self._scales.get(key)
+        if scale is None:
+            shape = self.want[weight].shape
+            start = tuple(o * BLOCK for o in offsets)
+            extent = tuple(min((o + s) * BLOCK, n) - a for o, s, n, a in zip(offsets, sizes, shape, start))
+            scale = self._scales[key] = block_scales(self.store.view(weight, start, extent))
+            try:
+                check_finite_blocks(scale, weight, start)
+            except NonFiniteBlock as e:
+                self.failed.append(e)
+        return scale
+
+    def write(self, param: str, offsets: tuple[int, ...], sizes: tuple[int, ...], out: torch.Tensor) -> None:
+        """Write the box ``(offsets, sizes)`` of ``param`` in the wanted format into ``out`` (a
+        tensor of that dtype and the box's sizes)."""
+        if param in self.weights:  # a quantized weight's scales
+            out.copy_(self.scales(self.weights[param], offsets, sizes))
+            return
+        value, have, want = self.store.view(param, offsets, sizes), self.have[param].dtype, self.want[param].dtype
+        if want == FP8 and have != FP8:
+            quantize_into(value, self.scales(param, *block_box(offsets, sizes)), out, offsets)
+        elif have == FP8 and want != FP8:
+            scale = self.store.view(scale_name(param), *block_box(offsets, sizes))
+            out.copy_(dequantize_blocks(value, scale, TORCH_DTYPES[want], offsets))
+        else:
+            out.copy_(value)
+
+
+def convert_store(src: Converted, dst: ShardStore) -> int:
+    """Write every box ``dst`` holds (every local copy of it) from ``src``, a store of one
+    topology seen in ``dst``'s format. Returns the bytes written; blocks that cannot be quantized
+    are in ``src.failed``."""
     written = 0
     done: set[tuple] = set()
     for shard in (s for shards in dst.index.by_param.values() for s in shards):
@@ -166,16 +247,9 @@ def convert_store(
         if key in done or 0 in shard.sizes:
             continue
         done.add(key)
-        param, offsets, sizes = key
-        if param not in src_dtypes:
-            continue  # the scales of a weight quantized here: written with the weight
-        have, want = src_dtypes[param], dtypes[param]
-        value = src.view(param, offsets, sizes)
-        if have == FP8 and want != FP8:
-            scale = src.view(scale_name(param), *block_box(offsets, sizes))
-            value = dequantize_blocks(value, scale, TORCH_DTYPES[want])
-        write_box(dst, param, offsets, sizes, value, want, failed)
-        written += value.numel() * TORCH_DTYPES[want].itemsize
+        for view in dst.views(*key):
+            src.write(*key, view)
+        written += shard.nbytes
     return written
 
 
@@ -187,15 +261,17 @@ def convert_rank(
     dst: ShardStore,
     failed: list[NonFiniteBlock] | None = None,
 ) -> int:
-    """:func:`convert_store` for rank ``rank`` of two layouts of one topology (formats may differ)."""
+    """:func:`convert_store` for rank ``rank`` of two layouts of one topology (formats may differ).
+    A block of ``inf`` / ``NaN`` to quantize raises :class:`NonFiniteBlock` once every box is
+    written, or, with ``failed`` a list, is appended there."""
     if src_layout.key[1:] != dst_layout.key[1:]:  # all but the (formatted) spec: the same placement
         raise ValueError(
             f"a conversion keeps the placement (topology, stages, conventions): {src_layout} -> {dst_layout}"
         )
-    return convert_store(
-        src,
-        dst,
-        {p.name: p.dtype for p in dst_layout.spec.params},
-        {p.name: p.dtype for p in src_layout.spec.params},
-        failed,
-    )
+    source = Converted(src, src_layout.spec.by_name, dst_layout.spec.by_name)
+    written = convert_store(source, dst)
+    if failed is None and source.failed:
+        raise source.failed[0]
+    if failed is not None:
+        failed += source.failed
+    return written

@@ -31,6 +31,7 @@ __all__ = [
     "local_copies",
     "pack",
     "pack_copies",
+    "piece_view",
     "stack_runs",
     "unpack",
     "unpack_copies",
@@ -77,7 +78,7 @@ def pack_copies(store: ShardStore, bucket: list[Piece], out: torch.Tensor) -> Co
     """The copies that pack a bucket's boxes from ``store`` into the byte tensor ``out``."""
     copies = Copies([], [], [], sum(p.nbytes for p in bucket))
     for p in bucket:
-        copies.add(_piece_view(out, p), store.view(p.param, p.offsets, p.sizes), p.param)
+        copies.add(piece_view(out, p), store.view(p.param, p.offsets, p.sizes), p.param)
     return copies
 
 
@@ -86,7 +87,7 @@ def unpack_copies(store: ShardStore, bucket: list[Piece], data: torch.Tensor) ->
     each box)."""
     copies = Copies([], [], [], sum(p.nbytes for p in bucket))
     for p in bucket:
-        value = _piece_view(data, p)
+        value = piece_view(data, p)
         for view in store.views(p.param, p.offsets, p.sizes):
             copies.add(view, value, p.param)
     return copies
@@ -246,7 +247,8 @@ def blend_into(new: Mapping[str, torch.Tensor], old: Mapping[str, torch.Tensor],
         buf.mul_(eta).add_(old[dtype], alpha=1.0 - eta)
 
 
-def _piece_view(data: torch.Tensor, p: Piece) -> torch.Tensor:
+def piece_view(data: torch.Tensor, p: Piece) -> torch.Tensor:
+    """Piece ``p``'s box in a bucket's byte tensor ``data``, as a tensor of its dtype and sizes."""
     dtype = TORCH_DTYPES[p.dtype]
     n = dtype.itemsize
     for s in p.sizes:
