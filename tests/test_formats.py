@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import queue
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,10 +19,13 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
+from actors.wire.executor import Staging, StepRunner
+from actors.wire.shares import PeerView
 from realloc.ckpt.hf import check_declared_format, load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.layout import Layout, Topology
-from realloc.plan import Placement
+from realloc.plan import Placement, plan_reallocation
 from realloc.plan.formats import conversion
+from realloc.plan.slices import slice_plan
 from realloc.shards import ShardStore, allocate_buffers, fused_views
 from realloc.shards.convert import (
     Converted,
@@ -37,8 +42,10 @@ from realloc.spec.formats import WEIGHT_FORMATS, formatted, hf_weight_format, qu
 
 try:
     from tests import oracle
+    from tests.test_delta_properties import MemoryTransport
 except ImportError:  # pytest put tests/ itself on sys.path
     import oracle
+    from test_delta_properties import MemoryTransport
 
 B = oracle.FP8_BLOCK
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -751,3 +758,76 @@ def test_megatron_block_fp8_is_refused_saying_why():
     spec = oracle.Decoder(256, 512, 2, 2, 2, 128, 100).spec()
     with pytest.raises(ValueError, match=r"Float8BlockwiseQTensor.*padded to a multiple of 4.*qkv_order='hf'"):
         Layout(spec, Topology(), qkv_order="megatron", weight_format="fp8_block128")
+
+
+# -- conversions in the bucket pipeline: senders that convert message by message ---------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from([1024, 3000, 4096, 70_000, 1 << 22]))
+def test_senders_convert_message_by_message_into_the_oracles_format(case, bucket_bytes):
+    """A plan whose sources are the wire layout (the senders' topology in the destination's
+    format) run by one :class:`StepRunner` per worker (threads, an in-memory transport) whose
+    sender holds its own format and converts each message as it packs it
+    (:class:`~realloc.shards.convert.Converted`): no converted copy of any shard. Buckets as small
+    as 1 KiB cut quantized weights mid-block (a piece's scales are then computed from the
+    whole blocks it touches); every destination shard must equal the oracle's quantizer (or cast)
+    applied to the full tensors, bit for bit."""
+
+    d, src_t, dst_t, _, dst_fmt, seed = case
+    assume(dst_fmt is not None)
+    spec = d.spec()
+    (sdp, sfsdp, stp, spp), (ddp, _, dtp, dpp) = dims(src_t), dims(dst_t)
+    assume(sfsdp == 1 and block_aligned(d, stp) and block_aligned(d, dtp))
+    src = Layout(spec, Topology(dp=sdp, tp=stp, pp=spp))
+    dst = Layout(spec, Topology(dp=ddp, tp=dtp, pp=dpp), weight_format=dst_fmt)
+    conv = conversion(src, dst)
+    assume(conv.where == "source")
+    n_src, n_dst = src.topology.world_size, dst.topology.world_size
+    placement = Placement.blocks(n_src + n_dst, 2 if (n_src + n_dst) % 2 == 0 else 1)
+    workers = {"src_workers": list(range(n_src)), "dst_workers": list(range(n_src, n_src + n_dst))}
+    plan = plan_reallocation(conv.wire.spec, conv.wire, dst, placement, bucket_bytes=bucket_bytes, **workers)
+    full = oracle.full_tensors(d, seed)
+    held = {r: fill(src, r, expected(d, full, {}, sdp, 1, stp, spp, r)) for r in range(n_src)}
+    out = {n_src + r: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(n_dst)}
+    peers = [PeerView(w, plan.nodes[w], conv.wire.at(w) if w < n_src else None, None) for w in range(n_src)]
+    peers += [PeerView(w, plan.nodes[w], None, dst.at(w - n_src)) for w in range(n_src, n_src + n_dst)]
+    boxes = {(i, j): queue.Queue() for i in range(len(peers)) for j in range(len(peers))}
+    sources = {w: Converted(held[w], src.spec.by_name, conv.wire.spec.by_name) for w in held}
+    errors = []
+
+    def worker(w: int) -> None:
+        try:
+            share = slice_plan(plan, [w])[0]
+            assert not share.local  # two groups: every box crosses the transport
+            runner = StepRunner(
+                MemoryTransport(boxes, w),
+                torch.device("cpu"),
+                share,
+                w,
+                peers,
+                held.get(w),
+                out.get(w),
+                staging=Staging(torch.device("cpu")),
+                convert=sources.get(w),
+            )
+            for s, routes in share.routes_by_step().items():
+                runner.run_step(s, routes)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append((w, err))
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(len(peers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert all(not s.failed for s in sources.values())
+    dst_full, dst_scales = formatted_full(d, full, dst_fmt)
+    for r in range(n_dst):
+        want = expected(d, dst_full, dst_scales, ddp, 1, dtp, dpp, r)
+        got = out[n_src + r].shard_tensors()
+        assert set(got) == set(want)
+        for slot in want:
+            assert same_bits(got[slot], want[slot]), (slot, r)
+    event(f"{dst_fmt}, {len(plan.buckets(0)) if plan.routes() else 0} buckets in the first list")

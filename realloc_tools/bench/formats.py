@@ -21,6 +21,25 @@ from actors import ModelGroup
 from realloc.layout import Topology
 
 
+def peak_reset(ctx) -> int:
+    """Reset this worker process's peak resident memory to what it holds now (``/proc`` clear_refs
+    5: VmHWM := VmRSS); returns that, in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def peak_now(ctx) -> int:
+    """This worker process's peak resident memory since its last :func:`peak_reset`, in bytes."""
+    return _status("VmHWM")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
 def measure(
     spec,
     src: Topology,
@@ -50,10 +69,14 @@ def measure(
             try:
                 trainer.copy_to(gen)  # warm-up: plans, the process group
                 pauses, executes = [], []
+                resting = {g: g.run(peak_reset, writes=False) for g in (trainer, gen)}
                 for _ in range(repeats):
                     stats = trainer.copy_to(gen)
                     pauses.append(stats.pause_seconds)
                     executes.append(stats.seconds)
+                # memory per worker above what it held before the timed copies (its weights, kept
+                # staging), at its peak during them
+                above = {g: max(p - r for p, r in zip(g.run(peak_now, writes=False), resting[g])) for g in resting}
                 bad = sorted(b for slots in gen.verify_synthetic(seed).values() for b in slots)
                 row = {
                     "model": spec.name,
@@ -67,6 +90,8 @@ def measure(
                     "dst_bytes_per_replica": gen.layout.spec.total_bytes(),
                     "pause_seconds": statistics.median(pauses),
                     "execute_seconds": statistics.median(executes),
+                    "sender_peak_extra_bytes": above[trainer],
+                    "receiver_peak_extra_bytes": above[gen],
                     "repeats": repeats,
                     "verified": not bad,
                     "mismatched": bad[:5],
@@ -75,7 +100,9 @@ def measure(
                 log(
                     f"{row['weight_format']}: wire {row['wire_bytes'] / 1e6:.1f} MB (inter-node "
                     f"{row['inter_node_bytes'] / 1e6:.1f} MB), pause {row['pause_seconds']:.3f} s, "
-                    f"converted {row['conversion'] or '-'}, verified {row['verified']}"
+                    f"converted {row['conversion'] or '-'}, peak memory per worker above resting: sender "
+                    f"{row['sender_peak_extra_bytes'] / 1e6:.0f} MB, receiver {row['receiver_peak_extra_bytes'] / 1e6:.0f} MB, "
+                    f"verified {row['verified']}"
                 )
             finally:
                 gen.shutdown()
@@ -86,8 +113,9 @@ def measure(
 
 def format_rows(rows: list[dict]) -> str:
     lines = [
-        "| generator format | converted | wire MB (inter-node) | local MB | pause s (median) | execute s | verified |",
-        "|---|---|---|---|---|---|---|",
+        "| generator format | converted | wire MB (inter-node) | local MB | pause s (median) | execute s "
+        "| peak MB per sender / receiver above resting | verified |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     base = rows[0]["wire_bytes"] if rows else 0
     for r in rows:
@@ -95,6 +123,7 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(
             f"| {r['weight_format']} | {r['conversion'] or '-'} | {r['wire_bytes'] / 1e6:.1f}{share} "
             f"({r['inter_node_bytes'] / 1e6:.1f}) | {r['local_bytes'] / 1e6:.1f} | {r['pause_seconds']:.3f} | "
-            f"{r['execute_seconds']:.3f} | {'yes' if r['verified'] else 'NO ' + ', '.join(r['mismatched'])} |"
+            f"{r['execute_seconds']:.3f} | {r['sender_peak_extra_bytes'] / 1e6:.0f} / "
+            f"{r['receiver_peak_extra_bytes'] / 1e6:.0f} | {'yes' if r['verified'] else 'NO ' + ', '.join(r['mismatched'])} |"
         )
     return "\n".join(lines)
