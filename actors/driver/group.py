@@ -1005,7 +1005,7 @@ class ModelGroup:
                         convert=other.layout if conv.where == "destination" else None,
                         blend=eta,
                     ),
-                    converting=conv.where is not None,
+                    converting=conv.where,
                 )
                 stats.conversion = conv.where
             except ReallocationError:
@@ -1072,7 +1072,7 @@ class ModelGroup:
             def make_plan() -> Plan:
                 return _plan(before, target, placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
 
-        shared = [info["zero_copy"] and conv.where is None for g in groups for info in g.infos]
+        shared = _zero_copy(groups, conv.where)
 
         def make_stats(plan: Plan, plan_seconds: float, result: PhaseResult) -> ReallocStats:
             return ReallocStats(
@@ -1230,6 +1230,20 @@ class ModelGroup:
 # -- helpers -------------------------------------------------------------------------------
 
 
+def _zero_copy(groups: list[ModelGroup], converting: str | None) -> list[bool]:
+    """Per worker of ``groups`` (the sending group first): whether its same-node peers read its
+    buffers in place. A move converting on the senders (realloc/plan/formats.py) reads none of
+    the sending group's (they hold another format than the plan's, each message converted as it
+    is packed) and the receivers' as usual (they hold the plan's format: fan-out reads stay
+    zero-copy); one converting on the receivers reads none (each replaces the buffers its peers
+    would read with their conversion)."""
+    return [
+        info["zero_copy"] and (converting is None or (converting == "source" and k > 0))
+        for k, g in enumerate(groups)
+        for info in g.infos
+    ]
+
+
 def _move(
     groups: list[ModelGroup],
     op: Operation,
@@ -1241,13 +1255,13 @@ def _move(
     started: float,
     *,
     order: MoveOrder = PLAIN_MOVE,
-    converting: bool = False,
+    converting: str | None = None,
 ) -> ReallocStats:
     """Plan, then run ``op`` over the plan (prepare, both phases and commit: one call per worker;
     with ``order.blend``: prepare, both phases, then the driver's commit, which blends).
 
-    ``converting``: the plan moves one side's weights in the other side's format (no zero-copy
-    reads then: a peer's buffers are not in the plan's format); ``order``: what the workers keep,
+    ``converting``: where the move converts weight formats (realloc/plan/formats.py; zero-copy
+    reads as :func:`_zero_copy` says); ``order``: what the workers keep,
     the delta, the layout the destination workers convert into before committing, the blend.
 
     The caller holds the groups' locks and changes its state only after this returns. Every wait,
@@ -1262,7 +1276,7 @@ def _move(
     except ReallocationError as err:  # e.g. a worker stopped before it joined: nothing changed, same report
         op.abort(err)
     if order.blend is None:
-        shared = [info["zero_copy"] and not converting for g in groups for info in g.infos]
+        shared = _zero_copy(groups, converting)
         result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, order)
         if any(result.phases):
             log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(result.phases))

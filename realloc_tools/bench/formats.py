@@ -77,6 +77,7 @@ def measure(
                 # memory per worker above what it held before the timed copies (its weights, kept
                 # staging), at its peak during them
                 above = {g: max(p - r for p, r in zip(g.run(peak_now, writes=False), resting[g])) for g in resting}
+                gen.trim_memory()  # the rollback set: room for the check on a small machine
                 bad = sorted(b for slots in gen.verify_synthetic(seed).values() for b in slots)
                 row = {
                     "model": spec.name,
