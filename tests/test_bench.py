@@ -534,3 +534,5 @@ def test_bench_weight_format_tiny(tmp_path):
     assert (fp8["weight_format"], fp8["conversion"]) == ("fp8_block128", "source")
     assert plain["verified"] is True and fp8["verified"] is True
     assert 0.45 < fp8["wire_bytes"] / plain["wire_bytes"] < 0.56  # e4m3 linears + fp32 scales vs bf16
+    # the senders convert message by message: no converted copy of their shards stays behind
+    assert fp8["sender_buffer_bytes"] == plain["sender_buffer_bytes"] > 0

@@ -15,9 +15,11 @@ checked against an independent reference by tests/test_formats.py).
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from actors import ModelGroup
+from actors.wire.zero_copy import SHM_DIR
 from realloc.layout import Topology
 
 
@@ -32,6 +34,13 @@ def peak_reset(ctx) -> int:
 def peak_now(ctx) -> int:
     """This worker process's peak resident memory since its last :func:`peak_reset`, in bytes."""
     return _status("VmHWM")
+
+
+def buffer_bytes(ctx) -> int:
+    """Bytes of the shared-memory buffer files this worker process holds (its weights, the spare
+    set it keeps for the next move, a converted copy): ``/dev/shm/realloc-p<pid>-*``."""
+    prefix = f"realloc-p{os.getpid()}-"
+    return sum(os.path.getsize(os.path.join(SHM_DIR, n)) for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
 def _status(field: str) -> int:
@@ -69,6 +78,7 @@ def measure(
             try:
                 trainer.copy_to(gen)  # warm-up: plans, the process group
                 pauses, executes = [], []
+                trainer.trim_memory()  # its spare set: resting is its weights alone
                 resting = {g: g.run(peak_reset, writes=False) for g in (trainer, gen)}
                 for _ in range(repeats):
                     stats = trainer.copy_to(gen)
@@ -77,6 +87,7 @@ def measure(
                 # memory per worker above what it held before the timed copies (its weights, kept
                 # staging), at its peak during them
                 above = {g: max(p - r for p, r in zip(g.run(peak_now, writes=False), resting[g])) for g in resting}
+                held = {g: max(g.run(buffer_bytes, writes=False)) for g in resting}
                 gen.trim_memory()  # the rollback set: room for the check on a small machine
                 bad = sorted(b for slots in gen.verify_synthetic(seed).values() for b in slots)
                 row = {
@@ -93,6 +104,8 @@ def measure(
                     "execute_seconds": statistics.median(executes),
                     "sender_peak_extra_bytes": above[trainer],
                     "receiver_peak_extra_bytes": above[gen],
+                    "sender_buffer_bytes": held[trainer],
+                    "receiver_buffer_bytes": held[gen],
                     "repeats": repeats,
                     "verified": not bad,
                     "mismatched": bad[:5],
@@ -101,7 +114,9 @@ def measure(
                 log(
                     f"{row['weight_format']}: wire {row['wire_bytes'] / 1e6:.1f} MB (inter-node "
                     f"{row['inter_node_bytes'] / 1e6:.1f} MB), pause {row['pause_seconds']:.3f} s, "
-                    f"converted {row['conversion'] or '-'}, peak memory per worker above resting: sender "
+                    f"converted {row['conversion'] or '-'}, shm buffers per worker: sender "
+                    f"{row['sender_buffer_bytes'] / 1e6:.0f} MB, receiver {row['receiver_buffer_bytes'] / 1e6:.0f} MB; "
+                    "peak RSS above resting (peers' mapped buffers count): sender "
                     f"{row['sender_peak_extra_bytes'] / 1e6:.0f} MB, receiver {row['receiver_peak_extra_bytes'] / 1e6:.0f} MB, "
                     f"verified {row['verified']}"
                 )
@@ -115,8 +130,8 @@ def measure(
 def format_rows(rows: list[dict]) -> str:
     lines = [
         "| generator format | converted | wire MB (inter-node) | local MB | pause s (median) | execute s "
-        "| peak MB per sender / receiver above resting | verified |",
-        "|---|---|---|---|---|---|---|---|",
+        "| buffers MB per sender / receiver | peak RSS MB above resting per sender / receiver | verified |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = rows[0]["wire_bytes"] if rows else 0
     for r in rows:
@@ -124,7 +139,8 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(
             f"| {r['weight_format']} | {r['conversion'] or '-'} | {r['wire_bytes'] / 1e6:.1f}{share} "
             f"({r['inter_node_bytes'] / 1e6:.1f}) | {r['local_bytes'] / 1e6:.1f} | {r['pause_seconds']:.3f} | "
-            f"{r['execute_seconds']:.3f} | {r['sender_peak_extra_bytes'] / 1e6:.0f} / "
+            f"{r['execute_seconds']:.3f} | {r['sender_buffer_bytes'] / 1e6:.0f} / {r['receiver_buffer_bytes'] / 1e6:.0f} | "
+            f"{r['sender_peak_extra_bytes'] / 1e6:.0f} / "
             f"{r['receiver_peak_extra_bytes'] / 1e6:.0f} | {'yes' if r['verified'] else 'NO ' + ', '.join(r['mismatched'])} |"
         )
     return "\n".join(lines)
