@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from actors.wire.executor import Staging, StepRunner
@@ -227,6 +227,43 @@ def test_quantizer_matches_the_oracle_on_edges_and_tiny_blocks():
     zero = torch.zeros(4, 4, dtype=torch.float32)  # amax clamped to 1e-4: zeros stay zero
     values, scales = quantize_blocks(zero)
     assert torch.equal(values.float(), zero) and scales.item() == pytest.approx(1e-4 / 448.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 700),
+    st.integers(1, 300),
+    st.integers(0, 300),
+    st.sampled_from([32, 128, 256, 1024]),
+    st.sampled_from(["none", "inf", "nan"]),
+)
+@example(600, 200, 0, 1024, "none")  # several block rows in one chunk
+@example(600, 130, 100, 512, "none")  # a head inside a block row, then whole block rows
+def test_the_gpus_one_pass_quantizer_gives_the_cpus_bits(m, n, row0, rows, bad):
+    """What a GPU runs (block amax in one padded pass, whole block rows scaled at once), run here
+    on the CPU: the same bits as the CPU's block-row path and as the oracle, for any box start
+    (``row0``: where the box starts in the weight) and chunk of rows, inf and NaN blocks too."""
+    from realloc.shards.convert import block_amax_by_rows, block_amax_padded, block_box, block_scales, quantize_into
+
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = (torch.randn(m, n, generator=g) * 3).to(torch.bfloat16)
+    if bad != "none":
+        x[m // 2, n // 2] = float(bad)
+    by_rows, padded = block_amax_by_rows(x), block_amax_padded(x)
+    assert same_bits(by_rows, padded)
+    if bad == "none":
+        assert same_bits(block_scales(x), oracle.fp8_block_quantize(x)[1])
+    # a box of the weight starting at row row0: its blocks' scales, quantized with any chunk of rows
+    weight = (torch.randn(row0 + m, n, generator=g) * 3).to(torch.bfloat16)
+    scale = block_scales(weight)
+    (b0, _), (nb, _) = block_box((row0, 0), (m, n))
+    box = weight[row0:]
+    want = torch.empty(m, n, dtype=torch.float8_e4m3fn)
+    got = torch.empty_like(want)
+    quantize_into(box, scale[b0 : b0 + nb], want, (row0, 0), rows=32)
+    quantize_into(box, scale[b0 : b0 + nb], got, (row0, 0), rows=rows)
+    assert same_bits(got, want)
+    assert same_bits(want, oracle.fp8_block_quantize(weight)[0][row0:])
 
 
 def test_which_parameters_are_quantized():

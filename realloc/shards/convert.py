@@ -34,9 +34,12 @@ from realloc.spec.model import ParamSpec
 
 __all__ = [
     "FP8_MAX",
+    "QUANTIZE_DEVICE_ELEMENTS",
     "QUANTIZE_ROWS",
     "Converted",
     "NonFiniteBlock",
+    "block_amax_by_rows",
+    "block_amax_padded",
     "block_box",
     "block_scales",
     "check_finite_blocks",
@@ -75,17 +78,36 @@ def check_finite_blocks(scale: torch.Tensor, name: str, offsets: tuple[int, ...]
     )
 
 
-#: Rows a quantization converts at a time (through one float32 buffer of that many rows): a
-#: block row's bytes stay in the core's caches between the widening, the scaling and the cast.
+#: Rows a quantization converts at a time on a CPU (through one float32 buffer of that many
+#: rows): a block row's bytes stay in the core's caches between the widening, the scaling and
+#: the cast.
 QUANTIZE_ROWS = 32
+#: Elements a quantization converts at a time on a GPU: whole block rows, few kernel launches (a
+#: CPU's row chunks cost a launch each there: measured on an H200, docs/benchmarks.md).
+QUANTIZE_DEVICE_ELEMENTS = 1 << 24
+
+
+def quantize_rows(x: torch.Tensor) -> int:
+    """Rows :func:`quantize_into` converts at a time for ``x``: :data:`QUANTIZE_ROWS` on a CPU,
+    whole block rows of up to :data:`QUANTIZE_DEVICE_ELEMENTS` elements on a GPU."""
+    if x.device.type == "cpu":
+        return QUANTIZE_ROWS
+    return max(1, QUANTIZE_DEVICE_ELEMENTS // (max(1, x.shape[1]) * BLOCK)) * BLOCK
 
 
 def block_scales(x: torch.Tensor) -> torch.Tensor:
     """The float32 block scales ``[ceil(m/128), ceil(n/128)]`` of 2-D ``x`` whose element (0, 0)
     starts a block: ``amax(|block|).clamp(1e-4) / 448`` (vLLM's rule; a block of ``inf`` or
-    ``NaN`` gets a non-finite scale). The largest magnitude is ``max(max, -min)`` in the weight's
-    own dtype, reduced along the contiguous rows first: no ``abs`` copy and no float32 copy of the
-    block (the same value as vLLM's ``abs().float().amax()``: both are exact)."""
+    ``NaN`` gets a non-finite scale). On a CPU block row by block row (:func:`block_amax_by_rows`),
+    on a GPU in one pass (:func:`block_amax_padded`): the same values."""
+    amax = block_amax_by_rows(x) if x.device.type == "cpu" else block_amax_padded(x)
+    return amax.float().clamp(1e-4) / FP8_MAX
+
+
+def block_amax_by_rows(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each block of 2-D ``x``, in its dtype: ``max(max, -min)`` reduced
+    along the contiguous rows first, one block row at a time: no ``abs`` copy and no float32
+    copy of the block (the same value as vLLM's ``abs().float().amax()``: both are exact)."""
     m, n = x.shape
     rows, cols = -(-m // BLOCK), -(-n // BLOCK)
     whole = n // BLOCK
@@ -99,24 +121,48 @@ def block_scales(x: torch.Tensor) -> torch.Tensor:
             hi = part.amax(dim=2).amax(dim=0)
             lo = part.amin(dim=2).amin(dim=0)
             amax[r, k] = torch.maximum(hi, lo.neg())
-    return amax.float().clamp(1e-4) / FP8_MAX
+    return amax
 
 
-def quantize_into(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, offsets: tuple[int, int] = (0, 0)) -> None:
+def block_amax_padded(x: torch.Tensor) -> torch.Tensor:
+    """:func:`block_amax_by_rows` in one pass over ``x`` zero-padded to whole blocks (a zero never
+    raises a magnitude): few kernel launches, one padded copy of ``x``."""
+    m, n = x.shape
+    rows, cols = -(-m // BLOCK), -(-n // BLOCK)
+    padded = torch.nn.functional.pad(x, (0, cols * BLOCK - n, 0, rows * BLOCK - m))
+    return padded.view(rows, BLOCK, cols, BLOCK).abs().amax(dim=(1, 3))
+
+
+def quantize_into(
+    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, offsets: tuple[int, int] = (0, 0), rows: int | None = None
+) -> None:
     """Write ``(x * (1.0 / scale)).to(float8_e4m3fn)`` block by block into ``out`` (float8, ``x``'s
     shape): vLLM's values. ``offsets``: where ``x`` starts in the weight (any box), ``scale`` being
     the scales of the blocks it touches (:func:`block_box`). The product is formed in float32 as
-    vLLM's is (a bf16 value widens exactly), ``QUANTIZE_ROWS`` rows at a time."""
+    vLLM's is (a bf16 value widens exactly), ``rows`` rows at a time (:func:`quantize_rows`; above
+    a block row, whole block rows scaled by one broadcast multiply: the same products)."""
     m, n = x.shape
     r0, c0 = (o % BLOCK for o in offsets)
+    rows = rows or quantize_rows(x)
     inverse = (1.0 / scale.float()).repeat_interleave(BLOCK, 1)[:, c0 : c0 + n]
-    wide = torch.empty(min(m, QUANTIZE_ROWS), n, dtype=torch.float32, device=x.device)
+    wide = torch.empty(min(m, rows), n, dtype=torch.float32, device=x.device)
     r = 0
     while r < m:
-        k = min(QUANTIZE_ROWS, m - r, BLOCK - (r0 + r) % BLOCK)  # never across a block row
-        chunk = wide[:k]
-        chunk.copy_(x[r : r + k])
-        chunk.mul_(inverse[(r0 + r) // BLOCK])
+        b, within = divmod(r0 + r, BLOCK)
+        if within or rows <= BLOCK:  # inside one block row
+            k = min(rows, m - r, BLOCK - within)
+            chunk = wide[:k]
+            chunk.copy_(x[r : r + k])
+            chunk.mul_(inverse[b])
+        else:  # whole block rows, the last maybe cut by the tensor's edge
+            k = min(rows // BLOCK * BLOCK, m - r)
+            chunk = wide[:k]
+            chunk.copy_(x[r : r + k])
+            full = k // BLOCK
+            if full:
+                chunk[: full * BLOCK].view(full, BLOCK, n).mul_(inverse[b : b + full].unsqueeze(1))
+            if k > full * BLOCK:
+                chunk[full * BLOCK :].mul_(inverse[b + full])
         out[r : r + k].copy_(chunk)
         r += k
 
