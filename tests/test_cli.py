@@ -491,16 +491,16 @@ def test_verify_of_an_fp8_plan_catches_a_wrong_conversion(capsys, monkeypatch):
     scale) is caught: the check does not take the conversion's own output as the truth."""
     import torch
 
-    import realloc.shards.convert as convert
+    from realloc.shards.convert import Converted
 
-    real = convert.in_format
+    real = Converted.write
 
-    def unscaled(value, dtype):
-        if dtype != "float8_e4m3fn":
-            return real(value, dtype)
-        return value.to(torch.float8_e4m3fn), real(value, dtype)[1]
+    def unscaled(self, param, offsets, sizes, out):  # the senders' conversion, message by message
+        if out.dtype != torch.float8_e4m3fn:
+            return real(self, param, offsets, sizes, out)
+        out.copy_(self.store.view(param, offsets, sizes).to(torch.float8_e4m3fn))
 
-    monkeypatch.setattr(convert, "in_format", unscaled)
+    monkeypatch.setattr(Converted, "write", unscaled)
     argv = ["plan", "--model", "tiny", "--src", "dp=2", "--dst", "pp=2", "--weight-format", "fp8_block128"]
     status, report = run_json(capsys, [*argv, "--gpus-per-node", "1", "--verify"])
     assert report.get("conversion", {}).get("where") == "source"
