@@ -89,12 +89,15 @@ class MoveOrder:
     ``delta=True`` (:class:`DeltaOrder`); ``convert``: the layout the destination workers convert
     into before committing (realloc/plan/formats.py); ``blend``: a blending commit's weight
     (``copy_to(eta=)``; the driver commits it, after every worker finished: it never travels in
-    ``op_run``). All None: a plain move."""
+    ``op_run``); ``relay``: the staged update whose staged set the senders send from instead of
+    their serving set (a fleet update relaying the trainer's weights from one replica to the
+    next: actors/driver/fleet.py; staged updates only). All None: a plain move."""
 
     keep: KeepOrder | None = None
     delta: DeltaOrder | None = None
     convert: Layout | None = None
     blend: float | None = None
+    relay: str | None = None
 
 
 #: The order of a plain move: nothing kept, no delta, no conversion, no blend.

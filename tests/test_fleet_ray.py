@@ -190,3 +190,39 @@ def test_a_fleet_update_that_staged_no_replica_is_an_error_not_a_success(cluster
     finally:
         for g in (trainer, alive, lost):
             g.shutdown()
+
+
+def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster):
+    """Issue 39 item 2: the trainer stages one replica; the staged replicas relay their staged sets
+    (not what they serve) to the others, doubling each round, across layouts and nodes. Before,
+    the trainer sent the model once per replica (4x its bytes for 4 replicas); now once."""
+    trainer = ModelGroup.create(SPEC, Topology(dp=2), name="fl-once-trainer")
+    layouts = [Topology(tp=2), Topology(), Topology(tp=2), Topology()]
+    replicas = [ModelGroup.create(SPEC, t, name=f"fl-once-r{i}", worker_cls=Replica) for i, t in enumerate(layouts)]
+    try:
+        for r in replicas:
+            r.init_synthetic(50)
+        fleet = Fleet(replicas)
+        trainer.init_synthetic(51)
+        served = {r.name: r.call("digest", writes=False) for r in replicas}
+        update = fleet.stage(trainer)
+        stats = update.wait()
+        # staged, not switched: every replica still serves the weights it served
+        assert {r.name: r.call("digest", writes=False) for r in replicas} == served
+        names = [r.name for r in replicas]
+        assert update.source_sends == 1
+        assert update.relayed_from[names[0]] == "fl-once-trainer"
+        assert update.relayed_from[names[1]] == names[0]  # round 1: one relay
+        assert {update.relayed_from[names[2]], update.relayed_from[names[3]]} == {names[0], names[1]}  # round 2
+        sent = {n: s.bytes_intra_node + s.bytes_inter_node + s.bytes_local for n, s in stats.items()}
+        # each replica receives the model once (tp=2 with its vocabulary padding)...
+        assert sent[names[1]] == sent[names[3]] == SPEC.total_bytes() and sent[names[0]] == sent[names[2]], sent
+        from_trainer = [n for n in names if update.relayed_from[n] == "fl-once-trainer"]
+        assert sum(sent[n] for n in from_trainer) == sent[names[0]]  # ...and the trainer sends it once
+        assert update.commit(at="now") == names
+        assert all(r.verify_synthetic(51) == {} for r in replicas)
+        # the weights of the trainer's version, and one version number everywhere (max(own + 1, the trainer's))
+        assert update.version == trainer.version and {r.version for r in replicas} == {trainer.version + 1}
+    finally:
+        for g in [trainer, *replicas]:
+            g.shutdown()

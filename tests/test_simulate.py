@@ -276,6 +276,38 @@ def test_cli_simulates_one_move(capsys):
     assert "nic_gbps" in capsys.readouterr().err
 
 
+def test_cli_simulates_a_fleet_that_relays_between_replicas(capsys):
+    """``--replicas R``: the trainer's copy into one replica, then ceil(log2 R) rounds of the
+    replica-to-replica copy (each simulated on its own here, as the oracle), the trainer's egress
+    once against R times when it stages each replica itself."""
+    cluster = ["--set", "gpus_per_node=2", "--set", "nics_per_node=2"]  # one node per replica
+    move = ["simulate", "--model", "tiny", "--dst", "tp=2", "--dst-workers", "2", *cluster, "--json"]
+
+    def run(*extra: str) -> dict:
+        assert main(move + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    copy, relay = run("--src", "dp=2"), run("--src", "tp=2")
+    for replicas, rounds in ((1, 0), (2, 1), (4, 2), (5, 3), (8, 3)):
+        fleet = run("--src", "dp=2", "--replicas", str(replicas))["fleet"]
+        assert fleet["relay_rounds"] == rounds
+        assert fleet["seconds"] == pytest.approx(copy["seconds"] + rounds * relay["seconds"])
+        assert fleet["seconds_trainer_sends_each"] == pytest.approx(replicas * copy["seconds"])
+        assert fleet["trainer_egress_bytes"] == copy["bytes_inter_node"] > 0
+        assert fleet["trainer_egress_bytes_trainer_sends_each"] == replicas * copy["bytes_inter_node"]
+        assert fleet["relay_bytes_inter_node"] == (replicas - 1) * relay["bytes_inter_node"]
+        assert fleet["ratio_to_receiver_nic_floor"] == pytest.approx(
+            fleet["seconds"] / copy["receiver_nic_floor_seconds"]
+        )
+    assert main(move + ["--src", "dp=2", "--replicas", "0"]) == 2
+    assert "--replicas 0" in capsys.readouterr().err
+    no_workers = ["simulate", "--model", "tiny", "--src", "dp=2", "--dst", "tp=2", *cluster, "--replicas", "2"]
+    assert main(no_workers) == 2
+    assert "needs --dst-workers" in capsys.readouterr().err
+    assert main(["simulate", "--anchors", "--replicas", "2"]) == 2
+    assert "--replicas" in capsys.readouterr().err
+
+
 def test_the_anchor_models_have_their_published_sizes():
     # Kimi-K2: 1.03T parameters (DeepSeek-V3's architecture, 384 experts); Qwen3-235B-A22B: 235B
     from realloc.spec import load_spec

@@ -525,6 +525,35 @@ def test_a_fleet_update_with_a_dead_replica_reaches_every_healthy_one(cluster):
         shut(trainer, *replicas)
 
 
+def test_a_relay_that_dies_mid_relay_is_dropped_and_the_others_are_staged_without_it(cluster):
+    """Issue 39 item 2: the fleet's first replica, staged by the trainer, dies while it relays its
+    staged set to the second. It is dropped (its survivor drops its staged set and serves what it
+    served); the second replica, whose transfer failed, is staged again, from the trainer since no
+    other staged replica is left, and relays to the third. Both commit bit-exact."""
+    trainer = None
+    replicas: list[ModelGroup] = []
+    try:
+        trainer = make("sf-relay-train", seed=NEW)
+        replicas = [make(f"sf-relay-r{i}") for i in range(3)]
+        relay, alive = replicas[0], replicas[1:]
+        fleet = Fleet(replicas)
+        old = serves(relay, [1])
+        ray.get(relay.actors[0].inject_fault.remote("exit_relaying", 5), timeout=60)
+        update = fleet.stage(trainer)
+        assert list(update.wait()) == [r.name for r in alive], update.errors
+        assert update.relayed_from == {alive[0].name: trainer.name, alive[1].name: alive[0].name}
+        assert update.source_sends == 2  # the trainer sent again: the only other staged replica died
+        assert list(update.errors) == [relay.name] and update.errors[relay.name].dead == [relay.actor_names[0]]
+        assert fleet.replicas == alive and [g for g, _ in fleet.dropped] == [relay]
+        assert update.commit(at="now") == [r.name for r in alive]
+        for r in alive:
+            assert r.verify_synthetic(NEW) == {} and r.version == update.updates[r.name].version
+        assert wait_until_unstaged(relay, [1])[0]["staged"] is None
+        assert serves(relay, [1]) == old  # the dead relay's survivor serves what it served
+    finally:
+        shut(trainer, *replicas)
+
+
 def test_a_dead_replica_leaves_the_fleet_and_never_seeds_a_joining_one(cluster):
     """A replica found dead is dropped from ``fleet.replicas`` (into ``fleet.dropped``) and is
     never picked as the seed of a joining replica (before, join picked it every time and failed)."""

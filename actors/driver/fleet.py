@@ -4,8 +4,10 @@ Asynchronous RL serves generation from several replicas of one model, each its o
 :class:`~actors.driver.group.ModelGroup` (its own layout, e.g. tp=2), that keep generating while the
 trainer's next weights arrive (staged updates, :mod:`actors.driver.staged`). A :class:`Fleet`:
 
-* ``fleet.stage(trainer)`` stages the trainer's weights into every replica, one replica after
-  the other (the trainer sends each its bytes; the replicas serve meanwhile) and returns a
+* ``fleet.stage(trainer)`` stages the trainer's weights into every replica, each byte leaving
+  the trainer once: the trainer stages one replica, and every staged replica relays its staged
+  set (not the weights it serves) to the next ones, the relays doubling each round (the
+  replicas serve meanwhile); it returns a
   :class:`FleetUpdate`; ``update.commit(at="safe_point")`` switches every staged replica in (each
   at its own safe point). A replica whose staging or commit fails (it died, it stalled past its
   ``timeout_s``) is *dropped* from the fleet with its error; the others commit. The whole update
@@ -17,7 +19,10 @@ Dead replicas: ``stage`` and ``join`` first ping every replica's workers; a repl
 worker is *dropped* from ``fleet.replicas`` then and there (into ``fleet.dropped``, with an error
 naming the dead workers), so it is never staged into nor picked as a joining replica's seed (nor
 is a seed that dies during the copy: the next replica serving the version seeds instead).
-Repair a dropped replica (``replace_dead_workers()``) and ``join`` it again. A replica whose
+Repair a dropped replica (``replace_dead_workers()``) and ``join`` it again. A relay that dies
+while it relays is dropped too (its live workers drop their staged sets), and the replica it was
+sending to is staged from another staged replica (from the trainer again only when none is
+left): a relay takes with it only what it had not yet delivered. A replica whose
 workers are alive but do not answer (a stopped process) is not dropped for that: an update
 stages it last, over a world of its own (the healthy replicas share one), and drops it only if
 its staging fails; a join does not seed from it.
@@ -194,10 +199,14 @@ class FleetUpdate:
     """One update of a fleet: staged into every replica, then committed on the staged ones.
 
     The source is held from the first replica's staging to the last one's, so every replica gets
-    the same weights, of ``version`` (the source's). ``updates``: replica name -> its
-    :class:`~actors.driver.staged.StagedUpdate`; ``errors``: replica name -> why it got no update;
-    ``skipped``: replicas that were busy (another operation, a call that writes) and keep serving
-    what they served; the others with an error were dropped from the fleet.
+    the same weights, of ``version`` (the source's). Each byte leaves the source once: the source
+    stages one replica, and the staged replicas relay their staged sets to the others, doubling
+    each round (:meth:`_relay_all`). ``updates``: replica name -> its
+    :class:`~actors.driver.staged.StagedUpdate`; ``relayed_from``: replica name -> the group it
+    was staged from (the source, or a replica); ``source_sends``: the source's transfers (1, more
+    only when every staged replica was lost as a relay); ``errors``: replica name -> why it got
+    no update; ``skipped``: replicas that were busy (another operation, a call that writes) and
+    keep serving what they served; the others with an error were dropped from the fleet.
     """
 
     def __init__(self, fleet: Fleet, source: ModelGroup, deadline: Deadline):
@@ -206,6 +215,8 @@ class FleetUpdate:
         self.updates: dict[str, StagedUpdate] = {}
         self.errors: dict[str, ReallocationError] = {}
         self.skipped: list[str] = []
+        self.relayed_from: dict[str, str] = {}  # replica name -> the group its weights came from
+        self.source_sends = 0  # transfers out of the source (1 unless every relay was lost)
         self.ended = False
         self._version: int | None = None
         self._failure: BaseException | None = None  # what ended the staging thread unexpectedly
@@ -239,8 +250,7 @@ class FleetUpdate:
                         source.world_for(STAGE, [source, *healthy], self.deadline)
                 except ReallocationError as err:  # e.g. one died since: each transfer forms its own world
                     log.info("fleet update: no world over every replica (%s); one per replica", err.message)
-                for replica in healthy + [r for r in self.replicas if r in silent]:  # the silent last
-                    self._stage_one(replica)
+                self._relay_all(healthy, [r for r in self.replicas if r in silent])
         except ReallocationError as err:  # the source stayed busy past the deadline: nobody was touched
             for replica in self.replicas:
                 self.errors.setdefault(replica.name, err)
@@ -250,7 +260,57 @@ class FleetUpdate:
         finally:
             self._staged.set()
 
-    def _stage_one(self, replica: ModelGroup) -> None:
+    def _relay_all(self, healthy: list[ModelGroup], silent: list[ModelGroup]) -> None:
+        """Stage ``healthy``, then ``silent`` (their workers did not answer the ping), each byte
+        leaving the source once: the source stages the first replica that takes it, and from then
+        on every staged replica relays its staged set to one pending replica per round, the
+        rounds' transfers side by side (1, 2, 4, ... replicas staged: ceil(log2(R)) + 1 rounds for
+        R replicas). A silent replica is staged alone, after the others. A transfer that fails
+        because its relay died or did not answer is retried from another staged replica (the
+        relay stops relaying; a dead one is dropped); the source sends again only when no
+        staged replica is left to relay (``source_sends`` counts its transfers)."""
+        relays: list[StagedUpdate] = []
+        pending = list(healthy)
+        while pending or silent:
+            if not relays:  # the source sends: the first replica, or again if every relay is gone
+                replica = pending.pop(0) if pending else silent.pop(0)
+                update = self._stage_one(replica, None)
+                if update is not None:
+                    relays.append(update)
+                continue
+            if pending:
+                pairs = list(zip(relays, pending))
+                del pending[: len(pairs)]
+            else:  # a silent replica: alone, so that no other transfer waits for it
+                pairs = [(relays[0], silent.pop(0))]
+            results: dict[str, StagedUpdate | ModelGroup | None] = {}
+            threads = [
+                threading.Thread(
+                    target=lambda relay=relay, replica=replica: results.__setitem__(
+                        replica.name, self._stage_one(replica, relay)
+                    ),
+                    name=f"realloc-fleet-relay-{replica.name}",
+                    daemon=True,
+                )
+                for relay, replica in pairs
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for relay, replica in pairs:
+                got = results.get(replica.name)
+                if isinstance(got, StagedUpdate):
+                    relays.append(got)
+                elif got is relay.dest:  # the relay failed the transfer: it relays no more; the replica waits
+                    relays = [u for u in relays if u is not relay]
+                    pending.insert(0, replica)
+
+    def _stage_one(self, replica: ModelGroup, relay: StagedUpdate | None) -> "StagedUpdate | ModelGroup | None":
+        """Stage ``replica`` from the source (``relay`` None) or from ``relay``'s staged set.
+        Returns its staged update; the relay's group when the relay's workers died or did not
+        answer (the replica was not dropped: it is staged from another); None when the replica
+        got nothing (skipped as busy, or dropped with its error)."""
         left = self.deadline.remaining()
         if left <= 0:
             self._drop(
@@ -261,27 +321,53 @@ class FleetUpdate:
                     layout=str(replica.layout),
                 ),
             )
-            return
+            return None
+        sender = self.source if relay is None else relay.dest
         try:
-            update = self.source.start_stage(
+            update = sender.start_stage(
                 replica,
                 replica.layout,
                 lambda: replica.copy_version(self.source),
                 None,
                 min(replica.timeout_s, left),
-                hold_source=False,  # held here, for every replica
+                hold_source=False,  # the source is held by the fleet update; a relay is staging
+                relay=relay,
             )
             self.updates[replica.name] = update
+            self.relayed_from[replica.name] = sender.name
             update.wait()
+            if relay is None:
+                self.source_sends += 1
+            return update
         except GroupBusyError as err:  # busy, not broken: it keeps serving what it served
             self.errors[replica.name] = err
             self.skipped.append(replica.name)
         except ReallocationError as err:
+            self.updates.pop(replica.name, None)
+            self.relayed_from.pop(replica.name, None)
+            if relay is not None:  # whose fault: the relay's (the replica is staged from another) or the replica's
+                broken = [n for n in (*err.dead, *err.unresponsive) if n in relay.dest.workers.names]
+                if broken and not any(n in replica.workers.names for n in err.dead):
+                    log.warning(
+                        "fleet update: relay %s failed staging %s (%s); it relays no more",
+                        relay.dest.name,
+                        replica.name,
+                        err.message,
+                    )
+                    if any(n in relay.dest.workers.names for n in err.dead):
+                        self._drop(relay.dest, err)
+                        try:  # its live workers drop their staged sets: it serves what it served
+                            relay.abort()
+                        except ReallocationError:
+                            pass  # its dead workers cannot answer; the live ones dropped theirs
+                    return relay.dest
             self._drop(replica, err)
+        return None
 
     def _drop(self, replica: ModelGroup, err: ReallocationError) -> None:
         self.errors[replica.name] = err
         self.updates.pop(replica.name, None)
+        self.relayed_from.pop(replica.name, None)
         self.fleet.drop(replica, err)
 
     def wait(self) -> dict[str, ReallocStats]:
@@ -303,7 +389,7 @@ class FleetUpdate:
                 f"served (skipped as busy: {self.skipped}; dropped from the fleet: "
                 f"{[n for n in self.errors if n not in self.skipped]}): {why}"
             )
-        return {name: u.stats for name, u in self.updates.items()}
+        return {r.name: self.updates[r.name].stats for r in self.replicas if r.name in self.updates}
 
     def commit(self, at: str = "safe_point") -> list[str]:
         """Commit every staged replica (``at``: as :meth:`StagedUpdate.commit`); a replica whose
@@ -313,7 +399,7 @@ class FleetUpdate:
             raise ValueError(f"at={at!r}; allowed: {', '.join(repr(a) for a in COMMIT_AT)}")
         self.wait()
         committed = []
-        for name, update in list(self.updates.items()):
+        for name, update in [(r.name, self.updates[r.name]) for r in self.replicas if r.name in self.updates]:
             try:
                 update.commit(at=at)
                 committed.append(name)

@@ -1047,11 +1047,14 @@ class ModelGroup:
         timeout_s: float | None = None,
         hold_source: bool = True,
         delta: bool = False,
+        relay: StagedUpdate | None = None,
     ) -> StagedUpdate:
         """Start a staged update of ``dest`` from this group (actors/driver/staged.py). ``version_of()``:
         the version it brings, read once the source is held (``hold_source=False``: the caller
         holds it, as a fleet update does for all its replicas); ``timeout_s`` bounds the transfer
-        (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``.
+        (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``;
+        ``relay``: a staged update of this group whose staged set is sent instead of the serving
+        one (a fleet update's relay; the caller keeps it staged until this one ends).
         ``reallocate``/``copy_to`` with ``stage=True`` and a fleet update (actors/driver/fleet.py) run it."""
         copy = dest is not self
         n = self.num_workers
@@ -1108,6 +1111,7 @@ class ModelGroup:
             timeout_s=timeout_s,
             hold_source=hold_source,
             delta=delta,
+            relay=relay,
         )
         dest.ledger.begin_stage(update)
         if not copy:

@@ -385,6 +385,6 @@ class GroupLedger:
             self._layout = update.target
             self._version = update.version
             if update.kind == "copy":
-                self._origin = (update.source.name, update.source_version)
+                self._origin = update.origin
         update.source.ledger.delta_done(update.sent_layout, self, update.delta_order, True)
         metrics.record_version(self.name, self._version)

@@ -82,13 +82,24 @@ class StagedUpdate:
         timeout_s: float | None = None,
         hold_source: bool = True,
         delta: bool = False,
+        relay: "StagedUpdate | None" = None,
     ):
-        if order.blend is not None or order.delta is not None:
+        if order.blend is not None or order.delta is not None or order.relay is not None:
             raise ValueError(
                 f"a staged update's order names what to keep and convert into; its delta order is decided "
-                f"once the source is held (delta=True) and it never blends, got {order!r}"
+                f"once the source is held (delta=True), it never blends, and it relays ``relay``, got {order!r}"
+            )
+        if relay is not None and (relay.dest is not source or delta or relay.target != source.layout):
+            raise ValueError(
+                f"a relay sends the staged set of an update into its source ({source.name!r} in layout "
+                f"{source.layout}) as it is, never as a delta; got {relay!r} (delta={delta})"
             )
         self.id = uuid.uuid4().hex[:12]
+        # relay: the staged update of ``source`` whose staged set (not its serving one) is sent: the
+        # weights are that update's source's, of its version (a fleet update: actors/driver/fleet.py)
+        self.relay = relay
+        if relay is not None:
+            order = replace(order, relay=relay.id)
         # keep: what the switch keeps; convert: the receivers convert into this layout
         # (realloc/plan/formats.py); delta: set once the source is held (actors/wire/delta.py)
         self.order = order
@@ -114,6 +125,14 @@ class StagedUpdate:
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._stage, name=f"realloc-stage-{self.id}", daemon=True)
+
+    @property
+    def origin(self) -> tuple[str, int | None]:
+        """Whose weights, of which version, the update brings: its source's when the source was
+        held; a relay's, those of the update it relays (the fleet's trainer)."""
+        if self.relay is not None:
+            return self.relay.origin
+        return self.source.name, self.source_version
 
     @property
     def keep(self) -> KeepOrder | None:

@@ -707,18 +707,25 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         return worker_plan
 
     def _run(
-        self, op: PendingOp, wp: WorkerPlan, me: int, lane: LaneState, delta: DeltaOrder | None = None
+        self,
+        op: PendingOp,
+        wp: WorkerPlan,
+        me: int,
+        lane: LaneState,
+        delta: DeltaOrder | None = None,
+        sending: "tuple[RankLayout, dict[str, torch.Tensor]] | None" = None,
     ) -> WorkerReport:
         """``op``'s part of ``wp`` on ``lane``: over its transport, through its bucket staging, marked
         on its timeline (a move's, ``op_run``; a staged update's, actors/worker/staging.py).
         ``delta``: run the routes as deltas when it names a base version, and keep what was sent
-        as the new base (actors/wire/delta.py)."""
+        as the new base (actors/wire/delta.py). ``sending``: the (rank, buffers) this worker sends
+        from when it is not its serving set (a staged set a fleet update relays)."""
         timeline, transport = lane.phases, lane.transport
         # a sender converting into the plan's format converts as it packs, and collects the blocks
         # it cannot quantize (inf/NaN) in ``convert.failed``: it fails after the transfers, not
         # before (its peers would wait for its routes until their collective timed out); the move
         # then aborts like any failed one (nothing commits)
-        src, convert = self._source_store(wp.peers[me].src) if wp.peers[me].src is not None else (None, None)
+        src, convert = self._source_store(wp.peers[me].src, sending) if wp.peers[me].src is not None else (None, None)
         if convert is not None and wp.local:
             raise ValueError(f"worker of {self._realloc.group}: a plan converting on its senders has no local copies")
         dst = op.store()
@@ -748,7 +755,11 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         sent: list = []
         ok = False
         try:
-            opened = handles.swap_handles(self._realloc, wp, op, transport) if (wp.read_from or wp.read_by) else {}
+            opened = (
+                handles.swap_handles(self._realloc, wp, op, transport, src.buffers if src is not None else None)
+                if (wp.read_from or wp.read_by)
+                else {}
+            )
             timeline.mark("handles")
             runner = StepRunner(
                 transport,
@@ -811,10 +822,17 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             result.delta_base_bytes = self._realloc.delta_base.nbytes if self._realloc.delta_base else 0
         return result
 
-    def _source_store(self, src: RankLayout) -> tuple[ShardStore, Converted | None]:
+    def _source_store(
+        self, src: RankLayout, sending: "tuple[RankLayout, dict[str, torch.Tensor]] | None" = None
+    ) -> tuple[ShardStore, Converted | None]:
         """What this worker sends from: its buffers, and, for a plan in another weight format than
         the one held (realloc/plan/formats.py), those buffers seen in the plan's format (each
-        message converted as it is packed: :class:`~realloc.shards.convert.Converted`)."""
+        message converted as it is packed: :class:`~realloc.shards.convert.Converted`).
+        ``sending``: a relayed staged set's (rank, buffers), sent as they are (never converted)."""
+        if sending is not None:
+            if src != sending[0]:
+                raise ValueError(f"worker of {self._realloc.group} relays a staged set of {sending[0]}, not {src}")
+            return ShardStore(src.shards(), sending[1]), None
         held = self._realloc.held
         if src == held:
             return self._store_now(), None

@@ -13,8 +13,17 @@ import os
 #: and staged ones); ``exit_in_commit`` exits when the next commit arrives, before anything is
 #: adopted; ``exit_after_commit`` after the new buffers were adopted, before the answer;
 #: ``exit_in_switch`` when a staged update's switch arrives; ``exit_in_convert`` when the worker
-#: converts weight formats.
-FAULTS = ("stall", "exit_after_buckets", "exit_in_commit", "exit_after_commit", "exit_in_switch", "exit_in_convert")
+#: converts weight formats; ``exit_relaying`` (n) exits after n buckets of the next staged
+#: transfer in which it relays a fleet update's staged set.
+FAULTS = (
+    "stall",
+    "exit_after_buckets",
+    "exit_in_commit",
+    "exit_after_commit",
+    "exit_in_switch",
+    "exit_in_convert",
+    "exit_relaying",
+)
 
 
 class Faults:

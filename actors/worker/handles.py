@@ -27,11 +27,16 @@ MAPPINGS_KEPT_OPS = 2
 
 
 def swap_handles(
-    st: WorkerState, wp: WorkerPlan, op: PendingOp, transport: Transport
+    st: WorkerState,
+    wp: WorkerPlan,
+    op: PendingOp,
+    transport: Transport,
+    source: "dict[str, torch.Tensor] | None" = None,
 ) -> dict[tuple[int, bool], ShardStore]:
     """Send each peer that maps my buffers the handles of exactly the buffers it reads, made
     for it alone; receive mine and open each once. Returns the opened stores by (the peer's
-    world rank, forward).
+    world rank, forward). ``source``: the buffers this worker sends from (default: the serving
+    set; a fleet update's relay sends from a staged set).
 
     One export per reader and buffer, each opened exactly once: a CUDA IPC export carries a
     reference count that the producer's freed block waits on (torch keeps it allocated, in
@@ -41,7 +46,7 @@ def swap_handles(
     outs = []
     for p, sides in wp.read_by.items():
         mine = {
-            "src": st.allocator.export(st.buffers) if False in sides else None,
+            "src": st.allocator.export(st.buffers if source is None else source) if False in sides else None,
             "dst": st.allocator.export(op.buffers) if True in sides else None,
         }
         outs.append((wp.peers[p].world_rank, handle_message(mine, st.wire)))

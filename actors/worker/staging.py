@@ -80,15 +80,29 @@ class StagingMixin:
         ``order`` (:class:`~actors.records.MoveOrder`; never a blend): ``keep``, what the switch
         keeps of the layout it leaves; ``delta``, a staged copy with ``delta=True``; ``convert``,
         the layout the shadow set ends in when the plan brings it in the sender's weight format
-        (converted here, before it is ready)."""
+        (converted here, before it is ready); ``relay``, the staged update whose ready staged set
+        this worker sends from (a fleet update's relay: it only sends, and its serving set is not
+        read)."""
         keep, delta, convert = order.keep, order.delta, order.convert
         st = self._realloc
         lane = self._check_world(world_id, STAGE)
         wp = self._worker_plan(key, plan_box, me)
         dst = wp.peers[me].dst
+        sending = None
         with st.stage_lock:
             if dst is None:  # it only sends: nothing of it changes
                 buffers, staged = None, StagedSet(update_id, version, None, None)
+                if order.relay is not None:
+                    relayed = st.staged
+                    if relayed is None or relayed.id != order.relay or not relayed.ready or relayed.switched:
+                        state = "none" if relayed is None else f"{relayed.id} (ready: {relayed.ready})"
+                        raise StaleOperationError(
+                            f"worker of {st.group} cannot relay staged update {order.relay}: its staged set is {state}"
+                        )
+                    sending = (relayed.dst, relayed.buffers)
+                    buckets = st.faults.take("exit_relaying")
+                    if buckets is not None:
+                        st.faults.arm("exit_after_buckets", buckets)
             else:
                 if st.staged is not None and st.staged.armed and not st.staged.switched:
                     raise StaleOperationError(
@@ -99,7 +113,7 @@ class StagingMixin:
                 staged = st.staged = StagedSet(update_id, version, dst, buffers, keep=keep)
         started = time.perf_counter()
         lane.phases = Phases(update_id)
-        result = self._run(_StagedOp(staged), wp, me, lane, delta)
+        result = self._run(_StagedOp(staged), wp, me, lane, delta, sending)
         if convert is not None and dst is not None:
             converted = _StagedOp(staged)
             self._convert_destination(converted, convert, lane.phases)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,13 @@ def add_simulate_parser(subparsers: Any) -> None:
         type=int,
         help="copy into this many other workers (a trainer -> generator copy); default: the same workers change layout",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="with --dst-workers: a fleet of this many replicas of --dst, each on --dst-workers workers "
+        "(Fleet.stage: the trainer stages one, the staged replicas relay to the rest, doubling each round; "
+        "reported beside the trainer staging every replica itself)",
+    )
     p.add_argument("--src-weight-format", help="weight format of the source (e.g. fp8_block128)")
     p.add_argument("--weight-format", dest="dst_weight_format", help="weight format of the destination")
     p.add_argument("--cluster", help=f"preset: {', '.join(sorted(PRESETS))} (default h100)")
@@ -142,6 +150,7 @@ MOVE_OPTIONS = (
     ("--src", "src"),
     ("--dst", "dst"),
     ("--dst-workers", "dst_workers"),
+    ("--replicas", "replicas"),
     ("--src-weight-format", "src_weight_format"),
     ("--weight-format", "dst_weight_format"),
     ("--cluster", "cluster"),
@@ -186,6 +195,24 @@ def run_simulate(args: argparse.Namespace) -> int:
         report = {"src": args.src, "dst": args.dst, "plan_seconds": seconds, **simulate(plan, cluster).to_json()}
         report["cluster_fields"] = cluster.to_json()
         text = format_result(report)
+        if args.replicas is not None:
+            if args.dst_workers is None or isinstance(args.replicas, bool) or args.replicas < 1:
+                raise ValueError(
+                    f"--replicas {args.replicas}: a fleet needs --dst-workers (each replica's workers) and "
+                    "one or more replicas"
+                )
+            relay, _ = plan_move(
+                load_spec(args.model),
+                args.dst,
+                args.dst,
+                cluster.gpus_per_node,
+                args.dst_workers,
+                args.dst_weight_format,
+                args.dst_weight_format,
+                bucket_bytes,
+            )
+            report["fleet"] = simulate_fleet(report, simulate(relay, cluster).to_json(), args.replicas)
+            text += "\n" + format_fleet(report["fleet"])
     print(json.dumps(report) if args.json else text)
     return 0
 
@@ -277,6 +304,51 @@ def simulate_anchor(anchor: Anchor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         "plan_seconds": seconds,
         **result,
     }
+
+
+def simulate_fleet(copy: dict, relay: dict, replicas: int) -> dict:
+    """A fleet update of ``replicas`` replicas (actors/driver/fleet.py) from two simulated moves:
+    ``copy`` (the trainer into one replica) and ``relay`` (one replica into another, in the
+    replicas' layout and format). The trainer stages one replica, then every staged replica
+    relays to one more per round, the rounds' relays side by side on disjoint nodes: ``copy +
+    ceil(log2(replicas)) x relay`` seconds, the model once out of the trainer. Before, the trainer
+    staged each replica in turn: ``replicas x copy`` seconds, ``replicas`` times its bytes. The
+    floor: every replica takes the model in through its own NICs, all at once at best (the
+    copy's receiver-NIC floor)."""
+    rounds = math.ceil(math.log2(replicas)) if replicas > 1 else 0
+    floor = copy["receiver_nic_floor_seconds"]
+    after = copy["seconds"] + rounds * relay["seconds"]
+    before = replicas * copy["seconds"]
+    return {
+        "replicas": replicas,
+        "relay_rounds": rounds,
+        "copy_seconds": copy["seconds"],
+        "relay_seconds": relay["seconds"],
+        "seconds": after,
+        "seconds_trainer_sends_each": before,
+        "receiver_nic_floor_seconds": floor,
+        "ratio_to_receiver_nic_floor": after / floor if floor else None,
+        "ratio_trainer_sends_each": before / floor if floor else None,
+        "trainer_egress_bytes": copy["bytes_inter_node"],
+        "trainer_egress_bytes_trainer_sends_each": replicas * copy["bytes_inter_node"],
+        "relay_bytes_inter_node": (replicas - 1) * relay["bytes_inter_node"],
+    }
+
+
+def format_fleet(f: dict) -> str:
+    ratio = f"{f['ratio_to_receiver_nic_floor']:.2f}x" if f["ratio_to_receiver_nic_floor"] else "-"
+    before = f"{f['ratio_trainer_sends_each']:.2f}x" if f["ratio_trainer_sends_each"] else "-"
+    return "\n".join(
+        [
+            f"fleet of {f['replicas']}: the trainer stages one replica ({f['copy_seconds']:.3f} s), then "
+            f"{f['relay_rounds']} relay round(s) of {f['relay_seconds']:.3f} s",
+            f"  simulated {f['seconds']:.3f} s ({ratio} the receiver-NIC floor {f['receiver_nic_floor_seconds']:.3f} s); "
+            f"the trainer staging every replica: {f['seconds_trainer_sends_each']:.3f} s ({before})",
+            f"  trainer egress {f['trainer_egress_bytes'] / 1e9:.2f} GB (staging every replica: "
+            f"{f['trainer_egress_bytes_trainer_sends_each'] / 1e9:.2f} GB); between replicas "
+            f"{f['relay_bytes_inter_node'] / 1e9:.2f} GB",
+        ]
+    )
 
 
 def read_json_file(path: str, option: str) -> Any:
