@@ -141,6 +141,11 @@ def test_bad_options_are_usage_errors(capsys):
     assert main(["bench", "--staged-only", "--trace", "t.json"]) == 2
     assert main(["bench", "--weight-format", "fp8_block128", "--model", "tiny"]) == 2  # tp=2 splits its blocks
     assert "needs 12 actors" in capsys.readouterr().err
+    assert main(["bench", "--fleet", "0"]) == 2
+    assert "--fleet must be at least 1 replica" in capsys.readouterr().err
+    assert main(["bench", "--fleet", "2", "--fleet-layouts", "dp=2"]) == 2
+    assert "--fleet-layouts: 'dp=2' is not 'trainer->generator'" in capsys.readouterr().err
+    assert main(["bench", "--fleet", "2", "--fleet-layouts", "dp=2->tp=3"]) == 2
     # the vLLM measurements: refused before Ray or vLLM start
     assert main(["bench", "--vllm", "--vllm-trainer"]) == 2
     assert "run one at a time" in capsys.readouterr().err

@@ -130,6 +130,18 @@ def add_bench_parser(subparsers) -> None:
     )
     p.add_argument("--delta-steps", type=int, default=10, help="AdamW steps per learning rate (default 10)")
     p.add_argument(
+        "--fleet",
+        type=int,
+        metavar="R",
+        help="run the fleet measurement alone: R replica groups updated by Fleet.stage (relayed: the trainer "
+        "sends once) beside the trainer staging each replica in turn (realloc_tools/bench/fleet.py)",
+    )
+    p.add_argument(
+        "--fleet-layouts",
+        default="dp=2->tp=2",
+        help="the fleet measurement's 'trainer->replica' layouts (default dp=2->tp=2)",
+    )
+    p.add_argument(
         "--weight-format",
         help="run the weight-format measurement alone: the trainer (--src) copied into a generator "
         "(--dst) in its own format, then in this one (e.g. fp8_block128; realloc_tools/format_bench.py)",
@@ -193,11 +205,11 @@ def parse_transitions(
     return out
 
 
-def parse_staged(text: str) -> tuple[Topology, Topology]:
-    """``--staged-layouts``: ``'trainer->generator'`` (two groups, each on actors of its own)."""
+def parse_staged(text: str, option: str = "--staged-layouts") -> tuple[Topology, Topology]:
+    """``--staged-layouts`` (or ``option``): ``'trainer->generator'`` (two groups, each on actors of its own)."""
     a, sep, b = text.partition("->")
     if not sep or not a.strip() or not b.strip():
-        raise ValueError(f"--staged-layouts: {text!r} is not 'trainer->generator' (e.g. '{DEFAULT_STAGED}')")
+        raise ValueError(f"{option}: {text!r} is not 'trainer->generator' (e.g. '{DEFAULT_STAGED}')")
     return Topology.parse(a.strip()), Topology.parse(b.strip())
 
 
@@ -220,6 +232,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_vllm_bench(args)
     if args.delta:
         return run_delta_bench(args)
+    if args.fleet is not None:
+        return run_fleet_bench(args)
     if args.weight_format is not None:
         return run_format_bench(args)
     spec = load_spec(args.model)
@@ -315,6 +329,27 @@ def run_delta_bench(args: argparse.Namespace) -> int:
         print(json.dumps({"delta": rows}))
     else:
         print(format_rows(rows))
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+def run_fleet_bench(args: argparse.Namespace) -> int:
+    """``--fleet R``: a relayed fleet update beside the trainer staging each replica; exit 1 unless
+    every replica ended bit-exact after every update."""
+    from realloc.spec import load_spec
+    from realloc_tools.bench.fleet import format_rows, measure
+
+    if isinstance(args.fleet, bool) or args.fleet < 1:
+        raise ValueError(f"--fleet must be at least 1 replica, got {args.fleet}")
+    spec = load_spec(args.model)
+    layouts = parse_staged(args.fleet_layouts, "--fleet-layouts")
+    for t in layouts:
+        t.check(spec)
+    check_run_args(args)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        with ray_for_command(args.address, args.nodes, 8) as where:
+            log_line(f"fleet bench on {where}")
+            rows = measure(spec, args.fleet, layouts, int(args.bucket_mb * MB), args.repeats, log=log_line)
+    print(json.dumps({"fleet": rows}) if args.json else format_rows(rows))
     return 0 if all(r["exact"] for r in rows) else 1
 
 
