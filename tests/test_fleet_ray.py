@@ -13,6 +13,7 @@ import ray
 from simulated import simulated_cluster, wait_for_dead_workers
 
 from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
+from actors.driver.fleet import FleetUpdate
 from actors.lanes import STAGE
 from realloc import ModelSpec, Topology
 
@@ -162,6 +163,7 @@ def test_a_fleet_update_that_staged_no_replica_is_an_error_not_a_success(cluster
     trainer = ModelGroup.create(SPEC, Topology(dp=2), name="fl-none-trainer")
     alive = ModelGroup.create(SPEC, Topology(tp=2), name="fl-none-alive")
     lost = ModelGroup.create(SPEC, Topology(tp=2), name="fl-none-lost")
+    spare = ModelGroup.create(SPEC, Topology(tp=2), name="fl-none-spare")
     try:
         trainer.init_synthetic(41)
         alive.init_synthetic(40)
@@ -181,14 +183,31 @@ def test_a_fleet_update_that_staged_no_replica_is_an_error_not_a_success(cluster
             raise RuntimeError("ping failed")
 
         monkeypatch.setattr("actors.driver.fleet._ping", broken_ping)
-        with pytest.raises(
-            ReallocationError, match=r"failed before any replica was staged \(RuntimeError: ping failed\)"
-        ):
+        with pytest.raises(ReallocationError, match=r"failed on the driver \(RuntimeError: ping failed\)"):
             fleet.stage(trainer).wait()
         assert fleet.replicas == [alive] and alive.version == before
         assert alive.verify_synthetic(40) == {}
+
+        # a defect in a relay round, after the trainer staged the first replica: that staged set is
+        # dropped too, and nothing switches in (before relays, the message said none was staged)
+        monkeypatch.undo()
+        spare.init_synthetic(40)
+        real = FleetUpdate._stage_one
+
+        def broken_relay(self, replica, relay):
+            if relay is not None:
+                raise RuntimeError("relay defect")
+            return real(self, replica, relay)
+
+        monkeypatch.setattr(FleetUpdate, "_stage_one", broken_relay)
+        fleet = Fleet([alive, spare])
+        with pytest.raises(ReallocationError, match=r"\(RuntimeError: relay defect\); no replica switched"):
+            fleet.stage(trainer).commit()
+        assert fleet.replicas == [alive, spare] and alive.version == before
+        assert all(ray.get(a.stage_status.remote(), timeout=60)["staged"] is None for a in alive.actors)
+        assert alive.verify_synthetic(40) == {} and spare.verify_synthetic(40) == {}
     finally:
-        for g in (trainer, alive, lost):
+        for g in (trainer, alive, lost, spare):
             g.shutdown()
 
 

@@ -257,6 +257,12 @@ class FleetUpdate:
                 self.skipped.append(replica.name)
         except BaseException as err:  # a defect, not a fault of a replica: wait() raises it, never {}
             self._failure = err
+            for update in list(self.updates.values()):  # nothing switches in: every staged set is dropped
+                try:
+                    update.abort()
+                except (ReallocationError, ValueError) as why:
+                    log.warning("fleet update: dropping %s after a defect: %s", update.label, why)
+            self.updates.clear()
         finally:
             self._staged.set()
 
@@ -284,20 +290,24 @@ class FleetUpdate:
             else:  # a silent replica: alone, so that no other transfer waits for it
                 pairs = [(relays[0], silent.pop(0))]
             results: dict[str, StagedUpdate | ModelGroup | None] = {}
+            defects: list[BaseException] = []
+
+            def relay_one(relay: StagedUpdate, replica: ModelGroup) -> None:
+                try:
+                    results[replica.name] = self._stage_one(replica, relay)
+                except BaseException as err:  # a defect: the staging thread ends with it (wait() raises it)
+                    defects.append(err)
+
             threads = [
-                threading.Thread(
-                    target=lambda relay=relay, replica=replica: results.__setitem__(
-                        replica.name, self._stage_one(replica, relay)
-                    ),
-                    name=f"realloc-fleet-relay-{replica.name}",
-                    daemon=True,
-                )
-                for relay, replica in pairs
+                threading.Thread(target=relay_one, args=pair, name=f"realloc-fleet-relay-{pair[1].name}", daemon=True)
+                for pair in pairs
             ]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
+            if defects:
+                raise defects[0]
             for relay, replica in pairs:
                 got = results.get(replica.name)
                 if isinstance(got, StagedUpdate):
@@ -378,9 +388,9 @@ class FleetUpdate:
             raise TimeoutError("fleet update: staging did not end within the fleet's deadline")
         if self._failure is not None:
             raise ReallocationError(
-                f"fleet update from {self.source.name!r} failed before any replica was staged "
-                f"({type(self._failure).__name__}: {self._failure}); no replica was touched: each keeps "
-                "serving what it served"
+                f"fleet update from {self.source.name!r} failed on the driver "
+                f"({type(self._failure).__name__}: {self._failure}); no replica switched (the staged sets were "
+                "dropped): each keeps serving what it served"
             ) from self._failure
         if not self.updates:
             why = "; ".join(f"{name}: {err}" for name, err in self.errors.items()) or "the fleet has no replica"
