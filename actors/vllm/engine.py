@@ -135,7 +135,7 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         if self.parallel_config.data_parallel_size != 1:
             raise ValueError(
                 f"the realloc backend serves one data-parallel replica per engine (data_parallel_size="
-                f"{self.parallel_config.data_parallel_size}); start one engine per replica and update them as a Fleet"
+                f"{self.parallel_config.data_parallel_size}); start one engine per replica (data_parallel_size=1) and update each one (trainer.copy_to(engine)); a Fleet takes realloc groups only"
             )
         params = [(str(n), tuple(int(x) for x in shape), str(d)) for n, shape, d in init_info.params]
         control = connect_rendezvous(init_info.store_host, init_info.store_port, 1, init_info.timeout_s)
