@@ -211,10 +211,11 @@ def test_a_fleet_update_that_staged_no_replica_is_an_error_not_a_success(cluster
             g.shutdown()
 
 
-def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster):
+def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster, monkeypatch):
     """Issue 39 item 2: the trainer stages one replica; the staged replicas relay their staged sets
-    (not what they serve) to the others, doubling each round, across layouts and nodes. Before,
-    the trainer sent the model once per replica (4x its bytes for 4 replicas); now once."""
+    (not what they serve) to the others, doubling each round, across layouts and nodes, while the
+    trainer is free again. Before, the trainer sent the model once per replica (4x its bytes for 4
+    replicas), held the whole time; now once, held for its one transfer."""
     trainer = ModelGroup.create(SPEC, Topology(dp=2), name="fl-once-trainer")
     layouts = [Topology(tp=2), Topology(), Topology(tp=2), Topology()]
     replicas = [ModelGroup.create(SPEC, t, name=f"fl-once-r{i}", worker_cls=Replica) for i, t in enumerate(layouts)]
@@ -224,8 +225,20 @@ def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster):
         fleet = Fleet(replicas)
         trainer.init_synthetic(51)
         served = {r.name: r.call("digest", writes=False) for r in replicas}
+        real, held = FleetUpdate._stage_one, []
+
+        def stage_one(self, replica, relay):
+            if relay is not None:  # a relay: is the trainer free (its training step could run now)?
+                free = self.source.ledger._lock.acquire(timeout=0)
+                if free:
+                    self.source.ledger._lock.release()
+                held.append(not free)
+            return real(self, replica, relay)
+
+        monkeypatch.setattr(FleetUpdate, "_stage_one", stage_one)
         update = fleet.stage(trainer)
         stats = update.wait()
+        assert held == [False, False, False]  # three relays, the trainer free during each
         # staged, not switched: every replica still serves the weights it served
         assert {r.name: r.call("digest", writes=False) for r in replicas} == served
         names = [r.name for r in replicas]
@@ -242,6 +255,23 @@ def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster):
         assert all(r.verify_synthetic(51) == {} for r in replicas)
         # the weights of the trainer's version, and one version number everywhere (max(own + 1, the trainer's))
         assert update.version == trainer.version and {r.version for r in replicas} == {trainer.version + 1}
+
+        # Every relay lost (made to fail here) after the trainer moved on: the trainer is not asked
+        # again for weights of another version; the replicas left keep serving what they served.
+        def relay_lost(self, replica, relay):
+            if relay is None:
+                return real(self, replica, relay)
+            trainer.init_synthetic(53)  # the trainer is free: its next step runs
+            return relay.dest
+
+        monkeypatch.setattr(FleetUpdate, "_stage_one", relay_lost)
+        trainer.init_synthetic(52)
+        update = fleet.stage(trainer)
+        assert list(update.wait()) == [names[0]] and update.source_sends == 1
+        assert sorted(update.skipped) == sorted(names[1:]) and set(update.errors) == set(names[1:])
+        assert "holds version" in str(update.errors[names[1]]) and fleet.replicas == replicas
+        assert update.commit(at="now") == [names[0]]
+        assert replicas[0].verify_synthetic(52) == {} and all(r.verify_synthetic(51) == {} for r in replicas[1:])
     finally:
         for g in [trainer, *replicas]:
             g.shutdown()

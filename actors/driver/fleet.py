@@ -5,9 +5,9 @@ Asynchronous RL serves generation from several replicas of one model, each its o
 trainer's next weights arrive (staged updates, :mod:`actors.driver.staged`). A :class:`Fleet`:
 
 * ``fleet.stage(trainer)`` stages the trainer's weights into every replica, each byte leaving
-  the trainer once: the trainer stages one replica, and every staged replica relays its staged
-  set (not the weights it serves) to the next ones, the relays doubling each round (the
-  replicas serve meanwhile); it returns a
+  the trainer once: the trainer is held while it stages one replica, and then every staged
+  replica relays its staged set (not the weights it serves) to the next ones, the relays
+  doubling each round (the replicas serve meanwhile, and the trainer is free); it returns a
   :class:`FleetUpdate`; ``update.commit(at="safe_point")`` switches every staged replica in (each
   at its own safe point). A replica whose staging or commit fails (it died, it stalled past its
   ``timeout_s``) is *dropped* from the fleet with its error; the others commit. The whole update
@@ -198,10 +198,10 @@ def _ping(
 class FleetUpdate:
     """One update of a fleet: staged into every replica, then committed on the staged ones.
 
-    The source is held from the first replica's staging to the last one's, so every replica gets
-    the same weights, of ``version`` (the source's). Each byte leaves the source once: the source
-    stages one replica, and the staged replicas relay their staged sets to the others, doubling
-    each round (:meth:`_relay_all`). ``updates``: replica name -> its
+    The source is held until one replica is staged from it; the staged replicas then relay their
+    staged sets to the others, doubling each round (:meth:`_relay_all`), while the source is free
+    (its next training step may run). So each byte leaves the source once, and every replica gets
+    the same weights, of ``version`` (the source's when it was held). ``updates``: replica name -> its
     :class:`~actors.driver.staged.StagedUpdate`; ``relayed_from``: replica name -> the group it
     was staged from (the source, or a replica); ``source_sends``: the source's transfers (1, more
     only when every staged replica was lost as a relay); ``errors``: replica name -> why it got
@@ -250,8 +250,11 @@ class FleetUpdate:
                         source.world_for(STAGE, [source, *healthy], self.deadline)
                 except ReallocationError as err:  # e.g. one died since: each transfer forms its own world
                     log.info("fleet update: no world over every replica (%s); one per replica", err.message)
-                self._relay_all(healthy, [r for r in self.replicas if r in silent])
-        except ReallocationError as err:  # the source stayed busy past the deadline: nobody was touched
+                pending, quiet = list(healthy), [r for r in self.replicas if r in silent]
+                relays = self._from_source(pending, quiet)
+            # the source is free again (its next training step may run): the relays carry its weights
+            self._relay_all(relays, pending, quiet)
+        except GroupBusyError as err:  # the source stayed busy past the deadline: nobody was touched
             for replica in self.replicas:
                 self.errors.setdefault(replica.name, err)
                 self.skipped.append(replica.name)
@@ -266,23 +269,56 @@ class FleetUpdate:
         finally:
             self._staged.set()
 
-    def _relay_all(self, healthy: list[ModelGroup], silent: list[ModelGroup]) -> None:
-        """Stage ``healthy``, then ``silent`` (their workers did not answer the ping), each byte
-        leaving the source once: the source stages the first replica that takes it, and from then
-        on every staged replica relays its staged set to one pending replica per round, the
-        rounds' transfers side by side (1, 2, 4, ... replicas staged: ceil(log2(R)) + 1 rounds for
-        R replicas). A silent replica is staged alone, after the others. A transfer that fails
-        because its relay died or did not answer is retried from another staged replica (the
-        relay stops relaying; a dead one is dropped); the source sends again only when no
-        staged replica is left to relay (``source_sends`` counts its transfers)."""
-        relays: list[StagedUpdate] = []
-        pending = list(healthy)
+    def _from_source(self, pending: list[ModelGroup], silent: list[ModelGroup]) -> list[StagedUpdate]:
+        """The source (held by the caller) stages the first of ``pending``, then ``silent``, that
+        takes it (taken off the lists); the staged update, as the first relay (none if none took it)."""
         while pending or silent:
-            if not relays:  # the source sends: the first replica, or again if every relay is gone
-                replica = pending.pop(0) if pending else silent.pop(0)
-                update = self._stage_one(replica, None)
-                if update is not None:
-                    relays.append(update)
+            replica = pending.pop(0) if pending else silent.pop(0)
+            update = self._stage_one(replica, None)
+            if update is not None:
+                return [update]
+        return []
+
+    def _from_source_again(self, pending: list[ModelGroup], silent: list[ModelGroup]) -> list[StagedUpdate]:
+        """Every staged replica was lost as a relay: hold the source again and stage from it, if it
+        still holds the update's version; else the replicas left keep serving what they served."""
+        source = self.source
+        try:
+            with source.ledger.exclusive(
+                f"fleet update from {source.name} (again: no relay left)", deadline=self.deadline, staged_ok=True
+            ):
+                if source.version == self._version:
+                    return self._from_source(pending, silent)
+                err = ReallocationError(
+                    f"fleet update from {source.name!r}: every staged replica was lost as a relay, and "
+                    f"{source.name!r} holds version {source.version} now, not the update's {self._version}; "
+                    f"{[r.name for r in pending + silent]} keep serving what they served"
+                )
+        except (GroupBusyError, ValueError) as why:  # busy past the deadline, or shut down
+            err = ReallocationError(
+                f"fleet update from {source.name!r}: every staged replica was lost as a relay, and the source "
+                f"could not be held again ({why}); {[r.name for r in pending + silent]} keep serving what "
+                "they served"
+            )
+        for replica in pending + silent:
+            self.errors[replica.name] = err
+            self.skipped.append(replica.name)
+        pending.clear()
+        silent.clear()
+        return []
+
+    def _relay_all(self, relays: list[StagedUpdate], pending: list[ModelGroup], silent: list[ModelGroup]) -> None:
+        """Stage ``pending``, then ``silent`` (their workers did not answer the ping), from
+        ``relays`` (the replicas the source staged): every staged replica relays its staged set to
+        one pending replica per round, the rounds' transfers side by side (1, 2, 4, ... replicas
+        staged: ceil(log2(R)) rounds after the source's transfer for R replicas). A silent replica
+        is staged alone, after the others. A transfer that fails because its relay died or did not
+        answer is retried from another staged replica (the relay stops relaying; a dead one is
+        dropped); the source sends again only when no staged replica is left to relay
+        (``source_sends`` counts its transfers), and only if it still holds the update's version."""
+        while pending or silent:
+            if not relays:
+                relays = self._from_source_again(pending, silent)
                 continue
             if pending:
                 pairs = list(zip(relays, pending))
