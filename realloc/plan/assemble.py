@@ -210,8 +210,8 @@ def makespan(src: np.ndarray, dst: np.ndarray, seconds: np.ndarray, step_starts:
     for a, b in zip(step_starts[:-1].tolist(), step_starts[1:].tolist()):
         s, d = src[a:b], dst[a:b]  # one send and one receive per worker in a step: no repeats
         end = np.maximum(free[s], free[d]) + seconds[a:b]
-        np.maximum.at(free, s, end)
-        np.maximum.at(free, d, end)
+        free[s] = np.maximum(free[s], end)
+        free[d] = np.maximum(free[d], end)  # a worker's receive after its send of the same step
     return float(free.max(initial=0.0))
 
 
