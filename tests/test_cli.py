@@ -544,3 +544,30 @@ def test_plan_cuts_worker_slices_only_when_asked(capsys):
     assert sl["plan_pickle_bytes"] > 0 and sl["slice_seconds"] >= 0 and sl["prepare_seconds"] >= 0
     assert main([*argv, "--slices"]) == 0
     assert "per-worker slices       largest" in capsys.readouterr().out
+
+
+def test_a_plan_that_balances_senders_with_an_assignment_does_not_import_scipy_optimize():
+    """Issue 39: the one ``linear_sum_assignment`` of a plan's sender balance imported
+    ``scipy.optimize`` (0.4-0.8 s of a 2,048-rank DeepSeek-V3 command); its C module is loaded
+    alone, and gives scipy's answer. Two holder nodes, two needing nodes, rows of unequal bytes."""
+    code = """
+import sys
+import numpy as np
+import realloc.plan.routing as routing
+from realloc.layout import Group
+from realloc.plan import Placement, plan_exchange
+calls = []
+solve = routing._linear_sum_assignment
+routing._linear_sum_assignment = lambda: calls.append(1) or solve()
+params = {"a": ((100,), "float32"), "b": ((50,), "float32")}
+box = lambda n: ((n, (0,), params[n][0]),)
+hold = [Group((0, 1), box("a") + box("b"))]
+plan = plan_exchange(hold, [Group((2,), box("a")), Group((3,), box("b"))], Placement(("n0", "n1", "n2", "n3")), params)
+assert calls and plan.stats["bytes_inter_node"] == 600, (calls, plan.stats)
+assert "scipy.optimize" not in sys.modules, "the sender balance imported scipy.optimize"
+cost = np.random.default_rng(0).random((7, 12))
+from scipy.optimize import linear_sum_assignment
+assert all((a == b).all() for a, b in zip(solve()(cost), linear_sum_assignment(cost)))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -168,20 +168,29 @@ def check_stats_from_routes(plan: Plan) -> None:
     nodes = plan.nodes
     bw = plan.stats["bandwidths"]
     send, recv, egress, ingress = (defaultdict(int) for _ in range(4))
-    slowest = defaultdict(float)
+    # the time estimate: the routes run as the executor runs them, each worker's steps in order,
+    # a route starting when both its ends have finished their steps before (one route at a time)
+    ready: dict[int, float] = defaultdict(float)  # when a worker has finished the steps before this one
+    done: dict[int, float] = defaultdict(float)  # when it finishes the steps so far
+    last_step = -1
     total = intra = 0
     for step, src, dst, j in plan.routes():
+        if step != last_step:
+            ready.update(done)
+            last_step = step
         n = plan.list_bytes(j)
         total += n
         send[str(src)] += n
         recv[str(dst)] += n
         if nodes[src] == nodes[dst]:
             intra += n
-            slowest[step] = max(slowest[step], n / bw["intra_node"])
+            seconds = n / bw["intra_node"]
         else:
             egress[nodes[src]] += n
             ingress[nodes[dst]] += n
-            slowest[step] = max(slowest[step], n / bw["inter_node"])
+            seconds = n / bw["inter_node"]
+        end = max(ready[src], ready[dst]) + seconds
+        done[src], done[dst] = max(done[src], end), max(done[dst], end)
     local = defaultdict(int)
     for w, j in plan.local_copies:
         local[w] += plan.list_bytes(j)
@@ -194,7 +203,7 @@ def check_stats_from_routes(plan: Plan) -> None:
     assert stats["bytes_local_copy"] == sum(local.values())
     assert stats["num_steps"] == len(plan.steps) and stats["num_routes"] == sum(map(len, plan.steps))
     assert stats["num_buckets"] == sum(len(plan.buckets(j)) for _, _, _, j in plan.routes())
-    seconds = sum(slowest[s] for s in range(len(plan.steps))) + max(local.values(), default=0) / bw["local_copy"]
+    seconds = max(done.values(), default=0.0) + max(local.values(), default=0) / bw["local_copy"]
     assert stats["estimated_seconds"] == pytest.approx(seconds, rel=1e-12)
 
 

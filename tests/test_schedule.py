@@ -10,9 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from realloc.layout import Group
+from realloc.plan import Bandwidths, Placement, plan_exchange
 from realloc.plan.schedule import _greedy_matching, schedule_routes, timed_steps
 
 DATA = Path(__file__).parent / "data" / "schedules"
@@ -109,3 +112,22 @@ def test_timed_steps_orders_each_workers_routes_as_they_can_run():
     # 0 -> 2 and 1 -> 2 cannot share a step (2 receives once a step), nor 0 -> 2 and 0 -> 3
     assert step.tolist() in ([0, 1, 1], [1, 0, 0])
     assert replay(step, src, dst, np.full(3, 1.0)) == 2.0
+
+
+def test_the_time_estimate_is_the_schedules_makespan_not_a_lockstep_sum():
+    """Issue 39: ``estimated_seconds`` summed each step's slowest route, as if every worker
+    waited for the whole step; the executor has no barrier. Worker 0 sends 800 B to worker 1
+    while worker 2 sends 400 B to worker 3 and then 400 B to worker 4: the move ends when 0 -> 1
+    does (800 B), not after 800 + 400 B. One worker a node, so every route is inter-node."""
+    params = {"a": ((200,), "float32"), "b": ((100,), "float32"), "c": ((100,), "float32")}
+    box = lambda name: ((name, (0,), params[name][0]),)  # noqa: E731
+    hold = [Group((0,), box("a")), Group((2,), box("b") + box("c"))]
+    need = [Group((1,), box("a")), Group((3,), box("b")), Group((4,), box("c"))]
+    bw = Bandwidths(inter_node=100.0)
+    plan = plan_exchange(hold, need, Placement(tuple(f"n{w}" for w in range(5))), params, bandwidths=bw)
+    assert plan.stats["num_steps"] == 2 and plan.stats["bytes_inter_node"] == 1600
+    assert plan.stats["estimated_seconds"] == pytest.approx(800 / 100.0)  # the lockstep sum was 12.0
+    routes = list(plan.routes())
+    step, src, dst = (np.array(c) for c in list(zip(*routes))[:3])
+    seconds = np.array([plan.list_bytes(j) / 100.0 for *_, j in routes])
+    assert plan.stats["estimated_seconds"] == pytest.approx(replay(step, src, dst, seconds))

@@ -21,7 +21,7 @@ from realloc.plan.routing import ID, Router
 from realloc.plan.schedule import schedule_routes, steps_of
 from realloc.plan.tables import IndexChain, SegmentTable
 
-__all__ = ["build_plan"]
+__all__ = ["build_plan", "makespan"]
 
 
 def build_plan(router: Router, bucket_bytes: int) -> Plan:
@@ -194,6 +194,27 @@ def _bucket_count(router: Router, ks: list[int], bucket_bytes: int, shapes: dict
     return n
 
 
+def makespan(src: np.ndarray, dst: np.ndarray, seconds: np.ndarray, step_starts: np.ndarray, workers: int) -> float:
+    """When the last route finishes when the routes (sorted by step, step ``s`` being
+    ``step_starts[s]:step_starts[s + 1]``, route ``r`` taking ``seconds[r]``) run as the
+    executor runs them and :func:`~realloc.plan.schedule.timed_steps` schedules them: each
+    worker's steps in order, a step's send and receive together, no barrier between steps; a
+    route starts when both its ends have finished their previous steps.
+
+    Example:
+        >>> a = np.array
+        >>> makespan(a([0, 2, 1]), a([1, 3, 3]), a([1.0, 5.0, 2.0]), a([0, 2, 3]), 4)  # 0->1 and 2->3, then 1->3
+        7.0
+    """
+    free = np.zeros(workers)  # when each worker has finished its steps so far
+    for a, b in zip(step_starts[:-1].tolist(), step_starts[1:].tolist()):
+        s, d = src[a:b], dst[a:b]  # one send and one receive per worker in a step: no repeats
+        end = np.maximum(free[s], free[d]) + seconds[a:b]
+        free[s] = np.maximum(free[s], end)
+        free[d] = np.maximum(free[d], end)  # a worker's receive after its send of the same step
+    return float(free.max(initial=0.0))
+
+
 def _stats(router: Router, src, dst, nbytes, step_starts, local_copies, list_bytes) -> dict:
     """Plan statistics from the routes (sorted by step, step ``s`` being
     ``step_starts[s]:step_starts[s + 1]``). Per-node tables are summed from per-worker ones
@@ -204,19 +225,12 @@ def _stats(router: Router, src, dst, nbytes, step_starts, local_copies, list_byt
     intra = router.node_of[src] == router.node_of[dst]
     inter_bytes = np.where(intra, 0, nbytes)
     num_steps = len(step_starts) - 1
-    # the slowest route of a step: the larger of its largest intra-node and inter-node route's
-    # seconds (a largest quotient is the quotient of the largest bytes: exact)
-    slowest = np.zeros(num_steps)
-    if num_steps:
-        at = step_starts[:-1]
-        slowest = np.maximum(
-            np.maximum.reduceat(nbytes - inter_bytes, at) / bw.intra_node,
-            np.maximum.reduceat(inter_bytes, at) / bw.inter_node,
-        )
+    seconds_of = np.where(intra, nbytes / bw.intra_node, inter_bytes / bw.inter_node)
     local_per_worker: dict[int, int] = defaultdict(int)
     for w, j in local_copies:
         local_per_worker[w] += int(list_bytes[j])
-    seconds = float(slowest.sum()) + max(local_per_worker.values(), default=0) / bw.local_copy
+    seconds = makespan(src, dst, seconds_of, step_starts, workers)
+    seconds += max(local_per_worker.values(), default=0) / bw.local_copy
 
     def table(total: np.ndarray, routes: np.ndarray, name) -> dict[str, int]:
         """Bytes per sender (receiver), for every one that sends (receives) something."""

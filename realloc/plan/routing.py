@@ -16,6 +16,7 @@ a plan.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -44,6 +45,33 @@ class _NeedNodes:
     padded: np.ndarray  # the same as a (nodes, most workers on a node) array, -1 padded
     position: dict[str, int]  # node name -> its position in these arrays
     everywhere: np.ndarray  # every position
+
+
+@functools.cache
+def _linear_sum_assignment():
+    """scipy's ``linear_sum_assignment``, loaded when a plan first solves one (most never do).
+
+    Importing ``scipy.optimize`` takes 0.4-0.8 s (it loads scipy.linalg, sparse and the
+    optimizers) for one C function, itself the extension module ``scipy/optimize/_lsap*.so``
+    with no Python around it; so that module is loaded alone from its file (about 10 ms): the
+    same function the package exports. Where it is not found, the package is imported."""
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    found = importlib.util.find_spec("scipy")  # where the package is, without importing it
+    folders = found.submodule_search_locations if found is not None else None
+    for folder in folders or ():
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = os.path.join(folder, "optimize", "_lsap" + suffix)
+            if os.path.isfile(path):
+                loader = importlib.machinery.ExtensionFileLoader("scipy.optimize._lsap", path)
+                module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+                loader.exec_module(module)
+                return module.linear_sum_assignment
+    from scipy.optimize import linear_sum_assignment
+
+    return linear_sum_assignment
 
 
 class Router:
@@ -252,9 +280,7 @@ class Router:
                 for c, h in enumerate(holders):
                     if (h, node) in self.pairs:
                         cost[r, c * slots_per : (c + 1) * slots_per] -= bonus * nbytes
-            from scipy.optimize import linear_sum_assignment  # 0.4 s to import; most plans never need it
-
-            row_ind, col_ind = linear_sum_assignment(cost)
+            row_ind, col_ind = _linear_sum_assignment()(cost)
             out = [""] * len(rows)
             for r, c in zip(row_ind, col_ind):
                 out[r] = holders[c // slots_per]
