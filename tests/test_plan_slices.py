@@ -292,3 +292,20 @@ def race(shipped: bytes, errors: list) -> None:
             t.start()
         for t in threads:
             t.join()
+
+
+@pytest.mark.parametrize("file_bytes", [3 * 2**30, 5 * 2**30 + 12345])
+def test_slices_of_checkpoint_files_past_two_gib_carry_their_boxes_exactly(file_bytes):
+    """A checkpoint's rank files are one-dimensional byte arrays (realloc/ckpt/replication.py),
+    4.4 GB each for llama-70b at dp=4,tp=8,pp=4. The slices packed every box as int32: a file of
+    2-4 GiB got a negative size (refused: ``ckpt-demo --factor 4`` failed), and one past 4 GiB a
+    wrapped one that validated and copied the wrong bytes (a 5 GiB file shipped as 1 GiB)."""
+    from realloc.ckpt.replication import file_table, replication_groups
+    from realloc.plan.planner import plan_exchange
+
+    files = {r: file_bytes for r in range(4)}
+    placement = Placement.blocks(4, 2)  # 2 nodes; replication factor 2: every file onto the other node
+    holdings, needs = replication_groups(files, placement, 2, 2)
+    plan = plan_exchange(holdings, needs, placement, file_table(files))
+    assert plan.stats["bytes_inter_node"] == sum(files.values())
+    check_slices(plan)  # every worker's segments equal the plan's, shipped (pickled) and as JSON

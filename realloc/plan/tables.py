@@ -209,10 +209,14 @@ class PackedRuns:
             run_cells.append(k)
         width = max((len(o) for o, _ in cells), default=1)
         offsets = np.zeros((len(cells), width), dtype=np.int64)
-        sizes = np.zeros((len(cells), width), dtype=np.int64)  # int32 below: the dims of one tensor
+        sizes = np.zeros((len(cells), width), dtype=np.int64)
         for i, (o, s) in enumerate(cells):
             offsets[i, : len(o)] = o
             sizes[i, : len(s)] = s
+        # int32 where every box ends below 2**31 (the dims of one tensor: half the bytes shipped);
+        # a checkpoint's rank file is one byte dimension that can pass it (int32 wrapped a 5 GiB
+        # file into a 1 GiB box that validated and moved the wrong bytes)
+        coords = np.int32 if not len(cells) or int((offsets + sizes).max()) < 2**31 else np.int64
         ints = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
         return PackedRuns(
             list(names),
@@ -222,8 +226,8 @@ class PackedRuns:
             ints(run_cells),
             ints(ptr),
             np.asarray([len(o) for o, _ in cells], dtype=np.int8),
-            offsets.astype(np.int32),
-            sizes.astype(np.int32),
+            offsets.astype(coords),
+            sizes.astype(coords),
         )
 
     def take(self, runs: np.ndarray) -> "PackedRuns":
