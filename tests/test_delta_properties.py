@@ -23,11 +23,11 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from actors.wire.delta import DeltaSides
+from actors.wire.delta import DeltaSides, updated_in_place
 from actors.wire.executor import Staging, StepRunner
 from actors.wire.shares import PeerView
 from realloc.layout import Layout, Topology
-from realloc.plan import Placement
+from realloc.plan import Piece, Placement, bucket_nbytes
 from realloc.plan.slices import slice_plan
 from realloc.shards import ShardStore, allocate_buffers, copy_local, zero_padding
 from realloc.shards import delta as deltas
@@ -249,10 +249,22 @@ def run_delta_plan(case: Case, fraction: float, seed: int, faults: dict) -> dict
             assert torch.equal(got[slot].view(torch.uint8), value.view(torch.uint8)), (
                 f"dst worker {w} {slot} differs from version 2 ({faults})"
             )
+    in_place = 0
+    for w, side in sides.items():  # a sender's base brought up to date in place, box by box
+        if side.src_base is None:
+            continue
+        sent = src[w].shard_tensors()
+        base = side.src_base.shard_tensors()
+        for param, offsets, sizes in side.updated:
+            assert torch.equal(side.src_base.view(param, offsets, sizes), src[w].view(param, offsets, sizes))
+        if updated_in_place(side, src[w]):  # then the worker keeps it as the next base, no snapshot
+            in_place += 1
+            for slot, value in sent.items():
+                assert torch.equal(base[slot].view(torch.uint8), value.view(torch.uint8)), f"src worker {w} base {slot}"
     total = {k: sum(s.stats[k] for s in sides.values()) for k in sides[0].stats}
     assert total["buckets"] == total["delta"] + total["whole"] + total["repaired"]
     assert total["buckets"] == sum(len(plan.buckets(j)) for _, _, _, j in plan.routes())
-    return total
+    return {**total, "bases_in_place": in_place}
 
 
 faults = st.fixed_dictionaries(
@@ -320,6 +332,7 @@ def test_sparse_change_moves_a_fraction_of_the_bytes_and_faults_cost_whole_bucke
     )
     clean = run_delta_plan(case, 0.01, 5, {})
     assert clean["repaired"] == 0 and clean["delta"] > 0
+    assert clean["bases_in_place"] == 2  # both senders' bases updated as they sent, no copy after
     assert clean["wire_bytes"] < 0.2 * clean["bytes"]
     corrupt = run_delta_plan(case, 0.01, 5, {"corrupt": [0]})
     assert corrupt["repaired"] > 0
@@ -338,3 +351,107 @@ def test_a_refresh_in_place_forwards_whole_buckets_not_deltas_against_overwritte
     assert plan.forward_from < len(plan.steps), "the case should have fan-out steps"
     total = run_delta_plan(case, 0.01, 5, {"in_place": True})
     assert total["repaired"] == 0 and total["whole"] > 0 and total["delta"] > 0, total
+
+
+# -- the in-place forms (sender compare, receiver write, base update) against numpy --------------
+
+
+def numpy_delta(new: bytes, base: bytes) -> tuple[bytes, int]:
+    """The delta of two packed buckets (even length) from their description alone: the changed
+    16-bit words' positions as uint16 gaps, a filler entry (the word's own value) wherever a gap
+    would exceed 65535, then the words."""
+    a, b = np.frombuffer(new, dtype=np.int16), np.frombuffer(base, dtype=np.int16)
+    positions, prev = [], -1
+    for p in np.flatnonzero(a != b).tolist():
+        while p - prev > 0xFFFF:
+            prev += 0xFFFF
+            positions.append(prev)
+        positions.append(p)
+        prev = p
+    gaps = np.diff(np.array([-1, *positions], dtype=np.int64)).astype(np.uint16)
+    return gaps.tobytes() + a[positions].tobytes(), len(positions)
+
+
+@st.composite
+def boxed_buckets(draw):
+    """A bucket of boxes cut from 2-d tensors (bf16 or fp32, strided when a box is narrower than
+    its tensor), at 8-byte aligned offsets with gaps between them; the tensors twice (new and
+    base) differing in a drawn fraction of their elements."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    fraction = draw(st.sampled_from([0.0, 1e-5, 0.003, 0.04, 0.7]))
+    pieces, new, base, offset = [], [], [], 0
+    for k in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(["bfloat16", "float32"]))
+        rows, cols = draw(st.integers(1, 300)), draw(st.sampled_from([1, 3, 64, 700]))
+        r0, c0 = draw(st.integers(0, rows - 1)), draw(st.integers(0, cols - 1))
+        rh, cw = draw(st.integers(1, rows - r0)), draw(st.integers(1, cols - c0))
+        full = torch.randn(rows, cols, generator=g).to(getattr(torch, dtype))
+        changed = full.clone()
+        mask = torch.rand(rows, cols, generator=g) < fraction
+        changed[mask] = torch.randn(int(mask.sum()), generator=g).to(changed.dtype)
+        offset += 8 * draw(st.integers(0, 3))  # an alignment gap
+        pieces.append(Piece(f"p{k}", (r0, c0), (rh, cw), dtype, offset))
+        new.append(changed[r0 : r0 + rh, c0 : c0 + cw])
+        base.append(full[r0 : r0 + rh, c0 : c0 + cw])
+        offset += pieces[-1].nbytes
+        offset += (-offset) % 8
+    return pieces, new, base
+
+
+def packed_numpy(pieces, views) -> bytes:
+    out = bytearray(bucket_nbytes(pieces))
+    for p, v in zip(pieces, views):
+        raw = v.contiguous().view(torch.uint8).numpy().tobytes()
+        out[p.offset : p.offset + len(raw)] = raw
+    return bytes(out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(boxed_buckets(), st.booleans())
+def test_in_place_encoding_matches_the_packed_delta_byte_for_byte(bucket, long_gap):
+    pieces, new, base = bucket
+    if long_gap:  # a box of 100k unchanged words and one changed at the end: filler entries
+        big = torch.zeros(1, 100_000, dtype=torch.bfloat16)
+        moved = big.clone()
+        moved[0, -1] = 1.0
+        at = bucket_nbytes(pieces) + 8
+        pieces = [*pieces, Piece("big", (0, 0), (1, 100_000), "bfloat16", at)]
+        new, base = [*new, moved], [*base, big]
+    nbytes = bucket_nbytes(pieces)
+    want_new, want_base = packed_numpy(pieces, new), packed_numpy(pieces, base)
+    words, starts = deltas.bucket_words([[v] for v in new], pieces)
+    base_words, _ = deltas.bucket_words([[v] for v in base], pieces)
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    enc = deltas.encode_words(words, base_words, starts, nbytes, out)
+    payload, entries = numpy_delta(want_new, want_base)
+    if len(payload) >= nbytes:
+        assert enc is None
+    else:
+        n, positions, values = enc
+        assert n == entries and out[: len(payload)].numpy().tobytes() == payload
+        # the sender's base brought up to date with the changed words
+        copies = [b.clone() for b in base]
+        deltas.scatter_words([deltas.word_view(c) for c in copies], starts, positions, values)
+        assert packed_numpy(pieces, copies) == want_new
+        # the receiver: its base's boxes (strided like the sender's) with the delta written in
+        dst = [b.clone() for b in base]
+        got_pos, got_values = deltas.decode(out[: len(payload)], n, nbytes)
+        deltas.scatter_words([deltas.word_view(c) for c in dst], starts, got_pos, got_values)
+        assert packed_numpy(pieces, dst) == want_new
+    assert deltas.checksum_boxes(new, pieces) == deltas.checksum(
+        torch.frombuffer(bytearray(want_new), dtype=torch.uint8)
+    )
+    assert deltas.checksum_boxes(words, pieces) == deltas.checksum_boxes(new, pieces)
+
+
+def test_in_place_forms_refuse_what_they_cannot_compare():
+    t = torch.zeros(4, 6, dtype=torch.bfloat16)
+    assert deltas.bucket_words([[t[:, :3]]], [Piece("a", (0, 0), (4, 3), "bfloat16", 0)]) is not None
+    assert deltas.bucket_words([[t[:, :3]]], [Piece("a", (0, 0), (4, 3), "bfloat16", 2)]) is not None
+    odd = [Piece("a", (0, 0), (3,), "uint8", 0)]
+    assert deltas.bucket_words([[torch.zeros(3, dtype=torch.uint8)]], odd) is None  # 8-bit words
+    twice = [[t[0], t[1]]]
+    assert deltas.bucket_words(twice, [Piece("a", (0, 0), (6,), "bfloat16", 0)]) is None  # held twice
+    f = torch.zeros(4, 6)
+    assert deltas.word_view(f[:, ::2]) is None  # a wider element not contiguous in its last dimension

@@ -35,7 +35,7 @@ from actors.lanes import CONTROL, MOVE, Lane
 from actors.records import PLAIN_MOVE, DeltaOrder, KeepOrder, MoveOrder, ShardChange, WorkerReport
 from actors.trace import clock_reading
 from actors.wire.communicator import Communicators
-from actors.wire.delta import DeltaSides, sender_base, snapshot
+from actors.wire.delta import DeltaSides, sender_base, snapshot, updated_in_place
 from actors.wire.executor import Phases, StepRunner, collector_paused, received_share
 from actors.wire.shares import PeerTable, PeerView
 from actors.wire.transport import (
@@ -730,6 +730,10 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             raise ValueError(f"worker of {self._realloc.group}: a plan converting on its senders has no local copies")
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
+        if sides is not None and sides.src_base is not None:
+            # the base is brought up to date box by box as it is sent (DeltaRoute.encoded): until
+            # the move is done it is of no version (a failed move leaves it so: its buckets go whole)
+            self._realloc.delta_base.version = -1
         moved = {"local": 0, "intra": 0, "inter": 0}
         if self._realloc.copier is None:
             self._realloc.copier = ThreadPoolExecutor(1, thread_name_prefix="realloc-local")
@@ -802,7 +806,10 @@ class ShardWorker(CheckpointMixin, StagingMixin):
             timeline.mark("fan-out")
             if delta is not None and src is not None:  # what was sent: the next delta's base
                 st = self._realloc
-                st.delta_base = snapshot(st.delta_base, wp.peers[me].src, src.buffers, delta)
+                if updated_in_place(sides, src):  # as it was sent, box by box
+                    st.delta_base.version = delta.version
+                else:
+                    st.delta_base = snapshot(st.delta_base, wp.peers[me].src, src.buffers, delta)
                 timeline.mark("delta base")
             ok = True
         finally:  # never leave a thread writing into buffers an abort is about to recycle
