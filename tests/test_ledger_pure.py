@@ -211,7 +211,7 @@ def test_commit_staged_copy_takes_version_layout_and_origin_and_records_the_send
         keep=None,
         version=dest.copy_version(source),
         source=SimpleNamespace(name="policy", ledger=source),
-        source_version=source.version,
+        origin=("policy", source.version),
         sent_layout=TRAIN,
         delta_order=source.delta_order(True, dest, None),
     )
@@ -223,6 +223,31 @@ def test_commit_staged_copy_takes_version_layout_and_origin_and_records_the_send
     assert (source.sent, dest.deltas) == ((TRAIN, 4), 0)
     assert source.copied_version(dest) == 4
     assert versions[-1] == ("gen", 4)
+
+
+def test_a_relayed_staged_copy_takes_the_trainers_weights_as_its_origin():
+    """A fleet's relay (actors/driver/fleet.py) is sent by a replica, but the weights are the
+    trainer's: the destination's origin is the trainer's name and version, so a later delta from
+    the trainer knows what it holds (before, the ledger recorded the sending replica)."""
+    policy, relay, dest = ledger("policy", delta="host"), ledger("gen-0", GEN), ledger("gen-1", GEN)
+    for _ in range(3):
+        policy.changed(ShardChange("fill", TRAIN, TRAIN))
+    update = FakeUpdate(
+        kind="copy",
+        target=GEN,
+        before=GEN,
+        keep=None,
+        version=dest.copy_version(policy),
+        source=SimpleNamespace(name="gen-0", ledger=relay),
+        origin=("policy", policy.version),
+        sent_layout=GEN,
+        delta_order=None,
+    )
+    dest.begin_stage(update)
+    update.state = "staged"
+    dest.commit_staged(update)
+    assert (dest.version, dest.origin) == (3, ("policy", 3))
+    assert policy.copied_version(dest) == 3 and relay.copied_version(dest) is None
 
 
 def test_commit_staged_move_switches_the_layout_and_keeps_the_one_left():
