@@ -200,24 +200,31 @@ def test_delta_bookkeeping_anchor_then_deltas_then_an_anchor_every_nth_and_after
     assert source.sent is None
 
 
-def test_commit_staged_copy_takes_version_layout_and_origin_and_records_the_senders_base(versions):
-    source, dest = ledger("policy", delta="host"), ledger("gen", GEN)
-    for _ in range(4):
-        source.changed(ShardChange("fill", TRAIN, TRAIN))
+def commit_staged_copy(dest, sender: str, sender_ledger, origin, sent_layout, delta_order) -> FakeUpdate:
+    """A staged copy into ``dest`` sent by ``sender`` (its ledger), bringing ``origin``'s weights, committed."""
     update = FakeUpdate(
         kind="copy",
         target=GEN,
         before=GEN,
         keep=None,
-        version=dest.copy_version(source),
-        source=SimpleNamespace(name="policy", ledger=source),
-        origin=("policy", source.version),
-        sent_layout=TRAIN,
-        delta_order=source.delta_order(True, dest, None),
+        version=dest.copy_version(SimpleNamespace(name=origin[0], version=origin[1])),
+        source=SimpleNamespace(name=sender, ledger=sender_ledger),
+        origin=origin,
+        sent_layout=sent_layout,
+        delta_order=delta_order,
     )
     dest.begin_stage(update)
     update.state = "staged"
     dest.commit_staged(update)
+    return update
+
+
+def test_commit_staged_copy_takes_version_layout_and_origin_and_records_the_senders_base(versions):
+    source, dest = ledger("policy", delta="host"), ledger("gen", GEN)
+    for _ in range(4):
+        source.changed(ShardChange("fill", TRAIN, TRAIN))
+    order = source.delta_order(True, dest, None)
+    update = commit_staged_copy(dest, "policy", source, ("policy", source.version), TRAIN, order)
     assert update.state == "committed"
     assert (dest.layout, dest.version, dest.origin) == (GEN, 4, ("policy", 4))
     assert (source.sent, dest.deltas) == ((TRAIN, 4), 0)
@@ -232,20 +239,7 @@ def test_a_relayed_staged_copy_takes_the_trainers_weights_as_its_origin():
     policy, relay, dest = ledger("policy", delta="host"), ledger("gen-0", GEN), ledger("gen-1", GEN)
     for _ in range(3):
         policy.changed(ShardChange("fill", TRAIN, TRAIN))
-    update = FakeUpdate(
-        kind="copy",
-        target=GEN,
-        before=GEN,
-        keep=None,
-        version=dest.copy_version(policy),
-        source=SimpleNamespace(name="gen-0", ledger=relay),
-        origin=("policy", policy.version),
-        sent_layout=GEN,
-        delta_order=None,
-    )
-    dest.begin_stage(update)
-    update.state = "staged"
-    dest.commit_staged(update)
+    commit_staged_copy(dest, "gen-0", relay, ("policy", policy.version), GEN, None)
     assert (dest.version, dest.origin) == (3, ("policy", 3))
     assert policy.copied_version(dest) == 3 and relay.copied_version(dest) is None
 
