@@ -392,18 +392,15 @@ class FleetUpdate:
             self.updates.pop(replica.name, None)
             self.relayed_from.pop(replica.name, None)
             if relay is not None:  # whose fault: the relay's (the replica is staged from another) or the replica's
-                relay_workers = relay.dest.workers.names
-                relay_dead = any(n in relay_workers for n in err.dead)
-                if (relay_dead or any(n in relay_workers for n in err.unresponsive)) and not any(
-                    n in replica.workers.names for n in err.dead
-                ):
+                broken = [n for n in (*err.dead, *err.unresponsive) if n in relay.dest.workers.names]
+                if broken and not any(n in replica.workers.names for n in err.dead):
                     log.warning(
                         "fleet update: relay %s failed staging %s (%s); it relays no more",
                         relay.dest.name,
                         replica.name,
                         err.message,
                     )
-                    if relay_dead:
+                    if any(n in relay.dest.workers.names for n in err.dead):
                         self._drop(relay.dest, err)
                         try:  # its live workers drop their staged sets: it serves what it served
                             relay.abort()
@@ -438,11 +435,7 @@ class FleetUpdate:
                 f"served (skipped as busy: {self.skipped}; dropped from the fleet: "
                 f"{[n for n in self.errors if n not in self.skipped]}): {why}"
             )
-        return {name: update.stats for name, update in self._in_order()}
-
-    def _in_order(self) -> list[tuple[str, StagedUpdate]]:
-        """The staged replicas' names and updates, in the fleet's order (not the order staged)."""
-        return [(r.name, self.updates[r.name]) for r in self.replicas if r.name in self.updates]
+        return {r.name: self.updates[r.name].stats for r in self.replicas if r.name in self.updates}
 
     def commit(self, at: str = "safe_point") -> list[str]:
         """Commit every staged replica (``at``: as :meth:`StagedUpdate.commit`); a replica whose
@@ -452,7 +445,7 @@ class FleetUpdate:
             raise ValueError(f"at={at!r}; allowed: {', '.join(repr(a) for a in COMMIT_AT)}")
         self.wait()
         committed = []
-        for name, update in self._in_order():
+        for name, update in [(r.name, self.updates[r.name]) for r in self.replicas if r.name in self.updates]:
             try:
                 update.commit(at=at)
                 committed.append(name)

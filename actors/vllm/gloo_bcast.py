@@ -87,11 +87,9 @@ def _check_group(where: str, info) -> None:
         )
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise ValueError(f"{where}: timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
-    if (
-        isinstance(packed_buffer_size_bytes, bool)
-        or not isinstance(packed_buffer_size_bytes, int)
-        or packed_buffer_size_bytes <= 0
-    ):
+    if isinstance(packed_buffer_size_bytes, bool) or not isinstance(packed_buffer_size_bytes, int):
+        raise ValueError(f"{where}: packed_buffer_size_bytes must be an int > 0, got {packed_buffer_size_bytes!r}")
+    if packed_buffer_size_bytes <= 0:
         raise ValueError(f"{where}: packed_buffer_size_bytes must be an int > 0, got {packed_buffer_size_bytes!r}")
 
 

@@ -308,7 +308,11 @@ class DeltaRoute:
         where it is not (no base; a bucket that cannot be; a base on another device)."""
         if base_from is None:
             return None
-        return _word_boxes(new_from, base_from, bucket)
+        new = deltas.bucket_words([new_from.views(p.param, p.offsets, p.sizes) for p in bucket], bucket)
+        base = deltas.bucket_words([base_from.views(p.param, p.offsets, p.sizes) for p in bucket], bucket)
+        if new is None or base is None or any(a.device != b.device for a, b in zip(new[0], base[0])):
+            return None
+        return new[0], base[0], new[1]
 
     def encoded(self, bucket: list, compared: tuple, packed, own: bool) -> tuple[torch.Tensor, list[int]]:
         """The payload and header of a sent bucket compared in place (:meth:`compared`): its
@@ -347,8 +351,9 @@ class DeltaRoute:
         receiver's base (copied from ``dst_base`` unless the destination is it), for a delta to be
         written into; None where they cannot be (the bucket is then packed and unpacked)."""
         r, d = self.runner, self.sides
-        boxes = _word_boxes(r.dst, d.dst_base, bucket)
-        if boxes is None:
+        dst = deltas.bucket_words([r.dst.views(p.param, p.offsets, p.sizes) for p in bucket], bucket)
+        base = deltas.bucket_words([d.dst_base.views(p.param, p.offsets, p.sizes) for p in bucket], bucket)
+        if dst is None or base is None or any(a.device != b.device for a, b in zip(dst[0], base[0])):
             return None
         if not in_place:
             r.cuts.programs.run(
@@ -357,7 +362,7 @@ class DeltaRoute:
                 r.dst.buffers,
                 d.dst_base.buffers,
             )
-        return boxes[0]
+        return dst[0]
 
     def repair(self, send, recv, send_b, recv_b, bad, packed_new, unpacked) -> None:
         """After a delta route: one flag per received bucket goes back to its sender (1: its delta
@@ -392,17 +397,6 @@ class DeltaRoute:
                 unpacked(recv[1], bad[k], recv_b[bad[k]], into[1])
                 self.sides.stats["repaired"] += 1
                 self.sides.stats["wire_bytes"] += into[1].numel()
-
-
-def _word_boxes(a: ShardStore, b: ShardStore, bucket: list) -> tuple[list, list, list[int]] | None:
-    """Bucket ``bucket``'s boxes in ``a`` and in ``b`` as 16-bit word views, with their word
-    offsets in the packed bucket (:func:`realloc.shards.delta.bucket_words`), or None where they
-    cannot be compared in place (either side's boxes, or the two on different devices)."""
-    words_a = deltas.bucket_words([a.views(p.param, p.offsets, p.sizes) for p in bucket], bucket)
-    words_b = deltas.bucket_words([b.views(p.param, p.offsets, p.sizes) for p in bucket], bucket)
-    if words_a is None or words_b is None or any(x.device != y.device for x, y in zip(words_a[0], words_b[0])):
-        return None
-    return words_a[0], words_b[0], words_a[1]
 
 
 def _sent_boxes(r: StepRunner) -> tuple[Counter, set]:

@@ -124,12 +124,8 @@ def checksum(data: torch.Tensor) -> int:
     """xxh3-64 of a byte tensor (copied to host memory first when it is on a device), as a signed
     64-bit integer (it travels in an int64 tensor)."""
     host = data if data.device.type == "cpu" else data.cpu()
-    return _signed(xxhash.xxh3_64_intdigest(host.numpy()))
-
-
-def _signed(digest: int) -> int:
-    """A 64-bit digest as the signed int64 a header tensor carries."""
-    return digest - (1 << 64) if digest >= 1 << 63 else digest
+    value = xxhash.xxh3_64_intdigest(host.numpy())
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 # -- a bucket's boxes compared and written where they are (no packed copies) ----------------------
@@ -296,4 +292,5 @@ def checksum_boxes(views: list[torch.Tensor], bucket: list[Piece]) -> int:
     end = bucket_nbytes(bucket)
     if end > at:
         h.update(bytes(end - at))
-    return _signed(h.intdigest())
+    value = h.intdigest()
+    return value - (1 << 64) if value >= 1 << 63 else value
