@@ -275,3 +275,58 @@ def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster, monkeyp
     finally:
         for g in [trainer, *replicas]:
             g.shutdown()
+
+
+def test_copy_to_several_groups_sends_each_byte_out_of_the_source_once_and_switches_all_or_none(cluster):
+    """Issue 39 item 2: ``copy_to([a, b, c])`` is one copy: the source sends the model once, the
+    staged groups relay to the others, and every group switches, or (one could not be staged)
+    none does. Before, ``copy_to`` took one group: a copy into three sent the model three times."""
+    import pickle
+
+    trainer = ModelGroup.create(SPEC, Topology(dp=2), name="cp-trainer")
+    layouts = [Topology(tp=2), Topology(), Topology(tp=2)]
+    groups = [ModelGroup.create(SPEC, t, name=f"cp-g{i}", worker_cls=Replica) for i, t in enumerate(layouts)]
+    names = [g.name for g in groups]
+    try:
+        for g in groups:
+            g.init_synthetic(60)
+        trainer.init_synthetic(61)
+        for bad, match in (
+            ([], "one or more ModelGroups"),
+            ([groups[0], groups[0]], "each replica group once"),
+            ([groups[0], trainer], "lists the source"),
+            ([groups[0], "cp-g1"], "copies into ModelGroups, got str"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                trainer.copy_to(bad)
+        for kwargs in ({"eta": 0.5}, {"stage": True}, {"delta": True}):
+            with pytest.raises(ValueError, match=f"takes no {next(iter(kwargs))}"):
+                trainer.copy_to(groups, **kwargs)
+        assert all(g.verify_synthetic(60) == {} for g in groups)  # refused before any traffic
+
+        stats = trainer.copy_to(groups)
+        assert list(stats) == names
+        assert all(g.verify_synthetic(61) == {} for g in groups)
+        assert {g.version for g in groups} == {trainer.version + 1} == {s.version for s in stats.values()}
+        sender = {n: s.transition.split("[")[0] for n, s in stats.items()}
+        assert sender[names[0]] == "cp-trainer" and sender[names[1]] == names[0]
+        assert sender[names[2]] in names[:2]  # round 2: from a relay, not the trainer
+        moved = {n: s.bytes_intra_node + s.bytes_inter_node + s.bytes_local for n, s in stats.items()}
+        assert sum(b for n, b in moved.items() if sender[n] == "cp-trainer") == moved[names[0]]  # sent once
+
+        # One group dead: the others were staged, but none switches; the trainer is untouched.
+        ray.kill(groups[2].workers.actors[1])
+        wait_for_dead_workers(groups[2])
+        trainer.init_synthetic(62)
+        with pytest.raises(ReallocationError, match="no group switched: every group keeps its previous") as err:
+            trainer.copy_to(groups)
+        assert groups[2].workers.names[1] in err.value.dead
+        again = pickle.loads(pickle.dumps(err.value))
+        assert again.message == err.value.message and again.dead == err.value.dead
+        assert all(g.verify_synthetic(61) == {} for g in groups[:2]) and trainer.verify_synthetic(62) == {}
+        assert {g.version for g in groups[:2]} == {stats[names[0]].version}
+        assert trainer.copy_to(groups[:2])[names[1]].version > stats[names[0]].version  # usable after the refusal
+        assert all(g.verify_synthetic(62) == {} for g in groups[:2])
+    finally:
+        for g in [trainer, *groups]:
+            g.shutdown()

@@ -26,6 +26,10 @@ left): a relay takes with it only what it had not yet delivered. A replica whose
 workers are alive but do not answer (a stopped process) is not dropped for that: an update
 stages it last, over a world of its own (the healthy replicas share one), and drops it only if
 its staging fails; a join does not seed from it.
+
+``source.copy_to([a, b, ...])`` (:func:`copy_to_groups`) copies into several groups the same way,
+each byte leaving the source once, but as one copy: every group is staged (the relays doubling),
+then every one switches; if any group could not be staged, none switches.
 """
 
 from __future__ import annotations
@@ -460,3 +464,72 @@ class FleetUpdate:
         for update in self.updates.values():
             update.abort()
         self.ended = True
+
+
+def copy_to_groups(source: ModelGroup, groups: Sequence[ModelGroup]) -> dict[str, ReallocStats]:
+    """``source.copy_to([a, b, ...])``: copy ``source``'s weights into every group of ``groups``
+    (any layouts, one weight format), each byte leaving ``source`` once.
+
+    The source stages the first group (a shadow set: the groups keep serving ``writes=False``
+    calls), the staged groups relay their staged sets to the others, doubling each round (as
+    :meth:`Fleet.stage`; the source is held only for its one transfer), and once every group is
+    staged every one switches (``commit(at="now")``, group by group, in the order given).
+    Returns each group's :class:`~actors.driver.group.ReallocStats` by name, in that order:
+    ``transition`` names who sent it (the source or a relay), ``pause_seconds`` the group's
+    switch, ``version`` its version afterwards (``max(own + 1, source's)``, as ``copy_to``).
+
+    All or none: a group that could not be staged (a dead worker, busy past the deadline, a
+    relay's failure with none left to relay) drops every staged set, and
+    :class:`~actors.errors.ReallocationError` says that every group keeps its previous weights. A
+    switch that fails after others switched (a worker died in between) leaves the ones before it
+    and after it on the new weights and that one on its old (or dead): the error names which.
+    """
+    if not groups:
+        raise ValueError("copy_to([...]) needs one or more ModelGroups to copy into, got none")
+    if not all(isinstance(g, ModelGroup) for g in groups):
+        kinds = sorted({type(g).__name__ for g in groups if not isinstance(g, ModelGroup)})
+        raise ValueError(
+            f"copy_to([...]) copies into ModelGroups, got {', '.join(kinds)}: copy into an inference engine "
+            "with its own copy_to(engine)"
+        )
+    if any(g is source for g in groups):
+        raise ValueError(f"copy_to([...]) lists the source {source.name!r}; use reallocate to change its layout")
+    fleet = Fleet(groups)  # one weight format among the groups (their relays copy it as it is); each listed once
+    update = fleet.stage(source)
+    try:
+        update.wait()
+    except ReallocationError as err:  # nothing staged: nothing switched
+        raise ReallocationError(
+            f"copy {source.name!r} -> {[g.name for g in groups]}: {err.message}", err.dead, err.unresponsive
+        ) from err
+    if update.errors:
+        update.abort()
+        why = "; ".join(f"{name}: {err}" for name, err in update.errors.items())
+        raise ReallocationError(
+            f"copy {source.name!r} -> {[g.name for g in groups]}: {sorted(update.errors)} could not be staged, so "
+            f"no group switched: every group keeps its previous weights and {source.name!r} is untouched ({why})",
+            dead=[n for err in update.errors.values() for n in err.dead],
+            unresponsive=[n for err in update.errors.values() for n in err.unresponsive],
+        )
+    stats: dict[str, ReallocStats] = {}
+    failed: dict[str, ReallocationError] = {}
+    for group in groups:
+        staged = update.updates[group.name]
+        try:
+            staged.commit(at="now")
+        except ReallocationError as err:
+            failed[group.name] = err
+            continue
+        staged.stats.pause_seconds = staged.pause_seconds
+        staged.stats.version = group.version
+        stats[group.name] = staged.stats
+    update.ended = True
+    if failed:
+        why = "; ".join(f"{name}: {err}" for name, err in failed.items())
+        raise ReallocationError(
+            f"copy {source.name!r} -> {[g.name for g in groups]}: every group was staged, but {sorted(failed)} "
+            f"failed to switch ({why}); {list(stats)} switched to version {update.version} of {source.name!r}",
+            dead=[n for err in failed.values() for n in err.dead],
+            unresponsive=[n for err in failed.values() for n in err.unresponsive],
+        )
+    return stats

@@ -922,8 +922,20 @@ class ModelGroup:
                 list(found.dead + found.unresponsive + found.failed),
             )
 
-    def copy_to(self, other: "ModelGroup", eta: float | None = None, *, stage: bool = False, delta: bool = False):
+    def copy_to(
+        self,
+        other: "ModelGroup | CopyTarget | Sequence[ModelGroup]",
+        eta: float | None = None,
+        *,
+        stage: bool = False,
+        delta: bool = False,
+    ):
         """Copy this group's weights into ``other`` (e.g. policy -> reference), in ``other``'s layout.
+
+        ``other`` a list of groups (e.g. ``[generator, reference]``): one copy into all of them,
+        each byte leaving this group once (the groups staged relay to the others), every group
+        switched or none (:func:`actors.driver.fleet.copy_to_groups`; no ``eta``, ``stage`` or
+        ``delta``); returns each group's stats by name.
 
         With ``eta``, ``other = eta * self + (1 - eta) * other`` (EMA-style blending). On failure
         ``other`` keeps its old weights and this group is untouched (the error's ``layout`` is
@@ -942,6 +954,8 @@ class ModelGroup:
         every ``delta_anchor_every``-th time, a full copy (an anchor). ``other`` ends bit-identical
         to this group either way; ``stats.delta`` says what travelled (actors/wire/delta.py).
         """
+        if isinstance(other, (list, tuple)):
+            return self._copy_to_groups(list(other), eta, stage, delta)
         if isinstance(other, CopyTarget):  # an inference engine (actors/driver/vllm.py VLLMEngine)
             if not isinstance(stage, bool):
                 raise ValueError(f"stage must be True or False, got {stage!r}")
@@ -1019,6 +1033,23 @@ class ModelGroup:
             other.announce(ShardChange("copy", other.layout, other.layout, version=version))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
         return stats
+
+    def _copy_to_groups(self, groups: list, eta, stage, delta) -> "dict[str, ReallocStats]":
+        """``copy_to([...])``: the options it refuses, then :func:`actors.driver.fleet.copy_to_groups`."""
+        given = [
+            name
+            for name, value in (("eta", eta is not None), ("stage", stage is not False), ("delta", delta is not False))
+            if value
+        ]
+        if given:
+            raise ValueError(
+                f"copy_to([...]) into several groups takes no {', '.join(given)}: it copies the weights as they "
+                "are, every group switched at once; for staged updates of serving replicas use "
+                "Fleet(groups).stage(source), for a blend or a delta copy into each group on its own"
+            )
+        from actors.driver.fleet import copy_to_groups  # fleet.py builds on this module
+
+        return copy_to_groups(self, groups)
 
     def _copy_plan(
         self, other: "ModelGroup", src: Layout | None = None, dst: Layout | None = None

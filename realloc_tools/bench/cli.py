@@ -134,7 +134,8 @@ def add_bench_parser(subparsers) -> None:
         type=int,
         metavar="R",
         help="run the fleet measurement alone: R replica groups updated by Fleet.stage (relayed: the trainer "
-        "sends once) beside the trainer staging each replica in turn (realloc_tools/bench/fleet.py)",
+        "sends once) beside the trainer staging each replica in turn and trainer.copy_to(replicas) "
+        "(realloc_tools/bench/fleet.py)",
     )
     p.add_argument(
         "--fleet-layouts",

@@ -7,7 +7,9 @@ weights into every replica, then commit them:
 * ``fleet``: ``Fleet(replicas).stage(trainer)`` (actors/driver/fleet.py): the trainer stages one
   replica and the staged replicas relay to the rest, doubling each round;
 * ``trainer_each``: the trainer stages every replica itself, one after the other
-  (``trainer.copy_to(replica, stage=True)`` in turn), which is what a fleet update did before.
+  (``trainer.copy_to(replica, stage=True)`` in turn), which is what a fleet update did before;
+* ``copy_to``: ``trainer.copy_to(replicas)``, one copy into every replica (relayed as a fleet
+  update, then every replica switched): its seconds are the whole call, the switches included.
 
 Per way: the seconds from the start to every replica staged (median over ``repeats``), the bytes
 that left the trainer's workers (its transfers' ``bytes_intra_node + bytes_inter_node``) and the
@@ -23,8 +25,6 @@ from typing import Callable
 
 from actors import Fleet, ModelGroup
 from realloc import Topology
-
-WAYS = ("fleet", "trainer_each")
 
 
 def _moved(stats) -> int:
@@ -57,6 +57,18 @@ def _trainer_each(trainer: ModelGroup, replicas: list[ModelGroup]) -> tuple[floa
     return seconds, moved, moved
 
 
+def _copy_to(trainer: ModelGroup, replicas: list[ModelGroup]) -> tuple[float, int, int]:
+    started = time.perf_counter()
+    stats = trainer.copy_to(replicas)
+    seconds = time.perf_counter() - started
+    egress = sum(_moved(s) for s in stats.values() if s.transition.startswith(f"{trainer.name}["))
+    return seconds, egress, sum(_moved(s) for s in stats.values())
+
+
+WAY = {"fleet": _fleet, "trainer_each": _trainer_each, "copy_to": _copy_to}
+WAYS = tuple(WAY)
+
+
 def measure(
     spec,
     replicas: int,
@@ -81,7 +93,7 @@ def measure(
             for way in WAYS:
                 seed += 1
                 trainer.init_synthetic(seed)
-                got = _fleet(trainer, fleet) if way == "fleet" else _trainer_each(trainer, groups)
+                got = WAY[way](trainer, fleet if way == "fleet" else groups)
                 runs[way].append(got)
                 exact[way] &= all(g.verify_synthetic(seed) == {} for g in groups)
                 log(f"fleet bench: {way} {got[0]:.3f} s, trainer sent {got[1] / 1e6:.1f} MB")
