@@ -114,9 +114,16 @@ VARIANTS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--anchor", type=int, default=1)
+    p.add_argument(
+        "--message-latency-s",
+        type=float,
+        default=None,
+        help="a what-if, not the model: the per-message latency instead of the preset's (0: messages coalesced)",
+    )
     args = p.parse_args()
     a = ANCHORS[args.anchor]
-    cluster = cluster_preset(a.cluster)
+    changes = {} if args.message_latency_s is None else {"message_latency_s": args.message_latency_s}
+    cluster = cluster_preset(a.cluster, **changes)
     spec = load_spec(str(CONFIGS / a.config))
     plan, _ = plan_move(spec, a.src, a.dst, cluster.gpus_per_node, a.dst_workers, a.src_format, a.dst_format)
     bound = serial_bound(plan, cluster)

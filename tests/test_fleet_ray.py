@@ -283,8 +283,8 @@ def test_copy_to_several_groups_sends_each_byte_out_of_the_source_once_and_switc
     none does. Before, ``copy_to`` took one group: a copy into three sent the model three times."""
     import pickle
 
-    trainer = ModelGroup.create(SPEC, Topology(dp=2), name="cp-trainer")
-    layouts = [Topology(tp=2), Topology(), Topology(tp=2)]
+    trainer = ModelGroup.create(SPEC, Topology(), name="cp-trainer")
+    layouts = [Topology(tp=2), Topology(), Topology()]
     groups = [ModelGroup.create(SPEC, t, name=f"cp-g{i}", worker_cls=Replica) for i, t in enumerate(layouts)]
     names = [g.name for g in groups]
     try:
@@ -315,12 +315,12 @@ def test_copy_to_several_groups_sends_each_byte_out_of_the_source_once_and_switc
         assert sum(b for n, b in moved.items() if sender[n] == "cp-trainer") == moved[names[0]]  # sent once
 
         # One group dead: the others were staged, but none switches; the trainer is untouched.
-        ray.kill(groups[2].workers.actors[1])
+        ray.kill(groups[2].workers.actors[0])
         wait_for_dead_workers(groups[2])
         trainer.init_synthetic(62)
         with pytest.raises(ReallocationError, match="no group switched: every group keeps its previous") as err:
             trainer.copy_to(groups)
-        assert groups[2].workers.names[1] in err.value.dead
+        assert groups[2].workers.names[0] in err.value.dead
         again = pickle.loads(pickle.dumps(err.value))
         assert again.message == err.value.message and again.dead == err.value.dead
         assert all(g.verify_synthetic(61) == {} for g in groups[:2]) and trainer.verify_synthetic(62) == {}

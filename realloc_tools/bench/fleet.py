@@ -11,7 +11,8 @@ weights into every replica, then commit them:
 * ``copy_to``: ``trainer.copy_to(replicas)``, one copy into every replica (relayed as a fleet
   update, then every replica switched): its seconds are the whole call, the switches included.
 
-Per way: the seconds from the start to every replica staged (median over ``repeats``), the bytes
+Per way, after one untimed update of each (plans, worlds and shadow sets made): the seconds from
+the start to every replica staged (median over ``repeats``), the bytes
 that left the trainer's workers (its transfers' ``bytes_intra_node + bytes_inter_node``) and the
 bytes moved in all, and whether every replica then held the trainer's weights bit-exact
 (``verify_synthetic``). The trainer takes new weights (``init_synthetic``) before every update.
@@ -89,6 +90,10 @@ def measure(
         runs: dict[str, list[tuple[float, int, int]]] = {w: [] for w in WAYS}
         exact = {w: True for w in WAYS}
         seed = 0
+        for way in WAYS:  # warm-up, not timed: plans, worlds, the replicas' shadow sets
+            seed += 1
+            trainer.init_synthetic(seed)
+            WAY[way](trainer, fleet if way == "fleet" else groups)
         for _ in range(repeats):
             for way in WAYS:
                 seed += 1
