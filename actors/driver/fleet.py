@@ -36,16 +36,31 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
-from actors.driver.group import ModelGroup, ReallocStats
 from actors.driver.staged import COMMIT_AT, StagedUpdate
 from actors.errors import GroupBusyError, ReallocationError
 from actors.lanes import STAGE
 from actors.remote import FAILURE_GRACE_S, Deadline, check_timeout, diagnose
 from realloc.spec.formats import unformatted
 
+if TYPE_CHECKING:
+    from actors.driver.group import ModelGroup, ReallocStats
+
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class _Group(Protocol):
+    """What a fleet takes as a replica or a source: a :class:`~actors.driver.group.ModelGroup`,
+    recognised by the methods a fleet calls (this module does not import group.py, which hands
+    ``copy_to([...])`` to :func:`copy_to_groups`)."""
+
+    def start_stage(self, *args, **kwargs): ...
+
+    def copy_version(self, source): ...
+
+    def world_for(self, *args, **kwargs): ...
 
 
 class Fleet:
@@ -57,14 +72,14 @@ class Fleet:
     """
 
     def __init__(self, replicas: Sequence[ModelGroup], *, timeout_s: float | None = None):
-        if not isinstance(replicas, ModelGroup) and (
+        if not isinstance(replicas, _Group) and (
             isinstance(replicas, (str, bytes)) or not hasattr(replicas, "__iter__")
         ):
             raise ValueError(f"replicas must be a ModelGroup or a sequence of ModelGroups, got {replicas!r}"[:200])
         if timeout_s is not None:
             check_timeout(timeout_s)
-        replicas = list(replicas) if not isinstance(replicas, ModelGroup) else [replicas]
-        if not replicas or not all(isinstance(r, ModelGroup) for r in replicas):
+        replicas = list(replicas) if not isinstance(replicas, _Group) else [replicas]
+        if not replicas or not all(isinstance(r, _Group) for r in replicas):
             raise ValueError(f"a fleet needs one or more ModelGroups, got {replicas!r}"[:200])
         if len({id(r) for r in replicas}) != len(replicas):
             raise ValueError("a fleet lists each replica group once")
@@ -90,7 +105,7 @@ class Fleet:
 
     def stage(self, source: ModelGroup) -> "FleetUpdate":
         """Stage ``source``'s weights into every replica (returns at once); see :class:`FleetUpdate`."""
-        if not isinstance(source, ModelGroup):
+        if not isinstance(source, _Group):
             raise ValueError(f"stage needs the source ModelGroup (the trainer), got {type(source).__name__}")
         if any(source is r for r in self.replicas):
             raise ValueError(f"the source {source.name!r} is a replica of this fleet; stage from the trainer")
@@ -110,7 +125,7 @@ class Fleet:
 
         The source replica is held for the copy (its calls wait); the others keep serving. Nothing
         comes from the trainer. Not during a fleet update."""
-        if not isinstance(group, ModelGroup):
+        if not isinstance(group, _Group):
             raise ValueError(f"join needs a ModelGroup, got {type(group).__name__}")
         if any(group is r for r in self.replicas):
             raise ValueError(f"group {group.name!r} is already a replica of this fleet")
@@ -486,8 +501,8 @@ def copy_to_groups(source: ModelGroup, groups: Sequence[ModelGroup]) -> dict[str
     """
     if not groups:
         raise ValueError("copy_to([...]) needs one or more ModelGroups to copy into, got none")
-    if not all(isinstance(g, ModelGroup) for g in groups):
-        kinds = sorted({type(g).__name__ for g in groups if not isinstance(g, ModelGroup)})
+    if not all(isinstance(g, _Group) for g in groups):
+        kinds = sorted({type(g).__name__ for g in groups if not isinstance(g, _Group)})
         raise ValueError(
             f"copy_to([...]) copies into ModelGroups, got {', '.join(kinds)}: copy into an inference engine "
             "with its own copy_to(engine)"

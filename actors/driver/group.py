@@ -38,6 +38,7 @@ from ray.util.placement_group import remove_placement_group
 from actors import metrics
 from actors.config import GroupConfig
 from actors.driver.checkpoint import CheckpointManager
+from actors.driver.fleet import copy_to_groups
 from actors.driver.launch import (
     check_arguments,
     check_worker_cls,
@@ -1047,8 +1048,6 @@ class ModelGroup:
                 "are, every group switched at once; for staged updates of serving replicas use "
                 "Fleet(groups).stage(source), for a blend or a delta copy into each group on its own"
             )
-        from actors.driver.fleet import copy_to_groups  # fleet.py builds on this module
-
         return copy_to_groups(self, groups)
 
     def _copy_plan(
