@@ -34,6 +34,10 @@ class GroupConfig:
     ``init_synthetic``, ``load_state_dict``) has one deadline of ``timeout_s`` for the whole call,
     the wait for the group's lock included, and a failed one raises within ``timeout_s`` plus
     ``actors.remote.FAILURE_GRACE_S`` (5 s: the diagnosis and the rollback share it).
+    ``start_timeout_s``: bounds the start of workers (the placement group, the processes, their
+    imports: ``create`` and ``replace_dead_workers``) apart from ``timeout_s``, which bounds the
+    operations: a start waits on the cluster's scheduler and on ``import torch`` in every new
+    process, minutes on a loaded machine or with a ``runtime_env`` to install.
     ``zero_copy``: same-node workers copy from each other's buffers directly. ``bandwidths``:
     link speeds for the planner's time estimate.
     ``runtime_env``: Ray runtime environment of the worker actors.
@@ -60,6 +64,7 @@ class GroupConfig:
     cpus_per_worker: float = 1
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 120.0
+    start_timeout_s: float = 300.0
     zero_copy: bool = True
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
     runtime_env: dict | None = None
@@ -102,6 +107,10 @@ class GroupConfig:
         check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES)
         check_finite("timeout_s", self.timeout_s, positive=True, allowed="a finite positive number of seconds")
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
+        check_finite(
+            "start_timeout_s", self.start_timeout_s, positive=True, allowed="a finite positive number of seconds"
+        )
+        object.__setattr__(self, "start_timeout_s", float(self.start_timeout_s))
         if not isinstance(self.bandwidths, Bandwidths):
             raise ValueError(f"bandwidths must be a realloc.Bandwidths, got {type(self.bandwidths).__name__}")
         if self.delta is not None and self.delta not in DELTA_PLACES:

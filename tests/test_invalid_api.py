@@ -229,6 +229,12 @@ for bad in (float("inf"), "10", 0, -1, True, float("nan")):
         create(timeout_s=bad),
         rf"timeout_s must be a finite positive number of seconds, got {re.escape(repr(bad))}",
     )
+    case(
+        C,
+        f"start_timeout_s={bad!r}",
+        create(start_timeout_s=bad),
+        rf"start_timeout_s must be a finite positive number of seconds, got {re.escape(repr(bad))}",
+    )
 for bad in ("1", -1, float("nan"), float("inf"), True):
     case(
         C,

@@ -289,6 +289,19 @@ def test_a_malformed_slice_is_refused_by_its_worker_before_any_traffic(cluster, 
         g.shutdown()
 
 
+def test_a_name_is_free_when_shutdown_returns(cluster, monkeypatch):
+    """``ray.kill`` returns before the cluster marks the actor dead (late under load: CI's group of
+    the same name was refused as "already running" right after a shutdown): here every kill lands
+    a second late, and the name is still free when ``shutdown`` returns."""
+    g = own("renamed", "dp=2", seed=None)
+    kill = ray.kill
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: threading.Timer(1.0, kill, (actor,), kw).start())
+    g.shutdown()
+    monkeypatch.undo()
+    again = make("renamed", "dp=2", seed=None)
+    again.shutdown()
+
+
 def test_run_returns_views_as_their_own_bytes(kept_groups):
     g = kept_groups.take("pair-a", "tp=2")
     returned = g.run(lambda ctx: list(ctx.tensors.values()))  # views of the worker's flat buffers

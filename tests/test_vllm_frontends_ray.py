@@ -50,6 +50,9 @@ from realloc.spec import spec_from_hf_config
 from realloc_tools.bench.vllm import ENGINE_OPTIONS
 
 TIMEOUT_S = 30.0
+#: the tests' guard against a hang on a trainer's calls, the first of which waits for its actors to
+#: start (importing torch, FSDP2 or megatron-core: past 120 s on a starved CI host once)
+WAIT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,7 @@ def test_vllm_async_llm_completes_an_update(model):
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
-    def run(coro, timeout=120):
+    def run(coro, timeout=WAIT_S):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     path = vm.save_llama(model["root"] / "qwen3", vocab=512, arch="qwen3")
@@ -296,19 +299,19 @@ def _client(server):
 
 
 def _sent(ranks, server, timeout_s: float = TIMEOUT_S, **declared) -> list[dict]:
-    ray.get([r.init_transfer.remote(_client(server), timeout_s, **declared) for r in ranks], timeout=120)
-    return ray.get([r.send.remote() for r in ranks], timeout=120)
+    ray.get([r.init_transfer.remote(_client(server), timeout_s, **declared) for r in ranks], timeout=WAIT_S)
+    return ray.get([r.send.remote() for r in ranks], timeout=WAIT_S)
 
 
 def test_vllm_fsdp2_trainer_in_plain_ray_actors_updates_the_server_shard_to_shard(server, fsdp):
     before = server.greedy()
-    ray.get([r.train.remote(seed=1) for r in fsdp], timeout=120)
-    ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S) for r in fsdp], timeout=120)
+    ray.get([r.train.remote(seed=1) for r in fsdp], timeout=WAIT_S)
+    ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S) for r in fsdp], timeout=WAIT_S)
     served = []
     for round_ in (1, 2):
         if round_ == 2:
-            ray.get([r.train.remote(seed=2) for r in fsdp], timeout=120)
-        sent = ray.get([r.send.remote() for r in fsdp], timeout=120)
+            ray.get([r.train.remote(seed=2) for r in fsdp], timeout=WAIT_S)
+        sent = ray.get([r.send.remote() for r in fsdp], timeout=WAIT_S)
         assert [s["version"] for s in sent] == [round_, round_], sent
         served.append(server.greedy())
         assert served[-1] == server.reference(ray.get([r.full_state.remote() for r in fsdp])[0], f"fsdp-{round_}")
@@ -335,10 +338,10 @@ def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights
 
     with serving(model, "gloo_bcast") as bcast:
         before = bcast.greedy()
-        ray.get([r.train.remote(seed=9) for r in fsdp], timeout=120)
+        ray.get([r.train.remote(seed=9) for r in fsdp], timeout=WAIT_S)
         port = _port()
         ray.get([r.__ray_call__.remote(vt._broadcast_init, _client(bcast), port, 3, TIMEOUT_S) for r in fsdp])
-        sent = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=120)
+        sent = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=WAIT_S)
         after = bcast.greedy()
         assert after != before, "the update changed nothing"
         assert after == bcast.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "bcast")
@@ -347,8 +350,8 @@ def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights
         assert sent == [held[0] + 2 * sum(held), held[1]], (sent, held)
         # vLLM's other wire: one broadcast per tensor (a new trainer engine: the workers join its new group)
         ray.get([r.__ray_call__.remote(vt._broadcast_init, _client(bcast), _port(), 3, TIMEOUT_S, False) for r in fsdp])
-        ray.get([r.train.remote(seed=10) for r in fsdp], timeout=120)
-        again = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=120)
+        ray.get([r.train.remote(seed=10) for r in fsdp], timeout=WAIT_S)
+        again = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=WAIT_S)
         assert again == sent
         served = bcast.greedy()
         assert served != after, "the update changed nothing"
@@ -359,10 +362,10 @@ def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights
 def test_vllm_fsdp2_trainer_delta_updates_send_only_the_changed_elements(server, fsdp):
     client = _client(server)
     ray.get([r.init_transfer.remote(client, TIMEOUT_S, "fsdp-delta", True, delta_anchor_every=2) for r in fsdp])
-    first = ray.get([r.send.remote() for r in fsdp], timeout=120)  # whole: nothing to diff against yet
+    first = ray.get([r.send.remote() for r in fsdp], timeout=WAIT_S)  # whole: nothing to diff against yet
     assert first[0]["delta"] is None
     ray.get([r.__ray_call__.remote(ut.sparse_step, 7) for r in fsdp], timeout=60)
-    second = ray.get([r.send.remote() for r in fsdp], timeout=120)
+    second = ray.get([r.send.remote() for r in fsdp], timeout=WAIT_S)
     counters = second[0]["delta"]
     assert counters["delta"] > 0 and counters["repaired"] == 0, counters
     assert counters["wire_bytes"] < 0.5 * counters["bytes"], counters
@@ -370,7 +373,7 @@ def test_vllm_fsdp2_trainer_delta_updates_send_only_the_changed_elements(server,
     assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "delta")
     # delta_anchor_every=2: the next update is whole again (an anchor), then served exactly
     ray.get([r.__ray_call__.remote(ut.sparse_step, 8) for r in fsdp], timeout=60)
-    third = ray.get([r.send.remote() for r in fsdp], timeout=120)
+    third = ray.get([r.send.remote() for r in fsdp], timeout=WAIT_S)
     assert third[0]["delta"] is None and third[0]["version"] == second[0]["version"] + 1, third
     assert sum(s["sent_bytes"] for s in third) == sum(s["sent_bytes"] for s in first), (first, third)
     assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fsdp])[0], "anchor")
@@ -379,10 +382,10 @@ def test_vllm_fsdp2_trainer_delta_updates_send_only_the_changed_elements(server,
 def test_vllm_fsdp2_trainer_with_tensor_parallelism_updates_the_server(model, server):
     ranks = ut.start_trainer(model["path"], world=4, tp=2)
     try:
-        ray.get([r.train.remote(seed=3) for r in ranks], timeout=120)
+        ray.get([r.train.remote(seed=3) for r in ranks], timeout=WAIT_S)
         layouts = ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S, name="fsdp-tp") for r in ranks])
         assert layouts == ["dp=1,fsdp=2,tp=2,pp=1"] * 4
-        sent = ray.get([r.send.remote() for r in ranks], timeout=120)
+        sent = ray.get([r.send.remote() for r in ranks], timeout=WAIT_S)
         assert [s["version"] for s in sent] == [1] * 4
         full = ray.get([r.full_state.remote() for r in ranks])[0]
         assert server.greedy() == server.reference(full, "fsdp-tp")
@@ -396,17 +399,17 @@ def test_vllm_trainer_declaration_that_its_tensors_contradict_is_refused_on_ever
     refs = [r.init_transfer.remote(_client(server), TIMEOUT_S, topology="tp=2") for r in fsdp]
     for ref in refs:
         with pytest.raises(ray.exceptions.RayTaskError, match="declared topology dp=1,tp=2,pp=1 is not what"):
-            ray.get(ref, timeout=120)
+            ray.get(ref, timeout=WAIT_S)
     assert server.greedy() == before  # nothing moved
 
 
 def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_restarted_trainer_updates(
     model, server, fsdp
 ):
-    ray.get([r.init_transfer.remote(_client(server), 8.0) for r in fsdp], timeout=120)
-    ray.get([r.send.remote() for r in fsdp], timeout=120)
+    ray.get([r.init_transfer.remote(_client(server), 8.0) for r in fsdp], timeout=WAIT_S)
+    ray.get([r.send.remote() for r in fsdp], timeout=WAIT_S)
     served = server.greedy()
-    ray.get([r.train.remote(seed=4) for r in fsdp], timeout=120)
+    ray.get([r.train.remote(seed=4) for r in fsdp], timeout=WAIT_S)
     ray.get(fsdp[1].pid.remote())
     head = fsdp[0].send.remote()  # rank 0 opens the round; the engine's workers join its world
     time.sleep(1.0)
@@ -419,7 +422,7 @@ def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_
     # the documented repair: the trainer's ranks restarted (a new process group); its next update commits
     fresh = ut.start_trainer(model["path"], world=2)
     try:
-        ray.get([r.train.remote(seed=5) for r in fresh], timeout=120)
+        ray.get([r.train.remote(seed=5) for r in fresh], timeout=WAIT_S)
         sent = _sent(fresh, server)
         assert sent[0]["version"] == 1
         assert server.greedy() == server.reference(ray.get([r.full_state.remote() for r in fresh])[0], "fresh")
@@ -440,14 +443,14 @@ def test_vllm_megatron_core_trainer_updates_the_server_from_its_own_tensors(mode
     try:
         new = vm.perturbed(model["base"], seed=31)
         locals_ = [ut.megatron_locals(new, config, 2, i % 2, 2, i // 2) for i in range(4)]
-        ray.get([r.__ray_call__.remote(ut.load_locals, t) for r, t in zip(ranks, locals_)], timeout=120)
+        ray.get([r.__ray_call__.remote(ut.load_locals, t) for r, t in zip(ranks, locals_)], timeout=WAIT_S)
         # a declaration the tensors contradict: refused naming the parameter
         said = ray.get(ranks[0].__ray_call__.remote(ut.holdings_error, str(model["path"]), topology="tp=1", rank=0))
         assert "Megatron-core parameter embedding.word_embeddings.weight is float32 (256, 128)" in said, said
         layouts = ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S, str(model["path"])) for r in ranks])
         assert layouts == ["dp=1,tp=2,pp=2"] * 4
         before = server.greedy()
-        sent = ray.get([r.send.remote() for r in ranks], timeout=120)
+        sent = ray.get([r.send.remote() for r in ranks], timeout=WAIT_S)
         assert [s["version"] for s in sent] == [1] * 4
         after = server.greedy()
         assert after != before, "the update changed nothing"

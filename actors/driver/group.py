@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkabl
 
 import ray
 import torch
-from ray.util.placement_group import remove_placement_group
 
 from actors import metrics
 from actors.config import GroupConfig
@@ -245,7 +244,7 @@ class ModelGroup:
         the weights as, e.g. ``"fp8_block128"`` for a generator serving block FP8 or
         ``"bfloat16"`` beside fp32 masters: :mod:`realloc.spec.formats`; :meth:`copy_to` converts)
         build the layout from a topology (a Layout carries its own: give one or the other). ``settings`` are :class:`GroupConfig` fields (``use_gpu``, ``gpus_per_worker``,
-        ``transport``, ``strategy``, ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``zero_copy``, ``bandwidths``,
+        ``transport``, ``strategy``, ``cpus_per_worker``, ``bucket_bytes``, ``timeout_s``, ``start_timeout_s``, ``zero_copy``, ``bandwidths``,
         ``runtime_env``), or pass ``config=``. Every argument is checked, and the cluster's
         capacity too, before anything starts; a failure after the placement group exists
         removes it and the actors again.
@@ -306,7 +305,7 @@ class ModelGroup:
             group._form_user_groups()
             group.announce(ShardChange("create", layout))
         except BaseException:
-            discard(launched.workers.actors, launched.pg)
+            discard(launched.workers.actors, launched.pg, launched.workers.names)
             raise
         log.info(
             "group %s: %d workers on %d nodes in layout %s",
@@ -1203,7 +1202,9 @@ class ModelGroup:
             self.ledger.workers_replaced()  # no kept layout is whole any more, nor a copy nor a delta base
             self._sync_resident()
             fresh_workers = self.workers.subset(dead)
-            fresh = call_all(fresh_workers, "info", timeout_s=self.timeout_s + 60, what="start replacement workers")
+            fresh = call_all(
+                fresh_workers, "info", timeout_s=self.config.start_timeout_s, what="start replacement workers"
+            )
             for r, info in zip(dead, fresh):
                 self.infos[r] = info
             self.placement = placement_of(self.infos)
@@ -1246,7 +1247,8 @@ class ModelGroup:
         return world
 
     def shutdown(self) -> None:
-        """Stop the actors and release the placement group (waits for a running operation first)."""
+        """Stop the actors and release the placement group (waits for a running operation first).
+        On return the group's name is free: a group of the same name can be created at once."""
         if self.ledger.closed:
             return
         with self.ledger.closing():
@@ -1254,9 +1256,7 @@ class ModelGroup:
                 ray.get([a.shutdown.remote() for a in self.workers.actors], timeout=30)
             except Exception:  # noqa: BLE001 - best effort: dead actors cannot clean up
                 log.debug("group %s: some workers could not shut down cleanly", self.name, exc_info=True)
-            for a in self.workers.actors:
-                ray.kill(a)
-            remove_placement_group(self._pg)
+            discard(self.workers.actors, self._pg, self.workers.names)  # its name is free on return
             sweep_stale_buffers()  # files of workers that died before they could clean up (this node)
             self.worlds = dict.fromkeys(LANES)
 

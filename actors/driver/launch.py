@@ -6,7 +6,9 @@ the user's worker class and of the arguments of ``run``/``call``, all before any
 from __future__ import annotations
 
 import inspect
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +23,8 @@ from actors.remote import Workers, call_all
 from actors.worker import RESERVED_METHODS, ShardWorker
 from realloc.plan import Placement
 from realloc.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,10 @@ def start_workers(name: str, spec: ModelSpec, n: int, config: GroupConfig, worke
     pg = placement_group([config.bundle() for _ in range(n)], strategy=config.strategy, name=f"realloc-{name}")
     actors: list = []
     try:
-        ready, _ = ray.wait([pg.ready()], timeout=config.timeout_s)
+        ready, _ = ray.wait([pg.ready()], timeout=config.start_timeout_s)
         if not ready:
             raise ReallocationError(
-                f"placement group for {n} workers ({config.bundle()} each) not ready after {config.timeout_s:.0f}s "
+                f"placement group for {n} workers ({config.bundle()} each) not ready after {config.start_timeout_s:.0f}s "
                 f"(available now: {_summary(ray.available_resources())}); nothing was started"
             )
         remote_cls = remote_class(config, worker_cls)
@@ -54,18 +58,45 @@ def start_workers(name: str, spec: ModelSpec, n: int, config: GroupConfig, worke
         for r in range(n):
             actors.append(start_worker(remote_cls, names[r], pg, r, name, spec, config))
         workers = Workers(tuple(actors), tuple(names))
-        infos = call_all(workers, "info", timeout_s=config.timeout_s + 60, what=f"start workers of {name!r}")
+        infos = call_all(workers, "info", timeout_s=config.start_timeout_s, what=f"start workers of {name!r}")
         return Launched(workers, infos, placement_of(infos), pg)
     except BaseException:
-        discard(actors, pg)
+        discard(actors, pg, [f"realloc:{name}:rank{r}" for r in range(len(actors))])
         raise
 
 
-def discard(actors, pg) -> None:
-    """Kill ``actors`` and remove their placement group (a start that failed)."""
+def discard(actors, pg, names=()) -> None:
+    """Kill ``actors`` and remove their placement group (a start that failed, or a shutdown);
+    ``names``: theirs, waited on until free (:func:`release_names`)."""
     for a in actors:
         ray.kill(a)
     remove_placement_group(pg)
+    release_names(names)
+
+
+def release_names(names, timeout_s: float = 30.0) -> list[str]:
+    """Wait until no live actor holds any of ``names`` (killed just before): ``ray.kill`` returns
+    before the cluster has marked the actor dead, and until it has, its name is taken, so a group
+    started again under the same name right after a shutdown would be refused as still running.
+    Returns (and logs) the names still held at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    held = list(names)
+    while held:
+        held = [n for n in held if _held(n)]
+        if not held or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if held:
+        log.warning("names still held %.0fs after their actors were killed: %s", timeout_s, held)
+    return held
+
+
+def _held(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
 
 
 def start_worker(remote_cls, actor_name: str, pg, bundle: int, group: str, spec: ModelSpec, config: GroupConfig):
