@@ -14,6 +14,7 @@ from simulated import simulated_cluster, wait_for_dead_workers
 
 from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
 from actors.driver.fleet import FleetUpdate
+from actors.driver.staged import StagedUpdate
 from actors.lanes import STAGE
 from realloc import ModelSpec, Topology
 
@@ -277,7 +278,7 @@ def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster, monkeyp
             g.shutdown()
 
 
-def test_copy_to_several_groups_sends_each_byte_out_of_the_source_once_and_switches_all_or_none(cluster):
+def test_copy_to_several_groups_sends_each_byte_out_of_the_source_once_and_switches_all_or_none(cluster, monkeypatch):
     """Issue 39 item 2: ``copy_to([a, b, c])`` is one copy: the source sends the model once, the
     staged groups relay to the others, and every group switches, or (one could not be staged)
     none does. Before, ``copy_to`` took one group: a copy into three sent the model three times."""
@@ -327,6 +328,23 @@ def test_copy_to_several_groups_sends_each_byte_out_of_the_source_once_and_switc
         assert {g.version for g in groups[:2]} == {stats[names[0]].version}
         assert trainer.copy_to(groups[:2])[names[1]].version > stats[names[0]].version  # usable after the refusal
         assert all(g.verify_synthetic(62) == {} for g in groups[:2])
+
+        # A switch that fails after another group switched (rolled back, as a commit that fails
+        # before its workers adopt): the error says which group holds which weights.
+        commit = StagedUpdate.commit
+
+        def failing(update, at="now"):
+            if update.dest is groups[1]:
+                update.abort()
+                raise ReallocationError(f"{update.dest.name}: its switch failed (injected)")
+            return commit(update, at=at)
+
+        monkeypatch.setattr(StagedUpdate, "commit", failing)
+        trainer.init_synthetic(63)
+        with pytest.raises(ReallocationError, match=r"but \['cp-g1'\] failed to switch; \['cp-g0'\] switched") as err:
+            trainer.copy_to(groups[:2])
+        assert "(injected)" in err.value.message
+        assert groups[0].verify_synthetic(63) == {} and groups[1].verify_synthetic(62) == {}
     finally:
         for g in [trainer, *groups]:
             g.shutdown()

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
 from actors.driver.staged import COMMIT_AT, StagedUpdate
 from actors.errors import GroupBusyError, ReallocationError
@@ -511,40 +511,39 @@ def copy_to_groups(source: ModelGroup, groups: Sequence[ModelGroup]) -> dict[str
         raise ValueError(f"copy_to([...]) lists the source {source.name!r}; use reallocate to change its layout")
     fleet = Fleet(groups)  # one weight format among the groups (their relays copy it as it is); each listed once
     update = fleet.stage(source)
+    what = f"copy {source.name!r} -> {[g.name for g in groups]}"
     try:
         update.wait()
     except ReallocationError as err:  # nothing staged: nothing switched
-        raise ReallocationError(
-            f"copy {source.name!r} -> {[g.name for g in groups]}: {err.message}", err.dead, err.unresponsive
-        ) from err
+        raise ReallocationError(f"{what}: {err.message}", err.dead, err.unresponsive) from err
     if update.errors:
         update.abort()
-        why = "; ".join(f"{name}: {err}" for name, err in update.errors.items())
-        raise ReallocationError(
-            f"copy {source.name!r} -> {[g.name for g in groups]}: {sorted(update.errors)} could not be staged, so "
-            f"no group switched: every group keeps its previous weights and {source.name!r} is untouched ({why})",
-            dead=[n for err in update.errors.values() for n in err.dead],
-            unresponsive=[n for err in update.errors.values() for n in err.unresponsive],
+        raise _failed(
+            f"{what}: {sorted(update.errors)} could not be staged, so no group switched: every group keeps its "
+            f"previous weights and {source.name!r} is untouched",
+            update.errors,
         )
+    switched = update.commit(at="now")  # in the order given; a group whose switch fails is dropped
     stats: dict[str, ReallocStats] = {}
-    failed: dict[str, ReallocationError] = {}
-    for group in groups:
-        staged = update.updates[group.name]
-        try:
-            staged.commit(at="now")
-        except ReallocationError as err:
-            failed[group.name] = err
-            continue
+    for name in switched:
+        staged = update.updates[name]
         staged.stats.pause_seconds = staged.pause_seconds
-        staged.stats.version = group.version
-        stats[group.name] = staged.stats
-    update.ended = True
-    if failed:
-        why = "; ".join(f"{name}: {err}" for name, err in failed.items())
-        raise ReallocationError(
-            f"copy {source.name!r} -> {[g.name for g in groups]}: every group was staged, but {sorted(failed)} "
-            f"failed to switch ({why}); {list(stats)} switched to version {update.version} of {source.name!r}",
-            dead=[n for err in failed.values() for n in err.dead],
-            unresponsive=[n for err in failed.values() for n in err.unresponsive],
+        stats[name] = staged.stats
+    if len(switched) < len(groups):
+        raise _failed(
+            f"{what}: every group was staged, but {sorted(update.errors)} failed to switch; {switched} switched to "
+            f"version {update.version} of {source.name!r}",
+            update.errors,
         )
     return stats
+
+
+def _failed(message: str, errors: Mapping[str, ReallocationError]) -> ReallocationError:
+    """One error for the groups' ``errors`` (by name): ``message``, each group's error after it,
+    and the dead and unresponsive workers of them all."""
+    why = "; ".join(f"{name}: {err}" for name, err in errors.items())
+    return ReallocationError(
+        f"{message} ({why})",
+        dead=[n for err in errors.values() for n in err.dead],
+        unresponsive=[n for err in errors.values() for n in err.unresponsive],
+    )

@@ -105,22 +105,23 @@ def block_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_amax_by_rows(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of each block of 2-D ``x``, in its dtype: ``max(max, -min)`` reduced
-    along the contiguous rows first, one block row at a time: no ``abs`` copy and no float32
-    copy of the block (the same value as vLLM's ``abs().float().amax()``: both are exact)."""
+    """The largest magnitude of each block of 2-D ``x``, in its dtype, one block row at a time:
+    the band's ``max`` and ``min`` across its rows first (elementwise over whole rows: the vector
+    units' reduction, where one along 128-element pieces of a row was 4x slower, measured in
+    docs/benchmarks.md), then ``max(max, -min)`` per block of the one row left: no ``abs`` copy
+    and no float32 copy of the band (the same value as vLLM's ``abs().float().amax()``: all of
+    them are exact)."""
     m, n = x.shape
     rows, cols = -(-m // BLOCK), -(-n // BLOCK)
     whole = n // BLOCK
     amax = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     for r in range(rows):
         band = x[r * BLOCK : (r + 1) * BLOCK]
-        parts = [(slice(0, whole), band[:, : whole * BLOCK].unflatten(1, (whole, BLOCK)))] if whole else []
+        magnitude = torch.maximum(band.amax(dim=0), band.amin(dim=0).neg())  # n values
+        if whole:
+            amax[r, :whole] = magnitude[: whole * BLOCK].view(whole, BLOCK).amax(dim=1)
         if whole < cols:  # a last block cut by the tensor's edge
-            parts.append((slice(whole, cols), band[:, whole * BLOCK :].unsqueeze(1)))
-        for k, part in parts:
-            hi = part.amax(dim=2).amax(dim=0)
-            lo = part.amin(dim=2).amin(dim=0)
-            amax[r, k] = torch.maximum(hi, lo.neg())
+            amax[r, whole] = magnitude[whole * BLOCK :].amax()
     return amax
 
 

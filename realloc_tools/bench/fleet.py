@@ -44,10 +44,10 @@ def _fleet(trainer: ModelGroup, fleet: Fleet) -> tuple[float, int, int]:
     return seconds, egress, sum(_moved(s) for s in stats.values())
 
 
-def _trainer_each(trainer: ModelGroup, replicas: list[ModelGroup]) -> tuple[float, int, int]:
+def _trainer_each(trainer: ModelGroup, fleet: Fleet) -> tuple[float, int, int]:
     started = time.perf_counter()
     updates = []
-    for r in replicas:
+    for r in fleet.replicas:
         update = trainer.copy_to(r, stage=True)
         update.wait()
         updates.append(update)
@@ -58,14 +58,15 @@ def _trainer_each(trainer: ModelGroup, replicas: list[ModelGroup]) -> tuple[floa
     return seconds, moved, moved
 
 
-def _copy_to(trainer: ModelGroup, replicas: list[ModelGroup]) -> tuple[float, int, int]:
+def _copy_to(trainer: ModelGroup, fleet: Fleet) -> tuple[float, int, int]:
     started = time.perf_counter()
-    stats = trainer.copy_to(replicas)
+    stats = trainer.copy_to(list(fleet.replicas))
     seconds = time.perf_counter() - started
     egress = sum(_moved(s) for s in stats.values() if s.transition.startswith(f"{trainer.name}["))
     return seconds, egress, sum(_moved(s) for s in stats.values())
 
 
+#: the ways, each given the trainer and the fleet of the replicas
 WAY = {"fleet": _fleet, "trainer_each": _trainer_each, "copy_to": _copy_to}
 WAYS = tuple(WAY)
 
@@ -93,12 +94,12 @@ def measure(
         for way in WAYS:  # warm-up, not timed: plans, worlds, the replicas' shadow sets
             seed += 1
             trainer.init_synthetic(seed)
-            WAY[way](trainer, fleet if way == "fleet" else groups)
+            WAY[way](trainer, fleet)
         for _ in range(repeats):
             for way in WAYS:
                 seed += 1
                 trainer.init_synthetic(seed)
-                got = WAY[way](trainer, fleet if way == "fleet" else groups)
+                got = WAY[way](trainer, fleet)
                 runs[way].append(got)
                 exact[way] &= all(g.verify_synthetic(seed) == {} for g in groups)
                 log(f"fleet bench: {way} {got[0]:.3f} s, trainer sent {got[1] / 1e6:.1f} MB")
