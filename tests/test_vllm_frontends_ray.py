@@ -244,7 +244,7 @@ def serving(model, backend: str):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + WAIT_S
         while True:
             try:
                 with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
@@ -253,7 +253,7 @@ def serving(model, backend: str):
             except OSError:
                 pass
             assert process.poll() is None, (model["root"] / f"serve-{backend}.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "vllm serve did not come up within 180 s"
+            assert time.monotonic() < deadline, f"vllm serve did not come up within {WAIT_S} s"
             time.sleep(0.5)
         yield Server(model, process, base)
     finally:
