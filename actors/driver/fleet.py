@@ -34,6 +34,7 @@ then every one switches; if any group could not be staged, none switches.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
@@ -448,7 +449,7 @@ class FleetUpdate:
                 "dropped): each keeps serving what it served"
             ) from self._failure
         if not self.updates:
-            why = "; ".join(f"{name}: {err}" for name, err in self.errors.items()) or "the fleet has no replica"
+            why = _reasons(self.errors) or "the fleet has no replica"
             raise ReallocationError(
                 f"fleet update from {self.source.name!r} staged no replica; each keeps serving what it "
                 f"served (skipped as busy: {self.skipped}; dropped from the fleet: "
@@ -527,8 +528,7 @@ def copy_to_groups(source: ModelGroup, groups: Sequence[ModelGroup]) -> dict[str
     stats: dict[str, ReallocStats] = {}
     for name in switched:
         staged = update.updates[name]
-        staged.stats.pause_seconds = staged.pause_seconds
-        stats[name] = staged.stats
+        stats[name] = dataclasses.replace(staged.stats, pause_seconds=staged.pause_seconds)
     if len(switched) < len(groups):
         raise _failed(
             f"{what}: every group was staged, but {sorted(update.errors)} failed to switch; {switched} switched to "
@@ -541,9 +541,13 @@ def copy_to_groups(source: ModelGroup, groups: Sequence[ModelGroup]) -> dict[str
 def _failed(message: str, errors: Mapping[str, ReallocationError]) -> ReallocationError:
     """One error for the groups' ``errors`` (by name): ``message``, each group's error after it,
     and the dead and unresponsive workers of them all."""
-    why = "; ".join(f"{name}: {err}" for name, err in errors.items())
     return ReallocationError(
-        f"{message} ({why})",
+        f"{message} ({_reasons(errors)})",
         dead=[n for err in errors.values() for n in err.dead],
         unresponsive=[n for err in errors.values() for n in err.unresponsive],
     )
+
+
+def _reasons(errors: Mapping[str, ReallocationError]) -> str:
+    """``errors`` (by group name) as one clause: each name with its error."""
+    return "; ".join(f"{name}: {err}" for name, err in errors.items())

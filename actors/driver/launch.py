@@ -45,6 +45,7 @@ def start_workers(name: str, spec: ModelSpec, n: int, config: GroupConfig, worke
     check_capacity(n, config)
     check_name_free(name)
     pg = placement_group([config.bundle() for _ in range(n)], strategy=config.strategy, name=f"realloc-{name}")
+    names = [f"realloc:{name}:rank{r}" for r in range(n)]
     actors: list = []
     try:
         ready, _ = ray.wait([pg.ready()], timeout=config.start_timeout_s)
@@ -54,14 +55,13 @@ def start_workers(name: str, spec: ModelSpec, n: int, config: GroupConfig, worke
                 f"(available now: {_summary(ray.available_resources())}); nothing was started"
             )
         remote_cls = remote_class(config, worker_cls)
-        names = [f"realloc:{name}:rank{r}" for r in range(n)]
         for r in range(n):
             actors.append(start_worker(remote_cls, names[r], pg, r, name, spec, config))
         workers = Workers(tuple(actors), tuple(names))
         infos = call_all(workers, "info", timeout_s=config.start_timeout_s, what=f"start workers of {name!r}")
         return Launched(workers, infos, placement_of(infos), pg)
     except BaseException:
-        discard(actors, pg, [f"realloc:{name}:rank{r}" for r in range(len(actors))])
+        discard(actors, pg, names[: len(actors)])
         raise
 
 

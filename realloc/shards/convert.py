@@ -107,8 +107,8 @@ def block_scales(x: torch.Tensor) -> torch.Tensor:
 def block_amax_by_rows(x: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of each block of 2-D ``x``, in its dtype, one block row at a time:
     the band's ``max`` and ``min`` across its rows first (elementwise over whole rows: the vector
-    units' reduction, where one along 128-element pieces of a row was 4x slower, measured in
-    docs/benchmarks.md), then ``max(max, -min)`` per block of the one row left: no ``abs`` copy
+    units' reduction; one along 128-element pieces of each row made ``block_scales`` about twice
+    as slow, docs/benchmarks.md), then ``max(max, -min)`` per block of the one row left: no ``abs`` copy
     and no float32 copy of the band (the same value as vLLM's ``abs().float().amax()``: all of
     them are exact)."""
     m, n = x.shape
