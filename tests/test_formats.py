@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
-from actors.wire.executor import Staging, StepRunner
+from actors.wire.executor import Phases, Staging, StepRunner
 from actors.wire.shares import PeerView
 from realloc.ckpt.hf import check_declared_format, load_shards, match_spec, save_hf_dir, scan_hf_dir
 from realloc.layout import Layout, Topology
@@ -800,38 +800,14 @@ def test_megatron_block_fp8_is_refused_saying_why():
 # -- conversions in the bucket pipeline: senders that convert message by message ---------------
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases(), st.sampled_from([1024, 3000, 4096, 70_000, 1 << 22]))
-def test_senders_convert_message_by_message_into_the_oracles_format(case, bucket_bytes):
-    """A plan whose sources are the wire layout (the senders' topology in the destination's
-    format) run by one :class:`StepRunner` per worker (threads, an in-memory transport) whose
-    sender holds its own format and converts each message as it packs it
-    (:class:`~realloc.shards.convert.Converted`): no converted copy of any shard. Buckets as small
-    as 1 KiB cut quantized weights mid-block (a piece's scales are then computed from the
-    whole blocks it touches); every destination shard must equal the oracle's quantizer (or cast)
-    applied to the full tensors, bit for bit."""
-
-    d, src_t, dst_t, _, dst_fmt, seed = case
-    assume(dst_fmt is not None)
-    spec = d.spec()
-    (sdp, sfsdp, stp, spp), (ddp, _, dtp, dpp) = dims(src_t), dims(dst_t)
-    assume(sfsdp == 1 and block_aligned(d, stp) and block_aligned(d, dtp))
-    src = Layout(spec, Topology(dp=sdp, tp=stp, pp=spp))
-    dst = Layout(spec, Topology(dp=ddp, tp=dtp, pp=dpp), weight_format=dst_fmt)
-    conv = conversion(src, dst)
-    assume(conv.where == "source")
-    n_src, n_dst = src.topology.world_size, dst.topology.world_size
-    placement = Placement.blocks(n_src + n_dst, 2 if (n_src + n_dst) % 2 == 0 else 1)
-    workers = {"src_workers": list(range(n_src)), "dst_workers": list(range(n_src, n_src + n_dst))}
-    plan = plan_reallocation(conv.wire.spec, conv.wire, dst, placement, bucket_bytes=bucket_bytes, **workers)
-    full = oracle.full_tensors(d, seed)
-    held = {r: fill(src, r, expected(d, full, {}, sdp, 1, stp, spp, r)) for r in range(n_src)}
-    out = {n_src + r: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(n_dst)}
-    peers = [PeerView(w, plan.nodes[w], conv.wire.at(w) if w < n_src else None, None) for w in range(n_src)]
-    peers += [PeerView(w, plan.nodes[w], None, dst.at(w - n_src)) for w in range(n_src, n_src + n_dst)]
+def run_converting(plan, peers, held, out, sources, read: bool) -> tuple[dict, dict]:
+    """Run ``plan`` with one :class:`StepRunner` per worker (threads, an in-memory transport):
+    senders hold ``held[w]`` and convert with ``sources[w]``; ``read``: same-node receivers map the
+    senders' ``held`` stores and convert what they read. Returns each worker's timeline and its
+    ``conversion_failures()``."""
     boxes = {(i, j): queue.Queue() for i in range(len(peers)) for j in range(len(peers))}
-    sources = {w: Converted(held[w], src.spec.by_name, conv.wire.spec.by_name) for w in held}
-    errors = []
+    timelines = {w: Phases() for w in range(len(peers))}
+    failures, errors = {}, []
 
     def worker(w: int) -> None:
         try:
@@ -845,11 +821,14 @@ def test_senders_convert_message_by_message_into_the_oracles_format(case, bucket
                 peers,
                 held.get(w),
                 out.get(w),
+                open_peer=(lambda view, forward: held[view.world_rank]) if read else None,
                 staging=Staging(torch.device("cpu")),
                 convert=sources.get(w),
+                timeline=timelines[w],
             )
             for s, routes in share.routes_by_step().items():
                 runner.run_step(s, routes)
+            failures[w] = runner.conversion_failures()
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append((w, err))
 
@@ -859,7 +838,85 @@ def test_senders_convert_message_by_message_into_the_oracles_format(case, bucket
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads) and not errors, errors
-    assert all(not s.failed for s in sources.values())
+    return timelines, failures
+
+
+def test_a_reader_that_converts_fails_on_a_block_it_cannot_quantize():
+    """A receiver that reads a converting sender's buffers where they are converts what it reads;
+    a block of inf there is its failure to raise (after its routes), as it is a sender's that
+    converts as it packs; the sender, whose buffers were read, reports none."""
+    d = oracle.Decoder(hidden=256, intermediate=512, layers=1, heads=2, kv_heads=2, head_dim=128, vocab=100)
+    spec = d.spec()
+    src = Layout(spec, Topology(tp=2))
+    dst = Layout(spec, Topology(dp=1), weight_format="fp8_block128")
+    conv = conversion(src, dst)
+    assert conv.where == "source"
+    plan = plan_reallocation(
+        conv.wire.spec,
+        conv.wire,
+        dst,
+        Placement.blocks(3, 3),
+        bucket_bytes=1 << 20,
+        src_workers=[0, 1],
+        dst_workers=[2],
+    )
+    full = oracle.full_tensors(d, 0)
+    held = {r: fill(src, r, expected(d, full, {}, 1, 1, 2, 1, r)) for r in range(2)}
+    name = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: rank 1 holds columns 128-255
+    held[1].view(name, (0, 128), (256, 128))[130, 5] = float("inf")
+    out = {2: ShardStore(dst.shards(0), allocate_buffers(dst, 0))}
+    peers = [PeerView(w, plan.nodes[w], conv.wire.at(w), None, shared=True, held=src.at(w)) for w in range(2)]
+    peers.append(PeerView(2, plan.nodes[2], None, dst.at(0)))
+    sources = {w: Converted(held[w], src.spec.by_name, conv.wire.spec.by_name) for w in held}
+    timelines, failures = run_converting(plan, peers, held, out, sources, True)
+    assert sum(step[5] == "read" for step in timelines[2].steps) == 2  # both senders read, none sent
+    assert not failures[0] and not failures[1]
+    assert [(e.args[0].split(":")[0]) for e in failures[2]] == [name]
+    assert "block (1, 1)" in str(failures[2][0])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from([1024, 3000, 4096, 70_000, 1 << 22]), st.booleans())
+def test_senders_convert_message_by_message_into_the_oracles_format(case, bucket_bytes, read):
+    """A plan whose sources are the wire layout (the senders' topology in the destination's
+    format) run by one :class:`StepRunner` per worker (threads, an in-memory transport) whose
+    sender holds its own format and converts each message as it packs it
+    (:class:`~realloc.shards.convert.Converted`): no converted copy of any shard. Buckets as small
+    as 1 KiB cut quantized weights mid-block (a piece's scales are then computed from the
+    whole blocks it touches); every destination shard must equal the oracle's quantizer (or cast)
+    applied to the full tensors, bit for bit. ``read``: the senders share their buffers
+    (``PeerView.held``: what they hold), so a receiver on a sender's node reads them where they
+    are and converts what it reads, with the same bits."""
+
+    d, src_t, dst_t, _, dst_fmt, seed = case
+    assume(dst_fmt is not None)
+    spec = d.spec()
+    (sdp, sfsdp, stp, spp), (ddp, _, dtp, dpp) = dims(src_t), dims(dst_t)
+    assume(sfsdp == 1 and block_aligned(d, stp) and block_aligned(d, dtp))
+    src = Layout(spec, Topology(dp=sdp, tp=stp, pp=spp))
+    dst = Layout(spec, Topology(dp=ddp, tp=dtp, pp=dpp), weight_format=dst_fmt)
+    conv = conversion(src, dst)
+    assume(conv.where == "source")
+    n_src, n_dst = src.topology.world_size, dst.topology.world_size
+    one_node = read and seed % 2  # every route a read; else reads only where a sender shares a node
+    per_node = n_src + n_dst if one_node else 2 if (n_src + n_dst) % 2 == 0 else 1
+    placement = Placement.blocks(n_src + n_dst, per_node)
+    workers = {"src_workers": list(range(n_src)), "dst_workers": list(range(n_src, n_src + n_dst))}
+    plan = plan_reallocation(conv.wire.spec, conv.wire, dst, placement, bucket_bytes=bucket_bytes, **workers)
+    full = oracle.full_tensors(d, seed)
+    held = {r: fill(src, r, expected(d, full, {}, sdp, 1, stp, spp, r)) for r in range(n_src)}
+    out = {n_src + r: ShardStore(dst.shards(r), allocate_buffers(dst, r)) for r in range(n_dst)}
+    peers = [
+        PeerView(w, plan.nodes[w], conv.wire.at(w), None, shared=read, held=src.at(w) if read else None)
+        for w in range(n_src)
+    ]
+    peers += [PeerView(w, plan.nodes[w], None, dst.at(w - n_src)) for w in range(n_src, n_src + n_dst)]
+    sources = {w: Converted(held[w], src.spec.by_name, conv.wire.spec.by_name) for w in held}
+    timelines, failures = run_converting(plan, peers, held, out, sources, read)
+    assert not any(failures.values()), failures
+    same_node = any(plan.nodes[a] == plan.nodes[b] for _, a, b, _ in plan.routes() if a < n_src)
+    reads = sum(step[5] == "read" for t in timelines.values() for step in t.steps)
+    assert (reads > 0) == (read and same_node), (reads, read, same_node)
     dst_full, dst_scales = formatted_full(d, full, dst_fmt)
     for r in range(n_dst):
         want = expected(d, dst_full, dst_scales, ddp, 1, dtp, dpp, r)
@@ -868,3 +925,4 @@ def test_senders_convert_message_by_message_into_the_oracles_format(case, bucket
         for slot in want:
             assert same_bits(got[slot], want[slot]), (slot, r)
     event(f"{dst_fmt}, {len(plan.buckets(0)) if plan.routes() else 0} buckets in the first list")
+    event(f"read where they are: {reads > 0} (read={read}, one node={bool(one_node)})")

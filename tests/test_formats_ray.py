@@ -229,3 +229,35 @@ def test_an_inf_in_a_weight_to_quantize_aborts_the_move_and_the_generator_keeps_
     finally:
         for g in (tp, fsdp, gen):
             g.shutdown()
+
+
+def test_a_generator_on_the_trainers_node_reads_its_weights_where_they_are_and_converts_them(cluster):
+    """A sender that converts as it sends (tp=2 ranks hold whole blocks) shares its buffers: a
+    generator on its node reads them where they are and quantizes what it reads (before, every
+    such route went through gloo, packed and converted by the sender). The same bits as the
+    oracle's quantizer; an inf read fails the move, staged or not, and the generator keeps its
+    weights."""
+    tp = ModelGroup.create(SPEC, "tp=2", name="fmt-read-tp")
+    filler = ModelGroup.create(SPEC, "fsdp=4", name="fmt-read-filler")  # takes the other node's 4 slots
+    gen = ModelGroup.create(SPEC, "dp=2", name="fmt-read-gen", weight_format="fp8_block128")
+    filler.shutdown()
+    try:
+        assert set(gen.placement.nodes) == set(tp.placement.nodes)
+        tp.init_synthetic(5)
+        stats = tp.copy_to(gen)
+        assert stats.conversion == "source" and stats.bytes_inter_node == 0
+        steps = [s for s in gen.last_trace().steps() if s["recv_from"] is not None]
+        assert steps and all(s["link"] == "read" and ":fmt-read-tp:" in s["recv_from"] for s in steps), steps
+        before = expected_fp8(tp.state_dict())
+        holds(gen, before)
+        state = tp.state_dict()
+        name = "model.layers.0.mlp.down_proj.weight"
+        state[name][3, 300] = float("-inf")
+        tp.load_state_dict(state)
+        for stage in (False, True):
+            with pytest.raises(ReallocationError, match=rf"{name}: block \(0, 2\) .* holds inf or NaN"):
+                tp.copy_to(gen, stage=True).wait() if stage else tp.copy_to(gen)
+            holds(gen, before)
+    finally:
+        tp.shutdown()
+        gen.shutdown()

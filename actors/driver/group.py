@@ -61,7 +61,7 @@ from actors.wire.zero_copy import sweep_stale_buffers
 from actors.worker import ShardWorker
 from realloc._checks import check_nonneg, is_int
 from realloc.boxes import box_index
-from realloc.layout import Layout, Topology
+from realloc.layout import Layout, RankLayout, Topology
 from realloc.plan import Bandwidths, Placement, Plan, plan_reallocation
 from realloc.plan.formats import conversion
 from realloc.progress import phase_summary, plan_summary
@@ -1104,7 +1104,7 @@ class ModelGroup:
             def make_plan() -> Plan:
                 return _plan(before, target, placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
 
-        shared = _zero_copy(groups, conv.where)
+        shared, held = _zero_copy(groups, conv.where), _held(groups, conv.where)
 
         def make_stats(plan: Plan, plan_seconds: float, result: PhaseResult) -> ReallocStats:
             return ReallocStats(
@@ -1133,6 +1133,7 @@ class ModelGroup:
             dsts=dsts,
             placement=placement,
             shared=shared,
+            held=held,
             make_plan=make_plan,
             groups=groups,
             label=label,
@@ -1266,15 +1267,24 @@ class ModelGroup:
 
 def _zero_copy(groups: list[ModelGroup], converting: str | None) -> list[bool]:
     """Per worker of ``groups`` (the sending group first): whether its same-node peers read its
-    buffers in place. A move converting on the senders (realloc/plan/formats.py) reads none of
-    the sending group's (they hold another format than the plan's, each message converted as it
-    is packed) and the receivers' as usual (they hold the plan's format: fan-out reads stay
-    zero-copy); one converting on the receivers reads none (each replaces the buffers its peers
-    would read with their conversion)."""
-    return [
-        info["zero_copy"] and (converting is None or (converting == "source" and k > 0))
-        for k, g in enumerate(groups)
-        for info in g.infos
+    buffers in place. A move converting on the senders (realloc/plan/formats.py) reads them all:
+    the sending group's hold another format than the plan's, and a reader converts what it reads
+    from them (:func:`_held` says what they hold), as a sender converts each message it packs;
+    the receivers' hold the plan's format (fan-out reads as usual). One converting on the
+    receivers reads none (each replaces the buffers its peers would read with their conversion)."""
+    reads = converting is None or (converting == "source" and len(groups) > 1)
+    return [info["zero_copy"] and reads for g in groups for info in g.infos]
+
+
+def _held(groups: list[ModelGroup], converting: str | None) -> list[RankLayout | None] | None:
+    """``PeerView.held`` per worker of a copy's ``groups`` (the sending group first): the sending
+    group's own layout when it converts as it sends (the plan sends that layout in the
+    destination's format); None when nothing is converted on the senders."""
+    if converting != "source" or len(groups) < 2:
+        return None
+    sender = groups[0]
+    return [sender.layout.at(r) for r in range(sender.num_workers)] + [
+        None for g in groups[1:] for _ in range(g.num_workers)
     ]
 
 
@@ -1311,7 +1321,7 @@ def _move(
         op.abort(err)
     if order.blend is None:
         shared = _zero_copy(groups, converting)
-        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, order)
+        result = op.run_plan(world, plan, srcs, placement, shared, {"model": model}, order, _held(groups, converting))
         if any(result.phases):
             log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(result.phases))
         seconds = result.seconds

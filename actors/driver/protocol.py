@@ -127,10 +127,12 @@ class Operation:
         shared: Sequence[bool],
         tags: dict,
         order: MoveOrder = PLAIN_MOVE,
+        held: Sequence[RankLayout | None] | None = None,
     ) -> PhaseResult:
         """Steps 1-3 for a plan in one call per worker (``ShardWorker.op_run``): prepare, both phases
         and commit on every worker, one driver round trip. ``shared[i]``: worker ``i`` exports
-        zero-copy handles (its ``info()["zero_copy"]``).
+        zero-copy handles (its ``info()["zero_copy"]``); ``held[i]``: what worker ``i``'s buffers
+        hold when it sends ``srcs[i]`` converted (``PeerView.held``; None: what it sends).
 
         The workers exchange zero-copy handles and fan-out readiness among themselves, and each
         commits when its own part is done. Any failure anywhere aborts every live worker, which
@@ -164,6 +166,7 @@ class Operation:
                 lambda a, i, key, share: a.op_run.remote(
                     self.id, world.id, key, share, i, {**tags, "rank": str(i)}, order
                 ),
+                held,
             )
         except ReallocationError as err:
             self.abort(err)
@@ -227,18 +230,30 @@ _WORKER_PLANS_KEPT = 16
 
 
 def worker_plan_refs(
-    plan: Plan, world, actors: Sequence, srcs, dsts, placement: Placement, shared: Sequence[bool]
+    plan: Plan,
+    world,
+    actors: Sequence,
+    srcs,
+    dsts,
+    placement: Placement,
+    shared: Sequence[bool],
+    held: Sequence[RankLayout | None] | None = None,
 ) -> tuple[str, list]:
     """``(key, [ObjectRef of worker i's (PlanSlice, PeerTable)])`` of ``plan`` over ``world``:
-    each worker is shipped its own share only (cached: see above)."""
+    each worker is shipped its own share only (cached: see above). ``held``: ``PeerView.held`` of
+    each worker (None: every worker's buffers hold what it sends)."""
     ranks = tuple(world.rank_of(a) for a in actors)
-    key = (id(plan), world.id, ranks, tuple(srcs), tuple(dsts), tuple(placement.nodes), tuple(shared))
+    held = tuple(held) if held is not None else (None,) * len(ranks)
+    key = (id(plan), world.id, ranks, tuple(srcs), tuple(dsts), tuple(placement.nodes), tuple(shared), held)
     hit = _WORKER_PLANS.get(key)
     if hit is not None and hit[2] is plan:
         _WORKER_PLANS.move_to_end(key)
         return hit[0], hit[1]
     plan.validate(len(actors))
-    peers = [PeerView(r, placement.nodes[i], srcs[i], dsts[i], shared=bool(shared[i])) for i, r in enumerate(ranks)]
+    peers = [
+        PeerView(r, placement.nodes[i], srcs[i], dsts[i], shared=bool(shared[i]), held=held[i])
+        for i, r in enumerate(ranks)
+    ]
     refs = [ray.put(share) for share in worker_shares(plan, peers)]
     entry = _WORKER_PLANS[key] = (uuid.uuid4().hex, refs, plan)
     while len(_WORKER_PLANS) > _WORKER_PLANS_KEPT:
@@ -257,13 +272,15 @@ def run_shares(
     deadline: Deadline,
     what: str,
     send: Callable[[Any, int, str, list], Any],
+    held: Sequence[RankLayout | None] | None = None,
 ) -> list[WorkerReport]:
     """Every worker's share of ``plan`` run in one call per worker, on either lane: ``send(actor,
     i, key, [share])`` is the remote call that runs worker ``i``'s share (``op_run`` for a move,
     ``stage_run`` for a staged update); their reports, gathered within ``deadline``. A failure
     marks ``world`` broken (peers may be stuck mid-collective: the next operation forms a fresh
-    world) and raises the :class:`ReallocationError` for the caller's undo."""
-    key, shares = worker_plan_refs(plan, world, workers.actors, srcs, dsts, placement, shared)
+    world) and raises the :class:`ReallocationError` for the caller's undo. ``held``: as
+    :func:`worker_plan_refs` says."""
+    key, shares = worker_plan_refs(plan, world, workers.actors, srcs, dsts, placement, shared, held)
     try:
         refs = [send(a, i, key, [shares[i]]) for i, a in enumerate(workers.actors)]
         return gather(workers, refs, deadline, what)

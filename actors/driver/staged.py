@@ -75,6 +75,7 @@ class StagedUpdate:
         dsts: Sequence[RankLayout | None],
         placement: Placement,
         shared: Sequence[bool],
+        held: Sequence[RankLayout | None] | None = None,
         make_plan: Callable[[], Plan],
         groups: Sequence[Any],
         label: str,
@@ -114,6 +115,7 @@ class StagedUpdate:
         self.before = dest.layout
         self.workers, self.srcs, self.dsts = workers, list(srcs), list(dsts)
         self.placement, self.shared, self.make_plan, self.groups = placement, list(shared), make_plan, list(groups)
+        self.held = held  # PeerView.held of each worker: a sender's buffers when it converts as it sends
         self.label, self.make_stats = label, make_stats
         self.deadline = Deadline(max(g.timeout_s for g in self.groups) if timeout_s is None else timeout_s)
         self.state = "staging"
@@ -228,6 +230,7 @@ class StagedUpdate:
                 lambda a, i, key, share: a.stage_run.remote(
                     self.id, world.id, key, share, i, {"model": self.label, "rank": str(i)}, self.version, self.order
                 ),
+                self.held,
             )
         except ReallocationError as err:
             self._abort(err)

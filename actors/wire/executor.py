@@ -203,7 +203,9 @@ class StepRunner:
     checkpoint files read into memory, ...); ``open_peer(peer_view, forward)`` opens a same-node peer's store for zero-copy reads.
     ``convert``: ``src`` seen in the plan's weight format when it holds another (its sends are
     converted message by message as they are packed, realloc/plan/formats.py; ``src`` is then
-    what it holds, and no converted copy of it exists).
+    what it holds, and no converted copy of it exists). A same-node sender in that case
+    (``PeerView.held``) is read where it is and converted box by box as it is read
+    (:meth:`read`); :meth:`conversion_failures` collects the blocks either could not quantize.
     ``cuts``: a :class:`Cuts` of the same plan to reuse (the plan's buckets and messages are
     pure functions of it: a worker running one plan again does not cut them again).
     ``timeline``: the operation's :class:`Phases`, which records every step this worker runs.
@@ -237,6 +239,7 @@ class StepRunner:
         self._peer_stores: dict[tuple[int, bool], ShardStore] = {}
         self.delta = delta
         self.convert = convert
+        self._read_converts: dict[int, Converted] = {}  # sender -> its mapped buffers in the plan's format
 
     def buckets(self, j: int) -> list:
         if j not in self.cuts.buckets:
@@ -267,13 +270,7 @@ class StepRunner:
                 send = (dst, j)
             if dst == self.me:
                 if self.zero_copy(src, dst, forward):
-                    peer = self.peer_store(src, forward)
-                    nbytes = self.cuts.programs.run(
-                        ("read", j, src, forward),
-                        lambda: local_copies(peer, self.dst, self.plan.segment_list(j)),
-                        self.dst.buffers,
-                        peer.buffers,
-                    )
+                    nbytes = self.read(j, src, forward)
                     done.append(("intra", nbytes))
                     read = (src, nbytes, "read")
                 else:
@@ -291,6 +288,51 @@ class StepRunner:
                 (send[0], self.list_bytes(send[1])) if send else None,
             )
         return done
+
+    def read(self, j: int, sender: int, forward: bool) -> int:
+        """Segment list ``j`` read from same-node ``sender``'s buffers (its destination's for a
+        fan-out read) into this worker's destination; returns the bytes read. The boxes a sender
+        that converts as it sends would have converted (``PeerView.held``: its buffers hold
+        another weight format than the plan's) are converted here as they are read, with the
+        sender's arithmetic (:class:`~realloc.shards.convert.Converted` over its mapped buffers)."""
+        peer = self.peer_store(sender, forward)
+        segments = self.plan.segment_list(j)
+        view = self.peers[sender]
+        convert = None
+        if not forward and view.held is not None:
+            convert = self._read_converts.get(sender)
+            if convert is None:
+                have, want = view.held.layout.spec.by_name, view.src.layout.spec.by_name
+                convert = self._read_converts[sender] = Converted(peer, have, want)
+        plain = segments if convert is None else [p for p in segments if not convert.converts(p.param)]
+        nbytes = 0
+        if plain:
+            nbytes = self.cuts.programs.run(
+                ("read", j, sender, forward),
+                lambda: local_copies(peer, self.dst, plain),
+                self.dst.buffers,
+                peer.buffers,
+            )
+        changed = [] if convert is None else [p for p in segments if convert.converts(p.param)]
+        if changed:
+            started = time.perf_counter()
+            for p in changed:
+                for out in self.dst.views(p.param, p.offsets, p.sizes):
+                    convert.write(p.param, p.offsets, p.sizes, out)
+            converted = sum(p.nbytes for p in changed)
+            if self.timeline is not None:
+                self.timeline.convert(started, time.perf_counter(), converted)
+            nbytes += converted
+        return nbytes
+
+    def conversion_failures(self) -> list:
+        """The blocks this worker could not quantize (inf/NaN), converting its sends or what it
+        read (:class:`~realloc.shards.convert.NonFiniteBlock`): it raises the first once its
+        routes are done, so that no peer waits on it."""
+        failed = list(self.convert.failed) if self.convert is not None else []
+        for convert in self._read_converts.values():
+            failed += convert.failed
+        return failed
 
     def list_bytes(self, j: int) -> int:
         if j not in self.cuts.nbytes:

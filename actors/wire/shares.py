@@ -30,6 +30,10 @@ class PeerView:
     #: themselves, ``ShardWorker.op_run``, instead of inside this view). None: decided by the
     #: presence of the handles above.
     shared: bool | None = None
+    #: What its source buffers hold when that is ``src`` in another weight format (a sender that
+    #: converts as it sends, realloc/plan/formats.py): a same-node reader maps them as this and
+    #: converts what it reads, as the sender converts what it packs. None: they hold ``src``.
+    held: RankLayout | None = None
 
 
 def is_zero_copy(peers: list[PeerView], sender: int, receiver: int, forward: bool) -> bool:

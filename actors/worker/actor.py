@@ -721,10 +721,10 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         as the new base (actors/wire/delta.py). ``sending``: the (rank, buffers) this worker sends
         from when it is not its serving set (a staged set a fleet update relays)."""
         timeline, transport = lane.phases, lane.transport
-        # a sender converting into the plan's format converts as it packs, and collects the blocks
-        # it cannot quantize (inf/NaN) in ``convert.failed``: it fails after the transfers, not
-        # before (its peers would wait for its routes until their collective timed out); the move
-        # then aborts like any failed one (nothing commits)
+        # a sender converting into the plan's format converts as it packs (a same-node reader of
+        # its buffers as it reads), and collects the blocks it cannot quantize (inf/NaN): it fails
+        # after the transfers (runner.conversion_failures()), not before (its peers would wait for
+        # its routes until their collective timed out); the move then aborts like any failed one
         src, convert = self._source_store(wp.peers[me].src, sending) if wp.peers[me].src is not None else (None, None)
         if convert is not None and wp.local:
             raise ValueError(f"worker of {self._realloc.group}: a plan converting on its senders has no local copies")
@@ -819,8 +819,9 @@ class ShardWorker(CheckpointMixin, StagingMixin):
                 else:
                     local.exception()
         timeline.mark("local copies")
-        if convert is not None and convert.failed:
-            raise convert.failed[0]
+        failed = runner.conversion_failures()
+        if failed:
+            raise failed[0]
         result = self._finished(op, moved, lane)
         timeline.mark("device sync")
         if sides is not None:

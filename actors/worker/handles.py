@@ -99,8 +99,10 @@ def mapped_peer_store(st: WorkerState, peer: PeerView, forward: bool) -> ShardSt
 
     CUDA handles are opened every time (each export carries a fresh IPC reference count that
     only opening releases), but the open storage kept here makes torch's IPC cache answer
-    them without ``cudaIpcOpenMemHandle`` (0.16 s for a first open on an H100)."""
-    held = peer.dst if forward else peer.src
+    them without ``cudaIpcOpenMemHandle`` (0.16 s for a first open on an H100). A sender that
+    converts as it sends is mapped as what its buffers hold (``peer.held``): the reader
+    converts what it reads (``StepRunner``)."""
+    held = peer.dst if forward else (peer.held or peer.src)
     handles = peer.dst_handles if forward else peer.src_handles
     key = (held, tuple(sorted((d, *handle_identity(h)) for d, h in handles.items())))
     entry = st.mapped.get(key)
