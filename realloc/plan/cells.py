@@ -61,16 +61,18 @@ def bundles_of(
     # every layer of a stage) have the same cells: each distinct signature is cut once, and a
     # bundle holds one block per signature, however many layers share it.
     patterns: dict[tuple, tuple[_Pattern, list[str]]] = {}
+    geometries: dict[tuple, _Pattern] = {}  # see _labelled_cells
     missing: list[str] = []
     unheld_count = 0
     nothing = (np.zeros(0, dtype=np.int64),) * 3
     for param in sorted(needs.params, key=order.__getitem__):
         held, needed = holdings.params.get(param, nothing), needs.params[param]
-        signature = (params[param][1], len(params[param][0])) + tuple(a.tobytes() for a in held + needed)
+        raw = tuple(a.tobytes() for a in held + needed)
+        signature = (params[param][1], len(params[param][0])) + raw
         entry = patterns.get(signature)
         if entry is None:
-            cells = _cut_cells(holdings.boxes(param) if param in holdings.params else [], needs.boxes(param))
-            entry = patterns[signature] = (cells, [])
+            geometry = (held[1].shape, needed[1].shape) + raw[1:3] + raw[4:]
+            entry = patterns[signature] = (_labelled_cells(held, needed, geometry, geometries), [])
         entry[1].append(param)
         unheld = entry[0][1]
         unheld_count += len(unheld)
@@ -126,6 +128,39 @@ def cells_sizes(cells: list[Box], dtype: str) -> tuple[int, int]:
         nbytes += n
         padded += -(-n // BUCKET_ALIGN) * BUCKET_ALIGN
     return nbytes, padded
+
+
+def _labelled_cells(
+    held: tuple[np.ndarray, np.ndarray, np.ndarray],
+    needed: tuple[np.ndarray, np.ndarray, np.ndarray],
+    geometry: tuple,
+    geometries: dict,
+) -> _Pattern:
+    """:func:`_cut_cells` of a parameter's held and needed boxes (``PieceTable`` rows: group,
+    offsets, sizes; ``geometry``: a key of their boxes alone). The cut depends on the boxes; the
+    groups only name the sets. So the boxes are cut once per geometry (``geometries``), and a
+    parameter of a geometry already cut gets those sets renamed, box by box, from the groups of
+    the first one cut to its own: the same expert tensor held by other ranks (DeepSeek-V3: 7,872
+    group signatures) is not cut again. Where either names one group twice the boxes are cut (two
+    boxes of one group fall into one set, which renaming would not merge)."""
+    first = geometries.get(geometry)
+    if first is None:
+        geometries[geometry] = (cut := _cut_cells(_rows(held), _rows(needed))), held[0].tolist(), needed[0].tolist()
+        return cut
+    (by_sets, unheld), h0, n0 = first
+    h, n = held[0].tolist(), needed[0].tolist()
+    if any(len(set(x)) < len(x) for x in (h0, n0, h, n)):
+        return _cut_cells(_rows(held), _rows(needed))
+    hmap, nmap = dict(zip(h0, h)), dict(zip(n0, n))
+    return {
+        (frozenset(hmap[g] for g in hs), frozenset(nmap[g] for g in ns)): cells for (hs, ns), cells in by_sets.items()
+    }, unheld
+
+
+def _rows(rows: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[tuple[int, Box]]:
+    """``(group, box)`` of every row of a ``PieceTable`` parameter, as Python tuples."""
+    gis, offsets, sizes = rows
+    return [(g, (tuple(o), tuple(z))) for g, o, z in zip(gis.tolist(), offsets.tolist(), sizes.tolist())]
 
 
 def _cut_cells(held: list[tuple[int, Box]], needed: list[tuple[int, Box]]) -> _Pattern:
