@@ -47,6 +47,7 @@ from actors.driver.launch import (
     start_worker,
     start_workers,
     user_methods,
+    worker_name,
 )
 from actors.driver.ledger import GroupLedger
 from actors.driver.protocol import Operation
@@ -1192,7 +1193,7 @@ class ModelGroup:
                 ray.kill(actors[r])
                 actors[r] = start_worker(
                     remote_cls,
-                    f"{names[r]}:gen{int(time.time() * 1000)}",
+                    f"{worker_name(self.name, r)}:gen{int(time.time() * 1000)}",
                     self._pg,
                     r,
                     self.name,

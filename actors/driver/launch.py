@@ -38,6 +38,12 @@ class Launched:
     pg: object
 
 
+def worker_name(group: str, rank: int) -> str:
+    """The Ray actor name of worker ``rank`` of group ``group`` (a replacement started by
+    ``replace_dead_workers`` adds a ``:gen<ms>`` suffix to it)."""
+    return f"realloc:{group}:rank{rank}"
+
+
 def start_workers(name: str, spec: ModelSpec, n: int, config: GroupConfig, worker_cls: type) -> Launched:
     """Start ``n`` workers of group ``name`` in a new placement group (one bundle each) and wait
     for their reports. The cluster's capacity and the name are checked first (``ValueError``,
@@ -45,7 +51,7 @@ def start_workers(name: str, spec: ModelSpec, n: int, config: GroupConfig, worke
     check_capacity(n, config)
     check_name_free(name)
     pg = placement_group([config.bundle() for _ in range(n)], strategy=config.strategy, name=f"realloc-{name}")
-    names = [f"realloc:{name}:rank{r}" for r in range(n)]
+    names = [worker_name(name, r) for r in range(n)]
     actors: list = []
     try:
         ready, _ = ray.wait([pg.ready()], timeout=config.start_timeout_s)
@@ -222,11 +228,11 @@ def check_capacity(n: int, config: GroupConfig) -> None:
 
 def check_name_free(name: str) -> None:
     try:
-        ray.get_actor(f"realloc:{name}:rank0")
+        ray.get_actor(worker_name(name, 0))
     except ValueError:
         return
     raise ValueError(
-        f"a group named {name!r} is already running (its actors hold the names realloc:{name}:rank*); "
+        f"a group named {name!r} is already running (its actors hold the names {worker_name(name, 0)[:-1]}*); "
         "shut it down or choose another name"
     )
 
