@@ -237,9 +237,11 @@ def test_a_generator_on_the_trainers_node_reads_its_weights_where_they_are_and_c
     such route went through gloo, packed and converted by the sender). The same bits as the
     oracle's quantizer; an inf read fails the move, staged or not, and the generator keeps its
     weights."""
-    tp = ModelGroup.create(SPEC, "tp=2", name="fmt-read-tp")
-    filler = ModelGroup.create(SPEC, "fsdp=4", name="fmt-read-filler")  # takes the other node's 4 slots
-    gen = ModelGroup.create(SPEC, "dp=2", name="fmt-read-gen", weight_format="fp8_block128")
+    # each group on one node (STRICT_PACK waits for one with room): the filler takes all 4 slots
+    # of the node the trainer is not on, so the generator can only go beside the trainer
+    tp = ModelGroup.create(SPEC, "tp=2", name="fmt-read-tp", strategy="STRICT_PACK")
+    filler = ModelGroup.create(SPEC, "fsdp=4", name="fmt-read-filler", strategy="STRICT_PACK")
+    gen = ModelGroup.create(SPEC, "dp=2", name="fmt-read-gen", weight_format="fp8_block128", strategy="STRICT_PACK")
     filler.shutdown()
     try:
         assert set(gen.placement.nodes) == set(tp.placement.nodes)
