@@ -260,6 +260,15 @@ def test_a_generator_on_the_trainers_node_reads_its_weights_where_they_are_and_c
             with pytest.raises(ReallocationError, match=rf"{name}: block \(0, 2\) .* holds inf or NaN"):
                 tp.copy_to(gen, stage=True).wait() if stage else tp.copy_to(gen)
             holds(gen, before)
+        state[name][3, 300] = 0.5  # fixed: a staged copy reads and converts, then switches
+        tp.load_state_dict(state)
+        update = tp.copy_to(gen, stage=True)
+        update.wait()
+        received = [s for s in update.trace().steps() if s["recv_from"] is not None]
+        assert received and all(s["link"] == "read" for s in received), received
+        holds(gen, before)  # serving the old weights until the switch
+        update.commit()
+        holds(gen, expected_fp8(state))
     finally:
         tp.shutdown()
         gen.shutdown()
