@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realloc.plan.cells import _cut_cells, _labelled_cells, _rows
+from realloc.layout import PieceTable
+from realloc.plan.cells import _cut_cells, _labelled_cells
 
 
 @st.composite
@@ -43,8 +44,8 @@ def test_a_geometry_cut_once_gives_every_parameter_its_own_cut(data, length):
     names = data.draw(st.lists(st.integers(0, 12), min_size=10, max_size=10))
     geometries: dict = {}
     first = _labelled_cells(held, needed, geometry(held, needed), geometries)
-    assert first == _cut_cells(_rows(held), _rows(needed))
+    assert first == _cut_cells(PieceTable.boxes_of(held), PieceTable.boxes_of(needed))
     held2, needed2 = renamed(held, names), renamed(needed, names[::-1])
     assert _labelled_cells(held2, needed2, geometry(held2, needed2), geometries) == _cut_cells(
-        _rows(held2), _rows(needed2)
+        PieceTable.boxes_of(held2), PieceTable.boxes_of(needed2)
     )

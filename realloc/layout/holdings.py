@@ -63,7 +63,12 @@ class PieceTable:
 
     def boxes(self, param: str) -> list[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
         """``(group, box)`` of every box of ``param``, as Python tuples."""
-        gis, offsets, sizes = self.params[param]
+        return self.boxes_of(self.params[param])
+
+    @staticmethod
+    def boxes_of(rows: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[tuple[int, tuple[tuple[int, ...], ...]]]:
+        """``(group, box)`` of every row of one parameter's ``(group, offsets, sizes)`` arrays."""
+        gis, offsets, sizes = rows
         return [(g, (tuple(o), tuple(s))) for g, o, s in zip(gis.tolist(), offsets.tolist(), sizes.tolist())]
 
 

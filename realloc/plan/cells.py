@@ -145,22 +145,20 @@ def _labelled_cells(
     boxes of one group fall into one set, which renaming would not merge)."""
     first = geometries.get(geometry)
     if first is None:
-        geometries[geometry] = (cut := _cut_cells(_rows(held), _rows(needed))), held[0].tolist(), needed[0].tolist()
+        geometries[geometry] = (
+            (cut := _cut_cells(PieceTable.boxes_of(held), PieceTable.boxes_of(needed))),
+            held[0].tolist(),
+            needed[0].tolist(),
+        )
         return cut
     (by_sets, unheld), h0, n0 = first
     h, n = held[0].tolist(), needed[0].tolist()
     if any(len(set(x)) < len(x) for x in (h0, n0, h, n)):
-        return _cut_cells(_rows(held), _rows(needed))
+        return _cut_cells(PieceTable.boxes_of(held), PieceTable.boxes_of(needed))
     hmap, nmap = dict(zip(h0, h)), dict(zip(n0, n))
     return {
         (frozenset(hmap[g] for g in hs), frozenset(nmap[g] for g in ns)): cells for (hs, ns), cells in by_sets.items()
     }, unheld
-
-
-def _rows(rows: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[tuple[int, Box]]:
-    """``(group, box)`` of every row of a ``PieceTable`` parameter, as Python tuples."""
-    gis, offsets, sizes = rows
-    return [(g, (tuple(o), tuple(z))) for g, o, z in zip(gis.tolist(), offsets.tolist(), sizes.tolist())]
 
 
 def _cut_cells(held: list[tuple[int, Box]], needed: list[tuple[int, Box]]) -> _Pattern:
