@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 import pickle
+from contextlib import contextmanager, nullcontext
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_plan_scale import large_form
 from test_planner_properties import check_execution_matches_oracle, fsdp_reallocations, make_plan, reallocations
 
 from realloc import Layout, ModelSpec, Placement, Topology, plan_reallocation
 from realloc.plan import Plan, Route, Segment
+from realloc.plan import slices as slices_module
 from realloc.plan.slices import PlanSlice, slice_plan
 
 
@@ -116,6 +119,46 @@ def test_slices_of_large_form_plans(case):
     with large_form():
         plan = make_plan(case)
     check_execution_matches_oracle(case, rebuilt(plan, check_slices(plan, case)))
+
+
+def shape(slices: list[PlanSlice]) -> list:
+    """Every slice's arrays as values and which of its parts are one object with an earlier one's."""
+    ids: dict[int, int] = {}
+    out = []
+    for piece in slices:
+        out.append((piece.worker, piece.routes.tolist(), piece.route_steps.tolist(), piece.local))
+        for part in piece.parts:
+            runs = part.runs
+            out.append(ids.setdefault(id(part), len(ids)))
+            out += [a.tolist() for a in (part.list_ids, part.list_ptr, part.range_lo, part.range_hi)]
+            out += [runs.names, runs.dtypes, *(a.tolist() for a in runs.segment_rows()[1:]), runs.offsets.tolist()]
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(reallocations(), st.booleans())
+def test_slices_cut_a_worker_and_a_part_at_a_time_are_the_same(case, large):
+    """``slice_plan`` cuts blocks of workers (``_BLOCK_ENDS`` route ends) and numbers each
+    block's names a block of parts at a time (``_NAMES_BLOCK``); at one worker and one part a
+    block the slices are the plan's and equal the slices cut in one block, parts shared alike."""
+    with large_form() if large else nullcontext():
+        plan = make_plan(case)
+    whole = slice_plan(plan)
+    with blocks(ends=1, names=1):
+        slices = check_slices(plan, case)
+        some = [w for w in (3, 0, 1) if w < len(plan.nodes)]
+        assert shape(slice_plan(plan, some)) == shape([whole[w] for w in some])
+    assert shape(slices) == shape(whole)
+
+
+@contextmanager
+def blocks(ends: int, names: int):
+    saved = slices_module._BLOCK_ENDS, slices_module._NAMES_BLOCK
+    slices_module._BLOCK_ENDS, slices_module._NAMES_BLOCK = ends, names
+    try:
+        yield
+    finally:
+        slices_module._BLOCK_ENDS, slices_module._NAMES_BLOCK = saved
 
 
 def test_slice_is_proportional_to_own_routes():

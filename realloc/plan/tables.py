@@ -193,13 +193,17 @@ class PackedRuns:
     def pack(table: SegmentTable) -> "PackedRuns":
         """Every run of ``table``; names tuples and cell lists shared by runs are stored once."""
         names: dict[tuple[str, ...], int] = {}
+        by_id: dict[int, int] = {}  # id(names tuple) -> its number: runs share the tuple objects
         dtypes: dict[str, int] = {}
         lists: dict[int, int] = {}
         cells: list = []
         ptr = [0]
         run_names, run_dtypes, run_cells = [], [], []
         for params, dtype, cs in table.runs:
-            run_names.append(names.setdefault(params, len(names)))
+            n = by_id.get(id(params))
+            if n is None:  # hashing a tuple of a stage's names costs more than the rest of the loop
+                n = by_id[id(params)] = names.setdefault(params, len(names))
+            run_names.append(n)
             run_dtypes.append(dtypes.setdefault(dtype, len(dtypes)))
             k = lists.get(id(cs))
             if k is None:
@@ -207,12 +211,14 @@ class PackedRuns:
                 cells.extend(cs)
                 ptr.append(len(cells))
             run_cells.append(k)
-        width = max((len(o) for o, _ in cells), default=1)
+        ndim = np.fromiter((len(o) for o, _ in cells), dtype=np.int8, count=len(cells))
+        width = int(ndim.max(initial=1))
         offsets = np.zeros((len(cells), width), dtype=np.int64)
         sizes = np.zeros((len(cells), width), dtype=np.int64)
-        for i, (o, s) in enumerate(cells):
-            offsets[i, : len(o)] = o
-            sizes[i, : len(s)] = s
+        for d in np.unique(ndim).tolist():  # the cells of each rank as one 2-d array
+            rows = np.flatnonzero(ndim == d)
+            offsets[rows, :d] = np.array([cells[i][0] for i in rows.tolist()], dtype=np.int64)
+            sizes[rows, :d] = np.array([cells[i][1] for i in rows.tolist()], dtype=np.int64)
         # int32 where every box ends below 2**31 (the dims of one tensor: half the bytes shipped);
         # a checkpoint's rank file is one byte dimension that can pass it (int32 wrapped a 5 GiB
         # file into a 1 GiB box that validated and moved the wrong bytes)
@@ -225,32 +231,9 @@ class PackedRuns:
             np.asarray(run_dtypes, dtype=np.int8),
             ints(run_cells),
             ints(ptr),
-            np.asarray([len(o) for o, _ in cells], dtype=np.int8),
+            ndim,
             offsets.astype(coords),
             sizes.astype(coords),
-        )
-
-    def take(self, runs: np.ndarray) -> "PackedRuns":
-        """Runs ``runs`` of this table as a table of their own, in that order (each with its own
-        copy of its cells: cutting stays proportional to the runs taken)."""
-        lists = self.run_cells[runs]
-        counts = self.cell_ptr[lists + 1] - self.cell_ptr[lists]
-        rows = expand(self.cell_ptr[lists], counts)
-        names = self.run_names[runs]
-        present = np.zeros(len(self.names), dtype=bool)
-        present[names] = True
-        ptr = np.zeros(len(runs) + 1, dtype=np.int32)
-        np.cumsum(counts, out=ptr[1:])
-        return PackedRuns(
-            [self.names[i] for i in np.flatnonzero(present).tolist()],
-            self.dtypes,
-            (np.cumsum(present, dtype=np.int32) - 1)[names],
-            self.run_dtypes[runs],
-            np.arange(len(runs), dtype=np.int32),
-            ptr,
-            self.ndim[rows],
-            self.offsets[rows],
-            self.sizes[rows],
         )
 
     def segment_rows(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
