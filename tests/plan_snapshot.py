@@ -13,6 +13,9 @@ scale. Record before a change, compare after::
     python tests/plan_snapshot.py > /tmp/plan_json_after.txt
     cmp /tmp/plan_json_before.txt /tmp/plan_json_after.txt
 
+With ``--slices`` each line digests the plan's per-worker slices instead (for changes to the
+slicer, realloc/plan/slices.py).
+
 Imports go through names every version of the tree keeps (``realloc``'s own face and the
 test modules' strategies), so the script runs unchanged on both sides of a move.
 """
@@ -225,12 +228,48 @@ def cases():
     return out
 
 
+def slices_digest(plan) -> str:
+    """The sha256 of every worker's slice of ``plan`` (``realloc.plan.slices.slice_plan``), value
+    by value (integer widths of the run names aside), and of which parts the slices share; then
+    of the slices of workers 3 and 0 cut alone."""
+    import numpy as np
+
+    from realloc.plan.slices import slice_plan
+
+    h = hashlib.sha256()
+    shared: dict[int, int] = {}
+
+    def add(piece) -> None:
+        h.update(repr((piece.worker, piece.num_workers, piece.num_steps, piece.bucket_bytes)).encode())
+        h.update(repr((piece.forward_from, piece.local)).encode())
+        for a in (piece.routes, piece.route_steps):
+            h.update(a.dtype.str.encode() + a.tobytes())
+        for part in piece.parts:
+            h.update(str(shared.setdefault(id(part), len(shared))).encode())
+            r = part.runs
+            for a in (part.list_ids, part.list_ptr, part.range_lo, part.range_hi, r.run_dtypes, r.run_cells):
+                h.update(a.dtype.str.encode() + np.ascontiguousarray(a).tobytes())
+            for a in (r.cell_ptr, r.ndim, r.offsets, r.sizes):
+                h.update(a.dtype.str.encode() + np.ascontiguousarray(a).tobytes())
+            h.update(r.run_names.astype(np.int64).tobytes() + repr((r.names, r.dtypes)).encode())
+
+    for piece in slice_plan(plan):
+        add(piece)
+    shared.clear()
+    for piece in slice_plan(plan, [w for w in (3, 0) if w < len(plan.nodes)]):
+        add(piece)
+    return h.hexdigest()
+
+
 def main() -> int:
+    """One line per plan: the digest of its JSON, or with ``--slices`` of its workers' slices."""
+    slices = "--slices" in sys.argv[1:]
     counts: dict[str, int] = {}
     for kind, description, plan_of, context in cases():
         i = counts[kind] = counts.get(kind, -1) + 1
         with context():
-            digest = hashlib.sha256(plan_of().dumps().encode()).hexdigest()
+            plan = plan_of()
+        digest = slices_digest(plan) if slices else hashlib.sha256(plan.dumps().encode()).hexdigest()
         print(f"{kind} {i} {digest} {description[:300]}")
     print(f"# {sum(c + 1 for c in counts.values())} plans", file=sys.stderr)
     return 0
