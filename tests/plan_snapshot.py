@@ -247,10 +247,9 @@ def slices_digest(plan) -> str:
         for part in piece.parts:
             h.update(str(shared.setdefault(id(part), len(shared))).encode())
             r = part.runs
-            for a in (part.list_ids, part.list_ptr, part.range_lo, part.range_hi, r.run_dtypes, r.run_cells):
-                h.update(a.dtype.str.encode() + np.ascontiguousarray(a).tobytes())
-            for a in (r.cell_ptr, r.ndim, r.offsets, r.sizes):
-                h.update(a.dtype.str.encode() + np.ascontiguousarray(a).tobytes())
+            arrays = (part.list_ids, part.list_ptr, part.range_lo, part.range_hi)
+            for a in arrays + (r.run_dtypes, r.run_cells, r.cell_ptr, r.ndim, r.offsets, r.sizes):
+                h.update(a.dtype.str.encode() + a.tobytes())
             h.update(r.run_names.astype(np.int64).tobytes() + repr((r.names, r.dtypes)).encode())
 
     for piece in slice_plan(plan):
