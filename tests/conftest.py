@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
+
+#: OpenMP threads that finish a parallel region sleep at once rather than spin. Every process the
+#: suite starts inherits it: the pytest workers (started after this file is read), Ray's clusters
+#: and actors, vLLM's engines and their workers, the CLI runs. On these 2 cores the suite's
+#: processes outnumber the cores, and a spinning thread takes a core from a process with work.
+#: vLLM at tp=2 here, 20 generate calls of 16 tokens: 61-70 CPU-seconds spinning, 10 passive
+#: (docs/benchmarks.md, "OpenMP threads that sleep"). Set it in the environment to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture
