@@ -184,10 +184,20 @@ def test_a_fleet_update_that_staged_no_replica_is_an_error_not_a_success(cluster
             raise RuntimeError("ping failed")
 
         monkeypatch.setattr("actors.driver.fleet._ping", broken_ping)
+        failed = fleet.stage(trainer)
         with pytest.raises(ReallocationError, match=r"failed on the driver \(RuntimeError: ping failed\)"):
-            fleet.stage(trainer).wait()
+            failed.wait()
         assert fleet.replicas == [alive] and alive.version == before
         assert alive.verify_synthetic(40) == {}
+        # the failed update has ended: nothing to commit, nothing to abort, and the same fleet takes
+        # the next update (it used to refuse every later stage and join: found in review, 2026-11-28)
+        monkeypatch.undo()
+        assert failed.ended
+        failed.abort()  # nothing was staged: nothing to drop
+        assert fleet.stage(trainer).commit(at="now") == ["fl-none-alive"]
+        assert alive.verify_synthetic(41) == {}
+        alive.init_synthetic(40)
+        before = alive.version
 
         # a defect in a relay round, after the trainer staged the first replica: that staged set is
         # dropped too, and nothing switches in (before relays, the message said none was staged)

@@ -554,6 +554,35 @@ def test_a_relay_that_dies_mid_relay_is_dropped_and_the_others_are_staged_withou
         shut(trainer, *replicas)
 
 
+def test_a_fleet_update_aborted_with_a_dead_replica_drops_every_other_staged_set(cluster):
+    """``FleetUpdate.abort()`` asks every staged replica to drop its staged set, also after one's
+    abort failed (its worker died once it was staged): the error names that one, every other
+    replica is free again and the fleet takes the next update. The abort used to stop at the
+    failing replica: the others kept their staged sets and refused every change (found in
+    review, 2026-11-28)."""
+    trainer = None
+    replicas = []
+    try:
+        trainer = make("sf-fab-train", seed=NEW)
+        replicas = [make(f"sf-fab-r{i}", "tp=1") for i in range(2)]
+        fleet = Fleet(replicas)
+        update = fleet.stage(trainer)
+        update.wait()
+        first = update.updates[next(iter(update.updates))].dest  # the replica abort() asks first
+        other = next(r for r in replicas if r is not first)
+        dead = kill_worker(first, 0)
+        with pytest.raises(ReallocationError, match=rf"aborted: .*\['{first.name}'\] could not confirm") as err:
+            update.abort()
+        assert dead in err.value.dead and update.ended
+        assert other.ledger.staged is None and stage_status(other, 0)["staged"] is None
+        assert other.verify_synthetic(OLD) == {}
+        assert fleet.stage(trainer).commit(at="now") == [other.name]  # the dead replica dropped at the ping
+        assert [g.name for g, _ in fleet.dropped] == [first.name]
+        assert other.verify_synthetic(NEW) == {}
+    finally:
+        shut(trainer, *replicas)
+
+
 def test_a_dead_replica_leaves_the_fleet_and_never_seeds_a_joining_one(cluster):
     """A replica found dead is dropped from ``fleet.replicas`` (into ``fleet.dropped``) and is
     never picked as the seed of a joining replica (before, join picked it every time and failed)."""

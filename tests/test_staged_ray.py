@@ -258,6 +258,44 @@ def test_staged_refusals_change_nothing(trainer):
         gen.shutdown()
 
 
+def test_a_commit_that_cannot_take_the_group_leaves_the_update_staged(trainer):
+    """``commit(at="now")`` waits for the destination's lock up to its ``timeout_s``. Past that:
+    ``GroupBusyError``, nothing switched, and the update is still staged, to be committed again (or
+    aborted). It used to be marked failed while the group kept it as its pending update, so the
+    group refused every change from then on and the update could be neither committed nor
+    aborted (found in review, 2026-11-28)."""
+    gen = ModelGroup.create(SPEC, Topology(tp=2), name="st-gen-busy", worker_cls=Gen, timeout_s=2.0)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another operation holding the group (a call running past its timeout)
+        with gen.ledger.exclusive("the test's long call", staged_ok=True):
+            held.set()
+            release.wait(60)
+
+    try:
+        trainer.init_synthetic(12)
+        trainer.copy_to(gen)
+        trainer.init_synthetic(13)
+        update = trainer.copy_to(gen, stage=True)
+        update.wait()
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        assert held.wait(30)
+        try:
+            with pytest.raises(GroupBusyError, match=r"is still staged \(every worker serves version \d+\): commit"):
+                update.commit(at="now")
+        finally:
+            release.set()
+            holder.join(30)
+        assert update.state == "staged" and gen.verify_synthetic(12) == {}
+        update.commit(at="now")
+        assert update.state == "committed" and gen.verify_synthetic(13) == {}
+        gen.reallocate(Topology(dp=2))  # the group takes changes again
+        assert gen.verify_synthetic(13) == {}
+    finally:
+        gen.shutdown()
+
+
 def test_staged_move_to_a_kept_layout(cluster):
     group = ModelGroup.create(SPEC, Topology(tp=2), name="st-colocated", worker_cls=Gen)
     try:

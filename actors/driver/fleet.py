@@ -442,6 +442,8 @@ class FleetUpdate:
         saying why each replica got nothing (every replica keeps serving what it served)."""
         if not self._staged.wait(self.deadline.remaining() + FAILURE_GRACE_S + 5.0):
             raise TimeoutError("fleet update: staging did not end within the fleet's deadline")
+        if self._failure is not None or not self.updates:
+            self.ended = True  # nothing is staged: nothing to commit or abort, the fleet takes the next update
         if self._failure is not None:
             raise ReallocationError(
                 f"fleet update from {self.source.name!r} failed on the driver "
@@ -459,27 +461,60 @@ class FleetUpdate:
 
     def commit(self, at: str = "safe_point") -> list[str]:
         """Commit every staged replica (``at``: as :meth:`StagedUpdate.commit`); a replica whose
-        commit fails is dropped. Returns the names of the replicas that serve the new version
-        (those switching at safe points included)."""
+        commit fails is dropped, one that a call held past its ``timeout_s`` is skipped (its staged
+        set dropped: it serves what it served, in the fleet). Returns the names of the replicas
+        that serve the new version (those switching at safe points included)."""
         if at not in COMMIT_AT:
             raise ValueError(f"at={at!r}; allowed: {', '.join(repr(a) for a in COMMIT_AT)}")
         self.wait()
         committed = []
-        for name, update in [(r.name, self.updates[r.name]) for r in self.replicas if r.name in self.updates]:
-            try:
-                update.commit(at=at)
-                committed.append(name)
-            except ReallocationError as err:  # rolled back, or committed with a dead worker: it cannot serve
-                self._drop(update.dest, err)
-        self.ended = True
+        try:
+            for name, update in [(r.name, self.updates[r.name]) for r in self.replicas if r.name in self.updates]:
+                try:
+                    update.commit(at=at)
+                    committed.append(name)
+                except GroupBusyError as err:  # a call held it past its timeout: nothing switched, still staged
+                    self.errors[name] = GroupBusyError(
+                        f"commit of {name!r}: a call held it past its timeout_s, so its staged set is dropped and "
+                        f"it keeps serving version {update.dest.version} ({err.message})",
+                        layout=str(update.dest.layout),
+                    )
+                    self.skipped.append(name)
+                    try:  # it keeps serving what it served, in the fleet; the next update brings it along
+                        update.abort()
+                    except ReallocationError as abort_err:  # a worker died meanwhile: it cannot serve
+                        self._drop(update.dest, abort_err)
+                except ReallocationError as err:  # rolled back, or committed with a dead worker: it cannot serve
+                    self._drop(update.dest, err)
+        finally:
+            self.ended = True
         return committed
 
     def abort(self) -> None:
-        """Drop the staged weights of every replica; every replica keeps serving what it served."""
-        self.wait()
-        for update in self.updates.values():
-            update.abort()
-        self.ended = True
+        """Drop the staged weights of every replica; every replica keeps serving what it served.
+        Every replica's staged set is dropped even when one's abort fails (a dead worker): then
+        :class:`ReallocationError` names those, after all of them were asked."""
+        try:
+            self.wait()
+        except ReallocationError:
+            return  # nothing was staged (wait() says why): nothing to drop
+        failed: dict[str, ReallocationError] = {}
+        try:
+            for name, update in self.updates.items():
+                try:
+                    update.abort()
+                except ReallocationError as err:
+                    own = set(update.dest.workers.names)  # a dead relay (sender) is not this replica's failure
+                    if not (err.dead or err.unresponsive) or own & {*err.dead, *err.unresponsive}:
+                        failed[name] = err
+        finally:
+            self.ended = True
+        if failed:
+            raise _failed(
+                f"fleet update from {self.source.name!r} aborted: every replica keeps serving what it served; "
+                f"{sorted(failed)} could not confirm that they dropped their staged sets",
+                failed,
+            )
 
 
 def copy_to_groups(source: ModelGroup, groups: Sequence[ModelGroup]) -> dict[str, ReallocStats]:
@@ -518,11 +553,15 @@ def copy_to_groups(source: ModelGroup, groups: Sequence[ModelGroup]) -> dict[str
     except ReallocationError as err:  # nothing staged: nothing switched
         raise ReallocationError(f"{what}: {err.message}", err.dead, err.unresponsive) from err
     if update.errors:
-        update.abort()
+        errors = dict(update.errors)
+        try:
+            update.abort()
+        except ReallocationError as err:  # every staged group was asked; it names those that did not confirm
+            errors["dropping the staged sets"] = err
         raise _failed(
             f"{what}: {sorted(update.errors)} could not be staged, so no group switched: every group keeps its "
             f"previous weights and {source.name!r} is untouched",
-            update.errors,
+            errors,
         )
     switched = update.commit(at="now")  # in the order given; a group whose switch fails is dropped
     stats: dict[str, ReallocStats] = {}

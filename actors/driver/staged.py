@@ -28,6 +28,7 @@ back: ``max(destination's + 1, source's)``), as do ``ReallocStats.version``, the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 from actors import metrics
 from actors.driver.protocol import run_shares
-from actors.errors import ReallocationError
+from actors.errors import GroupBusyError, ReallocationError
 from actors.lanes import STAGE
 from actors.records import DeltaOrder, KeepOrder, MoveOrder, PhaseResult, ShardChange
 from actors.remote import FAILURE_GRACE_S, Deadline, Workers, check_timeout, fire, gather, settle, undo
@@ -318,7 +319,9 @@ class StagedUpdate:
     def commit(self, at: str = "now") -> None:
         """Switch the destination to the staged weights: ``at="now"`` (between two calls, all
         workers or none) or ``at="safe_point"`` (each replica at its next agreed safe point).
-        Waits for the transfer first (raising its error)."""
+        Waits for the transfer first (raising its error). ``GroupBusyError`` when a call held the
+        destination past its ``timeout_s``: nothing switched, the update is still staged (commit
+        it again, or abort it)."""
         if at not in COMMIT_AT:
             raise ValueError(f"at={at!r}; allowed: {', '.join(repr(a) for a in COMMIT_AT)}")
         if at == "safe_point" and self.target != self.before:
@@ -344,7 +347,18 @@ class StagedUpdate:
     def _commit_now(self) -> None:
         dest = self.dest
         deadline = Deadline(dest.timeout_s)
-        with dest.ledger.exclusive(f"commit staged update {self.label}", deadline=deadline, staged_ok=True):
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(
+                    dest.ledger.exclusive(f"commit staged update {self.label}", deadline=deadline, staged_ok=True)
+                )
+            except GroupBusyError as err:  # a call held the group past the deadline: nothing switched
+                self._set("staged")
+                raise GroupBusyError(
+                    f"{err.message}; staged update {self.label} is still staged (every worker serves version "
+                    f"{dest.version}): commit it again or abort() it",
+                    layout=str(dest.layout),
+                ) from err
             t0 = time.perf_counter()  # from here the destination's calls wait: the pause
             workers = dest.workers
             try:
