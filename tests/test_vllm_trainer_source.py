@@ -281,3 +281,37 @@ def test_a_megatron_expert_parallel_rank_holding_more_experts_than_its_block_is_
     }
     with pytest.raises(ValueError, match=r"local_experts\.2\.linear_fc1\.weight: this rank holds 2 routed experts"):
         ShardSource(_module_of(extra), spec=spec, topology="dp=2,ep=2", rank=1, naming="megatron").holdings()
+
+
+def test_parameters_replaced_after_the_engine_started_are_refused_not_sent_stale(llama):
+    """A rank reads its parameters once, when the trainer engine starts, and refreshes its send
+    buffer from them every update. Parameters replaced after that (a checkpoint loaded with
+    ``load_state_dict(assign=True)``) are not what it read: the refresh refuses, naming them,
+    before any traffic. It used to send the tensors it had read, the old weights, without a word
+    (found in review, 2026-11-28). Changes in place (an optimizer step) are sent as before; the
+    same holds for a Megatron-core rank."""
+    import json
+
+    import user_trainers as ut
+
+    path, model = llama
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    spec = spec_from_hf_config(str(path))
+    module = _module_of(full)
+    held = ShardSource(module, spec=spec).holdings()
+    with torch.no_grad():
+        module.model.norm.weight.add_(1.0)  # in place: sent
+    held.refresh()
+    assert torch.equal(held.store.shard_tensors()["model.norm.weight"], full["model.norm.weight"] + 1.0)
+    module.load_state_dict({n: t * 2 for n, t in full.items()}, assign=True)
+    with pytest.raises(ValueError, match=r"parameter\(s\) of the module, \['model.embed_tokens.weight'.* replaced"):
+        held.refresh()
+
+    config = json.loads((path / "config.json").read_text())
+    last = ut.megatron_locals(full, config, 1, 0, 2, 1)
+    mg = _module_of(last)
+    held = ShardSource(mg, spec=spec, topology="pp=2", rank=1, naming="megatron").holdings()
+    held.refresh()
+    mg.load_state_dict(last, assign=True)
+    with pytest.raises(ValueError, match=r"replaced since"):
+        held.refresh()

@@ -32,7 +32,7 @@ trainer engine (:mod:`actors.trainer.engine`) never iterates it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -60,19 +60,41 @@ class Holdings:
     #: ``(local tensor, its view of the store)`` per parameter where the names are not the
     #: layout's (Megatron-core's); None: the tensors are keyed by the layout's slots
     copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: The module ``tensors`` were read from: each refresh first checks that they are still its
+    #: parameters (None: not checked)
+    module: torch.nn.Module | None = None
 
     @property
     def me(self) -> RankLayout:
         return self.layout.at(self.rank)
 
     def refresh(self) -> int:
-        """Copy the local tensors into the store (the weights as they are now); bytes copied."""
+        """Copy the local tensors into the store (the weights as they are now); bytes copied.
+        ``ValueError`` when the module's parameters were replaced since they were read."""
+        self.check_current()
         if self.copies is None:
             return read_local(self.store.shard_tensors(), self.me, self.tensors)
         with torch.no_grad():
             for local, view in self.copies:
                 view.copy_(local)
         return sum(t.numel() * t.element_size() for t, _ in self.copies)
+
+    def check_current(self) -> None:
+        """``ValueError`` unless every tensor read is still a parameter of :attr:`module`. Loading
+        a checkpoint with ``load_state_dict(assign=True)``, ``module.to(...)`` or ``_apply``
+        replaces parameters: the tensors read at ``trainer_init`` would then be sent as they were,
+        not the weights the module holds."""
+        if self.module is None:
+            return
+        current = {id(p) for p in self.module.parameters()}
+        replaced = [name for name, t in self.tensors.items() if id(t) not in current]
+        if replaced:
+            raise ValueError(
+                f"{len(replaced)} parameter(s) of the module, {replaced[:3]}, are not the tensors this rank read "
+                "when the trainer engine started: they were replaced since (load_state_dict(assign=True), "
+                ".to(), a re-wrap); their new values would not be sent. Start a new trainer engine "
+                "(trainer_init) on the module as it is now"
+            )
 
 
 class ShardSource(WeightSource):
@@ -165,7 +187,9 @@ class ShardSource(WeightSource):
     def _read(self) -> Holdings:
         tensors = dict(self.module.named_parameters())
         if self.naming == "megatron":
-            return _megatron_holdings(self.spec, self.declared, self.declared_rank, tensors)
+            return replace(
+                _megatron_holdings(self.spec, self.declared, self.declared_rank, tensors), module=self.module
+            )
         _check_names(self.spec, tensors)
         from torch.distributed.tensor import DTensor
 
@@ -197,7 +221,7 @@ class ShardSource(WeightSource):
         if missing:
             raise ValueError(f"rank {rank} of {layout} holds {missing[:5]} but the module has no such parameter")
         store = ShardStore(me.shards(), allocate_buffers(layout, rank))
-        return Holdings(layout, rank, tensors, store)
+        return Holdings(layout, rank, tensors, store, module=self.module)
 
 
 #: How the module names its parameters: ``"hf"`` (the checkpoint's names, as transformers and
