@@ -153,3 +153,42 @@ def test_a_round_whose_stage_thread_posted_but_has_not_exited_yet_commits():
         assert committed == ["the shadow set"] and engine.committed == 4 and engine.round is None
     finally:
         finishing.set()
+
+
+class _FailingCommit:
+    """A weight-sync client whose commit (``finish_weight_update``) fails, as a vLLM worker does
+    when processing a module's weights raises partway through the switch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init_weight_transfer_engine(self, *args, **kwargs):
+        self.calls.append("init")
+
+    def start_weight_update(self, *args, **kwargs):
+        self.calls.append("start")
+
+    def update_weights(self, *args, **kwargs):
+        self.calls.append("update")
+
+    def finish_weight_update(self, *args, **kwargs):
+        self.calls.append("finish")
+        raise RuntimeError("process_weights_after_loading failed in layer 3")
+
+
+def test_after_a_failed_commit_no_error_says_the_engine_is_untouched():
+    """A commit that fails may leave the engine's workers with different weights (vLLM switches
+    module by module). The error says so, and so does every later failure, until an update
+    commits: it used to say, on the next update's failure, that the engine served its last
+    version "untouched" (found in review, 2026-11-28)."""
+    from actors.driver.vllm import VLLMEngine
+    from actors.errors import ReallocationError
+
+    engine = VLLMEngine(_FailingCommit(), name="gen")
+    engine.version = 4
+    with pytest.raises(ReallocationError, match="commit of version 5 failed .* workers may differ") as err:
+        engine.switch(5, ("trainer", 5))
+    said = str(engine.failed(err.value, "trainer"))
+    assert "untouched" not in said and "weights are not known since the commit of version 5 failed" in said
+    later = str(engine.failed(RuntimeError("the next update could not start"), "trainer"))
+    assert "untouched" not in later and "reload them" in later and engine.version == 4

@@ -162,6 +162,8 @@ class VLLMEngine:
         self._shares: dict[tuple, tuple[Plan, list]] = {}  # the same key -> (that plan, its shares)
         self._pending: VLLMUpdate | None = None
         self._open = False  # a round is open on the engine (started, not finished)
+        #: why the engine's weights are not known (a commit that failed: its workers may differ)
+        self.unknown: str | None = None
 
     @classmethod
     def of(cls, llm: Any, **kwargs: Any) -> "VLLMEngine":
@@ -339,11 +341,12 @@ class VLLMEngine:
             self.client.finish_weight_update(weight_version=str(version))
         except BaseException as err:
             self.origin = None
+            self.unknown = f"the commit of version {version} failed ({type(err).__name__}: {err})"
             raise ReallocationError(
-                f"{self.name}: the commit of version {version} failed ({type(err).__name__}: {err}); "
-                "workers may differ: reload the engine's weights (collective_rpc('reload_weights')) or restart it"
+                f"{self.name}: {self.unknown}; workers may differ: reload the engine's weights "
+                "(collective_rpc('reload_weights')) or restart it"
             ) from err
-        self.version, self.origin = version, origin
+        self.version, self.origin, self.unknown = version, origin, None
         return time.perf_counter() - started
 
     def close_round(self) -> None:
@@ -372,6 +375,11 @@ class VLLMEngine:
         except BaseException as closing:  # noqa: BLE001 - said in the error
             note = f" (closing the engine's round failed too: {type(closing).__name__}: {closing})"
         state = f"{self.name} serves version {self.version}, untouched{note}"
+        if self.unknown is not None:  # this update did not touch it, but what it serves is not known
+            state = (
+                f"{self.name}'s weights are not known since {self.unknown}: its workers may differ; reload them "
+                f"(collective_rpc('reload_weights')) or restart the engine{note}"
+            )
         if gone:
             state = (
                 f"{self.name} lost {len(gone)} worker(s): vLLM ends an engine that loses a worker, restart it; "
