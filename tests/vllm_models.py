@@ -81,7 +81,7 @@ def transformers_logprobs(path: Path, outs: list) -> list[tuple[list[float], lis
     generated token and the largest logprob at its step (an oracle independent of vLLM)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     result = []
     with torch.no_grad():
         for prompt, (tokens, _, _) in zip(PROMPTS, outs):
