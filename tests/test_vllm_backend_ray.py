@@ -261,6 +261,40 @@ def test_vllm_qwen3_moe_engine_serves_the_trainer_weights_exactly(setup):
         llm.llm_engine.engine_core.shutdown()
 
 
+def test_vllm_tied_embeddings_engine_serves_the_new_weights_in_its_lm_head_too(setup):
+    """A tied Llama (``tie_word_embeddings``: vLLM's ``lm_head`` shares the embedding's Parameter, no
+    ``lm_head.weight`` in the checkpoint) at tp=1 (its own engine). On CPU the lm head packs its
+    own copy of that weight at load (oneDNN): the commit must rebuild it, or the logits keep the old
+    weights while the embedding reads the new ones. The oracle is transformers' own forward of the
+    new weights (vLLM's ``reload_weights`` leaves the same copy stale: no oracle here)."""
+    path = vm.save_llama(setup["root"] / "tied", vocab=1000, tied=True)
+    base = load_file(str(path / "model.safetensors"))
+    assert "lm_head.weight" not in base
+    new = vm.perturbed(base, seed=31)
+    llm = vm.start_llm(path, 1)
+    try:
+        trainer = ModelGroup.create(
+            spec_from_hf_config(path), Topology(tp=1), name="tied", config=GroupConfig(timeout_s=TIMEOUT_S)
+        )
+        try:
+            engine = VLLMEngine.of(llm, timeout_s=TIMEOUT_S)
+            before = vm.greedy(llm)
+            trainer.load_state_dict(new)
+            trainer.copy_to(engine)
+            after = vm.greedy(llm)
+        finally:
+            trainer.shutdown()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert tokens_and_logprobs(after) != tokens_and_logprobs(before), "the update changed nothing"
+    want = vm.transformers_logprobs(vm.save_weights(path, new, setup["root"] / "ref-tied"), after)
+    for (tokens, got, _), (logprobs, best) in zip(after, want):
+        # each token greedy under the new weights, its logprob theirs (float32 kernels: 1e-6 apart
+        # here; a stale lm head: over 1 apart)
+        assert all(lp >= b - 1e-4 for lp, b in zip(logprobs, best)), (tokens, logprobs, best)
+        assert got == pytest.approx(logprobs, abs=1e-4), (tokens, got, logprobs)
+
+
 def test_vllm_update_past_its_deadline_fails_naming_the_waiting_ranks_and_the_engine_keeps_serving(setup):
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
     served, version, _ = serving_old_holding_new(setup, 6, 7)

@@ -23,9 +23,10 @@ VLLM_ENV = {
 ARCHS = ("llama", "qwen3", "qwen3_moe")
 
 
-def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama") -> Path:
+def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama", tied: bool = False) -> Path:
     """A 2-layer float32 model of ``arch`` (:data:`ARCHS`: Llama, Qwen3 with its q/k norms, Qwen3-MoE
-    with 4 routed experts) with random weights, saved to ``path``."""
+    with 4 routed experts) with random weights, saved to ``path``; ``tied``: the lm head is the
+    embedding (``tie_word_embeddings``, no ``lm_head.weight`` in the checkpoint)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -44,7 +45,7 @@ def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama"
         num_hidden_layers=2,
         vocab_size=vocab,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
@@ -72,6 +73,22 @@ def start_llm(path: Path, tp: int):
 #: The prompts every greedy check generates from, and the greedy run itself (each prompt's tokens,
 #: their logprobs and vLLM's weight-version spans): the bench's.
 PROMPTS, greedy = bench.PROMPTS, bench.greedy
+
+
+def transformers_logprobs(path: Path, outs: list) -> list[tuple[list[float], list[float]]]:
+    """transformers' own forward of the checkpoint at ``path`` over each prompt of :data:`PROMPTS`
+    followed by its generated tokens (``outs``: :func:`greedy`'s): per prompt, the logprob of each
+    generated token and the largest logprob at its step (an oracle independent of vLLM)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    result = []
+    with torch.no_grad():
+        for prompt, (tokens, _, _) in zip(PROMPTS, outs):
+            lp = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].double(), -1)
+            steps = lp[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+            result.append(([float(s[t]) for s, t in zip(steps, tokens)], [float(s.max()) for s in steps]))
+    return result
 
 
 def perturbed(state: dict, seed: int, scale: float = 0.05) -> dict:

@@ -24,7 +24,8 @@ What each phase does here:
     through vLLM's layerwise reload (each module materialized, the bake's copies replayed from
     the shadow set, ``process_weights_after_loading``, the kernel tensors copied back in place:
     vllm/model_executor/model_loader/reload/layerwise.py ``_layerwise_process``, whose loader
-    replay this replaces). Refused, with the serving weights untouched, unless this round staged
+    replay this replaces), then the modules that share a written tensor (a tied lm head) processed
+    again. Refused, with the serving weights untouched, unless this round staged
     every byte; after an abort it changes nothing.
 
 Serving weights are only written by the commit. A failure before it (a trainer rank dying, a
@@ -127,6 +128,7 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         self.held: ShardStore | None = None
         self.held_rank = None
         self._by_module: list[tuple[torch.nn.Module, list, set[str]]] = []  # module, its copies, tensors to zero
+        self._tied: list[torch.nn.Module] = []  # modules no copy writes that share a written tensor (a tied lm_head)
 
     # -- init -------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: ReallocInitInfo) -> None:
@@ -158,6 +160,7 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         self._by_module = [
             (modules[m], scatters, _partly_written(modules[m], scatters)) for m, scatters in grouped.items()
         ]
+        self._tied = _sharing_modules(self.model, [m for m, _, _ in self._by_module])
         world = get_world_group().world_size
         described = {
             "index": self.index,
@@ -323,6 +326,20 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
                     _copy_and_restore_kernel_tensors(layer, info)
                 info.reset()
             finalize_layerwise_reload(self.model, self.model_config)
+            # A module that shares a written tensor (lm_head tied to embed_tokens: ParallelLMHead.
+            # tie_weights shares the embedding's Parameter) gets no copy, and the reload above puts
+            # its kernel tensors, the shared ones now holding the new values, back unprocessed
+            # (finalize_layerwise_processing: nothing loaded -> _place_kernel_tensors). Its
+            # processing may keep its own copy of them (on CPU UnquantizedEmbeddingMethod's
+            # dispatch_cpu_unquantized_gemm packs the weight into a oneDNN handler), so it is
+            # processed again on the new values, as vLLM's first load processes every module
+            # once all weights are in (vllm/model_executor/model_loader/utils.py
+            # process_weights_after_loading). On GPU the unquantized lm head reads the shared
+            # Parameter and its processing does nothing.
+            for layer in self._tied:
+                if hasattr(layer, "_already_called_process_weights_after_loading"):
+                    delattr(layer, "_already_called_process_weights_after_loading")
+                layer.quant_method.process_weights_after_loading(layer)
 
     def _check_boxes(self, dst) -> None:
         """``ValueError`` unless every box the loaders copy is in the shadow set of ``dst``."""
@@ -349,6 +366,27 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         if rnd is not None:
             rnd.aborted = True
         self.control = None
+
+
+def _sharing_modules(model: torch.nn.Module, written: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules of ``model`` with a quantization method that no copy writes but that hold a
+    tensor sharing storage with a tensor of a ``written`` module (a tied lm head): the commit
+    processes them again."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    def storages(m: torch.nn.Module) -> set[int]:
+        tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        return {t.untyped_storage().data_ptr() for t in tensors if t.numel() > 0 and not t.is_meta}
+
+    shared = set().union(*(storages(m) for m in written)) if written else set()
+    ids = {id(m) for m in written}
+    return [
+        m
+        for m in model.modules()
+        if id(m) not in ids
+        and isinstance(getattr(m, "quant_method", None), QuantizeMethodBase)
+        and storages(m) & shared
+    ]
 
 
 def _partly_written(module: torch.nn.Module, scatters: list) -> set[str]:
