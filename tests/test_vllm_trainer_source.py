@@ -315,3 +315,36 @@ def test_parameters_replaced_after_the_engine_started_are_refused_not_sent_stale
     mg.load_state_dict(last, assign=True)
     with pytest.raises(ValueError, match=r"replaced since"):
         held.refresh()
+
+
+def test_a_rank_waits_for_the_verdict_past_its_own_deadline_and_says_what_is_not_known(llama, monkeypatch):
+    """Rank 0 decides an update after every rank's report, within its own deadline (from its own
+    call), then switches the engine: a rank that reported waits for the verdict with a deadline of
+    its own from then, and past it says that whether the engine switched is rank 0's to say. It
+    used to give up at the end of the deadline it started at its call, and say that rank 0 did not
+    end an update the engine then committed (found in review, 2026-11-28)."""
+    import threading
+
+    from actors.errors import ReallocationError
+    from actors.wire.transport import connect_rendezvous, host_rendezvous
+
+    _, model = llama
+    head = ReallocTrainerWeightTransferEngine(
+        client=Untouchable(), source=ShardSource(model), is_sender=True, info=ReallocTrainerInitInfo(rank=0)
+    )
+    head.control = host_rendezvous("127.0.0.1", 1, 5.0)
+    other = ReallocTrainerWeightTransferEngine(
+        client=None, source=ShardSource(model), is_sender=False, info=ReallocTrainerInitInfo(rank=1, timeout_s=1.0)
+    )
+    other.control = connect_rendezvous("127.0.0.1", head.control.port, 1, 5.0)
+    monkeypatch.setattr(other, "_send_share", lambda opened, deadline: None)  # its bytes: not this test's
+    head._post("round/1", {"shares": {}})
+    late = threading.Timer(1.6, lambda: head._post("verdict/1", {"version": 7}))  # past rank 1's timeout_s
+    late.start()
+    try:
+        assert other.send_weights() == 7 and other.version == 7
+    finally:
+        late.cancel()
+    head._post("round/2", {"shares": {}})  # and a verdict that never comes
+    with pytest.raises(ReallocationError, match=r"did not end the update within 6s; whether the engine switched"):
+        other.send_weights()

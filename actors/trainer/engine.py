@@ -52,7 +52,7 @@ from actors.driver.vllm import VLLMEngine, VLLMUpdateStats
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
 from actors.records import DeltaOrder
-from actors.remote import Deadline, check_timeout
+from actors.remote import FAILURE_GRACE_S, Deadline, check_timeout
 from actors.trainer.source import ShardSource
 from actors.vllm import decode, encode
 from actors.wire.delta import Base, DeltaSides, sender_base, snapshot
@@ -190,7 +190,15 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
             raise ReallocationError(f"trainer {self.info.name!r} rank 0 could not start the update: {opened['error']}")
         error = self._send_share(opened, deadline)
         self._post(f"sent/{self.rounds}/{self.info.rank}", {"error": error, "bytes": self.sent_bytes})
-        verdict = self._read(f"verdict/{self.rounds}", "trainer rank 0 did not end the update", deadline)
+        # rank 0's wait for every report (its own deadline, from its own call), its reading of the
+        # engine's outcomes and the switch all come after this rank's report: the verdict gets a
+        # deadline of its own, and past it whether the engine switched is not known here
+        verdict = self._read(
+            f"verdict/{self.rounds}",
+            "trainer rank 0 did not end the update",
+            Deadline(self.info.timeout_s + FAILURE_GRACE_S),
+            after="whether the engine switched to this update is rank 0's to say (it may have)",
+        )
         if verdict.get("error"):
             self.base = None
             raise ReallocationError(verdict["error"])
@@ -328,7 +336,12 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         except Exception:  # noqa: BLE001 - the reader's deadline names this rank
             log.warning("realloc trainer rank %d: could not post %s", self.info.rank, name, exc_info=True)
 
-    def _read(self, name: str, what: str, deadline: Deadline) -> dict:
+    def _read(
+        self, name: str, what: str, deadline: Deadline, after: str = "the engine serves the version it served"
+    ) -> dict:
+        """The value posted under ``name``, waiting up to ``deadline``; past it, or when the
+        control store is gone, a :class:`ReallocationError` saying ``what`` and ``after`` (what
+        is true of the engine then)."""
         key = self._key(name)
         while True:
             try:
@@ -337,12 +350,12 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
             except Exception as err:  # the host (rank 0) is gone
                 raise ReallocationError(
                     f"trainer {self.info.name!r} rank {self.info.rank}: {what}: its control store does not answer "
-                    f"({type(err).__name__}: {err}); the engine serves the version it served",
+                    f"({type(err).__name__}: {err}); {after}",
                     unresponsive=["trainer rank 0"],
                 ) from err
             if deadline.remaining() <= 0:
                 raise ReallocationError(
-                    f"trainer {self.info.name!r} rank {self.info.rank}: {what} within {self.info.timeout_s:.0f}s",
+                    f"trainer {self.info.name!r} rank {self.info.rank}: {what} within {deadline.seconds:.0f}s; {after}",
                     unresponsive=[what.split(" did not")[0]],
                 )
             time.sleep(POLL_S)
