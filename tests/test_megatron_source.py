@@ -107,3 +107,31 @@ def test_megatron_core_expert_parallel_ranks_send_their_own_experts_exactly(tmp_
 
 def _main(rank: int, port: int, path: str, outs: list[str]) -> None:
     _rank(rank, port, path, outs[rank])
+
+
+@pytest.mark.parametrize("calling_rank", [0, 1])
+def test_a_pipeline_layout_splits_the_layers_as_its_stages_list_them_on_every_rank(calling_rank, monkeypatch):
+    """A ``pipeline_model_parallel_layout`` (``[[embedding, decoder x3], [decoder, loss]]``: 3
+    layers, then 1) gives the split its stages list, whatever the calling rank. megatron-core
+    0.16's ``get_transformer_layer_offset`` drops ``pp_rank=`` for a layout and gives every stage
+    the calling rank's offset: the split came out (0, 4) on rank 0 and (0, 1) on rank 1 (found in
+    review, 2026-11-28)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from actors.trainer.source import megatron_layer_split
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda: calling_rank)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
+    stages = [["embedding", "decoder", "decoder", "decoder"], ["decoder", "loss"]]
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
+    config.pipeline_model_parallel_layout = PipelineParallelLayerLayout(stages, pipeline_model_parallel_size=2)
+    assert megatron_layer_split(config, 2) == tuple(stage.count("decoder") for stage in stages) == (3, 1)

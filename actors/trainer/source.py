@@ -231,10 +231,19 @@ NAMINGS = ("hf", "megatron")
 
 def megatron_layer_split(config, pp: int) -> tuple[int, ...]:
     """Transformer layers per pipeline stage of a Megatron ``TransformerConfig``, by Megatron's
-    own offsets of each stage (``get_transformer_layer_offset(config, pp_rank=...)``)."""
+    own offsets of each stage (``get_transformer_layer_offset(config, pp_rank=...)``; with a
+    ``pipeline_model_parallel_layout``, the layout's ``get_layer_offset(pp_rank=...)``: megatron-core
+    0.16's ``get_transformer_layer_offset`` does not pass ``pp_rank`` on to the layout, so every
+    stage would get the calling rank's offset, a different split on every rank)."""
+    from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    offsets = [get_transformer_layer_offset(config, pp_rank=r) for r in range(pp)] + [config.num_layers]
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout:
+        offsets = [layout.get_layer_offset(layer_type=LayerType.decoder, pp_rank=r) for r in range(pp)]
+    else:
+        offsets = [get_transformer_layer_offset(config, pp_rank=r) for r in range(pp)]
+    offsets.append(config.num_layers)
     return tuple(b - a for a, b in zip(offsets, offsets[1:]))
 
 
