@@ -192,3 +192,4 @@ def test_after_a_failed_commit_no_error_says_the_engine_is_untouched():
     assert "untouched" not in said and "weights are not known since the commit of version 5 failed" in said
     later = str(engine.failed(RuntimeError("the next update could not start"), "trainer"))
     assert "untouched" not in later and "reload them" in later and engine.version == 4
+    assert engine.serving().startswith("gen's weights are not known")  # what a worker's timeout says too

@@ -230,7 +230,7 @@ class VLLMEngine:
             if deadline.remaining() <= 0:
                 raise ReallocationError(
                     f"{self.name}: vLLM worker {key[-1]} did not {what} within {self.timeout_s:.0f}s "
-                    f"(store key {name}); the engine serves version {self.version}, untouched",
+                    f"(store key {name}); {self.serving()}",
                     unresponsive=[f"{self.name} worker {key[-1]}"],
                 )
             time.sleep(POLL_S)
@@ -356,6 +356,16 @@ class VLLMEngine:
             self.client.update_weights(ABORT)
             self.client.finish_weight_update(None)
 
+    def serving(self) -> str:
+        """What the engine serves after an update that did not commit: its version, untouched, or
+        (after a commit that failed) that its weights are not known."""
+        if self.unknown is not None:  # this update did not touch it, but what it serves is not known
+            return (
+                f"{self.name}'s weights are not known since {self.unknown}: its workers may differ; reload them "
+                "(collective_rpc('reload_weights')) or restart the engine"
+            )
+        return f"{self.name} serves version {self.version}, untouched"
+
     def failed(self, err: BaseException, trainer: str) -> BaseException:
         """The error to raise for an update from ``trainer`` that failed with ``err``, the round
         closed: it names what failed and says what the engine serves now."""
@@ -374,12 +384,7 @@ class VLLMEngine:
             self.close_round()
         except BaseException as closing:  # noqa: BLE001 - said in the error
             note = f" (closing the engine's round failed too: {type(closing).__name__}: {closing})"
-        state = f"{self.name} serves version {self.version}, untouched{note}"
-        if self.unknown is not None:  # this update did not touch it, but what it serves is not known
-            state = (
-                f"{self.name}'s weights are not known since {self.unknown}: its workers may differ; reload them "
-                f"(collective_rpc('reload_weights')) or restart the engine{note}"
-            )
+        state = f"{self.serving()}{note}"
         if gone:
             state = (
                 f"{self.name} lost {len(gone)} worker(s): vLLM ends an engine that loses a worker, restart it; "
