@@ -245,3 +245,21 @@ def test_save_hf_dir_shares_naming_index_and_clean_up(tmp_path):
     assert set(scan_hf_dir(tmp_path)) == set(state)
     with pytest.raises(ValueError, match="dtype torch.int64"):
         save_hf_dir({"i": torch.zeros(2, dtype=torch.int64)}, tmp_path)
+
+
+def test_a_bf16_export_of_a_block_fp8_models_config_declares_no_quantization(tmp_path):
+    """A spec made from a block-FP8 HF config holds the model's dtypes (bf16), and so does its
+    export: the config written beside the weights must not keep the source's
+    ``quantization_config``, or transformers reads the bf16 weights as quantized ones and this
+    project's own import refuses the directory. It used to keep it (found in review, 2026-11-28)."""
+    from realloc.ckpt.hf import CONFIG_FILE, check_declared_format, export_state, save_hf_dir, scan_hf_dir
+    from realloc.shards.synthetic import synthetic_state_dict
+
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    source = {**hf_config_of(GQA), "torch_dtype": "bfloat16", "quantization_config": fp8}
+    spec = spec_from_hf_config(source)
+    assert spec.weight_format is None
+    config = hf_config_of(spec)
+    assert "quantization_config" not in config and {**config, "quantization_config": fp8} == source
+    save_hf_dir(export_state(synthetic_state_dict(spec), spec), tmp_path, extra={CONFIG_FILE: config})
+    check_declared_format(tmp_path, scan_hf_dir(tmp_path), spec)  # read back as what it is

@@ -907,6 +907,14 @@ case(
     lambda e: e.ckpt.export_hf(e.tmp / "x", config=hf_config_of(MINI)),
     r"HF config does not describe model 'tiny'",
 )
+case(
+    W,
+    "export_hf config declaring a quantization the weights do not have",
+    lambda e: e.ckpt.export_hf(
+        e.tmp / "x", config={**hf_config_of(e.ckpt.group.spec), "quantization_config": {"quant_method": "fp8"}}
+    ),
+    r"declares a quantization_config .* writes the weights in the model's dtypes",
+)
 
 
 # timeouts and the fleet (issue 36): every timeout is a finite positive number of seconds.

@@ -716,6 +716,11 @@ class CheckpointManager:
         target = check_export_dir(path)
         g = self.group
         config = hf_config_of(g.spec) if config is None else check_config_fits(config, g.spec)
+        if config.get("quantization_config") is not None:
+            raise ValueError(
+                f"config declares a quantization_config ({config['quantization_config']!r}), but the export writes "
+                "the weights in the model's dtypes: from_pretrained would read them as quantized; drop the key"
+            )
         if generation_config is None:
             generation_config = generation_config_of(config)
         elif not isinstance(generation_config, dict):

@@ -155,7 +155,9 @@ def hf_config_of(spec: ModelSpec) -> dict[str, Any]:
     """The HF ``config.json`` of ``spec``, for an export that ``from_pretrained`` loads as it is.
 
     A spec made from a HF config returns that config, with ``torch_dtype`` set to the dtype the
-    weights are written in (the spec's, which ``dtype=`` may have overridden). Other specs
+    weights are written in (the spec's, which ``dtype=`` may have overridden), and without its
+    ``quantization_config`` when the spec holds the model's dtypes (a bf16 spec of a block-FP8
+    checkpoint: its export is bf16). Other specs
     (presets, :func:`~realloc.spec.decoder_spec`) get a ``llama``, ``qwen2`` (q/k/v biases without
     an o bias) or ``qwen3`` (q/k norms) config derived from their parameters, with
     :data:`DERIVED_DEFAULTS` for what parameters do not tell. ``ValueError`` when the spec is not
@@ -174,6 +176,8 @@ def hf_config_of(spec: ModelSpec) -> dict[str, Any]:
         config = json.loads(spec.hf_config_json)
         config.pop("dtype", None)  # newer transformers write "dtype"; one key says it
         config["torch_dtype"] = _weights_dtype(spec)
+        if spec.weight_format is None:  # the weights are the model's dtypes: a block-FP8 source's
+            config.pop("quantization_config", None)  # config would make them read as quantized
         return config
     config = _derived_config(spec)
     check_config_fits(config, spec)  # the derivation describes exactly these parameters
