@@ -347,3 +347,16 @@ def test_identical_copies_are_one_candidate(tmp_path):
     assert catalog.usable(1, {("a", 1)})[1].nodes == frozenset("b")
     assert catalog.any_manifest(1).id.rank == 0 and catalog.any_manifest(2) is None
     assert catalog.candidates(2) == {} and catalog.usable(2) == {}
+
+
+@pytest.mark.parametrize("field", ["buffers", "topology", "spec"])
+def test_a_manifest_with_a_list_where_an_object_belongs_is_a_listed_problem(tmp_path, field):
+    """A rank manifest that is valid JSON but holds a list where an object belongs is one damaged
+    file: the node's listing names it among its problems and keeps the other ranks (their copies
+    elsewhere still load). It raised ``AttributeError`` out of the listing, failing every load and
+    ``find_latest`` of the run (found in review, 2026-11-28)."""
+    save(tmp_path, TP2, ["a"])
+    edit_manifest(tmp_path, "a", 1, lambda d: d.__setitem__(field, []))
+    listing = NodeStore(tmp_path, RUN, "a").list()
+    assert [m.id.rank for m in listing.manifests] == [0]
+    assert len(listing.problems) == 1 and "malformed field" in listing.problems[0], listing.problems
