@@ -156,6 +156,41 @@ def test_a_worker_dying_at_commit_leaves_every_survivor_in_the_old_layout(cluste
         g.shutdown()
 
 
+def test_a_replacement_that_failed_midway_is_set_up_by_the_next_call(cluster, monkeypatch):
+    """``replace_dead_workers`` failing after it started the replacements (here: a replacement not
+    up within ``start_timeout_s``; Ray counts a pending actor as alive) moves the version on (the
+    weights changed) and leaves the group to the next call, which sets the replacement up. The
+    next call used to see nobody dead and return ``[]``: the replacement held no shards while the
+    group's layout said it did, and the version had not moved (found in review, 2026-11-28)."""
+    import actors.driver.group as driver_group
+
+    g = own("replace-midway", "dp=2", timeout_s=20)
+    try:
+        victim, before = 1, g.version
+        ray.kill(g.actors[victim])
+        while victim not in g.dead_workers():
+            time.sleep(0.1)
+        real = driver_group.call_all
+
+        def slow_start(workers, method, *args, **kwargs):
+            if method == "info":
+                raise ReallocationError("start replacement workers: not up within start_timeout_s (the test's)")
+            return real(workers, method, *args, **kwargs)
+
+        monkeypatch.setattr(driver_group, "call_all", slow_start)
+        with pytest.raises(ReallocationError, match="not up within"):
+            g.replace_dead_workers()
+        assert g.version > before  # the replaced rank's weights are not the ones of `before`
+        monkeypatch.undo()
+        assert g.dead_workers() == [] and g.replace_dead_workers() == [victim]
+        assert worker_layouts(g) == expected_layouts(g)
+        g.init_synthetic(4)
+        g.reallocate(Topology(tp=2))
+        assert g.verify_synthetic(4) == {}
+    finally:
+        g.shutdown()
+
+
 def worker_layouts_of(group: ModelGroup, rank: int) -> str:
     return ray.get(group.actors[rank].ping.remote(), timeout=30)["layout"]
 

@@ -215,6 +215,8 @@ class ModelGroup:
         #: code (ctx.groups; e.g. a rank stopped in a safe point's all-reduce, whose peer timed
         #: out): they are re-formed before the next call on every worker (_repair_user_groups)
         self._user_groups_broken = False
+        #: replaced ranks not yet holding their shards (a replace_dead_workers that failed midway)
+        self._unready: set[int] = set()
         self._last_move: MoveRef | None = None  # what last_trace() gathers
 
     # -- creation ------------------------------------------------------------------------
@@ -1180,29 +1182,39 @@ class ModelGroup:
         placement is re-read from the new actors; restore the weights with a checkpoint load.
         Nobody dead, it still re-forms the process groups of user code (``ctx.groups``) if a
         failed call may have broken them (a worker stopped in a collective, then resumed); the
-        next call on every worker does that too.
+        next call on every worker does that too. The version moves on as the replacements start
+        (their shards are zeros); if it fails after that (a replacement not up within
+        ``start_timeout_s``), call it again: it sets up the replacements it started.
         """
         with self.ledger.exclusive("replace dead workers"):
-            dead = self.dead_workers()
+            died = self.dead_workers()
+            # replacements of an earlier call that failed before they held their shards (not up
+            # within start_timeout_s, say: Ray counts a pending actor as alive) are set up again
+            dead = sorted(set(died) | self._unready)
             if not dead:
                 self._repair_user_groups()  # nobody died, but a failed call may have broken them
                 return []
-            remote_cls = remote_class(self.config, self.worker_cls)
-            actors, names = list(self.workers.actors), list(self.workers.names)
-            for r in dead:
-                ray.kill(actors[r])
-                actors[r] = start_worker(
-                    remote_cls,
-                    f"{worker_name(self.name, r)}:gen{int(time.time() * 1000)}",
-                    self._pg,
-                    r,
-                    self.name,
-                    self.spec,
-                    self.config,
-                )
-            self.workers = Workers(tuple(actors), tuple(names))
-            self.ledger.workers_replaced()  # no kept layout is whole any more, nor a copy nor a delta base
-            self._sync_resident()
+            if died:
+                remote_cls = remote_class(self.config, self.worker_cls)
+                actors, names = list(self.workers.actors), list(self.workers.names)
+                for r in died:
+                    ray.kill(actors[r])
+                    actors[r] = start_worker(
+                        remote_cls,
+                        f"{worker_name(self.name, r)}:gen{int(time.time() * 1000)}",
+                        self._pg,
+                        r,
+                        self.name,
+                        self.spec,
+                        self.config,
+                    )
+                self.workers = Workers(tuple(actors), tuple(names))
+                # the weights changed (the new ranks hold zeros): the version moves on now, and no
+                # kept layout is whole any more, nor a copy nor a delta base
+                self.ledger.workers_replaced()
+                self._unready |= set(died)
+                self._sync_resident()
+            self._user_groups_broken = True  # until re-formed below (a retry, or the next call, does it)
             fresh_workers = self.workers.subset(dead)
             fresh = call_all(
                 fresh_workers, "info", timeout_s=self.config.start_timeout_s, what="start replacement workers"
@@ -1212,16 +1224,17 @@ class ModelGroup:
             self.placement = placement_of(self.infos)
             gather(
                 fresh_workers,
-                [actors[r].set_layout.remote(self.layout.at(r)) for r in dead],
+                [self.workers.actors[r].set_layout.remote(self.layout.at(r)) for r in dead],
                 self.timeout_s,
                 "allocate shards of replacement workers",
             )
+            self._unready.clear()
             for world in self.worlds.values():
                 if world is not None:
                     world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
             self._user_groups_broken = False
-            self.announce(ShardChange("replace", self.layout, self.layout), dead)
+            self.announce(ShardChange("replace", self.layout, self.layout, version=self.version), dead)
             return dead
 
     def world_for(

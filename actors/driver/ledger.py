@@ -275,10 +275,13 @@ class GroupLedger:
             del self._resident[layout]
 
     def workers_replaced(self) -> None:
-        """Fresh workers joined: they keep nothing (no kept layout is whole any more), nor a copy's
-        weights, nor a base for deltas."""
+        """Fresh workers joined: the weights changed (they hold zeros), so the version moves on
+        now, before anything can fail; and they keep nothing (no kept layout is whole any more),
+        nor a copy's weights, nor a base for deltas."""
         self._resident.clear()
         self._origin, self._sent = None, None
+        self._version += 1
+        metrics.record_version(self.name, self._version)
 
     # -- delta moves (actors/wire/delta.py) ------------------------------------------------
     def delta_order(self, delta: bool, dest: "GroupLedger", holds: int | None) -> DeltaOrder | None:
