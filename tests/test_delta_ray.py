@@ -247,6 +247,19 @@ def test_a_blend_is_no_copy(cluster):
         stats = dst.reallocate(Topology(tp=2))
         assert stats.resident_use != "adopted"
         exact(src, dst)
+        # a blend into a group that holds the source's very weights changes bits too: its version
+        # moves on, and the layout kept before it is not adopted as fresh (it kept its version:
+        # found in review, 2026-11-28)
+        while src.version <= dst.version:
+            src.call("nudge", 3, 0.5)
+        src.copy_to(dst)  # dst now holds src's very weights, of src's version
+        assert dst.origin == (src.name, src.version) and dst.version == src.version
+        dst.reallocate(Topology(dp=2), keep="in_place")  # kept: the copy's bits, tagged with its version
+        copied = dst.version
+        dst.reallocate(Topology(tp=2))
+        blended = src.copy_to(dst, eta=0.1)
+        assert blended.version == dst.version > copied
+        assert dst.reallocate(Topology(dp=2)).resident_use != "adopted"
     finally:
         src.shutdown()
         dst.shutdown()

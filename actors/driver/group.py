@@ -1029,9 +1029,10 @@ class ModelGroup:
                 self.ledger.delta_done(self.layout, other.ledger, delta_order, False)
                 raise
             self.ledger.delta_done(self.layout, other.ledger, delta_order, True)
-            version = other.copy_version(self)
+            # a blend is no copy: its result is nobody's weights, and new ones even where the
+            # destination held the source's (eta*w + (1-eta)*w is not w in every bit)
+            version = other.copy_version(self) if eta is None else max(other.version + 1, self.version)
             stats.version = version
-            # a blend is no copy: its result is nobody's weights
             other.ledger.copied((self.name, self.version) if eta is None else None)
             other.announce(ShardChange("copy", other.layout, other.layout, version=version))
         metrics.record_pause(f"{self.name}->{other.name}", "copy_to", stats.pause_seconds)
