@@ -319,12 +319,21 @@ class CheckpointManager:
             else:
                 self._call_all("ckpt_forget", f"save iteration {iteration}")
             replicated = time.perf_counter()
-            removed = self._on_nodes("ckpt_cleanup", f"save iteration {iteration}: remove others", keep=iteration)
         except ReallocationError as exc:
             self._abort_save(iteration, exc, refs)
         finally:
             self._pending = None
-        self._last_saved = iteration
+        self._last_saved = iteration  # written and replicated: the save stands from here
+        try:  # the older iterations go; a node that fails this keeps them, and loses nothing
+            removed = self._on_nodes("ckpt_cleanup", f"save iteration {iteration}: remove others", keep=iteration)
+        except ReallocationError as exc:
+            log.warning(
+                "checkpoint save of iteration %d is written and replicated; removing older iterations failed (%s): "
+                "the next save removes them",
+                iteration,
+                exc,
+            )
+            removed = []
         stats = SaveStats(
             iteration=iteration,
             write_seconds=written - handle.started,
