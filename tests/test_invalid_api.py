@@ -444,6 +444,12 @@ case(K, "other itself", lambda e: e.policy.copy_to(e.policy), r"copy_to needs an
 case(K, "other of another model", lambda e: e.policy.copy_to(e.other), r"model specs 'tiny' and 'mini' differ")
 case(K, "from a group of another model", lambda e: e.other.copy_to(e.policy), r"model specs 'mini' and 'tiny' differ")
 case(K, "other shut down", lambda e: e.policy.copy_to(e.closed), r"copy_to: group 'inv-closed' was shut down")
+case(  # it returned an update whose wait() failed, after calls to the dead actors (found in review, 2026-11-28)
+    K,
+    "staged copy from a group shut down",
+    lambda e: e.closed.copy_to(e.policy, stage=True),
+    r"stage from group 'inv-closed': it was shut down",
+)
 for bad in ("0.5", True, -0.1, 1.5, float("nan"), float("inf"), [0.5]):
     case(
         K,

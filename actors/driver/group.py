@@ -1089,6 +1089,8 @@ class ModelGroup:
         ``relay``: a staged update of this group whose staged set is sent instead of the serving
         one (a fleet update's relay; the caller keeps it staged until this one ends).
         ``reallocate``/``copy_to`` with ``stage=True`` and a fleet update (actors/driver/fleet.py) run it."""
+        if self.ledger.closed:
+            raise ValueError(f"stage from group {self.name!r}: it was shut down")
         copy = dest is not self
         n = self.num_workers
         conv = conversion(self.layout, target)  # copies between weight formats (realloc/plan/formats.py)
