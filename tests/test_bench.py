@@ -462,7 +462,11 @@ def check_staged(s: dict, calls: int, repeats: int) -> None:
         v["update"] == v["stats"] == v["generator_after_commit"] == v["served_after_commit"][0] > v["served_before"][0]
     )
     assert v["after_stop_the_world"] == v["update"]  # the same weights copied again keep their version
-    assert s["memory"]["estimate_bytes"] > 0 and s["memory"]["peak_extra_bytes"] > 0
+    m = s["memory"]  # the node's used memory moves with the whole machine: another process freeing memory while
+    # this one stages can hide its growth (peak_extra_bytes 0 in a CI run, 2026-11-28); the workers' own
+    # memory, sampled process by process, is what must have been measured
+    assert m["estimate_bytes"] > 0 and m["peak_extra_bytes"] >= 0
+    assert m["worker_rss_max_bytes"] > 0 and m["workers_private_peak_bytes"] > 0
 
 
 def test_bench_staged_only_runs_the_staged_measurement_alone(monkeypatch, capsys):
