@@ -1030,8 +1030,8 @@ class ModelGroup:
                 raise
             self.ledger.delta_done(self.layout, other.ledger, delta_order, True)
             # a blend is no copy: its result is nobody's weights, and new ones even where the
-            # destination held the source's (eta*w + (1-eta)*w is not w in every bit)
-            version = other.copy_version(self) if eta is None else max(other.version + 1, self.version)
+            # destination held the source's
+            version = other.ledger.copy_version(self.ledger, blend=eta is not None)
             stats.version = version
             other.ledger.copied((self.name, self.version) if eta is None else None)
             other.announce(ShardChange("copy", other.layout, other.layout, version=version))

@@ -195,12 +195,13 @@ class GroupLedger:
             self._changing += 1
 
     # -- versions ------------------------------------------------------------------------
-    def copy_version(self, source: "GroupLedger") -> int:
+    def copy_version(self, source: "GroupLedger", blend: bool = False) -> int:
         """The version a copy of ``source``'s weights gives this group: the source's, unless this
         group's own count is ahead (then the next one: versions never go back, so a kept layout
         tagged with a version is fresh only while nothing changed). A copy of the very weights this
-        group already holds (the same source version, nothing written since) keeps its version."""
-        if self._origin == (source.name, source.version) and self._version == source.version:
+        group already holds (the same source version, nothing written since) keeps its version;
+        a ``blend`` never does (``eta*w + (1-eta)*w`` is not ``w`` in every bit)."""
+        if not blend and self._origin == (source.name, source.version) and self._version == source.version:
             return self._version
         return max(self._version + 1, source.version)
 

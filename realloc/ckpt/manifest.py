@@ -365,12 +365,8 @@ class Manifest:
                 qkv_order=str(data.get("qkv_order", "hf")),
                 expert_order=str(data.get("expert_order", "hf")),
             )
-        except (
-            KeyError,
-            TypeError,
-            AttributeError,
-            ValueError,
-        ) as exc:  # a list where an object belongs: AttributeError
+        # a missing key, a value of the wrong kind (a list where an object belongs: AttributeError)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"manifest is missing or has a malformed field: {exc!r}") from exc
         if manifest.world_size != manifest.topology.world_size or not manifest.id.rank < manifest.world_size:
             raise ValueError(f"manifest of {manifest.id}: rank/world size do not fit topology {manifest.topology}")
