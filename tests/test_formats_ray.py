@@ -145,7 +145,19 @@ def test_fsdp_trainer_converts_on_the_receivers_and_a_kill_keeps_the_old_weights
         update = trainer.copy_to(gen, stage=True)
         assert update.wait().conversion == "destination"
         update.commit()
-        holds(gen, expected_fp8(trainer.state_dict()))
+        held = expected_fp8(trainer.state_dict())
+        holds(gen, held)
+        # a blend between two FP8 groups: refused before any traffic, not failed on every worker
+        # after the move (torch has no float8 mul_; found in review, 2026-12-07)
+        peer = ModelGroup.create(SPEC, "dp=1", name="fmt-fp8-peer", weight_format="fp8_block128")
+        try:
+            peer.init_synthetic(11)
+            with pytest.raises(ValueError, match=r"a blend of block-FP8 weights would mix quantized values"):
+                gen.copy_to(peer, eta=0.5)
+            assert peer.verify_synthetic(11) == {}
+            holds(gen, held)
+        finally:
+            peer.shutdown()
     finally:
         trainer.shutdown()
         gen.shutdown()

@@ -68,7 +68,7 @@ from realloc.plan.formats import conversion
 from realloc.progress import phase_summary, plan_summary
 from realloc.shards import TORCH_DTYPES, check_eta
 from realloc.spec import ModelSpec
-from realloc.spec.formats import unformatted
+from realloc.spec.formats import CASTS, unformatted
 
 log = logging.getLogger(__name__)
 
@@ -981,6 +981,13 @@ class ModelGroup:
             eta = check_eta(eta)
         unformatted(self.spec).check_same_as(unformatted(other.spec))
         converting = self.layout.spec != other.layout.spec  # weight formats differ (realloc/plan/formats.py)
+        held = self.layout.spec.weight_format or ""
+        if eta is not None and not converting and held.startswith("fp8_block128"):
+            raise ValueError(
+                f"copy_to(eta=...) between groups holding {held}: a blend of block-FP8 weights would mix "
+                "quantized values and their scales; blend groups holding the model's dtypes or a cast "
+                f"({', '.join(CASTS)}), then copy into the FP8 group (it converts)"
+            )
         if converting and (delta or eta is not None):
             what = "delta=True" if delta else "eta"
             raise ValueError(
