@@ -144,14 +144,16 @@ class SaveHandle:
         finish: Callable[["SaveHandle"], "SaveStats"],
     ):
         self.manager, self.iteration, self.is_async = manager, iteration, is_async
-        #: the workers' write calls, when the save started (``time.perf_counter()``), and its
-        #: start and end records and bars
+        #: the workers' calls that answer when their write ended, with its manifest (sync:
+        #: ``ckpt_save``; async: ``ckpt_save_result``, on the workers' save thread), when the save
+        #: started (``time.perf_counter()``), and its start and end records and bars
         self.refs, self.started, self.progress = refs, started, progress
         self._finish = finish  # the manager's replication and removal, under the group's lock
         self._stats, self._error = None, None
 
     def done(self) -> bool:
-        """Whether every worker finished writing (replication still runs in :meth:`wait`)."""
+        """Whether every worker's write ended, written or failed (replication still runs in
+        :meth:`wait`). Does not block: it looks at the workers' answers to their writes."""
         if self._stats is not None or self._error is not None:
             return True
         return not ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[1]
@@ -263,12 +265,16 @@ class CheckpointManager:
                     )
                     for r, a in enumerate(g.actors)
                 ]
-                handle = SaveHandle(self, iteration, refs, started, is_async, prog, self._finish_save)
                 if is_async:
                     try:  # the acknowledgements: every snapshot is taken
                         self._get(refs, f"save iteration {iteration}: snapshot")
                     except ReallocationError as exc:
                         self._abort_save(iteration, exc, refs)
+                    # An acknowledgement is not the write: each worker's answer on its save thread is
+                    # (the default thread stays free for training meanwhile).
+                    refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
+                handle = SaveHandle(self, iteration, refs, started, is_async, prog, self._finish_save)
+                if is_async:
                     self._pending = handle
                 else:
                     handle.wait()
@@ -285,8 +291,6 @@ class CheckpointManager:
         g, iteration, prog = self.group, handle.iteration, handle.progress
         refs = handle.refs
         try:
-            if handle.is_async:
-                refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
             # The rank files' tensor bytes: their headers add a little, counted as each one is written.
             prog.step("write rank files", sum(g.layout.rank_bytes(r) for r in range(g.num_workers)))
             with each_result(lambda _, res: prog.advance(res["manifest"].file_bytes)):

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
+from actors.lanes import SAVE_GROUP
 from actors.records import CheckpointFault, ExchangeReport
 from actors.wire.executor import StepRunner, received_share
 from realloc.ckpt.errors import CorruptFileError
@@ -101,8 +103,13 @@ class CheckpointMixin:
         write()
         return self.ckpt_save_result(iteration)
 
+    @ray.method(concurrency_group=SAVE_GROUP)
     def ckpt_save_result(self, iteration: int) -> dict:
-        """Wait for this rank's write of ``iteration``; its manifest, or the write's exception."""
+        """Wait for this rank's write of ``iteration``; its manifest, or the write's exception.
+
+        Remote calls run on the save thread (:data:`~actors.lanes.SAVE_GROUP`): the driver calls
+        it as soon as an async save's snapshots are taken, and its answer is the end of the write
+        (``SaveHandle.done``), while the default thread runs the user's calls."""
         job = self._ckpt().saves.get(iteration)
         if job is None:
             raise RuntimeError(f"no save of iteration {iteration} was started on this worker")
