@@ -266,6 +266,43 @@ def test_resharding_load_from_training_into_generation_layout(env):
     g.reallocate(TRAIN)
 
 
+def test_a_failed_load_leaves_no_boxes_for_a_later_load_of_another_checkpoint(env, tmp_path):
+    """A resharding load keeps the boxes its readers read (keyed by box alone) for its later
+    rounds. A load that failed on the driver after reads (every copy of some boxes corrupt) left
+    them on the workers, and a later resharding load of another checkpoint took them for its own:
+    the failed checkpoint's weights, unseen by any check (found in review, 2026-11-28). The cache
+    belongs to one load."""
+    g = env.group
+    g.init_synthetic(SEED)
+    failed = CheckpointManager(g, root=tmp_path / "a", run_id="cache-run", factor=2)
+    failed.save(1)
+    g.init_synthetic(OTHER)
+    good = CheckpointManager(g, root=tmp_path / "b", run_id="cache-run", factor=2)
+    good.save(2)
+    # Ranks 0 and 2 (dp twins): every copy of both damaged after its header, so their boxes have no
+    # intact copy; the boxes of the other files are read (and kept) before the load gives up.
+    for node in set(g.placement.nodes):
+        for rank in (0, 2):
+            path = failed.node_dir(node) / "iter_00000001" / f"rank_{rank:05d}.safetensors"
+            raw = bytearray(path.read_bytes())
+            start = 8 + int.from_bytes(raw[:8], "little")
+            raw[start:] = bytes(b ^ 0xFF for b in raw[start:])
+            path.write_bytes(bytes(raw))
+    g.reallocate(Topology(dp=4, tp=2, pp=1))
+    try:
+        # Once every copy of ranks 0 and 2 is excluded their boxes have no reader: the load fails on
+        # the driver after the other boxes were read (today as the planner's ValueError, "needed boxes
+        # are held by no worker", rather than a MissingShardsError).
+        with pytest.raises((MissingShardsError, ValueError)):
+            failed.load()
+        g.init_synthetic(SEED)
+        stats = good.load()
+        assert stats.method == "reshard" and g.verify_synthetic(OTHER) == {}
+    finally:
+        g.reallocate(TRAIN)
+        g.init_synthetic(SEED)
+
+
 def test_hf_export_and_import_round_trip(env, tmp_path):
     g, m = env.group, env.manager
     g.init_synthetic(SEED)

@@ -465,15 +465,18 @@ class CheckpointManager:
             )
         scanned = time.perf_counter()
         reference = catalog.any_manifest(iteration)
+        # The workers cache what this load reads for its rounds and its exchange, under this id: what
+        # an earlier load read (one that failed after its reads) is never taken for this one's.
+        load_id = uuid.uuid4().hex
         if reference.layout(g.spec) == g.layout and len(catalog.usable(iteration)) == g.num_workers:
-            stats = self._restore(iteration, catalog, prog)
+            stats = self._restore(iteration, catalog, prog, load_id)
         else:
-            stats = self._reshard(iteration, catalog, set(), [], prog)
+            stats = self._reshard(iteration, catalog, set(), [], prog, load_id)
         stats.scan_seconds = scanned - started
         stats.total_seconds = time.perf_counter() - started
         return stats
 
-    def _restore(self, iteration: int, catalog: Catalog, prog: Progress) -> LoadStats:
+    def _restore(self, iteration: int, catalog: Catalog, prog: Progress, load_id: str) -> LoadStats:
         """Each rank gets its own file. Per rank, copies are tried in the catalog's order of
         candidates; a copy whose bytes fail its own checksums is excluded and the next round
         re-plans without it (a disagreeing manifest never outvotes an intact copy)."""
@@ -485,7 +488,7 @@ class CheckpointManager:
             usable = catalog.usable(iteration, excluded)
             if len(usable) < g.num_workers:
                 # A rank lost every copy: its shards may survive in a dp twin's file.
-                return self._reshard(iteration, catalog, excluded, corrupt, prog)
+                return self._reshard(iteration, catalog, excluded, corrupt, prog, load_id)
             manifests = {r: c.manifest for r, c in usable.items()}
             file_bytes = {r: m.file_bytes for r, m in manifests.items()}
             t0 = time.perf_counter()
@@ -501,7 +504,7 @@ class CheckpointManager:
                 results = self._get(
                     [
                         g.actors[w].ckpt_read_files.remote(
-                            str(self.root), self.run_id, {r: manifests[r] for r in reads[w]}
+                            str(self.root), self.run_id, {r: manifests[r] for r in reads[w]}, load_id
                         )
                         for w in workers
                     ],
@@ -542,7 +545,13 @@ class CheckpointManager:
         )
 
     def _reshard(
-        self, iteration: int, catalog: Catalog, excluded: set[tuple[str, int]], corrupt: list[str], prog: Progress
+        self,
+        iteration: int,
+        catalog: Catalog,
+        excluded: set[tuple[str, int]],
+        corrupt: list[str],
+        prog: Progress,
+        load_id: str,
     ) -> LoadStats:
         """Each stored box is read once (crc-checked) by a balanced reader, then planned into the
         current layout. Every candidate of a rank stores the same boxes (the catalog checked each
@@ -568,7 +577,9 @@ class CheckpointManager:
             with each_result(lambda _, res: prog.advance(res["bytes"])):
                 results = self._get(
                     [
-                        g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id, assignment.tasks[w], manifests)
+                        g.actors[w].ckpt_read_boxes.remote(
+                            str(self.root), self.run_id, assignment.tasks[w], manifests, load_id
+                        )
                         for w in workers
                     ],
                     "load: read stored shards",

@@ -49,6 +49,9 @@ class _SaveJob:
 class _CheckpointState:
     saves: dict[int, _SaveJob] = field(default_factory=dict)
     sources: dict[Key, torch.Tensor] = field(default_factory=dict)  # read for the coming exchange
+    #: the load whose reads ``sources`` holds (``ckpt_read_*``'s ``load_id``): a box's key names
+    #: no checkpoint, so the boxes of one load are never taken for another's
+    load_id: str | None = None
 
 
 class CheckpointMixin:
@@ -136,16 +139,27 @@ class CheckpointMixin:
         """Drop every cached checkpoint byte (after a failure, or when a save is final)."""
         state = self._ckpt()
         state.sources.clear()
+        state.load_id = None
         state.saves = {i: j for i, j in state.saves.items() if j.thread is not None and j.thread.is_alive()}
 
     # -- reading for an exchange -------------------------------------------------------------
-    def ckpt_read_files(self, root: str, run_id: str, manifests: dict[int, Manifest]) -> dict:
+    def _sources_of(self, load_id: str) -> dict[Key, torch.Tensor]:
+        """The cache of what load ``load_id`` read here: emptied first if it holds another load's
+        reads (a load that failed on the driver after its reads leaves them behind)."""
+        state = self._ckpt()
+        if state.load_id != load_id:
+            state.sources.clear()
+            state.load_id = load_id
+        return state.sources
+
+    def ckpt_read_files(self, root: str, run_id: str, manifests: dict[int, Manifest], load_id: str) -> dict:
         """Read and sha256-check whole rank files of this node for the coming exchange.
 
-        Returns ``{"bad": {rank: reason}, "bytes": read, "seconds": ...}``; good files stay cached.
+        Returns ``{"bad": {rank: reason}, "bytes": read, "seconds": ...}``; good files stay cached
+        for the next rounds of the same load (``load_id``; another load's cached bytes are dropped).
         """
         started, read, bad = time.perf_counter(), 0, {}
-        store, sources = self._node_store(root, run_id), self._ckpt().sources
+        store, sources = self._node_store(root, run_id), self._sources_of(load_id)
         for rank, manifest in sorted(manifests.items()):
             key = (file_param(rank), (0,), (manifest.file_bytes,))
             if key in sources:
@@ -157,10 +171,13 @@ class CheckpointMixin:
                 bad[rank] = exc.reason
         return {"bad": bad, "bytes": read, "seconds": time.perf_counter() - started}
 
-    def ckpt_read_boxes(self, root: str, run_id: str, tasks: list[ReadTask], manifests: dict[int, Manifest]) -> dict:
-        """Read (and crc-check) single stored shards of this node's files; returns the failed tasks."""
+    def ckpt_read_boxes(
+        self, root: str, run_id: str, tasks: list[ReadTask], manifests: dict[int, Manifest], load_id: str
+    ) -> dict:
+        """Read (and crc-check) single stored shards of this node's files; returns the failed tasks.
+        Boxes already read by the same load (``load_id``: its earlier rounds) are not read again."""
         started, read, bad = time.perf_counter(), 0, []
-        store, sources = self._node_store(root, run_id), self._ckpt().sources
+        store, sources = self._node_store(root, run_id), self._sources_of(load_id)
         for task in tasks:
             if task.key in sources:
                 continue
