@@ -6,7 +6,10 @@ Concurrency groups:
 * :data:`CONTROL` (one thread): pings and status, answered even while the default thread is
   blocked in a transfer or a long user call;
 * :data:`STAGE_GROUP` (one thread): a staged update's transfer into the shadow buffers
-  (actors/worker/staging.py), beside the user's calls on the serving buffers.
+  (actors/worker/staging.py), beside the user's calls on the serving buffers;
+* :data:`SAVE_GROUP` (one thread): waits for an async checkpoint save's background writes
+  (``ckpt_save_result``), so the driver learns when they end (``SaveHandle.done``) while the
+  default thread runs the user's training calls.
 
 A :class:`Lane` is one path bytes take between workers: its own world (process group), formed
 and joined on its own concurrency group, and on each worker its own transport, world id,
@@ -28,8 +31,9 @@ from typing import Any
 
 CONTROL = "control"
 STAGE_GROUP = "stage"
+SAVE_GROUP = "save"
 #: ``concurrency_groups=`` of every worker actor class.
-CONCURRENCY_GROUPS = {CONTROL: 1, STAGE_GROUP: 1}
+CONCURRENCY_GROUPS = {CONTROL: 1, STAGE_GROUP: 1, SAVE_GROUP: 1}
 
 
 @dataclass(frozen=True)

@@ -144,14 +144,16 @@ class SaveHandle:
         finish: Callable[["SaveHandle"], "SaveStats"],
     ):
         self.manager, self.iteration, self.is_async = manager, iteration, is_async
-        #: the workers' write calls, when the save started (``time.perf_counter()``), and its
-        #: start and end records and bars
+        #: the workers' calls that answer when their write ended, with its manifest (sync:
+        #: ``ckpt_save``; async: ``ckpt_save_result``, on the workers' save thread), when the save
+        #: started (``time.perf_counter()``), and its start and end records and bars
         self.refs, self.started, self.progress = refs, started, progress
         self._finish = finish  # the manager's replication and removal, under the group's lock
         self._stats, self._error = None, None
 
     def done(self) -> bool:
-        """Whether every worker finished writing (replication still runs in :meth:`wait`)."""
+        """Whether every worker's write ended, written or failed (replication still runs in
+        :meth:`wait`). Does not block: it looks at the workers' answers to their writes."""
         if self._stats is not None or self._error is not None:
             return True
         return not ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[1]
@@ -263,12 +265,16 @@ class CheckpointManager:
                     )
                     for r, a in enumerate(g.actors)
                 ]
-                handle = SaveHandle(self, iteration, refs, started, is_async, prog, self._finish_save)
                 if is_async:
                     try:  # the acknowledgements: every snapshot is taken
                         self._get(refs, f"save iteration {iteration}: snapshot")
                     except ReallocationError as exc:
                         self._abort_save(iteration, exc, refs)
+                    # An acknowledgement is not the write: each worker's answer on its save thread is
+                    # (the default thread stays free for training meanwhile).
+                    refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
+                handle = SaveHandle(self, iteration, refs, started, is_async, prog, self._finish_save)
+                if is_async:
                     self._pending = handle
                 else:
                     handle.wait()
@@ -285,8 +291,6 @@ class CheckpointManager:
         g, iteration, prog = self.group, handle.iteration, handle.progress
         refs = handle.refs
         try:
-            if handle.is_async:
-                refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
             # The rank files' tensor bytes: their headers add a little, counted as each one is written.
             prog.step("write rank files", sum(g.layout.rank_bytes(r) for r in range(g.num_workers)))
             with each_result(lambda _, res: prog.advance(res["manifest"].file_bytes)):
@@ -461,15 +465,18 @@ class CheckpointManager:
             )
         scanned = time.perf_counter()
         reference = catalog.any_manifest(iteration)
+        # The workers cache what this load reads for its rounds and its exchange, under this id: what
+        # an earlier load read (one that failed after its reads) is never taken for this one's.
+        load_id = uuid.uuid4().hex
         if reference.layout(g.spec) == g.layout and len(catalog.usable(iteration)) == g.num_workers:
-            stats = self._restore(iteration, catalog, prog)
+            stats = self._restore(iteration, catalog, prog, load_id)
         else:
-            stats = self._reshard(iteration, catalog, set(), [], prog)
+            stats = self._reshard(iteration, catalog, set(), [], prog, load_id)
         stats.scan_seconds = scanned - started
         stats.total_seconds = time.perf_counter() - started
         return stats
 
-    def _restore(self, iteration: int, catalog: Catalog, prog: Progress) -> LoadStats:
+    def _restore(self, iteration: int, catalog: Catalog, prog: Progress, load_id: str) -> LoadStats:
         """Each rank gets its own file. Per rank, copies are tried in the catalog's order of
         candidates; a copy whose bytes fail its own checksums is excluded and the next round
         re-plans without it (a disagreeing manifest never outvotes an intact copy)."""
@@ -481,7 +488,7 @@ class CheckpointManager:
             usable = catalog.usable(iteration, excluded)
             if len(usable) < g.num_workers:
                 # A rank lost every copy: its shards may survive in a dp twin's file.
-                return self._reshard(iteration, catalog, excluded, corrupt, prog)
+                return self._reshard(iteration, catalog, excluded, corrupt, prog, load_id)
             manifests = {r: c.manifest for r, c in usable.items()}
             file_bytes = {r: m.file_bytes for r, m in manifests.items()}
             t0 = time.perf_counter()
@@ -497,7 +504,7 @@ class CheckpointManager:
                 results = self._get(
                     [
                         g.actors[w].ckpt_read_files.remote(
-                            str(self.root), self.run_id, {r: manifests[r] for r in reads[w]}
+                            str(self.root), self.run_id, {r: manifests[r] for r in reads[w]}, load_id
                         )
                         for w in workers
                     ],
@@ -538,7 +545,13 @@ class CheckpointManager:
         )
 
     def _reshard(
-        self, iteration: int, catalog: Catalog, excluded: set[tuple[str, int]], corrupt: list[str], prog: Progress
+        self,
+        iteration: int,
+        catalog: Catalog,
+        excluded: set[tuple[str, int]],
+        corrupt: list[str],
+        prog: Progress,
+        load_id: str,
     ) -> LoadStats:
         """Each stored box is read once (crc-checked) by a balanced reader, then planned into the
         current layout. Every candidate of a rank stores the same boxes (the catalog checked each
@@ -564,7 +577,9 @@ class CheckpointManager:
             with each_result(lambda _, res: prog.advance(res["bytes"])):
                 results = self._get(
                     [
-                        g.actors[w].ckpt_read_boxes.remote(str(self.root), self.run_id, assignment.tasks[w], manifests)
+                        g.actors[w].ckpt_read_boxes.remote(
+                            str(self.root), self.run_id, assignment.tasks[w], manifests, load_id
+                        )
                         for w in workers
                     ],
                     "load: read stored shards",

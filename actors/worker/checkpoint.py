@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
+from actors.lanes import SAVE_GROUP
 from actors.records import CheckpointFault, ExchangeReport
 from actors.wire.executor import StepRunner, received_share
 from realloc.ckpt.errors import CorruptFileError
@@ -47,6 +49,9 @@ class _SaveJob:
 class _CheckpointState:
     saves: dict[int, _SaveJob] = field(default_factory=dict)
     sources: dict[Key, torch.Tensor] = field(default_factory=dict)  # read for the coming exchange
+    #: the load whose reads ``sources`` holds (``ckpt_read_*``'s ``load_id``): a box's key names
+    #: no checkpoint, so the boxes of one load are never taken for another's
+    load_id: str | None = None
 
 
 class CheckpointMixin:
@@ -101,8 +106,13 @@ class CheckpointMixin:
         write()
         return self.ckpt_save_result(iteration)
 
+    @ray.method(concurrency_group=SAVE_GROUP)
     def ckpt_save_result(self, iteration: int) -> dict:
-        """Wait for this rank's write of ``iteration``; its manifest, or the write's exception."""
+        """Wait for this rank's write of ``iteration``; its manifest, or the write's exception.
+
+        Remote calls run on the save thread (:data:`~actors.lanes.SAVE_GROUP`): the driver calls
+        it as soon as an async save's snapshots are taken, and its answer is the end of the write
+        (``SaveHandle.done``), while the default thread runs the user's calls."""
         job = self._ckpt().saves.get(iteration)
         if job is None:
             raise RuntimeError(f"no save of iteration {iteration} was started on this worker")
@@ -129,16 +139,27 @@ class CheckpointMixin:
         """Drop every cached checkpoint byte (after a failure, or when a save is final)."""
         state = self._ckpt()
         state.sources.clear()
+        state.load_id = None
         state.saves = {i: j for i, j in state.saves.items() if j.thread is not None and j.thread.is_alive()}
 
     # -- reading for an exchange -------------------------------------------------------------
-    def ckpt_read_files(self, root: str, run_id: str, manifests: dict[int, Manifest]) -> dict:
+    def _sources_of(self, load_id: str) -> dict[Key, torch.Tensor]:
+        """The cache of what load ``load_id`` read here: emptied first if it holds another load's
+        reads (a load that failed on the driver after its reads leaves them behind)."""
+        state = self._ckpt()
+        if state.load_id != load_id:
+            state.sources.clear()
+            state.load_id = load_id
+        return state.sources
+
+    def ckpt_read_files(self, root: str, run_id: str, manifests: dict[int, Manifest], load_id: str) -> dict:
         """Read and sha256-check whole rank files of this node for the coming exchange.
 
-        Returns ``{"bad": {rank: reason}, "bytes": read, "seconds": ...}``; good files stay cached.
+        Returns ``{"bad": {rank: reason}, "bytes": read, "seconds": ...}``; good files stay cached
+        for the next rounds of the same load (``load_id``; another load's cached bytes are dropped).
         """
         started, read, bad = time.perf_counter(), 0, {}
-        store, sources = self._node_store(root, run_id), self._ckpt().sources
+        store, sources = self._node_store(root, run_id), self._sources_of(load_id)
         for rank, manifest in sorted(manifests.items()):
             key = (file_param(rank), (0,), (manifest.file_bytes,))
             if key in sources:
@@ -150,10 +171,13 @@ class CheckpointMixin:
                 bad[rank] = exc.reason
         return {"bad": bad, "bytes": read, "seconds": time.perf_counter() - started}
 
-    def ckpt_read_boxes(self, root: str, run_id: str, tasks: list[ReadTask], manifests: dict[int, Manifest]) -> dict:
-        """Read (and crc-check) single stored shards of this node's files; returns the failed tasks."""
+    def ckpt_read_boxes(
+        self, root: str, run_id: str, tasks: list[ReadTask], manifests: dict[int, Manifest], load_id: str
+    ) -> dict:
+        """Read (and crc-check) single stored shards of this node's files; returns the failed tasks.
+        Boxes already read by the same load (``load_id``: its earlier rounds) are not read again."""
         started, read, bad = time.perf_counter(), 0, []
-        store, sources = self._node_store(root, run_id), self._ckpt().sources
+        store, sources = self._node_store(root, run_id), self._sources_of(load_id)
         for task in tasks:
             if task.key in sources:
                 continue
