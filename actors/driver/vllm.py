@@ -48,7 +48,7 @@ from actors.driver.group import ModelGroup
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
 from actors.records import MoveOrder
-from actors.remote import Deadline, check_timeout, gather
+from actors.remote import Deadline, check_timeout, fire, gather
 from actors.vllm import ABORT, control_key, init_payload, stage_payload
 from actors.wire.shares import PeerView, worker_shares
 from actors.wire.transport import host_rendezvous
@@ -320,6 +320,26 @@ class VLLMEngine:
                 for j in range(m)
             ]
         )
+        # A worker that refuses its share (it fails the share's checks) posts why before its
+        # update_weights returns, and never joins the world: said now, not as the world's timeout
+        refused = self.refusals(update_id)
+        if refused:
+            raise ReallocationError(
+                f"{self.name}: "
+                + "; ".join(f"vLLM worker {i} refused its share of update {update_id}: {e}" for i, e in refused)
+            )
+
+    def refusals(self, update_id: str) -> list[tuple[int, str]]:
+        """``(index, error)`` of each worker that has posted a failed outcome of round ``update_id``
+        (without waiting: a refusal is posted before the worker's ``update_weights`` returns)."""
+        out = []
+        for w in self.workers:
+            name = control_key(self._id, update_id, w["index"])
+            if self._store.check([name]):
+                error = json.loads(self._store.get(name)).get("error")
+                if error:
+                    out.append((w["index"], error))
+        return out
 
     def outcomes(self, update_id: str, deadline: Deadline) -> list[dict]:
         """Each worker's report of round ``update_id`` (within ``deadline``); a
@@ -423,6 +443,7 @@ class VLLMUpdate:
         self.id = uuid.uuid4().hex[:12]
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(trainer.ledger.exclusive(f"update {engine.name}", deadline=self.deadline))
+        forming = None  # the world whose formation the trainer's ranks wait in, until it is formed
         try:
             engine.init(trainer.spec)
             self.version = trainer.version
@@ -449,8 +470,10 @@ class VLLMUpdate:
                 STAGE.method(a, "join").remote(STAGE, world, addr, port, r, n + m, engine.timeout_s)
                 for r, a in enumerate(trainer.workers.actors)
             ]
+            forming = world
             engine.open_round(self.id, self.version, world, addr, port, shares, base, delta)
             gather(trainer.workers, joins, self.deadline, f"update {engine.name}: form the world")
+            forming = None
             self._runs = [
                 a.stage_run.remote(
                     self.id,
@@ -465,6 +488,8 @@ class VLLMUpdate:
                 for i, a in enumerate(trainer.workers.actors)
             ]
         except BaseException as err:
+            if forming is not None:  # the trainer's ranks wait at its rendezvous: free them now (World.form does)
+                fire(trainer.workers, "abort_world", forming)
             self._fail(err)
 
     @property
