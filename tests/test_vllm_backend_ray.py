@@ -14,6 +14,7 @@ version's (the update did something).
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -230,6 +231,61 @@ def test_vllm_aborted_update_leaves_the_served_weights_and_the_next_one_commits(
         assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(served)
     trainer.copy_to(engine)
     assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-abort"))
+
+
+def test_vllm_worker_refusing_its_share_is_named_at_once_and_the_next_update_commits(setup, monkeypatch):
+    """Found in review: a vLLM worker that refuses its share of the plan (here worker 1 gets worker
+    0's: its checks fail) never joins the update's world, and the caller got the world formation's
+    timeout, without the reason. Now the error comes when ``update_weights`` returns, names the
+    worker and its reason, says the engine is untouched; the trainer's ranks waiting at the world's
+    rendezvous leave it at once, so the next update does not wait behind them."""
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    served, version, new = serving_old_holding_new(setup, 16, 17)
+    shares = VLLMEngine.shares
+
+    def crossed(self, plan, layout, nodes):
+        out = list(shares(self, plan, layout, nodes))  # a copy: the cached shares stay right
+        out[-1] = out[-2]
+        return out
+
+    monkeypatch.setattr(VLLMEngine, "shares", crossed)
+    started = time.monotonic()
+    with pytest.raises(ReallocationError) as err:
+        trainer.copy_to(engine)
+    said = str(err.value)
+    assert time.monotonic() - started < TIMEOUT_S / 2, said
+    assert re.search(
+        r"vLLM worker 1 refused its share of update \w+: ValueError: plan slice of worker 2 was shipped to worker 3",
+        said,
+    ), said
+    assert f"serves version {version}, untouched" in said and engine.version == version
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(served)
+    monkeypatch.undo()
+    started = time.monotonic()
+    trainer.copy_to(engine)
+    assert time.monotonic() - started < TIMEOUT_S / 2, "the next update waited behind the refused world"
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-refusal"))
+
+
+def test_vllm_commit_failing_on_every_worker_keeps_the_engines_rpcs_in_step(setup):
+    """Found in review: vLLM 0.32's multiproc executor reads the workers' replies in rank order and
+    stops at the first failed one (``MultiprocExecutor.collective_rpc``), so a commit that raised on
+    every worker at tp=2 left worker 1's reply queued, and the next RPC read it instead of its own.
+    Now the workers answer through the store and return normally: the error names both workers'
+    reasons, each later RPC gets its own replies, and the next update commits."""
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    _, version, new = serving_old_holding_new(setup, 18, 19)
+    assert vm.break_commit(llm) == [0, 1]
+    with pytest.raises(ReallocationError) as err:
+        trainer.copy_to(engine)
+    assert vm.break_commit(llm, broken=False) == [0, 1], "an RPC read another call's replies"
+    said = str(err.value)
+    for i in (0, 1):
+        assert f"vLLM worker {i}: RuntimeError: the commit broke on worker {i} (injected)" in said, said
+    assert "workers may differ" in said and "untouched" not in said and engine.version == version
+    trainer.copy_to(engine)
+    assert engine.unknown is None and engine.version == trainer.version
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-failed-commit"))
 
 
 def test_vllm_qwen3_moe_engine_serves_the_trainer_weights_exactly(setup):

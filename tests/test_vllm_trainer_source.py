@@ -1,11 +1,16 @@
 """A trainer rank's holdings read from its module (actors/trainer/source.py ``ShardSource``) and the
 trainer engine's refusals (actors/trainer/engine.py), in this process: no engine, no Ray. A
-refusal comes before any call of the client (a recorder that fails the test if called).
+refusal comes before any call of the client (a recorder that fails the test if called). A vLLM
+worker's refusal runs against realloc's worker engines in this process (``InProcessWorkers``).
 
 The DTensor path (FSDP2, with and without tp) runs against a real vLLM in
 tests/test_vllm_frontends_ray.py."""
 
 from __future__ import annotations
+
+import pickle
+import re
+import time
 
 import pytest
 import torch
@@ -348,3 +353,99 @@ def test_a_rank_waits_for_the_verdict_past_its_own_deadline_and_says_what_is_not
     head._post("round/2", {"shares": {}})  # and a verdict that never comes
     with pytest.raises(ReallocationError, match=r"did not end the update within 6s; whether the engine switched"):
         other.send_weights()
+
+
+class InProcessWorkers:
+    """vLLM's weight-sync client over ``m`` realloc worker engines (actors/vllm/engine.py) in this
+    process, without vLLM: each describes itself as its bake would (realloc's vLLM layout at its tp
+    rank), ``update_weights`` hands each worker its entry of the list as vLLM's worker does, and a
+    commit is recorded, not applied to a model. ``tamper``: changes the payloads on their way."""
+
+    def __init__(self, spec, m: int, tamper=None):
+        from actors.driver.vllm import vllm_layout
+
+        self.layout, self.m, self.tamper = vllm_layout(spec, m), m, tamper
+        self.workers: list = []
+        self.commits: list[int] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        import json
+        import os
+        from types import SimpleNamespace
+
+        from actors.vllm import control_key
+        from actors.vllm.engine import ReallocWeightTransferEngine
+        from actors.wire.transport import address_toward, connect_rendezvous
+
+        self.workers = []
+        for i in range(self.m):
+            w = object.__new__(ReallocWeightTransferEngine)  # vLLM's constructor needs a vLLM config
+            w.info = w.parse_init_info(init_info)
+            w.index, w.round, w.committed, w.held, w.held_rank = i, None, 0, None, None
+            w.layout = SimpleNamespace(scatters=[])  # no loader copies to check the shares against
+            w.control = connect_rendezvous(w.info.store_host, w.info.store_port, 1, w.info.timeout_s)
+            w._commit = lambda shadow, i=i: self.commits.append(i)
+            boxes: dict[str, list] = {}
+            for s in self.layout.shards(i):
+                boxes.setdefault(s.param, []).append([list(s.offsets), list(s.sizes)])
+            described = {
+                **{"index": i, "workers": self.m, "tp_rank": i, "tp_size": self.m, "pp_rank": 0, "pp_size": 1},
+                **{"dtype": "float32", "boxes": boxes, "unread": [], "missing": [], "pid": os.getpid()},
+                "ip": address_toward(w.info.store_host),
+            }
+            w.control.set(control_key(w.info.engine_id, "worker", i), json.dumps(described))
+            self.workers.append(w)
+
+    def start_weight_update(self) -> None:
+        for w in self.workers:
+            w.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        infos = update_info if isinstance(update_info, list) else [update_info] * self.m
+        if self.tamper is not None and isinstance(update_info, list):
+            infos = self.tamper(infos)
+        for w, info in zip(self.workers, infos):
+            w.update_weights(info)  # what vLLM's worker calls (vllm/v1/worker/gpu_worker.py Worker.update_weights)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        for w in self.workers:
+            w.finish_weight_update()
+
+
+def test_a_vllm_worker_refusing_its_share_is_named_at_once_and_the_next_update_commits(llama, monkeypatch):
+    """Found in review: a vLLM worker that refuses its share of the plan (its checks fail when it
+    receives it: here worker 1 gets worker 0's) posts why and never joins the update's world; the
+    driver only read the workers' outcomes after the trainer's ranks had joined it, so the caller
+    got the world formation's timeout, without the reason. Now the refusal is read as soon as
+    ``update_weights`` returns: the error names the worker and its reason and says the engine is
+    untouched, the other worker's staging thread leaves the world, and the next update commits."""
+    from actors.errors import ReallocationError
+
+    path, model = llama
+    timeout_s = 8.0
+    refuse = [True]
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)  # as vLLM's CPU worker does
+
+    def tamper(infos):
+        return [infos[0], {**infos[1], "share": infos[0]["share"]}] if refuse[0] else infos
+
+    client = InProcessWorkers(spec_from_hf_config(path), 2, tamper)
+    trainer = ReallocTrainerWeightTransferEngine.trainer_init(
+        ReallocTrainerInitInfo(rank=0, timeout_s=timeout_s), client=client, source=ShardSource(model)
+    )
+    started = time.monotonic()
+    with pytest.raises(ReallocationError) as err:
+        trainer.send_weights()
+    elapsed = time.monotonic() - started
+    said = str(err.value)
+    assert re.search(
+        r"vLLM worker 1 refused its share of update \w+: ValueError: plan slice of worker 1 was shipped to worker 2",
+        said,
+    ), said
+    assert "vllm serves version 0, untouched" in said, said
+    assert elapsed < timeout_s / 2, f"the refusal took {elapsed:.1f}s to reach the caller: {said}"
+    assert pickle.loads(pickle.dumps(err.value)).message == err.value.message
+    assert client.commits == [] and all(w.round is None for w in client.workers)
+    refuse[0] = False
+    assert trainer.send_weights() == 1 and client.commits == [0, 1]
+    assert all(b > 0 for b in trainer.stats.received_bytes), trainer.stats

@@ -145,3 +145,25 @@ def poison_materialized_memory(llm) -> None:
     """Make every tensor vLLM's layerwise reload materializes NaN in the workers (it is
     uninitialized memory, which is often zero by luck): whatever a commit leaves unwritten shows."""
     llm.collective_rpc(_poison)
+
+
+def _break_commit(worker, broken: bool) -> int:
+    """In a vLLM worker: its realloc engine's commit raises (``broken``) or works again; its rank."""
+    engine = worker.weight_transfer_engine
+
+    def failing(shadow) -> None:
+        raise RuntimeError(f"the commit broke on worker {engine.index} (injected)")
+
+    if broken:
+        engine._commit = failing
+    else:
+        engine.__dict__.pop("_commit", None)
+    return engine.index
+
+
+def break_commit(llm, broken: bool = True) -> list[int]:
+    """Every worker's realloc commit raises (or, ``broken=False``, works again): the workers' ranks,
+    one reply each, in order (an RPC whose replies are out of step returns another call's)."""
+    import functools
+
+    return llm.collective_rpc(functools.partial(_break_commit, broken=broken))

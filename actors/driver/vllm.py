@@ -29,6 +29,11 @@ One update (:meth:`VLLMEngine.stage`, and ``copy_to`` = stage, wait, commit):
    naming what failed and saying the engine serves its old version, untouched.
 4. **commit**: ``finish_weight_update(weight_version=str(version))``: every worker switches its
    shadow set in between two forward steps; vLLM labels the outputs with the version.
+
+The workers never raise into vLLM (at tp >= 2 vLLM's executor would read later calls' replies out
+of step): each answers ``update_weights`` (its share taken or refused) and the commit through the
+store before its RPC returns, and this handle reads every worker's answer after the call and raises
+naming the workers and their reasons (a refused share at once, not as the world's timeout).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from actors.driver.group import ModelGroup
 from actors.errors import ReallocationError
 from actors.lanes import STAGE
 from actors.records import MoveOrder
-from actors.remote import Deadline, check_timeout, gather
+from actors.remote import Deadline, check_timeout, fire, gather
 from actors.vllm import ABORT, control_key, init_payload, stage_payload
 from actors.wire.shares import PeerView, worker_shares
 from actors.wire.transport import host_rendezvous
@@ -162,6 +167,7 @@ class VLLMEngine:
         self._shares: dict[tuple, tuple[Plan, list]] = {}  # the same key -> (that plan, its shares)
         self._pending: VLLMUpdate | None = None
         self._open = False  # a round is open on the engine (started, not finished)
+        self._round = ""  # the update id of the last round opened
         #: why the engine's weights are not known (a commit that failed: its workers may differ)
         self.unknown: str | None = None
 
@@ -199,6 +205,8 @@ class VLLMEngine:
             workers += [self._read(("worker", i), "describe itself") for i in range(1, first["workers"])]
             refused = [w for w in workers if "error" in w]
         if refused:
+            if refused[0].get("failed"):  # not a refusal of the trainer's model: the worker's init broke
+                raise ReallocationError(f"{self.name}: {refused[0]['error']}; {self.serving()}")
             raise ValueError(f"{self.name}: {refused[0]['error']}")
         if any(w["pp_size"] != 1 for w in workers):
             raise ValueError(
@@ -220,21 +228,33 @@ class VLLMEngine:
             if w.get("ip") in here and not _alive(w["pid"])
         ]
 
-    def _read(self, key: tuple, what: str, deadline: Deadline | None = None) -> dict:
+    def _read(self, key: tuple, what: str, deadline: Deadline | None = None, worker: int | None = None) -> dict:
+        """The value worker ``worker`` (default: ``key``'s last part) posted under ``key``, waiting
+        up to ``deadline``; past it, or when the worker's process is gone, a ReallocationError
+        naming it."""
         deadline = deadline or Deadline(self.timeout_s)
+        worker = key[-1] if worker is None else worker
         name = control_key(self._id, *key)
         while not self._store.check([name]):
-            gone = [d for d in self.dead_workers() if d.startswith(f"vLLM worker {key[-1]} ")]
+            gone = [d for d in self.dead_workers() if d.startswith(f"vLLM worker {worker} ")]
             if gone:
                 raise ReallocationError(f"{self.name}: {gone[0]} before it could {what}", dead=gone)
             if deadline.remaining() <= 0:
                 raise ReallocationError(
-                    f"{self.name}: vLLM worker {key[-1]} did not {what} within {self.timeout_s:.0f}s "
+                    f"{self.name}: vLLM worker {worker} did not {what} within {deadline.seconds:.0f}s "
                     f"(store key {name}); {self.serving()}",
-                    unresponsive=[f"{self.name} worker {key[-1]}"],
+                    unresponsive=[f"{self.name} worker {worker}"],
                 )
             time.sleep(POLL_S)
         return json.loads(self._store.get(name))
+
+    def answers(self, update_id: str, call: str, what: str) -> list[dict]:
+        """Every worker's answer to ``call`` (``staging``, ``commit``) of round ``update_id``: each
+        worker posts it before its RPC returns (actors/vllm/engine.py; it never raises into vLLM,
+        whose executor would read the replies of a later call out of step), so it is read after
+        that RPC, within the deadline, naming a worker whose answer is missing."""
+        deadline = Deadline(self.timeout_s)
+        return [self._read((update_id, w["index"], call), what, deadline, w["index"]) for w in self.workers]
 
     # -- an update ---------------------------------------------------------------------------------
     def stage(self, trainer: Any, delta: bool = False) -> "VLLMUpdate":
@@ -320,6 +340,16 @@ class VLLMEngine:
                 for j in range(m)
             ]
         )
+        self._round = update_id
+        # A worker that refuses its share (it fails the share's checks) answers why before its
+        # update_weights returns, and never joins the world: said now, not as the world's timeout
+        answers = self.answers(update_id, "staging", "answer update_weights")
+        refused = [(w["index"], a["error"]) for w, a in zip(self.workers, answers) if a["error"]]
+        if refused:
+            raise ReallocationError(
+                f"{self.name}: "
+                + "; ".join(f"vLLM worker {i} refused its share of update {update_id}: {e}" for i, e in refused)
+            )
 
     def outcomes(self, update_id: str, deadline: Deadline) -> list[dict]:
         """Each worker's report of round ``update_id`` (within ``deadline``); a
@@ -339,6 +369,7 @@ class VLLMEngine:
         self._open = False
         try:
             self.client.finish_weight_update(weight_version=str(version))
+            answers = self.answers(self._round, "commit", "answer finish_weight_update (the commit)")
         except BaseException as err:
             self.origin = None
             self.unknown = f"the commit of version {version} failed ({type(err).__name__}: {err})"
@@ -346,6 +377,20 @@ class VLLMEngine:
                 f"{self.name}: {self.unknown}; workers may differ: reload the engine's weights "
                 "(collective_rpc('reload_weights')) or restart it"
             ) from err
+        failed = [(w["index"], a) for w, a in zip(self.workers, answers) if a["error"]]
+        if failed:
+            said = "; ".join(f"vLLM worker {i}: {a['error']}" for i, a in failed)
+            if not any(a["touched"] for a in answers):  # refused by every worker before any write
+                raise ReallocationError(
+                    f"{self.name}: the commit of version {version} was refused ({said}); {self.serving()} "
+                    f"(vLLM labels its outputs {version} all the same)"
+                )
+            self.origin = None
+            self.unknown = f"the commit of version {version} failed ({said})"
+            raise ReallocationError(
+                f"{self.name}: {self.unknown}; workers may differ: reload the engine's weights "
+                "(collective_rpc('reload_weights')) or restart it"
+            )
         self.version, self.origin, self.unknown = version, origin, None
         return time.perf_counter() - started
 
@@ -423,6 +468,7 @@ class VLLMUpdate:
         self.id = uuid.uuid4().hex[:12]
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(trainer.ledger.exclusive(f"update {engine.name}", deadline=self.deadline))
+        forming = None  # the world whose formation the trainer's ranks wait in, until it is formed
         try:
             engine.init(trainer.spec)
             self.version = trainer.version
@@ -449,8 +495,10 @@ class VLLMUpdate:
                 STAGE.method(a, "join").remote(STAGE, world, addr, port, r, n + m, engine.timeout_s)
                 for r, a in enumerate(trainer.workers.actors)
             ]
+            forming = world
             engine.open_round(self.id, self.version, world, addr, port, shares, base, delta)
             gather(trainer.workers, joins, self.deadline, f"update {engine.name}: form the world")
+            forming = None
             self._runs = [
                 a.stage_run.remote(
                     self.id,
@@ -465,6 +513,8 @@ class VLLMUpdate:
                 for i, a in enumerate(trainer.workers.actors)
             ]
         except BaseException as err:
+            if forming is not None:  # the trainer's ranks wait at its rendezvous: free them now (World.form does)
+                fire(trainer.workers, "abort_world", forming)
             self._fail(err)
 
     @property

@@ -213,6 +213,7 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         stats = VLLMUpdateStats(version)
         update_id = uuid.uuid4().hex[:12]
         started = time.perf_counter()
+        posted = True
         try:
             try:
                 plan, stats.plan_seconds = engine.plan_from(
@@ -233,8 +234,8 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                     "shares": {str(r): encode(shares[w]) for r, w in self.by_rank.items()},
                 }
                 engine.open_round(update_id, version, world, self.addr, rendezvous.port, shares, base, self.info.delta)
-            except BaseException as err:
-                self._post(f"round/{k}", {"error": f"{type(err).__name__}: {err}"})
+            except BaseException:
+                posted = False  # the other ranks' round ends with the error below (what failed, the engine's state)
                 raise
             self._post(f"round/{k}", opened)
             error = self._send_share(opened, deadline, rendezvous)
@@ -245,6 +246,8 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         except BaseException as err:
             failure = engine.failed(err, self.info.name)
             self.base = None
+            if not posted:
+                self._post(f"round/{k}", {"error": f"{type(failure).__name__}: {failure}"})
             self._post(f"verdict/{k}", {"error": str(failure)})
             if failure is err:
                 raise

@@ -31,6 +31,12 @@ What each phase does here:
 Serving weights are only written by the commit. A failure before it (a trainer rank dying, a
 deadline) leaves the engine serving the old weights; the driver learns it from the store
 (:mod:`actors.driver.vllm`).
+
+No phase raises into vLLM: each answers through the store before its RPC returns (the
+description or refusal of ``init``; ``<update id>/<index>/staging``: the share taken or refused;
+``<update id>/<index>/commit``: switched, or why not) and the driver raises after reading every
+worker's answer. A raise would put vLLM's RPC replies out of step at tp >= 2 (see
+``init_transfer_engine``).
 """
 
 from __future__ import annotations
@@ -131,73 +137,123 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         self._tied: list[torch.nn.Module] = []  # modules no copy writes that share a written tensor (a tied lm_head)
 
     # -- init -------------------------------------------------------------------------------
+    # No method vLLM calls here raises: each answers through the driver's control store and
+    # returns normally. vLLM 0.32's multiproc executor reads the workers' replies in rank order
+    # and stops at the first failed one (vllm/v1/executor/multiproc_executor.py
+    # ``MultiprocExecutor.collective_rpc``, ``get_response``), leaving the later workers' replies
+    # queued: the next RPC reads them instead of its own, and every RPC after it too. So a failure
+    # on tp rank 0 (or on every rank) at tp >= 2 would put the engine's RPCs out of step for good;
+    # and a raise inside vLLM's worker methods leaves its round flag as the driver does not expect
+    # (``update_weights`` clears it, ``finish_weight_update`` keeps it).
     def init_transfer_engine(self, init_info: ReallocInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        try:  # a refused or failed init leaves this worker as it was
+            control = connect_rendezvous(init_info.store_host, init_info.store_port, 1, init_info.timeout_s)
+        except Exception:  # noqa: BLE001 - nothing to answer through: the driver's read names this worker
+            log.error(
+                "realloc: this vLLM worker could not reach the driver's control store at %s:%d",
+                init_info.store_host,
+                init_info.store_port,
+                exc_info=True,
+            )
+            return
+        index = get_world_group().rank_in_group
+        try:
+            described = self._init(init_info, control, index)
+        except Exception as err:  # noqa: BLE001 - answered: the driver raises it
+            described = {"error": f"vLLM worker {index}: init failed: {type(err).__name__}: {err}", "failed": True}
+            log.warning("realloc: %s", described["error"], exc_info=True)
+        try:
+            control.set(control_key(init_info.engine_id, "worker", index), json.dumps(described))
+        except Exception:  # noqa: BLE001 - the driver's read names this worker
+            log.error("realloc: vLLM worker %d could not post its description", index, exc_info=True)
+
+    def _init(self, init_info: ReallocInitInfo, control, index: int) -> dict:
+        """Bake the layout and keep it: the worker's description for the driver, or its refusal
+        (``{"error": ...}``)."""
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 
         if self.parallel_config.data_parallel_size != 1:
-            raise ValueError(
-                f"the realloc backend serves one data-parallel replica per engine (data_parallel_size="
+            return {
+                "error": f"the realloc backend serves one data-parallel replica per engine (data_parallel_size="
                 f"{self.parallel_config.data_parallel_size}); start one engine per replica (data_parallel_size=1) and update each one (trainer.copy_to(engine)); a Fleet takes realloc groups only"
-            )
+            }
         params = [(str(n), tuple(int(x) for x in shape), str(d)) for n, shape, d in init_info.params]
-        control = connect_rendezvous(init_info.store_host, init_info.store_port, 1, init_info.timeout_s)
-        index = get_world_group().rank_in_group
         try:
             layout = bake(self.model, params, self.device)
         except Exception as err:  # the trainer's model is not the one vLLM serves: say so to the driver
-            # A refusal, not a failure of the worker: answered through the store, and the RPC
-            # returns (vLLM 0.32's executor leaves the answer of a second failing worker queued,
-            # and the next RPC reads it: a refusal raised on every worker would poison the engine)
             message = f"vLLM worker {index}: {err}: the trainer's model is not the one vLLM serves"
-            control.set(control_key(init_info.engine_id, "worker", index), json.dumps({"error": message}))
             log.warning("realloc: %s", message)
-            return
-        self.layout, self.info, self.index, self.control = layout, init_info, index, control
+            return {"error": message}
         modules = dict(self.model.named_modules())
         grouped: dict[str, list] = {}
-        for s in self.layout.scatters:
+        for s in layout.scatters:
             grouped.setdefault(s.module, []).append(s)
-        self._by_module = [
-            (modules[m], scatters, _partly_written(modules[m], scatters)) for m, scatters in grouped.items()
-        ]
-        self._tied = _sharing_modules(self.model, [m for m, _, _ in self._by_module])
-        world = get_world_group().world_size
+        by_module = [(modules[m], scatters, _partly_written(modules[m], scatters)) for m, scatters in grouped.items()]
+        tied = _sharing_modules(self.model, [m for m, _, _ in by_module])
         described = {
-            "index": self.index,
-            "workers": world,
+            "index": index,
+            "workers": get_world_group().world_size,
             "tp_rank": get_tp_group().rank_in_group,
             "tp_size": get_tp_group().world_size,
             "pp_rank": get_pp_group().rank_in_group,
             "pp_size": get_pp_group().world_size,
             "dtype": str(self.model_config.dtype).removeprefix("torch."),
-            "boxes": {n: [[list(o), list(s)] for o, s in b] for n, b in self.layout.boxes().items()},
-            "unread": list(self.layout.unread),
-            "missing": list(self.layout.missing),
+            "boxes": {n: [[list(o), list(s)] for o, s in b] for n, b in layout.boxes().items()},
+            "unread": list(layout.unread),
+            "missing": list(layout.missing),
             "pid": os.getpid(),
             "ip": address_toward(init_info.store_host),
         }
-        self.control.set(control_key(init_info.engine_id, "worker", self.index), json.dumps(described))
+        self.layout, self.info, self.index, self.control = layout, init_info, index, control
+        self._by_module, self._tied = by_module, tied
+        return described
 
     # -- a round ------------------------------------------------------------------------------
     def start_weight_update(self) -> None:
-        self._check_init()
         # A failed round's thread may still wait for a dead peer (until its transport's
-        # deadline): it writes only its own shadow set, which nothing reads any more.
+        # deadline): it writes only its own shadow set, which nothing reads any more. On a worker
+        # with no layout the round's update_weights refuses the share (never a raise: see init).
         self.round = _Round()
 
+    def update_weights(self, update_info: dict) -> None:
+        """vLLM's ``update_weights`` (parse, receive), answering instead of raising (see
+        ``init_transfer_engine``): for a ``stage``, ``<update id>/<index>/staging`` says whether
+        this worker took its share (``{"error": None}``) or why it refused it, before this RPC
+        returns. No device synchronize: nothing is received on the RPC's thread."""
+        update_id = update_info.get("update_id") if isinstance(update_info, dict) else None
+        try:
+            error = self._receive(self.parse_update_info(update_info))
+        except Exception as err:  # noqa: BLE001 - answered: the driver raises it
+            error = f"{type(err).__name__}: {err}"
+            log.warning("realloc: update_weights failed on worker %d", self.index, exc_info=True)
+        if error is not None:
+            log.warning("realloc: worker %d refused update %s: %s", self.index, update_id, error)
+        if update_id and self.info is not None:
+            self._answer(update_id, "staging", {"error": error})
+
     def receive_weights(self, update_info: ReallocUpdateInfo) -> None:
-        self._check_init()
+        """``update_weights``' work (vLLM calls :meth:`update_weights`): raises the refusal."""
+        error = self._receive(update_info)
+        if error is not None:
+            raise RuntimeError(error)
+
+    def _receive(self, info: ReallocUpdateInfo) -> str | None:
+        """Take this worker's share (start the stage thread) or drop the round; why it refuses, or None."""
         rnd = self.round
+        if info.op == "abort":
+            if rnd is not None:
+                rnd.aborted = True
+            return None
+        if info.op != "stage":
+            return f"ValueError: realloc: update_weights op must be one of {OPS}, got {info.op!r}"
+        if self.layout is None:
+            return "RuntimeError: realloc: init_weight_transfer_engine has not run on this worker (or refused)"
         if rnd is None:
-            raise RuntimeError("realloc: update_weights outside a round (call start_weight_update first)")
-        if update_info.op == "abort":
-            rnd.aborted = True
-            return
-        if update_info.op != "stage":
-            raise ValueError(f"realloc: update_weights op must be one of {OPS}, got {update_info.op!r}")
+            return "RuntimeError: realloc: update_weights outside a round (call start_weight_update first)"
         if rnd.thread is not None:
-            raise RuntimeError(f"realloc: update {rnd.update_id} is already staging in this round")
-        info = update_info
+            return f"RuntimeError: realloc: update {rnd.update_id} is already staging in this round"
         rnd.update_id, rnd.version = info.update_id, info.version
         try:
             plan, peers = checked_share(*decode(info.share), info.world_rank)
@@ -205,11 +261,11 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
             if dst is None:
                 raise ValueError(f"realloc: worker {self.index} receives nothing in update {info.update_id}")
             self._check_boxes(dst)
-        except Exception as err:  # refused before any traffic: answered through the store (see init)
+            shadow = ShardStore(dst.shards(), allocate_buffers(dst.layout, dst.rank))
+        except Exception as err:  # refused before any traffic: its outcome too says why
             rnd.error = f"{type(err).__name__}: {err}"
             self._post(rnd)
-            return
-        shadow = ShardStore(dst.shards(), allocate_buffers(dst.layout, dst.rank))
+            return rnd.error
         rnd.shadow, rnd.shadow_rank = shadow, dst
         rnd.keep_base = info.keep_base
         if info.base is not None:  # deltas against what this worker committed last, if that is the base
@@ -219,6 +275,7 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
             target=self._stage, args=(rnd, info, plan, peers), name=f"realloc-stage-{info.update_id}", daemon=True
         )
         rnd.thread.start()
+        return None
 
     def _stage(self, rnd: _Round, info: ReallocUpdateInfo, plan, peers) -> None:
         """The stage thread: join the update's world, receive this worker's boxes into the
@@ -269,24 +326,46 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         except Exception:  # noqa: BLE001 - the driver's wait then names this worker
             log.warning("realloc: could not post the outcome of update %s", rnd.update_id, exc_info=True)
 
+    def _answer(self, update_id: str, call: str, answer: dict) -> None:
+        """This worker's answer to ``call`` of round ``update_id``, posted before the RPC returns."""
+        try:
+            self.control.set(control_key(self.info.engine_id, update_id, self.index, call), json.dumps(answer))
+        except Exception:  # noqa: BLE001 - the driver's read names this worker
+            log.warning("realloc: could not post the answer to %s of update %s", call, update_id, exc_info=True)
+
     def finish_weight_update(self) -> None:
-        self._check_init()
+        """The commit; answers ``<update id>/<index>/commit``: ``error`` (None: switched) and
+        ``touched`` (whether the serving weights were written at all), never raises (see
+        ``init_transfer_engine``: vLLM closes its round all the same)."""
         rnd, self.round = self.round, None
-        if rnd is None or rnd.aborted or rnd.thread is None:
+        if rnd is None or rnd.aborted:
             return  # an aborted (or empty) round changes nothing
-        if not rnd.staged:  # staged: every byte is in the shadow set (its thread may still be posting that)
-            self.round = rnd if rnd.thread.is_alive() else None
-            raise RuntimeError(
+        answer: dict[str, Any] = {"error": None, "touched": False}
+        if rnd.thread is None or not rnd.staged:  # staged: every byte is in the shadow set
+            rnd.aborted = True  # the round is over: its thread leaves at its next check
+            answer["error"] = (
                 f"realloc: update {rnd.update_id} is not staged on worker {self.index} "
-                f"({rnd.error or 'its transfer is still running'}); the engine serves the weights of version "
+                f"({rnd.error or 'its transfer is still running'}); it serves the weights of version "
                 f"{self.committed}, untouched"
             )
-        self._commit(rnd.shadow)
-        self.committed = rnd.version
-        if rnd.keep_base:
-            self.held, self.held_rank = rnd.shadow, rnd.shadow_rank
         else:
-            self.held = self.held_rank = None
+            answer["touched"] = True
+            try:
+                self._commit(rnd.shadow)
+            except Exception as err:  # noqa: BLE001 - answered: the driver raises it
+                answer["error"] = f"{type(err).__name__}: {err}"
+                self.held = self.held_rank = None  # what it serves is not known: no delta base
+                log.error(
+                    "realloc: the commit of update %s failed on worker %d", rnd.update_id, self.index, exc_info=True
+                )
+            else:
+                self.committed = rnd.version
+                if rnd.keep_base:
+                    self.held, self.held_rank = rnd.shadow, rnd.shadow_rank
+                else:
+                    self.held = self.held_rank = None
+        if rnd.update_id:
+            self._answer(rnd.update_id, "commit", answer)
 
     # -- the commit -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -356,10 +435,6 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
                     f"realloc: the plan gives worker {self.index} no shard holding {s.name} box "
                     f"offsets={s.offsets} sizes={s.sizes}, which its loader copies into {s.module}.{s.param}"
                 )
-
-    def _check_init(self) -> None:
-        if self.layout is None:
-            raise RuntimeError("realloc: init_weight_transfer_engine has not run on this worker")
 
     def shutdown(self) -> None:
         rnd, self.round = self.round, None
