@@ -44,8 +44,9 @@ class ReallocationError(RuntimeError):
 
 
 class GroupBusyError(ReallocationError):
-    """Another operation held the group until this call's deadline passed; nothing was done
-    (``layout``: the group's layout, unchanged)."""
+    """Another operation held the group until this call's deadline passed, or (a staged update)
+    changed it between the request and the update's hold on it; nothing was done (``layout``: the
+    group's layout, unchanged)."""
 
 
 class HookError(ReallocationError):

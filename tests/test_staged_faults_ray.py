@@ -16,7 +16,10 @@ committed at safe points with a dead worker could not be repaired, and a fleet d
 replica on the update after a safe-point commit. Sections 7 and 8 (issue 36; each test failed
 before its fix): a fleet with a dead replica dropped a healthy one too, kept the dead one and
 seeded joining replicas from it; a failed world formation held its live members at the
-rendezvous; a rank stopped in a safe point left its replica's process groups broken.
+rendezvous; a rank stopped in a safe point left its replica's process groups broken. Section 9
+(each test failed before its fix): a change committed between the request of a staged update
+and its hold on a group went unseen, and the update ran the plan of the old layout (wrong
+weights committed without an error, or a move undone behind the caller's back).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import ray
 import torch
 from simulated import simulated_cluster, wait_for_dead_workers
 
-from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
+from actors import Fleet, GroupBusyError, ModelGroup, ReallocationError, ShardWorker
 from actors.remote import FAILURE_GRACE_S
 from realloc import ModelSpec, Topology
 
@@ -730,3 +733,135 @@ def test_a_safe_point_commit_with_a_stopped_rank_is_repaired_by_replace_dead_wor
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
         shut(trainer, gen)
+
+
+# -- 9. a change committed between the request of a staged update and its hold on the groups -----
+#
+# A staged update is planned when it is asked for, from the groups' layouts and workers as the
+# call finds them, outside the groups' locks; it holds the destination when it registers there and
+# the source when its thread takes the source's lock. A change another thread commits in between is
+# made deterministic here: the update's own hold (the source's ``exclusive``, the destination's
+# ``begin_stage``) first runs that change, then goes on.
+
+
+@ray.remote(num_cpus=4)
+class NodeFiller:
+    """Takes every CPU slot of one simulated node (so the next group goes to the other one)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def change_before(ledger, method: str, change, what: str = "") -> list:
+    """Make ``ledger.<method>`` (``exclusive`` or ``begin_stage``) run ``change()`` once, just
+    before the call whose first argument is the update (``begin_stage``) or whose name starts with
+    ``what`` (``exclusive``): another thread's change, committed between the request and the hold.
+    Returns a list that names the call it preceded once it ran."""
+    real = getattr(ledger, method)
+    ran: list = []
+
+    def wrapped(*args, **kwargs):
+        if not ran and (method == "begin_stage" or str(args[0]).startswith(what)):
+            ran.append(args[0])
+            delattr(ledger, method)  # the class's method again, for the change and everything after
+            change()
+        return real(*args, **kwargs)
+
+    setattr(ledger, method, wrapped)
+    return ran
+
+
+def test_a_source_reallocated_before_the_staged_copy_holds_it_stages_nothing(cluster):
+    """The trainer moves tp=2 -> dp=2 between ``copy_to(gen, stage=True)`` and the update's hold
+    on it: the update is refused (``GroupBusyError`` from ``wait()``, naming both layouts), nothing
+    reached a worker, the generator serves its weights, and the next update commits bit-exact.
+    Before, the update went out with the tp=2 plan: the generator, on the trainer's node, read the
+    trainer's dp=2 buffers at tp=2 offsets (zero-copy) and committed wrong weights as the trainer's
+    version (``verify_synthetic`` found 57 of its tensors wrong), without an error."""
+    trainer = gen = filler = None
+    try:
+        trainer = make("sf-race-src-train", seed=NEW, zero_copy=True, strategy="STRICT_PACK")
+        filler = NodeFiller.remote()  # the node the trainer is not on: the generator goes beside it
+        assert ray.get(filler.ready.remote(), timeout=120)
+        gen = make("sf-race-src-gen", zero_copy=True, strategy="STRICT_PACK")
+        ray.kill(filler)
+        filler = None
+        assert set(gen.placement.nodes) == set(trainer.placement.nodes)  # it reads the trainer's buffers
+        version = gen.version
+        ran = change_before(trainer.ledger, "exclusive", lambda: trainer.reallocate("dp=2"), "stage update")
+        update = trainer.copy_to(gen, stage=True)
+        with pytest.raises(GroupBusyError) as err:
+            update.wait()
+        assert ran and update.state == "failed"
+        message = str(err.value)
+        assert "group 'sf-race-src-train' changed after the update was planned from it" in message, message
+        assert "its layout is dp=2,tp=1,pp=1 now, the plan's is dp=1,tp=2,pp=1" in message, message
+        assert "nothing was staged" in message and f"serves weight version {version}" in message, message
+        assert err.value.layout == str(gen.layout) == "dp=1,tp=2,pp=1"
+        assert trainer.layout.topology == Topology.parse("dp=2")
+        assert gen.version == version and gen.ledger.staged is None
+        assert [stage_status(gen, r)["staged"] for r in range(2)] == [None, None]  # nothing reached it
+        assert gen.verify_synthetic(OLD) == {}
+        assert_next_update_commits(trainer, gen, NEW)  # planned from dp=2 now
+    finally:
+        if filler is not None:
+            ray.kill(filler)
+        shut(trainer, gen)
+
+
+def test_a_destination_reallocated_before_the_staged_copy_registers_stages_nothing(cluster):
+    """The generator moves tp=2 -> dp=2 between ``copy_to(gen, stage=True)`` and the update's
+    registration on it: ``copy_to`` raises ``GroupBusyError`` naming both layouts, nothing is
+    pending, the generator serves its weights in dp=2, and the next update commits into dp=2
+    bit-exact. Before, the update was staged and committed into the tp=2 layout it was planned
+    for: the generator went back to tp=2 behind the caller's back, its hook told of a copy within
+    one layout."""
+    trainer = gen = None
+    try:
+        trainer = make("sf-race-dst-train", seed=NEW)
+        gen = make("sf-race-dst-gen")
+        version = gen.version
+        ran = change_before(gen.ledger, "begin_stage", lambda: gen.reallocate("dp=2"))
+        with pytest.raises(GroupBusyError) as err:
+            trainer.copy_to(gen, stage=True)
+        assert ran
+        message = str(err.value)
+        assert "group 'sf-race-dst-gen' changed after the update was planned from it" in message, message
+        assert "its layout is dp=2,tp=1,pp=1 now, the plan's is dp=1,tp=2,pp=1" in message, message
+        assert "nothing was staged" in message, message
+        assert err.value.layout == str(gen.layout) == "dp=2,tp=1,pp=1"
+        assert gen.version == version and gen.ledger.staged is None
+        assert [stage_status(gen, r)["staged"] for r in range(2)] == [None, None]
+        assert gen.verify_synthetic(OLD) == {}
+        assert_next_update_commits(trainer, gen, NEW)
+        assert gen.layout.topology == Topology.parse("dp=2")
+    finally:
+        shut(trainer, gen)
+
+
+def test_a_fleet_replica_reallocated_before_its_staged_copy_registers_is_skipped(cluster):
+    """A fleet update whose second replica moves tp=2 -> dp=2 just before its staged copy (from
+    the first replica's staged set) registers on it: that replica is skipped as busy (it stays in
+    the fleet, serving its weights in dp=2), the first commits, and the next fleet update brings
+    both. Before, the replica was staged and committed in tp=2, its move undone unseen."""
+    trainer = None
+    replicas: list[ModelGroup] = []
+    try:
+        trainer = make("sf-race-fleet-train", seed=NEW)
+        replicas = [make(f"sf-race-fleet-r{i}") for i in range(2)]
+        moved = replicas[1]
+        fleet = Fleet(replicas)
+        ran = change_before(moved.ledger, "begin_stage", lambda: moved.reallocate("dp=2"))
+        update = fleet.stage(trainer)
+        assert update.commit(at="now") == [replicas[0].name], update.errors
+        assert ran and update.skipped == [moved.name] and fleet.replicas == replicas
+        err = update.errors[moved.name]
+        assert isinstance(err, GroupBusyError) and "its layout is dp=2,tp=1,pp=1 now" in str(err), err
+        assert moved.layout.topology == Topology.parse("dp=2") and moved.ledger.staged is None
+        assert moved.verify_synthetic(OLD) == {} and replicas[0].verify_synthetic(NEW) == {}
+        trainer.init_synthetic(NEXT)
+        again = fleet.stage(trainer)
+        assert again.commit(at="now") == [r.name for r in replicas], again.errors
+        assert all(r.verify_synthetic(NEXT) == {} for r in replicas)
+    finally:
+        shut(trainer, *replicas)

@@ -51,7 +51,7 @@ from actors.driver.launch import (
 )
 from actors.driver.ledger import GroupLedger
 from actors.driver.protocol import Operation
-from actors.driver.staged import StagedUpdate
+from actors.driver.staged import PlannedFrom, StagedUpdate
 from actors.driver.world import World
 from actors.errors import GroupBusyError, HookError, ReallocationError
 from actors.lanes import LANES, MOVE, Lane
@@ -764,14 +764,15 @@ class ModelGroup:
                 "reallocate(stage=True, delta=True): a staged move is always a full one; delta=True is for copy_to or an unstaged move"
             )
         if stage:
-            if src is not None and self.target(src) != self.layout:
-                raise ValueError(f"group {self.name!r} holds layout {self.layout}, but src says {self.target(src)}")
-            if target == self.layout:
+            current = self.layout  # what the arguments are checked against, and the plan made from
+            if src is not None and self.target(src) != current:
+                raise ValueError(f"group {self.name!r} holds layout {current}, but src says {self.target(src)}")
+            if target == current:
                 raise ValueError(f"group {self.name!r} already holds layout {target}: nothing to stage")
             if keep == "host":
                 raise ValueError("a staged move keeps the layout it leaves in place: keep=None or keep='in_place'")
             order = KeepOrder(keep, self.version) if keep is not None else None
-            return self.start_stage(self, target, lambda: self.version, order)
+            return self.start_stage(self, target, lambda: self.version, order, source_layout=current)
         deadline = Deadline(self.timeout_s)
         with self.ledger.exclusive("reallocate", deadline=deadline):
             if src is not None:
@@ -1088,6 +1089,7 @@ class ModelGroup:
         hold_source: bool = True,
         delta: bool = False,
         relay: StagedUpdate | None = None,
+        source_layout: Layout | None = None,
     ) -> StagedUpdate:
         """Start a staged update of ``dest`` from this group (actors/driver/staged.py). ``version_of()``:
         the version it brings, read once the source is held (``hold_source=False``: the caller
@@ -1095,29 +1097,35 @@ class ModelGroup:
         (default: the larger timeout of the groups); ``delta``: a staged copy with ``delta=True``;
         ``relay``: a staged update of this group whose staged set is sent instead of the serving
         one (a fleet update's relay; the caller keeps it staged until this one ends).
-        ``reallocate``/``copy_to`` with ``stage=True`` and a fleet update (actors/driver/fleet.py) run it."""
+        ``reallocate``/``copy_to`` with ``stage=True`` and a fleet update (actors/driver/fleet.py) run it.
+
+        The plan is made from the groups as found here, outside their locks (this group's layout is
+        ``source_layout`` when given: the one the caller checked its arguments against; a copy's
+        destination's, ``target``): the update checks that they still are once it holds each group
+        (:meth:`StagedUpdate.check_planned`), and stages nothing otherwise (``GroupBusyError``)."""
         if self.ledger.closed:
             raise ValueError(f"stage from group {self.name!r}: it was shut down")
         copy = dest is not self
-        n = self.num_workers
-        conv = conversion(self.layout, target)  # copies between weight formats (realloc/plan/formats.py)
+        planned = [PlannedFrom.of(self, source_layout)] + ([PlannedFrom.of(dest, target)] if copy else [])
+        before, n = planned[0].layout, len(planned[0].workers)
+        conv = conversion(before, target)  # copies between weight formats (realloc/plan/formats.py)
         if copy:
-            plan_src, plan_dst = conv.plan_sides(self.layout, target)
+            plan_src, plan_dst = conv.plan_sides(before, target)
             placement, make_plan = self._copy_plan(dest, plan_src, plan_dst)
-            workers, groups = self.workers + dest.workers, [self, dest]
-            srcs = [plan_src.at(r) for r in range(n)] + [None] * dest.num_workers
-            dsts = [None] * n + [plan_dst.at(r) for r in range(dest.num_workers)]
-            label = f"{self.name}[{self.layout}] -> {dest.name}[{target}]"
+            workers, groups = planned[0].workers + planned[1].workers, [self, dest]
+            m = len(planned[1].workers)
+            srcs = [plan_src.at(r) for r in range(n)] + [None] * m
+            dsts = [None] * n + [plan_dst.at(r) for r in range(m)]
+            label = f"{self.name}[{before}] -> {dest.name}[{target}]"
         else:
-            placement, workers, groups = self.placement, self.workers, [self]
-            before = self.layout
+            placement, workers, groups = self.placement, planned[0].workers, [self]
             srcs, dsts = [before.at(r) for r in range(n)], [target.at(r) for r in range(n)]
             label = f"{self.name} {before} -> {target}"
 
             def make_plan() -> Plan:
                 return _plan(before, target, placement, None, None, self.config.bucket_bytes, self.config.bandwidths)
 
-        shared, held = _zero_copy(groups, conv.where), _held(groups, conv.where)
+        shared, held = _zero_copy(groups, conv.where), _held(groups, conv.where, before)
 
         def make_stats(plan: Plan, plan_seconds: float, result: PhaseResult) -> ReallocStats:
             return ReallocStats(
@@ -1155,8 +1163,14 @@ class ModelGroup:
             hold_source=hold_source,
             delta=delta,
             relay=relay,
+            planned=planned,
         )
         dest.ledger.begin_stage(update)
+        try:  # the destination refuses every change from here: is it still what the plan was made from?
+            update.check_planned(dest)
+        except GroupBusyError:
+            dest.ledger.end_stage(update)
+            raise
         if not copy:
             self.ledger.forget_kept(target)  # a kept copy of the target becomes the shadow set
         return update.start()
@@ -1300,16 +1314,18 @@ def _zero_copy(groups: list[ModelGroup], converting: str | None) -> list[bool]:
     return [info["zero_copy"] and reads for g in groups for info in g.infos]
 
 
-def _held(groups: list[ModelGroup], converting: str | None) -> list[RankLayout | None] | None:
+def _held(
+    groups: list[ModelGroup], converting: str | None, layout: Layout | None = None
+) -> list[RankLayout | None] | None:
     """``PeerView.held`` per worker of a copy's ``groups`` (the sending group first): the sending
-    group's own layout when it converts as it sends (the plan sends that layout in the
-    destination's format); None when nothing is converted on the senders."""
+    group's own layout (``layout``: the one the plan was made from; default its current one) when
+    it converts as it sends (the plan sends that layout in the destination's format); None when
+    nothing is converted on the senders."""
     if converting != "source" or len(groups) < 2:
         return None
     sender = groups[0]
-    return [sender.layout.at(r) for r in range(sender.num_workers)] + [
-        None for g in groups[1:] for _ in range(g.num_workers)
-    ]
+    layout = sender.layout if layout is None else layout
+    return [layout.at(r) for r in range(sender.num_workers)] + [None for g in groups[1:] for _ in range(g.num_workers)]
 
 
 def _move(

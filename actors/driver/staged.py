@@ -6,6 +6,12 @@ destination's buffers, on the workers' stage thread and over a world of its own
 (actors/worker/staging.py), while the destination serves ``call(..., writes=False)`` on the
 weights it has committed. The protocol (docs/architecture.md, "Staged updates"):
 
+0. The plan is made when the update is asked for, from the groups' layouts and workers as they
+   are then (:class:`PlannedFrom`); the update checks that they still are once it holds each group:
+   the destination when it registers the update (from then on it refuses every change), the source
+   once its lock is taken. A change committed in between (another thread's ``reallocate``, a
+   ``replace_dead_workers``) refuses the update with ``GroupBusyError``: nothing was staged (a plan
+   of the old layout would read the boxes at the wrong offsets), ask again.
 1. ``staging``: the transfer runs. The source is held (its lock: its weights cannot change
    under the transfer); the destination refuses every other change (``GroupBusyError``) but
    serves calls that do not write. A failure anywhere (a dead sender or receiver, the deadline)
@@ -34,7 +40,7 @@ import threading
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from actors import metrics
@@ -53,6 +59,31 @@ log = logging.getLogger(__name__)
 COMMIT_AT = ("now", "safe_point")
 #: States of a staged update, in order (``failed``/``aborted`` end it without a change).
 STATES = ("staging", "staged", "committing", "committed", "failed", "aborted")
+
+
+@dataclass(frozen=True)
+class PlannedFrom:
+    """What a staged update's plan was made from, of one group: its ``layout`` and its ``workers``
+    (the object ``replace_dead_workers`` replaces, with the placement and the workers' infos), read
+    before the update holds the group."""
+
+    group: Any
+    layout: Layout
+    workers: Workers
+
+    @classmethod
+    def of(cls, group: Any, layout: Layout | None = None) -> "PlannedFrom":
+        """``group`` now (``layout``: the one the plan takes for it, read from it earlier)."""
+        return cls(group, group.layout if layout is None else layout, group.workers)
+
+    def changes(self) -> list[str]:
+        """What the group changed since (empty: nothing the plan depends on)."""
+        out = []
+        if self.group.layout != self.layout:
+            out.append(f"its layout is {self.group.layout} now, the plan's is {self.layout}")
+        if self.group.workers is not self.workers:
+            out.append("its workers were replaced (replace_dead_workers)")
+        return out
 
 
 class StagedUpdate:
@@ -85,6 +116,7 @@ class StagedUpdate:
         hold_source: bool = True,
         delta: bool = False,
         relay: "StagedUpdate | None" = None,
+        planned: Sequence[PlannedFrom] | None = None,
     ):
         if order.blend is not None or order.delta is not None or order.relay is not None:
             raise ValueError(
@@ -106,14 +138,21 @@ class StagedUpdate:
         # (realloc/plan/formats.py); delta: set once the source is held (actors/wire/delta.py)
         self.order = order
         self.delta = delta
-        self.sent_layout = source.layout
+        # planned: what the plan was made from (the source's, then a copy's destination's); checked
+        # once the update holds each group (check_planned)
+        self.planned = (
+            list(planned) if planned is not None else [PlannedFrom.of(g) for g in dict.fromkeys((source, dest))]
+        )
+        if self.planned[0].group is not source or self.planned[-1].group is not dest:
+            raise ValueError(f"planned names the source, then the destination (one for a staged move), got {planned}")
+        self.sent_layout = self.planned[0].layout
         self.source, self.dest, self.target = source, dest, target
         self.version_of, self.hold_source = version_of, hold_source
         self._version: int | None = None
         self.source_version: int | None = None  # the source's version when it was held
         self._versioned = threading.Event()
         self.kind = "reallocate" if source is dest else "copy"
-        self.before = dest.layout
+        self.before = self.planned[-1].layout
         self.workers, self.srcs, self.dsts = workers, list(srcs), list(dsts)
         self.placement, self.shared, self.make_plan, self.groups = placement, list(shared), make_plan, list(groups)
         self.held = held  # PeerView.held of each worker: a sender's buffers when it converts as it sends
@@ -180,6 +219,7 @@ class StagedUpdate:
                 else nullcontext()
             )
             with held:  # the source's weights cannot change from here to the end of the transfer
+                self.check_planned(self.source)  # ... nor its layout: is it still the plan's?
                 self._version = self.version_of()
                 self.source_version = self.source.version
                 self.sent_layout = self.source.layout
@@ -248,6 +288,21 @@ class StagedUpdate:
         stats.version = self.version
         stats.shadow_bytes_per_actor = result.shadow_bytes
         return stats
+
+    def check_planned(self, group: Any) -> None:
+        """``GroupBusyError`` when ``group`` (held by the caller, or refusing every change) is no
+        longer what the plan was made from: another operation committed a change to it between the
+        request and the hold. Nothing was staged then: the plan would send or receive the boxes of
+        a layout the workers no longer hold."""
+        for planned in self.planned:
+            changes = planned.changes() if planned.group is group else []
+            if changes:
+                raise GroupBusyError(
+                    f"stage update {self.label}: group {group.name!r} changed after the update was planned "
+                    f"from it and before the update held it ({'; '.join(changes)}: another operation "
+                    f"committed in between); nothing was staged. {self._untouched()}; stage the update again",
+                    layout=str(self.dest.layout),
+                )
 
     def _untouched(self) -> str:
         return (
