@@ -169,8 +169,13 @@ def test_a_move_keeps_the_layout_left_and_makes_a_kept_target_current(versions):
     assert g.kept_layouts() == []
     g.moved(TRAIN, ResidentLayout(GEN, 1, "host", 100))
     g.copied(("policy", 1))
-    g.workers_replaced()
+    assert (g.unready, g.user_groups_broken) == (frozenset(), False)
+    g.workers_replaced([2, 5])
     assert (g.kept_layouts(), g.origin, g.sent) == ([], None, None)
+    assert (g.unready, g.user_groups_broken) == ({2, 5}, True)  # set up, and the user groups re-formed, next
+    g.replacements_ready()
+    g.user_groups_formed()
+    assert (g.unready, g.user_groups_broken) == (frozenset(), False)
 
 
 def test_delta_bookkeeping_anchor_then_deltas_then_an_anchor_every_nth_and_after_a_failure():

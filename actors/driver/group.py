@@ -211,12 +211,6 @@ class ModelGroup:
         #: the group's state (layout, version, origin, kept layouts, delta bases, the pending staged
         #: update, the locks): its one writer (actors/driver/ledger.py)
         self.ledger = GroupLedger(name, layout, config, self._stage_states)
-        #: a call or run failed: a collective of it may have broken the process groups of user
-        #: code (ctx.groups; e.g. a rank stopped in a safe point's all-reduce, whose peer timed
-        #: out): they are re-formed before the next call on every worker (_repair_user_groups)
-        self._user_groups_broken = False
-        #: replaced ranks not yet holding their shards (a replace_dead_workers that failed midway)
-        self._unready: set[int] = set()
         self._last_move: MoveRef | None = None  # what last_trace() gathers
 
     # -- creation ------------------------------------------------------------------------
@@ -603,7 +597,7 @@ class ModelGroup:
         try:
             yield
         except ReallocationError as err:
-            self._user_groups_broken = True
+            self.ledger.user_groups_failed()
             raise ReallocationError(
                 f"{err.message}. The process groups of user code (ctx.groups) of {self.name!r} may be broken by "
                 "this failure: they are re-formed on every worker before the next call or run on all of them "
@@ -617,7 +611,7 @@ class ModelGroup:
     def _repair_user_groups(self) -> None:
         """Re-form the process groups of user code if a failed call may have broken them (under
         the lock; needs every worker: a dead one must be replaced, a stopped one resumed)."""
-        if not self._user_groups_broken:
+        if not self.ledger.user_groups_broken:
             return
         try:
             self._form_user_groups()
@@ -631,7 +625,7 @@ class ModelGroup:
                 str(self.layout),
                 err.waiting,
             ) from err
-        self._user_groups_broken = False
+        self.ledger.user_groups_formed()
         log.info("group %s: process groups of user code re-formed after a failed call", self.name)
 
     def announce(self, change: ShardChange, ranks: Sequence[int] | None = None) -> None:
@@ -1214,7 +1208,7 @@ class ModelGroup:
             died = self.dead_workers()
             # replacements of an earlier call that failed before they held their shards (not up
             # within start_timeout_s, say: Ray counts a pending actor as alive) are set up again
-            dead = sorted(set(died) | self._unready)
+            dead = sorted(set(died) | self.ledger.unready)
             if not dead:
                 self._repair_user_groups()  # nobody died, but a failed call may have broken them
                 return []
@@ -1235,10 +1229,9 @@ class ModelGroup:
                 self.workers = Workers(tuple(actors), tuple(names))
                 # the weights changed (the new ranks hold zeros): the version moves on now, and no
                 # kept layout is whole any more, nor a copy nor a delta base
-                self.ledger.workers_replaced()
-                self._unready |= set(died)
+                self.ledger.workers_replaced(died)  # and the user code's groups broken until re-formed below
                 self._sync_resident()
-            self._user_groups_broken = True  # until re-formed below (a retry, or the next call, does it)
+            self.ledger.user_groups_failed()  # until re-formed below (a retry, or the next call, does it)
             fresh_workers = self.workers.subset(dead)
             fresh = call_all(
                 fresh_workers, "info", timeout_s=self.config.start_timeout_s, what="start replacement workers"
@@ -1252,12 +1245,12 @@ class ModelGroup:
                 self.timeout_s,
                 "allocate shards of replacement workers",
             )
-            self._unready.clear()
+            self.ledger.replacements_ready()
             for world in self.worlds.values():
                 if world is not None:
                     world.mark_broken()
             self._form_user_groups()  # the old store may have died with rank 0; every cache restarts
-            self._user_groups_broken = False
+            self.ledger.user_groups_formed()
             self.announce(ShardChange("replace", self.layout, self.layout, version=self.version), dead)
             return dead
 

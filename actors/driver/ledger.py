@@ -25,7 +25,7 @@ import contextlib
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from actors import metrics
 from actors.config import GroupConfig
@@ -71,6 +71,10 @@ class GroupLedger:
         # delta moves (actors/wire/delta.py): the (layout, version) every worker's base holds, as far
         # as the driver knows, and the deltas this group received in a row since a full copy
         self._sent: tuple[Layout, int] | None = None
+        #: replaced ranks not yet holding their shards, and whether the user code's process groups
+        #: (ctx.groups) may be broken (a failed call or run, a replacement): re-formed before the next call
+        self._unready: set[int] = set()
+        self._user_groups_broken = False
         self._deltas = 0
 
     # -- reads ---------------------------------------------------------------------------
@@ -275,14 +279,42 @@ class GroupLedger:
         for layout in layouts:
             del self._resident[layout]
 
-    def workers_replaced(self) -> None:
-        """Fresh workers joined: the weights changed (they hold zeros), so the version moves on
-        now, before anything can fail; and they keep nothing (no kept layout is whole any more),
-        nor a copy's weights, nor a base for deltas."""
+    def workers_replaced(self, ranks: Sequence[int]) -> None:
+        """Fresh workers joined as ``ranks``: the weights changed (they hold zeros), so the version
+        moves on now, before anything can fail; and they keep nothing (no kept layout is whole any
+        more), nor a copy's weights, nor a base for deltas. They are not ready (:attr:`unready`)
+        until :meth:`replacements_ready`; the user code's process groups are broken meanwhile."""
         self._resident.clear()
         self._origin, self._sent = None, None
         self._version += 1
+        self._unready |= set(ranks)
+        self._user_groups_broken = True
         metrics.record_version(self.name, self._version)
+
+    @property
+    def unready(self) -> frozenset[int]:
+        """Replaced ranks not yet holding their shards (a ``replace_dead_workers`` that failed
+        after they started: the next one sets them up)."""
+        return frozenset(self._unready)
+
+    def replacements_ready(self) -> None:
+        """Every replaced rank holds its shards of the layout."""
+        self._unready.clear()
+
+    # -- the process groups of user code (ctx.groups) -----------------------------------------
+    @property
+    def user_groups_broken(self) -> bool:
+        """A failed call, run or replacement may have broken the process groups of user code:
+        they are re-formed on every worker before the next call (``ModelGroup._repair_user_groups``)."""
+        return self._user_groups_broken
+
+    def user_groups_failed(self) -> None:
+        """A call or run failed, or workers are being replaced: the user code's groups may be broken."""
+        self._user_groups_broken = True
+
+    def user_groups_formed(self) -> None:
+        """The user code's process groups were formed again on every worker."""
+        self._user_groups_broken = False
 
     # -- delta moves (actors/wire/delta.py) ------------------------------------------------
     def delta_order(self, delta: bool, dest: "GroupLedger", holds: int | None) -> DeltaOrder | None:
