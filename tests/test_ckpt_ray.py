@@ -187,6 +187,94 @@ def test_async_save_is_done_only_once_every_write_ended(env, tmp_path):
     assert g.verify_synthetic(SEED) == {}  # the snapshot
 
 
+def _write_only_when_waited_for(ctx, rank: int) -> None:
+    """On rank ``rank``: an async save's write thread holds its rank-file write until a caller
+    waits for it (joins the thread: ``ckpt_save_result`` does) or :func:`_release_waited_writes`."""
+    import threading
+    from types import SimpleNamespace
+
+    import actors.worker.checkpoint as worker_ckpt
+
+    if ctx.rank != rank:
+        return
+    gate, real_write, real_threading = threading.Event(), worker_ckpt.write_rank_file, worker_ckpt.threading
+
+    def held(*args, **kwargs):
+        gate.wait()
+        return real_write(*args, **kwargs)
+
+    class WaitedFor(threading.Thread):
+        def join(self, timeout=None):
+            gate.set()
+            super().join(timeout)
+
+    worker_ckpt.write_rank_file = held
+    worker_ckpt.threading = SimpleNamespace(Thread=WaitedFor)
+    worker_ckpt.waited_writes = (gate, real_write, real_threading)
+
+
+def _fail_next_snapshot(ctx, rank: int) -> None:
+    """On rank ``rank``: the next ``ckpt_save`` raises after copying the buffers, before its write
+    starts (the save's acknowledgement fails)."""
+    import actors.worker.checkpoint as worker_ckpt
+
+    if ctx.rank != rank:
+        return
+    real = worker_ckpt._SaveJob
+
+    def failing():
+        worker_ckpt._SaveJob = real
+        raise RuntimeError(f"injected snapshot failure on rank {rank}")
+
+    worker_ckpt._SaveJob = failing
+    worker_ckpt.real_save_job = real
+
+
+def _release_waited_writes(ctx) -> None:
+    """Undo :func:`_write_only_when_waited_for` and :func:`_fail_next_snapshot`, then wait until
+    every save thread of this worker ended."""
+    import threading
+
+    import actors.worker.checkpoint as worker_ckpt
+
+    held = vars(worker_ckpt).pop("waited_writes", None)
+    if held is not None:
+        gate, worker_ckpt.write_rank_file, worker_ckpt.threading = held
+        gate.set()
+    real = vars(worker_ckpt).pop("real_save_job", None)
+    if real is not None:
+        worker_ckpt._SaveJob = real
+    for thread in threading.enumerate():
+        if thread.name.startswith("ckpt-save-"):
+            thread.join()
+
+
+def test_a_failed_async_snapshot_leaves_no_file_of_the_iteration(env, tmp_path):
+    """An async save whose snapshot failed on one worker removed the iteration once the others
+    acknowledged theirs, while their background threads were still writing: a write ending after
+    the removal put its file back, a partial iteration on disk (found in review, 2026-11-29). The
+    abort waits for every started write (on the workers' save threads) before removing files.
+    Here rank 3's write ends only when someone waits for it, so a removal that did not wait ran
+    before it."""
+    g = env.group
+    m = CheckpointManager(g, root=tmp_path, run_id="abort-run", factor=2, timeout_s=120)
+    g.init_synthetic(SEED)
+    g.run(_write_only_when_waited_for, 3, writes=False)
+    g.run(_fail_next_snapshot, 6, writes=False)
+    try:
+        with pytest.raises(
+            CheckpointError, match="save of iteration 1 .* failed .*injected snapshot failure on rank 6"
+        ):
+            m.save(1, is_async=True)
+    finally:
+        g.run(_release_waited_writes, writes=False)  # every write thread ended: what is on disk stays
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("iter_00000001/*"))
+    assert left == []
+    assert m.find_latest() is None
+    m.save(2)  # the group saves again
+    assert m.find_latest() == 2
+
+
 def test_a_cleanup_that_fails_after_the_save_is_replicated_keeps_the_new_iteration(env, tmp_path, monkeypatch):
     """A save removes the older iterations once the new one is written and replicated. A node
     failing that removal used to abort the save, deleting the new iteration while the other nodes
@@ -291,10 +379,17 @@ def test_a_failed_load_leaves_no_boxes_for_a_later_load_of_another_checkpoint(en
     g.reallocate(Topology(dp=4, tp=2, pp=1))
     try:
         # Once every copy of ranks 0 and 2 is excluded their boxes have no reader: the load fails on
-        # the driver after the other boxes were read (today as the planner's ValueError, "needed boxes
-        # are held by no worker", rather than a MissingShardsError).
-        with pytest.raises((MissingShardsError, ValueError)):
+        # the driver after the other boxes were read. It once failed in the planner, with a bare
+        # ValueError ("14 needed boxes are held by no worker", found in review, 2026-11-29); it is
+        # the documented error, naming the lost boxes, the ranks and the corrupt copies.
+        with pytest.raises(MissingShardsError) as err:
             failed.load()
+        message = str(err.value)
+        assert "every copy of the files of ranks [0, 2] failed its checks" in message
+        assert "rank 0 file:" in message and "rank 2 file:" in message  # the corrupt copies
+        assert "keeps its weights" in message
+        assert err.value.missing and all("stored by ranks [0, 2]" in m for m in err.value.missing)
+        assert g.verify_synthetic(OTHER) == {}  # untouched: nothing of the failed load installed
         g.init_synthetic(SEED)
         stats = good.load()
         assert stats.method == "reshard" and g.verify_synthetic(OTHER) == {}

@@ -326,6 +326,30 @@ def test_one_edited_sha256_does_not_discard_the_intact_copy(tmp_path, victim, or
     assert catalog.missing(1, excluded=gone) and all("[0]" in m for m in catalog.missing(1, excluded=gone))
 
 
+def test_boxes_read_before_every_copy_of_their_file_failed_are_not_missing(tmp_path):
+    """A resharding load reads a file's boxes one by one: boxes read (and crc-checked) in an
+    earlier round stay with the load when later reads of the same file fail. ``missing`` counts
+    them as held, so only the boxes nobody has are lost (the driver's check between rounds)."""
+    files = save(tmp_path, TP2, ["a", "b"])
+    catalog = catalog_of(tmp_path, ["a", "b"])
+    gone = {("a", 0), ("b", 0)}
+    lost = catalog.missing(1, TINY, excluded=gone)
+    assert lost and all(m.endswith("(stored by ranks [0])") for m in lost)
+    # rank 0's own boxes (the ones rank 1 does not store too)
+    read = [
+        r.key
+        for r in files[0][1].shards
+        if r.numel and any(m.startswith(f"{r.param} offsets={r.offsets} ") for m in lost)
+    ]
+    assert read and catalog.missing(1, TINY, excluded=gone, read=read[:1]) == [
+        m for m in lost if not m.startswith(f"{read[0][0]} offsets={read[0][1]} ")
+    ]
+    assert catalog.missing(1, TINY, excluded=gone, read=read) == []
+    everything = {("a", 0), ("b", 0), ("a", 1), ("b", 1)}
+    assert catalog.missing(1, excluded=everything) == ["every rank file of iteration 1"]
+    assert catalog.missing(1, excluded=everything, read=read) != []  # rank 1's boxes: no copy, not read
+
+
 def test_a_majority_of_bad_manifests_falls_back_to_the_intact_minority(tmp_path):
     files = save(tmp_path, TP2, ["a", "b", "c"])
     for node in ("a", "b"):  # the same bad manifest on two nodes outvotes c's intact one

@@ -28,7 +28,7 @@ from actors import metrics
 from actors.errors import HookError, ReallocationError
 from actors.lanes import MOVE
 from actors.records import CheckpointFault, ExchangeReport, PhaseResult, ShardChange, WorkerReport
-from actors.remote import each_result, fire, gather
+from actors.remote import Deadline, each_result, fire, gather
 from actors.wire.shares import PeerView, worker_shares
 from realloc._checks import check_finite
 from realloc.ckpt.catalog import Catalog
@@ -269,7 +269,7 @@ class CheckpointManager:
                     try:  # the acknowledgements: every snapshot is taken
                         self._get(refs, f"save iteration {iteration}: snapshot")
                     except ReallocationError as exc:
-                        self._abort_save(iteration, exc, refs)
+                        self._abort_save(iteration, exc, refs, acknowledged=True)
                     # An acknowledgement is not the write: each worker's answer on its save thread is
                     # (the default thread stays free for training meanwhile).
                     refs = [a.ckpt_save_result.remote(iteration) for a in g.actors]
@@ -360,10 +360,23 @@ class CheckpointManager:
         prog.end()
         return stats
 
-    def _abort_save(self, iteration: int, cause: Exception, refs: list) -> None:
-        """Let in-flight writes settle, delete the iteration on every live node, raise."""
+    def _abort_save(self, iteration: int, cause: Exception, refs: list, acknowledged: bool = False) -> None:
+        """Let in-flight writes end, delete the iteration on every live node, raise.
+
+        ``refs``: the workers' calls that end with their writes, or (``acknowledged``, an async
+        save whose snapshots failed) their acknowledgements of the snapshots: a worker whose
+        snapshot was taken is writing in its background thread, which its ``ckpt_save_result``
+        (on its save thread) waits for. Removing the iteration before those writes ended would
+        let them put its files back. All of it within one deadline (``timeout_s``)."""
         g = self.group
-        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        deadline = Deadline(self.timeout_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline.remaining())
+        late = [r for r, ref in enumerate(refs) if ref not in ready]
+        if acknowledged:  # a rank that answered (or failed) its snapshot has no write left to start
+            started = [r for r, ref in enumerate(refs) if ref in ready]
+            writes = [g.actors[r].ckpt_save_result.remote(iteration) for r in started]
+            done, _ = ray.wait(writes, num_returns=len(writes), timeout=deadline.remaining())
+            late += [r for r, ref in zip(started, writes) if ref not in done]
         dead = set(g.dead_workers())
         live = [r for r in range(g.num_workers) if r not in dead]
         try:
@@ -383,9 +396,16 @@ class CheckpointManager:
             if self._last_saved is not None
             else "earlier iterations are untouched"
         )
+        unsettled = sorted(set(late) - dead)
+        still = (
+            f" (ranks {unsettled} were still writing after {self.timeout_s:.0f}s: a file they finish later is "
+            "an incomplete iteration, which loads ignore and the next successful save removes)"
+            if unsettled
+            else ""
+        )
         raise CheckpointError(
             f"save of iteration {iteration} (run {self.run_id}) failed and was removed from the "
-            f"live nodes; {previous}. Cause: {cause}"
+            f"live nodes{still}; {previous}. Cause: {cause}"
         ) from cause
 
     def _finish_pending(self) -> None:
@@ -429,6 +449,9 @@ class CheckpointManager:
                     stats = self._load(iteration, prog)
             except HookError:
                 raise  # the load committed; a user hook failed after it, as after any other change
+            except CheckpointError:
+                fire(self.group.workers, "ckpt_forget")  # what its reads cached; the weights are as before
+                raise
             except ReallocationError as exc:
                 fire(self.group.workers, "ckpt_forget")  # dead workers cannot answer
                 raise CheckpointError(f"load of run {self.run_id} failed: {exc}") from exc
@@ -562,6 +585,12 @@ class CheckpointManager:
         for _ in range(MAX_READ_ROUNDS):
             t0 = time.perf_counter()
             usable = catalog.usable(iteration, excluded)
+            # A rank whose every copy failed its checks drops out of ``usable``, and its boxes out of
+            # what the readers must cover: unless a dp twin's file (or an earlier round) has them,
+            # they are lost, and the load stops here, before any weight changes.
+            lost = catalog.missing(iteration, g.spec, excluded, read=[t.key for t in keep])
+            if lost:
+                self._lost_shards(iteration, catalog, usable, excluded, lost, corrupt)
             manifests = {r: c.manifest for r, c in usable.items()}
             assignment = assign_readers(
                 {r: m.shards for r, m in manifests.items()},
@@ -617,6 +646,33 @@ class CheckpointManager:
             plan_seconds,
             corrupt,
             max(assignment.loads().values(), default=0),
+        )
+
+    def _lost_shards(
+        self,
+        iteration: int,
+        catalog: Catalog,
+        usable: dict,
+        excluded: set[tuple[str, int]],
+        lost: list[str],
+        corrupt: list[str],
+    ) -> None:
+        """Raise :class:`MissingShardsError` for a load whose corrupt copies left ``lost`` boxes
+        with no readable copy (nothing of the load was installed)."""
+        g = self.group
+        gone = sorted(set(catalog.candidates(iteration)) - set(usable))
+        # One line per corrupt copy of those ranks: its first failure (a copy fails once per box read).
+        copies = [
+            next((c for c in corrupt if c.startswith(f"{n}: rank {r} file:")), f"{n}: rank {r} file")
+            for n, r in sorted(excluded, key=lambda c: (c[1], c[0]))
+            if r in gone
+        ]
+        raise MissingShardsError(
+            f"iteration {iteration} of run {self.run_id} cannot be loaded: every copy of the files of ranks "
+            f"{gone} failed its checks when read ({len(copies)} corrupt copies: {copies[:8]}), so {len(lost)} "
+            f"stored shards have no usable copy on the live nodes {sorted(set(g.placement.nodes))}, e.g. "
+            f"{lost[:3]}. Nothing was loaded: group {g.name!r} keeps its weights and layout {g.layout.topology}",
+            lost,
         )
 
     @staticmethod

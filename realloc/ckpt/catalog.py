@@ -146,17 +146,26 @@ class Catalog:
         return manifests[min(manifests)] if manifests else None
 
     def missing(
-        self, iteration: int, spec: ModelSpec | None = None, excluded: AbstractSet[tuple[str, int]] = frozenset()
+        self,
+        iteration: int,
+        spec: ModelSpec | None = None,
+        excluded: AbstractSet[tuple[str, int]] = frozenset(),
+        read: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
     ) -> list[str]:
         """Stored boxes of ``iteration`` with no candidate copy outside ``excluded``, with the ranks
-        whose files held them. ``spec``, if given, must be the catalog's model."""
+        whose files held them. ``spec``, if given, must be the catalog's model. ``read``: keys
+        ``(param, offsets, sizes)`` of boxes a load already read (and checked) in its earlier
+        rounds; they are not missing even if every copy of the files they came from is excluded
+        since."""
         self._check_same_model(spec)
         usable = self.usable(iteration, excluded)
-        if not usable:
+        available = {rec.key for c in usable.values() for rec in c.manifest.shards} | set(read)
+        candidates = self._candidates.get(iteration, {})
+        if not candidates or not available:
             return [f"every rank file of iteration {iteration}"]
-        reference = usable[min(usable)].manifest
+        # Every candidate of the iteration has the same layout (_rank_candidates), usable or not.
+        reference = candidates[min(candidates)][0].manifest
         layout = self._layout(reference)  # a Layout: every candidate passed _check
-        available = {rec.key for c in usable.values() for rec in c.manifest.shards}
         lost: dict[tuple, list[int]] = defaultdict(list)
         for rank in range(reference.world_size):
             for s in layout.shards(rank):
