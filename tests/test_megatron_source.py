@@ -135,3 +135,234 @@ def test_a_pipeline_layout_splits_the_layers_as_its_stages_list_them_on_every_ra
     )
     config.pipeline_model_parallel_layout = PipelineParallelLayerLayout(stages, pipeline_model_parallel_size=2)
     assert megatron_layer_split(config, 2) == tuple(stage.count("decoder") for stage in stages) == (3, 1)
+
+
+# -- the experts as Megatron-core's own sharded_state_dict places them ---------------------------
+
+#: ``(tp, pp, ep, etp)`` on 2 gloo processes (etp None: Megatron's default, tp).
+MESHES = [(2, 1, 1, None), (2, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, None), (1, 1, 2, None)]
+TINY_QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    hidden_size=16,
+    intermediate_size=32,
+    moe_intermediate_size=8,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=256,
+)
+
+
+def _megatron_global(full: dict, layers: int, experts: int) -> dict:
+    """Megatron's distributed-checkpoint tensors of the router and the routed experts (layer and
+    expert axes first), from the HF checkpoint: ``linear_fc1`` of an expert is ``[gate; up]``
+    (the ``_w`` and ``_v`` halves of apply_swiglu_sharded_factory, megatron/core/transformer/mlp.py)."""
+    import torch
+
+    def stack(f):
+        return torch.stack([torch.stack([f(i, e) for e in range(experts)]) for i in range(layers)])
+
+    def x(i, e, name):
+        return full[f"model.layers.{i}.mlp.experts.{e}.{name}.weight"]
+
+    return {
+        "decoder.layers.mlp.router.weight": torch.stack(
+            [full[f"model.layers.{i}.mlp.gate.weight"] for i in range(layers)]
+        ),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": stack(
+            lambda i, e: torch.cat([x(i, e, "gate_proj"), x(i, e, "up_proj")])
+        ),
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight": stack(lambda i, e: x(i, e, "down_proj")),
+    }
+
+
+def _mesh_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from actors.trainer import ShardSource
+    from realloc.spec import spec_from_hf_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    c = TINY_QWEN3_MOE
+    spec = spec_from_hf_config(c, dtype="float32")
+    gen = torch.Generator().manual_seed(0)
+    full = {p.name: torch.randn(p.shape, generator=gen) for p in spec.params}
+    glob = _megatron_global(full, c["num_hidden_layers"], c["num_experts"])
+    results = []
+    for tp, pp, ep, etp in MESHES:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        mcfg = TransformerConfig(
+            num_layers=c["num_hidden_layers"],
+            hidden_size=c["hidden_size"],
+            num_attention_heads=c["num_attention_heads"],
+            num_query_groups=c["num_key_value_heads"],
+            kv_channels=c["head_dim"],
+            ffn_hidden_size=c["intermediate_size"],
+            moe_ffn_hidden_size=c["moe_intermediate_size"],
+            num_moe_experts=c["num_experts"],
+            moe_router_topk=c["num_experts_per_tok"],
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            qk_layernorm=True,
+            use_cpu_initialization=True,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            params_dtype=torch.float32,
+        )
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=c["num_experts"], moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        )
+        model = GPTModel(
+            mcfg,
+            layer_spec,
+            vocab_size=c["vocab_size"],
+            max_sequence_length=64,
+            position_embedding_type="rope",
+            share_embeddings_and_output_weights=False,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
+        # fill the router and the experts where Megatron's own sharded_state_dict places them
+        filled = 0
+        with torch.no_grad():
+            for sh in model.sharded_state_dict().values():
+                pieces = sh.build() if isinstance(sh, ShardedTensorFactory) else [sh]
+                for t in pieces:
+                    if not isinstance(t, ShardedTensor) or t.key not in glob:
+                        continue
+                    n = t.prepend_axis_num
+                    box = tuple(t.global_offset[:n]) + tuple(
+                        slice(o, o + s) for o, s in zip(t.global_offset[n:], t.local_shape)
+                    )
+                    t.data.copy_(glob[t.key][box])
+                    filled += 1
+        held = ShardSource.megatron(model, spec).holdings()
+        held.refresh()
+        mine = [s for s in held.me.shards() if ".mlp.experts." in s.slot or s.slot.endswith(".mlp.gate.weight")]
+        wrong = sorted(
+            s.slot
+            for s in mine
+            if not torch.equal(
+                held.store.views(s.param, s.offsets, s.sizes)[0],
+                full[s.param][tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))],
+            )
+        )
+        results.append({"mesh": [tp, pp, ep, etp], "filled": filled, "checked": len(mine), "wrong": wrong[:6]})
+        del model
+        ps.destroy_model_parallel()
+    with open(out, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _mesh_main(rank: int, port: int, outs: list[str]) -> None:
+    _mesh_rank(rank, port, outs[rank])
+
+
+def test_megatron_core_experts_are_where_its_sharded_state_dict_puts_them(tmp_path):
+    """Expert tensor parallelism (etp = tp = 2; etp = 2 > tp = 1), expert parallelism with etp=1
+    beside tp=2, and pipeline stages: every routed-expert and router shard a rank sends is the
+    checkpoint's tensor, the model's local tensors having been filled where Megatron-core's own
+    ``sharded_state_dict`` says they sit (``SequentialMLP.sharded_state_dict``: the global expert
+    of ``local_experts.j``; ``apply_swiglu_sharded_factory``: the gate and up rows of the etp rank)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    torch.multiprocessing.start_processes(_mesh_main, args=(port, outs), nprocs=2, start_method="spawn", join=True)
+    for out in outs:
+        for r in json.loads(open(out).read()):
+            assert r["filled"] > 0 and r["checked"] > 0 and r["wrong"] == [], r
+
+
+def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkeypatch):
+    """tp=1, cp=2, dp=2, ep=2, global rank 1 (cp rank 1, dp rank 0). Megatron's expert mesh
+    (megatron/core/parallel_state.py ``initialize_model_parallel``: the expert RankGenerator has
+    cp=1 and edp = world / (etp * ep * pp), so cp is folded into expert dp) gives it ep rank 1,
+    experts 2 and 3; ``ShardSource.megatron`` numbered it by dp alone (realloc rank 0, ep rank 0) and
+    read its ``local_experts.0``/``.1`` as experts 0 and 1: same shapes, other experts' weights
+    (found in review)."""
+    from megatron.core import parallel_state as ps
+
+    from actors.trainer import ShardSource
+    from realloc import Layout
+    from realloc.spec import spec_from_hf_config
+
+    state = dict(
+        get_virtual_pipeline_model_parallel_world_size=None,
+        get_tensor_model_parallel_world_size=1,
+        get_tensor_model_parallel_rank=0,
+        get_context_parallel_world_size=2,
+        get_data_parallel_world_size=2,
+        get_data_parallel_rank=0,
+        get_pipeline_model_parallel_world_size=1,
+        get_pipeline_model_parallel_rank=0,
+        get_expert_model_parallel_world_size=2,
+        get_expert_model_parallel_rank=1,  # g = ep_rank + ep * edp_rank, g = cp_rank + cp * dp_rank = 1
+        get_expert_tensor_parallel_world_size=1,
+        get_expert_tensor_parallel_rank=0,
+    )
+    for name, value in state.items():
+        monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+    spec = spec_from_hf_config(TINY_QWEN3_MOE, dtype="float32")
+    try:
+        src = ShardSource.megatron(torch.nn.Module(), spec)
+    except ValueError as err:
+        assert "context_parallel_size=2" in str(err)
+        return
+    me = Layout(spec, src.declared, qkv_order="megatron").at(src.declared_rank)
+    experts = sorted({e for s in me.shards() if (e := spec.by_name[s.param].expert) is not None})
+    assert experts == [2, 3], f"Megatron's ep rank 1 holds experts [2, 3]; the source reads this rank as {experts}"
+
+
+@pytest.mark.parametrize("held", [(0, 0), (1, 1)])
+def test_an_expert_rank_megatron_numbers_otherwise_is_refused(monkeypatch, held):
+    """tp=2, etp=1, ep=2 (world 2): Megatron's default order gives tp rank 1 ep rank 1, etp rank 0;
+    a parallel state saying otherwise (another rank order) is refused, not read as other experts."""
+    from megatron.core import parallel_state as ps
+
+    from actors.trainer import ShardSource
+    from realloc.spec import spec_from_hf_config
+
+    state = dict(
+        get_virtual_pipeline_model_parallel_world_size=None,
+        get_tensor_model_parallel_world_size=2,
+        get_tensor_model_parallel_rank=1,
+        get_context_parallel_world_size=1,
+        get_data_parallel_world_size=1,
+        get_data_parallel_rank=0,
+        get_pipeline_model_parallel_world_size=1,
+        get_pipeline_model_parallel_rank=0,
+        get_expert_model_parallel_world_size=2,
+        get_expert_model_parallel_rank=held[0],
+        get_expert_tensor_parallel_world_size=1,
+        get_expert_tensor_parallel_rank=held[1],
+    )
+    for name, value in state.items():
+        monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+    spec = spec_from_hf_config(TINY_QWEN3_MOE, dtype="float32")
+    with pytest.raises(ValueError, match=rf"expert-parallel rank {held[0]} and expert tensor-parallel rank {held[1]}"):
+        ShardSource.megatron(torch.nn.Module(), spec)
+    state.update(get_expert_model_parallel_rank=1, get_expert_tensor_parallel_rank=0)
+    for name, value in state.items():
+        monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+    assert ShardSource.megatron(torch.nn.Module(), spec).declared_rank == 1

@@ -145,13 +145,22 @@ class ShardSource(WeightSource):
         ``tp-ep-dp-pp``, realloc's :meth:`~realloc.layout.Topology.expert_coords`) and each
         stage's layers from Megatron's own offsets (megatron/core/transformer/transformer_layer.py
         ``get_transformer_layer_offset``: uneven first and last stages become ``layer_split``).
-        ``spec``: the HF model it trains (``spec_from_hf_config``)."""
+        ``spec``: the HF model it trains (``spec_from_hf_config``). Context parallelism is refused,
+        and so is a rank whose expert-parallel or expert tensor-parallel rank in Megatron's parallel
+        state is not the one that order gives it (its ``local_experts`` would be read as others)."""
         from megatron.core import parallel_state as ps
 
         if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
             raise ValueError(
                 "virtual pipeline stages (interleaved schedules) are not supported: a rank holds several "
                 "model chunks; give each chunk's module its own source"
+            )
+        cp = ps.get_context_parallel_world_size()
+        if cp > 1:
+            raise ValueError(
+                f"context_parallel_size={cp} is not supported: the cp ranks of a tp/dp/pp coordinate hold the "
+                "same dense weights, and Megatron's expert mesh (tp-ep-dp-pp, cp folded into expert dp) gives "
+                "them different expert-parallel ranks than dp alone would; give a model without context parallelism"
             )
         tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
@@ -163,6 +172,16 @@ class ShardSource(WeightSource):
         ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
         experts = {"ep": ep, "etp": etp} if ep > 1 or etp != tp else {}  # the expert mesh: tp-ep-dp-pp
         topology = Topology(dp=dp, tp=tp, pp=pp, layer_split=split if uneven else None, **experts)
+        if topology.expert_parallel:  # the experts this rank is given must be the ones Megatron gave it
+            _, ep_rank, etp_rank, _ = topology.expert_coords(rank)
+            held = (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+            if (ep_rank, etp_rank) != held:
+                raise ValueError(
+                    f"Megatron's parallel state gives this rank expert-parallel rank {held[0]} and expert "
+                    f"tensor-parallel rank {held[1]}; rank {rank} of {topology} (Megatron's default order "
+                    f"tp-cp-ep-dp-pp, expert mesh tp-ep-dp-pp) would be ({ep_rank}, {etp_rank}): the rank order "
+                    "is not Megatron's default, and its experts would be read as other experts"
+                )
         return cls(module, spec=spec, topology=topology, rank=rank, naming="megatron")
 
     # -- vLLM's WeightSource (what vLLM's own backends read) ---------------------------------------
