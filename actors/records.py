@@ -91,13 +91,17 @@ class MoveOrder:
     (``copy_to(eta=)``; the driver commits it, after every worker finished: it never travels in
     ``op_run``); ``relay``: the staged update whose staged set the senders send from instead of
     their serving set (a fleet update relaying the trainer's weights from one replica to the
-    next: actors/driver/fleet.py; staged updates only). All None: a plain move."""
+    next: actors/driver/fleet.py; staged updates only); ``into``: a copy's, the layout its
+    receiving workers hold and keep (the destination group's): each refuses, before any traffic,
+    a plan whose destination (converted into ``convert``) is not the rank it holds
+    (actors/worker/guard.py). All None: a plain move."""
 
     keep: KeepOrder | None = None
     delta: DeltaOrder | None = None
     convert: Layout | None = None
     blend: float | None = None
     relay: str | None = None
+    into: Layout | None = None
 
 
 #: The order of a plain move: nothing kept, no delta, no conversion, no blend.

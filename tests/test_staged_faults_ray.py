@@ -25,6 +25,7 @@ weights committed without an error, or a move undone behind the caller's back).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -865,3 +866,84 @@ def test_a_fleet_replica_reallocated_before_its_staged_copy_registers_is_skipped
         assert all(r.verify_synthetic(NEXT) == {} for r in replicas)
     finally:
         shut(trainer, *replicas)
+
+
+# -- 10. the workers' own defence: the same races with the driver's check bypassed ---------------
+#
+# The driver refuses a plan made from a layout its group left (section 9). Should a driver bug
+# let one through again, the workers refuse it themselves (actors/worker/guard.py): each compares
+# the plan's side of it with what it holds before any traffic, and the update fails naming the
+# worker, what it holds and what the plan says; nothing wrong is committed. Each test failed on
+# 6bd7fea (with the driver's check bypassed, the first committed wrong weights; the second undid
+# the generator's move unseen).
+
+
+@pytest.fixture
+def no_driver_check(monkeypatch):
+    """``StagedUpdate.check_planned`` (the driver's check, section 9) does nothing."""
+    from actors.driver.staged import StagedUpdate
+
+    monkeypatch.setattr(StagedUpdate, "check_planned", lambda self, group: None)
+
+
+def test_the_senders_refuse_a_staged_copy_planned_from_the_layout_their_group_left(cluster, no_driver_check):
+    """Section 9's first race (the trainer moves tp=2 -> dp=2 before the staged copy holds it; the
+    generator beside it maps its buffers), the driver's check bypassed: the trainer's workers
+    refuse the tp=2 plan, the update fails naming what they hold and what the plan says, and the
+    generator serves its own weights (its readers never mapped anything)."""
+    trainer = gen = filler = None
+    try:
+        trainer = make("sf-guard-src-train", seed=NEW, zero_copy=True, strategy="STRICT_PACK")
+        filler = NodeFiller.remote()
+        assert ray.get(filler.ready.remote(), timeout=120)
+        gen = make("sf-guard-src-gen", zero_copy=True, strategy="STRICT_PACK")
+        ray.kill(filler)
+        filler = None
+        assert set(gen.placement.nodes) == set(trainer.placement.nodes)
+        version = gen.version
+        ran = change_before(trainer.ledger, "exclusive", lambda: trainer.reallocate("dp=2"), "stage update")
+        update = trainer.copy_to(gen, stage=True)
+        with pytest.raises(ReallocationError) as err:
+            update.wait()
+        assert ran and update.state == "failed" and not isinstance(err.value, GroupBusyError)
+        message = str(err.value)
+        assert re.search(
+            r"worker of sf-guard-src-train holds rank ([01]) of dp=2,tp=1,pp=1, but the plan sends rank \1 of "
+            r"dp=1,tp=2,pp=1 from it \(a plan made from a layout it does not hold\): refused before any traffic",
+            message,
+        ), message
+        wait_until_unstaged(gen, range(2))  # its receivers waited for the senders' handles until the timeout
+        assert gen.version == version and gen.verify_synthetic(OLD) == {}
+        assert trainer.layout.topology == Topology.parse("dp=2") and trainer.verify_synthetic(NEW) == {}
+    finally:
+        if filler is not None:
+            ray.kill(filler)
+        shut(trainer, gen)
+
+
+def test_the_receivers_refuse_a_staged_copy_into_the_layout_they_left(cluster, no_driver_check):
+    """Section 9's second race (the generator moves tp=2 -> dp=2 before the staged copy
+    registers on it), the driver's check bypassed: the generator's workers refuse to receive a
+    tp=2 copy into the dp=2 layout they hold (``MoveOrder.into``), and keep serving their weights
+    in dp=2."""
+    trainer = gen = None
+    try:
+        trainer = make("sf-guard-dst-train", seed=NEW)
+        gen = make("sf-guard-dst-gen")
+        version = gen.version
+        ran = change_before(gen.ledger, "begin_stage", lambda: gen.reallocate("dp=2"))
+        update = trainer.copy_to(gen, stage=True)
+        with pytest.raises(ReallocationError) as err:
+            update.wait()
+        assert ran and update.state == "failed"
+        message = str(err.value)
+        assert re.search(
+            r"worker of sf-guard-dst-gen holds rank ([01]) of dp=2,tp=1,pp=1, but the copy into dp=1,tp=2,pp=1 "
+            r"writes rank \1 of dp=1,tp=2,pp=1 into it",
+            message,
+        ), message
+        wait_until_unstaged(gen, range(2))
+        assert gen.layout.topology == Topology.parse("dp=2")
+        assert gen.version == version and gen.verify_synthetic(OLD) == {}
+    finally:
+        shut(trainer, gen)

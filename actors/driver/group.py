@@ -1023,6 +1023,7 @@ class ModelGroup:
                         delta=delta_order,
                         convert=other.layout if conv.where == "destination" else None,
                         blend=eta,
+                        into=other.layout,  # each receiver checks that it holds it (actors/worker/guard.py)
                     ),
                     converting=conv.where,
                 )
@@ -1141,7 +1142,11 @@ class ModelGroup:
             self,
             dest,
             target,
-            MoveOrder(keep=keep, convert=target if conv.where == "destination" else None),
+            MoveOrder(
+                keep=keep,
+                convert=target if conv.where == "destination" else None,
+                into=target if copy else None,  # a copy's receivers check that they hold it (actors/worker/guard.py)
+            ),
             version_of=version_of,
             workers=workers,
             srcs=srcs,

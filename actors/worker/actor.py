@@ -46,7 +46,7 @@ from actors.wire.transport import (
     host_rendezvous,
 )
 from actors.wire.zero_copy import open_handles
-from actors.worker import handles
+from actors.worker import guard, handles
 from actors.worker.checkpoint import CheckpointMixin
 from actors.worker.context import ShardContext
 from actors.worker.kept import Resident, copy_into, to_host
@@ -471,6 +471,13 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         move = self._check_world(world_id)
         op = self._current_op(op_id)
         plan, peers = received_share(share, me)
+        # the driver-run phases never convert: the plan sends exactly what this worker holds,
+        # writes exactly what it prepared, and maps its same-node peers as what they send
+        group, mine = self._realloc.group, peers[me]
+        guard.source_converts(group, self._realloc.held, mine, convert=False)
+        if mine.dst is not None and mine.dst != op.dst:
+            raise ValueError(f"worker of {group} prepared {op.dst}, but the plan writes {mine.dst}: {guard.REFUSED}")
+        guard.check_reads(group, peers, [p for p in peers.views if p != me], convert=False)
         if move.phases.op != op_id:
             move.phases = Phases(op_id)
         else:
@@ -580,17 +587,21 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         ends in when the plan's destination is that layout in another weight format (the
         receivers convert, realloc/plan/formats.py): converted before the commit. A plan whose
         source is another format than the one held is converted from it before sending.
+        ``into``: a copy's destination, which this worker must hold. A share this worker cannot
+        run as it holds (a plan of another layout, a delta with a conversion: actors/worker/guard.py)
+        is refused with ``ValueError`` before anything is allocated or sent.
         """
         move = self._check_world(world_id)
         move.phases = Phases(op_id)
         worker_plan = self._worker_plan(key, plan_box, me)
+        self._check_share(worker_plan, me, order)
         self.op_prepare(op_id, worker_plan.peers[me].dst, export=False)
         self._realloc.counters["execute"] += 1
         op = self._realloc.op
         self._realloc.runs += 1
         handles.evict_mappings(self._realloc)
         move.phases.mark("prepare")
-        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, order.delta))
+        result = self._timed(op, tags, "all", lambda: self._run(op, worker_plan, me, move, order))
         if order.convert is not None and op.dst is not None:
             self._convert_destination(op, order.convert, move.phases)
         self.op_commit(op_id)  # never a blend: it would rewrite bytes peers may still be reading
@@ -706,28 +717,41 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.plans.move_to_end(key)
         return worker_plan
 
+    def _check_share(self, wp: WorkerPlan, me: int, order: MoveOrder, sending: "RankLayout | None" = None) -> bool:
+        """``ValueError`` unless this worker can run its share of ``wp`` under ``order`` as it holds
+        (actors/worker/guard.py: the plan's source and destination are what it holds, its
+        same-node senders are mapped as what they hold, no delta with a conversion): before
+        anything is allocated or sent. Returns whether it converts what it sends."""
+        return guard.checked_order(self._realloc.group, self._realloc.held, wp.peers, me, order, sending)
+
     def _run(
         self,
         op: PendingOp,
         wp: WorkerPlan,
         me: int,
         lane: LaneState,
-        delta: DeltaOrder | None = None,
+        order: MoveOrder = PLAIN_MOVE,
         sending: "tuple[RankLayout, dict[str, torch.Tensor]] | None" = None,
     ) -> WorkerReport:
         """``op``'s part of ``wp`` on ``lane``: over its transport, through its bucket staging, marked
         on its timeline (a move's, ``op_run``; a staged update's, actors/worker/staging.py).
-        ``delta``: run the routes as deltas when it names a base version, and keep what was sent
-        as the new base (actors/wire/delta.py). ``sending``: the (rank, buffers) this worker sends
-        from when it is not its serving set (a staged set a fleet update relays)."""
+        ``order.delta``: run the routes as deltas when it names a base version, and keep what was
+        sent as the new base (actors/wire/delta.py); never with a conversion (``order.convert``, or
+        senders converting as they send: refused before any traffic). ``sending``: the (rank,
+        buffers) this worker sends from when it is not its serving set (a staged set a fleet
+        update relays)."""
         timeline, transport = lane.phases, lane.transport
+        delta = order.delta
         # a sender converting into the plan's format converts as it packs (a same-node reader of
         # its buffers as it reads), and collects the blocks it cannot quantize (inf/NaN): it fails
         # after the transfers (runner.conversion_failures()), not before (its peers would wait for
         # its routes until their collective timed out); the move then aborts like any failed one
-        src, convert = self._source_store(wp.peers[me].src, sending) if wp.peers[me].src is not None else (None, None)
+        src, convert = self._source_store(wp.peers[me], sending)
         if convert is not None and wp.local:
             raise ValueError(f"worker of {self._realloc.group}: a plan converting on its senders has no local copies")
+        # delta routes move the bytes as they are: never into, out of or beside a conversion
+        converts = convert is not None or guard.peers_convert(wp.peers, me)
+        guard.check_delta(self._realloc.group, delta, converts, order.convert)
         dst = op.store()
         sides = self._delta_sides(op, wp.peers[me], delta) if delta is not None and delta.base is not None else None
         if sides is not None and sides.src_base is not None:
@@ -831,21 +855,23 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         return result
 
     def _source_store(
-        self, src: RankLayout, sending: "tuple[RankLayout, dict[str, torch.Tensor]] | None" = None
-    ) -> tuple[ShardStore, Converted | None]:
-        """What this worker sends from: its buffers, and, for a plan in another weight format than
-        the one held (realloc/plan/formats.py), those buffers seen in the plan's format (each
-        message converted as it is packed: :class:`~realloc.shards.convert.Converted`).
-        ``sending``: a relayed staged set's (rank, buffers), sent as they are (never converted)."""
+        self, me: PeerView, sending: "tuple[RankLayout, dict[str, torch.Tensor]] | None" = None
+    ) -> tuple[ShardStore | None, Converted | None]:
+        """What this worker sends from (``me``: its view in the plan; ``(None, None)`` when it
+        sends nothing): its buffers, and, for a plan in another weight format than the one held
+        (realloc/plan/formats.py), those buffers seen in the plan's format (each message
+        converted as it is packed: :class:`~realloc.shards.convert.Converted`). ``sending``: a
+        relayed staged set's (rank, buffers), sent as they are (never converted). A plan of any
+        other layout than the one it holds is refused (:func:`actors.worker.guard.source_converts`)."""
+        st = self._realloc
+        converts = guard.source_converts(st.group, st.held, me, sending[0] if sending is not None else None)
+        src, held = me.src, st.held
+        if src is None:
+            return None, None
         if sending is not None:
-            if src != sending[0]:
-                raise ValueError(f"worker of {self._realloc.group} relays a staged set of {sending[0]}, not {src}")
             return ShardStore(src.shards(), sending[1]), None
-        held = self._realloc.held
-        if src == held:
+        if not converts:
             return self._store_now(), None
-        if held is None or src.rank != held.rank or unformatted(src.layout.spec) != unformatted(held.layout.spec):
-            raise ValueError(f"worker of {self._realloc.group} holds {held}, cannot send as {src}")
         if self._realloc.faults.take("exit_in_convert") is not None:
             os._exit(1)
         store = self._store_now()

@@ -83,37 +83,41 @@ class StagingMixin:
         (converted here, before it is ready); ``relay``, the staged update whose ready staged set
         this worker sends from (a fleet update's relay: it only sends, and its serving set is not
         read)."""
-        keep, delta, convert = order.keep, order.delta, order.convert
+        keep, convert = order.keep, order.convert
         st = self._realloc
         lane = self._check_world(world_id, STAGE)
         wp = self._worker_plan(key, plan_box, me)
         dst = wp.peers[me].dst
         sending = None
         with st.stage_lock:
+            if dst is None and order.relay is not None:  # it sends the staged set of that update
+                relayed = st.staged
+                if relayed is None or relayed.id != order.relay or not relayed.ready or relayed.switched:
+                    state = "none" if relayed is None else f"{relayed.id} (ready: {relayed.ready})"
+                    raise StaleOperationError(
+                        f"worker of {st.group} cannot relay staged update {order.relay}: its staged set is {state}"
+                    )
+                sending = (relayed.dst, relayed.buffers)
+            if dst is not None and st.staged is not None and st.staged.armed and not st.staged.switched:
+                raise StaleOperationError(
+                    f"worker of {st.group}: staged update {st.staged.id} is committed but not switched in yet"
+                )
+            # the share is what this worker holds (or relays), before anything of it changes
+            # (actors/worker/guard.py: ValueError naming what it holds and what the plan says)
+            self._check_share(wp, me, order, sending[0] if sending is not None else None)
             if dst is None:  # it only sends: nothing of it changes
                 buffers, staged = None, StagedSet(update_id, version, None, None)
-                if order.relay is not None:
-                    relayed = st.staged
-                    if relayed is None or relayed.id != order.relay or not relayed.ready or relayed.switched:
-                        state = "none" if relayed is None else f"{relayed.id} (ready: {relayed.ready})"
-                        raise StaleOperationError(
-                            f"worker of {st.group} cannot relay staged update {order.relay}: its staged set is {state}"
-                        )
-                    sending = (relayed.dst, relayed.buffers)
+                if sending is not None:
                     buckets = st.faults.take("exit_relaying")
                     if buckets is not None:
                         st.faults.arm("exit_after_buckets", buckets)
             else:
-                if st.staged is not None and st.staged.armed and not st.staged.switched:
-                    raise StaleOperationError(
-                        f"worker of {st.group}: staged update {st.staged.id} is committed but not switched in yet"
-                    )
                 self._stage_drop(log_unfinished=True)
                 buffers = self._shadow_for(dst)
                 staged = st.staged = StagedSet(update_id, version, dst, buffers, keep=keep)
         started = time.perf_counter()
         lane.phases = Phases(update_id)
-        result = self._run(_StagedOp(staged), wp, me, lane, delta, sending)
+        result = self._run(_StagedOp(staged), wp, me, lane, order, sending)
         if convert is not None and dst is not None:
             converted = _StagedOp(staged)
             self._convert_destination(converted, convert, lane.phases)

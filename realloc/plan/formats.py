@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from realloc.layout import Layout
 from realloc.spec.formats import unformatted
 
-__all__ = ["Conversion", "conversion"]
+__all__ = ["Conversion", "conversion", "same_placement"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,27 @@ def _in_format(spec, layout: Layout) -> Layout:
     if topology.layer_split is None and topology.pp > 1:
         topology = replace(topology, layer_split=layout.layer_counts)
     return Layout(spec, topology, **_without_format(layout))
+
+
+def same_placement(a: Layout, b: Layout) -> bool:
+    """Whether ``a`` and ``b`` hold one model with every element in the same place (topology,
+    stages, padding, conventions), whatever weight format each holds: equal layouts, or one the
+    other in another format (a :class:`Conversion`'s ``wire`` and the layout it stands for). A
+    worker that sends a layout it does not hold accepts only this (it converts as it sends);
+    anything else is a plan of another layout (actors/worker/guard.py).
+
+    Example:
+        >>> from realloc import ModelSpec, Topology
+        >>> spec = ModelSpec.preset("tiny")
+        >>> tp2 = Layout(spec, Topology(tp=2))
+        >>> same_placement(tp2, Layout(spec, Topology(tp=2), weight_format="bfloat16"))
+        True
+        >>> same_placement(tp2, Layout(spec, Topology(dp=2))), same_placement(tp2, Layout(spec, Topology(tp=2), 64))
+        (False, False)
+    """
+    # Layout.key is (spec, then everything that places an element): equal keys past the spec
+    # place every element alike; the specs then differ by their weight format at most
+    return a.key[1:] == b.key[1:] and unformatted(a.spec) == unformatted(b.spec)
 
 
 def conversion(src: Layout, dst: Layout) -> Conversion:
