@@ -367,6 +367,7 @@ class InProcessWorkers:
         self.layout, self.m, self.tamper = vllm_layout(spec, m), m, tamper
         self.workers: list = []
         self.commits: list[int] = []
+        self.shadows: dict = {}  # worker -> the shadow set it last committed (its received weights)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         import json
@@ -384,7 +385,7 @@ class InProcessWorkers:
             w.index, w.round, w.committed, w.held, w.held_rank = i, None, 0, None, None
             w.layout = SimpleNamespace(scatters=[])  # no loader copies to check the shares against
             w.control = connect_rendezvous(w.info.store_host, w.info.store_port, 1, w.info.timeout_s)
-            w._commit = lambda shadow, i=i: self.commits.append(i)
+            w._commit = lambda shadow, i=i: (self.commits.append(i), self.shadows.__setitem__(i, shadow))
             boxes: dict[str, list] = {}
             for s in self.layout.shards(i):
                 boxes.setdefault(s.param, []).append([list(s.offsets), list(s.sizes)])
@@ -449,3 +450,75 @@ def test_a_vllm_worker_refusing_its_share_is_named_at_once_and_the_next_update_c
     refuse[0] = False
     assert trainer.send_weights() == 1 and client.commits == [0, 1]
     assert all(b > 0 for b in trainer.stats.received_bytes), trainer.stats
+
+
+def _stacked_moe(model_type: str):
+    """A tiny transformers 5 MoE model (experts stacked: ``mlp.experts.gate_up_proj`` /
+    ``down_proj``), every weight nonzero, and what ``save_pretrained`` writes of it."""
+    import tempfile
+
+    from safetensors.torch import load_file
+    from test_stacked_experts_engine import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model(model_type)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) + 3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.arange(b.numel(), dtype=b.dtype) + 5)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        saved = load_file(f"{d}/model.safetensors")
+    return model, saved
+
+
+def _boxes_are(store, shards, saved: dict, where: str) -> None:
+    """Every box of ``shards`` in ``store`` is that box of the ``save_pretrained`` tensor."""
+    for s in shards:
+        if 0 in s.sizes:  # a tp rank holding only vocabulary padding
+            continue
+        box = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))
+        assert torch.equal(store.view(s.param, s.offsets, s.sizes), saved[s.param][box]), f"{where}: {s.slot} {box}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_a_transformers5_moe_module_with_stacked_experts_is_read_in_the_stacked_layout(model_type):
+    """transformers 5 holds a MoE layer's experts stacked (``[E, 2I, H]`` / ``[E, H, I]``); the
+    source reads them in ``Layout(expert_order="hf_stacked")``: every box it holds is the tensor
+    ``save_pretrained`` writes under the spec's name (Mixtral's ``block_sparse_moe``, DeepSeek-V3's
+    router bias, a buffer, included). A tp=2 declaration of the whole model is refused naming the
+    stacked tensor's shape and the layout's."""
+    model, saved = _stacked_moe(model_type)
+    held = ShardSource(model).holdings()
+    assert held.layout.expert_order == "hf_stacked" and str(held.layout.topology) == "dp=1,tp=1,pp=1"
+    assert held.refresh() == sum(t.numel() * t.element_size() for t in saved.values())
+    got = held.store.shard_tensors()
+    assert sorted(got) == sorted(saved)
+    _boxes_are(held.store, held.me.shards(), saved, model_type)
+    if model_type == "deepseek_v3":
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert torch.equal(got[bias], torch.tensor([5.0, 6.0, 7.0]))
+        model.model.layers[1].mlp.gate.e_score_correction_bias = torch.zeros(3)  # a buffer replaced: refused too
+        with pytest.raises(ValueError, match=r"e_score_correction_bias.* replaced since"):
+            held.refresh()
+    with pytest.raises(
+        ValueError, match=r"is \(\d+, 8\) on this rank; rank 0 of dp=1,tp=2,pp=1 experts hf_stacked holds"
+    ):
+        ShardSource(model, topology="tp=2", rank=0).holdings()
+
+
+def test_a_stacked_moe_trainer_sends_the_checkpoints_weights_to_vllm_workers(monkeypatch):
+    """A transformers 5 Qwen3-MoE trainer (stacked experts, one rank) sends through realloc's
+    trainer engine to two realloc vLLM worker engines in this process (vLLM's ``FusedMoE``
+    layout at tp=2): every box each worker commits is the ``save_pretrained`` tensor's."""
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)  # as vLLM's CPU worker does
+    model, saved = _stacked_moe("qwen3_moe")
+    client = InProcessWorkers(spec_from_hf_config(model.config.to_dict(), dtype="float32"), 2)
+    trainer = ReallocTrainerWeightTransferEngine.trainer_init(
+        ReallocTrainerInitInfo(rank=0, timeout_s=30.0), client=client, source=ShardSource(model)
+    )
+    assert trainer.send_weights() == 1 and sorted(client.commits) == [0, 1]
+    for i, shadow in client.shadows.items():
+        _boxes_are(shadow, client.layout.shards(i), saved, f"vLLM worker {i}")

@@ -12,6 +12,16 @@ tensors where they say it, and declared where they cannot:
 * **Plain tensors**: the whole model on one rank (default), or a declaration
   (``topology="tp=2"``, ``rank=``) of what each rank's local tensors are; every tensor's shape
   must then be its shard's in the declared layout.
+* **transformers 5's stacked experts** (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
+  ``mlp.experts.down_proj`` ``[E, H, I]``: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), detected by those
+  names: the rank is read in ``Layout(expert_order="hf_stacked")`` (:mod:`realloc.layout.stacked`),
+  each stacked tensor copied into the layout's view of it, the other parameters into their shards
+  (Mixtral's router ``mlp.gate`` is the spec's ``block_sparse_moe.gate``). Plain tensors (one
+  rank, or a declaration) must have the views' shapes; an FSDP2 DTensor of a stacked tensor must
+  be ``Shard(0)`` on the fsdp mesh dimension and replicated on the others, its local part the
+  layout's chunk of the expert axis (tensor parallel stacked DTensors, transformers'
+  ``packed_colwise`` ``_StridedShard``, are refused). Tensors left plain among DTensors (buffers:
+  ``fully_shard`` does not shard them) are taken as held whole and their box copied.
 * **Megatron-core** (:meth:`ShardSource.megatron`): the declaration read from Megatron's parallel
   state (tp, dp, pp, ep and etp; tp fastest, as Megatron orders ranks; each stage's layers and each
   expert-parallel rank's experts numbered from 0, as Megatron numbers them), the parameters named
@@ -19,6 +29,10 @@ tensors where they say it, and declared where they cannot:
   (``linear_qkv`` per query group, ``linear_fc1`` as ``[gate; up]``: ``Layout(qkv_order="megatron")``);
   each local tensor must have its view's shape in that layout, and together they must write every
   shard of the rank.
+
+Buffers the spec names (DeepSeek-V3's router ``e_score_correction_bias``, a ``ParamSpec`` with
+``buffer=True``) are read with the parameters; the module's other buffers (rotary ``inv_freq``)
+are not weights and are left out.
 
 Every refusal (a parameter the model spec does not have or misses, a global shape or dtype
 that differs, a declaration the tensors contradict, a local box that is not the layout's) is a
@@ -40,12 +54,14 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, mater
 
 from realloc.layout import Layout, RankLayout, Topology
 from realloc.layout.sharded import megatron_fused_name
+from realloc.layout.stacked import stacked_name
 from realloc.shards import ShardStore
-from realloc.shards.dtensor import MESH_NAMES, check_boxes, mesh_topology, read_local
-from realloc.shards.fused import megatron_core_view, megatron_fused_views
+from realloc.shards.dtensor import MESH_NAMES, _local, check_boxes, local_box, mesh_topology, read_local
+from realloc.shards.fused import fused_views, megatron_core_view, megatron_fused_views
 from realloc.shards.store import allocate_buffers
 from realloc.spec import ModelSpec
 from realloc.spec.hf_config import spec_from_hf_config
+from realloc.spec.moe import checkpoint_state_dict
 
 
 @dataclass
@@ -57,9 +73,12 @@ class Holdings:
     rank: int
     tensors: dict[str, torch.Tensor]
     store: ShardStore
-    #: ``(local tensor, its view of the store)`` per parameter where the names are not the
-    #: layout's (Megatron-core's); None: the tensors are keyed by the layout's slots
-    copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: ``(tensor, its view of the store, index or None)`` per parameter where the names are not
+    #: the layout's (Megatron-core's, transformers 5's stacked experts): the tensor's local part
+    #: (``to_local()`` of a DTensor), indexed by ``index`` when given (a tensor held whole of
+    #: which the layout keeps a box), is copied into the view; None: the tensors are keyed by the
+    #: layout's slots
+    copies: list[tuple[torch.Tensor, torch.Tensor, tuple | None]] | None = None
     #: The module ``tensors`` were read from: each refresh first checks that they are still its
     #: parameters (None: not checked)
     module: torch.nn.Module | None = None
@@ -74,10 +93,13 @@ class Holdings:
         self.check_current()
         if self.copies is None:
             return read_local(self.store.shard_tensors(), self.me, self.tensors)
+        total = 0
         with torch.no_grad():
-            for local, view in self.copies:
-                view.copy_(local)
-        return sum(t.numel() * t.element_size() for t, _ in self.copies)
+            for tensor, view, index in self.copies:
+                local = _local(tensor)
+                view.copy_(local if index is None else local[index])
+                total += view.numel() * view.element_size()
+        return total
 
     def check_current(self) -> None:
         """``ValueError`` unless every tensor read is still a parameter of :attr:`module`. Loading
@@ -86,7 +108,7 @@ class Holdings:
         not the weights the module holds."""
         if self.module is None:
             return
-        current = {id(p) for p in self.module.parameters()}
+        current = {id(p) for p in self.module.parameters()} | {id(b) for b in self.module.buffers()}
         replaced = [name for name, t in self.tensors.items() if id(t) not in current]
         if replaced:
             raise ValueError(
@@ -209,6 +231,9 @@ class ShardSource(WeightSource):
             return replace(
                 _megatron_holdings(self.spec, self.declared, self.declared_rank, tensors), module=self.module
             )
+        tensors |= _spec_buffers(self.module, self.spec)
+        if any(_STACKED.match(name) for name in tensors):
+            return self._read_stacked(tensors)
         _check_names(self.spec, tensors)
         from torch.distributed.tensor import DTensor
 
@@ -241,6 +266,95 @@ class ShardSource(WeightSource):
             raise ValueError(f"rank {rank} of {layout} holds {missing[:5]} but the module has no such parameter")
         store = ShardStore(me.shards(), allocate_buffers(layout, rank))
         return Holdings(layout, rank, tensors, store, module=self.module)
+
+    def _topology_and_rank(self, tensors: dict[str, torch.Tensor]) -> tuple[Topology, int, bool]:
+        """The rank's topology and realloc rank (from the DTensors' mesh, else the declaration)
+        and whether the tensors are DTensors."""
+        from torch.distributed.tensor import DTensor
+
+        meshes = [t.device_mesh for t in tensors.values() if isinstance(t, DTensor)]
+        if not meshes:
+            topology = self.declared or Topology()
+            if topology.world_size > 1 and self.declared_rank is None:
+                raise ValueError(f"a declared topology ({topology}) needs this rank's rank= as well")
+            return topology, self.declared_rank or 0, False
+        mesh = max(meshes, key=lambda m: m.ndim)
+        topology = mesh_topology(mesh)
+        if self.declared is not None and _sizes(self.declared) != _sizes(topology):
+            raise ValueError(
+                f"the declared topology {self.declared} is not what the DTensors' device mesh says ({topology})"
+            )
+        rank = _mesh_rank(mesh, topology)
+        if self.declared_rank is not None and self.declared_rank != rank:
+            raise ValueError(
+                f"the declared rank {self.declared_rank} is not this rank's place in the device mesh ({rank})"
+            )
+        return self.declared or topology, rank, True
+
+    def _read_stacked(self, tensors: dict[str, torch.Tensor]) -> Holdings:
+        """A transformers 5 MoE module (stacked experts): ``Layout(expert_order="hf_stacked")``,
+        each tensor copied into its view of the rank's store (see the module's docstring)."""
+        from torch.distributed.tensor import DTensor
+
+        mixtral = any(".block_sparse_moe." in p.name for p in self.spec.params)
+        # the module's names as the spec's: stacked tensors as their per-expert names (global
+        # shapes, on the meta device), Mixtral's mlp.gate as block_sparse_moe.gate
+        meta = {n: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for n, t in tensors.items()}
+        as_spec = checkpoint_state_dict(meta, "mixtral" if mixtral else "qwen3_moe")
+        _check_names(self.spec, as_spec)
+        topology, rank, distributed = self._topology_and_rank(tensors)
+        layout = Layout(self.spec, topology, expert_order="hf_stacked")
+        me = layout.at(rank)
+        store = ShardStore(me.shards(), allocate_buffers(layout, rank))
+        views = fused_views(me, store.buffers)
+        slots = {s.slot: s for s in me.shards()}
+        renamed = {n: n.replace(".mlp.", ".block_sparse_moe.") if mixtral else n for n in tensors}
+        if distributed:  # torch's own boxes of the DTensors that are not stacked experts
+            check_boxes(
+                me, {n: t for n, t in tensors.items() if isinstance(t, DTensor) and not _STACKED.match(n)}, renamed
+            )
+        copies, written = [], set()
+        for name, t in tensors.items():
+            stacked = _STACKED.match(name) is not None
+            target = name if stacked else renamed[name]
+            if stacked and isinstance(t, DTensor):
+                _check_stacked_dtensor(name, t, me)
+            elif stacked and distributed:
+                raise ValueError(
+                    f"stacked experts {name} are a plain tensor among DTensors: realloc reads transformers 5's "
+                    "stacked experts sharded by fully_shard (Shard(0)), or every tensor plain (ShardSource(topology=, rank=))"
+                )
+            elif distributed and not isinstance(t, DTensor):  # held whole (a buffer): the layout's box of it
+                shard = slots.get(target)
+                if shard is not None:
+                    index = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.sizes))
+                    copies.append((t, views[target], index))
+                    written.add(target)
+                continue
+            view = views.get(target)
+            if view is None:
+                if 0 in local_box(t)[1]:
+                    continue  # an empty FSDP2 chunk: the layout holds nothing of it either
+                raise ValueError(f"parameter {name} ({target}) is not held by rank {rank} of {layout}")
+            shape = tuple(_local(t).shape)
+            if shape != tuple(view.shape):
+                raise ValueError(
+                    f"parameter {name} is {shape} on this rank; rank {rank} of {layout} holds {target} as "
+                    f"{tuple(view.shape)}: the declared topology (or the model) is not what the rank holds"
+                )
+            copies.append((t, view, None))
+            written.add(target)
+        unwritten = sorted(
+            s.slot
+            for s in me.shards()
+            if s.slot not in written
+            and not (
+                self.spec.by_name[s.param].expert is not None and stacked_name(self.spec.by_name[s.param]) in written
+            )
+        )
+        if unwritten:
+            raise ValueError(f"rank {rank} of {layout} holds {unwritten[:5]} but the module has no such tensor")
+        return Holdings(layout, rank, tensors, store, copies, module=self.module)
 
 
 #: How the module names its parameters: ``"hf"`` (the checkpoint's names, as transformers and
@@ -316,7 +430,7 @@ def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: 
                 f"rank; rank {rank} of {layout} holds {target} as {str(view.dtype).removeprefix('torch.')} "
                 f"{tuple(view.shape)}: the declaration (or the model) is not what the rank holds"
             )
-        copies.append((t, view))
+        copies.append((t, view, None))
         written.add(target)
     unwritten = sorted(s.slot for s in me.shards() if (megatron_fused_name(s.slot) or s.slot) not in written)
     if unwritten:
@@ -324,6 +438,49 @@ def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: 
             f"rank {rank} of {layout} holds {unwritten[:5]} but the Megatron-core model has no such parameter"
         )
     return Holdings(layout, rank, tensors, store, copies)
+
+
+#: transformers 5's stacked experts of a MoE layer (:mod:`realloc.layout.stacked`)
+_STACKED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _spec_buffers(module: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The module's buffers the spec holds as weights (``ParamSpec.buffer``: DeepSeek-V3's
+    ``e_score_correction_bias``); Mixtral's ``mlp.`` is matched as ``block_sparse_moe.``."""
+    wanted = {p.name for p in spec.params if p.buffer}
+    return {
+        n: b for n, b in module.named_buffers() if n in wanted or n.replace(".mlp.", ".block_sparse_moe.") in wanted
+    }
+
+
+def _check_stacked_dtensor(name: str, t: torch.Tensor, me: RankLayout) -> None:
+    """``ValueError`` unless stacked DTensor ``t`` is FSDP2's: ``Shard(0)`` (the expert axis) on
+    the fsdp mesh dimension, replicated on the others, its local part the experts ``me`` holds."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    names = t.device_mesh.mesh_dim_names or ("fsdp",)
+    for dim, placement in zip(names, t.placements):
+        role = MESH_NAMES.get(dim)
+        ok = placement == Shard(0) if role == "fsdp" else isinstance(placement, Replicate)
+        if not ok:
+            raise ValueError(
+                f"stacked experts {name} are placed {tuple(t.placements)} on mesh {tuple(names)}: realloc reads "
+                "transformers 5's stacked experts as FSDP2 holds them, Shard(0) (whole experts) on the fsdp "
+                "dimension and replicated elsewhere; tensor-parallel stacked DTensors (transformers' "
+                "packed_colwise _StridedShard) are not a box of the global tensor: give plain local tensors "
+                "with ShardSource(topology=, rank=)"
+            )
+    layer = int(name.split(".")[2])
+    spec = me.layout.spec.by_name
+    held = sorted(
+        {spec[s.param].expert for s in me.shards() if spec[s.param].layer == layer and spec[s.param].expert is not None}
+    )
+    offsets, sizes = local_box(t)
+    if sizes[0] != len(held) or (held and offsets[0] != held[0]):
+        raise ValueError(
+            f"stacked experts {name}: this rank's local part is experts [{offsets[0]}, {offsets[0] + sizes[0]}); "
+            f"rank {me.rank} of {me.layout} holds experts {held}: another rank order or sharding rule?"
+        )
 
 
 def _spec_of(module: torch.nn.Module) -> ModelSpec:
