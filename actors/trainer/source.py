@@ -56,7 +56,7 @@ from realloc.layout import Layout, RankLayout, Topology
 from realloc.layout.sharded import megatron_fused_name
 from realloc.layout.stacked import stacked_name
 from realloc.shards import ShardStore
-from realloc.shards.dtensor import MESH_NAMES, _local, check_boxes, local_box, mesh_topology, read_local
+from realloc.shards.dtensor import MESH_NAMES, check_boxes, local_box, local_part, mesh_topology, read_local
 from realloc.shards.fused import fused_views, megatron_core_view, megatron_fused_views
 from realloc.shards.store import allocate_buffers
 from realloc.spec import ModelSpec
@@ -96,7 +96,7 @@ class Holdings:
         total = 0
         with torch.no_grad():
             for tensor, view, index in self.copies:
-                local = _local(tensor)
+                local = local_part(tensor)
                 view.copy_(local if index is None else local[index])
                 total += view.numel() * view.element_size()
         return total
@@ -336,7 +336,7 @@ class ShardSource(WeightSource):
                 if 0 in local_box(t)[1]:
                     continue  # an empty FSDP2 chunk: the layout holds nothing of it either
                 raise ValueError(f"parameter {name} ({target}) is not held by rank {rank} of {layout}")
-            shape = tuple(_local(t).shape)
+            shape = tuple(local_part(t).shape)
             if shape != tuple(view.shape):
                 raise ValueError(
                     f"parameter {name} is {shape} on this rank; rank {rank} of {layout} holds {target} as "

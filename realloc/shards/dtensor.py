@@ -100,7 +100,8 @@ def check_boxes(rank: RankLayout, state: Mapping[str, torch.Tensor], name_map=No
         )
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local tensor, or the tensor itself."""
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -127,7 +128,7 @@ def _copy(
     total = 0
     with torch.no_grad():
         for _, shard, tensor in _pairs(rank, state, name_map):
-            local, view = _local(tensor), views[shard.slot]
+            local, view = local_part(tensor), views[shard.slot]
             (view if into_views else local).copy_(local if into_views else view)
             total += local.numel() * local.element_size()
     return total
