@@ -63,18 +63,21 @@ STATES = ("staging", "staged", "committing", "committed", "failed", "aborted")
 
 @dataclass(frozen=True)
 class PlannedFrom:
-    """What a staged update's plan was made from, of one group: its ``layout`` and its ``workers``
-    (the object ``replace_dead_workers`` replaces, with the placement and the workers' infos), read
-    before the update holds the group."""
+    """What a staged update's plan was made from, of one group: its ``layout``, its ``workers``
+    and its ``placement``, read before the update holds the group. ``replace_dead_workers``
+    publishes new ``workers`` first and the placement read from them (with the workers' infos)
+    later, after the replacements answer: a plan made in between has the new workers on the old
+    placement, so both objects are compared (by identity: only a replacement sets them)."""
 
     group: Any
     layout: Layout
     workers: Workers
+    placement: Any = None
 
     @classmethod
     def of(cls, group: Any, layout: Layout | None = None) -> "PlannedFrom":
         """``group`` now (``layout``: the one the plan takes for it, read from it earlier)."""
-        return cls(group, group.layout if layout is None else layout, group.workers)
+        return cls(group, group.layout if layout is None else layout, group.workers, group.placement)
 
     def changes(self) -> list[str]:
         """What the group changed since (empty: nothing the plan depends on)."""
@@ -83,6 +86,8 @@ class PlannedFrom:
             out.append(f"its layout is {self.group.layout} now, the plan's is {self.layout}")
         if self.group.workers is not self.workers:
             out.append("its workers were replaced (replace_dead_workers)")
+        elif self.group.placement is not self.placement:
+            out.append("its replaced workers were placed after the plan was made (replace_dead_workers)")
         return out
 
 
