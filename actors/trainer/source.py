@@ -235,31 +235,13 @@ class ShardSource(WeightSource):
         if any(_STACKED.match(name) for name in tensors):
             return self._read_stacked(tensors)
         _check_names(self.spec, tensors)
-        from torch.distributed.tensor import DTensor
-
-        meshes = [t.device_mesh for t in tensors.values() if isinstance(t, DTensor)]
-        if meshes:
-            mesh = max(meshes, key=lambda m: m.ndim)  # FSDP2 with tp: the (dp_shard, tp) mesh; norms: its dp part
-            topology = mesh_topology(mesh)
-            if self.declared is not None and _sizes(self.declared) != _sizes(topology):
-                raise ValueError(
-                    f"the declared topology {self.declared} is not what the DTensors' device mesh says ({topology})"
-                )
-            rank = _mesh_rank(mesh, topology)
-            if self.declared_rank is not None and self.declared_rank != rank:
-                raise ValueError(
-                    f"the declared rank {self.declared_rank} is not this rank's place in the device mesh ({rank})"
-                )
-            layout = Layout(self.spec, self.declared or topology)
-            check_boxes(layout.at(rank), tensors)
-        else:
-            topology = self.declared or Topology()
-            if topology.world_size > 1 and self.declared_rank is None:
-                raise ValueError(f"a declared topology ({topology}) needs this rank's rank= as well")
-            rank = self.declared_rank or 0
-            layout = Layout(self.spec, topology)
-            _check_plain(layout.at(rank), tensors)
+        topology, rank, dtensors = self._topology_and_rank(tensors)
+        layout = Layout(self.spec, topology)
         me = layout.at(rank)
+        if dtensors:
+            check_boxes(me, tensors)
+        else:
+            _check_plain(me, tensors)
         held = {s.slot for s in me.shards()}
         missing = sorted(held - set(tensors))
         if missing:
@@ -278,7 +260,7 @@ class ShardSource(WeightSource):
             if topology.world_size > 1 and self.declared_rank is None:
                 raise ValueError(f"a declared topology ({topology}) needs this rank's rank= as well")
             return topology, self.declared_rank or 0, False
-        mesh = max(meshes, key=lambda m: m.ndim)
+        mesh = max(meshes, key=lambda m: m.ndim)  # FSDP2 with tp: the (dp_shard, tp) mesh; norms: its dp part
         topology = mesh_topology(mesh)
         if self.declared is not None and _sizes(self.declared) != _sizes(topology):
             raise ValueError(
