@@ -24,22 +24,15 @@ import vllm_models as vm  # noqa: E402
 EP = 2
 
 
-def _rank(rank: int, port: int, path: str, out: str) -> None:
-    import torch.distributed as dist
+def _megatron_moe_model(config: dict, experts: int, **parallel):
+    """Megatron-core's own MoE ``GPTModel`` (local layer spec, ``SequentialMLP`` experts) of HF
+    ``config`` with ``experts`` routed experts, in the parallel state initialized (``parallel``: its
+    sizes as ``TransformerConfig`` takes them, ``tensor_model_parallel_size=`` and so on)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
-    from safetensors.torch import load_file
 
-    from actors.trainer import ShardSource
-    from realloc.spec import spec_from_hf_config
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=EP)
-    ps.initialize_model_parallel(expert_model_parallel_size=EP)
-    config = json.loads(open(os.path.join(path, "config.json")).read())
-    experts = config["num_local_experts"]
     mcfg = TransformerConfig(
         num_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"],
@@ -50,7 +43,7 @@ def _rank(rank: int, port: int, path: str, out: str) -> None:
         moe_ffn_hidden_size=config["moe_intermediate_size"],
         num_moe_experts=experts,
         moe_router_topk=config["num_experts_per_tok"],
-        expert_model_parallel_size=EP,
+        **parallel,
         qk_layernorm=True,
         use_cpu_initialization=True,
         gated_linear_unit=True,
@@ -59,17 +52,35 @@ def _rank(rank: int, port: int, path: str, out: str) -> None:
         add_bias_linear=False,
         params_dtype=torch.float32,
     )
-    spec = get_gpt_layer_local_spec(
+    layer_spec = get_gpt_layer_local_spec(
         num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
-    model = GPTModel(
+    return GPTModel(
         mcfg,
-        spec,
+        layer_spec,
         vocab_size=config["vocab_size"],
         max_sequence_length=64,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
     )
+
+
+def _rank(rank: int, port: int, path: str, out: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from actors.trainer import ShardSource
+    from realloc.spec import spec_from_hf_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=EP)
+    ps.initialize_model_parallel(expert_model_parallel_size=EP)
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    experts = config["num_local_experts"]
+    model = _megatron_moe_model(config, experts, expert_model_parallel_size=EP)
     full = {k: v.float() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
     mine = list(range(rank * experts // EP, (rank + 1) * experts // EP))  # Megatron's block, by hand
     by_megatron = ut.megatron_moe_locals(full, config, mine)
@@ -183,9 +194,6 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
     from actors.trainer import ShardSource
     from realloc.spec import spec_from_hf_config
@@ -205,41 +213,14 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
         )
-        mcfg = TransformerConfig(
-            num_layers=c["num_hidden_layers"],
-            hidden_size=c["hidden_size"],
-            num_attention_heads=c["num_attention_heads"],
-            num_query_groups=c["num_key_value_heads"],
-            kv_channels=c["head_dim"],
-            ffn_hidden_size=c["intermediate_size"],
-            moe_ffn_hidden_size=c["moe_intermediate_size"],
-            num_moe_experts=c["num_experts"],
-            moe_router_topk=c["num_experts_per_tok"],
+        model = _megatron_moe_model(
+            c,
+            c["num_experts"],
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             pipeline_dtype=torch.float32,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
-            qk_layernorm=True,
-            use_cpu_initialization=True,
-            gated_linear_unit=True,
-            activation_func=torch.nn.functional.silu,
-            normalization="RMSNorm",
-            add_bias_linear=False,
-            params_dtype=torch.float32,
-        )
-        layer_spec = get_gpt_layer_local_spec(
-            num_experts=c["num_experts"], moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-        )
-        model = GPTModel(
-            mcfg,
-            layer_spec,
-            vocab_size=c["vocab_size"],
-            max_sequence_length=64,
-            position_embedding_type="rope",
-            share_embeddings_and_output_weights=False,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
         )
         # fill the router and the experts where Megatron's own sharded_state_dict places them
         filled = 0
