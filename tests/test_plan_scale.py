@@ -62,7 +62,7 @@ class large_form:
     def __enter__(self):
         self.patches = [
             mock.patch.object(schedule, "LARGE_PLAN_ROUTES", 0),
-            mock.patch.object(schedule, "cyclic_suits", lambda src, dst: True),
+            mock.patch.object(schedule, "_cyclic_fits", lambda src, dst, colour: True),
         ]
         for p in self.patches:
             p.start()

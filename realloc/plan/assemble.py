@@ -222,15 +222,21 @@ def _stats(router: Router, src, dst, nbytes, step_starts, local_copies, list_byt
     bw = router.bandwidths
     workers = router.placement.num_workers
     nodes = len(router.node_names)
-    intra = router.node_of[src] == router.node_of[dst]
-    inter_bytes = np.where(intra, 0, nbytes)
+    # Millions of routes: every pass writes into as few fresh arrays as it can (a fresh array of
+    # 4 million float64 is 8,000 page faults before it holds anything)
+    node_of = router.node_of.astype(np.int16 if nodes < 1 << 15 else np.int32)
+    intra = node_of[src] == node_of[dst]
+    inter = ~intra
+    weights = nbytes.astype(np.float64)  # bincount's weights (it would convert them on every call)
+    seconds_of = np.divide(weights, bw.inter_node)
+    np.divide(weights, bw.intra_node, out=seconds_of, where=intra)
     num_steps = len(step_starts) - 1
-    seconds_of = np.where(intra, nbytes / bw.intra_node, inter_bytes / bw.inter_node)
     local_per_worker: dict[int, int] = defaultdict(int)
     for w, j in local_copies:
         local_per_worker[w] += int(list_bytes[j])
     seconds = makespan(src, dst, seconds_of, step_starts, workers)
     seconds += max(local_per_worker.values(), default=0) / bw.local_copy
+    del seconds_of
 
     def table(total: np.ndarray, routes: np.ndarray, name) -> dict[str, int]:
         """Bytes per sender (receiver), for every one that sends (receives) something."""
@@ -238,17 +244,19 @@ def _stats(router: Router, src, dst, nbytes, step_starts, local_copies, list_byt
 
     node_name, rank_name = router.node_names.__getitem__, str
     out: dict = {}
+    at = np.empty(src.size, dtype=np.intp)
     for end, side, node_side in ((src, "send", "egress"), (dst, "recv", "ingress")):
         # per worker and kind (intra-node 0, inter-node 1): bytes and routes, in one pass each
-        at = end.astype(np.intp) * 2 + ~intra
-        total = np.bincount(at, weights=nbytes, minlength=2 * workers).reshape(workers, 2)
+        np.left_shift(end, 1, out=at, casting="unsafe")
+        at += inter
+        total = np.bincount(at, weights=weights, minlength=2 * workers).reshape(workers, 2)
         routes = np.bincount(at, minlength=2 * workers).reshape(workers, 2)
         node_total = np.bincount(router.node_of, weights=total[:, 1], minlength=nodes)
         node_routes = np.bincount(router.node_of, weights=routes[:, 1], minlength=nodes)
         out[node_side] = node_total
         out[f"node_{node_side}_bytes"] = table(node_total, node_routes, node_name)
         out[f"rank_{side}_bytes"] = table(total.sum(axis=1), routes.sum(axis=1), rank_name)
-    inter_total = int(inter_bytes.sum())
+    inter_total = int(nbytes.sum(where=inter))
     return {
         "bytes_total": int(nbytes.sum()),
         "bytes_intra_node": int(nbytes.sum()) - inter_total,

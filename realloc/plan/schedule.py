@@ -31,43 +31,66 @@ def cyclic_suits(src: np.ndarray, dst: np.ndarray) -> bool:
     sparse ones (each worker talks to a few peers) would get up to ``W`` steps and fail."""
     if src.size <= LARGE_PLAN_ROUTES:
         return False
+    return _cyclic_fits(src, dst, _colours(src, dst)[0])
+
+
+def _colours(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each route's cyclic colour ``(dst - src) mod W`` (``W`` past the largest worker id), and ``W``."""
     width = int(max(src.max(), dst.max())) + 1
+    colour = dst - src
+    colour %= width
+    return colour, width
+
+
+def _cyclic_fits(src: np.ndarray, dst: np.ndarray, colour: np.ndarray) -> bool:
+    """:func:`cyclic_suits` of routes whose colours are ``colour`` (:func:`_colours`)."""
     degree = max(int(np.bincount(src).max()), int(np.bincount(dst).max()))
-    colours = int(np.count_nonzero(np.bincount((dst - src) % width, minlength=width)))
-    return colours <= 1.1 * degree + 8
+    return int(np.count_nonzero(np.bincount(colour))) <= 1.1 * degree + 8
 
 
 def schedule_routes(
     phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
 ) -> tuple[np.ndarray, int, int]:
     """Step of every route: phase 0 steps first, then phase 1 (fan-out); returns
-    ``(step per route, number of steps, first phase-1 step)``."""
+    ``(step per route, number of steps, first phase-1 step)``.
+
+    Routes sorted by phase (as the planner gives them) are taken a phase at a time as slices;
+    others are gathered by phase first (the same steps either way)."""
+    if phase.size and not np.all(phase[1:] >= phase[:-1]):
+        order = np.argsort(phase, kind="stable")
+        step, num_steps, forward_from = schedule_routes(phase[order], src[order], dst[order], nbytes[order])
+        out = np.empty_like(step)
+        out[order] = step
+        return out, num_steps, forward_from
     step = np.zeros(src.size, dtype=np.int64)
     num_steps = forward_from = 0
+    bounds = np.searchsorted(phase, [0, 1, 2]).tolist()
     for ph in (0, 1):
         forward_from = num_steps
-        idx = np.flatnonzero(phase == ph)
-        if not idx.size:
+        part = slice(bounds[ph], bounds[ph + 1])
+        s, d = src[part], dst[part]
+        if not s.size:
             continue
-        if cyclic_suits(src[idx], dst[idx]):
-            colours = _cyclic_steps(src[idx], dst[idx])
-        else:
-            colours = timed_steps(src[idx], dst[idx], nbytes[idx])
-        step[idx] = colours + num_steps
+        colours = None
+        if s.size > LARGE_PLAN_ROUTES:  # cyclic_suits, its colours kept for the steps
+            colour, width = _colours(s, d)
+            if _cyclic_fits(s, d, colour):
+                colours = _cyclic_steps(colour, width)
+        if colours is None:
+            colours = timed_steps(s, d, nbytes[part])
+        np.add(colours, num_steps, out=step[part])
         num_steps += int(colours.max()) + 1
     return step, num_steps, forward_from
 
 
-def _cyclic_steps(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """Step ``(dst - src) mod W`` (``W`` past the largest worker id), steps left empty removed.
+def _cyclic_steps(colour: np.ndarray, width: int) -> np.ndarray:
+    """Step ``(dst - src) mod W`` (the routes' :func:`_colours`), steps left empty removed.
 
     For one ``src`` the steps of its routes differ because their ``dst`` do, and for one ``dst``
     because their ``src`` do: a proper schedule in at most ``W`` steps, computed without a loop.
     It suits dense exchanges (every worker talks to most others, so any schedule needs about
     ``W`` steps); sparse ones get :func:`timed_steps`.
     """
-    width = int(max(src.max(), dst.max())) + 1
-    colour = (dst - src) % width
     used = np.bincount(colour, minlength=width) > 0
     return (np.cumsum(used) - 1)[colour]
 
