@@ -211,6 +211,25 @@ def test_a_copys_receiver_refuses_a_plan_made_from_the_layout_it_left(call):
     assert_untouched(w, before)
 
 
+def test_a_blends_receiver_refuses_at_prepare_a_destination_it_does_not_hold():
+    """``copy_to(eta=)`` runs prepare, the driver-run phases and a blending commit, which mixes
+    what a receiver got with what it holds. A blend planned for the generator's old tp=2 layout
+    after it moved to dp=2 is refused at prepare (``op_prepare(into=)``), before any buffer is
+    allocated or any byte moves. Before, a blend's receivers took any destination at prepare
+    (only ``op_run``'s copies checked ``MoveOrder.into``): the worker's own defence against a
+    driver bug, as for the copies above."""
+    w = worker("gen", DP2.at(1))
+    before = snapshot(w)
+    with pytest.raises(
+        ValueError,
+        match=r"worker of gen holds rank 1 of dp=2,tp=1,pp=1, but the copy into dp=1,tp=2,pp=1 writes rank 1 of dp=1,tp=2",
+    ):
+        w.op_prepare("op-1", TP2.at(1), True, TP2)
+    assert_untouched(w, before)
+    w.op_prepare("op-2", DP2.at(1), True, DP2)  # what it holds: prepared
+    assert w._realloc.op.id == "op-2" and w._realloc.op.dst == DP2.at(1)
+
+
 def test_a_receiver_refuses_another_rank_and_a_conversion_into_another_placement():
     shares = copy_shares(TP2, TP2)
     w = worker("gen", TP2.at(0))

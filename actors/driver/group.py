@@ -1364,7 +1364,7 @@ def _move(
             log.debug("%s: slowest worker per phase: %s", op.what, phase_summary(result.phases))
         seconds = result.seconds
     else:  # blending rewrites destination buffers that fan-out readers may still be reading:
-        op.prepare()  # commit only after every worker finished (the driver's barrier)
+        op.prepare(order.into)  # commit only after every worker finished (the driver's barrier)
         t0 = time.perf_counter()
         result = op.execute_plan(world, plan, srcs, placement, {"model": model})
         seconds = time.perf_counter() - t0

@@ -73,9 +73,10 @@ class Operation:
         log.debug("operation %s: %s", self.id, what)
 
     # -- steps -----------------------------------------------------------------------------
-    def prepare(self) -> list[dict]:
-        """Step 1 on every worker; returns each worker's ``{"dst": handles, "src": handles}``."""
-        refs = [a.op_prepare.remote(self.id, d) for a, d in zip(self.workers.actors, self.dsts)]
+    def prepare(self, into: Layout | None = None) -> list[dict]:
+        """Step 1 on every worker; returns each worker's ``{"dst": handles, "src": handles}``.
+        ``into``: a copy into ``into``, which each receiving worker checks it holds."""
+        refs = [a.op_prepare.remote(self.id, d, True, into) for a, d in zip(self.workers.actors, self.dsts)]
         self.handles = self.call(refs, "prepare")
         return self.handles
 

@@ -402,12 +402,19 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         self._realloc.faults.arm(kind, value)
 
     # -- the protocol --------------------------------------------------------------------
-    def op_prepare(self, op_id: str, dst: RankLayout | None, export: bool = True) -> dict | None:
+    def op_prepare(
+        self, op_id: str, dst: RankLayout | None, export: bool = True, into: Layout | None = None
+    ) -> dict | None:
         """Start operation ``op_id``: allocate destination buffers for ``dst`` (if any).
 
         Returns the zero-copy handles of the destination and the current (source) buffers
         (``export=False``: nothing, ``op_run`` sends them to the peers that need them).
+        ``into``: the operation is a copy into ``into`` that this worker must already hold (a
+        blend, ``copy_to(eta=)``, mixes what it receives with what it holds): ``ValueError``
+        before anything changes when ``dst`` is not what it holds (actors/worker/guard.py).
         """
+        if into is not None:
+            guard.check_destination(self._realloc.group, self._realloc.held, dst, None, into)
         self._realloc.counters["prepare"] += 1
         self._drop_op()
         buffers, refreshed = None, False
