@@ -12,7 +12,7 @@ import pytest
 import ray
 from simulated import simulated_cluster, wait_for_dead_workers
 
-from actors import Fleet, ModelGroup, ReallocationError, ShardWorker
+from actors import Fleet, GroupBusyError, ModelGroup, ReallocationError, ShardWorker
 from actors.driver.fleet import FleetUpdate
 from actors.driver.staged import StagedUpdate
 from actors.lanes import STAGE
@@ -283,6 +283,25 @@ def test_a_fleet_update_sends_each_byte_out_of_the_trainer_once(cluster, monkeyp
         assert "holds version" in str(update.errors[names[1]]) and fleet.replicas == replicas
         assert update.commit(at="now") == [names[0]]
         assert replicas[0].verify_synthetic(52) == {} and all(r.verify_synthetic(51) == {} for r in replicas[1:])
+
+        # A replica whose staged update ends busy (GroupBusyError from its wait: nothing staged) is
+        # skipped and left out of the update: not reported staged, not committed. Before, its
+        # failed update stayed among the staged ones (wait() gave it no stats and commit() tried it).
+        monkeypatch.setattr(FleetUpdate, "_stage_one", real)
+        real_wait = StagedUpdate.wait
+
+        def busy_wait(self, timeout_s=None):
+            if self.dest.name == names[3]:
+                raise GroupBusyError(f"{names[3]!r} changed after the update was planned from it", layout="")
+            return real_wait(self, timeout_s)
+
+        monkeypatch.setattr(StagedUpdate, "wait", busy_wait)
+        trainer.init_synthetic(54)
+        update = fleet.stage(trainer)
+        assert sorted(update.wait()) == sorted(names[:3]) and update.skipped == [names[3]]
+        assert names[3] not in update.updates and names[3] not in update.relayed_from
+        assert update.commit(at="now") == names[:3]
+        assert all(r.verify_synthetic(54) == {} for r in replicas[:3]) and replicas[3].verify_synthetic(51) == {}
     finally:
         for g in [trainer, *replicas]:
             g.shutdown()

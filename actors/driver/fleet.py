@@ -406,6 +406,8 @@ class FleetUpdate:
                 self.source_sends += 1
             return update
         except GroupBusyError as err:  # busy, not broken: it keeps serving what it served
+            self.updates.pop(replica.name, None)  # its update staged nothing (from wait(): it was registered)
+            self.relayed_from.pop(replica.name, None)
             self.errors[replica.name] = err
             self.skipped.append(replica.name)
         except ReallocationError as err:
