@@ -288,6 +288,32 @@ def test_vllm_commit_failing_on_every_worker_keeps_the_engines_rpcs_in_step(setu
     assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-failed-commit"))
 
 
+def test_vllm_commit_every_worker_refused_keeps_the_served_versions_label_and_the_next_update_commits(setup):
+    """Found in review: vLLM takes ``weight_version`` as its label once ``finish_weight_update``
+    returns, whatever the workers did (vllm/entrypoints/rl/offline.py ``finish_weight_update``), so
+    after a commit every worker refused before writing anything the engine labelled its outputs
+    with a version it does not serve. Now the driver gives vLLM back the served version's label
+    (an empty round), and the next update commits."""
+    llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
+    served, version, new = serving_old_holding_new(setup, 22, 23)
+    assert llm.get_weight_version() == str(version)
+    update = trainer.copy_to(engine, stage=True)
+    update.wait()
+    assert vm.unstage(llm) == [0, 1]
+    with pytest.raises(ReallocationError) as err:
+        update.commit()
+    said = str(err.value)
+    assert llm.get_weight_version() == str(version), said
+    assert f"serves version {version}, untouched" in said and f"vLLM labels its outputs '{version}' again" in said
+    assert "unstaged (injected)" in said and update.state == "failed" and engine.version == version
+    out = vm.greedy(llm)
+    assert tokens_and_logprobs(out) == tokens_and_logprobs(served)
+    assert all(spans == [(str(version), 0, len(t))] for t, _, spans in out), out
+    trainer.copy_to(engine)
+    assert llm.get_weight_version() == str(engine.version) == str(trainer.version)
+    assert tokens_and_logprobs(vm.greedy(llm)) == tokens_and_logprobs(reference(setup, new, "after-refused-commit"))
+
+
 def test_vllm_qwen3_moe_engine_serves_the_trainer_weights_exactly(setup):
     """Qwen3-MoE at tp=2 (its own engine): ``FusedMoE``'s ``w13``/``w2`` (each expert's gate and up
     fused, split over tp), the router, q/k norms and a padded vocabulary, through the same backend:

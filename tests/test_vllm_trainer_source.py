@@ -359,7 +359,11 @@ class InProcessWorkers:
     """vLLM's weight-sync client over ``m`` realloc worker engines (actors/vllm/engine.py) in this
     process, without vLLM: each describes itself as its bake would (realloc's vLLM layout at its tp
     rank), ``update_weights`` hands each worker its entry of the list as vLLM's worker does, and a
-    commit is recorded, not applied to a model. ``tamper``: changes the payloads on their way."""
+    commit is recorded, not applied to a model. ``tamper``: changes the payloads on their way.
+    ``label``: the engine's weight version label, set as vLLM's ``LLM`` sets it (after the
+    workers' ``finish_weight_update`` returned: vllm/entrypoints/rl/offline.py), starting at
+    vLLM's ``"default"``; a round is refused as vLLM's worker refuses it (started twice, or
+    updated or finished outside a round: vllm/v1/worker/gpu_worker.py)."""
 
     def __init__(self, spec, m: int, tamper=None):
         from actors.driver.vllm import vllm_layout
@@ -368,6 +372,8 @@ class InProcessWorkers:
         self.workers: list = []
         self.commits: list[int] = []
         self.shadows: dict = {}  # worker -> the shadow set it last committed (its received weights)
+        self.label = "default"
+        self.active = False
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         import json
@@ -398,10 +404,15 @@ class InProcessWorkers:
             self.workers.append(w)
 
     def start_weight_update(self) -> None:
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active.")
         for w in self.workers:
             w.start_weight_update()
+        self.active = True
 
     def update_weights(self, update_info) -> None:
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
         infos = update_info if isinstance(update_info, list) else [update_info] * self.m
         if self.tamper is not None and isinstance(update_info, list):
             infos = self.tamper(infos)
@@ -409,8 +420,16 @@ class InProcessWorkers:
             w.update_weights(info)  # what vLLM's worker calls (vllm/v1/worker/gpu_worker.py Worker.update_weights)
 
     def finish_weight_update(self, weight_version=None) -> None:
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
         for w in self.workers:
             w.finish_weight_update()
+        self.active = False
+        if weight_version is not None:
+            self.label = weight_version
+
+    def get_weight_version(self) -> str:
+        return self.label
 
 
 def test_a_vllm_worker_refusing_its_share_is_named_at_once_and_the_next_update_commits(llama, monkeypatch):
@@ -450,6 +469,168 @@ def test_a_vllm_worker_refusing_its_share_is_named_at_once_and_the_next_update_c
     refuse[0] = False
     assert trainer.send_weights() == 1 and client.commits == [0, 1]
     assert all(b > 0 for b in trainer.stats.received_bytes), trainer.stats
+
+
+def _head(llama, monkeypatch, timeout_s: float, tamper=None):
+    """A one-rank trainer driving ``InProcessWorkers`` (two vLLM workers) and that client."""
+    path, model = llama
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)  # as vLLM's CPU worker does
+    client = InProcessWorkers(spec_from_hf_config(path), 2, tamper)
+    trainer = ReallocTrainerWeightTransferEngine.trainer_init(
+        ReallocTrainerInitInfo(rank=0, timeout_s=timeout_s), client=client, source=ShardSource(model)
+    )
+    return client, trainer
+
+
+def _slow_outcomes(worker, seconds: float) -> None:
+    """``worker``'s stage thread posts its outcome ``seconds`` late (a slow transfer)."""
+    post = worker._post
+    worker._post = lambda rnd: (time.sleep(seconds), post(rnd))
+
+
+def _failing_update(trainer):
+    """``trainer.send_weights()``'s ReallocationError (pickled and back: it crosses processes) and
+    the seconds it took."""
+    from actors.errors import ReallocationError
+
+    started = time.monotonic()
+    with pytest.raises(ReallocationError) as err:
+        trainer.send_weights()
+    elapsed = time.monotonic() - started
+    assert pickle.loads(pickle.dumps(err.value)).message == err.value.message
+    return err.value, elapsed
+
+
+def test_a_commit_answer_missing_is_read_within_the_updates_deadline_naming_every_worker(llama, monkeypatch):
+    """Found in review: the workers' answers to the commit were read within a deadline of their own
+    (``timeout_s`` from the commit), so an update could take about twice ``timeout_s``; and worker
+    by worker, raising at the first silent one, so the others' reasons were hidden. Here the
+    transfer takes most of the deadline, worker 0 never answers the commit and worker 1's commit
+    fails: one error, within the update's deadline, names worker 0 and quotes worker 1's reason."""
+
+    timeout_s = 3.0
+    client, trainer = _head(llama, monkeypatch, timeout_s)
+    zero, one = client.workers
+    for w in client.workers:
+        _slow_outcomes(w, 0.6 * timeout_s)
+    answer = zero._answer
+    zero._answer = lambda update_id, call, said: None if call == "commit" else answer(update_id, call, said)
+
+    def broken(shadow):
+        raise RuntimeError("the commit broke on worker 1 (injected)")
+
+    one._commit = broken
+    err, elapsed = _failing_update(trainer)
+    said = str(err)
+    assert elapsed < timeout_s + 1.0, f"the update took {elapsed:.1f}s, past its {timeout_s}s deadline: {said}"
+    assert "vLLM worker 1 answered: RuntimeError: the commit broke on worker 1 (injected)" in said, said
+    assert "vLLM worker(s) [0] did not answer finish_weight_update (the commit) within 3s" in said, said
+    assert "workers may differ" in said and "untouched" not in said, said
+    assert err.unresponsive == ["vllm worker 0"], err.unresponsive
+
+
+def test_a_transfer_outcome_missing_names_every_silent_worker_and_every_workers_error(llama, monkeypatch):
+    """Found in review: the workers' transfer outcomes were read worker by worker, raising at the
+    first silent one: a worker that never reports hid the error another worker reported. Now all are
+    read until the deadline, and one error names worker 0 (silent) and quotes worker 1's failure;
+    the engine is untouched and the next update commits."""
+
+    timeout_s = 3.0
+    client, trainer = _head(llama, monkeypatch, timeout_s)
+    zero, one = client.workers
+    zero._post = lambda rnd: None  # never reports
+    post = one._post
+
+    def failing(rnd):
+        rnd.error = "RuntimeError: the transfer broke on worker 1 (injected)"
+        post(rnd)
+
+    one._post = failing
+    err, elapsed = _failing_update(trainer)
+    said = str(err)
+    assert "vLLM worker 1 answered: RuntimeError: the transfer broke on worker 1 (injected)" in said, said
+    assert "vLLM worker(s) [0] did not report its transfer within 3s" in said, said
+    assert said.count("vllm serves version 0, untouched") == 1, said
+    assert err.unresponsive == ["vllm worker 0"] and elapsed < timeout_s + 1.0, (elapsed, said)
+    assert client.commits == [] and not client.active
+    del zero._post, one._post
+    assert trainer.send_weights() == 1 and client.commits == [0, 1]
+
+
+def test_a_commit_every_worker_refused_gives_vllm_back_the_served_versions_label(llama, monkeypatch):
+    """Found in review: vLLM takes ``weight_version`` as its label once ``finish_weight_update``
+    returns, whatever the workers did (vllm/entrypoints/rl/offline.py), so after a commit every
+    worker refused before writing anything the engine labelled its outputs with a version it does
+    not serve. Now the label of the version it serves is put back (an empty round), and the next
+    update commits and labels its own version."""
+    from actors.errors import ReallocationError
+
+    client, trainer = _head(llama, monkeypatch, 8.0)
+    assert trainer.send_weights() == 1 and client.label == "1" and client.commits == [0, 1]
+    finish, refuse = client.finish_weight_update, [True]
+
+    def unstaged(weight_version=None):
+        if weight_version is not None and refuse[0]:  # no worker's round is staged when the commit comes
+            refuse[0] = False
+            for w in client.workers:
+                w.round.staged, w.round.error = False, "RuntimeError: injected"
+        finish(weight_version)
+
+    client.finish_weight_update = unstaged
+    with pytest.raises(ReallocationError) as err:
+        trainer.send_weights()
+    said = str(err.value)
+    assert "the commit of version 2 was refused" in said and "vllm serves version 1, untouched" in said, said
+    assert "vLLM labels its outputs '1' again" in said, said
+    assert client.label == "1" and client.commits == [0, 1] and not client.active
+    assert trainer.engine.version == 1 and trainer.engine.unknown is None
+    assert trainer.send_weights() == 2 and client.label == "2" and client.commits == [0, 1, 0, 1]
+
+
+def test_a_failed_round_is_posted_to_the_other_ranks_before_the_engines_round_is_closed(llama, monkeypatch):
+    """Found in review: rank 0 posted the error of a round it could not open only after closing the
+    engine's round (two RPCs, each waiting for the engine's step), so another rank could reach its
+    own deadline first and report that rank 0 did not open the update, without the reason. Here a
+    vLLM worker refuses its share and closing the round takes longer than rank 1's deadline: rank 1
+    raises the refusal."""
+    import threading
+
+    from actors.errors import ReallocationError
+    from actors.wire.transport import connect_rendezvous
+
+    _, model = llama
+    client, head = _head(llama, monkeypatch, 8.0, lambda infos: [infos[0], {**infos[1], "share": infos[0]["share"]}])
+    update = client.update_weights
+
+    def slow_abort(update_info):
+        if not isinstance(update_info, list) and update_info.get("op") == "abort":
+            time.sleep(2.0)  # the engine is in a long forward step
+        update(update_info)
+
+    client.update_weights = slow_abort
+    other = ReallocTrainerWeightTransferEngine(
+        client=None, source=ShardSource(model), is_sender=False, info=ReallocTrainerInitInfo(rank=1, timeout_s=1.0)
+    )
+    other.control = connect_rendezvous("127.0.0.1", head.control.port, 1, 5.0)
+    raised: list = []
+
+    def drive():
+        try:
+            head.send_weights()
+        except BaseException as err:  # noqa: BLE001 - checked below
+            raised.append(err)
+
+    thread = threading.Thread(target=drive)
+    thread.start()
+    try:
+        with pytest.raises(ReallocationError) as err:
+            other.send_weights()
+    finally:
+        thread.join(15)
+    said = str(err.value)
+    assert re.search(r"rank 0 could not start the update: ReallocationError: .*vLLM worker 1 refused its share", said)
+    assert "vllm serves version 0, untouched" in said, said
+    assert len(raised) == 1 and "vLLM worker 1 refused its share" in str(raised[0]), raised
 
 
 def _stacked_moe(model_type: str):

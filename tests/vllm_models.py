@@ -167,3 +167,16 @@ def break_commit(llm, broken: bool = True) -> list[int]:
     import functools
 
     return llm.collective_rpc(functools.partial(_break_commit, broken=broken))
+
+
+def _unstage(worker) -> int:
+    """In a vLLM worker: its open realloc round counts as not staged (as if its transfer had not
+    finished), so its commit refuses it before writing anything; its rank."""
+    engine = worker.weight_transfer_engine
+    engine.round.staged, engine.round.error = False, f"RuntimeError: worker {engine.index} unstaged (injected)"
+    return engine.index
+
+
+def unstage(llm) -> list[int]:
+    """Every worker's open realloc round counts as not staged: the next commit is refused by all."""
+    return llm.collective_rpc(_unstage)

@@ -28,7 +28,13 @@ One update (:meth:`VLLMEngine.stage`, and ``copy_to`` = stage, wait, commit):
    ``finish_weight_update()`` on the engine, and a :class:`~actors.errors.ReallocationError`
    naming what failed and saying the engine serves its old version, untouched.
 4. **commit**: ``finish_weight_update(weight_version=str(version))``: every worker switches its
-   shadow set in between two forward steps; vLLM labels the outputs with the version.
+   shadow set in between two forward steps; vLLM labels the outputs with the version. A commit
+   every worker refused before writing anything gives vLLM back the label of the weights it still
+   serves (an empty round: :meth:`VLLMEngine._relabel`).
+
+Every read of the workers' answers in an update is bounded by the update's one deadline, and reads
+every worker: a missing answer is one error naming every silent or dead worker and quoting the
+errors of those that answered.
 
 The workers never raise into vLLM (at tp >= 2 vLLM's executor would read later calls' replies out
 of step): each answers ``update_weights`` (its share taken or refused) and the commit through the
@@ -45,7 +51,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -66,6 +72,10 @@ log = logging.getLogger(__name__)
 VLLM_VOCAB_PADDING = 64
 #: How often the driver reads the workers' outcomes from the store.
 POLL_S = 0.02
+#: vLLM's label of the weights it loaded (vllm/v1/engine/core.py ``EngineCore.__init__``:
+#: ``self._weight_version = "default"``): the label put back after a refused first commit when the
+#: client cannot say the engine's label (it has no ``get_weight_version``).
+VLLM_INITIAL_LABEL = "default"
 
 
 class LLMClient:
@@ -85,6 +95,9 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version=weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.llm.get_weight_version()
 
 
 class AsyncLLMClient:
@@ -112,6 +125,9 @@ class AsyncLLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run(self.engine.finish_weight_update(weight_version=weight_version))
+
+    def get_weight_version(self) -> str:
+        return self._run(self.engine.get_weight_version())
 
 
 @dataclass
@@ -170,6 +186,9 @@ class VLLMEngine:
         self._round = ""  # the update id of the last round opened
         #: why the engine's weights are not known (a commit that failed: its workers may differ)
         self.unknown: str | None = None
+        #: vLLM's label of the weights it serves (``weight_version``): ``str(version)`` once an update
+        #: committed; before, the engine's own as the client read it at init (None: it cannot say)
+        self.label: str | None = None
 
     @classmethod
     def of(cls, llm: Any, **kwargs: Any) -> "VLLMEngine":
@@ -180,12 +199,14 @@ class VLLMEngine:
         return f"VLLMEngine({self.name!r}, layout={self.layout}, version={self.version})"
 
     # -- init: the engine's layout, from its workers ----------------------------------------------
-    def init(self, spec) -> None:
+    def init(self, spec, deadline: Deadline | None = None) -> None:
         """Bake and check the engine's layout for ``spec`` (once; a later trainer must match it):
-        ``ValueError`` naming the tensor where the engine's loaders and realloc's vLLM layout differ."""
+        ``ValueError`` naming the tensor where the engine's loaders and realloc's vLLM layout differ.
+        ``deadline``: the update's, when the first update runs it (default: ``timeout_s`` from now)."""
         if self.layout is not None:
             self.layout.spec.check_same_as(spec)
             return
+        deadline = deadline or Deadline(self.timeout_s)
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         self._store = host_rendezvous(host, 1, self.timeout_s)
         params = [[p.name, list(p.shape), p.dtype] for p in spec.params]
@@ -198,11 +219,12 @@ class VLLMEngine:
                 f"{self.name}: init_weight_transfer_engine failed ({type(err).__name__}: {err}); is the engine "
                 "started with WeightTransferConfig(backend='realloc')?"
             ) from err
-        first = self._read(("worker", 0), "describe itself")
+        first = self._read(("worker", 0), "describe itself", deadline)
         refused = [first] if "error" in first else []
         workers = [first]
         if not refused:
-            workers += [self._read(("worker", i), "describe itself") for i in range(1, first["workers"])]
+            others = range(1, first["workers"])
+            workers += self._collect([(i, ("worker", i)) for i in others], "describe itself", deadline, self.serving())
             refused = [w for w in workers if "error" in w]
         if refused:
             if refused[0].get("failed"):  # not a refusal of the trainer's model: the worker's init broke
@@ -217,44 +239,77 @@ class VLLMEngine:
         self.layout, self.workers = layout, sorted(workers, key=lambda w: w["tp_rank"])
         if self.node is None:
             self.node = _node_of(workers[0]["ip"])
+        if self.label is None and callable(getattr(self.client, "get_weight_version", None)):
+            self.label = str(self.client.get_weight_version())  # what a refused first commit puts back
 
     def dead_workers(self) -> list[str]:
         """``"vLLM worker <i> (pid <p>) died"`` for each worker of this host whose process is gone
         (a worker on another host is not judged here: its silence is named by the deadline)."""
+        return list(self._dead().values())
+
+    def _dead(self) -> dict[int, str]:
+        """:meth:`dead_workers`, by worker index."""
         here = {"127.0.0.1", _ip_of_this_host()}
-        return [
-            f"vLLM worker {w['index']} (pid {w['pid']}) died"
+        return {
+            w["index"]: f"vLLM worker {w['index']} (pid {w['pid']}) died"
             for w in self.workers
             if w.get("ip") in here and not _alive(w["pid"])
-        ]
+        }
 
-    def _read(self, key: tuple, what: str, deadline: Deadline | None = None, worker: int | None = None) -> dict:
-        """The value worker ``worker`` (default: ``key``'s last part) posted under ``key``, waiting
-        up to ``deadline``; past it, or when the worker's process is gone, a ReallocationError
-        naming it."""
-        deadline = deadline or Deadline(self.timeout_s)
-        worker = key[-1] if worker is None else worker
-        name = control_key(self._id, *key)
-        while not self._store.check([name]):
-            gone = [d for d in self.dead_workers() if d.startswith(f"vLLM worker {worker} ")]
-            if gone:
-                raise ReallocationError(f"{self.name}: {gone[0]} before it could {what}", dead=gone)
-            if deadline.remaining() <= 0:
-                raise ReallocationError(
-                    f"{self.name}: vLLM worker {worker} did not {what} within {deadline.seconds:.0f}s "
-                    f"(store key {name}); {self.serving()}",
-                    unresponsive=[f"{self.name} worker {worker}"],
-                )
+    def _read(self, key: tuple, what: str, deadline: Deadline | None = None) -> dict:
+        """The value worker ``key[-1]`` posted under ``key``, waiting up to ``deadline``
+        (:meth:`_collect` of one worker)."""
+        return self._collect([(key[-1], key)], what, deadline or Deadline(self.timeout_s), self.serving())[0]
+
+    def _collect(self, keys: list[tuple[int, tuple]], what: str, deadline: Deadline, state: str) -> list[dict]:
+        """The values the workers posted, each under its key (``keys``: (worker index, key)), in
+        order. Every worker is read until each one answered, or ``deadline`` passed, or every
+        worker still silent died (a dead one is not waited for); then one
+        :class:`~actors.errors.ReallocationError` names every dead and every silent worker and
+        quotes the error each worker that did answer gave, followed by ``state`` (what is true of
+        the engine then)."""
+        names = {i: control_key(self._id, *key) for i, key in keys}
+        got: dict[int, dict] = {}
+        dead: dict[int, str] = {}
+        while True:
+            for i, name in names.items():
+                if i not in got and i not in dead and self._store.check([name]):
+                    got[i] = json.loads(self._store.get(name))
+            silent = [i for i in names if i not in got and i not in dead]
+            if silent:
+                dead.update({i: d for i, d in self._dead().items() if i in silent})
+                silent = [i for i in silent if i not in dead]
+            if not silent or deadline.remaining() <= 0:
+                break
             time.sleep(POLL_S)
-        return json.loads(self._store.get(name))
+        if not dead and not silent:
+            return [got[i] for i, _ in keys]
+        said = [f"{dead[i]} before it could {what}" for i in sorted(dead)]
+        if silent:
+            said.append(
+                f"vLLM worker(s) {silent} did not {what} within {deadline.seconds:.0f}s "
+                f"(store keys {[names[i] for i in silent]})"
+            )
+        said += [f"vLLM worker {i} answered: {a['error']}" for i, a in sorted(got.items()) if a.get("error")]
+        raise ReallocationError(
+            f"{self.name}: " + "; ".join(said) + (f"; {state}" if state else ""),
+            dead=[dead[i] for i in sorted(dead)],
+            unresponsive=[f"{self.name} worker {i}" for i in silent],
+        )
 
-    def answers(self, update_id: str, call: str, what: str) -> list[dict]:
+    def answers(
+        self, update_id: str, call: str, what: str, deadline: Deadline | None = None, state: str | None = None
+    ) -> list[dict]:
         """Every worker's answer to ``call`` (``staging``, ``commit``) of round ``update_id``: each
         worker posts it before its RPC returns (actors/vllm/engine.py; it never raises into vLLM,
         whose executor would read the replies of a later call out of step), so it is read after
-        that RPC, within the deadline, naming a worker whose answer is missing."""
-        deadline = Deadline(self.timeout_s)
-        return [self._read((update_id, w["index"], call), what, deadline, w["index"]) for w in self.workers]
+        that RPC, within ``deadline`` (the round's; default: ``timeout_s`` from now). A missing
+        answer: one :class:`~actors.errors.ReallocationError` (:meth:`_collect`) naming every
+        worker whose answer is missing and quoting the others' errors, then ``state`` (default:
+        :meth:`serving`)."""
+        keys = [(w["index"], (update_id, w["index"], call)) for w in self.workers]
+        state = self.serving() if state is None else state
+        return self._collect(keys, what, deadline or Deadline(self.timeout_s), state)
 
     # -- an update ---------------------------------------------------------------------------------
     def stage(self, trainer: Any, delta: bool = False) -> "VLLMUpdate":
@@ -278,7 +333,7 @@ class VLLMEngine:
         """Stage, wait and commit: the engine serves ``trainer``'s weights afterwards."""
         update = self.stage(trainer, delta)
         update.wait()
-        return update.commit()
+        return update._commit(update.deadline)  # one call, one deadline
 
     def received_delta(self, order) -> None:
         """An update carrying ``order`` (a :class:`~actors.records.DeltaOrder`) reached the engine:
@@ -326,10 +381,20 @@ class VLLMEngine:
         return out
 
     def open_round(
-        self, update_id: str, version: int, world: str, addr: str, port: int, shares: list, base, delta: bool
+        self,
+        update_id: str,
+        version: int,
+        world: str,
+        addr: str,
+        port: int,
+        shares: list,
+        base,
+        delta: bool,
+        deadline: Deadline | None = None,
     ) -> None:
         """Start a round on the engine and hand each worker its share (world ranks after the
-        trainer's): the workers join world ``world`` at ``addr:port`` and receive on a thread."""
+        trainer's): the workers join world ``world`` at ``addr:port`` and receive on a thread.
+        ``deadline``: the update's (default: ``timeout_s`` from now)."""
         m = len(self.workers)
         n = len(shares) - m
         self.client.start_weight_update()
@@ -343,7 +408,7 @@ class VLLMEngine:
         self._round = update_id
         # A worker that refuses its share (it fails the share's checks) answers why before its
         # update_weights returns, and never joins the world: said now, not as the world's timeout
-        answers = self.answers(update_id, "staging", "answer update_weights")
+        answers = self.answers(update_id, "staging", "answer update_weights", deadline)
         refused = [(w["index"], a["error"]) for w, a in zip(self.workers, answers) if a["error"]]
         if refused:
             raise ReallocationError(
@@ -353,8 +418,10 @@ class VLLMEngine:
 
     def outcomes(self, update_id: str, deadline: Deadline) -> list[dict]:
         """Each worker's report of round ``update_id`` (within ``deadline``); a
-        :class:`~actors.errors.ReallocationError` naming the workers whose transfer failed."""
-        outcomes = [self._read((update_id, w["index"]), "report its transfer", deadline) for w in self.workers]
+        :class:`~actors.errors.ReallocationError` naming the workers whose transfer failed (and,
+        when some did not report, every silent or dead one too: :meth:`_collect`)."""
+        keys = [(w["index"], (update_id, w["index"])) for w in self.workers]
+        outcomes = self._collect(keys, "report its transfer", deadline, self.serving())
         failed = [(w["index"], o["error"]) for w, o in zip(self.workers, outcomes) if o["error"]]
         if failed:
             raise ReallocationError(
@@ -362,28 +429,31 @@ class VLLMEngine:
             )
         return outcomes
 
-    def switch(self, version: int, origin: tuple[str, int] | None) -> float:
+    def switch(self, version: int, origin: tuple[str, int] | None, deadline: Deadline | None = None) -> float:
         """Commit the staged round: every worker switches in between two forward steps, the
-        outputs are labelled ``version``; ``origin``: whose weights it now serves. Its seconds."""
+        outputs are labelled ``version``; ``origin``: whose weights it now serves; ``deadline``:
+        the update's, for the workers' answers (default: ``timeout_s`` from now). Its seconds."""
         started = time.perf_counter()
         self._open = False
         try:
             self.client.finish_weight_update(weight_version=str(version))
-            answers = self.answers(self._round, "commit", "answer finish_weight_update (the commit)")
+            answers = self.answers(self._round, "commit", "answer finish_weight_update (the commit)", deadline, "")
         except BaseException as err:
             self.origin = None
             self.unknown = f"the commit of version {version} failed ({type(err).__name__}: {err})"
             raise ReallocationError(
                 f"{self.name}: {self.unknown}; workers may differ: reload the engine's weights "
-                "(collective_rpc('reload_weights')) or restart it"
+                "(collective_rpc('reload_weights')) or restart it",
+                getattr(err, "dead", []),
+                getattr(err, "unresponsive", []),
             ) from err
         failed = [(w["index"], a) for w, a in zip(self.workers, answers) if a["error"]]
         if failed:
             said = "; ".join(f"vLLM worker {i}: {a['error']}" for i, a in failed)
             if not any(a["touched"] for a in answers):  # refused by every worker before any write
                 raise ReallocationError(
-                    f"{self.name}: the commit of version {version} was refused ({said}); {self.serving()} "
-                    f"(vLLM labels its outputs {version} all the same)"
+                    f"{self.name}: the commit of version {version} was refused ({said}); {self.serving()}; "
+                    f"{self._relabel(version)}"
                 )
             self.origin = None
             self.unknown = f"the commit of version {version} failed ({said})"
@@ -391,8 +461,37 @@ class VLLMEngine:
                 f"{self.name}: {self.unknown}; workers may differ: reload the engine's weights "
                 "(collective_rpc('reload_weights')) or restart it"
             )
-        self.version, self.origin, self.unknown = version, origin, None
+        self.version, self.origin, self.unknown, self.label = version, origin, None, str(version)
         return time.perf_counter() - started
+
+    def _relabel(self, refused: int) -> str:
+        """After a commit of version ``refused`` that every worker refused before any write: give
+        vLLM back the label of the weights it serves, and say what its outputs are labelled now.
+        vLLM took ``str(refused)`` as its label when ``finish_weight_update`` returned, whatever the
+        workers did: each front end sets it after the RPC (vllm/entrypoints/rl/offline.py
+        ``RLOfflineMixin.finish_weight_update``: ``collective_rpc("finish_weight_update")`` then
+        ``llm_engine.set_weight_version``; vllm/v1/engine/async_llm.py ``finish_weight_update``;
+        vllm/distributed/weight_transfer/clients.py: the HTTP route's, and the Ray client's
+        ``update_weight_version`` after the call), into ``EngineCore._weight_version``, which
+        stamps every later step's outputs (vllm/v1/engine/core.py ``_attach_weight_version``).
+        The client protocol has no call that only sets the label, so an empty round sets it:
+        ``start_weight_update()``, ``finish_weight_update(weight_version=<label>)``; vLLM's worker
+        allows a round without ``update_weights`` (vllm/v1/worker/gpu_worker.py
+        ``Worker.finish_weight_update`` only needs a started round) and realloc's worker ends a
+        round with nothing staged without touching anything (actors/vllm/engine.py
+        ``finish_weight_update``)."""
+        label = self.label if self.label is not None else VLLM_INITIAL_LABEL
+        try:
+            self.client.start_weight_update()
+            self._open = True  # closed by the finish below, else by the next update's failure (close_round)
+            self.client.finish_weight_update(weight_version=label)
+            self._open = False
+        except Exception as err:  # noqa: BLE001 - said in the error
+            return (
+                f"giving vLLM back its label {label!r} failed ({type(err).__name__}: {err}): it labels its outputs "
+                f"{refused}, which it does not serve"
+            )
+        return f"vLLM labels its outputs {label!r} again"
 
     def close_round(self) -> None:
         """Drop an open round (its staged bytes); the engine serves what it served."""
@@ -411,9 +510,13 @@ class VLLMEngine:
             )
         return f"{self.name} serves version {self.version}, untouched"
 
-    def failed(self, err: BaseException, trainer: str) -> BaseException:
+    def failed(
+        self, err: BaseException, trainer: str, announce: Callable[[BaseException], None] | None = None
+    ) -> BaseException:
         """The error to raise for an update from ``trainer`` that failed with ``err``, the round
-        closed: it names what failed and says what the engine serves now."""
+        closed: it names what failed and says what the engine serves now. ``announce``: called
+        with that error before the round is closed (closing is two RPCs, which wait for the
+        engine's step), for those waiting on the update to learn the reason at once."""
         gone = self.dead_workers()
         if gone and not isinstance(err, ValueError):
             err = ReallocationError(
@@ -424,11 +527,17 @@ class VLLMEngine:
                 None,
                 getattr(err, "waiting", []),
             )
+        if announce is not None:
+            announce(self._failure(err, trainer, gone, ""))
         note = ""
         try:
             self.close_round()
         except BaseException as closing:  # noqa: BLE001 - said in the error
             note = f" (closing the engine's round failed too: {type(closing).__name__}: {closing})"
+        return self._failure(err, trainer, gone, note)
+
+    def _failure(self, err: BaseException, trainer: str, gone: list[str], note: str) -> BaseException:
+        """:meth:`failed`'s error, ``note`` said of the round's closing."""
         state = f"{self.serving()}{note}"
         if gone:
             state = (
@@ -436,9 +545,8 @@ class VLLMEngine:
                 f"the trainer {trainer!r} is untouched{note}"
             )
         if isinstance(err, ReallocationError):
-            out = ReallocationError(
-                f"{err.message}. {state}", err.dead, err.unresponsive, str(self.layout), err.waiting
-            )
+            said = err.message if state in err.message else f"{err.message}. {state}"
+            out = ReallocationError(said, err.dead, err.unresponsive, str(self.layout), err.waiting)
         elif isinstance(err, ValueError):
             return err
         else:
@@ -470,7 +578,7 @@ class VLLMUpdate:
         self._hold.enter_context(trainer.ledger.exclusive(f"update {engine.name}", deadline=self.deadline))
         forming = None  # the world whose formation the trainer's ranks wait in, until it is formed
         try:
-            engine.init(trainer.spec)
+            engine.init(trainer.spec, self.deadline)
             self.version = trainer.version
             self.stats = VLLMUpdateStats(self.version)
             holds = engine.origin[1] if engine.origin is not None and engine.origin[0] == trainer.name else None
@@ -496,7 +604,7 @@ class VLLMUpdate:
                 for r, a in enumerate(trainer.workers.actors)
             ]
             forming = world
-            engine.open_round(self.id, self.version, world, addr, port, shares, base, delta)
+            engine.open_round(self.id, self.version, world, addr, port, shares, base, delta, self.deadline)
             gather(trainer.workers, joins, self.deadline, f"update {engine.name}: form the world")
             forming = None
             self._runs = [
@@ -549,10 +657,17 @@ class VLLMUpdate:
 
     def commit(self) -> VLLMUpdateStats:
         """Switch the staged weights in on every worker (one RPC between two forward steps) and
-        label the engine's outputs with the version."""
+        label the engine's outputs with the version. The workers' answers are read within the
+        update's deadline; a staged update committed once that passed (a call of its own, later)
+        reads them within ``timeout_s`` from the commit."""
+        live = self.deadline.remaining() > 0
+        return self._commit(self.deadline if live else Deadline(self.engine.timeout_s))
+
+    def _commit(self, deadline: Deadline) -> VLLMUpdateStats:
+        """:meth:`commit` within ``deadline``."""
         self.wait()
         try:
-            self.stats.commit_seconds = self.engine.switch(self.version, (self.trainer.name, self.version))
+            self.stats.commit_seconds = self.engine.switch(self.version, (self.trainer.name, self.version), deadline)
         except BaseException:
             self.state = "failed"
             raise

@@ -29,8 +29,10 @@ verdict. A refusal anywhere is the same ``ValueError`` on every rank, before any
 2. every rank copies its local shards into its send buffer (its own share of the model, never
    more), joins the world and sends its routes, then posts ``sent/k/<rank>``;
 3. rank 0 reads every rank's report and every vLLM worker's outcome; then commits
-   (``finish_weight_update(weight_version=...)``: one RPC between two forward steps) or closes
-   the round (the engine serves its old weights, untouched), and posts ``verdict/k``;
+   (``finish_weight_update(weight_version=...)``: one RPC between two forward steps) and posts
+   ``verdict/k``; or, on any failure, posts the error (as ``verdict/k``, and as ``round/k`` if the
+   round was not opened yet) and then closes the round (the engine serves its old weights,
+   untouched);
 4. every rank returns the verdict's version or raises its error (:class:`~actors.errors.ReallocationError`).
 """
 
@@ -207,7 +209,8 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         return self.version
 
     def _drive(self, k: int, version: int) -> int:
-        """Rank 0's round ``k`` (see the module's docstring)."""
+        """Rank 0's round ``k`` (see the module's docstring); one deadline for all of it, the
+        engine's answers included."""
         engine, held = self.engine, self.holdings
         deadline = Deadline(self.info.timeout_s)
         stats = VLLMUpdateStats(version)
@@ -233,7 +236,9 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                     "size": len(shares),
                     "shares": {str(r): encode(shares[w]) for r, w in self.by_rank.items()},
                 }
-                engine.open_round(update_id, version, world, self.addr, rendezvous.port, shares, base, self.info.delta)
+                engine.open_round(
+                    update_id, version, world, self.addr, rendezvous.port, shares, base, self.info.delta, deadline
+                )
             except BaseException:
                 posted = False  # the other ranks' round ends with the error below (what failed, the engine's state)
                 raise
@@ -242,13 +247,19 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
             self._check_reports(k, error, deadline)
             outcomes = engine.outcomes(update_id, deadline)
             stats.seconds = time.perf_counter() - started
-            stats.commit_seconds = engine.switch(version, (self.info.name, version))
+            stats.commit_seconds = engine.switch(version, (self.info.name, version), deadline)
         except BaseException as err:
-            failure = engine.failed(err, self.info.name)
             self.base = None
-            if not posted:
-                self._post(f"round/{k}", {"error": f"{type(failure).__name__}: {failure}"})
-            self._post(f"verdict/{k}", {"error": str(failure)})
+
+            def announce(failure: BaseException) -> None:
+                # before the engine's round is closed (two RPCs, each waiting for the engine's
+                # step): the other ranks wait on these keys within their own deadlines, and would
+                # otherwise time out saying rank 0 did not open (or end) the update
+                if not posted:
+                    self._post(f"round/{k}", {"error": f"{type(failure).__name__}: {failure}"})
+                self._post(f"verdict/{k}", {"error": str(failure)})
+
+            failure = engine.failed(err, self.info.name, announce)
             if failure is err:
                 raise
             raise failure from err

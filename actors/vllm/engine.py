@@ -26,7 +26,8 @@ What each phase does here:
     vllm/model_executor/model_loader/reload/layerwise.py ``_layerwise_process``, whose loader
     replay this replaces), then the modules that share a written tensor (a tied lm head) processed
     again. Refused, with the serving weights untouched, unless this round staged
-    every byte; after an abort it changes nothing.
+    every byte; after an abort, or in a round that took no share (the driver's round that only
+    sets vLLM's label), it changes nothing.
 
 Serving weights are only written by the commit. A failure before it (a trainer rank dying, a
 deadline) leaves the engine serving the old weights; the driver learns it from the store
@@ -338,8 +339,11 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         ``touched`` (whether the serving weights were written at all), never raises (see
         ``init_transfer_engine``: vLLM closes its round all the same)."""
         rnd, self.round = self.round, None
-        if rnd is None or rnd.aborted:
-            return  # an aborted (or empty) round changes nothing
+        if rnd is None or rnd.aborted or not rnd.update_id:
+            # an aborted round, or one that took no share (the driver's empty round that only
+            # gives vLLM back its label after a refused commit: actors/driver/vllm.py
+            # ``VLLMEngine._relabel``), changes nothing and answers nothing
+            return
         answer: dict[str, Any] = {"error": None, "touched": False}
         if rnd.thread is None or not rnd.staged:  # staged: every byte is in the shadow set
             rnd.aborted = True  # the round is over: its thread leaves at its next check
