@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -27,24 +28,35 @@ EP = 2
 def _megatron_moe_model(config: dict, experts: int, **parallel):
     """Megatron-core's own MoE ``GPTModel`` (local layer spec, ``SequentialMLP`` experts) of HF
     ``config`` with ``experts`` routed experts, in the parallel state initialized (``parallel``: its
-    sizes as ``TransformerConfig`` takes them, ``tensor_model_parallel_size=`` and so on)."""
+    sizes as ``TransformerConfig`` takes them, ``tensor_model_parallel_size=`` and so on).
+
+    Per ``model_type``: Qwen3-MoE's q/k norms (``qk_layernorm``); Qwen2-MoE's q/k/v biases
+    (``add_qkv_bias``) and its shared expert behind a sigmoid gate (``moe_shared_expert_intermediate_size``,
+    ``moe_shared_expert_gate``: megatron/core/transformer/moe/shared_experts.py ``SharedExpertMLP``);
+    Mixtral's experts of ``intermediate_size``."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    kind = config["model_type"]
+    qk_norm = kind == "qwen3_moe"
+    shared = config.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None
     mcfg = TransformerConfig(
         num_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"],
         num_query_groups=config["num_key_value_heads"],
-        kv_channels=config["head_dim"],
+        kv_channels=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
         ffn_hidden_size=config["intermediate_size"],
-        moe_ffn_hidden_size=config["moe_intermediate_size"],
+        moe_ffn_hidden_size=config.get("moe_intermediate_size", config["intermediate_size"]),
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
         num_moe_experts=experts,
         moe_router_topk=config["num_experts_per_tok"],
         **parallel,
-        qk_layernorm=True,
+        qk_layernorm=qk_norm,
+        add_qkv_bias=kind == "qwen2_moe",
         use_cpu_initialization=True,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
@@ -53,7 +65,7 @@ def _megatron_moe_model(config: dict, experts: int, **parallel):
         params_dtype=torch.float32,
     )
     layer_spec = get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
     )
     return GPTModel(
         mcfg,
@@ -165,32 +177,66 @@ TINY_QWEN3_MOE = dict(
     num_experts_per_tok=2,
     vocab_size=256,
 )
+#: Qwen2-MoE: q/k/v biases, one shared expert (intermediate 12, 6 rows of gate and of up per tp
+#: rank) behind its sigmoid ``shared_expert_gate``.
+TINY_QWEN2_MOE = {
+    **{k: v for k, v in TINY_QWEN3_MOE.items() if k != "head_dim"},
+    "model_type": "qwen2_moe",
+    "shared_expert_intermediate_size": 12,
+}
+#: Mixtral: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.E.w1/w3/w2`` (experts of
+#: ``intermediate_size``).
+TINY_MIXTRAL = {
+    **{k: v for k, v in TINY_QWEN3_MOE.items() if k not in ("moe_intermediate_size", "num_experts")},
+    "model_type": "mixtral",
+    "intermediate_size": 8,
+    "num_local_experts": 4,
+}
+#: The local layer spec's ``sharded_state_dict_keys_map`` (megatron/core/models/gpt/
+#: gpt_layer_specs.py ``get_gpt_layer_local_spec``): the norms' checkpoint keys.
+_NORM_KEYS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 
 
-def _megatron_global(full: dict, layers: int, experts: int) -> dict:
-    """Megatron's distributed-checkpoint tensors of the router and the routed experts (layer and
-    expert axes first), from the HF checkpoint: ``linear_fc1`` of an expert is ``[gate; up]``
-    (the ``_w`` and ``_v`` halves of apply_swiglu_sharded_factory, megatron/core/transformer/mlp.py)."""
-    import torch
-
-    def stack(f):
-        return torch.stack([torch.stack([f(i, e) for e in range(experts)]) for i in range(layers)])
-
-    def x(i, e, name):
-        return full[f"model.layers.{i}.mlp.experts.{e}.{name}.weight"]
-
-    return {
-        "decoder.layers.mlp.router.weight": torch.stack(
-            [full[f"model.layers.{i}.mlp.gate.weight"] for i in range(layers)]
-        ),
-        "decoder.layers.mlp.experts.experts.linear_fc1.weight": stack(
-            lambda i, e: torch.cat([x(i, e, "gate_proj"), x(i, e, "up_proj")])
-        ),
-        "decoder.layers.mlp.experts.experts.linear_fc2.weight": stack(lambda i, e: x(i, e, "down_proj")),
-    }
+def _experts_of(config: dict) -> int:
+    return config.get("num_experts") or config["num_local_experts"]
 
 
-def _mesh_rank(rank: int, port: int, out: str) -> None:
+def _megatron_global(full: dict, config: dict) -> dict:
+    """Every tensor of Megatron's distributed checkpoint (``sharded_state_dict`` keys: the layers
+    stacked on a first axis, the routed experts on a second) from the HF checkpoint ``full``: the
+    whole model as one tp=1 rank holding every expert has it (tests/user_trainers.py
+    ``megatron_moe_locals``, an independent conversion: ``linear_qkv`` per query group, every
+    ``linear_fc1`` ``[gate; up]``, the ``_w`` and ``_v`` halves of apply_swiglu_sharded_factory,
+    megatron/core/transformer/mlp.py), stacked."""
+    whole = ut.megatron_moe_locals(full, config, list(range(_experts_of(config))))
+    stacks: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
+    out = {}
+    for name, t in whole.items():
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            out[name] = t
+            continue
+        rest = _NORM_KEYS.get(m[2], m[2])
+        e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(.+)", rest)
+        key = "decoder.layers." + (f"mlp.experts.experts.{e[2]}" if e else rest)
+        stacks.setdefault(key, {})[(int(m[1]),) + ((int(e[1]),) if e else ())] = t
+    for key, parts in stacks.items():
+        layers = sorted({at[0] for at in parts})
+        if ".experts.experts." in key:
+            out[key] = torch.stack([torch.stack([parts[at] for at in sorted(parts) if at[0] == i]) for i in layers])
+        else:
+            out[key] = torch.stack([parts[(i,)] for i in layers])
+    return out
+
+
+def _mesh_rank(rank: int, port: int, out: str, config: dict, meshes: list) -> None:
+    """Per mesh: Megatron's own MoE ``GPTModel`` of ``config``, every parameter filled where its
+    ``sharded_state_dict`` puts the checkpoint's tensor (NaN first: a parameter left unfilled
+    fails), read by ``ShardSource.megatron``; every shard the rank holds is compared to the HF
+    checkpoint's box. A refusal is recorded as the error."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -200,13 +246,12 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    c = TINY_QWEN3_MOE
-    spec = spec_from_hf_config(c, dtype="float32")
+    spec = spec_from_hf_config(config, dtype="float32")
     gen = torch.Generator().manual_seed(0)
     full = {p.name: torch.randn(p.shape, generator=gen) for p in spec.params}
-    glob = _megatron_global(full, c["num_hidden_layers"], c["num_experts"])
+    glob = _megatron_global(full, config)
     results = []
-    for tp, pp, ep, etp in MESHES:
+    for tp, pp, ep, etp in meshes:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
@@ -214,40 +259,47 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
             expert_tensor_parallel_size=etp,
         )
         model = _megatron_moe_model(
-            c,
-            c["num_experts"],
+            config,
+            _experts_of(config),
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             pipeline_dtype=torch.float32,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
         )
-        # fill the router and the experts where Megatron's own sharded_state_dict places them
-        filled = 0
+        result = {"mesh": [tp, pp, ep, etp]}
         with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
             for sh in model.sharded_state_dict().values():
                 pieces = sh.build() if isinstance(sh, ShardedTensorFactory) else [sh]
                 for t in pieces:
-                    if not isinstance(t, ShardedTensor) or t.key not in glob:
+                    if not isinstance(t, ShardedTensor):
                         continue
                     n = t.prepend_axis_num
                     box = tuple(t.global_offset[:n]) + tuple(
                         slice(o, o + s) for o, s in zip(t.global_offset[n:], t.local_shape)
                     )
                     t.data.copy_(glob[t.key][box])
-                    filled += 1
-        held = ShardSource.megatron(model, spec).holdings()
-        held.refresh()
-        mine = [s for s in held.me.shards() if ".mlp.experts." in s.slot or s.slot.endswith(".mlp.gate.weight")]
-        wrong = sorted(
-            s.slot
-            for s in mine
-            if not torch.equal(
-                held.store.views(s.param, s.offsets, s.sizes)[0],
-                full[s.param][tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))],
+        result["unfilled"] = sorted(n for n, p in model.named_parameters() if p.isnan().any())
+        result["names"] = sorted(n for n, _ in model.named_parameters())
+        try:
+            held = ShardSource.megatron(model, spec).holdings()
+        except ValueError as err:
+            result["refused"] = str(err)
+        else:
+            held.refresh()
+            mine = held.me.shards()
+            result["checked"] = sorted({s.param for s in mine})
+            result["wrong"] = sorted(
+                s.slot
+                for s in mine
+                if not torch.equal(
+                    held.store.views(s.param, s.offsets, s.sizes)[0],
+                    full[s.param][tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))],
+                )
             )
-        )
-        results.append({"mesh": [tp, pp, ep, etp], "filled": filled, "checked": len(mine), "wrong": wrong[:6]})
+        results.append(result)
         del model
         ps.destroy_model_parallel()
     with open(out, "w") as f:
@@ -255,24 +307,65 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _mesh_main(rank: int, port: int, outs: list[str]) -> None:
-    _mesh_rank(rank, port, outs[rank])
+def _mesh_main(rank: int, port: int, outs: list[str], config: dict, meshes: list) -> None:
+    _mesh_rank(rank, port, outs[rank], config, meshes)
 
 
-def test_megatron_core_experts_are_where_its_sharded_state_dict_puts_them(tmp_path):
-    """Expert tensor parallelism (etp = tp = 2; etp = 2 > tp = 1), expert parallelism with etp=1
-    beside tp=2, and pipeline stages: every routed-expert and router shard a rank sends is the
-    checkpoint's tensor, the model's local tensors having been filled where Megatron-core's own
-    ``sharded_state_dict`` says they sit (``SequentialMLP.sharded_state_dict``: the global expert
-    of ``local_experts.j``; ``apply_swiglu_sharded_factory``: the gate and up rows of the etp rank)."""
+def _on_meshes(tmp_path, config: dict, meshes: list) -> list[dict]:
+    """:func:`_mesh_rank` on 2 gloo processes: both ranks' results, per mesh."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    torch.multiprocessing.start_processes(_mesh_main, args=(port, outs), nprocs=2, start_method="spawn", join=True)
-    for out in outs:
-        for r in json.loads(open(out).read()):
-            assert r["filled"] > 0 and r["checked"] > 0 and r["wrong"] == [], r
+    torch.multiprocessing.start_processes(
+        _mesh_main, args=(port, outs, config, meshes), nprocs=2, start_method="spawn", join=True
+    )
+    results = [r for out in outs for r in json.loads(open(out).read())]
+    assert len(results) == 2 * len(meshes)
+    for r in results:
+        assert r["unfilled"] == [], r  # every parameter is where Megatron's sharded_state_dict says
+        assert "refused" not in r and r["checked"] and r["wrong"] == [], {
+            k: r.get(k) for k in ("mesh", "refused", "wrong")
+        }
+    return results
+
+
+def test_megatron_core_experts_are_where_its_sharded_state_dict_puts_them(tmp_path):
+    """Expert tensor parallelism (etp = tp = 2; etp = 2 > tp = 1), expert parallelism with etp=1
+    beside tp=2, and pipeline stages: every shard a rank sends (routed experts, router, attention,
+    norms, embedding, head) is the checkpoint's tensor, the model's local tensors having been
+    filled where Megatron-core's own ``sharded_state_dict`` says they sit
+    (``SequentialMLP.sharded_state_dict``: the global expert of ``local_experts.j``;
+    ``apply_swiglu_sharded_factory``: the gate and up rows of the etp rank)."""
+    _on_meshes(tmp_path, TINY_QWEN3_MOE, MESHES)
+
+
+def test_megatron_core_shared_experts_and_their_gate_are_read_exactly(tmp_path):
+    """Qwen2-MoE trained by Megatron-core: ``SharedExpertMLP`` (megatron/core/transformer/moe/
+    shared_experts.py) holds ``mlp.shared_experts.linear_fc1`` (the rank's gate rows, then its up
+    rows: tensor parallel in the dense tp group, whatever etp), ``linear_fc2`` (row parallel) and,
+    with ``moe_shared_expert_gate``, ``gate_weight`` ``[1, hidden]`` (replicated): HF's
+    ``mlp.shared_expert.{gate,up,down}_proj`` and ``mlp.shared_expert_gate``. At tp=2, at tp=2 beside
+    ep=2 (etp=1) and at pp=2, every shard a rank sends is the checkpoint's. They were refused
+    ("not a GPT decoder's that realloc maps")."""
+    results = _on_meshes(tmp_path, TINY_QWEN2_MOE, [(2, 1, 1, None), (2, 1, 2, 1), (1, 2, 1, None)])
+    parts = {f"shared_expert.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")} | {"shared_expert_gate.weight"}
+    for r in results:  # Megatron's model has the gate, and the rank's layers' shared experts were compared
+        assert any(n.endswith(".mlp.shared_experts.gate_weight") for n in r["names"]), r["mesh"]
+        assert {n.split(".mlp.")[1] for n in r["checked"] if ".mlp.shared_expert" in n} == parts, r["mesh"]
+
+
+def test_megatron_core_mixtral_reads_into_block_sparse_moe(tmp_path):
+    """Mixtral trained by Megatron-core: ``mlp.router`` is the checkpoint's ``block_sparse_moe.gate``,
+    a routed expert's ``linear_fc1`` its ``[w1; w3]`` and ``linear_fc2`` its ``w2`` (at tp=2, the
+    rows of the tp rank; at ep=2, the rank's block of experts). The router was refused as
+    ``mlp.gate``, which the Mixtral spec does not have."""
+    results = _on_meshes(tmp_path, TINY_MIXTRAL, [(2, 1, 1, None), (1, 1, 2, None)])
+    for r in results:
+        assert "model.layers.0.block_sparse_moe.gate.weight" in r["checked"]
+        assert any(n.endswith(".w1.weight") for n in r["checked"]) and any(
+            n.endswith(".w2.weight") for n in r["checked"]
+        )
 
 
 def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkeypatch):
@@ -347,3 +440,31 @@ def test_an_expert_rank_megatron_numbers_otherwise_is_refused(monkeypatch, held)
     for name, value in state.items():
         monkeypatch.setattr(ps, name, lambda value=value, **_: value)
     assert ShardSource.megatron(torch.nn.Module(), spec).declared_rank == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "checkpoint"),
+    [
+        ("decoder.layers.1.mlp.shared_experts.gate_weight", "model.layers.1.mlp.shared_expert_gate.weight"),
+        (
+            "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+            "model.layers.0.mlp.shared_experts.linear_fc1.weight",
+        ),
+    ],
+)
+def test_a_megatron_parameter_the_model_does_not_have_is_refused_naming_it(extra, checkpoint):
+    """Megatron's shared experts read with the spec of a model without them (Qwen3-MoE): refused,
+    naming the parameter and the checkpoint tensor the spec lacks, before any byte moves. (A name
+    realloc maps that the spec does not have is a wrong spec, not a tensor another rank holds.)"""
+    from actors.trainer import ShardSource
+    from realloc.spec import spec_from_hf_config
+
+    spec = spec_from_hf_config(TINY_QWEN3_MOE, dtype="float32")
+    full = {p.name: torch.zeros(p.shape) for p in spec.params}
+    local = ut.megatron_moe_locals(full, TINY_QWEN3_MOE, list(range(_experts_of(TINY_QWEN3_MOE))))
+    ShardSource(ut.module_of(local), spec=spec, topology="dp=1", rank=0, naming="megatron").holdings()
+    module = ut.module_of({**local, extra: torch.zeros(1, TINY_QWEN3_MOE["hidden_size"])})
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(extra)} is checkpoint tensor {re.escape(checkpoint)}, which model"
+    ):
+        ShardSource(module, spec=spec, topology="dp=1", rank=0, naming="megatron").holdings()

@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
+import user_trainers as ut
 import vllm_models as vm
 
 from actors.trainer import ReallocTrainerInitInfo, ReallocTrainerWeightTransferEngine, ShardSource
@@ -222,18 +223,7 @@ def test_trainer_deltas_take_an_anchor_every_so_many_updates():
     assert delta_base(every_time, 7, True, engine) is None
 
 
-def _module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module whose ``named_parameters()`` are ``tensors`` (dotted names as nested modules)."""
-    root = torch.nn.Module()
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        m = root
-        for part in path:
-            if not hasattr(m, part):
-                m.add_module(part, torch.nn.Module())
-            m = getattr(m, part)
-        m.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
-    return root
+_module_of = ut.module_of
 
 
 def test_a_megatron_pipeline_stage_numbers_its_layers_from_zero_and_holds_the_models_layers_of_its_stage(llama):

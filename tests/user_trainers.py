@@ -93,15 +93,40 @@ def sparse_step(rank, seed: int, fraction: float = 0.02) -> None:
             local[mask] += 0.1
 
 
+def module_of(tensors: dict):
+    """A module whose ``named_parameters()`` are ``tensors`` (dotted names as nested modules)."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
+    return root
+
+
 def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> dict:
     """Megatron-core's local tensors (``GPTModel`` with ``SequentialMLP`` experts, tp=1, pp=1) of a
     rank holding routed experts ``layer_experts`` of every layer, from the HF checkpoint ``full``
-    by Megatron's names, independent of realloc's layouts: q/k/v fused per query group,
-    ``[gate; up]`` per expert as ``local_experts.{j}``, the router as ``mlp.router``."""
+    by Megatron's names, independent of realloc's layouts: q/k/v (and their biases) fused per query
+    group, ``[gate; up]`` per expert as ``local_experts.{j}``, the router as ``mlp.router``; q/k norms
+    where the checkpoint has them; the shared expert (Qwen2-MoE's ``mlp.shared_expert``, DeepSeek's
+    ``mlp.shared_experts``) as ``mlp.shared_experts.linear_fc1`` ``[gate; up]`` and ``linear_fc2``,
+    Qwen2-MoE's ``mlp.shared_expert_gate`` as its ``gate_weight`` (megatron/core/transformer/moe/
+    shared_experts.py ``SharedExpertMLP``); Mixtral's ``block_sparse_moe`` with ``w1``/``w3``/``w2``."""
     import torch
 
-    heads, groups, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or config["hidden_size"] // heads
     per = heads // groups
+    mixtral = config["model_type"] == "mixtral"
+    moe, (gate, up, down) = (
+        ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
     out = {
         "embedding.word_embeddings.weight": full["model.embed_tokens.weight"],
         "output_layer.weight": full["lm_head.weight"],
@@ -109,19 +134,34 @@ def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> d
     }
     for i in range(config["num_hidden_layers"]):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = (full[f"{hf}self_attn.{x}_proj.weight"] for x in "qkv")
-        h = q.shape[1]
-        qkv = torch.cat([q.reshape(groups, per * hd, h), k.reshape(groups, hd, h), v.reshape(groups, hd, h)], 1)
-        out[mg + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, h)
+        for suffix in ("weight", "bias"):
+            if f"{hf}self_attn.q_proj.{suffix}" not in full:
+                continue
+            q, k, v = (full[f"{hf}self_attn.{x}_proj.{suffix}"] for x in "qkv")
+            rest = tuple(q.shape[1:])
+            qkv = torch.cat(
+                [q.reshape((groups, per * hd) + rest), k.reshape((groups, hd) + rest), v.reshape((groups, hd) + rest)],
+                1,
+            )
+            out[f"{mg}self_attention.linear_qkv.{suffix}"] = qkv.reshape((-1,) + rest)
         out[mg + "self_attention.linear_proj.weight"] = full[hf + "self_attn.o_proj.weight"]
-        out[mg + "self_attention.q_layernorm.weight"] = full[hf + "self_attn.q_norm.weight"]
-        out[mg + "self_attention.k_layernorm.weight"] = full[hf + "self_attn.k_norm.weight"]
+        for x in "qk":
+            if f"{hf}self_attn.{x}_norm.weight" in full:
+                out[f"{mg}self_attention.{x}_layernorm.weight"] = full[f"{hf}self_attn.{x}_norm.weight"]
         out[mg + "input_layernorm.weight"] = full[hf + "input_layernorm.weight"]
         out[mg + "pre_mlp_layernorm.weight"] = full[hf + "post_attention_layernorm.weight"]
-        out[mg + "mlp.router.weight"] = full[hf + "mlp.gate.weight"]
+        out[mg + "mlp.router.weight"] = full[f"{hf}{moe}.gate.weight"]
         for j, e in enumerate(layer_experts):
-            x = f"{hf}mlp.experts.{e}."
-            fc1 = torch.cat([full[x + "gate_proj.weight"], full[x + "up_proj.weight"]])
+            x = f"{hf}{moe}.experts.{e}."
+            fc1 = torch.cat([full[f"{x}{gate}.weight"], full[f"{x}{up}.weight"]])
             out[f"{mg}mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1
-            out[f"{mg}mlp.experts.local_experts.{j}.linear_fc2.weight"] = full[x + "down_proj.weight"]
+            out[f"{mg}mlp.experts.local_experts.{j}.linear_fc2.weight"] = full[f"{x}{down}.weight"]
+        for shared in ("mlp.shared_expert.", "mlp.shared_experts."):
+            x = hf + shared
+            if x + "gate_proj.weight" in full:
+                fc1 = torch.cat([full[x + "gate_proj.weight"], full[x + "up_proj.weight"]])
+                out[mg + "mlp.shared_experts.linear_fc1.weight"] = fc1
+                out[mg + "mlp.shared_experts.linear_fc2.weight"] = full[x + "down_proj.weight"]
+        if hf + "mlp.shared_expert_gate.weight" in full:
+            out[mg + "mlp.shared_experts.gate_weight"] = full[hf + "mlp.shared_expert_gate.weight"]
     return out

@@ -25,10 +25,13 @@ tensors where they say it, and declared where they cannot:
 * **Megatron-core** (:meth:`ShardSource.megatron`): the declaration read from Megatron's parallel
   state (tp, dp, pp, ep and etp; tp fastest, as Megatron orders ranks; each stage's layers and each
   expert-parallel rank's experts numbered from 0, as Megatron numbers them), the parameters named
-  as ``GPTModel`` names them (``realloc.shards.fused.MEGATRON_CORE_NAMES``) and held in Megatron's order
-  (``linear_qkv`` per query group, ``linear_fc1`` as ``[gate; up]``: ``Layout(qkv_order="megatron")``);
-  each local tensor must have its view's shape in that layout, and together they must write every
-  shard of the rank.
+  as ``GPTModel`` names them (``realloc.shards.fused.MEGATRON_CORE_NAMES``: dense and MoE layers,
+  ``SequentialMLP`` experts, ``SharedExpertMLP`` shared experts and their gate; the spec's
+  family names them: Mixtral's ``block_sparse_moe``, Qwen2-MoE's ``shared_expert``) and held in
+  Megatron's order (``linear_qkv`` per query group, every ``linear_fc1`` as ``[gate; up]``:
+  ``Layout(qkv_order="megatron")``); each local tensor must have its view's shape in that layout,
+  and together they must write every shard of the rank. A parameter realloc maps that the spec
+  does not have (shared experts read with a spec without them) is refused naming both.
 
 Buffers the spec names (DeepSeek-V3's router ``e_score_correction_bias``, a ``ParamSpec`` with
 ``buffer=True``) are read with the parameters; the module's other buffers (rotary ``inv_freq``)
@@ -396,14 +399,23 @@ def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: 
     store = ShardStore(me.shards(), allocate_buffers(layout, rank))
     views = megatron_fused_views(me, store.buffers)
     copies, written = [], set()
+    in_model = {megatron_fused_name(p.name) or p.name for p in spec.params}
     for name, t in tensors.items():
-        target = megatron_core_view(_model_name(name, stage, experts))
+        local = _model_name(name, stage, experts)
+        target = megatron_core_view(local, views)  # the family's name the rank holds, else the model has
+        if target is not None and target not in views:
+            target = megatron_core_view(local, in_model)
         if target is None:
             raise ValueError(
                 f"Megatron-core parameter {name} is not a GPT decoder's that realloc maps "
                 "(realloc.shards.fused.MEGATRON_CORE_NAMES)"
             )
         view = views.get(target)
+        if view is None and target not in in_model:
+            raise ValueError(
+                f"Megatron-core parameter {name} is checkpoint tensor {target}, which model {spec.name!r} does not "
+                "have: the spec is not the Megatron model's (shared experts, their gate, another family?)"
+            )
         if view is None:
             raise ValueError(f"Megatron-core parameter {name} ({target}) is not held by rank {rank} of {layout}")
         if tuple(t.shape) != tuple(view.shape) or t.dtype != view.dtype:

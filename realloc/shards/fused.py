@@ -19,6 +19,13 @@ Per layer ``N`` of the rank, zero-copy, next to the rank's :func:`~realloc.shard
     ``gated_linear_unit`` (megatron/core/transformer/mlp.py: ``glu`` chunks the local output into
     gate and up): ``[gate; up]`` of the rank, adjacent in every layout (vLLM's ``gate_up_proj`` is
     the same rows; the biases sit after both weights, :func:`realloc.layout.conventions.fused_mlp_order`).
+    The same for every ``MLP`` of a MoE layer, named by
+    :func:`~realloc.layout.sharded.megatron_fused_name`: the shared experts'
+    ``model.layers.N.mlp.shared_experts.linear_fc1.weight`` (``SharedExpertMLP``,
+    megatron/core/transformer/moe/shared_experts.py; Qwen2-MoE's ``mlp.shared_expert``, DeepSeek's
+    ``mlp.shared_experts``) and routed expert ``E``'s
+    ``model.layers.N.mlp.experts.local_experts.E.linear_fc1.weight`` (``[gate; up]``; Mixtral's
+    ``[w1; w3]``).
 
 Each fused tensor is one :func:`~realloc.shards.views.fused_view` of the buffer: nothing is copied,
 and a layout whose shards are not in that order gives a ``ValueError``.
@@ -37,7 +44,7 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping
+from typing import Container, Mapping
 
 import torch
 
@@ -274,7 +281,8 @@ def megatron_fused_views(
     rank_layout: RankLayout, buffers: Mapping[str, torch.Tensor], *, padding: bool = False
 ) -> dict[str, torch.Tensor]:
     """:func:`~realloc.shards.views.shard_views` plus Megatron-core's ``linear_qkv`` and ``linear_fc1``
-    views of every layer the rank holds."""
+    views of every layer the rank holds (``linear_fc1``: of the dense MLP, the shared experts and
+    each routed expert; see the module's docstring)."""
     views = shard_views(rank_layout, buffers, padding=padding) | _expert_order_views(rank_layout, buffers)
     layout = rank_layout.layout
     if layout.fused_sharded:
@@ -304,15 +312,23 @@ def megatron_fused_views(
                 f"with qkv_order='megatron' (it has qkv_order={layout.qkv_order!r})"
             )
         views[name] = fused_view(name, shards, buffers, rank_layout)
-    # linear_fc1 = [gate; up] of every dense MLP and of every routed expert the rank holds
+    # linear_fc1 = [gate; up] of every dense MLP, of the shared experts (SharedExpertMLP,
+    # megatron/core/transformer/moe/shared_experts.py) and of every routed expert the rank holds
     # (SequentialMLP's local_experts.N.linear_fc1, megatron/core/transformer/moe/experts.py)
-    prefixes = sorted({slot[: -len("gate_proj.weight")] for slot in by_slot if slot.endswith(".gate_proj.weight")})
-    for prefix in prefixes:
+    fc1 = sorted(
+        {
+            (slot[: -len(f"{gate}.weight")], gate, up)
+            for slot in by_slot
+            for gate, up in _FC1_PARTS
+            if slot.endswith(f".{gate}.weight")
+        }
+    )
+    for prefix, gate, up in fc1:
         for suffix in ("weight", "bias"):  # linear_fc1.bias with mlp_bias
-            parts = [by_slot.get(f"{prefix}{part}.{suffix}", []) for part in ("gate_proj", "up_proj")]
+            parts = [by_slot.get(f"{prefix}{part}.{suffix}", []) for part in (gate, up)]
             if not any(parts):
                 continue
-            name = megatron_fused_name(f"{prefix}gate_proj.{suffix}")
+            name = megatron_fused_name(f"{prefix}{gate}.{suffix}")
             if name is None:  # not a gate Megatron fuses
                 continue
             if [len(p) for p in parts] != [1, 1]:
@@ -324,6 +340,11 @@ def megatron_fused_views(
     return views
 
 
+#: The gate and up projections Megatron's ``linear_fc1`` fuses, ``[gate; up]`` (the ``glu`` of
+#: megatron/core/transformer/mlp.py chunks the local output in two, the first half gated): the
+#: checkpoints' ``gate_proj``/``up_proj`` and Mixtral's routed experts' ``w1``/``w3``.
+_FC1_PARTS = (("gate_proj", "up_proj"), ("w1", "w3"))
+
 #: Megatron-core ``GPTModel`` parameter names -> the names :func:`megatron_fused_views` gives
 #: (dense and MoE decoder layers; a routed expert's index is the model's, which the caller
 #: makes of Megatron's rank-local ``local_experts`` index). Followed: megatron/core/models/gpt/gpt_model.py (``embedding``,
@@ -332,8 +353,21 @@ def megatron_fused_views(
 #: ``k_layernorm``; ``get_gpt_layer_with_transformer_engine_spec``: the norms fused into the next
 #: linear as ``layer_norm_weight``), megatron/core/transformer/attention.py (``linear_qkv``,
 #: ``linear_proj``), megatron/core/transformer/mlp.py (``linear_fc1``, ``linear_fc2``),
-#: megatron/core/transformer/moe/moe_layer.py (``router``) and moe/experts.py (``SequentialMLP``'s
-#: ``local_experts.N``: one MLP per expert; ``TEGroupedMLP``'s ``weightN`` are not mapped).
+#: megatron/core/transformer/moe/moe_layer.py (``router``, ``shared_experts``), moe/experts.py
+#: (``SequentialMLP``'s ``local_experts.N``: one MLP per expert; ``TEGroupedMLP``'s ``weightN`` are
+#: not mapped) and moe/shared_experts.py (``SharedExpertMLP``: an ``MLP`` of
+#: ``moe_shared_expert_intermediate_size``, tensor parallel in the dense tp group, without biases,
+#: and with ``moe_shared_expert_gate`` its ``gate_weight`` ``[1, hidden]``, replicated, whose sigmoid
+#: scales the shared experts' output: Qwen2-MoE's ``shared_expert_gate``).
+#:
+#: A pattern listed more than once names a tensor the checkpoints of the families spell
+#: differently; the spec has one of them (:func:`megatron_core_view`'s ``held``): the router is
+#: ``mlp.gate`` (Mixtral ``block_sparse_moe.gate``), a routed expert's ``linear_fc2`` its
+#: ``down_proj`` (Mixtral ``w2``), the shared experts' ``linear_fc2`` DeepSeek's
+#: ``mlp.shared_experts.down_proj`` or Qwen2-MoE's ``mlp.shared_expert.down_proj``.
+#: ``linear_fc1`` views are named by :func:`~realloc.layout.sharded.megatron_fused_name` in every
+#: family. DeepSeek's multi-latent attention (``linear_q_down_proj``, ``linear_kv_up_proj``, ...)
+#: is not mapped.
 MEGATRON_CORE_NAMES: tuple[tuple[str, str], ...] = (
     (r"embedding\.word_embeddings\.weight", r"model.embed_tokens.weight"),
     (r"decoder\.layers\.(\d+)\.input_layernorm\.weight", r"model.layers.\1.input_layernorm.weight"),
@@ -353,6 +387,7 @@ MEGATRON_CORE_NAMES: tuple[tuple[str, str], ...] = (
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(weight|bias)", r"model.layers.\1.mlp.linear_fc1.\2"),
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
     (r"decoder\.layers\.(\d+)\.mlp\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
+    (r"decoder\.layers\.(\d+)\.mlp\.router\.weight", r"model.layers.\1.block_sparse_moe.gate.weight"),
     (
         r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.(weight|bias)",
         r"model.layers.\1.mlp.experts.local_experts.\2.linear_fc1.\3",
@@ -361,14 +396,33 @@ MEGATRON_CORE_NAMES: tuple[tuple[str, str], ...] = (
         r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.(weight|bias)",
         r"model.layers.\1.mlp.experts.\2.down_proj.\3",
     ),
+    (
+        r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.(weight|bias)",
+        r"model.layers.\1.block_sparse_moe.experts.\2.w2.\3",
+    ),
+    (
+        r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.linear_fc1\.weight",
+        r"model.layers.\1.mlp.shared_experts.linear_fc1.weight",
+    ),
+    (
+        r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.linear_fc2\.weight",
+        r"model.layers.\1.mlp.shared_experts.down_proj.weight",
+    ),
+    (
+        r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.linear_fc2\.weight",
+        r"model.layers.\1.mlp.shared_expert.down_proj.weight",
+    ),
+    (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.gate_weight", r"model.layers.\1.mlp.shared_expert_gate.weight"),
     (r"decoder\.final_layernorm\.weight", r"model.norm.weight"),
     (r"output_layer\.weight", r"lm_head.weight"),
 )
 
 
-def megatron_core_view(name: str) -> str | None:
+def megatron_core_view(name: str, held: Container[str] | None = None) -> str | None:
     """The :func:`megatron_fused_views` name of Megatron-core ``GPTModel`` parameter ``name``
-    (:data:`MEGATRON_CORE_NAMES`; None: not a decoder's this maps).
+    (:data:`MEGATRON_CORE_NAMES`; None: not a decoder's this maps). Where the families name it
+    differently, the first of their names that ``held`` (the rank's views) has; the first listed
+    when none is held, or ``held`` is None.
 
     Example:
         >>> megatron_core_view("decoder.layers.3.self_attention.linear_qkv.weight")
@@ -377,13 +431,16 @@ def megatron_core_view(name: str) -> str | None:
         ('model.layers.0.mlp.down_proj.weight', 'lm_head.weight')
         >>> megatron_core_view("decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight")
         'model.layers.1.mlp.experts.local_experts.5.linear_fc1.weight'
+        >>> megatron_core_view("decoder.layers.2.mlp.router.weight", {"model.layers.2.block_sparse_moe.gate.weight"})
+        'model.layers.2.block_sparse_moe.gate.weight'
+        >>> megatron_core_view("decoder.layers.0.mlp.shared_experts.linear_fc2.weight", {"model.layers.0.mlp.shared_expert.down_proj.weight"})
+        'model.layers.0.mlp.shared_expert.down_proj.weight'
         >>> megatron_core_view("decoder.layers.0.mlp.experts.linear_fc1.weight0") is None
         True
     """
     import re
 
-    for pattern, target in MEGATRON_CORE_NAMES:
-        m = re.fullmatch(pattern, name)
-        if m:
-            return m.expand(target)
-    return None
+    found = [m.expand(target) for pattern, target in MEGATRON_CORE_NAMES if (m := re.fullmatch(pattern, name))]
+    if not found:
+        return None
+    return next((t for t in found if held is not None and t in held), found[0])
