@@ -346,9 +346,10 @@ def test_megatron_core_shared_experts_and_their_gate_are_read_exactly(tmp_path):
     rows: tensor parallel in the dense tp group, whatever etp), ``linear_fc2`` (row parallel) and,
     with ``moe_shared_expert_gate``, ``gate_weight`` ``[1, hidden]`` (replicated): HF's
     ``mlp.shared_expert.{gate,up,down}_proj`` and ``mlp.shared_expert_gate``. At tp=2, at tp=2 beside
-    ep=2 (etp=1) and at pp=2, every shard a rank sends is the checkpoint's. They were refused
-    ("not a GPT decoder's that realloc maps")."""
-    results = _on_meshes(tmp_path, TINY_QWEN2_MOE, [(2, 1, 1, None), (2, 1, 2, 1), (1, 2, 1, None)])
+    ep=2 (etp=1), at etp=2 beside tp=1 (the shared experts whole on each rank: they follow tp, not
+    etp) and at pp=2, every shard a rank sends is the checkpoint's. They were refused ("not a GPT
+    decoder's that realloc maps")."""
+    results = _on_meshes(tmp_path, TINY_QWEN2_MOE, [(2, 1, 1, None), (2, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, None)])
     parts = {f"shared_expert.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")} | {"shared_expert_gate.weight"}
     for r in results:  # Megatron's model has the gate, and the rank's layers' shared experts were compared
         assert any(n.endswith(".mlp.shared_experts.gate_weight") for n in r["names"]), r["mesh"]
