@@ -4,12 +4,15 @@ state and its ``GPTModel`` (``SequentialMLP``: ``local_experts.N`` per rank) hol
 a rank's holdings send is the checkpoint's tensor (Megatron's ``linear_fc1`` is ``[gate; up]``),
 loaded into the model from the checkpoint by an independent conversion (by Megatron's names:
 tests/user_trainers.py ``megatron_moe_locals``), and a rank's experts are its block of the model's. The engine side of MoE (vLLM's
-``FusedMoE``) is tests/test_vllm_backend_ray.py's."""
+``FusedMoE``) is tests/test_vllm_backend_ray.py's. Meshes of tp, pp, ep, etp and context
+parallelism (cp=2, on 4 processes; dense and MoE) are checked shard by shard against where
+Megatron's own ``sharded_state_dict`` places every parameter."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -24,10 +27,11 @@ import vllm_models as vm  # noqa: E402
 EP = 2
 
 
-def _megatron_moe_model(config: dict, experts: int, **parallel):
+def _megatron_moe_model(config: dict, experts: int | None, **parallel):
     """Megatron-core's own MoE ``GPTModel`` (local layer spec, ``SequentialMLP`` experts) of HF
-    ``config`` with ``experts`` routed experts, in the parallel state initialized (``parallel``: its
-    sizes as ``TransformerConfig`` takes them, ``tensor_model_parallel_size=`` and so on)."""
+    ``config`` with ``experts`` routed experts (None: the dense model, Qwen3), in the parallel state
+    initialized (``parallel``: its sizes as ``TransformerConfig`` takes them,
+    ``tensor_model_parallel_size=`` and so on)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -40,9 +44,15 @@ def _megatron_moe_model(config: dict, experts: int, **parallel):
         num_query_groups=config["num_key_value_heads"],
         kv_channels=config["head_dim"],
         ffn_hidden_size=config["intermediate_size"],
-        moe_ffn_hidden_size=config["moe_intermediate_size"],
-        num_moe_experts=experts,
-        moe_router_topk=config["num_experts_per_tok"],
+        **(
+            dict(
+                moe_ffn_hidden_size=config["moe_intermediate_size"],
+                num_moe_experts=experts,
+                moe_router_topk=config["num_experts_per_tok"],
+            )
+            if experts
+            else {}
+        ),
         **parallel,
         qk_layernorm=True,
         use_cpu_initialization=True,
@@ -148,10 +158,10 @@ def test_a_pipeline_layout_splits_the_layers_as_its_stages_list_them_on_every_ra
     assert megatron_layer_split(config, 2) == tuple(stage.count("decoder") for stage in stages) == (3, 1)
 
 
-# -- the experts as Megatron-core's own sharded_state_dict places them ---------------------------
+# -- every shard as Megatron-core's own sharded_state_dict places it ------------------------------
 
-#: ``(tp, pp, ep, etp)`` on 2 gloo processes (etp None: Megatron's default, tp).
-MESHES = [(2, 1, 1, None), (2, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, None), (1, 1, 2, None)]
+#: ``(tp, pp, ep, etp, cp)`` on 2 gloo processes (etp None: Megatron's default, tp).
+MESHES = [(2, 1, 1, None, 1), (2, 1, 2, 1, 1), (1, 1, 1, 2, 1), (1, 2, 1, None, 1), (1, 1, 2, None, 1)]
 TINY_QWEN3_MOE = dict(
     model_type="qwen3_moe",
     hidden_size=16,
@@ -165,32 +175,48 @@ TINY_QWEN3_MOE = dict(
     num_experts_per_tok=2,
     vocab_size=256,
 )
+TINY_QWEN3 = {k: v for k, v in TINY_QWEN3_MOE.items() if "experts" not in k and k != "moe_intermediate_size"}
+TINY_QWEN3["model_type"] = "qwen3"
 
 
-def _megatron_global(full: dict, layers: int, experts: int) -> dict:
-    """Megatron's distributed-checkpoint tensors of the router and the routed experts (layer and
-    expert axes first), from the HF checkpoint: ``linear_fc1`` of an expert is ``[gate; up]``
-    (the ``_w`` and ``_v`` halves of apply_swiglu_sharded_factory, megatron/core/transformer/mlp.py)."""
-    import torch
-
-    def stack(f):
-        return torch.stack([torch.stack([f(i, e) for e in range(experts)]) for i in range(layers)])
-
-    def x(i, e, name):
-        return full[f"model.layers.{i}.mlp.experts.{e}.{name}.weight"]
-
-    return {
-        "decoder.layers.mlp.router.weight": torch.stack(
-            [full[f"model.layers.{i}.mlp.gate.weight"] for i in range(layers)]
-        ),
-        "decoder.layers.mlp.experts.experts.linear_fc1.weight": stack(
-            lambda i, e: torch.cat([x(i, e, "gate_proj"), x(i, e, "up_proj")])
-        ),
-        "decoder.layers.mlp.experts.experts.linear_fc2.weight": stack(lambda i, e: x(i, e, "down_proj")),
-    }
+#: the local layer spec's ``sharded_state_dict_keys_map`` (megatron/core/models/gpt/gpt_layer_specs.py
+#: ``get_gpt_layer_local_spec``): its norms under TransformerEngine's fused names
+_LOCAL_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
 
 
-def _mesh_rank(rank: int, port: int, out: str) -> None:
+def _megatron_global(full: dict, config: dict) -> dict:
+    """Megatron's distributed-checkpoint tensors of every parameter (a decoder layer's with the
+    layer axis first, a routed expert's with the layer and expert axes first), from the HF
+    checkpoint by the independent conversion of tests/user_trainers.py ``megatron_moe_locals`` (tp=1,
+    every expert): ``linear_qkv`` per query group, ``linear_fc1`` ``[gate; up]`` (the ``_w`` and
+    ``_v`` halves of apply_swiglu_sharded_factory, megatron/core/transformer/mlp.py)."""
+    experts = config.get("num_experts")
+    whole = ut.megatron_moe_locals(full, config, list(range(experts)) if experts else None)
+    out, stacked = {}, {}
+    for name, t in whole.items():
+        m = re.match(r"decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?(.*)", name)
+        if m is None:  # the embedding, the final norm, the output layer
+            out[name] = t
+            continue
+        rest = next((v + m[3][len(k) :] for k, v in _LOCAL_KEYS.items() if m[3].startswith(k)), m[3])
+        key = "decoder.layers." + ("mlp.experts.experts." if m[2] else "") + rest
+        stacked.setdefault(key, {})[(int(m[1]), int(m[2] or 0))] = t
+    for key, parts in stacked.items():
+        layers = [
+            torch.stack([parts[i, e] for e in range(experts)]) if ".experts." in key else parts[i, 0]
+            for i in range(config["num_hidden_layers"])
+        ]
+        out[key] = torch.stack(layers)
+    return out
+
+
+def _mesh_rank(rank: int, port: int, out: str, world: int, runs: list) -> None:
+    """Each of ``runs`` (``(HF config, (tp, pp, ep, etp, cp))``) on this gloo rank: Megatron's
+    parallel state and model, every parameter filled where its ``sharded_state_dict`` places it,
+    and what the rank's holdings send compared with the checkpoint."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -199,32 +225,38 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
     from realloc.spec import spec_from_hf_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    c = TINY_QWEN3_MOE
-    spec = spec_from_hf_config(c, dtype="float32")
-    gen = torch.Generator().manual_seed(0)
-    full = {p.name: torch.randn(p.shape, generator=gen) for p in spec.params}
-    glob = _megatron_global(full, c["num_hidden_layers"], c["num_experts"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []
-    for tp, pp, ep, etp in MESHES:
+    for config, (tp, pp, ep, etp, cp) in runs:
+        spec = spec_from_hf_config(config, dtype="float32")
+        gen = torch.Generator().manual_seed(0)
+        full = {p.name: torch.randn(p.shape, generator=gen) for p in spec.params}
+        glob = _megatron_global(full, config)
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
         )
+        # TransformerConfig's context_parallel_size stays 1: the local spec's core attention
+        # (megatron/core/transformer/dot_product_attention.py DotProductAttention) asserts cp == 1
+        # ("only supported by TEDotProductAttention", TransformerEngine: not on CPU). cp adds no
+        # parameter (it splits the sequence), so the model's are what a cp rank holds.
         model = _megatron_moe_model(
-            c,
-            c["num_experts"],
+            config,
+            config.get("num_experts"),
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             pipeline_dtype=torch.float32,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
         )
-        # fill the router and the experts where Megatron's own sharded_state_dict places them
+        # fill every parameter where Megatron's own sharded_state_dict places it
         filled = 0
         with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
             for sh in model.sharded_state_dict().values():
                 pieces = sh.build() if isinstance(sh, ShardedTensorFactory) else [sh]
                 for t in pieces:
@@ -236,9 +268,10 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
                     )
                     t.data.copy_(glob[t.key][box])
                     filled += 1
+        unfilled = sorted(n for n, p in model.named_parameters() if p.isnan().any())
         held = ShardSource.megatron(model, spec).holdings()
         held.refresh()
-        mine = [s for s in held.me.shards() if ".mlp.experts." in s.slot or s.slot.endswith(".mlp.gate.weight")]
+        mine = list(held.me.shards())
         wrong = sorted(
             s.slot
             for s in mine
@@ -247,7 +280,20 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
                 full[s.param][tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))],
             )
         )
-        results.append({"mesh": [tp, pp, ep, etp], "filled": filled, "checked": len(mine), "wrong": wrong[:6]})
+        experts = sorted({spec.by_name[s.param].expert for s in mine} - {None})
+        results.append(
+            {
+                "mesh": [tp, pp, ep, etp, cp],
+                "layout": str(held.layout.topology),
+                "rank": held.rank,
+                "global_rank": dist.get_rank(),
+                "experts": experts,
+                "filled": filled,
+                "unfilled": unfilled[:6],
+                "checked": len(mine),
+                "wrong": wrong[:6],
+            }
+        )
         del model
         ps.destroy_model_parallel()
     with open(out, "w") as f:
@@ -255,33 +301,78 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _mesh_main(rank: int, port: int, outs: list[str]) -> None:
-    _mesh_rank(rank, port, outs[rank])
+def _mesh_main(rank: int, port: int, outs: list[str], runs: list) -> None:
+    _mesh_rank(rank, port, outs[rank], len(outs), runs)
+
+
+def _on_meshes(tmp_path, world: int, runs: list) -> list[list[dict]]:
+    """Each of ``world`` gloo processes' results of ``_mesh_rank`` (one per run), every shard of
+    every run checked: each parameter filled from Megatron's sharded_state_dict, none left over."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
+    torch.multiprocessing.start_processes(
+        _mesh_main, args=(port, outs, runs), nprocs=world, start_method="spawn", join=True
+    )
+    results = [json.loads(open(out).read()) for out in outs]
+    for r in (r for rank in results for r in rank):
+        assert r["filled"] > 0 and r["unfilled"] == [] and r["checked"] > 0 and r["wrong"] == [], r
+    return results
 
 
 def test_megatron_core_experts_are_where_its_sharded_state_dict_puts_them(tmp_path):
     """Expert tensor parallelism (etp = tp = 2; etp = 2 > tp = 1), expert parallelism with etp=1
-    beside tp=2, and pipeline stages: every routed-expert and router shard a rank sends is the
-    checkpoint's tensor, the model's local tensors having been filled where Megatron-core's own
-    ``sharded_state_dict`` says they sit (``SequentialMLP.sharded_state_dict``: the global expert
-    of ``local_experts.j``; ``apply_swiglu_sharded_factory``: the gate and up rows of the etp rank)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    torch.multiprocessing.start_processes(_mesh_main, args=(port, outs), nprocs=2, start_method="spawn", join=True)
-    for out in outs:
-        for r in json.loads(open(out).read()):
-            assert r["filled"] > 0 and r["checked"] > 0 and r["wrong"] == [], r
+    beside tp=2, and pipeline stages: every shard a rank sends (routed experts, router, attention,
+    norms, embedding, head) is the checkpoint's tensor, the model's local tensors having been filled
+    where Megatron-core's own ``sharded_state_dict`` says they sit (``SequentialMLP.sharded_state_dict``:
+    the global expert of ``local_experts.j``; ``apply_swiglu_sharded_factory``: the gate and up rows
+    of the etp rank)."""
+    _on_meshes(tmp_path, 2, [(TINY_QWEN3_MOE, mesh) for mesh in MESHES])
 
 
-def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkeypatch):
-    """tp=1, cp=2, dp=2, ep=2, global rank 1 (cp rank 1, dp rank 0). Megatron's expert mesh
-    (megatron/core/parallel_state.py ``initialize_model_parallel``: the expert RankGenerator has
+#: ``(tp, pp, ep, etp, cp)`` with context parallelism on 4 gloo processes: dp=2 beside cp=2, tp=2
+#: beside it, pipeline stages; of the MoE model, expert parallelism (ep=2, with etp=1 beside tp=2)
+#: and expert tensor parallelism (etp=2 > tp=1: Megatron's etp groups are cp pairs)
+CP_MESHES = [(1, 1, 1, None, 2), (2, 1, 1, None, 2), (1, 2, 1, None, 2)]
+CP_MOE_MESHES = [(1, 1, 2, None, 2), (2, 1, 2, 1, 2), (1, 2, 2, None, 2), (1, 1, 1, 2, 2)]
+
+
+def test_megatron_core_context_parallel_ranks_send_what_megatron_places_there(tmp_path):
+    """cp=2 (megatron/core/parallel_state.py ``initialize_model_parallel(context_parallel_size=2)``),
+    refused before (ValueError for cp > 1). Dense (Qwen3): cp is folded into dp (the dp-cp group's
+    rank), realloc's rank is Megatron's global rank, every shard the checkpoint's as Megatron's
+    sharded_state_dict places it. MoE (Qwen3-MoE): Megatron's expert mesh folds cp into expert dp
+    (its expert RankGenerator has cp=1), so global rank 1 (cp rank 1, dp rank 0; tp=1, ep=2) holds
+    experts 2 and 3; realloc gives it the same, on every mesh."""
+    runs = [(TINY_QWEN3, mesh) for mesh in CP_MESHES] + [(TINY_QWEN3_MOE, mesh) for mesh in CP_MOE_MESHES]
+    from actors.trainer.engine import refusal
+
+    results = _on_meshes(tmp_path, 4, runs)
+    layouts = [[r["layout"] for r in rank] for rank in results]
+    dense = ["dp=4,tp=1,pp=1", "dp=2,tp=2,pp=1", "dp=2,tp=1,pp=2"]
+    moe = ["dp=4,tp=1,pp=1,ep=2", "dp=2,tp=2,pp=1,ep=2,etp=1", "dp=2,tp=1,pp=2,ep=2", "dp=4,tp=1,pp=1,etp=2"]
+    assert layouts == [dense + moe] * 4, layouts
+    assert all(r["rank"] == r["global_rank"] for rank in results for r in rank), results
+    for i in range(len(runs)):  # the trainer engine's check at trainer_init: one layout, each rank once
+        descs = [
+            {"rank": g, "error": None, "layout": rank[i]["layout"], "realloc_rank": rank[i]["rank"]}
+            for g, rank in enumerate(results)
+        ]
+        assert refusal(descs, 4) is None, descs
+    # global rank g: tp=1: ep rank g % 2; tp=2, etp=1: g % 2 as well; pp=2 (ranks 0, 1 stage 0): g % 2
+    for g, rank in enumerate(results):
+        block = [0, 1] if g % 2 == 0 else [2, 3]
+        assert [r["experts"] for r in rank] == [[]] * 3 + [block] * 3 + [[0, 1, 2, 3]], (g, rank)
+
+
+def test_context_parallel_ranks_are_given_the_experts_megatron_gives_them(monkeypatch):
+    """tp=1, cp=2, dp=2, ep=2, global rank 1 (cp rank 1, dp rank 0, dp-cp rank 1). Megatron's expert
+    mesh (megatron/core/parallel_state.py ``initialize_model_parallel``: the expert RankGenerator has
     cp=1 and edp = world / (etp * ep * pp), so cp is folded into expert dp) gives it ep rank 1,
-    experts 2 and 3; ``ShardSource.megatron`` numbered it by dp alone (realloc rank 0, ep rank 0) and
-    read its ``local_experts.0``/``.1`` as experts 0 and 1: same shapes, other experts' weights
-    (found in review)."""
+    experts 2 and 3. ``ShardSource.megatron`` once numbered it by dp alone (realloc rank 0, ep rank 0)
+    and read its ``local_experts.0``/``.1`` as experts 0 and 1 (found in review), then refused cp;
+    now cp is part of dp: realloc rank 1 of dp=4, its experts 2 and 3."""
     from megatron.core import parallel_state as ps
 
     from actors.trainer import ShardSource
@@ -293,8 +384,6 @@ def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkey
         get_tensor_model_parallel_world_size=1,
         get_tensor_model_parallel_rank=0,
         get_context_parallel_world_size=2,
-        get_data_parallel_world_size=2,
-        get_data_parallel_rank=0,
         get_pipeline_model_parallel_world_size=1,
         get_pipeline_model_parallel_rank=0,
         get_expert_model_parallel_world_size=2,
@@ -304,15 +393,26 @@ def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkey
     )
     for name, value in state.items():
         monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+    monkeypatch.setattr(
+        ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 4 if with_context_parallel else 2
+    )
+    monkeypatch.setattr(
+        ps, "get_data_parallel_rank", lambda with_context_parallel=False: 1 if with_context_parallel else 0
+    )
     spec = spec_from_hf_config(TINY_QWEN3_MOE, dtype="float32")
-    try:
-        src = ShardSource.megatron(torch.nn.Module(), spec)
-    except ValueError as err:
-        assert "context_parallel_size=2" in str(err)
-        return
+    src = ShardSource.megatron(torch.nn.Module(), spec)
+    assert (str(src.declared), src.declared_rank) == ("dp=4,tp=1,pp=1,ep=2", 1)
     me = Layout(spec, src.declared, qkv_order="megatron").at(src.declared_rank)
     experts = sorted({e for s in me.shards() if (e := spec.by_name[s.param].expert) is not None})
     assert experts == [2, 3], f"Megatron's ep rank 1 holds experts [2, 3]; the source reads this rank as {experts}"
+    # a parallel state whose ep rank is not the one the dp-cp numbering gives (another order): refused
+    monkeypatch.setattr(ps, "get_expert_model_parallel_rank", lambda: 0)
+    with pytest.raises(ValueError, match=r"expert-parallel rank 0 .*\(dp=2 x cp=2 as dp"):
+        ShardSource.megatron(torch.nn.Module(), spec)
+    # a data-parallel size set by hand (set_data_parallel_world_size: the same with cp or without) is refused
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 2)
+    with pytest.raises(ValueError, match=r"dp-cp group of 2 ranks, not dp\*cp = 2\*2"):
+        ShardSource.megatron(torch.nn.Module(), spec)
 
 
 @pytest.mark.parametrize("held", [(0, 0), (1, 1)])

@@ -93,11 +93,12 @@ def sparse_step(rank, seed: int, fraction: float = 0.02) -> None:
             local[mask] += 0.1
 
 
-def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> dict:
+def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int] | None) -> dict:
     """Megatron-core's local tensors (``GPTModel`` with ``SequentialMLP`` experts, tp=1, pp=1) of a
     rank holding routed experts ``layer_experts`` of every layer, from the HF checkpoint ``full``
     by Megatron's names, independent of realloc's layouts: q/k/v fused per query group,
-    ``[gate; up]`` per expert as ``local_experts.{j}``, the router as ``mlp.router``."""
+    ``[gate; up]`` per expert as ``local_experts.{j}``, the router as ``mlp.router``.
+    ``layer_experts=None``: a dense model (Qwen3), its MLP ``[gate; up]`` as ``mlp.linear_fc1``."""
     import torch
 
     heads, groups, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
@@ -118,6 +119,12 @@ def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> d
         out[mg + "self_attention.k_layernorm.weight"] = full[hf + "self_attn.k_norm.weight"]
         out[mg + "input_layernorm.weight"] = full[hf + "input_layernorm.weight"]
         out[mg + "pre_mlp_layernorm.weight"] = full[hf + "post_attention_layernorm.weight"]
+        if layer_experts is None:
+            out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+                [full[hf + "mlp.gate_proj.weight"], full[hf + "mlp.up_proj.weight"]]
+            )
+            out[mg + "mlp.linear_fc2.weight"] = full[hf + "mlp.down_proj.weight"]
+            continue
         out[mg + "mlp.router.weight"] = full[hf + "mlp.gate.weight"]
         for j, e in enumerate(layer_experts):
             x = f"{hf}mlp.experts.{e}."
