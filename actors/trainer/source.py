@@ -23,8 +23,9 @@ tensors where they say it, and declared where they cannot:
   ``packed_colwise`` ``_StridedShard``, are refused). Tensors left plain among DTensors (buffers:
   ``fully_shard`` does not shard them) are taken as held whole and their box copied.
 * **Megatron-core** (:meth:`ShardSource.megatron`): the declaration read from Megatron's parallel
-  state (tp, dp, pp, ep and etp; tp fastest, as Megatron orders ranks; each stage's layers and each
-  expert-parallel rank's experts numbered from 0, as Megatron numbers them), the parameters named
+  state (tp, dp, pp, ep and etp, cp folded into dp: cp ranks hold the same weights; tp fastest,
+  as Megatron orders ranks; each stage's layers and each expert-parallel rank's experts numbered
+  from 0, as Megatron numbers them), the parameters named
   as ``GPTModel`` names them (``realloc.shards.fused.MEGATRON_CORE_NAMES``) and held in Megatron's order
   (``linear_qkv`` per query group, ``linear_fc1`` as ``[gate; up]``: ``Layout(qkv_order="megatron")``);
   each local tensor must have its view's shape in that layout, and together they must write every
