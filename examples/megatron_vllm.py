@@ -45,23 +45,29 @@ ray.cloudpickle.register_pickle_by_value(fsdp2_vllm)
 @ray.remote(num_cpus=0)
 class MegatronRank:
     """One rank of the framework's Megatron-core trainer: ``GPTModel`` with the local layer spec,
-    float32 on CPU, ``world`` ranks in ``pp`` pipeline stages of ``world // pp`` tensor parallel
-    ranks each, the Llama of HF ``config`` (a dict)."""
+    float32 on CPU, ``world`` ranks in ``pp`` pipeline stages of ``cp`` context-parallel groups of
+    ``world // (pp * cp)`` tensor parallel ranks each, the Llama of HF ``config`` (a dict)."""
 
-    def __init__(self, rank: int, world: int, pp: int = 1):
-        self.rank, self.world, self.pp, self.model, self.sync = rank, world, pp, None, None
+    def __init__(self, rank: int, world: int, pp: int = 1, cp: int = 1):
+        self.rank, self.world, self.pp, self.cp, self.model, self.sync = rank, world, pp, cp, None, None
 
     def setup(self, port: int, config: dict) -> dict:
-        """Join the trainer's group and Megatron's parallel state (tp = world / pp), build this
-        stage's model (Megatron's own initialization, seeded); its parameters' local shapes."""
+        """Join the trainer's group and Megatron's parallel state (tp = world / (pp * cp)), build
+        this stage's model (Megatron's own initialization, seeded); its parameters' local shapes.
+        With cp > 1 the ``TransformerConfig`` keeps ``context_parallel_size=1``: the local spec's
+        attention (megatron/core/transformer/dot_product_attention.py) has no cp (on GPUs,
+        TransformerEngine's ``TEDotProductAttention`` has; set it there). cp adds no parameter, and
+        this example runs no forward."""
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
 
         fsdp2_vllm.join_trainer_group(self.rank, self.world, port)
-        tp = self.world // self.pp
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=self.pp)
+        tp = self.world // (self.pp * self.cp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=self.pp, context_parallel_size=self.cp
+        )
         torch.manual_seed(0)
         heads = config["num_attention_heads"]
         mcfg = TransformerConfig(
@@ -96,11 +102,17 @@ class MegatronRank:
     def step(self, seed: int, scale: float = 0.02) -> None:
         """The stand-in for an optimizer step (see the module's docstring): every local tensor
         changed by a seeded amount; a tensor every tp rank holds whole (a norm) changed alike on
-        all of them, as the same all-reduced gradient would (realloc reads it from any of them)."""
+        all of them, as the same all-reduced gradient would (realloc reads it from any of them); a
+        split tensor alike on the cp ranks of its tp rank and stage."""
+        from megatron.core import parallel_state as ps
+
+        shard = ps.get_tensor_model_parallel_rank() + ps.get_tensor_model_parallel_world_size() * (
+            ps.get_pipeline_model_parallel_rank()
+        )
         with torch.no_grad():
             for i, p in enumerate(self.model.parameters()):
                 split = getattr(p, "tensor_model_parallel", False)  # Megatron's mark of a tp-split tensor
-                g = torch.Generator().manual_seed(1000 * seed + 10 * i + (self.rank if split else 0))
+                g = torch.Generator().manual_seed(1000 * seed + 10 * i + (shard if split else 0))
                 p.add_(scale * torch.randn(p.shape, generator=g))
 
     def local_state(self) -> dict:
@@ -129,9 +141,10 @@ class MegatronRank:
         return {"version": version, "sent_bytes": self.sync.sent_bytes}
 
 
-def start_trainer(config: dict, world: int, pp: int = 1) -> list:
-    """The framework's Megatron trainer: ``world`` :class:`MegatronRank` actors in ``pp`` stages, set up."""
-    ranks = [MegatronRank.remote(r, world, pp) for r in range(world)]
+def start_trainer(config: dict, world: int, pp: int = 1, cp: int = 1) -> list:
+    """The framework's Megatron trainer: ``world`` :class:`MegatronRank` actors in ``pp`` stages
+    (and ``cp`` context-parallel ranks per tp rank), set up."""
+    ranks = [MegatronRank.remote(r, world, pp, cp) for r in range(world)]
     port = fsdp2_vllm.free_port()
     ray.get([r.setup.remote(port, config) for r in ranks], timeout=180)
     return ranks

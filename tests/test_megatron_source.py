@@ -4,7 +4,9 @@ state and its ``GPTModel`` (``SequentialMLP``: ``local_experts.N`` per rank) hol
 a rank's holdings send is the checkpoint's tensor (Megatron's ``linear_fc1`` is ``[gate; up]``),
 loaded into the model from the checkpoint by an independent conversion (by Megatron's names:
 tests/user_trainers.py ``megatron_moe_locals``), and a rank's experts are its block of the model's. The engine side of MoE (vLLM's
-``FusedMoE``) is tests/test_vllm_backend_ray.py's."""
+``FusedMoE``) is tests/test_vllm_backend_ray.py's. Meshes of tp, pp, ep, etp and context
+parallelism (cp=2, on 4 processes; dense and MoE) are checked shard by shard against where
+Megatron's own ``sharded_state_dict`` places every parameter."""
 
 from __future__ import annotations
 
@@ -25,12 +27,13 @@ import vllm_models as vm  # noqa: E402
 EP = 2
 
 
-def _megatron_moe_model(config: dict, experts: int, **parallel):
+def _megatron_moe_model(config: dict, experts: int | None, **parallel):
     """Megatron-core's own MoE ``GPTModel`` (local layer spec, ``SequentialMLP`` experts) of HF
-    ``config`` with ``experts`` routed experts, in the parallel state initialized (``parallel``: its
-    sizes as ``TransformerConfig`` takes them, ``tensor_model_parallel_size=`` and so on).
+    ``config`` with ``experts`` routed experts (None: the dense model, Qwen3), in the parallel state
+    initialized (``parallel``: its sizes as ``TransformerConfig`` takes them,
+    ``tensor_model_parallel_size=`` and so on).
 
-    Per ``model_type``: Qwen3-MoE's q/k norms (``qk_layernorm``); Qwen2-MoE's q/k/v biases
+    Per ``model_type``: Qwen3's and Qwen3-MoE's q/k norms (``qk_layernorm``); Qwen2-MoE's q/k/v biases
     (``add_qkv_bias``) and its shared expert behind a sigmoid gate (``moe_shared_expert_intermediate_size``,
     ``moe_shared_expert_gate``: megatron/core/transformer/moe/shared_experts.py ``SharedExpertMLP``);
     Mixtral's experts of ``intermediate_size``."""
@@ -40,7 +43,7 @@ def _megatron_moe_model(config: dict, experts: int, **parallel):
     from megatron.core.transformer import TransformerConfig
 
     kind = config["model_type"]
-    qk_norm = kind == "qwen3_moe"
+    qk_norm = kind in ("qwen3", "qwen3_moe")
     shared = config.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None
     mcfg = TransformerConfig(
         num_layers=config["num_hidden_layers"],
@@ -49,11 +52,17 @@ def _megatron_moe_model(config: dict, experts: int, **parallel):
         num_query_groups=config["num_key_value_heads"],
         kv_channels=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
         ffn_hidden_size=config["intermediate_size"],
-        moe_ffn_hidden_size=config.get("moe_intermediate_size", config["intermediate_size"]),
-        moe_shared_expert_intermediate_size=shared,
-        moe_shared_expert_gate=shared is not None,
-        num_moe_experts=experts,
-        moe_router_topk=config["num_experts_per_tok"],
+        **(
+            dict(
+                moe_ffn_hidden_size=config.get("moe_intermediate_size", config["intermediate_size"]),
+                moe_shared_expert_intermediate_size=shared,
+                moe_shared_expert_gate=shared is not None,
+                num_moe_experts=experts,
+                moe_router_topk=config["num_experts_per_tok"],
+            )
+            if experts
+            else {}
+        ),
         **parallel,
         qk_layernorm=qk_norm,
         add_qkv_bias=kind == "qwen2_moe",
@@ -160,10 +169,10 @@ def test_a_pipeline_layout_splits_the_layers_as_its_stages_list_them_on_every_ra
     assert megatron_layer_split(config, 2) == tuple(stage.count("decoder") for stage in stages) == (3, 1)
 
 
-# -- the experts as Megatron-core's own sharded_state_dict places them ---------------------------
+# -- every shard as Megatron-core's own sharded_state_dict places it ------------------------------
 
-#: ``(tp, pp, ep, etp)`` on 2 gloo processes (etp None: Megatron's default, tp).
-MESHES = [(2, 1, 1, None), (2, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, None), (1, 1, 2, None)]
+#: ``(tp, pp, ep, etp, cp)`` on 2 gloo processes (etp None: Megatron's default, tp).
+MESHES = [(2, 1, 1, None, 1), (2, 1, 2, 1, 1), (1, 1, 1, 2, 1), (1, 2, 1, None, 1), (1, 1, 2, None, 1)]
 TINY_QWEN3_MOE = dict(
     model_type="qwen3_moe",
     hidden_size=16,
@@ -177,6 +186,9 @@ TINY_QWEN3_MOE = dict(
     num_experts_per_tok=2,
     vocab_size=256,
 )
+#: Qwen3 (dense): q/k norms, one MLP per layer.
+TINY_QWEN3 = {k: v for k, v in TINY_QWEN3_MOE.items() if "experts" not in k and k != "moe_intermediate_size"}
+TINY_QWEN3["model_type"] = "qwen3"
 #: Qwen2-MoE: q/k/v biases, one shared expert (intermediate 12, 6 rows of gate and of up per tp
 #: rank) behind its sigmoid ``shared_expert_gate``.
 TINY_QWEN2_MOE = {
@@ -200,8 +212,9 @@ _NORM_KEYS = {
 }
 
 
-def _experts_of(config: dict) -> int:
-    return config.get("num_experts") or config["num_local_experts"]
+def _experts_of(config: dict) -> int | None:
+    """The routed experts of HF ``config`` (Mixtral's ``num_local_experts``); None: a dense model."""
+    return config.get("num_experts") or config.get("num_local_experts")
 
 
 def _megatron_global(full: dict, config: dict) -> dict:
@@ -210,8 +223,9 @@ def _megatron_global(full: dict, config: dict) -> dict:
     whole model as one tp=1 rank holding every expert has it (tests/user_trainers.py
     ``megatron_moe_locals``, an independent conversion: ``linear_qkv`` per query group, every
     ``linear_fc1`` ``[gate; up]``, the ``_w`` and ``_v`` halves of apply_swiglu_sharded_factory,
-    megatron/core/transformer/mlp.py), stacked."""
-    whole = ut.megatron_moe_locals(full, config, list(range(_experts_of(config))))
+    megatron/core/transformer/mlp.py; a dense model's MLP as ``mlp.linear_fc1``), stacked."""
+    experts = _experts_of(config)
+    whole = ut.megatron_moe_locals(full, config, list(range(experts)) if experts else None)
     stacks: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     out = {}
     for name, t in whole.items():
@@ -232,9 +246,10 @@ def _megatron_global(full: dict, config: dict) -> dict:
     return out
 
 
-def _mesh_rank(rank: int, port: int, out: str, config: dict, meshes: list) -> None:
-    """Per mesh: Megatron's own MoE ``GPTModel`` of ``config``, every parameter filled where its
-    ``sharded_state_dict`` puts the checkpoint's tensor (NaN first: a parameter left unfilled
+def _mesh_rank(rank: int, port: int, out: str, world: int, runs: list) -> None:
+    """Each of ``runs`` (``(HF config, (tp, pp, ep, etp, cp))``) on this gloo rank of ``world``:
+    Megatron's parallel state and its own ``GPTModel`` of the config, every parameter filled where
+    its ``sharded_state_dict`` puts the checkpoint's tensor (NaN first: a parameter left unfilled
     fails), read by ``ShardSource.megatron``; every shard the rank holds is compared to the HF
     checkpoint's box. A refusal is recorded as the error."""
     import torch.distributed as dist
@@ -245,19 +260,24 @@ def _mesh_rank(rank: int, port: int, out: str, config: dict, meshes: list) -> No
     from realloc.spec import spec_from_hf_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    spec = spec_from_hf_config(config, dtype="float32")
-    gen = torch.Generator().manual_seed(0)
-    full = {p.name: torch.randn(p.shape, generator=gen) for p in spec.params}
-    glob = _megatron_global(full, config)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []
-    for tp, pp, ep, etp in meshes:
+    for config, (tp, pp, ep, etp, cp) in runs:
+        spec = spec_from_hf_config(config, dtype="float32")
+        gen = torch.Generator().manual_seed(0)
+        full = {p.name: torch.randn(p.shape, generator=gen) for p in spec.params}
+        glob = _megatron_global(full, config)
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
         )
+        # TransformerConfig's context_parallel_size stays 1: the local spec's core attention
+        # (megatron/core/transformer/dot_product_attention.py DotProductAttention) asserts cp == 1
+        # ("only supported by TEDotProductAttention", TransformerEngine: not on CPU). cp adds no
+        # parameter (it splits the sequence), so the model's are what a cp rank holds.
         model = _megatron_moe_model(
             config,
             _experts_of(config),
@@ -267,7 +287,7 @@ def _mesh_rank(rank: int, port: int, out: str, config: dict, meshes: list) -> No
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
         )
-        result = {"mesh": [tp, pp, ep, etp]}
+        result = {"mesh": [tp, pp, ep, etp, cp], "global_rank": dist.get_rank()}
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float("nan"))
@@ -290,6 +310,8 @@ def _mesh_rank(rank: int, port: int, out: str, config: dict, meshes: list) -> No
         else:
             held.refresh()
             mine = held.me.shards()
+            result["layout"], result["rank"] = str(held.layout.topology), held.rank
+            result["experts"] = sorted({spec.by_name[s.param].expert for s in mine} - {None})
             result["checked"] = sorted({s.param for s in mine})
             result["wrong"] = sorted(
                 s.slot
@@ -307,22 +329,24 @@ def _mesh_rank(rank: int, port: int, out: str, config: dict, meshes: list) -> No
     dist.destroy_process_group()
 
 
-def _mesh_main(rank: int, port: int, outs: list[str], config: dict, meshes: list) -> None:
-    _mesh_rank(rank, port, outs[rank], config, meshes)
+def _mesh_main(rank: int, port: int, outs: list[str], runs: list) -> None:
+    _mesh_rank(rank, port, outs[rank], len(outs), runs)
 
 
-def _on_meshes(tmp_path, config: dict, meshes: list) -> list[dict]:
-    """:func:`_mesh_rank` on 2 gloo processes: both ranks' results, per mesh."""
+def _on_meshes(tmp_path, runs: list, world: int = 2) -> list[list[dict]]:
+    """:func:`_mesh_rank` on ``world`` gloo processes: each rank's results, one per run, every
+    shard of every run checked: each parameter filled from Megatron's sharded_state_dict, none
+    left over, none refused, none wrong."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
     torch.multiprocessing.start_processes(
-        _mesh_main, args=(port, outs, config, meshes), nprocs=2, start_method="spawn", join=True
+        _mesh_main, args=(port, outs, runs), nprocs=world, start_method="spawn", join=True
     )
-    results = [r for out in outs for r in json.loads(open(out).read())]
-    assert len(results) == 2 * len(meshes)
-    for r in results:
+    results = [json.loads(open(out).read()) for out in outs]
+    assert [len(rank) for rank in results] == [len(runs)] * world
+    for r in (r for rank in results for r in rank):
         assert r["unfilled"] == [], r  # every parameter is where Megatron's sharded_state_dict says
         assert "refused" not in r and r["checked"] and r["wrong"] == [], {
             k: r.get(k) for k in ("mesh", "refused", "wrong")
@@ -337,7 +361,7 @@ def test_megatron_core_experts_are_where_its_sharded_state_dict_puts_them(tmp_pa
     filled where Megatron-core's own ``sharded_state_dict`` says they sit
     (``SequentialMLP.sharded_state_dict``: the global expert of ``local_experts.j``;
     ``apply_swiglu_sharded_factory``: the gate and up rows of the etp rank)."""
-    _on_meshes(tmp_path, TINY_QWEN3_MOE, MESHES)
+    _on_meshes(tmp_path, [(TINY_QWEN3_MOE, mesh) for mesh in MESHES])
 
 
 def test_megatron_core_shared_experts_and_their_gate_are_read_exactly(tmp_path):
@@ -349,9 +373,10 @@ def test_megatron_core_shared_experts_and_their_gate_are_read_exactly(tmp_path):
     ep=2 (etp=1), at etp=2 beside tp=1 (the shared experts whole on each rank: they follow tp, not
     etp) and at pp=2, every shard a rank sends is the checkpoint's. They were refused ("not a GPT
     decoder's that realloc maps")."""
-    results = _on_meshes(tmp_path, TINY_QWEN2_MOE, [(2, 1, 1, None), (2, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, None)])
+    meshes = [(2, 1, 1, None, 1), (2, 1, 2, 1, 1), (1, 1, 1, 2, 1), (1, 2, 1, None, 1)]
+    results = _on_meshes(tmp_path, [(TINY_QWEN2_MOE, mesh) for mesh in meshes])
     parts = {f"shared_expert.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")} | {"shared_expert_gate.weight"}
-    for r in results:  # Megatron's model has the gate, and the rank's layers' shared experts were compared
+    for r in (r for rank in results for r in rank):  # Megatron's model has the gate, and the shared experts compared
         assert any(n.endswith(".mlp.shared_experts.gate_weight") for n in r["names"]), r["mesh"]
         assert {n.split(".mlp.")[1] for n in r["checked"] if ".mlp.shared_expert" in n} == parts, r["mesh"]
 
@@ -361,21 +386,56 @@ def test_megatron_core_mixtral_reads_into_block_sparse_moe(tmp_path):
     a routed expert's ``linear_fc1`` its ``[w1; w3]`` and ``linear_fc2`` its ``w2`` (at tp=2, the
     rows of the tp rank; at ep=2, the rank's block of experts). The router was refused as
     ``mlp.gate``, which the Mixtral spec does not have."""
-    results = _on_meshes(tmp_path, TINY_MIXTRAL, [(2, 1, 1, None), (1, 1, 2, None)])
-    for r in results:
+    results = _on_meshes(tmp_path, [(TINY_MIXTRAL, mesh) for mesh in [(2, 1, 1, None, 1), (1, 1, 2, None, 1)]])
+    for r in (r for rank in results for r in rank):
         assert "model.layers.0.block_sparse_moe.gate.weight" in r["checked"]
         assert any(n.endswith(".w1.weight") for n in r["checked"]) and any(
             n.endswith(".w2.weight") for n in r["checked"]
         )
 
 
-def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkeypatch):
-    """tp=1, cp=2, dp=2, ep=2, global rank 1 (cp rank 1, dp rank 0). Megatron's expert mesh
-    (megatron/core/parallel_state.py ``initialize_model_parallel``: the expert RankGenerator has
+#: ``(tp, pp, ep, etp, cp)`` with context parallelism on 4 gloo processes: dp=2 beside cp=2, tp=2
+#: beside it, pipeline stages; of the MoE model, expert parallelism (ep=2, with etp=1 beside tp=2)
+#: and expert tensor parallelism (etp=2 > tp=1: Megatron's etp groups are cp pairs)
+CP_MESHES = [(1, 1, 1, None, 2), (2, 1, 1, None, 2), (1, 2, 1, None, 2)]
+CP_MOE_MESHES = [(1, 1, 2, None, 2), (2, 1, 2, 1, 2), (1, 2, 2, None, 2), (1, 1, 1, 2, 2)]
+
+
+def test_megatron_core_context_parallel_ranks_send_what_megatron_places_there(tmp_path):
+    """cp=2 (megatron/core/parallel_state.py ``initialize_model_parallel(context_parallel_size=2)``),
+    refused before (ValueError for cp > 1). Dense (Qwen3): cp is folded into dp (the dp-cp group's
+    rank), realloc's rank is Megatron's global rank, every shard the checkpoint's as Megatron's
+    sharded_state_dict places it. MoE (Qwen3-MoE): Megatron's expert mesh folds cp into expert dp
+    (its expert RankGenerator has cp=1), so global rank 1 (cp rank 1, dp rank 0; tp=1, ep=2) holds
+    experts 2 and 3; realloc gives it the same, on every mesh."""
+    runs = [(TINY_QWEN3, mesh) for mesh in CP_MESHES] + [(TINY_QWEN3_MOE, mesh) for mesh in CP_MOE_MESHES]
+    from actors.trainer.engine import refusal
+
+    results = _on_meshes(tmp_path, runs, world=4)
+    layouts = [[r["layout"] for r in rank] for rank in results]
+    dense = ["dp=4,tp=1,pp=1", "dp=2,tp=2,pp=1", "dp=2,tp=1,pp=2"]
+    moe = ["dp=4,tp=1,pp=1,ep=2", "dp=2,tp=2,pp=1,ep=2,etp=1", "dp=2,tp=1,pp=2,ep=2", "dp=4,tp=1,pp=1,etp=2"]
+    assert layouts == [dense + moe] * 4, layouts
+    assert all(r["rank"] == r["global_rank"] for rank in results for r in rank), results
+    for i in range(len(runs)):  # the trainer engine's check at trainer_init: one layout, each rank once
+        descs = [
+            {"rank": g, "error": None, "layout": rank[i]["layout"], "realloc_rank": rank[i]["rank"]}
+            for g, rank in enumerate(results)
+        ]
+        assert refusal(descs, 4) is None, descs
+    # global rank g: tp=1: ep rank g % 2; tp=2, etp=1: g % 2 as well; pp=2 (ranks 0, 1 stage 0): g % 2
+    for g, rank in enumerate(results):
+        block = [0, 1] if g % 2 == 0 else [2, 3]
+        assert [r["experts"] for r in rank] == [[]] * 3 + [block] * 3 + [[0, 1, 2, 3]], (g, rank)
+
+
+def test_context_parallel_ranks_are_given_the_experts_megatron_gives_them(monkeypatch):
+    """tp=1, cp=2, dp=2, ep=2, global rank 1 (cp rank 1, dp rank 0, dp-cp rank 1). Megatron's expert
+    mesh (megatron/core/parallel_state.py ``initialize_model_parallel``: the expert RankGenerator has
     cp=1 and edp = world / (etp * ep * pp), so cp is folded into expert dp) gives it ep rank 1,
-    experts 2 and 3; ``ShardSource.megatron`` numbered it by dp alone (realloc rank 0, ep rank 0) and
-    read its ``local_experts.0``/``.1`` as experts 0 and 1: same shapes, other experts' weights
-    (found in review)."""
+    experts 2 and 3. ``ShardSource.megatron`` once numbered it by dp alone (realloc rank 0, ep rank 0)
+    and read its ``local_experts.0``/``.1`` as experts 0 and 1 (found in review), then refused cp;
+    now cp is part of dp: realloc rank 1 of dp=4, its experts 2 and 3."""
     from megatron.core import parallel_state as ps
 
     from actors.trainer import ShardSource
@@ -387,8 +447,6 @@ def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkey
         get_tensor_model_parallel_world_size=1,
         get_tensor_model_parallel_rank=0,
         get_context_parallel_world_size=2,
-        get_data_parallel_world_size=2,
-        get_data_parallel_rank=0,
         get_pipeline_model_parallel_world_size=1,
         get_pipeline_model_parallel_rank=0,
         get_expert_model_parallel_world_size=2,
@@ -398,15 +456,26 @@ def test_context_parallel_ranks_are_refused_not_given_other_ranks_experts(monkey
     )
     for name, value in state.items():
         monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+    monkeypatch.setattr(
+        ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 4 if with_context_parallel else 2
+    )
+    monkeypatch.setattr(
+        ps, "get_data_parallel_rank", lambda with_context_parallel=False: 1 if with_context_parallel else 0
+    )
     spec = spec_from_hf_config(TINY_QWEN3_MOE, dtype="float32")
-    try:
-        src = ShardSource.megatron(torch.nn.Module(), spec)
-    except ValueError as err:
-        assert "context_parallel_size=2" in str(err)
-        return
+    src = ShardSource.megatron(torch.nn.Module(), spec)
+    assert (str(src.declared), src.declared_rank) == ("dp=4,tp=1,pp=1,ep=2", 1)
     me = Layout(spec, src.declared, qkv_order="megatron").at(src.declared_rank)
     experts = sorted({e for s in me.shards() if (e := spec.by_name[s.param].expert) is not None})
     assert experts == [2, 3], f"Megatron's ep rank 1 holds experts [2, 3]; the source reads this rank as {experts}"
+    # a parallel state whose ep rank is not the one the dp-cp numbering gives (another order): refused
+    monkeypatch.setattr(ps, "get_expert_model_parallel_rank", lambda: 0)
+    with pytest.raises(ValueError, match=r"expert-parallel rank 0 .*\(dp=2 x cp=2 as dp"):
+        ShardSource.megatron(torch.nn.Module(), spec)
+    # a data-parallel size set by hand (set_data_parallel_world_size: the same with cp or without) is refused
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 2)
+    with pytest.raises(ValueError, match=r"dp-cp group of 2 ranks, not dp\*cp = 2\*2"):
+        ShardSource.megatron(torch.nn.Module(), spec)
 
 
 @pytest.mark.parametrize("held", [(0, 0), (1, 1)])

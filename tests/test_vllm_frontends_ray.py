@@ -431,24 +431,27 @@ def test_vllm_trainer_rank_killed_mid_transfer_leaves_the_served_weights_then_a_
             ray.kill(r)
 
 
-def test_vllm_megatron_core_trainer_updates_the_server_from_its_own_tensors(model, server):
-    """Megatron-core (``GPTModel``, tp=2 in each of 2 pipeline stages, gloo, CPU) in plain Ray
-    actors: its ``linear_qkv`` (per query group) and ``linear_fc1`` (``[gate; up]``) sent as they
-    are, each stage's layers numbered from 0 as Megatron numbers them, read through
-    ``ShardSource.megatron`` (Megatron's parallel state and layer offsets); the engine serves the HF
-    weights they were made from (tests/oracle.py's conversion, not realloc's)."""
+@pytest.mark.parametrize("pp, cp", [(2, 1), (1, 2)])
+def test_vllm_megatron_core_trainer_updates_the_server_from_its_own_tensors(model, server, pp, cp):
+    """Megatron-core (``GPTModel``, tp=2 in each of 2 pipeline stages, or beside context
+    parallelism cp=2, gloo, CPU) in plain Ray actors: its ``linear_qkv`` (per query group) and
+    ``linear_fc1`` (``[gate; up]``) sent as they are, each stage's layers numbered from 0 as
+    Megatron numbers them, read through ``ShardSource.megatron`` (Megatron's parallel state and
+    layer offsets; cp folded into dp, the ranks of a cp group holding the same weights); the engine
+    serves the HF weights they were made from (tests/oracle.py's conversion, not realloc's)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     config = json.loads((model["path"] / "config.json").read_text())
-    ranks = ut.start_megatron(config, world=4, pp=2)
+    ranks = ut.start_megatron(config, world=4, pp=pp, cp=cp)
     try:
-        new = vm.perturbed(model["base"], seed=31)
-        locals_ = [ut.megatron_locals(new, config, 2, i % 2, 2, i // 2) for i in range(4)]
+        new = vm.perturbed(model["base"], seed=30 + pp)  # each case new weights: the server keeps the last's
+        # global rank i: tp rank i % 2, then cp, then the stage (Megatron's order tp-cp-ep-dp-pp)
+        locals_ = [ut.megatron_locals(new, config, 2, i % 2, pp, i // (2 * cp)) for i in range(4)]
         ray.get([r.__ray_call__.remote(ut.load_locals, t) for r, t in zip(ranks, locals_)], timeout=WAIT_S)
         # a declaration the tensors contradict: refused naming the parameter
         said = ray.get(ranks[0].__ray_call__.remote(ut.holdings_error, str(model["path"]), topology="tp=1", rank=0))
         assert "Megatron-core parameter embedding.word_embeddings.weight is float32 (256, 128)" in said, said
         layouts = ray.get([r.init_transfer.remote(_client(server), TIMEOUT_S, str(model["path"])) for r in ranks])
-        assert layouts == ["dp=1,tp=2,pp=2"] * 4
+        assert layouts == [f"dp={cp},tp=2,pp={pp}"] * 4
         before = server.greedy()
         sent = ray.get([r.send.remote() for r in ranks], timeout=WAIT_S)
         assert [s["version"] for s in sent] == [1] * 4

@@ -109,7 +109,7 @@ def module_of(tensors: dict):
     return root
 
 
-def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> dict:
+def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int] | None) -> dict:
     """Megatron-core's local tensors (``GPTModel`` with ``SequentialMLP`` experts, tp=1, pp=1) of a
     rank holding routed experts ``layer_experts`` of every layer, from the HF checkpoint ``full``
     by Megatron's names, independent of realloc's layouts: q/k/v (and their biases) fused per query
@@ -117,16 +117,23 @@ def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> d
     where the checkpoint has them; the shared expert (Qwen2-MoE's ``mlp.shared_expert``, DeepSeek's
     ``mlp.shared_experts``) as ``mlp.shared_experts.linear_fc1`` ``[gate; up]`` and ``linear_fc2``,
     Qwen2-MoE's ``mlp.shared_expert_gate`` as its ``gate_weight`` (megatron/core/transformer/moe/
-    shared_experts.py ``SharedExpertMLP``); Mixtral's ``block_sparse_moe`` with ``w1``/``w3``/``w2``."""
+    shared_experts.py ``SharedExpertMLP``); Mixtral's ``block_sparse_moe`` with ``w1``/``w3``/``w2``.
+    ``layer_experts=None``: a dense model (Qwen3), its MLP ``[gate; up]`` as ``mlp.linear_fc1``."""
     import torch
 
     heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // heads
     per = heads // groups
     mixtral = config["model_type"] == "mixtral"
-    moe, (gate, up, down) = (
-        ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
-    )
+    dense = ("gate_proj", "up_proj", "down_proj")
+    moe, experts = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", dense)
+
+    def fc(x: str, names: tuple[str, str, str] = dense):
+        """An MLP's ``linear_fc1`` ``[gate; up]`` and ``linear_fc2`` from its HF tensors under ``x``
+        (``names``: its gate, up and down projections)."""
+        gate, up, down = (full[f"{x}{n}.weight"] for n in names)
+        return torch.cat([gate, up]), down
+
     out = {
         "embedding.word_embeddings.weight": full["model.embed_tokens.weight"],
         "output_layer.weight": full["lm_head.weight"],
@@ -150,18 +157,17 @@ def megatron_moe_locals(full: dict, config: dict, layer_experts: list[int]) -> d
                 out[f"{mg}self_attention.{x}_layernorm.weight"] = full[f"{hf}self_attn.{x}_norm.weight"]
         out[mg + "input_layernorm.weight"] = full[hf + "input_layernorm.weight"]
         out[mg + "pre_mlp_layernorm.weight"] = full[hf + "post_attention_layernorm.weight"]
+        if layer_experts is None:
+            out[mg + "mlp.linear_fc1.weight"], out[mg + "mlp.linear_fc2.weight"] = fc(hf + "mlp.")
+            continue
         out[mg + "mlp.router.weight"] = full[f"{hf}{moe}.gate.weight"]
         for j, e in enumerate(layer_experts):
-            x = f"{hf}{moe}.experts.{e}."
-            fc1 = torch.cat([full[f"{x}{gate}.weight"], full[f"{x}{up}.weight"]])
-            out[f"{mg}mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1
-            out[f"{mg}mlp.experts.local_experts.{j}.linear_fc2.weight"] = full[f"{x}{down}.weight"]
+            x = f"{mg}mlp.experts.local_experts.{j}."
+            out[x + "linear_fc1.weight"], out[x + "linear_fc2.weight"] = fc(f"{hf}{moe}.experts.{e}.", experts)
         for shared in ("mlp.shared_expert.", "mlp.shared_experts."):
-            x = hf + shared
-            if x + "gate_proj.weight" in full:
-                fc1 = torch.cat([full[x + "gate_proj.weight"], full[x + "up_proj.weight"]])
-                out[mg + "mlp.shared_experts.linear_fc1.weight"] = fc1
-                out[mg + "mlp.shared_experts.linear_fc2.weight"] = full[x + "down_proj.weight"]
+            if hf + shared + "gate_proj.weight" in full:
+                x = mg + "mlp.shared_experts."
+                out[x + "linear_fc1.weight"], out[x + "linear_fc2.weight"] = fc(hf + shared)
         if hf + "mlp.shared_expert_gate.weight" in full:
             out[mg + "mlp.shared_experts.gate_weight"] = full[hf + "mlp.shared_expert_gate.weight"]
     return out

@@ -23,15 +23,16 @@ tensors where they say it, and declared where they cannot:
   ``packed_colwise`` ``_StridedShard``, are refused). Tensors left plain among DTensors (buffers:
   ``fully_shard`` does not shard them) are taken as held whole and their box copied.
 * **Megatron-core** (:meth:`ShardSource.megatron`): the declaration read from Megatron's parallel
-  state (tp, dp, pp, ep and etp; tp fastest, as Megatron orders ranks; each stage's layers and each
-  expert-parallel rank's experts numbered from 0, as Megatron numbers them), the parameters named
-  as ``GPTModel`` names them (``realloc.shards.fused.MEGATRON_CORE_NAMES``: dense and MoE layers,
-  ``SequentialMLP`` experts, ``SharedExpertMLP`` shared experts and their gate; the spec's
-  family names them: Mixtral's ``block_sparse_moe``, Qwen2-MoE's ``shared_expert``) and held in
-  Megatron's order (``linear_qkv`` per query group, every ``linear_fc1`` as ``[gate; up]``:
-  ``Layout(qkv_order="megatron")``); each local tensor must have its view's shape in that layout,
-  and together they must write every shard of the rank. A parameter realloc maps that the spec
-  does not have (shared experts read with a spec without them) is refused naming both.
+  state (tp, dp, pp, ep and etp, cp folded into dp: cp ranks hold the same weights; tp fastest,
+  as Megatron orders ranks; each stage's layers and each expert-parallel rank's experts numbered
+  from 0, as Megatron numbers them), the parameters named as ``GPTModel`` names them
+  (``realloc.shards.fused.MEGATRON_CORE_NAMES``: dense and MoE layers, ``SequentialMLP`` experts,
+  ``SharedExpertMLP`` shared experts and their gate; the spec's family names them: Mixtral's
+  ``block_sparse_moe``, Qwen2-MoE's ``shared_expert``) and held in Megatron's order (``linear_qkv``
+  per query group, every ``linear_fc1`` as ``[gate; up]``: ``Layout(qkv_order="megatron")``); each
+  local tensor must have its view's shape in that layout, and together they must write every shard
+  of the rank. A parameter realloc maps that the spec does not have (shared experts read with a
+  spec without them) is refused naming both.
 
 Buffers the spec names (DeepSeek-V3's router ``e_score_correction_bias``, a ``ParamSpec`` with
 ``buffer=True``) are read with the parameters; the module's other buffers (rotary ``inv_freq``)
@@ -165,14 +166,24 @@ class ShardSource(WeightSource):
     def megatron(cls, module: torch.nn.Module, spec: ModelSpec) -> "ShardSource":
         """A rank of a Megatron-core trainer (``GPTModel``: dense layers, or MoE layers of
         ``SequentialMLP`` experts): the declaration read from Megatron's parallel state
-        (megatron/core/parallel_state.py: tp, dp, pp, ep and etp sizes and ranks; rank order tp
-        fastest, then dp, then pp, Megatron's default ``tp-cp-ep-dp-pp``, and its expert mesh
-        ``tp-ep-dp-pp``, realloc's :meth:`~realloc.layout.Topology.expert_coords`) and each
+        (megatron/core/parallel_state.py: tp, dp, cp, pp, ep and etp sizes and ranks) and each
         stage's layers from Megatron's own offsets (megatron/core/transformer/transformer_layer.py
         ``get_transformer_layer_offset``: uneven first and last stages become ``layer_split``).
-        ``spec``: the HF model it trains (``spec_from_hf_config``). Context parallelism is refused,
-        and so is a rank whose expert-parallel or expert tensor-parallel rank in Megatron's parallel
-        state is not the one that order gives it (its ``local_experts`` would be read as others)."""
+        ``spec``: the HF model it trains (``spec_from_hf_config``).
+
+        Context parallelism is folded into dp for weights: cp splits the sequence, not the weights,
+        so the ranks of a dp-cp group hold the same dense weights, and the declaration is
+        ``Topology(dp=dp*cp, tp, pp, ep, etp)`` with dp rank the rank in Megatron's dp-cp group
+        (``get_data_parallel_rank(with_context_parallel=True)``, ``cp_rank + cp*dp_rank`` in the
+        default order ``tp-cp-ep-dp-pp``). The realloc rank ``tp_rank + tp*(dpcp_rank + dp*cp*pp_rank)``
+        is then Megatron's global rank, and realloc's expert mesh (tp-ep-dp-pp,
+        :meth:`~realloc.layout.Topology.expert_coords`) is Megatron's: its expert RankGenerator
+        (``initialize_model_parallel``) has cp=1 and expert dp ``world/(etp*ep*pp)``, cp folded into
+        expert dp. Hierarchical or hybrid cp only add communication groups inside the dp-cp group
+        and change neither. A rank whose expert-parallel or expert tensor-parallel rank in
+        Megatron's parallel state is not the one this numbering gives it (a non-default ``order``)
+        is refused (its ``local_experts`` would be read as others), and so are virtual pipeline
+        stages."""
         from megatron.core import parallel_state as ps
 
         if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
@@ -180,32 +191,33 @@ class ShardSource(WeightSource):
                 "virtual pipeline stages (interleaved schedules) are not supported: a rank holds several "
                 "model chunks; give each chunk's module its own source"
             )
-        cp = ps.get_context_parallel_world_size()
-        if cp > 1:
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
+        dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)  # the ranks holding the same weights
+        if dpcp != dp * cp:
             raise ValueError(
-                f"context_parallel_size={cp} is not supported: the cp ranks of a tp/dp/pp coordinate hold the "
-                "same dense weights, and Megatron's expert mesh (tp-ep-dp-pp, cp folded into expert dp) gives "
-                "them different expert-parallel ranks than dp alone would; give a model without context parallelism"
+                f"Megatron's parallel state has a dp-cp group of {dpcp} ranks, not dp*cp = {dp}*{cp} (a data-parallel "
+                "size or rank set by hand, set_data_parallel_rank/_world_size?): realloc reads cp as part of dp and "
+                "needs Megatron's own groups"
             )
-        tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
-        pp = ps.get_pipeline_model_parallel_world_size()
         rank = ps.get_tensor_model_parallel_rank() + tp * (
-            ps.get_data_parallel_rank() + dp * ps.get_pipeline_model_parallel_rank()
+            ps.get_data_parallel_rank(with_context_parallel=True) + dpcp * ps.get_pipeline_model_parallel_rank()
         )
         split = megatron_layer_split(module.config, pp) if pp > 1 else None
         uneven = split is not None and len(set(split)) > 1
         ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
         experts = {"ep": ep, "etp": etp} if ep > 1 or etp != tp else {}  # the expert mesh: tp-ep-dp-pp
-        topology = Topology(dp=dp, tp=tp, pp=pp, layer_split=split if uneven else None, **experts)
+        topology = Topology(dp=dpcp, tp=tp, pp=pp, layer_split=split if uneven else None, **experts)
         if topology.expert_parallel:  # the experts this rank is given must be the ones Megatron gave it
             _, ep_rank, etp_rank, _ = topology.expert_coords(rank)
             held = (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
             if (ep_rank, etp_rank) != held:
                 raise ValueError(
                     f"Megatron's parallel state gives this rank expert-parallel rank {held[0]} and expert "
-                    f"tensor-parallel rank {held[1]}; rank {rank} of {topology} (Megatron's default order "
-                    f"tp-cp-ep-dp-pp, expert mesh tp-ep-dp-pp) would be ({ep_rank}, {etp_rank}): the rank order "
-                    "is not Megatron's default, and its experts would be read as other experts"
+                    f"tensor-parallel rank {held[1]}; rank {rank} of {topology} (dp={dp} x cp={cp} as dp; Megatron's "
+                    f"default order tp-cp-ep-dp-pp, expert mesh tp-ep-dp-pp) would be ({ep_rank}, {etp_rank}): the "
+                    "rank order (initialize_model_parallel's order=) is not Megatron's default, and its experts "
+                    "would be read as other experts; use order='tp-cp-ep-dp-pp'"
                 )
         return cls(module, spec=spec, topology=topology, rank=rank, naming="megatron")
 
