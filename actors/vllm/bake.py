@@ -77,9 +77,13 @@ def chain_box(shape: tuple[int, ...], dtype: torch.dtype, chain: tuple) -> tuple
         why = f"it changes the dtype ({base.dtype} -> {r.dtype})"
     offsets, sizes = [0] * base.dim(), [1] * base.dim()
     if why is None:
+        # the contiguous base's storage offset, dimension by dimension: an empty box past the last
+        # row (a tp rank of a padded vocabulary with no real rows: vLLM's loader narrows to
+        # [org_vocab_size, org_vocab_size)) starts at row n, which ``% n`` would read as row 0
         rest = r.storage_offset()
         for d, (n, st) in enumerate(zip(base.shape, base.stride())):
-            offsets[d] = (rest // st) % n if n > 1 else 0
+            if n > 1:
+                offsets[d], rest = divmod(rest, st)
         used = -1
         for n, st in zip(r.shape, r.stride()):
             if n == 1:
