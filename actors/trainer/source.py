@@ -57,12 +57,14 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
 from realloc.layout import Layout, RankLayout, Topology
+from realloc.layout.conventions import check_megatron_tied, megatron_vocab_pad_multiple
 from realloc.layout.sharded import megatron_fused_name
 from realloc.layout.stacked import stacked_name
 from realloc.shards import ShardStore
 from realloc.shards.dtensor import MESH_NAMES, check_boxes, local_box, local_part, mesh_topology, read_local
 from realloc.shards.fused import fused_views, megatron_core_view, megatron_fused_views
 from realloc.shards.store import allocate_buffers
+from realloc.shards.views import shard_views
 from realloc.spec import ModelSpec
 from realloc.spec.hf_config import spec_from_hf_config
 from realloc.spec.moe import checkpoint_state_dict
@@ -132,6 +134,9 @@ class ShardSource(WeightSource):
     topology string such as ``"tp=2"`` and this rank's realloc rank in it); with DTensors, a
     topology given must be the mesh's.
     """
+
+    #: Megatron-core's vocabulary padding (:meth:`megatron` reads it from the model's vocab_size)
+    vocab_pad_multiple = 1
 
     def __init__(
         self,
@@ -219,7 +224,10 @@ class ShardSource(WeightSource):
                     "rank order (initialize_model_parallel's order=) is not Megatron's default, and its experts "
                     "would be read as other experts; use order='tp-cp-ep-dp-pp'"
                 )
-        return cls(module, spec=spec, topology=topology, rank=rank, naming="megatron")
+        check_megatron_tied(spec, getattr(module, "share_embeddings_and_output_weights", None))
+        source = cls(module, spec=spec, topology=topology, rank=rank, naming="megatron")
+        source.vocab_pad_multiple = megatron_vocab_pad_multiple(spec, getattr(module, "vocab_size", None), tp)
+        return source
 
     # -- vLLM's WeightSource (what vLLM's own backends read) ---------------------------------------
     def metadata(self) -> list[ParamMeta]:
@@ -244,7 +252,8 @@ class ShardSource(WeightSource):
         tensors = dict(self.module.named_parameters())
         if self.naming == "megatron":
             return replace(
-                _megatron_holdings(self.spec, self.declared, self.declared_rank, tensors), module=self.module
+                _megatron_holdings(self.spec, self.declared, self.declared_rank, tensors, self.vocab_pad_multiple),
+                module=self.module,
             )
         tensors |= _spec_buffers(self.module, self.spec)
         if any(_STACKED.match(name) for name in tensors):
@@ -400,16 +409,20 @@ def _model_name(name: str, stage: list[int], experts: list[int]) -> str:
     return f"decoder.layers.{stage[local]}.{rest}"
 
 
-def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: dict[str, torch.Tensor]) -> Holdings:
+def _megatron_holdings(
+    spec: ModelSpec, topology: Topology, rank: int, tensors: dict[str, torch.Tensor], vocab_pad_multiple: int = 1
+) -> Holdings:
     """A Megatron-core rank: each parameter copied into its view of the store (Megatron's order).
     A pipeline stage numbers its layers from 0, an expert-parallel rank its routed experts: they
-    are the stage's layers and the rank's experts (a contiguous block) of the layout."""
-    layout = Layout(spec, topology, qkv_order="megatron")
+    are the stage's layers and the rank's experts (a contiguous block) of the layout. The
+    vocabulary is Megatron's padded one (``vocab_pad_multiple``): its real rows are copied."""
+    layout = Layout(spec, topology, vocab_pad_multiple, qkv_order="megatron")
     me = layout.at(rank)
     stage = list(layout.stages[topology.coords(rank)[2]])
     experts = sorted({e for s in me.shards() if (e := spec.by_name[s.param].expert) is not None})
     store = ShardStore(me.shards(), allocate_buffers(layout, rank))
     views = megatron_fused_views(me, store.buffers)
+    padded = shard_views(me, store.buffers, padding=True)  # VocabParallelEmbedding's local tensors
     copies, written = [], set()
     in_model = {megatron_fused_name(p.name) or p.name for p in spec.params}
     for name, t in tensors.items():
@@ -430,13 +443,15 @@ def _megatron_holdings(spec: ModelSpec, topology: Topology, rank: int, tensors: 
             )
         if view is None:
             raise ValueError(f"Megatron-core parameter {name} ({target}) is not held by rank {rank} of {layout}")
-        if tuple(t.shape) != tuple(view.shape) or t.dtype != view.dtype:
+        local = padded.get(target, view)
+        if tuple(t.shape) != tuple(local.shape) or t.dtype != view.dtype:
             raise ValueError(
                 f"Megatron-core parameter {name} is {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} on this "
                 f"rank; rank {rank} of {layout} holds {target} as {str(view.dtype).removeprefix('torch.')} "
-                f"{tuple(view.shape)}: the declaration (or the model) is not what the rank holds"
+                f"{tuple(local.shape)}: the declaration (or the model) is not what the rank holds"
             )
-        copies.append((t, view, None))
+        real = None if local.shape == view.shape else tuple(slice(0, n) for n in view.shape)  # padding not read
+        copies.append((t, view, real))
         written.add(target)
     unwritten = sorted(s.slot for s in me.shards() if (megatron_fused_name(s.slot) or s.slot) not in written)
     if unwritten:

@@ -334,3 +334,57 @@ def check_torchtitan_experts(spec: "ModelSpec", topology: "Topology") -> None:
     for p in spec.params:
         if p.expert is not None:
             expert_projection(p, "torchtitan")
+
+
+def megatron_vocab_pad_multiple(spec: "ModelSpec", padded: int | None, tp: int) -> int:
+    """The ``vocab_pad_multiple`` of a Megatron-core model whose ``GPTModel`` was given a vocabulary
+    of ``padded`` rows (``GPTModel.vocab_size``; Megatron-LM pads the tokenizer's vocabulary to a
+    multiple of ``make_vocab_size_divisible_by * tp``, 128 * tp by default:
+    ``_vocab_size_with_padding`` in megatron/training/tokenizer/tokenizer.py): the smallest multiple
+    whose ``vocab_pad_rule="megatron"`` pads ``spec``'s vocabulary to exactly ``padded`` rows at
+    ``tp``, so the layout's local tensors are the model's ``VocabParallelEmbedding`` /
+    output-layer tensors (``padded / tp`` rows each). 1 when ``padded`` is ``None`` or the spec has
+    no vocabulary; ``ValueError`` when no multiple gives ``padded`` (fewer rows than the spec's
+    vocabulary, or a count tp does not divide: Megatron's ``divide`` refuses it too).
+
+    Example:
+        >>> from realloc.spec import decoder_spec
+        >>> spec = decoder_spec("m", hidden=16, intermediate=32, layers=1, heads=4, vocab=32000)
+        >>> megatron_vocab_pad_multiple(spec, 32768, 8), megatron_vocab_pad_multiple(spec, 32000, 8)
+        (128, 1)
+    """
+    vocab = [p for p in spec.params if p.pad_to_tp and p.tp_dim is not None]
+    if padded is None or not vocab:
+        return 1
+    units = vocab[0].units
+    if padded >= units and padded % tp == 0:
+        per = padded // tp
+        for m in range(1, per + 1):
+            if per % m == 0 and vocab_units_per_rank(units, tp, m, "megatron") == per:
+                return m
+    raise ValueError(
+        f"Megatron-core's vocabulary of {padded} rows (GPTModel vocab_size) at tp={tp} is not {spec.name}'s "
+        f"{units} rows padded to a multiple of make_vocab_size_divisible_by * tp for any "
+        "make_vocab_size_divisible_by: the model is not the spec's"
+    )
+
+
+def check_megatron_tied(spec: "ModelSpec", share: bool | None) -> None:
+    """``ValueError`` unless a Megatron-core model's ``share_embeddings_and_output_weights``
+    (``None``: not known) is what ``spec`` says (``tie_word_embeddings``: the lm head an alias of the
+    embedding). On a last pipeline stage that is not the first, Megatron's ``output_layer.weight``
+    is read as that stage's copy of the embedding when the spec ties them (Megatron keeps the two
+    equal only when it ties them too: ``setup_embeddings_and_output_layer`` in
+    megatron/core/models/common/language_module/language_module.py), so an untied output layer
+    would be sent as embedding rows."""
+    if share is None:
+        return
+    tied = any(spec.tied_head_of(p.name) for p in spec.params if p.role == "embed")
+    if bool(share) != tied:
+        raise ValueError(
+            f"the Megatron-core model has share_embeddings_and_output_weights={bool(share)}, but "
+            f"{spec.name} {'ties' if tied else 'does not tie'} its lm head to the embedding "
+            f"(tie_word_embeddings={tied}): build the model with "
+            f"share_embeddings_and_output_weights={tied} (untie_embeddings_and_output_weights="
+            f"{not tied}), or give the spec of the model it trains"
+        )
