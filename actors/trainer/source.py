@@ -262,6 +262,7 @@ class ShardSource(WeightSource):
         topology, rank, dtensors = self._topology_and_rank(tensors)
         layout = Layout(self.spec, topology)
         me = layout.at(rank)
+        _check_tied(self.spec, tensors, me)
         if dtensors:
             check_boxes(me, tensors)
         else:
@@ -311,6 +312,7 @@ class ShardSource(WeightSource):
         topology, rank, distributed = self._topology_and_rank(tensors)
         layout = Layout(self.spec, topology, expert_order="hf_stacked")
         me = layout.at(rank)
+        _check_tied(self.spec, as_spec, me)
         store = ShardStore(me.shards(), allocate_buffers(layout, rank))
         views = fused_views(me, store.buffers)
         slots = {s.slot: s for s in me.shards()}
@@ -534,6 +536,23 @@ def _check_names(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
                 f"parameter {name} is {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}; model "
                 f"{spec.name!r} has {p.dtype} {tuple(p.shape)}"
             )
+
+
+def _check_tied(spec: ModelSpec, tensors: dict, rank: RankLayout) -> None:
+    """``ValueError`` when the module holds a head the spec ties to the embedding
+    (``tie_word_embeddings``) as a parameter of its own where the rank's layout holds no such slot
+    (only a last pipeline stage that is not the first keeps its copy of the embedding there):
+    ``named_parameters()`` names a tied head once, under the embedding, so the module does not tie
+    them and its head would never be sent."""
+    held = {s.slot for s in rank.shards()}
+    own = sorted(a for a in spec.aliases if a in tensors and a not in held)
+    if own:
+        raise ValueError(
+            f"the module holds {own} as parameter(s) of its own, but model {spec.name!r} ties them to "
+            f"{[spec.aliases[a] for a in own]} (tie_word_embeddings=True): the module does not tie them, so its "
+            "head would not be sent; give the spec of the model it trains (tie_word_embeddings=False) or tie "
+            "the module's weights"
+        )
 
 
 def _check_plain(rank: RankLayout, tensors: dict[str, torch.Tensor]) -> None:
