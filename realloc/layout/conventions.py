@@ -33,8 +33,12 @@ it): how the vocabulary-parallel embedding and lm head are padded and split over
   ``q_proj``/``k_proj``/``v_proj``), so one parameter has several shards on one rank and the
   weight region (and the bias region, when there are q/k/v biases) is exactly the local
   ``linear_qkv`` tensor of shape ``[local_groups * (q_per_group + 2) * head_dim, hidden]``.
-  Megatron needs ``num_query_groups`` divisible by tp (``divide`` in ``Attention.__init__``): kv
-  heads are never replicated there, so ``tp > kv_heads`` is refused. With ``fsdp > 1`` it means
+  Megatron never replicates kv heads. It splits whole query groups when tp divides
+  ``num_query_groups``, the only case laid out here; megatron-core 0.16 also accepts tp a
+  multiple of ``num_query_groups`` (``TransformerConfig.__post_init__``: "a multiple or divisor"),
+  and then cuts the global fused tensor into tp equal row ranges that split query groups
+  (``Attention.__init__``, ``get_query_key_value_tensors`` all-gathers them): refused here, as
+  any tp not dividing the kv heads is. With ``fsdp > 1`` it means
   Megatron's *model* under sharded data parallelism (Megatron-FSDP, Megatron-DeepSpeed): the
   engine parameters are the fused ``linear_qkv`` and ``linear_fc1`` (gate; up) tensors, so FSDP2
   chunks and ZeRO-3 partitions are of those (:mod:`realloc.layout.sharded`); with
@@ -161,9 +165,11 @@ def _megatron_groups(q: "ParamSpec", k: "ParamSpec", v: "ParamSpec", tp: int) ->
         raise ValueError(f"{where}: {q.units} heads are not a multiple of {groups} query groups")
     if groups % tp:
         raise ValueError(
-            f"{where}: {groups} query groups (kv heads) cannot be split {tp} ways; Megatron-core "
-            f"needs num_query_groups divisible by tp (no kv head replication), so tp must divide "
-            f"{groups}"
+            f"{where}: {groups} query groups (kv heads) cannot be split {tp} ways into whole groups; "
+            f"realloc lays out Megatron-core's linear_qkv only with num_query_groups divisible by tp (tp must "
+            f"divide {groups}). Megatron-core 0.16 also runs tp a multiple of num_query_groups, its "
+            "linear_qkv then cut into tp equal row ranges of the fused tensor that split query groups "
+            "(all-gathered in get_query_key_value_tensors): not supported here"
         )
     return q.tp_unit, q.units // groups
 
