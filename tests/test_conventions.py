@@ -408,3 +408,30 @@ def test_gate_up_biases_sit_after_both_weights_and_fuse(topo):
             for suffix in ("weight", "bias"):
                 want = oracle.megatron_linear_fc1(full, layer, lay.topology.tp, tp_rank, suffix)
                 assert torch.equal(views[f"{pre}{name}.{suffix}"], want), (rank, convention, suffix)
+
+
+TIED_GQA = oracle.Decoder(
+    hidden=8,
+    intermediate=24,
+    layers=3,
+    heads=8,
+    kv_heads=2,
+    head_dim=2,
+    vocab=100,
+    qkv_bias=True,
+    tied=True,
+    dtype="float32",
+    norm_dtype="float32",
+)
+
+
+@pytest.mark.parametrize("src_topo", ["dp=2,tp=2,pp=2", "dp=4,pp=2"])
+def test_a_megatron_trainer_and_a_vllm_engine_replicating_kv_heads_exchange_bit_exact(src_topo):
+    """vLLM at tp=8 holds each of the 2 kv heads on 4 ranks and 100 vocabulary rows padded to 128,
+    16 per rank (rank 6 four real rows, rank 7 none); the trainer is Megatron's (linear_qkv order,
+    vocabulary padded to 16 * tp, the tied head's copy on its last stage). Both ways."""
+    spec = TIED_GQA.spec()
+    megatron = Layout(spec, Topology.parse(src_topo), 16, "megatron", "megatron")
+    vllm = Layout(spec, Topology(tp=8), 64, "vllm", "hf")
+    run_and_check(TIED_GQA, megatron, vllm, Placement.blocks(8, 4))
+    run_and_check(TIED_GQA, vllm, megatron, Placement.blocks(8, 4))
