@@ -114,6 +114,28 @@ def test_llama_without_kv_heads_is_multi_head():
     assert spec.param("model.layers.0.self_attn.k_proj.weight").shape == (4096, 4096)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kv_heads", ["absent", None, 4])
+def test_kv_heads_a_config_leaves_out_are_the_transformers_class_default(model_type, kv_heads):
+    """transformers' own config classes are the oracle (the model they build is the checkpoint's):
+    Mistral defaults ``num_key_value_heads`` to 8 and Qwen2/Qwen3 to 32, while an explicit null is
+    one per attention head (``__post_init__``). The spec read 16 kv heads (one per head) for every
+    config that left the field out, so k/v had other shapes than the model's."""
+    transformers = pytest.importorskip("transformers")
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    config = dict(model_type=model_type, hidden_size=128, intermediate_size=256, num_hidden_layers=1)
+    config.update(num_attention_heads=64, vocab_size=100, head_dim=2)
+    if kv_heads != "absent":
+        config["num_key_value_heads"] = kv_heads
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    if model_type == "mistral" and kv_heads is None:
+        pytest.skip("transformers' MistralConfig refuses an explicit null num_key_value_heads (typed int)")
+    want = getattr(transformers, classes[model_type])(**fields)
+    spec = spec_from_hf_config(config)
+    assert spec.num_kv_heads == want.num_key_value_heads
+    assert spec.param("model.layers.0.self_attn.k_proj.weight").shape == (want.num_key_value_heads * 2, 128)
+
+
 def test_llama_attention_and_mlp_bias():
     spec = spec_from_hf_config({**LLAMA3_8B, "num_hidden_layers": 1, "attention_bias": True, "mlp_bias": True})
     shapes = layer_shapes(spec)
