@@ -539,9 +539,12 @@ def megatron_linear_qkv(
     """Megatron-core's local ``linear_qkv.{suffix}`` of tp rank ``tp_rank``, from the full HF q/k/v.
 
     The full fused tensor is ``[groups, (q_per_group + 2) * head_dim, ...]``: per group its q heads,
-    its k head, its v head; column parallelism gives each rank ``groups / tp`` whole groups
-    (Megatron refuses ``kv_heads % tp != 0``)."""
-    assert d.kv_heads % tp == 0 and d.heads % d.kv_heads == 0
+    its k head, its v head; column parallelism (``ColumnParallelLinear``: ``divide(rows, tp)``) gives
+    rank ``r`` the ``r``-th of ``tp`` equal row ranges: ``groups / tp`` whole groups when tp divides
+    them, else (megatron-core 0.16 allows tp a multiple of ``num_query_groups``:
+    ``TransformerConfig.__post_init__``, ``Attention.__init__``) rows that cut through a group."""
+    rows = (d.heads + 2 * d.kv_heads) * d.head_dim
+    assert d.heads % d.kv_heads == 0 and (d.kv_heads % tp == 0 or (tp % d.kv_heads == 0 and rows % tp == 0))
     pre = f"model.layers.{layer}.self_attn."
     q, k, v = (full[f"{pre}{x}_proj.{suffix}"] for x in "qkv")
     groups, per_group, hd = d.kv_heads, d.heads // d.kv_heads, d.head_dim

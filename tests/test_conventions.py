@@ -49,7 +49,10 @@ def side_ok(d: oracle.Decoder, topo: Topology, pad: int, rule: str, qkv: str) ->
             oracle.vllm_padded_vocab(d.vocab, topo.tp, pad)
         except ValueError:
             return False
-    return qkv == "hf" or d.kv_heads % topo.tp == 0
+    if qkv == "hf" or d.kv_heads % topo.tp == 0:
+        return True
+    # megatron-core 0.16: tp a multiple of the query groups that divides linear_qkv's rows
+    return topo.tp % d.kv_heads == 0 and (d.heads + 2 * d.kv_heads) * d.head_dim % topo.tp == 0
 
 
 def expected(d: oracle.Decoder, full, layout: Layout, rank: int, pad_value=0) -> dict[str, torch.Tensor]:
@@ -188,7 +191,15 @@ def masks_of(d: oracle.Decoder, layout: Layout) -> dict:
     out = {}
     for rank in range(t.world_size):
         held = oracle.held_indices(
-            d, t.dp, t.tp, t.pp, stages_of(d, t), rank, layout.vocab_pad_multiple, pad_rule=layout.vocab_pad_rule
+            d,
+            t.dp,
+            t.tp,
+            t.pp,
+            stages_of(d, t),
+            rank,
+            layout.vocab_pad_multiple,
+            pad_rule=layout.vocab_pad_rule,
+            fused=layout.qkv_order == "megatron",  # Megatron's linear_qkv rows (tp > kv heads: not HF's)
         )
         masks = {}
         for param, idx in held.items():
@@ -331,13 +342,30 @@ def test_bad_option_names(kwargs, message):
         Layout(GQA.spec(), Topology(tp=2), **kwargs)
 
 
-def test_megatron_qkv_refuses_replicated_kv_heads():
+def test_megatron_qkv_with_tp_a_multiple_of_the_query_groups():
+    """vLLM replicates each kv head on 2 ranks; megatron-core 0.16 cuts linear_qkv's 32 rows (per
+    group: 2 q heads, k, v of 2 rows each) into 8 ranges of 4 rows: q rows of one group on one
+    rank, its k and v on the next. Refused where Megatron refuses, and with fsdp (not laid out)."""
     spec = oracle.Decoder(hidden=8, intermediate=24, layers=1, heads=8, kv_heads=4, head_dim=2, vocab=64).spec()
-    Layout(spec, Topology(tp=8))  # vLLM replicates each kv head on 2 ranks; Megatron-core refuses
-    with pytest.raises(ValueError, match="4 query groups .* cannot be split 8 ways"):
-        Layout(spec, Topology(tp=8), qkv_order="megatron")
-    with pytest.raises(ValueError, match="4 query groups .* cannot be split 8 ways"):
+    Layout(spec, Topology(tp=8))
+    lay = Layout(spec, Topology(tp=8), qkv_order="megatron")
+    qkv = [
+        [(s.slot.split(".")[-2], s.offsets[0], s.sizes[0]) for s in lay.shards(r) if "_proj.weight" in s.slot][:2]
+        for r in (0, 1, 7)
+    ]
+    assert qkv == [
+        [("q_proj", 0, 4), ("o_proj", 0, 8)],
+        [("k_proj", 0, 2), ("v_proj", 0, 2)],
+        [("k_proj", 6, 2), ("v_proj", 6, 2)],
+    ]
+    with pytest.raises(ValueError, match="with fsdp=2 and tp=8 > 4 query groups"):
         Layout(spec, Topology(fsdp=2, tp=8), qkv_order="megatron")
+    odd = oracle.Decoder(hidden=8, intermediate=24, layers=1, heads=12, kv_heads=4, head_dim=2, vocab=64).spec()
+    with pytest.raises(ValueError, match="4 units along dim 0 cannot be split 6 ways"):
+        Layout(odd, Topology(tp=6), qkv_order="megatron")  # neither divides the other
+    rows = oracle.Decoder(hidden=8, intermediate=24, layers=1, heads=8, kv_heads=2, head_dim=1, vocab=64).spec()
+    with pytest.raises(ValueError, match="divides linear_qkv's 12 rows"):
+        Layout(rows, Topology(tp=8), qkv_order="megatron")
     # with fsdp: Megatron's fused parameters, sharded whole (tests/test_sharded_fused.py)
     assert Layout(GQA.spec(), Topology(fsdp=2), qkv_order="megatron").fused_sharded
 
@@ -425,11 +453,12 @@ TIED_GQA = oracle.Decoder(
 )
 
 
-@pytest.mark.parametrize("src_topo", ["dp=2,tp=2,pp=2", "dp=4,pp=2"])
+@pytest.mark.parametrize("src_topo", ["dp=2,tp=2,pp=2", "dp=4,pp=2", "tp=4,pp=2", "tp=8"])
 def test_a_megatron_trainer_and_a_vllm_engine_replicating_kv_heads_exchange_bit_exact(src_topo):
     """vLLM at tp=8 holds each of the 2 kv heads on 4 ranks and 100 vocabulary rows padded to 128,
     16 per rank (rank 6 four real rows, rank 7 none); the trainer is Megatron's (linear_qkv order,
-    vocabulary padded to 16 * tp, the tied head's copy on its last stage). Both ways."""
+    vocabulary padded to 16 * tp, the tied head's copy on its last stage; at tp 4 and 8, more
+    ranks than query groups: linear_qkv's 24 rows cut 4 or 8 ways through the groups). Both ways."""
     spec = TIED_GQA.spec()
     megatron = Layout(spec, Topology.parse(src_topo), 16, "megatron", "megatron")
     vllm = Layout(spec, Topology(tp=8), 64, "vllm", "hf")

@@ -198,9 +198,9 @@ case(
 )
 case(
     C,
-    "qkv_order with kv heads < tp",
-    create(topology=Topology(tp=4), qkv_order="megatron"),
-    r"qkv_order='megatron' .*2 query groups \(kv heads\) cannot be split 4 ways",
+    "qkv_order with linear_qkv rows tp does not divide",
+    create(topology=Topology(tp=6), qkv_order="megatron"),
+    r"qkv_order='megatron' .*2 query groups \(kv heads\) cannot be split 6 ways.*128 rows",
 )
 case(C, "topology string of the wrong type", lambda e: Topology.parse(5), r"a topology string looks like .*got int 5")
 case(

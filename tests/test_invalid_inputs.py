@@ -123,9 +123,9 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
         r"vocab_pad_rule='vllm': model.embed_tokens.weight of 1001 rows padded to a multiple of 64 is 1024 rows, which tp=6 does not divide",
     ),
     (
-        "megatron qkv with kv heads < tp",
-        lambda: Layout(TINY, Topology(tp=4), qkv_order="megatron"),
-        r"qkv_order='megatron' \(model.layers.0.self_attn.q_proj.weight\): 2 query groups \(kv heads\) cannot be split 4 ways",
+        "megatron qkv with linear_qkv rows tp does not divide",
+        lambda: Layout(TINY, Topology(tp=6), qkv_order="megatron"),
+        r"qkv_order='megatron' \(model.layers.0.self_attn.q_proj.weight\): 2 query groups \(kv heads\) cannot be split 6 ways.*128 rows",
     ),
     ("unknown preset", lambda: ModelSpec.preset("llama-8b"), r"unknown model preset 'llama-8b'; known: .*llama-7b"),
     # specs

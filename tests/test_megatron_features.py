@@ -32,20 +32,20 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 V, HIDDEN, HEADS, GROUPS, HEAD_DIM, INTER, LAYERS = 100, 16, 4, 2, 4, 32, 2
 
 
-def _hf_config(tied: bool) -> dict:
+def _hf_config(tied: bool, groups: int = GROUPS) -> dict:
     return dict(
         model_type="qwen2",  # q/k/v biases, no o bias: Megatron's add_qkv_bias without add_bias_linear
         hidden_size=HIDDEN,
         intermediate_size=INTER,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        num_key_value_heads=GROUPS,
+        num_key_value_heads=groups,
         vocab_size=V,
         tie_word_embeddings=tied,
     )
 
 
-def _model(tp: int, pp: int, vocab: int, share: bool):
+def _model(tp: int, pp: int, vocab: int, share: bool, groups: int = GROUPS):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
@@ -53,7 +53,7 @@ def _model(tp: int, pp: int, vocab: int, share: bool):
         num_layers=LAYERS,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
+        num_query_groups=groups,
         kv_channels=HEAD_DIM,
         ffn_hidden_size=INTER,
         tensor_model_parallel_size=tp,
@@ -89,12 +89,12 @@ def _gpt(GPTModel, config, vocab: int, share: bool):
     )
 
 
-def _megatron_global(full: dict, vocab: int, output: torch.Tensor | None = None) -> dict:
+def _megatron_global(full: dict, vocab: int, output: torch.Tensor | None = None, groups: int = GROUPS) -> dict:
     """Megatron's global tensors (distributed-checkpoint keys, layer axis first) of the HF
     checkpoint ``full``: the vocabulary padded with zero rows to ``vocab``; ``linear_qkv`` per
     query group its q heads, its k head, its v head (weight and bias); ``linear_fc1`` [gate; up];
     ``output``: the output layer's own values (a Megatron model that does not tie it)."""
-    per = HEADS // GROUPS
+    per = HEADS // groups
 
     def padded(t):
         return torch.cat([t, t.new_zeros((vocab - t.shape[0],) + tuple(t.shape[1:]))])
@@ -102,8 +102,8 @@ def _megatron_global(full: dict, vocab: int, output: torch.Tensor | None = None)
     def fused(i, suffix):
         q, k, v = (full[f"model.layers.{i}.self_attn.{x}_proj.{suffix}"] for x in "qkv")
         rest = tuple(q.shape[1:])
-        parts = [q.reshape(GROUPS, per * HEAD_DIM, *rest), k.reshape(GROUPS, HEAD_DIM, *rest)]
-        parts.append(v.reshape(GROUPS, HEAD_DIM, *rest))
+        parts = [q.reshape(groups, per * HEAD_DIM, *rest), k.reshape(groups, HEAD_DIM, *rest)]
+        parts.append(v.reshape(groups, HEAD_DIM, *rest))
         return torch.cat(parts, 1).reshape(-1, *rest)
 
     def layers(f):
@@ -151,33 +151,44 @@ def _fill(model, glob: dict) -> set:
     return filled
 
 
-def _qkv_meaning_is_hf(model, full: dict, tp_rank: int, tp: int, first_layer: int) -> list[str]:
+def _qkv_meaning_is_hf(model, full: dict, tp_rank: int, tp: int, first_layer: int, groups: int) -> list[str]:
     """Megatron's q/k/v of an input (its own split of ``linear_qkv``'s output) vs HF's
     projections of it, for the rank's heads; the layers where they differ."""
     wrong = []
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 1, HIDDEN, generator=gen)  # [sequence, batch, hidden]
-    heads, groups = HEADS // tp, GROUPS // tp
+    heads = HEADS // tp
+    # the rank's query groups: groups / tp of them, or (tp a multiple of them) group rank // (tp / groups)
+    first_group, count = (tp_rank * groups // tp, groups // tp) if groups >= tp else (tp_rank // (tp // groups), 1)
     for j, layer in enumerate(model.decoder.layers):
         i = first_layer + j
-        with torch.no_grad():
+        # (tp a multiple of the groups: Megatron all-gathers linear_qkv's output into a buffer on
+        # torch.cuda.current_device(); on gloo, the CPU)
+        with torch.no_grad(), mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
             q, k, v = layer.self_attention.get_query_key_value_tensors(x)[:3]
-        for got, part, count in ((q, "q", heads), (k, "k", groups), (v, "v", groups)):
+        for got, part, first, n in (
+            (q, "q", tp_rank * heads, heads),
+            (k, "k", first_group, count),
+            (v, "v", first_group, count),
+        ):
             w = full[f"model.layers.{i}.self_attn.{part}_proj.weight"]
             b = full[f"model.layers.{i}.self_attn.{part}_proj.bias"]
-            want = (x @ w.T + b).reshape(3, 1, -1, HEAD_DIM)[:, :, tp_rank * count : (tp_rank + 1) * count]
+            want = (x @ w.T + b).reshape(3, 1, -1, HEAD_DIM)[:, :, first : first + n]
             if not torch.allclose(got.reshape(want.shape), want, atol=1e-5):
                 wrong.append(f"layer {i} {part}")
     return wrong
 
 
-#: (name, tp, pp, Megatron's vocabulary, HF tied, Megatron tied)
+#: (name, tp, pp, Megatron's vocabulary, HF tied, Megatron tied, query groups)
 CASES = [
-    ("tp2", 2, 1, V, False, False),
-    ("tp2-padded-vocab", 2, 1, 256, False, False),  # make_vocab_size_divisible_by 128 at tp=2
-    ("pp2-tied", 1, 2, V, True, True),
-    ("pp2-tied-padded", 1, 2, 128, True, True),
-    ("pp2-megatron-untied", 1, 2, V, True, False),  # an HF model that ties, a Megatron model that does not
+    ("tp2", 2, 1, V, False, False, GROUPS),
+    ("tp2-padded-vocab", 2, 1, 256, False, False, GROUPS),  # make_vocab_size_divisible_by 128 at tp=2
+    ("pp2-tied", 1, 2, V, True, True, GROUPS),
+    ("pp2-tied-padded", 1, 2, 128, True, True, GROUPS),
+    ("pp2-megatron-untied", 1, 2, V, True, False, GROUPS),  # an HF model that ties, a Megatron model that does not
+    # megatron-core 0.16: tp a multiple of the query groups; linear_qkv's 24 rows (q heads 0-3, k, v)
+    # cut in two: rank 0 q heads 0-2, rank 1 q head 3, k and v
+    ("tp2-one-query-group", 2, 1, V, False, False, 1),
 ]
 
 
@@ -191,19 +202,19 @@ def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = {}
-    for name, tp, pp, vocab, tied, share in CASES:
+    for name, tp, pp, vocab, tied, share, groups in CASES:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        spec = spec_from_hf_config(_hf_config(tied), dtype="float32")
+        spec = spec_from_hf_config(_hf_config(tied, groups), dtype="float32")
         gen = torch.Generator().manual_seed(0)
         full = {p.name: torch.randn(p.shape, generator=gen) for p in spec.params}
         torch.manual_seed(0)
-        model = _model(tp, pp, vocab, share)
+        model = _model(tp, pp, vocab, share, groups)
         own = None if tied == share else torch.randn(V, HIDDEN, generator=gen)  # an untied output layer's values
-        filled = _fill(model, _megatron_global(full, vocab, own))
+        filled = _fill(model, _megatron_global(full, vocab, own, groups))
         unfilled = sorted(n for n, p in model.named_parameters() if p.untyped_storage().data_ptr() not in filled)
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         first = pp_rank * LAYERS // pp
-        result = {"unfilled": unfilled, "qkv": _qkv_meaning_is_hf(model, full, tp_rank, tp, first)}
+        result = {"unfilled": unfilled, "qkv": _qkv_meaning_is_hf(model, full, tp_rank, tp, first, groups)}
         try:
             held = ShardSource.megatron(model, spec).holdings()
             held.refresh()

@@ -34,11 +34,11 @@ it): how the vocabulary-parallel embedding and lm head are padded and split over
   weight region (and the bias region, when there are q/k/v biases) is exactly the local
   ``linear_qkv`` tensor of shape ``[local_groups * (q_per_group + 2) * head_dim, hidden]``.
   Megatron never replicates kv heads. It splits whole query groups when tp divides
-  ``num_query_groups``, the only case laid out here; megatron-core 0.16 also accepts tp a
-  multiple of ``num_query_groups`` (``TransformerConfig.__post_init__``: "a multiple or divisor"),
-  and then cuts the global fused tensor into tp equal row ranges that split query groups
-  (``Attention.__init__``, ``get_query_key_value_tensors`` all-gathers them): refused here, as
-  any tp not dividing the kv heads is. With ``fsdp > 1`` it means
+  ``num_query_groups``; megatron-core 0.16 also accepts tp a multiple of ``num_query_groups``
+  (``TransformerConfig.__post_init__``: "a multiple or divisor") and then cuts the global fused
+  tensor into tp equal row ranges that split query groups (``Attention.__init__``;
+  ``get_query_key_value_tensors`` all-gathers them): laid out by :func:`_megatron_row_pieces`
+  (fsdp=1 only). Any other tp is refused. With ``fsdp > 1`` it means
   Megatron's *model* under sharded data parallelism (Megatron-FSDP, Megatron-DeepSpeed): the
   engine parameters are the fused ``linear_qkv`` and ``linear_fc1`` (gate; up) tensors, so FSDP2
   chunks and ZeRO-3 partitions are of those (:mod:`realloc.layout.sharded`); with
@@ -131,6 +131,12 @@ def check_options(
         )
     for q, k, v in qkv_triples(spec):
         _megatron_groups(q, k, v, tp)
+        if k.units < tp and topology.fsdp > 1:
+            raise ValueError(
+                f"qkv_order='megatron' with fsdp={topology.fsdp} and tp={tp} > {k.units} query groups: "
+                "Megatron's linear_qkv rows that cut through query groups are laid out without sharded "
+                "data parallelism only (fsdp=1), or use a tp that divides the query groups"
+            )
 
 
 def qkv_triples(spec: "ModelSpec", strict: bool = True) -> list[tuple["ParamSpec", "ParamSpec", "ParamSpec"]]:
@@ -163,15 +169,39 @@ def _megatron_groups(q: "ParamSpec", k: "ParamSpec", v: "ParamSpec", tp: int) ->
     groups = k.units
     if q.units % groups:
         raise ValueError(f"{where}: {q.units} heads are not a multiple of {groups} query groups")
-    if groups % tp:
+    rows = (q.units + 2 * groups) * q.tp_unit
+    if groups % tp and (tp % groups or rows % tp):
         raise ValueError(
-            f"{where}: {groups} query groups (kv heads) cannot be split {tp} ways into whole groups; "
-            f"realloc lays out Megatron-core's linear_qkv only with num_query_groups divisible by tp (tp must "
-            f"divide {groups}). Megatron-core 0.16 also runs tp a multiple of num_query_groups, its "
-            "linear_qkv then cut into tp equal row ranges of the fused tensor that split query groups "
-            "(all-gathered in get_query_key_value_tensors): not supported here"
+            f"{where}: {groups} query groups (kv heads) cannot be split {tp} ways; Megatron-core needs "
+            f"num_query_groups divisible by tp, or tp a multiple of them (TransformerConfig: 'a multiple or "
+            f"divisor') that divides linear_qkv's {rows} rows (ColumnParallelLinear's divide)"
         )
     return q.tp_unit, q.units // groups
+
+
+def _megatron_row_pieces(trio: list[tuple], per_group: int, head_dim: int, tp: int) -> list[tuple]:
+    """Megatron-core's ``linear_qkv`` rows of a tp rank when tp is a multiple of the query groups
+    (megatron-core 0.16, megatron/core/transformer/attention.py: ``Attention.__init__`` keeps the
+    fused tensor a plain ``ColumnParallelLinear`` of ``(heads + 2 * groups) * head_dim`` rows, so
+    rank ``r`` holds rows ``[r * n / tp, (r + 1) * n / tp)`` of the global fused tensor, which cut
+    through query groups; ``get_query_key_value_tensors`` all-gathers them and takes its group):
+    the pieces of q, k and v (boxes of the HF tensors) those rows are, in order. ``trio`` are the
+    rank's tp entries of q, k and v (the q box says the rank)."""
+    groups = trio[1][0].units
+    rank = trio[0][3][0] // trio[0][4][0]  # q's tp box: heads / tp heads of the rank, in order
+    per = (per_group + 2) * head_dim * groups // tp
+    lo, hi, at, out = rank * per, (rank + 1) * per, 0, []
+    for g in range(groups):
+        for e, start, n in ((trio[0], g * per_group * head_dim, per_group * head_dim),) + tuple(
+            (x, g * head_dim, head_dim) for x in trio[1:]
+        ):
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                offsets, sizes = list(e[3]), list(e[4])
+                offsets[0], sizes[0] = start + a - at, b - a
+                out.append((e[0], e[1], e[2], offsets, sizes, list(sizes)))
+            at += n
+    return out
 
 
 def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
@@ -198,6 +228,10 @@ def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
         if any(e is None for e in trio):
             raise ValueError(f"qkv_order='megatron': the stage holds {slot} but not all of its k/v")
         head_dim, per_group = _megatron_groups(trio[0][0], trio[1][0], trio[2][0], tp)
+        done.update(e[2] for e in trio)
+        if trio[1][0].units < tp:  # tp a multiple of the query groups: rows that cut through groups
+            out += _megatron_row_pieces(trio, per_group, head_dim, tp)
+            continue
         q_rows, kv_rows = per_group * head_dim, head_dim
         local_groups = trio[1][4][0] // kv_rows
         for g in range(local_groups):
@@ -206,7 +240,6 @@ def megatron_qkv_order(entries: list[tuple], tp: int) -> list[tuple]:
                 offsets[0] += g * rows
                 sizes[0] = rows
                 out.append((e[0], e[1], e[2], offsets, sizes, list(sizes)))
-        done.update(e[2] for e in trio)
     return out
 
 
