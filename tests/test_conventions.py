@@ -55,22 +55,18 @@ def side_ok(d: oracle.Decoder, topo: Topology, pad: int, rule: str, qkv: str) ->
     return topo.tp % d.kv_heads == 0 and (d.heads + 2 * d.kv_heads) * d.head_dim % topo.tp == 0
 
 
+def _rank_args(d: oracle.Decoder, layout: Layout, rank: int) -> tuple:
+    """The oracle's ``(d, dp, tp, pp, stages, rank, pad_multiple)`` of ``rank`` of ``layout``."""
+    t = layout.topology
+    return d, t.dp, t.tp, t.pp, stages_of(d, t), rank, layout.vocab_pad_multiple
+
+
 def expected(d: oracle.Decoder, full, layout: Layout, rank: int, pad_value=0) -> dict[str, torch.Tensor]:
     """Name -> the engine's local tensor on ``rank`` (HF slots, and Megatron's linear_qkv in place of
     q/k/v under qkv_order="megatron"), from the oracle alone."""
     t = layout.topology
-    out = oracle.local_tensors(
-        d,
-        full,
-        t.dp,
-        t.tp,
-        t.pp,
-        stages_of(d, t),
-        rank,
-        layout.vocab_pad_multiple,
-        pad_value=pad_value,
-        pad_rule=layout.vocab_pad_rule,
-    )
+    _, *args = _rank_args(d, layout, rank)
+    out = oracle.local_tensors(d, full, *args, pad_value=pad_value, pad_rule=layout.vocab_pad_rule)
     if layout.qkv_order == "megatron":
         _, tp_rank, pp_rank = t.coords(rank)
         for layer in stages_of(d, t)[pp_rank]:
@@ -190,16 +186,9 @@ def masks_of(d: oracle.Decoder, layout: Layout) -> dict:
     shapes = {p.name: p.shape for p in oracle.params(d)}
     out = {}
     for rank in range(t.world_size):
+        # Megatron's linear_qkv rows (with tp > kv heads not the HF layout's replicated heads)
         held = oracle.held_indices(
-            d,
-            t.dp,
-            t.tp,
-            t.pp,
-            stages_of(d, t),
-            rank,
-            layout.vocab_pad_multiple,
-            pad_rule=layout.vocab_pad_rule,
-            fused=layout.qkv_order == "megatron",  # Megatron's linear_qkv rows (tp > kv heads: not HF's)
+            *_rank_args(d, layout, rank), pad_rule=layout.vocab_pad_rule, fused=layout.qkv_order == "megatron"
         )
         masks = {}
         for param, idx in held.items():
