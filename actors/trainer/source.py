@@ -188,7 +188,10 @@ class ShardSource(WeightSource):
         and change neither. A rank whose expert-parallel or expert tensor-parallel rank in
         Megatron's parallel state is not the one this numbering gives it (a non-default ``order``)
         is refused (its ``local_experts`` would be read as others), and so are virtual pipeline
-        stages."""
+        stages. The vocabulary padding is the model's (``GPTModel.vocab_size``:
+        :func:`~realloc.layout.conventions.megatron_vocab_pad_multiple`), and its
+        ``share_embeddings_and_output_weights`` must be the spec's ``tie_word_embeddings``
+        (:func:`~realloc.layout.conventions.check_megatron_tied`)."""
         from megatron.core import parallel_state as ps
 
         if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
