@@ -448,14 +448,14 @@ def _megatron_holdings(
             )
         if view is None:
             raise ValueError(f"Megatron-core parameter {name} ({target}) is not held by rank {rank} of {layout}")
-        local = padded.get(target, view)
-        if tuple(t.shape) != tuple(local.shape) or t.dtype != view.dtype:
+        whole = padded.get(target, view)  # the padded vocabulary as Megatron holds it
+        if tuple(t.shape) != tuple(whole.shape) or t.dtype != view.dtype:
             raise ValueError(
                 f"Megatron-core parameter {name} is {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} on this "
                 f"rank; rank {rank} of {layout} holds {target} as {str(view.dtype).removeprefix('torch.')} "
-                f"{tuple(local.shape)}: the declaration (or the model) is not what the rank holds"
+                f"{tuple(whole.shape)}: the declaration (or the model) is not what the rank holds"
             )
-        real = None if local.shape == view.shape else tuple(slice(0, n) for n in view.shape)  # padding not read
+        real = None if whole.shape == view.shape else tuple(slice(0, n) for n in view.shape)  # padding not read
         copies.append((t, view, real))
         written.add(target)
     unwritten = sorted(s.slot for s in me.shards() if (megatron_fused_name(s.slot) or s.slot) not in written)
