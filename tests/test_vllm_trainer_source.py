@@ -547,6 +547,21 @@ def test_a_transfer_outcome_missing_names_every_silent_worker_and_every_workers_
     assert trainer.send_weights() == 1 and client.commits == [0, 1]
 
 
+def _refuse_next_commit(client) -> None:
+    """``client``'s next commit is refused by every worker before any write: no worker's round is
+    staged when ``finish_weight_update`` comes (later commits go through)."""
+    finish, refuse = client.finish_weight_update, [True]
+
+    def unstaged(weight_version=None):
+        if weight_version is not None and refuse[0]:
+            refuse[0] = False
+            for w in client.workers:
+                w.round.staged, w.round.error = False, "RuntimeError: injected"
+        finish(weight_version)
+
+    client.finish_weight_update = unstaged
+
+
 def test_a_commit_every_worker_refused_gives_vllm_back_the_served_versions_label(llama, monkeypatch):
     """Found in review: vLLM takes ``weight_version`` as its label once ``finish_weight_update``
     returns, whatever the workers did (vllm/entrypoints/rl/offline.py), so after a commit every
@@ -557,16 +572,7 @@ def test_a_commit_every_worker_refused_gives_vllm_back_the_served_versions_label
 
     client, trainer = _head(llama, monkeypatch, 8.0)
     assert trainer.send_weights() == 1 and client.label == "1" and client.commits == [0, 1]
-    finish, refuse = client.finish_weight_update, [True]
-
-    def unstaged(weight_version=None):
-        if weight_version is not None and refuse[0]:  # no worker's round is staged when the commit comes
-            refuse[0] = False
-            for w in client.workers:
-                w.round.staged, w.round.error = False, "RuntimeError: injected"
-        finish(weight_version)
-
-    client.finish_weight_update = unstaged
+    _refuse_next_commit(client)
     with pytest.raises(ReallocationError) as err:
         trainer.send_weights()
     said = str(err.value)
@@ -575,6 +581,46 @@ def test_a_commit_every_worker_refused_gives_vllm_back_the_served_versions_label
     assert client.label == "1" and client.commits == [0, 1] and not client.active
     assert trainer.engine.version == 1 and trainer.engine.unknown is None
     assert trainer.send_weights() == 2 and client.label == "2" and client.commits == [0, 1, 0, 1]
+
+
+def test_a_refused_first_commit_of_an_engine_whose_label_is_not_known_puts_no_label_back(llama, monkeypatch):
+    """Found in review of the relabel: a client that cannot say the engine's label (here its
+    ``get_weight_version`` raises) made init fail after the engine's layout was set, and a refused
+    first commit "gave back" vLLM's initial ``"default"``, which a server relabelled earlier does not
+    serve. Now init goes on without the label, and the refused commit puts none back and says that
+    vLLM labels its outputs with a version it does not serve; the next update commits."""
+    from actors.errors import ReallocationError
+
+    monkeypatch.setattr(InProcessWorkers, "get_weight_version", lambda self: (_ for _ in ()).throw(OSError("no route")))
+    client, trainer = _head(llama, monkeypatch, 8.0)
+    client.label = "served-by-someone-else"
+    _refuse_next_commit(client)
+    with pytest.raises(ReallocationError) as err:
+        trainer.send_weights()
+    said = str(err.value)
+    assert "the commit of version 1 was refused" in said, said
+    assert "vLLM labels its outputs 1, which it does not serve" in said and "none was put back" in said, said
+    assert client.label == "1" and not client.active and trainer.engine.label is None
+    assert trainer.send_weights() == 1 and client.label == "1" and client.commits == [0, 1]
+
+
+def test_a_failure_that_cannot_be_posted_to_the_other_ranks_still_closes_the_engines_round(llama, monkeypatch):
+    """Found in review: posting a failed round's error to the other ranks ran before closing the
+    engine's round and outside any guard, so a post that failed (the store unreachable) left vLLM's
+    round open (its next ``start_weight_update`` is refused) and raised the store's error instead
+    of the failure. Now the round is closed all the same and the failure is what is raised."""
+    client, trainer = _head(llama, monkeypatch, 8.0)
+    engine = trainer.engine
+    assert trainer.send_weights() == 1
+    client.start_weight_update()  # a round the failed update had opened
+    engine._open = True
+
+    def unreachable(failure):
+        raise OSError("the store is gone")
+
+    out = engine.failed(RuntimeError("the transfer broke"), "policy", unreachable)
+    assert "the transfer broke" in str(out) and not client.active and not engine._open
+    assert trainer.send_weights() == 2 and client.label == "2"
 
 
 def test_a_failed_round_is_posted_to_the_other_ranks_before_the_engines_round_is_closed(llama, monkeypatch):

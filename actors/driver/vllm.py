@@ -72,10 +72,6 @@ log = logging.getLogger(__name__)
 VLLM_VOCAB_PADDING = 64
 #: How often the driver reads the workers' outcomes from the store.
 POLL_S = 0.02
-#: vLLM's label of the weights it loaded (vllm/v1/engine/core.py ``EngineCore.__init__``:
-#: ``self._weight_version = "default"``): the label put back after a refused first commit when the
-#: client cannot say the engine's label (it has no ``get_weight_version``).
-VLLM_INITIAL_LABEL = "default"
 
 
 class LLMClient:
@@ -236,11 +232,16 @@ class VLLMEngine:
             )
         layout = vllm_layout(spec, first["tp_size"])
         check_derived(layout, workers, spec)
+        if self.label is None and callable(getattr(self.client, "get_weight_version", None)):
+            try:  # what a refused first commit puts back; a client that cannot say leaves it unknown
+                self.label = str(self.client.get_weight_version())
+            except Exception as err:  # noqa: BLE001 - the label stays unknown, which _relabel says
+                log.warning(
+                    "%s: could not read vLLM's weight version label (%s: %s)", self.name, type(err).__name__, err
+                )
         self.layout, self.workers = layout, sorted(workers, key=lambda w: w["tp_rank"])
         if self.node is None:
             self.node = _node_of(workers[0]["ip"])
-        if self.label is None and callable(getattr(self.client, "get_weight_version", None)):
-            self.label = str(self.client.get_weight_version())  # what a refused first commit puts back
 
     def dead_workers(self) -> list[str]:
         """``"vLLM worker <i> (pid <p>) died"`` for each worker of this host whose process is gone
@@ -479,17 +480,29 @@ class VLLMEngine:
         allows a round without ``update_weights`` (vllm/v1/worker/gpu_worker.py
         ``Worker.finish_weight_update`` only needs a started round) and realloc's worker ends a
         round with nothing staged without touching anything (actors/vllm/engine.py
-        ``finish_weight_update``)."""
-        label = self.label if self.label is not None else VLLM_INITIAL_LABEL
+        ``finish_weight_update``). Where this handle does not know the label of what the engine
+        serves (a client that cannot say it, before the first commit; or weights not known since a
+        commit failed), no label is put back, and the message says so."""
+        if self.label is None or self.unknown is not None:
+            return (
+                f"vLLM labels its outputs {refused}, which it does not serve (the label of what it serves is not "
+                "known to this handle: none was put back)"
+            )
+        label = self.label
         try:
             self.client.start_weight_update()
-            self._open = True  # closed by the finish below, else by the next update's failure (close_round)
+            self._open = True
             self.client.finish_weight_update(weight_version=label)
             self._open = False
         except Exception as err:  # noqa: BLE001 - said in the error
+            closing = ""
+            try:  # no round is left open for the next update to trip over
+                self.close_round()
+            except Exception as close_err:  # noqa: BLE001 - said in the error
+                closing = f"; closing that round failed too ({type(close_err).__name__}: {close_err})"
             return (
-                f"giving vLLM back its label {label!r} failed ({type(err).__name__}: {err}): it labels its outputs "
-                f"{refused}, which it does not serve"
+                f"giving vLLM back its label {label!r} failed ({type(err).__name__}: {err}){closing}: it labels its "
+                f"outputs {refused}, which it does not serve"
             )
         return f"vLLM labels its outputs {label!r} again"
 
@@ -528,7 +541,15 @@ class VLLMEngine:
                 getattr(err, "waiting", []),
             )
         if announce is not None:
-            announce(self._failure(err, trainer, gone, ""))
+            try:
+                announce(self._failure(err, trainer, gone, ""))
+            except Exception as posting:  # noqa: BLE001 - the round is closed all the same; rank 0 raises err
+                log.warning(
+                    "%s: posting the failure to the other ranks failed (%s: %s)",
+                    self.name,
+                    type(posting).__name__,
+                    posting,
+                )
         note = ""
         try:
             self.close_round()
