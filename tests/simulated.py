@@ -6,12 +6,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import time
 from types import SimpleNamespace
 from typing import Iterator
 
 import ray
+from ports import free_port  # noqa: F401 - the tests' one port picker, handed on
 from ray.cluster_utils import Cluster
 
 #: The cluster this test process keeps between modules: ``(key, cluster, added nodes)``, or None.
@@ -91,13 +91,6 @@ def _wait_for_free_cpus(total: int, timeout_s: float = 60) -> None:
     while (free := ray.available_resources().get("CPU", 0)) < total:
         assert time.monotonic() < deadline, f"the kept cluster has {free} of {total} CPU slots free after {timeout_s} s"
         time.sleep(0.2)
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (for a user's own process group in the workers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_dead_workers(group, timeout_s: float = 60) -> list[int]:

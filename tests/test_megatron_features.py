@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from unittest import mock
 
 import pytest
 import torch
+from ports import free_port
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
@@ -244,9 +244,7 @@ def _main(rank: int, port: int, outs: list[str]) -> None:
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron-features")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     outs = [str(root / f"rank{r}.json") for r in range(2)]
     torch.multiprocessing.start_processes(_main, args=(port, outs), nprocs=2, start_method="spawn", join=True)
     return [json.loads(open(o).read()) for o in outs]

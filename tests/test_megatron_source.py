@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 import user_trainers as ut  # noqa: E402
 import vllm_models as vm  # noqa: E402
+from ports import free_port  # noqa: E402
 
 EP = 2
 
@@ -123,9 +123,7 @@ def _rank(rank: int, port: int, path: str, out: str) -> None:
 
 def test_megatron_core_expert_parallel_ranks_send_their_own_experts_exactly(tmp_path):
     path = vm.save_llama(tmp_path / "qwen3-moe", vocab=512, arch="qwen3_moe")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     outs = [str(tmp_path / f"rank{r}.json") for r in range(EP)]
     torch.multiprocessing.start_processes(
         _main, args=(port, str(path), outs), nprocs=EP, start_method="spawn", join=True
@@ -337,9 +335,7 @@ def _on_meshes(tmp_path, runs: list, world: int = 2) -> list[list[dict]]:
     """:func:`_mesh_rank` on ``world`` gloo processes: each rank's results, one per run, every
     shard of every run checked: each parameter filled from Megatron's sharded_state_dict, none
     left over, none refused, none wrong."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
     torch.multiprocessing.start_processes(
         _mesh_main, args=(port, outs, runs), nprocs=world, start_method="spawn", join=True

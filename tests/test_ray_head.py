@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,16 +14,11 @@ from pathlib import Path
 
 import pytest
 import ray
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop_head(temp_dir: str, gcs: str) -> None:
@@ -50,8 +44,8 @@ def _stop_head(temp_dir: str, gcs: str) -> None:
 def head(tmp_path_factory):
     """A head node with the dashboard (job server) and a metrics export port; auth off on both sides."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"}
-    gcs, dash, metrics = _free_port(), _free_port(), _free_port()
-    client, agent = _free_port(), _free_port()  # not Ray's fixed defaults: a previous head may hold them
+    gcs, dash, metrics = free_port(), free_port(), free_port()
+    client, agent = free_port(), free_port()  # not Ray's fixed defaults: a previous head may hold them
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's unix sockets live under it
     ray_bin = str(Path(sys.executable).with_name("ray"))
     subprocess.run(

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ ray = pytest.importorskip("ray")
 
 import user_trainers as ut
 import vllm_models as vm
+from ports import free_port
 from safetensors.torch import load_file
 from simulated import simulated_cluster
 
@@ -141,12 +141,6 @@ def test_vllm_async_llm_completes_an_update(model):
         thread.join(10)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict | None = None, timeout: float = 60) -> dict:
     data = json.dumps(body or {}).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
@@ -211,7 +205,7 @@ def server(model):
 @contextlib.contextmanager
 def serving(model, backend: str):
     """``vllm serve`` of the module's model at tp=2 with weight-transfer ``backend``."""
-    port = _port()
+    port = free_port()
     env = {**os.environ, **vm.VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}
     log = open(model["root"] / f"serve-{backend}.log", "w")
     process = subprocess.Popen(
@@ -339,7 +333,7 @@ def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights
     with serving(model, "gloo_bcast") as bcast:
         before = bcast.greedy()
         ray.get([r.train.remote(seed=9) for r in fsdp], timeout=WAIT_S)
-        port = _port()
+        port = free_port()
         ray.get([r.__ray_call__.remote(vt._broadcast_init, _client(bcast), port, 3, TIMEOUT_S) for r in fsdp])
         sent = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=WAIT_S)
         after = bcast.greedy()
@@ -349,7 +343,9 @@ def test_vllm_nccl_protocol_stand_in_over_gloo_serves_the_fsdp2_trainers_weights
         held = ray.get([r.holds_bytes.remote() for r in fsdp])
         assert sent == [held[0] + 2 * sum(held), held[1]], (sent, held)
         # vLLM's other wire: one broadcast per tensor (a new trainer engine: the workers join its new group)
-        ray.get([r.__ray_call__.remote(vt._broadcast_init, _client(bcast), _port(), 3, TIMEOUT_S, False) for r in fsdp])
+        ray.get(
+            [r.__ray_call__.remote(vt._broadcast_init, _client(bcast), free_port(), 3, TIMEOUT_S, False) for r in fsdp]
+        )
         ray.get([r.train.remote(seed=10) for r in fsdp], timeout=WAIT_S)
         again = ray.get([r.__ray_call__.remote(vt._broadcast_send) for r in fsdp], timeout=WAIT_S)
         assert again == sent
