@@ -334,7 +334,7 @@ class VLLMEngine:
         """Stage, wait and commit: the engine serves ``trainer``'s weights afterwards."""
         update = self.stage(trainer, delta)
         update.wait()
-        return update._commit(update.deadline)  # one call, one deadline
+        return update.commit(update.deadline)  # one call, one deadline
 
     def received_delta(self, order) -> None:
         """An update carrying ``order`` (a :class:`~actors.records.DeltaOrder`) reached the engine:
@@ -676,16 +676,13 @@ class VLLMUpdate:
         self.state = "staged"
         return self.stats
 
-    def commit(self) -> VLLMUpdateStats:
+    def commit(self, deadline: Deadline | None = None) -> VLLMUpdateStats:
         """Switch the staged weights in on every worker (one RPC between two forward steps) and
-        label the engine's outputs with the version. The workers' answers are read within the
-        update's deadline; a staged update committed once that passed (a call of its own, later)
-        reads them within ``timeout_s`` from the commit."""
-        live = self.deadline.remaining() > 0
-        return self._commit(self.deadline if live else Deadline(self.engine.timeout_s))
-
-    def _commit(self, deadline: Deadline) -> VLLMUpdateStats:
-        """:meth:`commit` within ``deadline``."""
+        label the engine's outputs with the version. The workers' answers are read within
+        ``deadline``; by default the update's, or, for a staged update committed once that passed
+        (a call of its own, later), ``timeout_s`` from the commit."""
+        if deadline is None:
+            deadline = self.deadline if self.deadline.remaining() > 0 else Deadline(self.engine.timeout_s)
         self.wait()
         try:
             self.stats.commit_seconds = self.engine.switch(self.version, (self.trainer.name, self.version), deadline)
