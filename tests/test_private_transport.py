@@ -5,6 +5,7 @@ over gloo, one TCPStore opened by the test on an OS-chosen port; every wait has 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import processes
@@ -14,8 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from actors.wire import communicator
+from actors.wire import transport as transport_module
 from actors.wire.communicator import Communicators, private_group
-from actors.wire.transport import HostStaging, Transport, check_in, check_in_keys
+from actors.wire.transport import HostStaging, Transport, built_by_all, built_keys, check_in, check_in_keys
 
 CPU = torch.device("cpu")
 TIMEOUT_S = 10.0
@@ -404,3 +406,62 @@ def test_check_in_waits_for_every_member_and_leaves_an_aborted_formation_at_once
         check_in(store, "w-marked", 2, TIMEOUT_S, lambda: False)
     with pytest.raises(TimeoutError, match="1 of 2 members joined"):
         check_in(store, "w-alone", 2, 0.2, lambda: False)
+
+
+def test_join_world_returns_only_once_every_member_built_its_group(monkeypatch):
+    """A member that has nothing to send leaves its world at once; if it could return from
+    ``join_world`` while another member was still connecting its pairs, that member's group
+    construction failed with gloo's "Connection closed by peer" (a CI run of the Megatron cp=2
+    trainer; reproduced on 6 processes under load, 3 rounds in 81). Real gloo, three members in
+    threads: member 2's construction is held back after its pairs connected, and no member may
+    return before it is done."""
+    done_at: dict[int, float] = {}
+
+    class SlowToFinish(Transport):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.rank == 2:
+                time.sleep(1.0)
+            done_at[self.rank] = time.monotonic()
+
+    monkeypatch.setattr(transport_module, "Transport", SlowToFinish)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
+    returned: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            joined = transport_module.join_world("127.0.0.1", store.port, "w-built", rank, 3, TIMEOUT_S, "test")
+            returned[rank] = time.monotonic()
+            joined.close()
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 3)
+    assert not errors and sorted(returned) == [0, 1, 2], errors
+    assert min(returned.values()) >= done_at[2], (returned, done_at)
+
+
+def test_a_member_that_could_not_build_its_group_is_named_to_the_others_at_once():
+    """``built_by_all``: all built, the members go on; a member's failure posted, the others
+    leave with its words; nobody there, TimeoutError naming how many built."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
+    count, outcome = built_keys("w-all")
+    store.add(count, 1)
+    built_by_all(store, "w-all", 2, TIMEOUT_S)
+    assert store.get(outcome) == b"all"
+    store.set(built_keys("w-failed")[1], "member 1 could not build its group: RuntimeError: boom")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="w-failed: member 1 could not build its group: RuntimeError: boom"):
+        built_by_all(store, "w-failed", 2, TIMEOUT_S)
+    assert time.monotonic() - started < TIMEOUT_S / 2
+    with pytest.raises(TimeoutError, match="w-alone: 1 of 2 members built its group"):
+        built_by_all(store, "w-alone", 2, 0.2)

@@ -277,19 +277,85 @@ def join_world(
 ) -> Transport:
     """Join world ``world_id`` (rendezvous ``addr:port``; ``store``: the host's own) as ``rank`` of
     ``size`` over gloo on host memory: check in (leaving when ``aborted()``), then the transport,
-    keyed ``<prefix>/<world id>``. What a process outside realloc's actors runs (a vLLM worker, a
-    user's trainer rank)."""
+    keyed ``<prefix>/<world id>``, returned once every member has built it (:func:`built_by_all`).
+    What a process outside realloc's actors runs (a vLLM worker, a user's trainer rank)."""
     if store is None:
         store = connect_rendezvous(addr, port, size, timeout_s)
+    started = time.monotonic()
     check_in(store, world_id, size, timeout_s, aborted)
-    return Transport(
-        addr,
-        port,
+    return built_together(
+        store,
+        world_id,
         rank,
         size,
-        torch.device("cpu"),
-        timeout_s,
-        store=store,
-        prefix=f"{prefix}/{world_id}",
-        backend="gloo",
+        max(timeout_s - (time.monotonic() - started), 0.1),
+        lambda: Transport(
+            addr,
+            port,
+            rank,
+            size,
+            torch.device("cpu"),
+            timeout_s,
+            store=store,
+            prefix=f"{prefix}/{world_id}",
+            backend="gloo",
+        ),
     )
+
+
+def built_together(
+    store: dist.Store, world_id: str, rank: int, world_size: int, timeout_s: float, build: Callable[[], "Transport"]
+) -> "Transport":
+    """This member's transport of ``world_id`` (``build()``), returned once every member has built
+    its own (:func:`built_by_all`); a member whose ``build()`` fails says so to the others, who
+    leave at once. Every member of a world, whatever process it is in, builds through here."""
+    try:
+        transport = build()
+    except BaseException as err:
+        _post_quietly(
+            store, built_keys(world_id)[1], f"member {rank} could not build its group: {type(err).__name__}: {err}"
+        )
+        raise
+    try:
+        built_by_all(store, world_id, world_size, timeout_s)
+    except BaseException:
+        transport.close()
+        raise
+    return transport
+
+
+def built_keys(world_id: str) -> tuple[str, str]:
+    """The store keys of ``world_id``'s second count: the members whose group is built, and the
+    outcome (``"all"``, or what a member that could not build its group said)."""
+    return f"realloc-built/{world_id}/count", f"realloc-built/{world_id}/outcome"
+
+
+def built_by_all(store: dist.Store, world_id: str, world_size: int, timeout_s: float) -> None:
+    """Count this member's group of ``world_id`` built and wait until every member's is.
+
+    A member whose own group is built may still be a pair another member is connecting to:
+    gloo connects every pair while the group is constructed, and a member that leaves (closes its
+    group) before the others are done makes their construction fail with "Connection closed by
+    peer" (seen when a member has nothing to send and leaves at once). So no member uses, or
+    leaves, a world before all have built it. ``RuntimeError`` with what a member that could not
+    build its group said; ``TimeoutError`` naming how many did within ``timeout_s``."""
+    count, outcome = built_keys(world_id)
+    if store.add(count, 1) >= world_size:
+        store.set(outcome, "all")
+    try:
+        store.wait([outcome], datetime.timedelta(seconds=timeout_s))
+    except Exception as err:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on timeout
+        built = store.add(count, 0)
+        raise TimeoutError(
+            f"world {world_id}: {built} of {world_size} members built its group within {timeout_s:.0f}s"
+        ) from err
+    said = store.get(outcome).decode()
+    if said != "all":
+        raise RuntimeError(f"world {world_id}: {said}")
+
+
+def _post_quietly(store: dist.Store, key: str, value: str) -> None:
+    try:
+        store.set(key, value)
+    except Exception:  # noqa: BLE001 - best effort: the others time out on their own
+        pass

@@ -40,6 +40,7 @@ from actors.wire.executor import Phases, StepRunner, collector_paused, received_
 from actors.wire.shares import PeerTable, PeerView
 from actors.wire.transport import (
     Transport,
+    built_together,
     check_in,
     check_in_keys,
     connect_rendezvous,
@@ -300,18 +301,26 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         aborted is refused, and leaves the lane's current world as it is."""
         st = self._realloc
         state = st.lane(lane)
+        started = time.monotonic()
         store = self._rendezvous(world_id, addr, port, world_size, timeout_s)
         state.leave()
-        state.transport = Transport(
-            addr,
-            port,
+        state.transport = built_together(
+            store,
+            world_id,
             world_rank,
             world_size,
-            st.device,
-            timeout_s,
-            store=store,
-            prefix=f"{lane.prefix}/{world_id}",
-            backend=st.backend,
+            max(timeout_s - (time.monotonic() - started), 0.1),
+            lambda: Transport(
+                addr,
+                port,
+                world_rank,
+                world_size,
+                st.device,
+                timeout_s,
+                store=store,
+                prefix=f"{lane.prefix}/{world_id}",
+                backend=st.backend,
+            ),
         )
         state.world_id = world_id
         return state.transport.backend
