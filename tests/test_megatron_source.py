@@ -438,25 +438,13 @@ def test_context_parallel_ranks_are_given_the_experts_megatron_gives_them(monkey
     from realloc import Layout
     from realloc.spec import spec_from_hf_config
 
-    state = dict(
-        get_virtual_pipeline_model_parallel_world_size=None,
-        get_tensor_model_parallel_world_size=1,
-        get_tensor_model_parallel_rank=0,
+    _parallel_state(
+        monkeypatch,
         get_context_parallel_world_size=2,
-        get_pipeline_model_parallel_world_size=1,
-        get_pipeline_model_parallel_rank=0,
+        get_data_parallel_world_size=2,
+        get_data_parallel_group=_Group(4, 1),
         get_expert_model_parallel_world_size=2,
         get_expert_model_parallel_rank=1,  # g = ep_rank + ep * edp_rank, g = cp_rank + cp * dp_rank = 1
-        get_expert_tensor_parallel_world_size=1,
-        get_expert_tensor_parallel_rank=0,
-    )
-    for name, value in state.items():
-        monkeypatch.setattr(ps, name, lambda value=value, **_: value)
-    monkeypatch.setattr(
-        ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 4 if with_context_parallel else 2
-    )
-    monkeypatch.setattr(
-        ps, "get_data_parallel_rank", lambda with_context_parallel=False: 1 if with_context_parallel else 0
     )
     spec = spec_from_hf_config(TINY_QWEN3_MOE, dtype="float32")
     src = ShardSource.megatron(torch.nn.Module(), spec)
@@ -469,42 +457,93 @@ def test_context_parallel_ranks_are_given_the_experts_megatron_gives_them(monkey
     with pytest.raises(ValueError, match=r"expert-parallel rank 0 .*\(dp=2 x cp=2 as dp"):
         ShardSource.megatron(torch.nn.Module(), spec)
     # a data-parallel size set by hand (set_data_parallel_world_size: the same with cp or without) is refused
-    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 2)
-    with pytest.raises(ValueError, match=r"dp-cp group of 2 ranks, not dp\*cp = 2\*2"):
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 4)
+    with pytest.raises(ValueError, match=r"dp-cp group of 4 ranks, not dp\*cp = 4\*2"):
         ShardSource.megatron(torch.nn.Module(), spec)
+
+
+class _Group:
+    """A process group's size and this rank in it, as Megatron's parallel state hands them out."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _parallel_state(monkeypatch, **given) -> None:
+    """Megatron's parallel state as one rank sees it (megatron/core/parallel_state.py): one of
+    everything unless ``given`` (a getter's name and what it answers, whatever its arguments)."""
+    from megatron.core import parallel_state as ps
+
+    state = dict(
+        get_virtual_pipeline_model_parallel_world_size=None,
+        get_tensor_model_parallel_world_size=1,
+        get_tensor_model_parallel_rank=0,
+        get_context_parallel_world_size=1,
+        get_data_parallel_world_size=1,
+        get_data_parallel_rank=0,
+        get_data_parallel_group=_Group(1, 0),
+        get_pipeline_model_parallel_world_size=1,
+        get_pipeline_model_parallel_rank=0,
+        get_expert_model_parallel_world_size=1,
+        get_expert_model_parallel_rank=0,
+        get_expert_tensor_parallel_world_size=1,
+        get_expert_tensor_parallel_rank=0,
+    )
+    for name, value in {**state, **given}.items():
+        monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+
+
+def test_a_data_parallel_rank_set_by_hand_does_not_merge_two_context_parallel_ranks(monkeypatch):
+    """tp=1, cp=2, dp=2: global ranks 0 and 1 are cp ranks 0 and 1 of dp rank 0. A dp rank set by
+    hand (``set_data_parallel_rank(0)``) is what ``get_data_parallel_rank`` answers with or without
+    ``with_context_parallel`` (megatron/core/parallel_state.py), so reading it gave both ranks
+    realloc rank 0. The dp-cp group's own rank tells them apart: realloc ranks 0 and 1."""
+    from megatron.core import parallel_state as ps
+
+    from actors.trainer import ShardSource
+    from realloc.spec import spec_from_hf_config
+
+    _parallel_state(
+        monkeypatch, get_context_parallel_world_size=2, get_data_parallel_rank=0
+    )  # the rank set by hand: the same answer on every rank, with cp or without
+    monkeypatch.setattr(  # the size is not set by hand: the groups' own
+        ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 4 if with_context_parallel else 2
+    )
+    spec = spec_from_hf_config(TINY_QWEN3, dtype="float32")
+    ranks = []
+    for cp_rank in (0, 1):
+        monkeypatch.setattr(ps, "get_data_parallel_group", lambda cp_rank=cp_rank, **_: _Group(4, cp_rank))
+        src = ShardSource.megatron(torch.nn.Module(), spec)
+        ranks.append((str(src.declared), src.declared_rank))
+    assert ranks == [("dp=4,tp=1,pp=1", 0), ("dp=4,tp=1,pp=1", 1)]
 
 
 @pytest.mark.parametrize("held", [(0, 0), (1, 1)])
 def test_an_expert_rank_megatron_numbers_otherwise_is_refused(monkeypatch, held):
     """tp=2, etp=1, ep=2 (world 2): Megatron's default order gives tp rank 1 ep rank 1, etp rank 0;
     a parallel state saying otherwise (another rank order) is refused, not read as other experts."""
-    from megatron.core import parallel_state as ps
 
     from actors.trainer import ShardSource
     from realloc.spec import spec_from_hf_config
 
     state = dict(
-        get_virtual_pipeline_model_parallel_world_size=None,
         get_tensor_model_parallel_world_size=2,
         get_tensor_model_parallel_rank=1,
-        get_context_parallel_world_size=1,
-        get_data_parallel_world_size=1,
-        get_data_parallel_rank=0,
-        get_pipeline_model_parallel_world_size=1,
-        get_pipeline_model_parallel_rank=0,
         get_expert_model_parallel_world_size=2,
         get_expert_model_parallel_rank=held[0],
-        get_expert_tensor_parallel_world_size=1,
         get_expert_tensor_parallel_rank=held[1],
     )
-    for name, value in state.items():
-        monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+    _parallel_state(monkeypatch, **state)
     spec = spec_from_hf_config(TINY_QWEN3_MOE, dtype="float32")
     with pytest.raises(ValueError, match=rf"expert-parallel rank {held[0]} and expert tensor-parallel rank {held[1]}"):
         ShardSource.megatron(torch.nn.Module(), spec)
-    state.update(get_expert_model_parallel_rank=1, get_expert_tensor_parallel_rank=0)
-    for name, value in state.items():
-        monkeypatch.setattr(ps, name, lambda value=value, **_: value)
+    _parallel_state(monkeypatch, **{**state, "get_expert_model_parallel_rank": 1, "get_expert_tensor_parallel_rank": 0})
     assert ShardSource.megatron(torch.nn.Module(), spec).declared_rank == 1
 
 

@@ -179,8 +179,9 @@ class ShardSource(WeightSource):
         Context parallelism is folded into dp for weights: cp splits the sequence, not the weights,
         so the ranks of a dp-cp group hold the same dense weights, and the declaration is
         ``Topology(dp=dp*cp, tp, pp, ep, etp)`` with dp rank the rank in Megatron's dp-cp group
-        (``get_data_parallel_rank(with_context_parallel=True)``, ``cp_rank + cp*dp_rank`` in the
-        default order ``tp-cp-ep-dp-pp``). The realloc rank ``tp_rank + tp*(dpcp_rank + dp*cp*pp_rank)``
+        (``get_data_parallel_group(with_context_parallel=True).rank()``, ``cp_rank + cp*dp_rank`` in
+        the default order ``tp-cp-ep-dp-pp``; read from the group, so a dp rank set by hand,
+        ``set_data_parallel_rank``, cannot give two cp ranks one realloc rank). The realloc rank ``tp_rank + tp*(dpcp_rank + dp*cp*pp_rank)``
         is then Megatron's global rank, and realloc's expert mesh (tp-ep-dp-pp,
         :meth:`~realloc.layout.Topology.expert_coords`) is Megatron's: its expert RankGenerator
         (``initialize_model_parallel``) has cp=1 and expert dp ``world/(etp*ep*pp)``, cp folded into
@@ -201,16 +202,17 @@ class ShardSource(WeightSource):
             )
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
-        dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)  # the ranks holding the same weights
+        # the ranks holding the same weights: the dp-cp group itself, not get_data_parallel_rank/_world_size,
+        # which answer a value set by hand (set_data_parallel_rank/_world_size) whatever with_context_parallel says
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        dpcp, dpcp_rank = group.size(), group.rank()
         if dpcp != dp * cp:
             raise ValueError(
                 f"Megatron's parallel state has a dp-cp group of {dpcp} ranks, not dp*cp = {dp}*{cp} (a data-parallel "
-                "size or rank set by hand, set_data_parallel_rank/_world_size?): realloc reads cp as part of dp and "
-                "needs Megatron's own groups"
+                "size set by hand, set_data_parallel_world_size?): realloc reads cp as part of dp and needs "
+                "Megatron's own groups"
             )
-        rank = ps.get_tensor_model_parallel_rank() + tp * (
-            ps.get_data_parallel_rank(with_context_parallel=True) + dpcp * ps.get_pipeline_model_parallel_rank()
-        )
+        rank = ps.get_tensor_model_parallel_rank() + tp * (dpcp_rank + dpcp * ps.get_pipeline_model_parallel_rank())
         split = megatron_layer_split(module.config, pp) if pp > 1 else None
         uneven = split is not None and len(set(split)) > 1
         ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
