@@ -293,7 +293,7 @@ def test_vllm_commit_every_worker_refused_keeps_the_served_versions_label_and_th
     returns, whatever the workers did (vllm/entrypoints/rl/offline.py ``finish_weight_update``), so
     after a commit every worker refused before writing anything the engine labelled its outputs
     with a version it does not serve. Now the driver gives vLLM back the served version's label
-    (an empty round), and the next update commits."""
+    (``LLM.update_weight_version``, through ``VLLMEngine.of``'s adapter), and the next update commits."""
     llm, engine, trainer = setup["llm"], setup["engine"], setup["trainer"]
     served, version, new = serving_old_holding_new(setup, 22, 23)
     assert llm.get_weight_version() == str(version)

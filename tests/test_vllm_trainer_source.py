@@ -461,11 +461,29 @@ def test_a_vllm_worker_refusing_its_share_is_named_at_once_and_the_next_update_c
     assert all(b > 0 for b in trainer.stats.received_bytes), trainer.stats
 
 
-def _head(llama, monkeypatch, timeout_s: float, tamper=None):
-    """A one-rank trainer driving ``InProcessWorkers`` (two vLLM workers) and that client."""
+class LabellingWorkers(InProcessWorkers):
+    """``InProcessWorkers`` with the call of vLLM's ``LLM`` that only sets the label
+    (``update_weight_version``: vllm/entrypoints/rl/offline.py); ``rounds``: rounds started."""
+
+    def __init__(self, spec, m: int, tamper=None):
+        super().__init__(spec, m, tamper)
+        self.rounds, self.relabels = 0, []
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self.rounds += 1
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.relabels.append(new_version)
+        self.label = new_version
+
+
+def _head(llama, monkeypatch, timeout_s: float, tamper=None, client_class=None):
+    """A one-rank trainer driving ``InProcessWorkers`` (two vLLM workers; or ``client_class``)
+    and that client."""
     path, model = llama
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)  # as vLLM's CPU worker does
-    client = InProcessWorkers(spec_from_hf_config(path), 2, tamper)
+    client = (client_class or InProcessWorkers)(spec_from_hf_config(path), 2, tamper)
     trainer = ReallocTrainerWeightTransferEngine.trainer_init(
         ReallocTrainerInitInfo(rank=0, timeout_s=timeout_s), client=client, source=ShardSource(model)
     )
@@ -581,6 +599,31 @@ def test_a_commit_every_worker_refused_gives_vllm_back_the_served_versions_label
     assert client.label == "1" and client.commits == [0, 1] and not client.active
     assert trainer.engine.version == 1 and trainer.engine.unknown is None
     assert trainer.send_weights() == 2 and client.label == "2" and client.commits == [0, 1, 0, 1]
+
+
+def test_a_client_that_can_set_the_label_alone_gets_it_back_without_a_round(llama, monkeypatch):
+    """A client with ``update_weight_version`` (vLLM's ``LLM`` and ``AsyncLLM``, and this
+    project's adapters of them) gets the served version's label back with that one call after a
+    refused commit, not with an empty round (two more RPCs, each waiting for the engine's step);
+    a failure of that call is said, with the label the outputs carry."""
+    from actors.errors import ReallocationError
+
+    client, trainer = _head(llama, monkeypatch, 8.0, client_class=LabellingWorkers)
+    assert trainer.send_weights() == 1 and client.label == "1" and client.rounds == 1
+    _refuse_next_commit(client)
+    with pytest.raises(ReallocationError) as err:
+        trainer.send_weights()
+    said = str(err.value)
+    assert "vLLM labels its outputs '1' again" in said, said
+    assert client.relabels == ["1"] and client.rounds == 2 and client.label == "1" and not client.active
+    assert trainer.send_weights() == 2 and client.label == "2" and client.rounds == 3
+    client.update_weight_version = lambda new_version: (_ for _ in ()).throw(OSError("engine gone"))
+    _refuse_next_commit(client)
+    with pytest.raises(ReallocationError) as err:
+        trainer.send_weights()
+    said = str(err.value)
+    assert "giving vLLM back its label '2' failed (OSError: engine gone): it labels its outputs 3" in said, said
+    assert client.label == "3" and not client.active and trainer.engine.version == 2
 
 
 def test_a_refused_first_commit_of_an_engine_whose_label_is_not_known_puts_no_label_back(llama, monkeypatch):

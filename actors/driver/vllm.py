@@ -30,7 +30,8 @@ One update (:meth:`VLLMEngine.stage`, and ``copy_to`` = stage, wait, commit):
 4. **commit**: ``finish_weight_update(weight_version=str(version))``: every worker switches its
    shadow set in between two forward steps; vLLM labels the outputs with the version. A commit
    every worker refused before writing anything gives vLLM back the label of the weights it still
-   serves (an empty round: :meth:`VLLMEngine._relabel`).
+   serves (``update_weight_version`` where the client has it, else an empty round:
+   :meth:`VLLMEngine._relabel`).
 
 Every read of the workers' answers in an update is bounded by the update's one deadline, and reads
 every worker: a missing answer is one error naming every silent or dead worker and quoting the
@@ -92,6 +93,9 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version=weight_version)
 
+    def update_weight_version(self, new_version: str) -> None:
+        self.llm.update_weight_version(new_version)
+
     def get_weight_version(self) -> str:
         return self.llm.get_weight_version()
 
@@ -121,6 +125,9 @@ class AsyncLLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run(self.engine.finish_weight_update(weight_version=weight_version))
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._run(self.engine.update_weight_version(new_version))
 
     def get_weight_version(self) -> str:
         return self._run(self.engine.get_weight_version())
@@ -475,7 +482,10 @@ class VLLMEngine:
         vllm/distributed/weight_transfer/clients.py: the HTTP route's, and the Ray client's
         ``update_weight_version`` after the call), into ``EngineCore._weight_version``, which
         stamps every later step's outputs (vllm/v1/engine/core.py ``_attach_weight_version``).
-        The client protocol has no call that only sets the label, so an empty round sets it:
+        A client with ``update_weight_version`` (``LLM``, ``AsyncLLM`` and vLLM's Ray client have
+        it: vllm/entrypoints/rl/offline.py, vllm/v1/engine/async_llm.py; this module's adapters
+        pass it on) sets the label alone. vLLM's client protocol does not have that call (its HTTP
+        client has none), so for a client without it an empty round sets it:
         ``start_weight_update()``, ``finish_weight_update(weight_version=<label>)``; vLLM's worker
         allows a round without ``update_weights`` (vllm/v1/worker/gpu_worker.py
         ``Worker.finish_weight_update`` only needs a started round) and realloc's worker ends a
@@ -489,6 +499,16 @@ class VLLMEngine:
                 "known to this handle: none was put back)"
             )
         label = self.label
+        set_label = getattr(self.client, "update_weight_version", None)
+        if callable(set_label):
+            try:
+                set_label(label)
+            except Exception as err:  # noqa: BLE001 - said in the error
+                return (
+                    f"giving vLLM back its label {label!r} failed ({type(err).__name__}: {err}): it labels its "
+                    f"outputs {refused}, which it does not serve"
+                )
+            return f"vLLM labels its outputs {label!r} again"
         try:
             self.client.start_weight_update()
             self._open = True
