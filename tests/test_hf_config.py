@@ -136,6 +136,35 @@ def test_kv_heads_a_config_leaves_out_are_the_transformers_class_default(model_t
     assert spec.param("model.layers.0.self_attn.k_proj.weight").shape == (want.num_key_value_heads * 2, 128)
 
 
+def test_one_table_of_config_defaults_is_transformers_own_for_every_model_type_read():
+    """``CONFIG_DEFAULTS`` (realloc/spec/_hf_fields.py) is the one table of transformers' config
+    class defaults the dense and the MoE spec builders read (two tables once held parts of it):
+    every field it gives is the class's own default, for every model type the builders read."""
+    transformers = pytest.importorskip("transformers")
+    from realloc.spec._hf_fields import CONFIG_DEFAULTS
+    from realloc.spec.hf_config import SUPPORTED_MODEL_TYPES
+    from realloc.spec.moe import MOE_MODEL_TYPES
+
+    assert sorted(CONFIG_DEFAULTS) == sorted(SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES)
+    for model_type, fields in CONFIG_DEFAULTS.items():
+        made = transformers.AutoConfig.for_model(model_type)
+        for key, value in fields.items():
+            if key == "num_key_value_heads" and value is None:  # one per head, as __post_init__ sets it
+                value = made.num_attention_heads
+            assert getattr(made, key) == value, (model_type, key, value, getattr(made, key))
+
+
+def test_kv_heads_that_do_not_divide_the_heads_say_whether_the_config_set_them():
+    """The message of a kv-head count that does not divide the heads says when the count is
+    transformers' default for a config that left it out, not a value the config holds."""
+    config = dict(model_type="mistral", hidden_size=96, intermediate_size=256, num_hidden_layers=1)
+    config.update(num_attention_heads=12, vocab_size=100)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=8 \(transformers' default for mistral: the config"):
+        spec_from_hf_config(config)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=5$"):
+        spec_from_hf_config({**config, "num_key_value_heads": 5})
+
+
 def test_llama_attention_and_mlp_bias():
     spec = spec_from_hf_config({**LLAMA3_8B, "num_hidden_layers": 1, "attention_bias": True, "mlp_bias": True})
     shapes = layer_shapes(spec)

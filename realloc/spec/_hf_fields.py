@@ -13,7 +13,73 @@ from typing import Any, Mapping
 from realloc._checks import check_positive, is_int
 from realloc.spec.model import ModelSpec, ParamSpec
 
-__all__ = ["is_positive", "positive_int", "optional_positive_int", "flag", "kv_heads_of", "head_dim_of", "with_biases"]
+__all__ = [
+    "CONFIG_DEFAULTS",
+    "is_positive",
+    "positive_int",
+    "optional_positive_int",
+    "flag",
+    "kv_heads_of",
+    "head_dim_of",
+    "with_biases",
+]
+
+
+#: transformers' (5.x) config class defaults for the fields that shape the weights, used when a
+#: config leaves them out (models/*/configuration_*.py), one entry per model type the spec
+#: builders read. ``None`` for ``num_key_value_heads`` means one per attention head (``LlamaConfig``
+#: and DeepSeek-V2 default to it; an explicit ``null`` means it in every class: their
+#: ``__post_init__``). A ``head_dim`` here is a fixed default (``Qwen3Config``: 128); without one the
+#: modelling code takes ``hidden_size // num_attention_heads``.
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_key_value_heads": None},
+    "mistral": {"num_key_value_heads": 8},
+    "qwen2": {"num_key_value_heads": 32},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
+    "mixtral": {"intermediate_size": 14336, "num_key_value_heads": 8, "num_local_experts": 8},
+    "qwen2_moe": {
+        "intermediate_size": 5632,
+        "num_key_value_heads": 16,
+        "num_experts": 60,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "decoder_sparse_step": 1,
+        "qkv_bias": True,
+    },
+    "qwen3_moe": {
+        "intermediate_size": 6144,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1,
+    },
+    "deepseek_v2": {
+        "intermediate_size": 11008,
+        "num_key_value_heads": None,
+        "n_routed_experts": 64,
+        "moe_intermediate_size": 1407,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "deepseek_v3": {
+        "intermediate_size": 18432,
+        "num_key_value_heads": 128,
+        "n_routed_experts": 256,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+}
 
 
 def is_positive(value: Any) -> bool:
@@ -40,14 +106,21 @@ def flag(config: Mapping[str, Any], key: str, source: str, default: bool = False
     return value
 
 
-def kv_heads_of(config: Mapping[str, Any], source: str, heads: int, default: int | None) -> int:
-    """``num_key_value_heads`` (``default`` when left out; ``None``: multi-head, one per head)."""
+def kv_heads_of(config: Mapping[str, Any], source: str, heads: int, model_type: str) -> int:
+    """``num_key_value_heads`` (``model_type``'s transformers default when left out:
+    :data:`CONFIG_DEFAULTS`; ``None``: multi-head, one per head)."""
+    given = "num_key_value_heads" in config
     kv_heads = (
-        optional_positive_int(config, "num_key_value_heads", source) if "num_key_value_heads" in config else default
+        optional_positive_int(config, "num_key_value_heads", source)
+        if given
+        else CONFIG_DEFAULTS[model_type]["num_key_value_heads"]
     )
     kv_heads = kv_heads or heads
     if heads % kv_heads:
-        raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        said = "" if given else f" (transformers' default for {model_type}: the config leaves it out)"
+        raise ValueError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}{said}"
+        )
     return kv_heads
 
 
@@ -56,9 +129,9 @@ def head_dim_of(config: Mapping[str, Any], source: str, model_type: str, hidden:
     head_dim = optional_positive_int(config, "head_dim", source)
     if head_dim is not None:
         return head_dim
-    # transformers' Qwen3Config defaults head_dim to 128; the others derive it from hidden size.
-    if model_type == "qwen3":
-        return 128
+    default = CONFIG_DEFAULTS[model_type].get("head_dim")  # Qwen3Config's 128; the others derive it
+    if default is not None:
+        return default
     if hidden % heads:
         raise ValueError(
             f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} and no head_dim is given"

@@ -43,11 +43,6 @@ ARCHITECTURE_OF = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
 #: Keys whose positive value marks a mixture-of-experts model even under a dense model_type.
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-#: transformers' (5.x) default ``num_key_value_heads`` of each dense config class, for a config that
-#: leaves it out (``None``: one per attention head): ``LlamaConfig`` ``None``, ``MistralConfig`` 8,
-#: ``Qwen2Config`` and ``Qwen3Config`` 32 (models/*/configuration_*.py). An explicit ``null`` is
-#: one per attention head in every class (their ``__post_init__``).
-KV_HEADS_DEFAULTS: dict[str, int | None] = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32}
 
 
 def spec_from_hf_config(
@@ -100,7 +95,7 @@ def _dense_spec(
         intermediate=sizes["intermediate_size"],
         layers=sizes["num_hidden_layers"],
         heads=heads,
-        kv_heads=kv_heads_of(config, source, heads, KV_HEADS_DEFAULTS[model_type]),
+        kv_heads=kv_heads_of(config, source, heads, model_type),
         vocab=sizes["vocab_size"],
         head_dim=head_dim_of(config, source, model_type, sizes["hidden_size"], heads),
         qkv_bias=model_type == "qwen2" or attention_bias,

@@ -26,58 +26,19 @@ import re
 from typing import Any, Callable, Mapping, TypeVar
 
 from realloc._checks import check_nonneg, is_int
-from realloc.spec._hf_fields import flag, head_dim_of, kv_heads_of, optional_positive_int, positive_int, with_biases
+from realloc.spec._hf_fields import (
+    CONFIG_DEFAULTS,
+    flag,
+    head_dim_of,
+    kv_heads_of,
+    optional_positive_int,
+    positive_int,
+    with_biases,
+)
 from realloc.spec.model import ModelSpec, ParamSpec, decoder_spec
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
-#: transformers' (5.x) config class defaults for the fields that shape the weights, used when a
-#: config leaves them out. ``None`` for ``num_key_value_heads`` means "as many as attention heads".
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "mixtral": {"intermediate_size": 14336, "num_key_value_heads": 8, "num_local_experts": 8},
-    "qwen2_moe": {
-        "intermediate_size": 5632,
-        "num_key_value_heads": 16,
-        "num_experts": 60,
-        "moe_intermediate_size": 1408,
-        "shared_expert_intermediate_size": 5632,
-        "decoder_sparse_step": 1,
-        "qkv_bias": True,
-    },
-    "qwen3_moe": {
-        "intermediate_size": 6144,
-        "num_key_value_heads": 4,
-        "num_experts": 128,
-        "moe_intermediate_size": 768,
-        "decoder_sparse_step": 1,
-    },
-    "deepseek_v2": {
-        "intermediate_size": 11008,
-        "num_key_value_heads": None,
-        "n_routed_experts": 64,
-        "moe_intermediate_size": 1407,
-        "n_shared_experts": 2,
-        "first_k_dense_replace": 0,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-    },
-    "deepseek_v3": {
-        "intermediate_size": 18432,
-        "num_key_value_heads": 128,
-        "n_routed_experts": 256,
-        "moe_intermediate_size": 2048,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 3,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-    },
-}
 #: The key naming the routed expert count, then the aliases transformers' ``attribute_map`` accepts.
 EXPERT_KEYS = {
     "mixtral": ("num_local_experts", "num_experts"),
@@ -108,7 +69,7 @@ def moe_spec(
         >>> spec.param("model.layers.1.block_sparse_moe.experts.3.w2.weight").shape
         (64, 96)
     """
-    get = _Reader(config, source, DEFAULTS[model_type])
+    get = _Reader(config, source, CONFIG_DEFAULTS[model_type])
     sizes = {key: positive_int(config, key, source) for key in _REQUIRED}
     hidden, layers, heads = sizes["hidden_size"], sizes["num_hidden_layers"], sizes["num_attention_heads"]
     norms = norm_dtype or dtype
@@ -118,7 +79,7 @@ def moe_spec(
         kv_heads, head_dim = heads, get.positive("v_head_dim")
         qkv_bias = attention_bias = False
     else:
-        kv_heads = kv_heads_of(config, source, heads, DEFAULTS[model_type]["num_key_value_heads"])
+        kv_heads = kv_heads_of(config, source, heads, model_type)
         head_dim = head_dim_of(config, source, model_type, hidden, heads)
         attention_bias = model_type == "qwen3_moe" and get.flag("attention_bias")
         qkv_bias = attention_bias or (model_type == "qwen2_moe" and get.flag("qkv_bias"))
