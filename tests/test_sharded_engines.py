@@ -8,8 +8,8 @@ the vocabulary-padded embedding ``[P, hidden]`` (padding rows zero), Megatron's 
 
 * torch FSDP2 (``torch.distributed.fsdp.fully_shard`` over a 1-D mesh): each rank's
   ``param.to_local()``;
-* DeepSpeed ZeRO-3 (``deepspeed.zero.Init``, optional: ``pytest.importorskip("deepspeed")``, run
-  with ``DS_ACCELERATOR=cpu``; no op is built): each rank's ``param.ds_tensor``.
+* DeepSpeed ZeRO-3 (``deepspeed.zero.Init``; in the test extra, skipped where it is not installed;
+  run with ``DS_ACCELERATOR=cpu``; no op is built): each rank's ``param.ds_tensor``.
 
 and send back their local tensors, which must equal what the realloc layout's views of a buffer
 written from the same HF tensors give (FSDP2: ``fused_views(padding=True, convention="megatron")``;
