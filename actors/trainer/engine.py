@@ -59,7 +59,14 @@ from actors.trainer.source import ShardSource
 from actors.vllm import decode, encode
 from actors.wire.delta import Base, DeltaSides, sender_base, snapshot
 from actors.wire.executor import Staging, StepRunner, checked_share
-from actors.wire.transport import address_toward, connect_rendezvous, host_rendezvous, join_world, ray_node_ip
+from actors.wire.transport import (
+    abort_formation,
+    address_toward,
+    connect_rendezvous,
+    host_rendezvous,
+    join_world,
+    ray_node_ip,
+)
 from realloc.plan import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
@@ -306,6 +313,19 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
                 unresponsive=[f"trainer rank {r}" for r in silent],
             )
 
+    @staticmethod
+    def _abort_world(opened: dict, store, deadline: Deadline) -> None:
+        """Mark the round's world aborted (best effort): its members waiting for this rank at the
+        check-in leave at once, the vLLM workers posting that, instead of at their deadline."""
+        try:
+            if store is None:
+                store = connect_rendezvous(
+                    opened["addr"], opened["port"], opened["size"], max(deadline.remaining(), 1.0)
+                )
+            abort_formation(store, opened["world"])
+        except Exception:  # noqa: BLE001 - the others then leave at their deadline; this rank's report says why
+            log.warning("realloc trainer: could not mark world %s aborted", opened["world"], exc_info=True)
+
     def _send_share(self, opened: dict, deadline: Deadline, store=None) -> str | None:
         """Join the round's world and send this rank's routes from its local shards; the error
         (as text) or None. The world has the trainer's ranks first, in realloc rank order."""
@@ -313,17 +333,21 @@ class ReallocTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReallocTrai
         transport = None
         self.sent_bytes = 0
         try:
-            plan, peers = checked_share(*decode(opened["shares"][str(self.info.rank)]), me)
-            self.holdings.refresh()
+            try:  # this rank's checks, before any traffic: a refusal frees the world's other members at once
+                plan, peers = checked_share(*decode(opened["shares"][str(self.info.rank)]), me)
+                self.holdings.refresh()
+                sides = None
+                if opened.get("base") is not None:
+                    order = DeltaOrder(opened["base"], opened["version"], "host")
+                    sides = DeltaSides(sender_base(self.base, self.holdings.me, order), None)
+            except BaseException:
+                self._abort_world(opened, store, deadline)
+                raise
             timeout = max(deadline.remaining(), 1.0)
             transport = join_world(
                 opened["addr"], opened["port"], opened["world"], me, opened["size"], timeout, STAGE.prefix, store=store
             )
             cpu = torch.device("cpu")
-            sides = None
-            if opened.get("base") is not None:
-                order = DeltaOrder(opened["base"], opened["version"], "host")
-                sides = DeltaSides(sender_base(self.base, self.holdings.me, order), None)
             runner = StepRunner(
                 transport, cpu, plan, me, peers, self.holdings.store, None, staging=Staging(cpu), delta=sides
             )

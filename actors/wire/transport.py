@@ -77,7 +77,9 @@ def check_in(store: dist.Store, world_id: str, world_size: int, timeout_s: float
     deadline = time.monotonic() + timeout_s
     while True:
         if aborted() or store.check([abort]):
-            raise RuntimeError(f"the formation of world {world_id} was aborted (a member did not join)")
+            raise RuntimeError(
+                f"the formation of world {world_id} was aborted (a member did not join, or refused its share)"
+            )
         arrived = store.add(joined, 0)
         if arrived >= world_size:
             return
@@ -86,6 +88,14 @@ def check_in(store: dist.Store, world_id: str, world_size: int, timeout_s: float
                 f"world {world_id}: {arrived} of {world_size} members joined its rendezvous within {timeout_s:.0f}s"
             )
         time.sleep(CHECK_IN_POLL_S)
+
+
+def abort_formation(store: dist.Store, world_id: str) -> None:
+    """Mark ``world_id``'s formation aborted on its rendezvous ``store``: every member waiting at
+    its check-in, and every one that comes later, leaves at once (:func:`check_in`). What a
+    member that refuses its share before joining does, so the others do not wait for it until
+    their deadline; and what the driver does when it gives up on a member."""
+    store.set(check_in_keys(world_id)[1], "1")
 
 
 def process_group_environment(backend: str) -> dict[str, str]:

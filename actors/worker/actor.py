@@ -40,9 +40,9 @@ from actors.wire.executor import Phases, StepRunner, collector_paused, received_
 from actors.wire.shares import PeerTable, PeerView
 from actors.wire.transport import (
     Transport,
+    abort_formation,
     built_together,
     check_in,
-    check_in_keys,
     connect_rendezvous,
     host_rendezvous,
 )
@@ -288,7 +288,7 @@ class ShardWorker(CheckpointMixin, StagingMixin):
         store = st.hosted.get(world_id)
         if store is not None:  # a member not told yet (stopped, resumed late) reads the mark
             try:
-                store.set(check_in_keys(world_id)[1], "1")
+                abort_formation(store, world_id)
             except Exception:  # noqa: BLE001 - best effort: the members also time out on their own
                 log.debug("could not mark world %s aborted", world_id, exc_info=True)
 
