@@ -312,6 +312,46 @@ def test_parameters_replaced_after_the_engine_started_are_refused_not_sent_stale
         held.refresh()
 
 
+def test_a_rank_that_refuses_its_share_frees_the_worlds_other_members_at_once(llama, monkeypatch):
+    """A trainer rank whose checks refuse its share of an update (its plan slice, parameters
+    replaced since the engine started, a delta base it does not hold) never joins the update's
+    world: the other members (the other ranks, the vLLM workers) waited for it at the world's
+    check-in until their deadline, and the update failed only then. Now the refusing rank marks the
+    formation aborted on the world's store, and they leave at once."""
+    import threading
+
+    from actors.remote import Deadline
+    from actors.trainer import engine as trainer_engine
+    from actors.wire.transport import host_rendezvous, join_world
+
+    _, model = llama
+    rank1 = ReallocTrainerWeightTransferEngine(
+        client=None, source=ShardSource(model), is_sender=False, info=ReallocTrainerInitInfo(rank=1, timeout_s=10.0)
+    )
+    store = host_rendezvous("127.0.0.1", 2, 10.0)
+    opened = {"addr": "127.0.0.1", "port": store.port, "world": "w-refused", "size": 2, "shares": {"1": None}}
+    monkeypatch.setattr(trainer_engine, "decode", lambda share: ())
+    monkeypatch.setattr(
+        trainer_engine, "checked_share", lambda *_: (_ for _ in ()).throw(ValueError("plan slice refused (injected)"))
+    )
+    said = []
+
+    def other_member():
+        started = time.monotonic()
+        try:
+            join_world("127.0.0.1", store.port, "w-refused", 0, 2, 10.0, "test", store=store)
+        except BaseException as err:  # noqa: BLE001 - checked below
+            said.append((type(err).__name__, str(err), time.monotonic() - started))
+
+    waiting = threading.Thread(target=other_member)
+    waiting.start()
+    time.sleep(0.3)
+    assert rank1._send_share(opened, Deadline(10.0)) == "ValueError: plan slice refused (injected)"
+    waiting.join(15.0)
+    assert said and said[0][0] == "RuntimeError" and "world w-refused was aborted" in said[0][1], said
+    assert said[0][2] < 3.0, f"the other member waited {said[0][2]:.1f}s for a rank that had refused"
+
+
 def test_a_rank_waits_for_the_verdict_past_its_own_deadline_and_says_what_is_not_known(llama, monkeypatch):
     """Rank 0 decides an update after every rank's report, within its own deadline (from its own
     call), then switches the engine: a rank that reported waits for the verdict with a deadline of
@@ -459,6 +499,35 @@ def test_a_vllm_worker_refusing_its_share_is_named_at_once_and_the_next_update_c
     refuse[0] = False
     assert trainer.send_weights() == 1 and client.commits == [0, 1]
     assert all(b > 0 for b in trainer.stats.received_bytes), trainer.stats
+
+
+def test_a_stage_thread_that_fails_formats_no_traceback_unless_debug_logging_is_on(llama, monkeypatch):
+    """A vLLM worker's stage thread that failed formatted its traceback for a debug line whether
+    or not debug logging was on. Formatting a traceback parses source with ``ast`` (Python 3.11's
+    carets), and CPython 3.11 keeps the ast module's recursion depth in state the threads share, so
+    while vLLM's main thread (here pytest's import rewriting) parsed too, one of them raised
+    ``SystemError: AST constructor recursion depth mismatch`` (seen in this module, twice; the
+    same as python/cpython#106905 and pytest-dev/pytest#10763). Now the traceback is formatted only
+    where debug logging is on."""
+    import threading
+    import traceback
+
+    from actors.errors import ReallocationError
+
+    formatted = []
+    monkeypatch.setattr(traceback, "format_exc", lambda *a, **k: formatted.append("format_exc") or "")
+    monkeypatch.setattr(traceback, "format_exception", lambda *a, **k: formatted.append("format_exception") or [])
+
+    def refuse(infos):  # worker 1 refuses a share that is not its own: worker 0's stage thread fails
+        return [infos[0], {**infos[1], "share": infos[0]["share"]}]
+
+    client, trainer = _head(llama, monkeypatch, 8.0, tamper=refuse)
+    with pytest.raises(ReallocationError, match="refused its share"):
+        trainer.send_weights()
+    for thread in threading.enumerate():
+        if thread.name.startswith("realloc-stage-"):
+            thread.join(10.0)
+    assert formatted == [], "a stage thread formatted a traceback with debug logging off"
 
 
 class LabellingWorkers(InProcessWorkers):

@@ -48,7 +48,6 @@ import math
 import os
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,7 +305,11 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         except BaseException as err:  # noqa: BLE001 - the outcome goes to the driver
             rnd.error = f"{type(err).__name__}: {err}"
             log.warning("realloc: update %s failed on worker %d: %s", info.update_id, self.index, rnd.error)
-            log.debug("%s", traceback.format_exc())
+            # the traceback only where debug logging is on: formatting one parses source with ast
+            # (3.11's carets), whose state CPython 3.11 shares between threads, so a stage thread
+            # formatting while vLLM's main thread parses can raise SystemError in either
+            # (python/cpython#106905, pytest-dev/pytest#10763)
+            log.debug("realloc: update %s on worker %d", info.update_id, self.index, exc_info=True)
         finally:
             if transport is not None:
                 transport.close()
@@ -324,8 +327,11 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
         }
         try:
             self.control.set(control_key(self.info.engine_id, rnd.update_id, self.index), json.dumps(outcome))
-        except Exception:  # noqa: BLE001 - the driver's wait then names this worker
-            log.warning("realloc: could not post the outcome of update %s", rnd.update_id, exc_info=True)
+        except Exception as err:  # noqa: BLE001 - the driver's wait then names this worker
+            # no traceback: this runs on the stage thread too (see _stage)
+            log.warning(
+                "realloc: could not post the outcome of update %s: %s: %s", rnd.update_id, type(err).__name__, err
+            )
 
     def _answer(self, update_id: str, call: str, answer: dict) -> None:
         """This worker's answer to ``call`` of round ``update_id``, posted before the RPC returns."""
