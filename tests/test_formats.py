@@ -548,9 +548,10 @@ def test_vllm_fused_fp8_expert_buffers(dst_topology):
 
 @pytest.mark.parametrize("topology", ["tp=1", "dp=2,ep=2,etp=1", "tp=2,ep=1,etp=2"])
 def test_fused_moe_fp8_refuses_an_expert_ffn_that_is_not_whole_blocks_at_any_etp(topology):
-    """vLLM's Fp8MoEMethod.create_weights (vllm/model_executor/layers/quantization/fp8.py) refuses
-    a FusedMoE whose moe_intermediate_size / etp is not a multiple of 128, even at etp=1 (192 rows
-    here: the gate's last block would be partial inside w13_weight). Per-expert tensors
+    """vLLM 0.32 holds a block-FP8 FusedMoE whose moe_intermediate_size / etp is not a multiple of
+    128, even at etp=1 (192 rows here), with its scales on another grid than the checkpoint's
+    (refine_fp8_moe_block_shape, vllm/model_executor/layers/fused_moe/oracle/fp8.py; checked against
+    vLLM's own FusedMoE in tests/test_vllm_fp8_layers_pure.py): refused. Per-expert tensors
     (expert_order='hf') stay accepted where every rank holds whole blocks."""
     moe = oracle.MoeDecoder(256, 256, 2, 2, 2, 128, 64, experts=4, moe_inter=192, shared_inter=256, dense_layers=1)
     topo = Topology.parse(topology)

@@ -49,7 +49,7 @@ buffer (docs/conventions.md, "Expert parallelism").
 
 * ``"hf"`` (default): forward order of the checkpoint names, per local expert its gate, up and
   down shards (``mlp.experts.{e}.gate_proj/up_proj/down_proj``; Mixtral ``w1``/``w3``/``w2``).
-* ``"vllm"``: vLLM's ``FusedMoE`` buffers (vllm/model_executor/layers/fused_moe/layer.py):
+* ``"vllm"``: vLLM's ``FusedMoE`` buffers (vllm/model_executor/layers/fused_moe/routed_experts.py ``RoutedExperts``):
   ``w13_weight`` ``[local_experts, 2 * inter / etp, hidden]``, per local expert its gate rows then
   its up rows (``_load_w13`` narrows the expert's rows to ``[0, shard)`` for ``w1`` (gate) and
   ``[shard, 2 * shard)`` for ``w3`` (up), each the etp rank's slice), then ``w2_weight``

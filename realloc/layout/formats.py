@@ -7,14 +7,25 @@ partition that is not a whole number of blocks: a column-parallel layer's output
 the block edge, so every block of a weight lies on one rank and its scale travels with it. A
 layout of a block format is refused the same way, before any traffic: every rank's box of a
 quantized weight must start on a block boundary and end on one (or at the tensor's end), and its
-scales' box is then exactly the blocks of that box.
+scales' box is then exactly the blocks of that box. (vLLM 0.32 skips that check for a fused layer,
+``qkv_proj`` / ``gate_up_proj``, with a part that is not whole blocks:
+``ColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch`` in ``.../layers/linear.py``; its
+scale loader then puts each part's scale rows at ``ceil(offset / 128)``, ``adjust_block_scale_shard``,
+so such a part runs past the scale tensor, and the load fails, or shares a block row with the next
+part. Such a tp is refused here all the same.)
 
-vLLM's ``FusedMoE`` buffers (``expert_order="vllm"``) are stricter: ``Fp8MoEMethod.create_weights``
-(``vllm/model_executor/layers/quantization/fp8.py``; ``validate_fp8_block_shape_moe`` in
-``.../quantization/utils/fp8_utils.py`` in later versions) refuses an expert ffn per partition,
-``moe_intermediate_size / etp``, that is not a multiple of the block edge at ANY expert tp, 1
-included: ``w13_weight`` stacks gate and up, so the gate's last block may not be partial (its
-scales would run into the up's). Such a layout is refused the same way.
+vLLM's ``FusedMoE`` buffers (``expert_order="vllm"``) need more: an expert ffn per partition,
+``moe_intermediate_size / etp``, that is a multiple of the block edge at ANY expert tp, 1 included
+(``w13_weight`` stacks gate and up, so a partial last gate block would put its scales into the
+up's rows). vLLM 0.32 does not refuse the others: it holds their scales on another grid than the
+checkpoint's 128 x 128 blocks (``resolve_fp8_moe_weight_block_shape`` in
+``vllm/model_executor/layers/fused_moe/oracle/fp8.py``: ``refine_fp8_moe_block_shape`` re-grids
+``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` to ``gcd(128, per partition, hidden)`` blocks, each
+checkpoint scale repeated by ``RoutedExperts.weight_loader``; with an explicit ``moe_backend``
+whose kernels need 128 blocks, ``pad_tp_shard_to_weight_blocks`` pads each tp shard to whole
+blocks), and refuses only when no grid of at least 32 fits (``validate_fp8_block_shape_moe`` in
+``.../quantization/utils/fp8_utils.py``, called by ``Fp8MoEMethod.create_weights``). Neither grid
+is a box of the checkpoint's scales, so such a layout is refused the same way.
 """
 
 from __future__ import annotations
@@ -90,8 +101,9 @@ def check_block_layout(spec: ModelSpec, topology: Topology, qkv_order: str, expe
 
 
 def _check_fused_moe_blocks(spec: ModelSpec, topology: Topology, fmt: str, order: str = "vllm") -> None:
-    """vLLM's rule for block-FP8 ``FusedMoE`` (module docstring): every routed expert's gate/up
-    rows per expert-tp partition (``intermediate_size_per_partition``) a multiple of the block.
+    """Block-FP8 ``FusedMoE`` as vLLM holds the checkpoint's scales (module docstring): every routed
+    expert's gate/up rows per expert-tp partition (``intermediate_size_per_partition``) a multiple
+    of the block.
     transformers 5's ``FP8Experts`` (src/transformers/integrations/finegrained_fp8.py) needs the
     same: its ``gate_up_proj_scale_inv`` has ``ceil(2 * inter / 128)`` rows per expert, the gate's
     scale rows then the up's only when the gate is whole blocks."""
@@ -103,15 +115,21 @@ def _check_fused_moe_blocks(spec: ModelSpec, topology: Topology, fmt: str, order
         if per is not None and per % BLOCK == 0:
             continue
         engine = (
-            "vLLM's block-FP8 FusedMoE (Fp8MoEMethod.create_weights, vllm/model_executor/layers/quantization/"
-            "fp8.py) refuses"
+            "vLLM's block-FP8 FusedMoE does not hold the checkpoint's block scales for"
             if order == "vllm"
             else "transformers 5's FP8Experts (src/transformers/integrations/finegrained_fp8.py) cannot hold"
+        )
+        why = (
+            " (vLLM 0.32 re-grids them to smaller blocks, each checkpoint scale repeated: "
+            "refine_fp8_moe_block_shape in vllm/model_executor/layers/fused_moe/oracle/fp8.py; or pads each tp "
+            "shard to whole blocks, or refuses: validate_fp8_block_shape_moe), none of them boxes of the "
+            f"checkpoint's {BLOCK} x {BLOCK} scales"
+            if order == "vllm"
+            else " (the gate_up stack holds gate and up block for block)"
         )
         raise ValueError(
             f"weight_format={fmt!r} with expert_order={order!r}: {p.name} has {p.shape[0]} rows, "
             f"{p.shape[0] / etp:g} per expert tensor parallel rank (etp={etp}); {engine} an expert "
-            f"intermediate size per partition that is not a multiple of {BLOCK}, at any etp (the gate_up "
-            f"stack holds gate and up block for block). Choose an etp that splits {p.shape[0]} into multiples "
-            f"of {BLOCK}, or expert_order='hf' (per-expert tensors)"
+            f"intermediate size per partition that is not a multiple of {BLOCK}, at any etp{why}. Choose an "
+            f"etp that splits {p.shape[0]} into multiples of {BLOCK}, or expert_order='hf' (per-expert tensors)"
         )
