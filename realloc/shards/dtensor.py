@@ -8,8 +8,19 @@ FSDP2's ``_StridedShard`` when tp shards the same dimension), so the boxes compa
 engine's, not re-derived.
 
 * :func:`mesh_topology` derives the layout's topology from the mesh: dimension names
-  ``dp_replicate``/``dp`` (replicated), ``dp_shard``/``fsdp`` (sharded) and ``tp`` as torchtitan
-  names them; a one-dimensional mesh without names is sharded data parallelism.
+  ``dp_replicate``/``dp`` (replicated), ``dp_shard``/``fsdp``/``dp_shard_cp`` (sharded) and ``tp``
+  as torchtitan names them; a one-dimensional mesh without names is sharded data parallelism.
+  The meshes ``fully_shard`` (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
+  leaves on its DTensors: its own 1-D or 2-D (HSDP: ``(dp_replicate, dp_shard)``) mesh for plain
+  parameters (``_init_sharding_spec_plain``); the dp mesh concatenated with a tp DTensor's
+  (``_init_sharding_spec_tp``: torchtitan's ``spmd_backend="partial_dtensor"``, dims
+  ``(dp_replicate, fsdp, tp)``, cp already folded into ``fsdp``); and, with ``dp_mesh_dims``
+  (torchtitan's default ``spmd_backend="spmd_types"``: ``resolve_fsdp_mesh`` in
+  torchtitan/distributed/fsdp.py), the parameters' own storage mesh ``(dp_replicate, dp_shard,
+  tp)`` (``_init_sharding_spec_spmd``), where context parallelism's ``dp_shard`` x ``cp`` are
+  flattened into one FSDP dim named ``dp_shard_cp`` (``_get_mesh_info_from_named_dims`` joins the
+  names): cp ranks hold different FSDP chunks, so that dim is fsdp (``fsdp = dp_shard * cp``), as
+  partial_dtensor's ``fsdp`` dim already is. A bare ``cp`` dim (not folded into FSDP) is refused.
 * :func:`check_boxes` refuses (``ValueError`` naming the parameter and both boxes) a state dict
   whose local tensors are not exactly the rank's boxes in the layout: a wrong rank order or
   another sharding rule would otherwise be a silent wrong weight.
@@ -25,8 +36,9 @@ import torch
 
 from realloc.layout import RankLayout, Topology
 
-#: Mesh dimension names and the topology field each one sets.
-MESH_NAMES = {"dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp", "fsdp": "fsdp", "tp": "tp"}
+#: Mesh dimension names and the topology field each one sets (``dp_shard_cp``: FSDP2's flattened
+#: ``dp_shard`` x ``cp`` dim under torchtitan's ``spmd_types`` backend, see the module docstring).
+MESH_NAMES = {"dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp", "fsdp": "fsdp", "dp_shard_cp": "fsdp", "tp": "tp"}
 
 
 def local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
