@@ -132,10 +132,19 @@ def test_fsdp2_with_tensor_parallel_boxes_are_the_fsdp_tp_layout():
 
 
 #: Every case's parameters: ``tiny`` (2 rows) leaves an fsdp rank of each tp shard an empty
-#: chunk under tp=2 (``_StridedShard``: 1 row per tp rank, chunks 1 and none)
+#: chunk under tp=2 (``_StridedShard``: 1 row per tp rank, chunks 1 and none); ``lm_head``, a
+#: vocabulary of 19 rows, is split unevenly by tp=2 (10 and 9 rows, torch.chunk as DTensor's
+#: ``Shard(0)``), and then by fsdp=3 its chunks are not those torch's
+#: ``compute_local_shape_and_global_offset`` gives for ``_StridedShard`` (see
+#: ``realloc.shards.dtensor._strided_boxes``)
 MESH_SPEC = ModelSpec(
     "mlp",
-    SPEC.params[:2] + (ParamSpec("mlp.tiny.weight", (2, 3), "float32", "layer", layer=0, tp_dim=0), SPEC.params[2]),
+    SPEC.params[:2]
+    + (
+        ParamSpec("mlp.tiny.weight", (2, 3), "float32", "layer", layer=0, tp_dim=0),
+        SPEC.params[2],
+        ParamSpec("lm_head.weight", (19, 6), "float32", "head", tp_dim=0, pad_to_tp=True),
+    ),
     num_layers=1,
 )
 
@@ -144,6 +153,7 @@ class TinyMLP(MLP):
     def __init__(self):
         super().__init__()
         self.mlp.tiny = torch.nn.Linear(3, 2, bias=False)
+        self.lm_head = torch.nn.Linear(6, 19, bias=False)
 
 
 def _mesh_worker(rank: int, world: int, port: int, case: str, queue) -> None:
@@ -164,21 +174,24 @@ def _mesh_worker(rank: int, world: int, port: int, case: str, queue) -> None:
         names = {
             "hsdp": ("dp_replicate", "dp_shard"),
             "spmd_tp": ("dp_shard", "tp"),
+            "spmd_tp3": ("dp_shard", "tp"),
             "spmd_hsdp": ("dp_replicate", "dp_shard"),
             "spmd_cp": ("dp_shard", "cp"),
         }[case]
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=names)
         if case == "hsdp":
             fully_shard(model, mesh=mesh)
         else:
             tp = {"mlp.up_proj.weight": Shard(0), "mlp.down_proj.weight": Shard(1), "mlp.tiny.weight": Shard(0)}
+            tp["lm_head.weight"] = Shard(0)
             for name, p in list(model.named_parameters()):
                 owner, attr = name.rsplit(".", 1)
-                last = tp.get(name, Replicate()) if case == "spmd_tp" else Replicate()
+                last = tp.get(name, Replicate()) if case.startswith("spmd_tp") else Replicate()
                 dt = distribute_tensor(p.detach(), mesh, [Replicate(), last])
                 setattr(model.get_submodule(owner), attr, torch.nn.Parameter(dt))
             dims = {
                 "spmd_tp": DataParallelMeshDims(shard="dp_shard"),
+                "spmd_tp3": DataParallelMeshDims(shard="dp_shard"),
                 "spmd_hsdp": DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"),
                 "spmd_cp": DataParallelMeshDims(shard=("dp_shard", "cp")),
             }[case]
@@ -191,6 +204,14 @@ def _mesh_worker(rank: int, world: int, port: int, case: str, queue) -> None:
             assert torch.equal(v.to_local(), full[name][index]), (name, offsets, sizes)
         layout = Layout(MESH_SPEC, mesh_topology(state["mlp.up_proj.weight"].device_mesh))
         _round_trip(model, full, layout, rank)  # every mesh here is the world in rank order
+        if case == "spmd_tp":  # a local tensor that is not what its placements give is refused
+            from torch.distributed.tensor import DTensor
+
+            odd = DTensor.from_local(
+                torch.zeros(1, 3), mesh, [Shard(0), Replicate()], run_check=False, shape=(8, 3), stride=(3, 1)
+            )
+            with pytest.raises(ValueError, match=r"holds a local tensor of shape \(1, 3\), not the \(4, 3\)"):
+                local_box(odd)
         boxes = {k: local_box(v) for k, v in state.items()}
         queue.put((rank, "ok", (str(layout.topology), sorted(meshes), boxes)))
         dist.destroy_process_group()
@@ -205,16 +226,21 @@ def _mesh_worker(rank: int, world: int, port: int, case: str, queue) -> None:
         ("spmd_tp", "dp=1,fsdp=2,tp=2,pp=1", ("dp_shard", "tp")),
         ("spmd_hsdp", "dp=2,fsdp=2,tp=1,pp=1", ("dp_replicate", "dp_shard")),
         ("spmd_cp", "dp=1,fsdp=4,tp=1,pp=1", ("dp_shard_cp",)),  # cp folded into fsdp, as torchtitan does
+        ("spmd_tp3", "dp=1,fsdp=3,tp=2,pp=1", ("dp_shard", "tp")),  # 6 processes
     ],
 )
 def test_hsdp_and_torchtitans_spmd_meshes_are_the_layout(case, topology, mesh):
-    out = spawn_workers(_mesh_worker, 4, case)
-    assert {r: out[r][0] for r in out} == {r: topology for r in range(4)}
+    world = 6 if case == "spmd_tp3" else 4
+    out = spawn_workers(_mesh_worker, world, case, timeout=180)
+    assert {r: out[r][0] for r in out} == {r: topology for r in range(world)}
     assert out[0][1] == [mesh]  # torchtitan's spmd path: every parameter on the one mesh
     if case == "spmd_tp":  # tp rank 0's 1 row of tiny: fsdp rank 0 holds it, fsdp rank 1 (rank 2) nothing
         assert out[0][2]["mlp.tiny.weight"] == ((0, 0), (1, 3))
         assert out[2][2]["mlp.tiny.weight"][1] == (0, 3)
         assert out[3][2]["mlp.up_proj.weight"] == ((8, 0), (2, 6))  # tp rows 5-9, fsdp chunk 3 + 2
+    if case == "spmd_tp3":  # lm_head: tp rows 0-9 chunked 4, 4, 2; rows 10-18 chunked 3, 3, 3
+        assert out[4][2]["lm_head.weight"] == ((8, 0), (2, 6))  # torch's own rule: rows 8, 9, 16
+        assert out[5][2]["lm_head.weight"] == ((16, 0), (3, 6))  # torch's own rule: rows 17-18
     if case in ("hsdp", "spmd_hsdp"):  # replica 1 holds replica 0's shards
         assert out[2][2] == out[0][2] and out[3][2] == out[1][2]
 
