@@ -6,7 +6,7 @@ tensors where they say it, and declared where they cannot:
 
 * **DTensors** (FSDP2 ``fully_shard``, with or without tensor parallelism: torchtitan's
   composition). The device mesh gives the topology (``realloc.shards.dtensor.mesh_topology``:
-  dimension names ``dp_replicate``/``dp``, ``dp_shard``/``fsdp``, ``tp``) and the rank's
+  dimension names ``dp_replicate``/``dp``, ``dp_shard``/``fsdp``/``dp_shard_cp``, ``tp``) and the rank's
   coordinates give its realloc rank; each local tensor must be exactly its box in that layout,
   computed with torch's own rule (``realloc.shards.dtensor.check_boxes``).
 * **Plain tensors**: the whole model on one rank (default), or a declaration

@@ -9,7 +9,12 @@ ep, experts never tensor parallel under EP), ``torchtitan/models/common/moe.py``
 (``GroupedExperts``: ``w1_EFD``/``w3_EFD`` ``[E, F, D]`` = gate/up, ``w2_EDF`` ``[E, D, F]`` = down),
 ``torchtitan/distributed/fsdp.py`` (MoE blocks: ``fully_shard`` of the experts on ``efsdp`` with
 ``Shard(0)``, or ``Shard(1)`` when ``efsdp * ep > num_experts``) and
-``torchtitan/models/common/decoder.py`` (``num_experts % ep == 0``).
+``torchtitan/models/common/decoder.py`` (``num_experts % ep == 0``). The mesh named above is
+``spmd_backend="partial_dtensor"``'s; the default ``"spmd_types"`` shards on the storage meshes
+``(pp, dp_replicate, dp_shard, cp, tp)`` / ``(pp, dp_replicate, efsdp, ep)`` with the same rank
+order and chunks (``resolve_fsdp_mesh`` / ``resolve_sparse_fsdp_mesh`` in fsdp.py; the efsdp
+placement is torch's ``_StridedShard(0, split_factor=ep)``, the same ``torch.chunk`` of the ep
+rank's stack): re-read at the newest stored torchtitan, still b5bcd76c, 2026-12-08.
 
 So with ``Topology(dp, fsdp, tp, pp, ep, etp=1)`` (``dp`` = dp_replicate, ``fsdp`` = dp_shard,
 no cp), inside a pipeline stage and replica, ``i = tp_rank + tp * fsdp_rank``: ep rank ``i % ep``

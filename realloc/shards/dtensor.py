@@ -3,13 +3,30 @@
 FSDP2 (``torch.distributed.fsdp.fully_shard``) and torchtitan hold every parameter as a
 ``DTensor``: a device mesh, a placement per mesh dimension and a local tensor. The local tensor
 of a rank is one box of the global tensor; :func:`local_box` computes it with torch's own rule
-(``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, which also handles
-FSDP2's ``_StridedShard`` when tp shards the same dimension), so the boxes compared here are the
-engine's, not re-derived.
+(``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``), so the boxes
+compared here are the engine's, not re-derived, with one exception: FSDP2's ``_StridedShard``
+(FSDP over a tensor-parallel shard of the same dimension). There torch 2.13's rule splits the
+global rows into ``split_factor`` chunks and each into the FSDP chunks, which are FSDP2's chunks
+of the tp-local rows only where tp divides the rows; a vocabulary tp does not divide (19 rows,
+tp=2, fsdp=3) gets other rows, not even a box on some ranks, than FSDP2 holds
+(``_chunk_with_empty`` of the tp-local tensor), so that dimension's box is FSDP2's own
+(:func:`_strided_boxes`). And every box's sizes must be the local tensor's shape, or the DTensor is
+refused (``ValueError``) rather than copied as other rows.
 
 * :func:`mesh_topology` derives the layout's topology from the mesh: dimension names
-  ``dp_replicate``/``dp`` (replicated), ``dp_shard``/``fsdp`` (sharded) and ``tp`` as torchtitan
-  names them; a one-dimensional mesh without names is sharded data parallelism.
+  ``dp_replicate``/``dp`` (replicated), ``dp_shard``/``fsdp``/``dp_shard_cp`` (sharded) and ``tp``
+  as torchtitan names them; a one-dimensional mesh without names is sharded data parallelism.
+  The meshes ``fully_shard`` (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
+  leaves on its DTensors: its own 1-D or 2-D (HSDP: ``(dp_replicate, dp_shard)``) mesh for plain
+  parameters (``_init_sharding_spec_plain``); the dp mesh concatenated with a tp DTensor's
+  (``_init_sharding_spec_tp``: torchtitan's ``spmd_backend="partial_dtensor"``, dims
+  ``(dp_replicate, fsdp, tp)``, cp already folded into ``fsdp``); and, with ``dp_mesh_dims``
+  (torchtitan's default ``spmd_backend="spmd_types"``: ``resolve_fsdp_mesh`` in
+  torchtitan/distributed/fsdp.py), the parameters' own storage mesh ``(dp_replicate, dp_shard,
+  tp)`` (``_init_sharding_spec_spmd``), where context parallelism's ``dp_shard`` x ``cp`` are
+  flattened into one FSDP dim named ``dp_shard_cp`` (``_get_mesh_info_from_named_dims`` joins the
+  names): cp ranks hold different FSDP chunks, so that dim is fsdp (``fsdp = dp_shard * cp``), as
+  partial_dtensor's ``fsdp`` dim already is. A bare ``cp`` dim (not folded into FSDP) is refused.
 * :func:`check_boxes` refuses (``ValueError`` naming the parameter and both boxes) a state dict
   whose local tensors are not exactly the rank's boxes in the layout: a wrong rank order or
   another sharding rule would otherwise be a silent wrong weight.
@@ -19,14 +36,16 @@ engine's, not re-derived.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
 
 from realloc.layout import RankLayout, Topology
 
-#: Mesh dimension names and the topology field each one sets.
-MESH_NAMES = {"dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp", "fsdp": "fsdp", "tp": "tp"}
+#: Mesh dimension names and the topology field each one sets (``dp_shard_cp``: FSDP2's flattened
+#: ``dp_shard`` x ``cp`` dim under torchtitan's ``spmd_types`` backend, see the module docstring).
+MESH_NAMES = {"dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp", "fsdp": "fsdp", "dp_shard_cp": "fsdp", "tp": "tp"}
 
 
 def local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -38,8 +57,64 @@ def local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (0,) * tensor.dim(), tuple(tensor.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+    mesh, placements = tensor.device_mesh, tensor.placements
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    offsets, sizes = [int(o) for o in offsets], [int(s) for s in sizes]
+    coordinate = mesh.get_coordinate()
+    if coordinate is not None:
+        for dim, (offset, size) in _strided_boxes(
+            tuple(tensor.shape), tuple(mesh.shape), coordinate, placements
+        ).items():
+            offsets[dim], sizes[dim] = (offset if size else int(tensor.shape[dim])), size
+    held = tuple(tensor.to_local().shape)
+    if tuple(sizes) != held:
+        raise ValueError(
+            f"a DTensor placed {tuple(placements)} on mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} holds "
+            f"a local tensor of shape {held}, not the {tuple(sizes)} its placements give (global shape "
+            f"{tuple(tensor.shape)}): which rows it holds cannot be told, so it is not read"
+        )
+    return tuple(offsets), tuple(sizes)
+
+
+def _chunk(offset: int, size: int, parts: int, index: int) -> tuple[int, int]:
+    """``(offset, size)`` of chunk ``index`` of ``torch.chunk`` of the range ``[offset, offset + size)``
+    into ``parts`` (an empty chunk past the end)."""
+    step = -(-size // parts)
+    first = min(index * step, size)
+    return offset + first, min(step, size - first)
+
+
+def _strided_boxes(global_shape: tuple, mesh_shape: tuple, coordinate, placements) -> dict[int, tuple[int, int]]:
+    """Tensor dim -> ``(offset, size)`` of FSDP2's chunk where a ``_StridedShard`` says FSDP2 cut a
+    tensor-parallel shard: the later mesh dims' ``Shard`` of that tensor dim first (tp's rows), then
+    FSDP2's ``torch.chunk`` of those rows (torch 2.13 ``FSDPParam._init_sharded_param``:
+    ``_chunk_with_empty`` of the tp-local tensor; ``_init_sharding_spec_tp`` / ``_spmd`` name it
+    ``_StridedShard(dim, split_factor=tp)``). torch's ``compute_local_shape_and_global_offset``
+    reads ``_StridedShard`` as a split of the global rows into ``split_factor`` chunks, then of each;
+    when tp does not divide the rows (a vocabulary 19 rows over tp=2, fsdp=3: tp rows 10 and 9,
+    FSDP2 chunks 4, 4, 2 and 3, 3, 3) those are other rows than FSDP2 holds."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out = {}
+    for i, strided in enumerate(placements):
+        if not isinstance(strided, _StridedShard):
+            continue
+        dim = strided.dim
+        if any(isinstance(p, (Shard, _StridedShard)) and p.dim == dim for p in placements[:i]):
+            continue  # not FSDP2's pattern: torch's own rule stands
+        shards = (Shard, _StridedShard)
+        later = [j for j in range(i + 1, len(placements)) if isinstance(placements[j], shards)]
+        later = [j for j in later if placements[j].dim == dim]
+        if any(isinstance(placements[j], _StridedShard) for j in later) or (
+            int(strided.split_factor) != math.prod(mesh_shape[j] for j in later)
+        ):
+            continue
+        offset, size = 0, int(global_shape[dim])
+        for j in later:  # tp's Shard first (right-to-left sharding), then FSDP2's chunk
+            offset, size = _chunk(offset, size, mesh_shape[j], int(coordinate[j]))
+        out[dim] = _chunk(offset, size, mesh_shape[i], int(coordinate[i]))
+    return out
 
 
 def mesh_topology(mesh) -> Topology:
