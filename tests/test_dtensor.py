@@ -69,6 +69,27 @@ def _worker(rank: int, world: int, port: int, tp: int, queue) -> None:
         queue.put((rank, traceback.format_exc(), None))
 
 
+def _dp_named_worker(rank: int, world: int, port: int, queue) -> None:
+    """``fully_shard`` over a 1-D mesh its user named ``("dp",)`` (common in user code), read
+    through ``ShardSource`` as a trainer rank reads it."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from actors.trainer import ShardSource
+
+        model, full = _start(rank, world, port, MLP)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        fully_shard(model, mesh=mesh)
+        held = ShardSource(model, spec=SPEC).holdings()
+        state = _round_trip(model, full, held.layout, held.rank)
+        queue.put((rank, "ok", (str(held.layout.topology), held.rank, {k: local_box(v) for k, v in state.items()})))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, traceback.format_exc(), None))
+
+
 def _round_trip(model: torch.nn.Module, full: dict, layout: Layout, rank: int) -> dict:
     """The model's state dict after: its boxes checked against ``rank``'s in ``layout``, its local
     tensors read into the rank's views (each exactly the global tensor's box), the views doubled
@@ -129,6 +150,16 @@ def test_fsdp2_with_tensor_parallel_boxes_are_the_fsdp_tp_layout():
     boxes = run(4, tp=2)  # up_proj: tp rows 5 each, fsdp chunks 3 + 2 inside them (_StridedShard)
     assert boxes[1]["mlp.up_proj.weight"] == ((5, 0), (3, 6))
     assert boxes[3]["mlp.up_proj.weight"] == ((8, 0), (2, 6))
+
+
+def test_fsdp2_over_a_mesh_named_dp_is_read_as_fsdp():
+    """A mesh named ``("dp",)`` was read as replicated data parallelism whatever the tensors'
+    placements, so ``fully_shard`` over it (a common user setup) was refused as "another rank
+    order or sharding rule" (found in review, 2026-12-08). The placements say: sharded over it,
+    it is fsdp."""
+    got = spawn_workers(_dp_named_worker, 4)
+    assert {r: got[r][:2] for r in got} == {r: ("dp=1,fsdp=4,tp=1,pp=1", r) for r in range(4)}
+    assert got[3][2]["mlp.down_proj.weight"] == ((6, 0), (0, 10))
 
 
 #: Every case's parameters: ``tiny`` (2 rows) leaves an fsdp rank of each tp shard an empty
@@ -252,3 +283,11 @@ def test_mesh_without_names_is_refused():
         mesh_topology(SimpleNamespace(mesh_dim_names=None, shape=(2, 2)))
     with pytest.raises(ValueError, match="mesh dimension 'cp'"):
         mesh_topology(SimpleNamespace(mesh_dim_names=("cp",), shape=(2,)))
+    # "dp" is replicated unless the tensors are sharded over it; two dimensions of one role are refused
+    from torch.distributed.tensor import Replicate, Shard
+
+    named = SimpleNamespace(mesh_dim_names=("dp", "tp"), shape=(2, 4))
+    assert str(mesh_topology(named, [(Replicate(), Shard(0))])) == "dp=2,tp=4,pp=1"
+    assert str(mesh_topology(named, [(Shard(0), Shard(0)), (Shard(0), Replicate())])) == "dp=1,fsdp=2,tp=4,pp=1"
+    with pytest.raises(ValueError, match="mesh dimensions 'dp' and 'fsdp' are both fsdp"):
+        mesh_topology(SimpleNamespace(mesh_dim_names=("dp", "fsdp"), shape=(2, 2)), [(Shard(0), Shard(0))])

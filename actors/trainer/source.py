@@ -61,7 +61,7 @@ from realloc.layout.conventions import check_megatron_tied, megatron_vocab_pad_m
 from realloc.layout.sharded import megatron_fused_name
 from realloc.layout.stacked import stacked_name
 from realloc.shards import ShardStore
-from realloc.shards.dtensor import MESH_NAMES, check_boxes, local_box, local_part, mesh_topology, read_local
+from realloc.shards.dtensor import check_boxes, local_box, local_part, mesh_roles, mesh_topology, read_local
 from realloc.shards.fused import fused_views, megatron_core_view, megatron_fused_views
 from realloc.shards.store import allocate_buffers
 from realloc.shards.views import shard_views
@@ -291,12 +291,13 @@ class ShardSource(WeightSource):
                 raise ValueError(f"a declared topology ({topology}) needs this rank's rank= as well")
             return topology, self.declared_rank or 0, False
         mesh = max(meshes, key=lambda m: m.ndim)  # FSDP2 with tp: the (dp_shard, tp) mesh; norms: its dp part
-        topology = mesh_topology(mesh)
+        on_mesh = [t.placements for t in tensors.values() if isinstance(t, DTensor) and t.device_mesh == mesh]
+        topology, roles = mesh_topology(mesh, on_mesh), mesh_roles(mesh, on_mesh)
         if self.declared is not None and _sizes(self.declared) != _sizes(topology):
             raise ValueError(
                 f"the declared topology {self.declared} is not what the DTensors' device mesh says ({topology})"
             )
-        rank = _mesh_rank(mesh, topology)
+        rank = _mesh_rank(mesh, topology, roles)
         if self.declared_rank is not None and self.declared_rank != rank:
             raise ValueError(
                 f"the declared rank {self.declared_rank} is not this rank's place in the device mesh ({rank})"
@@ -487,8 +488,7 @@ def _check_stacked_dtensor(name: str, t: torch.Tensor, me: RankLayout) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     names = t.device_mesh.mesh_dim_names or ("fsdp",)
-    for dim, placement in zip(names, t.placements):
-        role = MESH_NAMES.get(dim)
+    for role, placement in zip(mesh_roles(t.device_mesh, [t.placements]), t.placements):
         ok = placement == Shard(0) if role == "fsdp" else isinstance(placement, Replicate)
         if not ok:
             raise ValueError(
@@ -575,13 +575,13 @@ def _sizes(t: Topology) -> tuple[int, int, int, int]:
     return (t.dp, t.fsdp, t.tp, t.pp)
 
 
-def _mesh_rank(mesh, topology: Topology) -> int:
-    """This process's realloc rank: its coordinates in ``mesh``, in realloc's rank order (tp fastest)."""
+def _mesh_rank(mesh, topology: Topology, roles: tuple[str, ...]) -> int:
+    """This process's realloc rank: its coordinates in ``mesh`` (whose dimensions are ``roles``,
+    :func:`~realloc.shards.dtensor.mesh_roles`), in realloc's rank order (tp fastest)."""
     coords = mesh.get_coordinate()
     if coords is None:
         raise ValueError("this process is not in the DTensors' device mesh")
-    names = mesh.mesh_dim_names or ("fsdp",)
     at = {"dp": 0, "fsdp": 0, "tp": 0}
-    for name, c in zip(names, coords):
-        at[MESH_NAMES[name]] = int(c)
+    for role, c in zip(roles, coords):
+        at[role] = int(c)
     return at["tp"] + topology.tp * (at["fsdp"] + topology.fsdp * at["dp"])

@@ -37,7 +37,7 @@ refused (``ValueError``) rather than copied as other rows.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -117,25 +117,42 @@ def _strided_boxes(global_shape: tuple, mesh_shape: tuple, coordinate, placement
     return out
 
 
-def mesh_topology(mesh) -> Topology:
-    """The topology a DTensor device mesh stands for (pp=1: a mesh per pipeline stage).
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> str(mesh_topology(SimpleNamespace(mesh_dim_names=("dp_replicate", "dp_shard", "tp"), shape=(2, 4, 2))))
-        'dp=2,fsdp=4,tp=2,pp=1'
-    """
+def mesh_roles(mesh, placements: Sequence[Sequence[Any]] = ()) -> tuple[str, ...]:
+    """Each dimension of a DTensor device mesh as ``"dp"``, ``"fsdp"`` or ``"tp"``, read by name
+    (:data:`MESH_NAMES`; a 1-D mesh without names is fsdp). ``placements``: those of the DTensors
+    on it; a dimension named ``"dp"`` they are sharded over is fsdp (``fully_shard`` over a mesh
+    its user named ``("dp",)``), one they are replicated over is dp."""
     names = mesh.mesh_dim_names or (("fsdp",) if len(mesh.shape) == 1 else None)
     if names is None:
         raise ValueError(
             f"a device mesh of shape {tuple(mesh.shape)} needs dimension names "
             f"(one of {sorted(MESH_NAMES)}) to say which dimension is which"
         )
-    sizes = {"dp": 1, "fsdp": 1, "tp": 1}
-    for name, size in zip(names, mesh.shape):
+    roles: list[str] = []
+    for i, name in enumerate(names):
         if name not in MESH_NAMES:
             raise ValueError(f"mesh dimension {name!r} is not one of {sorted(MESH_NAMES)}")
-        sizes[MESH_NAMES[name]] = int(size)
+        role = MESH_NAMES[name]
+        if name == "dp" and any(p[i].is_shard() for p in placements if len(p) > i):
+            role = "fsdp"  # the tensors are sharded over it
+        if role in roles:
+            raise ValueError(f"mesh dimensions {names[roles.index(role)]!r} and {name!r} are both {role}")
+        roles.append(role)
+    return tuple(roles)
+
+
+def mesh_topology(mesh, placements: Sequence[Sequence[Any]] = ()) -> Topology:
+    """The topology a DTensor device mesh stands for (pp=1: a mesh per pipeline stage), its
+    dimensions read by :func:`mesh_roles`.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> str(mesh_topology(SimpleNamespace(mesh_dim_names=("dp_replicate", "dp_shard", "tp"), shape=(2, 4, 2))))
+        'dp=2,fsdp=4,tp=2,pp=1'
+    """
+    sizes = {"dp": 1, "fsdp": 1, "tp": 1}
+    for role, size in zip(mesh_roles(mesh, placements), mesh.shape):
+        sizes[role] = int(size)
     return Topology(dp=sizes["dp"], tp=sizes["tp"], fsdp=sizes["fsdp"])
 
 
