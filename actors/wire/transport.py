@@ -355,10 +355,11 @@ def built_by_all(store: dist.Store, world_id: str, world_size: int, timeout_s: f
     try:
         store.wait([outcome], datetime.timedelta(seconds=timeout_s))
     except Exception as err:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on timeout
-        built = store.add(count, 0)
-        raise TimeoutError(
-            f"world {world_id}: {built} of {world_size} members built its group within {timeout_s:.0f}s"
-        ) from err
+        try:
+            built = f"{store.add(count, 0)} of {world_size}"
+        except Exception:  # noqa: BLE001 - the store itself is gone: say so
+            built = f"(the store did not answer) of {world_size}"
+        raise TimeoutError(f"world {world_id}: {built} members built its group within {timeout_s:.0f}s") from err
     said = store.get(outcome).decode()
     if said != "all":
         raise RuntimeError(f"world {world_id}: {said}")
