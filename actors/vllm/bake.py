@@ -14,7 +14,9 @@ and the strided region of the model-format parameter it writes.
 The boxes are the worker's layout as the engine itself defines it: the driver checks them
 against realloc's vLLM conventions (``Layout(vocab_pad_rule="vllm", expert_order="vllm")``)
 before any byte moves, and the commit (:mod:`actors.vllm.engine`) replays the scatters from the
-staged shards. The layerwise-reload names used here are private to vLLM 0.32 (pinned:
+staged shards. :func:`describe_experts` says how the worker's ``FusedMoE`` layers hold the routed
+experts (expert parallelism, its rank and size, the placement), which the driver lays the engine
+out by. The layerwise-reload names used here are private to vLLM 0.32 (pinned:
 :mod:`actors.vllm.plugin`).
 """
 
