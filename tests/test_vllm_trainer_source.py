@@ -428,6 +428,14 @@ class InProcessWorkers:
             described = {
                 **{"index": i, "workers": self.m, "tp_rank": i, "tp_size": self.m, "pp_rank": 0, "pp_size": 1},
                 **{"dtype": "float32", "boxes": boxes, "unread": [], "missing": [], "pid": os.getpid()},
+                # experts as a tensor-parallel engine holds them (actors/vllm/bake.py describe_experts)
+                **{"expert_parallel": False, "ep_size": 1, "ep_rank": 0, "expert_tp_size": self.m},
+                **{
+                    "expert_placement": None,
+                    "expert_placement_config": "linear",
+                    "eplb": False,
+                    "redundant_experts": 0,
+                },
                 "ip": address_toward(w.info.store_host),
             }
             w.control.set(control_key(w.info.engine_id, "worker", i), json.dumps(described))

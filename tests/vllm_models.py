@@ -62,12 +62,13 @@ def save_llama(path: Path, vocab: int = 1000, seed: int = 0, arch: str = "llama"
     return path
 
 
-def start_llm(path: Path, tp: int):
+def start_llm(path: Path, tp: int, **options):
     """An ``LLM`` on ``path`` with the realloc backend, float32, eager (the bench's:
-    ``realloc_tools.bench.vllm.start_llm``), in this module's environment (:data:`VLLM_ENV`)."""
+    ``realloc_tools.bench.vllm.start_llm``; ``options``: more ``LLM`` arguments), in this module's
+    environment (:data:`VLLM_ENV`)."""
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
-    return bench.start_llm(path, tp)
+    return bench.start_llm(path, tp, **options)
 
 
 #: The prompts every greedy check generates from, and the greedy run itself (each prompt's tokens,
@@ -116,6 +117,17 @@ def _padding_rows(worker, real: int) -> list[float]:
         rows = max(0, real - start)
         out.append(float(t[rows:].abs().max()) if t.shape[0] > rows else 0.0)
     return out
+
+
+def _tensors(worker) -> dict[str, torch.Tensor]:
+    """In a vLLM worker: a copy of every parameter and buffer of its model, as it serves them."""
+    model = worker.model_runner.model
+    return {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def worker_tensors(llm) -> list[dict[str, torch.Tensor]]:
+    """Per worker, every parameter and buffer of its model (kernel format: what it serves)."""
+    return llm.collective_rpc(_tensors)
 
 
 def padding_rows(llm, vocab: int) -> list[list[float]]:

@@ -15,7 +15,8 @@ One update (:meth:`VLLMEngine.stage`, and ``copy_to`` = stage, wait, commit):
 
 1. **init** (first update): every vLLM worker bakes its layout from its own loaders for the
    trainer's checkpoint names (actors/vllm/bake.py) and posts it. The driver checks it against
-   realloc's vLLM conventions (:func:`vllm_layout` at the engine's tp): any difference is a
+   realloc's vLLM conventions (:func:`engine_layout`: :func:`vllm_layout` at the engine's tp, and
+   its expert parallelism as the workers report it): any difference is a
    ``ValueError`` naming the tensor, before any byte moves, and so is a tensor the engine holds
    that the trainer does not send.
 2. **stage**: one plan from the trainer's layout to the engine's (each byte enters a node once);
@@ -237,8 +238,7 @@ class VLLMEngine:
             raise ValueError(
                 f"{self.name}: pipeline parallel vLLM engines are not supported yet (pp={workers[0]['pp_size']})"
             )
-        layout = vllm_layout(spec, first["tp_size"])
-        check_derived(layout, workers, spec)
+        layout = engine_layout(spec, workers)
         if self.label is None and callable(getattr(self.client, "get_weight_version", None)):
             try:  # what a refused first commit puts back; a client that cannot say leaves it unknown
                 self.label = str(self.client.get_weight_version())
@@ -740,17 +740,83 @@ class VLLMUpdate:
         raise self.engine.failed(err, self.trainer.name)
 
 
-def vllm_layout(spec, tp: int) -> Layout:
+#: vLLM's expert placements (vllm/config/parallel.py ``ExpertPlacementStrategy``) whose layout realloc
+#: builds for an engine with expert parallelism: ``"linear"``, contiguous blocks of experts, the
+#: first ``experts % ep`` ranks one more (vllm/model_executor/layers/fused_moe/expert_map_manager.py
+#: ``determine_expert_map``), which is realloc's ``ep`` split with ``expert_order="vllm"``.
+VLLM_EXPERT_PLACEMENTS = ("linear",)
+
+
+def vllm_layout(spec, tp: int, ep: int = 1, expert_placement: str = "linear") -> Layout:
     """realloc's layout of ``spec`` in a vLLM engine of tensor parallel size ``tp`` (its
-    conventions: docs/conventions.md): vLLM's vocabulary padding, its ``FusedMoE`` expert buffers."""
+    conventions: docs/conventions.md): vLLM's vocabulary padding, its ``FusedMoE`` expert buffers.
+
+    ``ep``: the engine's expert-parallel size, 1 (experts split by tensor parallelism) or ``tp``
+    (``enable_expert_parallel=True``: vllm/model_executor/layers/fused_moe/config.py
+    ``FusedMoEParallelConfig.make`` gives each of the tp ranks whole experts, ep = tp, expert tp 1),
+    laid out as ``Topology(tp=tp, ep=tp, etp=1)``; ``expert_placement``: how vLLM places them, one
+    of :data:`VLLM_EXPERT_PLACEMENTS`. ``ValueError`` for anything else, naming what is allowed."""
     moe = any(p.expert is not None for p in spec.params)
+    if ep == 1:
+        topology = Topology(tp=tp)
+    elif ep == tp:
+        if expert_placement not in VLLM_EXPERT_PLACEMENTS:
+            raise ValueError(
+                f"the vLLM engine places its experts {expert_placement!r} (expert_placement_strategy) under expert "
+                f"parallelism; realloc lays out {list(VLLM_EXPERT_PLACEMENTS)} only: start the engine with "
+                "expert_placement_strategy='linear'"
+            )
+        topology = Topology(tp=tp, ep=tp, etp=1)
+    else:
+        raise ValueError(
+            f"a vLLM engine of tensor parallel size {tp} splits its experts over ep=1 (tensor parallel) or "
+            f"ep={tp} (enable_expert_parallel=True, one data-parallel replica), got ep={ep}"
+        )
     return Layout(
         spec,
-        Topology(tp=tp),
+        topology,
         vocab_pad_multiple=VLLM_VOCAB_PADDING,
         vocab_pad_rule="vllm",
         expert_order="vllm" if moe else "hf",
     )
+
+
+def engine_layout(spec, workers: list[dict]) -> Layout:
+    """The layout of the engine whose workers described themselves as ``workers`` (each worker's
+    post: actors/vllm/engine.py ``_init``), checked against every worker's baked boxes
+    (:func:`check_derived`). Expert parallelism is read from what the workers report of vLLM's own
+    MoE layers (actors/vllm/bake.py ``describe_experts``). ``ValueError``, before any byte moves,
+    for an expert placement other than :data:`VLLM_EXPERT_PLACEMENTS`, expert load balancing
+    (``enable_eplb``: vLLM moves experts between ranks while it serves), workers that disagree, and
+    any box that differs from the layout's."""
+    first = workers[0]
+    tp = first["tp_size"]
+    for w in workers:
+        if w["eplb"] or w["redundant_experts"]:
+            raise ValueError(
+                f"vLLM worker {w['index']} balances its experts (enable_eplb=True, {w['redundant_experts']} redundant "
+                "experts): vLLM moves experts between ranks while it serves, so no layout says where a shard goes; "
+                "start the engine with enable_eplb=False"
+            )
+        keys = ("tp_size", "expert_parallel", "ep_size", "expert_tp_size", "expert_placement")
+        if any(w[k] != first[k] for k in keys):
+            raise ValueError(
+                f"vLLM workers {first['index']} and {w['index']} describe the engine differently: "
+                f"{ {k: first[k] for k in keys} } vs { {k: w[k] for k in keys} }"
+            )
+    if first["expert_parallel"]:
+        layout = vllm_layout(spec, tp, first["ep_size"], first["expert_placement"])  # refuses a placement first
+        for w in workers:
+            if w["ep_rank"] != w["tp_rank"] or w["expert_tp_size"] != 1:
+                raise ValueError(
+                    f"vLLM worker {w['index']} holds experts as ep rank {w['ep_rank']} of {w['ep_size']} with expert "
+                    f"tp size {w['expert_tp_size']} at tp rank {w['tp_rank']} of {tp}; realloc lays out vLLM's expert "
+                    "parallelism as ep rank = tp rank, expert tp size 1 (one data-parallel replica)"
+                )
+    else:
+        layout = vllm_layout(spec, tp)
+    check_derived(layout, workers, spec)
+    return layout
 
 
 def check_derived(layout: Layout, workers: list[dict], spec) -> None:

@@ -14,7 +14,9 @@ and the strided region of the model-format parameter it writes.
 The boxes are the worker's layout as the engine itself defines it: the driver checks them
 against realloc's vLLM conventions (``Layout(vocab_pad_rule="vllm", expert_order="vllm")``)
 before any byte moves, and the commit (:mod:`actors.vllm.engine`) replays the scatters from the
-staged shards. The layerwise-reload names used here are private to vLLM 0.32 (pinned:
+staged shards. :func:`describe_experts` says how the worker's ``FusedMoE`` layers hold the routed
+experts (expert parallelism, its rank and size, the placement), which the driver lays the engine
+out by. The layerwise-reload names used here are private to vLLM 0.32 (pinned:
 :mod:`actors.vllm.plugin`).
 """
 
@@ -198,3 +200,57 @@ def bake(model: torch.nn.Module, params: list[tuple[str, tuple[int, ...], str]],
         and (id(m) in written or isinstance(t, torch.nn.Parameter))
     )
     return Bake(tuple(scatters), tuple(sorted(set(shapes) - sink.copied_names)), missing)
+
+
+def describe_experts(model: torch.nn.Module, parallel_config: Any = None) -> dict[str, Any]:
+    """How the worker holds the routed experts, read from vLLM's own ``FusedMoE`` layers (each
+    ``RoutedExperts`` of ``model``), for the driver to lay the engine out by:
+
+    * ``expert_parallel``: the layers hold whole experts split over ranks (``enable_expert_parallel``;
+      vllm/model_executor/layers/fused_moe/config.py ``FusedMoEParallelConfig.make``: ``use_ep``,
+      where the expert tp size becomes 1 and ``ep_size``/``ep_rank`` the flattened tp's);
+    * ``ep_size``, ``ep_rank``, ``expert_tp_size`` (``moe_parallel_config.tp_size``: the tp size
+      of one expert's matrices, 1 under expert parallelism);
+    * ``expert_placement``: the placement the layers use (routed_experts.py ``RoutedExperts.
+      expert_placement_strategy``, which expert_map_manager.py ``ExpertMapManager`` resolves from
+      vllm/config/parallel.py ``expert_placement_strategy``: a ``"round_robin"`` it cannot serve
+      falls back to ``"linear"``, ``determine_expert_placement_strategy``), ``None`` without
+      expert parallelism; ``expert_placement_config``: the engine's setting;
+    * ``eplb``: expert load balancing (``enable_eplb``: vLLM moves experts between ranks while it
+      serves) and ``redundant_experts`` (physical experts beyond the checkpoint's).
+
+    A model without routed experts reads as one without expert parallelism. ``ValueError`` where
+    the layers disagree (naming the two)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    seen: dict[str, Any] | None = None
+    first = ""
+    for name, m in model.named_modules():
+        if not isinstance(m, RoutedExperts):
+            continue
+        pc = m.moe_config.moe_parallel_config
+        mine = {
+            "expert_parallel": bool(pc.use_ep),
+            "ep_size": int(pc.ep_size),
+            "ep_rank": int(pc.ep_rank),
+            "expert_tp_size": int(pc.tp_size),
+            "expert_placement": str(m.expert_placement_strategy) if pc.use_ep else None,
+            "eplb": bool(pc.enable_eplb),
+            "redundant_experts": int(m.moe_config.num_experts - m.moe_config.num_logical_experts),
+        }
+        if seen is None:
+            seen, first = mine, name
+        elif mine != seen:
+            raise ValueError(f"vLLM's MoE layers {first} and {name} hold their experts differently: {seen} vs {mine}")
+    out = seen or {
+        "expert_parallel": False,
+        "ep_size": 1,
+        "ep_rank": 0,
+        "expert_tp_size": None,
+        "expert_placement": None,
+        "eplb": False,
+        "redundant_experts": 0,
+    }
+    setting = getattr(parallel_config, "expert_placement_strategy", None)
+    out["expert_placement_config"] = None if setting is None else str(setting)
+    return out

@@ -8,7 +8,9 @@ What each phase does here:
 
 ``init_transfer_engine``
     :func:`~actors.vllm.bake.bake` the worker's layout from its own loaders, for the checkpoint
-    names the driver sends, and post it to the driver's control store (the front ends return
+    names the driver sends, and post it to the driver's control store with the worker's ranks and how it
+    holds the routed experts (:func:`~actors.vllm.bake.describe_experts`: expert parallelism, its
+    rank and size, the placement) (the front ends return
     nothing from a worker: results travel through the store).
 ``start_weight_update``
     Opens a round. Nothing of the model changes (no parameter goes to the meta device).
@@ -59,7 +61,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from actors.lanes import STAGE
-from actors.vllm.bake import Bake, bake
+from actors.vllm.bake import Bake, bake, describe_experts
 from actors.vllm.messages import OPS, control_key, decode
 from actors.wire.delta import DeltaSides
 from actors.wire.executor import Staging, StepRunner, checked_share
@@ -186,6 +188,10 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
             message = f"vLLM worker {index}: {err}: the trainer's model is not the one vLLM serves"
             log.warning("realloc: %s", message)
             return {"error": message}
+        try:  # the experts' placement, as vLLM's own MoE layers hold them (the driver lays the engine out by it)
+            experts = describe_experts(self.model, self.parallel_config)
+        except ValueError as err:
+            return {"error": f"vLLM worker {index}: {err}"}
         modules = dict(self.model.named_modules())
         grouped: dict[str, list] = {}
         for s in layout.scatters:
@@ -199,6 +205,7 @@ class ReallocWeightTransferEngine(WeightTransferEngine[ReallocInitInfo, ReallocU
             "tp_size": get_tp_group().world_size,
             "pp_rank": get_pp_group().rank_in_group,
             "pp_size": get_pp_group().world_size,
+            **experts,  # expert_parallel, ep_size, ep_rank, expert_tp_size, expert_placement, eplb, ...
             "dtype": str(self.model_config.dtype).removeprefix("torch."),
             "boxes": {n: [[list(o), list(s)] for o, s in b] for n, b in layout.boxes().items()},
             "unread": list(layout.unread),

@@ -137,10 +137,11 @@ ENGINE_OPTIONS = {
 }
 
 
-def start_llm(path: Path, tp: int):
+def start_llm(path: Path, tp: int, **options):
     """An ``LLM`` on ``path`` with realloc's weight-transfer backend: float32, eager, token ids in
     and out (no tokenizer), 1 GiB of KV cache and no CPU binding unless the environment says
-    otherwise (tests/vllm_models.py starts its engines with it too)."""
+    otherwise (tests/vllm_models.py starts its engines with it too); ``options``: more of the
+    ``LLM``'s arguments (``enable_expert_parallel=True``)."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -150,7 +151,7 @@ def start_llm(path: Path, tp: int):
         model=str(path),
         tensor_parallel_size=tp,
         weight_transfer_config=WeightTransferConfig(backend="realloc"),
-        **ENGINE_OPTIONS,
+        **{**ENGINE_OPTIONS, **options},
     )
 
 
